@@ -1,0 +1,119 @@
+"""Atomic writes: nothing partial is ever visible under a final name.
+
+Every writer goes to a temporary sibling (same directory, so the rename stays on one filesystem),
+flushes and fsyncs it, then ``os.replace``s it into place. A crash leaves at most a ``.tmp-*`` file
+that readers never look at and ``clean_temporaries`` removes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Any, Iterator
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+TMP_MARK = ".tmp-"
+
+
+def _tmp_sibling(path: Path) -> Path:
+    return path.with_name(f"{path.name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+
+
+def _fsync_dir(directory: Path) -> None:
+    with contextlib.suppress(OSError):  # not every filesystem lets a directory be fsynced
+        fd = os.open(directory, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def fault_point(name: str) -> None:
+    """Die here (SIGKILL-like, no cleanup) when RLHF_FAULT names this point: used by the
+    kill-anywhere tests to prove no partial output survives under its final name."""
+    if os.environ.get("RLHF_FAULT") == name:
+        os._exit(137)
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary path to write; on success it replaces ``path`` atomically."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_sibling(path)
+    try:
+        yield tmp
+        if tmp.is_file():
+            with open(tmp, "rb+") as fh:
+                os.fsync(fh.fileno())
+        fault_point(f"before_rename:{path.name}")
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+    return Path(path)
+
+
+def atomic_write_text(path: str | Path, text: str) -> Path:
+    return atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def atomic_write_json(path: str | Path, obj: Any) -> Path:
+    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+
+def atomic_write_parquet(path: str | Path, table: pa.Table, schema: pa.Schema | None = None) -> Path:
+    """Write ``table`` (cast to ``schema`` when given, so a stage's declared schema is enforced)."""
+    if schema is not None:
+        table = table.select(schema.names).cast(schema)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp, compression="zstd")
+    return Path(path)
+
+
+@contextlib.contextmanager
+def atomic_dir(path: str | Path) -> Iterator[Path]:
+    """Yield a temporary directory; on success it replaces ``path`` (an old one is removed after
+    the new one is in place, so a crash leaves either the old or the new directory, never a mix)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = _tmp_sibling(path)
+    tmp.mkdir()
+    try:
+        yield tmp
+        fault_point(f"before_rename:{path.name}")
+        old = None
+        if path.exists():
+            old = path.with_name(f"{path.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}")
+            os.replace(path, old)
+        os.replace(tmp, path)
+        _fsync_dir(path.parent)
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def clean_temporaries(directory: str | Path) -> list[Path]:
+    """Remove leftovers of interrupted atomic writes under ``directory``; returns what was removed."""
+    removed = []
+    for p in sorted(Path(directory).rglob(f"*{TMP_MARK}*"), key=lambda p: len(p.parts), reverse=True):
+        if p.is_dir():
+            shutil.rmtree(p, ignore_errors=True)
+        elif p.exists():
+            p.unlink()
+        removed.append(p)
+    return removed
