@@ -1,0 +1,66 @@
+"""Which weights a stage should use: the last committed checkpoint, else the initial models.
+
+``last_good.json`` is the only pointer that survives a crash or a CLI rerun: it moves (atomically)
+when the KL guard commits an iteration, and rollout/score/update of the next iteration read their
+actor and critic from it. Checkpoint layout (written by the update stage)::
+
+    iter_<k>/checkpoint/actor/        Hugging Face causal LM (safetensors) + tokenizer
+    iter_<k>/checkpoint/critic/       Hugging Face token-classification value model (1 label)
+    iter_<k>/checkpoint/deepspeed/    optimizer / scheduler state for exact resume
+    iter_<k>/checkpoint/trainer_state.json   KL controller state, RNG, data position
+    iter_<k>/checkpoint/manifest.json        sha256 of every file above
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.paths import resolve_model_path
+
+
+def read_last_good(run: RunDir) -> Optional[dict]:
+    """{"iteration": k, "checkpoint": "iter_k/checkpoint", "time": ...} or None before any commit."""
+    return run.read_json(run.last_good_path)
+
+
+def write_last_good(run: RunDir, iteration: int) -> dict:
+    record = {"iteration": iteration, "checkpoint": str(run.checkpoint(iteration).relative_to(run.root)),
+              "time": time.time()}
+    atomic_write_json(run.last_good_path, record)
+    return record
+
+
+def last_good_checkpoint(run: RunDir) -> Optional[Path]:
+    record = read_last_good(run)
+    return run.root / record["checkpoint"] if record else None
+
+
+def initial_actor_path(cfg: RLHFConfig) -> Path:
+    return resolve_model_path(cfg.actor_rollout_ref.model.path)
+
+
+def reference_path(cfg: RLHFConfig) -> Path:
+    """The frozen reference policy: ref.model_path, else the actor's initial model."""
+    ref = cfg.actor_rollout_ref.ref.model_path
+    return resolve_model_path(ref) if ref else initial_actor_path(cfg)
+
+
+def actor_path(cfg: RLHFConfig, run: RunDir) -> Path:
+    """The actor to sample from / train next: last-good checkpoint's actor, else the initial model."""
+    ckpt = last_good_checkpoint(run)
+    return ckpt / "actor" if ckpt else initial_actor_path(cfg)
+
+
+def critic_path(cfg: RLHFConfig, run: RunDir) -> tuple[Path, bool]:
+    """(path, is_value_model): the last-good critic (a saved value model), else the backbone to
+    initialise a fresh value head on (critic.model.path or the actor's initial model)."""
+    ckpt = last_good_checkpoint(run)
+    if ckpt is not None and (ckpt / "critic").is_dir():
+        return ckpt / "critic", True
+    path = cfg.critic.model.path
+    return (resolve_model_path(path) if path else initial_actor_path(cfg)), False
