@@ -56,11 +56,31 @@ def actor_path(cfg: RLHFConfig, run: RunDir) -> Path:
     return ckpt / "actor" if ckpt else initial_actor_path(cfg)
 
 
-def critic_path(cfg: RLHFConfig, run: RunDir) -> tuple[Path, bool]:
-    """(path, is_value_model): the last-good critic (a saved value model), else the backbone to
-    initialise a fresh value head on (critic.model.path or the actor's initial model)."""
+def critic_path(cfg: RLHFConfig, run: RunDir) -> Path:
+    """The value model to score with / train next: the last-good critic, else the run's initial
+    critic (built once by ``ensure_initial_critic`` so scoring and update start from the same head)."""
     ckpt = last_good_checkpoint(run)
     if ckpt is not None and (ckpt / "critic").is_dir():
-        return ckpt / "critic", True
-    path = cfg.critic.model.path
-    return (resolve_model_path(path) if path else initial_actor_path(cfg)), False
+        return ckpt / "critic"
+    return ensure_initial_critic(cfg, run)
+
+
+def ensure_initial_critic(cfg: RLHFConfig, run: RunDir) -> Path:
+    """Materialise the initial critic under models/critic_init: the backbone (critic.model.path, else
+    the actor's initial model) with a fresh one-output token-classification head, seeded by
+    trainer.seed. Saved once so every stage that needs "the critic before training" agrees."""
+    out = run.models_dir / "critic_init"
+    if (out / "config.json").is_file():
+        return out
+    import torch
+    from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+    from rlhf_core.io.atomic import atomic_dir
+
+    backbone = resolve_model_path(cfg.critic.model.path) if cfg.critic.model.path else initial_actor_path(cfg)
+    torch.manual_seed(cfg.trainer.seed)
+    model = AutoModelForTokenClassification.from_pretrained(backbone, num_labels=1, dtype=torch.float32)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        AutoTokenizer.from_pretrained(backbone).save_pretrained(tmp)
+    return out
