@@ -231,11 +231,13 @@ def split_into_rows(lengths: Sequence[int], indices: Sequence[int], max_row_toke
     """Lay one micro-batch out as several packed rows of at most ``max_row_tokens`` each.
 
     With a dense 4-D mask (sdpa on CPU) attention costs L² per row whatever the mask hides, so a
-    micro-batch of 8k tokens is cheaper as eight 1k rows than one 8k row. Returns lists of entries
-    of ``indices``.
+    micro-batch of 8k tokens is cheaper as eight 1k rows than one 8k row. The row width is a speed
+    setting, not a memory limit: a sequence longer than ``max_row_tokens`` gets a row of its own.
+    Returns lists of entries of ``indices``.
     """
-    local = pack_bfd([lengths[i] for i in indices], max_row_tokens, budget_key="max_row_tokens")
-    return [[indices[k] for k in row] for row in local]
+    local = [lengths[i] for i in indices]
+    width = max([max_row_tokens, *local])
+    return [[indices[k] for k in row] for row in pack_bfd(local, width)]
 
 
 def plan_generation_batches(prompt_lengths: Sequence[int], max_response_length: int, n_samples: int,

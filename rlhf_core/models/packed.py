@@ -1,34 +1,68 @@
 """Packed forward passes: several sequences in one row, kept apart.
 
 A packed row concatenates sequences ``s_0 s_1 …``; ``position_ids`` restart at 0 for each, and the
-attention layout keeps them apart. On CPU (and wherever flash-attention is absent) that layout is a
-4-D block-diagonal causal mask used with sdpa: position_ids alone do NOT isolate sequences under
-sdpa/eager (measured: the second sequence attends to the first). With flash-attention 2 on CUDA,
-transformers detects packed sequences from the restarting position_ids and runs the variable-length
-kernel, so no mask is built.
+attention layout keeps them apart. Two layouts (``packing_attention_mode`` picks one per model):
 
-Shapes: R rows, L = longest row (right-padded), V vocabulary.
+``"mask4d"`` (CPU, sdpa/eager anywhere): R right-padded rows plus a 4-D block-diagonal causal mask
+    (R, 1, L, L), passed explicitly. Measured with transformers 5.24 on the tiny model: with a KV
+    cache present (``use_cache=True``) position_ids alone do NOT isolate sequences (the second
+    attends to the first); without a cache transformers' masking utilities infer the block mask
+    from the restarting position_ids (``find_packed_sequence_indices``). We pass the mask ourselves
+    so correctness never rests on that inference. Eager attention adds the mask to the scores, so
+    it gets an additive float mask; sdpa takes the bool one.
+``"varlen"`` (CUDA with flash-attention): every sequence flattened into ONE row (1, N) without
+    padding — transformers only treats position_ids as packed when the batch size is 1 — plus the
+    ``cu_seq_lens_q/k`` and ``max_length_q/k`` kwargs (the same ones ``DataCollatorWithFlattening``
+    returns), so the variable-length kernel runs without scanning position_ids in every layer.
+
+Shapes: R rows, L = longest row (right-padded), V vocabulary, N = total tokens, S = sequences.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Literal, Optional, Sequence
 
 import torch
+
+AttentionMode = Literal["mask4d", "varlen"]
 
 
 @dataclass
 class PackedRows:
-    input_ids: torch.Tensor  # (R, L) long, right-padded with pad_id
+    input_ids: torch.Tensor  # (R, L) long, right-padded with pad_id; (1, N) in varlen mode
     position_ids: torch.Tensor  # (R, L) long, restart at 0 per sequence; padding continues counting
     attention_mask: Optional[torch.Tensor]  # (R, 1, L, L) bool, True = may attend; None for varlen kernels
     spans: list[list[tuple[int, int, int]]] = field(default_factory=list)
     """Per row, (sequence index, start, end) of each sequence in the row."""
+    cu_seq_lens: Optional[torch.Tensor] = None
+    """varlen: (S + 1,) int32 cumulative sequence starts in the flattened row; None for mask4d."""
+    max_length: int = 0
+    """varlen: longest sequence (flash-attention's max_seqlen)."""
 
     @property
     def num_tokens(self) -> int:
         return sum(end - start for row in self.spans for _, start, end in row)
+
+    @property
+    def mode(self) -> AttentionMode:
+        return "varlen" if self.cu_seq_lens is not None else "mask4d"
+
+
+def _hf_config(model: torch.nn.Module):
+    """The Hugging Face config of a model, also through a DeepSpeed engine (``.module``)."""
+    config = getattr(model, "config", None)
+    if config is None and hasattr(model, "module"):
+        config = getattr(model.module, "config", None)
+    return config
+
+
+def packing_attention_mode(model: torch.nn.Module) -> AttentionMode:
+    """'varlen' for a model on CUDA whose attention implementation is a flash-attention one
+    (flash_attention_2/3 or a kernels-hub flash variant), else 'mask4d'."""
+    impl = getattr(_hf_config(model), "_attn_implementation", None) or ""
+    device = next(model.parameters()).device
+    return "varlen" if device.type == "cuda" and "flash" in impl else "mask4d"
 
 
 def block_causal_mask(lengths: Sequence[int], total: int) -> torch.Tensor:
@@ -46,17 +80,39 @@ def block_causal_mask(lengths: Sequence[int], total: int) -> torch.Tensor:
     return same & causal
 
 
+def _pack_varlen(rows: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]]) -> PackedRows:
+    """All sequences of ``rows`` (in row order) in one unpadded row with cu_seq_lens."""
+    order = [i for row in rows for i in row]
+    pieces = [torch.as_tensor(list(sequences[i]), dtype=torch.long) for i in order]
+    lengths = [p.numel() for p in pieces]
+    input_ids = torch.cat(pieces)[None] if pieces else torch.zeros((1, 0), dtype=torch.long)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])[None] if pieces else input_ids.clone()
+    starts = torch.tensor([0] + lengths).cumsum(0)
+    spans = [[(i, int(starts[k]), int(starts[k + 1])) for k, i in enumerate(order)]]
+    return PackedRows(input_ids=input_ids, position_ids=position_ids, attention_mask=None, spans=spans,
+                      cu_seq_lens=starts.to(torch.int32), max_length=max(lengths, default=0))
+
+
 def pack_rows(rows: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]], pad_id: int,
-              build_mask: bool = True) -> PackedRows:
-    """Lay out ``sequences`` (token id lists) into rows; ``rows[r]`` lists the sequence indices that
-    share row r (from the packer). ``build_mask=False`` leaves the isolation to a varlen kernel."""
+              build_mask: bool = True, *, mode: Optional[AttentionMode] = None) -> PackedRows:
+    """Lay out ``sequences`` (token id lists); ``rows[r]`` lists the sequence indices that share
+    row r (from the packer, e.g. ``rlhf_core.data.packing.split_into_rows``).
+
+    ``mode`` ("mask4d" | "varlen", usually ``packing_attention_mode(model)``) wins over the older
+    ``build_mask`` flag (True = "mask4d", False = "varlen"). In "varlen" mode the rows are flattened
+    into one row: a varlen kernel has no padding to skip and no row width to respect.
+    """
+    mode = mode or ("mask4d" if build_mask else "varlen")
+    if mode == "varlen":
+        return _pack_varlen(rows, sequences)
+    if mode != "mask4d":
+        raise ValueError(f"unknown packing attention mode {mode!r}; valid: 'mask4d', 'varlen'")
     row_lens = [sum(len(sequences[i]) for i in row) for row in rows]
     L = max(row_lens) if row_lens else 0
     R = len(rows)
     input_ids = torch.full((R, L), pad_id, dtype=torch.long)
     position_ids = torch.zeros((R, L), dtype=torch.long)
-    masks = [] if build_mask else None
-    spans = []
+    masks, spans = [], []
     for r, row in enumerate(rows):
         start, row_spans, lengths = 0, [], []
         for i in row:
@@ -69,20 +125,37 @@ def pack_rows(rows: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]],
             start += n
         position_ids[r, start:] = torch.arange(L - start)
         spans.append(row_spans)
-        if masks is not None:
-            masks.append(block_causal_mask(lengths, L))
+        masks.append(block_causal_mask(lengths, L))
     mask = torch.stack(masks)[:, None] if masks else None
     return PackedRows(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, spans=spans)
 
 
+def _attention_kwargs(model: torch.nn.Module, packed: PackedRows, device: torch.device) -> dict:
+    """The attention arguments of ``packed``'s layout, in the form the model's attention takes."""
+    impl = getattr(_hf_config(model), "_attn_implementation", None) or ""
+    if packed.mode == "varlen":
+        cu = packed.cu_seq_lens.to(device)
+        return dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=packed.max_length,
+                    max_length_k=packed.max_length)
+    if packed.attention_mask is None:
+        return {}
+    if "flash" in impl:
+        raise ValueError("flash-attention cannot take a 4-D mask: pack with "
+                         "mode=packing_attention_mode(model) (= 'varlen' for this model)")
+    mask = packed.attention_mask.to(device)
+    if impl == "eager":  # eager adds the mask to the scores: a bool mask would add 1.0, not -inf
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+    return {"attention_mask": mask}
+
+
 def packed_forward(model: torch.nn.Module, packed: PackedRows) -> torch.Tensor:
     """Run ``model`` on packed rows; returns its main output (logits (R, L, V) for a causal LM,
-    (R, L, 1) for a token-classification value model)."""
+    (R, L, 1) for a token-classification value model). ``use_cache=False``: a cache is never
+    wanted for scoring/training and would change how transformers reads the position_ids."""
     device = next(model.parameters()).device
     kwargs = dict(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
-                  use_cache=False)
-    if packed.attention_mask is not None:
-        kwargs["attention_mask"] = packed.attention_mask.to(device)
+                  use_cache=False, **_attention_kwargs(model, packed, device))
     return model(**kwargs).logits
 
 

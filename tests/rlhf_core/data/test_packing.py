@@ -198,10 +198,12 @@ def test_generation_batch_error_names_prompt_and_cost():
 
 
 def test_split_into_rows_keeps_entries_and_width():
-    lengths = [5, 40, 30, 30, 12, 7]
+    lengths = [5, 40, 30, 30, 12, 7, 90]
     rows = split_into_rows(lengths, [1, 2, 3, 5], 64)
     assert sorted(i for r in rows for i in r) == [1, 2, 3, 5]
     assert all(sum(lengths[i] for i in r) <= 64 for r in rows)
+    rows = split_into_rows(lengths, [6, 0, 4], 64)  # too long for the width: a row of its own
+    assert sorted(map(sorted, rows)) == [[0, 4], [6]]
 
 
 def test_efficiency_definitions_by_hand():
