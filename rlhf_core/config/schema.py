@@ -34,10 +34,14 @@ class DataConfig:
     """How raw rows become prompts: 'gsm8k' (question/answer with '#### n') or 'generic' (column map)."""
     data_source: str = "openai/gsm8k"
     """Value written to the data_source column; routes the reward function (verl convention)."""
+    ability: str = "math"
+    """Value written to verl's ability column; GSM8K-style word problems are 'math'."""
     prompt_key: str = "question"
-    """generic adapter: column holding the prompt text."""
+    """Column holding the prompt text (gsm8k: the question)."""
     answer_key: str = "answer"
-    """generic adapter: column holding the ground truth (gsm8k: the full solution with '#### n')."""
+    """Column holding the answer (generic: the ground truth verbatim; gsm8k: the solution ending '#### n')."""
+    id_key: str = "id"
+    """Column whose values become prompt_id when present on every row and unique ('' = always hash)."""
     instruction: str = "Let's think step by step and output the final answer after \"####\"."
     """Appended to every question in the chat prompt (verl's GSM8K recipe uses the same wording)."""
     system_prompt: Optional[str] = None
@@ -282,6 +286,9 @@ class TrainerConfig:
     max_ckpt_to_keep: int = 2
     kl_rollback_threshold: float = 0.05
     """seed: roll back an iteration whose KL(actor‖ref) per-token mean exceeds this."""
+    kl_guard_val_prompts: int = 0
+    """Also measure KL(actor‖ref) on this many validation prompts, sampled from the new actor (an
+    on-policy check; 0 = guard on the iteration's responses only, which costs no generation)."""
     on_kl_breach: Literal["halt", "retry"] = "retry"
     max_rollbacks: int = 2
     retry_kl_coef_multiplier: float = 2.0

@@ -1,0 +1,108 @@
+"""Export the trained actor in Hugging Face format, gated on its latest validation score.
+
+    rlhf export RUN            → RUN/export/actor/  (config.json, *.safetensors, tokenizer files)
+
+Only the last-good actor is exported (the one the KL guard committed), and only when the latest
+validation accuracy is at least ``trainer.export_min_val_score``; otherwise ``ExportRefused`` names
+the score. A LoRA actor (a peft adapter directory) is merged into its base model first, so the
+export loads with plain ``AutoModelForCausalLM.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.errors import CheckpointError, RLHFError
+from rlhf_core.io.atomic import atomic_dir, atomic_write_json
+from rlhf_core.io.pointers import read_last_good
+from rlhf_core.io.rundir import RunDir
+
+VAL_METRIC = "val/accuracy"
+
+
+class ExportRefused(RLHFError):
+    """The model did not meet the export bar (or has no validation score yet)."""
+
+
+def is_lora_dir(path: Path) -> bool:
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def load_actor(path: str | Path, device=None, dtype=None):
+    """The actor as a plain causal LM in eval mode: a full model directory as is, a peft adapter
+    directory merged into its base (``base_model_name_or_path`` in adapter_config.json)."""
+    import torch
+
+    path = Path(path)
+    device = device or torch.device("cpu")
+    dtype = dtype or torch.float32
+    if not is_lora_dir(path):
+        from rlhf_core.scoring import load_causal_lm
+
+        return load_causal_lm(path, device, dtype, role="actor")
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    base_path = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base_path or not Path(base_path).is_dir():
+        raise CheckpointError(f"{path}/adapter_config.json names base model {base_path!r}, which is not a "
+                              "local directory; restore the base model there or edit base_model_name_or_path")
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, attn_implementation="sdpa")
+    merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+    return merged.to(device).eval()
+
+
+def latest_val_score(run: RunDir) -> Optional[tuple[int, float]]:
+    """(iteration, val/accuracy) of the latest iteration that validated, or None."""
+    for k in reversed(run.iterations()):
+        metrics = run.read_json(run.metrics(k)) or {}
+        if VAL_METRIC in metrics:
+            return k, float(metrics[VAL_METRIC])
+    return None
+
+
+def check_export_allowed(cfg: RLHFConfig, run: RunDir) -> tuple[int, float]:
+    """(iteration, score) when the latest validation score clears the bar, else ExportRefused."""
+    bar = cfg.trainer.export_min_val_score
+    latest = latest_val_score(run)
+    if latest is None:
+        raise ExportRefused(f"refusing to export {run.root}: no validation score yet (val/accuracy is written "
+                            f"every trainer.test_freq iterations and after the last one)")
+    k, score = latest
+    if score < bar:
+        raise ExportRefused(f"refusing to export {run.root}: latest validation accuracy {score:.4f} (iteration {k}) "
+                            f"is below trainer.export_min_val_score={bar}; train longer, or lower the bar with "
+                            f"`rlhf export {run.root} trainer.export_min_val_score=<value>`")
+    return k, score
+
+
+def export_actor(cfg: RLHFConfig, run: RunDir, out: Optional[Path] = None) -> Path:
+    """Merge (if LoRA) and save the last-good actor + tokenizer to ``out`` (default RUN/export/actor),
+    atomically, with export.json recording where it came from. Returns ``out``."""
+    from transformers import AutoTokenizer
+
+    val_iteration, score = check_export_allowed(cfg, run)
+    record = read_last_good(run)
+    if record is None:
+        raise ExportRefused(f"refusing to export {run.root}: no iteration has been committed (last_good.json "
+                            "is absent)")
+    source = run.root / record["checkpoint"] / "actor"
+    if not source.is_dir():
+        raise CheckpointError(f"last-good actor {source} is missing; rerun the run with --resume")
+    out = Path(out) if out else run.root / "export" / "actor"
+    model = load_actor(source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        atomic_write_json(tmp / "export.json", {
+            "source_checkpoint": str(source), "iteration": record["iteration"], "merged_lora": is_lora_dir(source),
+            "val_accuracy": score, "val_iteration": val_iteration,
+            "export_min_val_score": cfg.trainer.export_min_val_score, "time": time.time()})
+    run.append_event("export", record["iteration"], path=str(out), val_accuracy=score)
+    return out
