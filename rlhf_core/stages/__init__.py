@@ -40,6 +40,10 @@ STAGES: dict[str, StageSpec] = {
                   "KL-in-reward penalty + GAE advantages → iter_K/advantages.parquet"),
         StageSpec("update", "rlhf_core.stages.update:run_update", True,
                   "PPO update of actor and critic with DeepSpeed → iter_K/checkpoint/"),
+        StageSpec("guard", "rlhf_core.guard:run_guard", True,
+                  "KL(actor‖ref) of the new actor vs the threshold → commit (last_good) or roll back"),
+        StageSpec("validate", "rlhf_core.validation:run_validate", True,
+                  "sampled accuracy of the current actor on the validation prompts → iter_K/validation.parquet"),
     ]
 }
 
