@@ -27,6 +27,8 @@ def validate(cfg: RLHFConfig) -> None:
     d, a, r = cfg.data, cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
     _check(d.train_batch_size > 0, "data.train_batch_size", "must be > 0", d.train_batch_size)
     _check(0 <= d.val_fraction < 1, "data.val_fraction", "must be in [0, 1)", d.val_fraction)
+    _check(d.max_val_samples >= 0, "data.max_val_samples", "must be >= 0 (0 = no validation set)",
+           d.max_val_samples)
     _check(d.max_prompt_length > 0, "data.max_prompt_length", "must be > 0", d.max_prompt_length)
     _check(d.max_response_length > 0, "data.max_response_length", "must be > 0", d.max_response_length)
     _check(len(d.train_files) > 0, "data.train_files", "needs at least one file", d.train_files)

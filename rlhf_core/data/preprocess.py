@@ -1,0 +1,363 @@
+"""Raw prompt rows → the prompts tables (train, validation) and the rejects table.
+
+    rows ─ adapter ─► examples ─ dedup ─► unique ─ chat template + tokenize ─► length filter
+         ─► prompt ids ─► train / validation split (+ validation cap) ─► Arrow tables
+
+Every input row ends in exactly one place: a train row, a validation row, or a reject with its
+reason (malformed, empty, wrong type, no answer, duplicate, too long, over the validation cap);
+``preprocess_rows`` checks that accepted + rejected = rows in before it returns.
+
+The split is decided by hashing (data.seed, prompt_id), so it does not depend on the order of the
+input rows: the same prompts land on the same side however the files are shuffled. DuckDB does the
+set work (duplicate groups, per-group ranking, length quantiles) over zero-copy Arrow tables.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+import pyarrow as pa
+
+from rlhf_core.config.schema import DataConfig, ModelConfig
+from rlhf_core.data.adapters import PromptExample, RowRejected, get_adapter
+from rlhf_core.data.readers import RawRow, read_rows
+from rlhf_core.data.schemas import PROMPTS, REJECTS
+
+TOKENIZE_BATCH = 512
+"""Prompts per batched chat-template + tokenizer call (fast tokenizers parallelise inside a batch)."""
+
+
+@dataclass
+class _Candidate:
+    """A row that passed its adapter; ``seq`` is its position among all input rows."""
+
+    seq: int
+    group: str  # "train" | "val": which file list it came from
+    row: RawRow
+    example: PromptExample
+    dedup_key: str = ""
+    prompt_text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    prompt_id: str = ""
+
+
+@dataclass
+class _Reject:
+    seq: int
+    row: RawRow
+    kind: str
+    reason: str
+
+
+@dataclass
+class PreprocessResult:
+    """The three tables plus the counts the stage prints and records."""
+
+    train: pa.Table
+    val: pa.Table
+    rejects: pa.Table
+    rows_in: int
+    files: dict[str, int]
+    """source file → rows read from it."""
+    reject_counts: dict[str, int]
+    """reject kind → count, most frequent first."""
+    length_stats: dict[str, float]
+    """prompt_length min / mean / p50 / p95 / max over accepted prompts (empty when none)."""
+    id_source: str = ""
+    """Where prompt_id came from: "source ids" or "content hashes"."""
+
+    @property
+    def rows(self) -> dict[str, int]:
+        return {"input": self.rows_in, "train": self.train.num_rows, "val": self.val.num_rows,
+                "rejected": self.rejects.num_rows}
+
+    def summary_lines(self) -> list[str]:
+        lines = [f"files read: {len(self.files)}"]
+        lines += [f"  {path}: {n} rows" for path, n in self.files.items()]
+        lines.append(f"rows in: {self.rows_in} = train {self.train.num_rows} + val {self.val.num_rows} "
+                     f"+ rejected {self.rejects.num_rows}")
+        if self.reject_counts:
+            lines.append("rejected by reason: " + ", ".join(f"{k} {n}" for k, n in self.reject_counts.items()))
+        if self.id_source:
+            lines.append(f"prompt_id from {self.id_source}")
+        s = self.length_stats
+        if s:
+            lines.append(f"prompt length (tokens): min {s['min']:.0f} / mean {s['mean']:.1f} / "
+                         f"p50 {s['p50']:.0f} / p95 {s['p95']:.0f} / max {s['max']:.0f}")
+        return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# tokenizer
+# ---------------------------------------------------------------------------------------------
+
+
+def load_tokenizer(model: ModelConfig):
+    """The tokenizer of ``model.tokenizer_path`` or else ``model.path`` ('tiny' builds the local one)."""
+    from transformers import AutoTokenizer
+
+    from rlhf_core.config.loader import ConfigError
+    from rlhf_core.paths import resolve_model_path
+
+    path = resolve_model_path(model.tokenizer_path or model.path)
+    tokenizer = AutoTokenizer.from_pretrained(str(path))
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"the tokenizer at {path} has no chat template; point actor_rollout_ref.model.tokenizer_path "
+            f"at a chat (instruct) tokenizer"
+        )
+    return tokenizer
+
+
+def tokenize_prompts(tokenizer, conversations: Sequence[list[dict[str, str]]], progress: bool = True,
+                     batch_size: int = TOKENIZE_BATCH) -> tuple[list[str], list[list[int]]]:
+    """Chat template (generation prompt opened) then token ids, in batches, as verl's dataset does:
+    the template already holds the special tokens, so none are added again. Returns (texts, ids)."""
+    from tqdm.auto import tqdm
+
+    texts: list[str] = []
+    ids: list[list[int]] = []
+    with tqdm(total=len(conversations), desc="tokenize prompts", unit="prompt", disable=not progress) as bar:
+        for start in range(0, len(conversations), batch_size):
+            batch = [list(c) for c in conversations[start:start + batch_size]]
+            batch_texts = tokenizer.apply_chat_template(batch, tokenize=False, add_generation_prompt=True)
+            texts.extend(batch_texts)
+            ids.extend(tokenizer(batch_texts, add_special_tokens=False)["input_ids"])
+            bar.update(len(batch))
+    return texts, ids
+
+
+# ---------------------------------------------------------------------------------------------
+# steps
+# ---------------------------------------------------------------------------------------------
+
+
+def _adapt(rows: Iterable[tuple[str, RawRow]], data: DataConfig) -> tuple[list[_Candidate], list[_Reject], int]:
+    """Run the adapter over (group, row) pairs; returns (candidates, rejects, rows seen)."""
+    adapter = get_adapter(data.adapter)
+    candidates: list[_Candidate] = []
+    rejects: list[_Reject] = []
+    rows_seen = 0
+    for seq, (group, row) in enumerate(rows):
+        rows_seen = seq + 1
+        if row.record is None:
+            rejects.append(_Reject(seq, row, row.error_kind or "unreadable row", row.error or "unreadable row"))
+            continue
+        try:
+            example = adapter(row.record, data)
+        except RowRejected as exc:
+            rejects.append(_Reject(seq, row, exc.kind, exc.reason))
+            continue
+        key = json.dumps(example.messages, ensure_ascii=False, sort_keys=True)
+        candidates.append(_Candidate(seq, group, row, example, dedup_key=key))
+    return candidates, rejects, rows_seen
+
+
+def _duckdb():
+    import duckdb
+
+    return duckdb.connect(":memory:")
+
+
+def _drop_duplicates(candidates: list[_Candidate]) -> tuple[list[_Candidate], list[_Reject]]:
+    """Keep the first occurrence of each exact prompt; reject the others naming the row they repeat."""
+    if not candidates:
+        return candidates, []
+    table = pa.table({"i": list(range(len(candidates))), "dedup_key": [c.dedup_key for c in candidates]})
+    con = _duckdb()
+    con.register("candidates", table)
+    firsts = con.execute(
+        # candidates are in input order, so the smallest index in a group is its first occurrence
+        "SELECT i, min(i) OVER (PARTITION BY dedup_key) AS first_i FROM candidates"
+    ).fetchall()
+    con.close()
+    first_of = dict(firsts)
+    kept, rejects = [], []
+    for i, c in enumerate(candidates):
+        first = candidates[first_of[i]]
+        if first_of[i] == i:
+            kept.append(c)
+            continue
+        where = "" if first.row.source_file == c.row.source_file else f" of {first.row.source_file}"
+        rejects.append(_Reject(c.seq, c.row, "duplicate", f"duplicate of row {first.row.source_row}{where}"))
+    return kept, rejects
+
+
+def _drop_too_long(candidates: list[_Candidate], max_len: int) -> tuple[list[_Candidate], list[_Reject]]:
+    kept, rejects = [], []
+    for c in candidates:
+        n = len(c.token_ids)
+        if n > max_len:
+            rejects.append(_Reject(c.seq, c.row, "prompt too long",
+                                   f"prompt too long ({n} > {max_len} tokens, data.max_prompt_length)"))
+        else:
+            kept.append(c)
+    return kept, rejects
+
+
+def content_prompt_id(data_source: str, messages: list[dict[str, str]]) -> str:
+    """A stable id from what the prompt says (not from the tokenizer, so it survives a model change)."""
+    blob = data_source + "\x00" + json.dumps(messages, ensure_ascii=False, sort_keys=True)
+    return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+
+
+def _assign_prompt_ids(candidates: list[_Candidate], data_source: str) -> str:
+    """The source's ids when every row has one and none repeats, else content hashes (a repeated
+    prompt, kept when dedup is off, gets '-1', '-2', … so ids stay unique). Returns which was used."""
+    source_ids = [c.example.source_id for c in candidates]
+    if candidates and all(source_ids) and len(set(source_ids)) == len(source_ids):
+        for c, sid in zip(candidates, source_ids):
+            c.prompt_id = str(sid)
+        return "source ids"
+    seen: dict[str, int] = {}
+    for c in candidates:
+        pid = content_prompt_id(data_source, c.example.messages)
+        k = seen.get(pid, 0)
+        seen[pid] = k + 1
+        c.prompt_id = pid if k == 0 else f"{pid}-{k}"
+    return "content hashes"
+
+
+def _split_key(seed: int, prompt_id: str) -> str:
+    return hashlib.sha256(f"{seed}\x00{prompt_id}".encode("utf-8")).hexdigest()
+
+
+def _validation_size(n: int, data: DataConfig) -> int:
+    """val_fraction of n (rounded half up), capped by max_val_samples, leaving at least one train row."""
+    wanted = math.floor(data.val_fraction * n + 0.5)
+    return max(0, min(wanted, data.max_val_samples, n - 1))
+
+
+def _assign_splits(candidates: list[_Candidate], data: DataConfig, separate_val: bool
+                   ) -> tuple[list[_Candidate], list[_Candidate], list[_Reject]]:
+    """(train, val, over-cap rejects). Each file group is ranked by a hash of (seed, prompt_id), so
+    membership does not depend on input order. Without validation files the first
+    ``_validation_size`` of the train ranking become validation; with them, validation rows past
+    data.max_val_samples are rejected (named, not silently dropped)."""
+    if not candidates:
+        return [], [], []
+    table = pa.table({"i": list(range(len(candidates))), "grp": [c.group for c in candidates],
+                      "split_key": [_split_key(data.seed, c.prompt_id) for c in candidates]})
+    con = _duckdb()
+    con.register("candidates", table)
+    ranked = con.execute(
+        "SELECT i, row_number() OVER (PARTITION BY grp ORDER BY split_key, i) AS rank FROM candidates"
+    ).fetchall()
+    con.close()
+    rank = dict(ranked)
+    train, val, rejects = [], [], []
+    n_val = data.max_val_samples if separate_val else _validation_size(len(candidates), data)
+    for i, c in enumerate(candidates):
+        if c.group == "train" and (separate_val or rank[i] > n_val):
+            train.append(c)
+        elif rank[i] <= n_val:
+            val.append(c)
+        else:
+            rejects.append(_Reject(c.seq, c.row, "over validation cap",
+                                   f"over validation cap (data.max_val_samples={data.max_val_samples})"))
+    return train, val, rejects
+
+
+def prompt_length_stats(lengths: Sequence[int]) -> dict[str, float]:
+    """min / mean / p50 / p95 / max of prompt lengths (continuous quantiles); {} when empty."""
+    if not len(lengths):
+        return {}
+    con = _duckdb()
+    con.register("prompts", pa.table({"n": pa.array(lengths, pa.int64())}))
+    row = con.execute(
+        "SELECT min(n), avg(n), quantile_cont(n, 0.5), quantile_cont(n, 0.95), max(n) FROM prompts"
+    ).fetchone()
+    con.close()
+    return dict(zip(("min", "mean", "p50", "p95", "max"), (float(v) for v in row)))
+
+
+# ---------------------------------------------------------------------------------------------
+# tables
+# ---------------------------------------------------------------------------------------------
+
+
+def _prompts_table(candidates: list[_Candidate], split: str, data: DataConfig) -> pa.Table:
+    rows = []
+    for index, c in enumerate(candidates):
+        ex = c.example
+        rows.append({
+            "prompt_id": c.prompt_id, "data_source": data.data_source, "prompt": ex.messages,
+            "ability": data.ability, "reward_model": {"style": "rule", "ground_truth": ex.ground_truth},
+            "extra_info": {"split": split, "index": index, "question": ex.question, "answer": ex.answer,
+                           "source_file": c.row.source_file, "source_row": c.row.source_row},
+            "prompt_text": c.prompt_text, "prompt_token_ids": c.token_ids,
+            "prompt_length": len(c.token_ids),
+        })
+    return pa.Table.from_pylist(rows, schema=PROMPTS)
+
+
+def _rejects_table(rejects: list[_Reject]) -> pa.Table:
+    rows = [{"source_file": r.row.source_file, "source_row": r.row.source_row, "reason": r.reason,
+             "raw": r.row.raw} for r in sorted(rejects, key=lambda r: r.seq)]
+    return pa.Table.from_pylist(rows, schema=REJECTS)
+
+
+# ---------------------------------------------------------------------------------------------
+# entry points
+# ---------------------------------------------------------------------------------------------
+
+
+def preprocess_rows(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[RawRow]], data: DataConfig,
+                    tokenizer: Any, progress: bool = True) -> PreprocessResult:
+    """Raw rows → train / validation prompts tables (schema PROMPTS) and rejects (schema REJECTS).
+
+    ``val_rows`` None holds out a validation split of the train rows (data.val_fraction, capped at
+    data.max_val_samples); given, it is the validation set (capped the same way).
+    """
+    files: dict[str, int] = {}
+
+    def tagged(group: str, rows: Iterable[RawRow]):
+        for row in rows:
+            files[row.source_file] = files.get(row.source_file, 0) + 1
+            yield group, row
+
+    stream = itertools.chain(tagged("train", train_rows), tagged("val", val_rows or []))
+    candidates, rejects, rows_in = _adapt(stream, data)
+    if data.dedup:
+        candidates, duplicates = _drop_duplicates(candidates)
+        rejects += duplicates
+    texts, ids = tokenize_prompts(tokenizer, [c.example.messages for c in candidates], progress=progress)
+    for c, text, token_ids in zip(candidates, texts, ids):
+        c.prompt_text, c.token_ids = text, list(token_ids)
+    candidates, too_long = _drop_too_long(candidates, data.max_prompt_length)
+    rejects += too_long
+    id_source = _assign_prompt_ids(candidates, data.data_source)
+    train, val, over_cap = _assign_splits(candidates, data, separate_val=val_rows is not None)
+    rejects += over_cap
+    if len(train) + len(val) + len(rejects) != rows_in:  # the promise: no row is ever lost
+        raise AssertionError(f"row accounting broken: train {len(train)} + val {len(val)} + rejected "
+                             f"{len(rejects)} != rows in {rows_in}")
+    result = PreprocessResult(
+        train=_prompts_table(train, "train", data), val=_prompts_table(val, "val", data),
+        rejects=_rejects_table(rejects), rows_in=rows_in, files=files,
+        reject_counts=dict(Counter(r.kind for r in rejects).most_common()),
+        length_stats=prompt_length_stats([len(c.token_ids) for c in train + val]),
+        id_source=id_source,
+    )
+    return result
+
+
+def preprocess_files(train_files: Sequence[str | Path], val_files: Sequence[str | Path], data: DataConfig,
+                     tokenizer: Any, progress: bool = True) -> PreprocessResult:
+    """Read JSONL / Parquet / CSV files (each file on its own, fields by name) and preprocess them.
+    Missing files or unknown formats raise ``DataError`` before any work is done."""
+    train_iters = [read_rows(p) for p in train_files]
+    val_iters = [read_rows(p) for p in val_files]
+    result = preprocess_rows(itertools.chain.from_iterable(train_iters),
+                             itertools.chain.from_iterable(val_iters) if val_files else None,
+                             data, tokenizer, progress=progress)
+    # list every file, also one that held no rows
+    result.files = {str(Path(p)): result.files.get(str(Path(p)), 0) for p in [*train_files, *val_files]}
+    return result

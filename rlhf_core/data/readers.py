@@ -1,0 +1,199 @@
+"""Row readers for raw prompt files: JSONL, Parquet and CSV.
+
+Every reader yields one ``RawRow`` per input row and never raises on a bad row: a line that is not
+valid UTF-8, not valid JSON, not a JSON object, or a CSV record with the wrong number of fields comes
+back with ``error`` set (and ``record`` None), so the caller can reject it with a reason and the count
+of rows in equals accepted + rejected. Only problems with a whole file (missing, unknown format, a
+Parquet file that cannot be opened) raise ``DataError``, naming the file and the fix.
+
+Row numbers are 0-based: the line number in a JSONL file, the data-row number (header excluded) in a
+CSV file, the row index in a Parquet file.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Iterator, Optional
+
+from rlhf_core.errors import DataError
+
+RAW_MAX_CHARS = 1000
+"""Rejected rows keep at most this much of their raw text (enough to see what went wrong)."""
+
+SUFFIX_FORMATS = {".jsonl": "jsonl", ".ndjson": "jsonl", ".parquet": "parquet", ".pq": "parquet", ".csv": "csv"}
+
+
+@dataclass(frozen=True)
+class RawRow:
+    """One input row: a decoded record, or the reason it could not be decoded."""
+
+    source_file: str
+    source_row: int
+    record: Optional[dict[str, Any]]
+    raw: str
+    """The row as text (the JSONL line, or the record as JSON), truncated to RAW_MAX_CHARS."""
+    error_kind: Optional[str] = None
+    """Short category for counting (e.g. "malformed JSON"); None when the row decoded."""
+    error: Optional[str] = None
+    """The full reason, naming what is wrong (e.g. "malformed JSON: Expecting ',' at column 12")."""
+
+
+def truncate(text: str, limit: int = RAW_MAX_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
+def record_text(record: Any) -> str:
+    """A record as one line of JSON (non-JSON values such as dates as strings), truncated."""
+    return truncate(json.dumps(record, ensure_ascii=False, default=str))
+
+
+def _bad(path: Path, row: int, raw: str, kind: str, reason: str) -> RawRow:
+    return RawRow(str(path), row, None, truncate(raw), kind, reason)
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL
+# ---------------------------------------------------------------------------------------------
+
+
+def _decode_line(path: Path, row: int, line: bytes) -> RawRow:
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        shown = line.decode("utf-8", errors="replace")
+        return _bad(path, row, shown, "not valid UTF-8",
+                    f"not valid UTF-8: byte 0x{line[exc.start]:02x} at position {exc.start}")
+    if not text.strip():
+        return _bad(path, row, text, "blank line", "blank line")
+    try:
+        record = json.loads(text)
+    except json.JSONDecodeError as exc:
+        return _bad(path, row, text, "malformed JSON", f"malformed JSON: {exc.msg} at column {exc.colno}")
+    except RecursionError:  # absurdly nested input must not take the reader down
+        return _bad(path, row, text, "malformed JSON", "malformed JSON: nested too deeply")
+    if not isinstance(record, dict):
+        return _bad(path, row, text, "not a JSON object",
+                    f"not a JSON object (got a JSON {type(record).__name__})")
+    return RawRow(str(path), row, record, truncate(text))
+
+
+def read_jsonl(path: Path) -> Iterator[RawRow]:
+    """One row per line; a final newline does not start an extra row. Bytes are decoded per line, so
+    one bad line never hides the others."""
+    lines = path.read_bytes().split(b"\n")
+    if lines and lines[-1] == b"":
+        lines.pop()
+    for row, line in enumerate(lines):
+        yield _decode_line(path, row, line.removesuffix(b"\r"))
+
+
+# ---------------------------------------------------------------------------------------------
+# CSV
+# ---------------------------------------------------------------------------------------------
+
+
+def _has_undecodable(values: list[str]) -> bool:
+    # surrogateescape maps each invalid UTF-8 byte to a lone surrogate U+DC80..U+DCFF
+    return any("\udc80" <= ch <= "\udcff" for v in values for ch in v)
+
+
+def read_csv(path: Path) -> Iterator[RawRow]:
+    """A header row then one row per CSV record (quoted fields may span lines). All values are
+    strings, as CSV has no types."""
+    csv.field_size_limit(min(sys.maxsize, 2**31 - 1))  # long solutions must not trip the 128 KiB default
+    text = path.read_bytes().decode("utf-8", errors="surrogateescape")
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader)
+    except (StopIteration, csv.Error):
+        return
+    header = [h.strip().lstrip("\ufeff") for h in header]
+    row = 0
+    while True:
+        try:
+            values = next(reader)
+        except StopIteration:
+            return
+        except csv.Error as exc:
+            yield _bad(path, row, "", "malformed CSV", f"malformed CSV: {exc}")
+            row += 1
+            continue
+        shown = ",".join(values)
+        if _has_undecodable(values):
+            yield _bad(path, row, shown.encode("utf-8", "surrogateescape").decode("utf-8", "replace"),
+                       "not valid UTF-8", "not valid UTF-8")
+        elif not any(v.strip() for v in values):
+            yield _bad(path, row, shown, "blank line", "blank line")
+        elif len(values) != len(header):
+            yield _bad(path, row, shown, "malformed CSV",
+                       f"malformed CSV: expected {len(header)} fields, got {len(values)}")
+        else:
+            record = dict(zip(header, values))
+            yield RawRow(str(path), row, record, record_text(record))
+        row += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# Parquet
+# ---------------------------------------------------------------------------------------------
+
+
+def read_parquet(path: Path, batch_rows: int = 4096) -> Iterator[RawRow]:
+    """Rows of one Parquet file as dicts, fields by name (so files with different schemas can be
+    read one after another). A row whose values cannot be converted is rejected, not fatal."""
+    import pyarrow.parquet as pq
+
+    try:
+        parquet = pq.ParquetFile(path)
+    except Exception as exc:  # pyarrow raises several types for a damaged or foreign file
+        raise DataError(f"{path}: cannot open as Parquet ({exc}); check the file or its extension") from None
+    row = 0
+    for batch in parquet.iter_batches(batch_size=batch_rows):
+        try:
+            records = batch.to_pylist()
+        except Exception:  # e.g. invalid UTF-8 in a string column: find the bad rows one by one
+            records = None
+        for i in range(batch.num_rows):
+            if records is not None:
+                record = records[i]
+            else:
+                try:
+                    record = batch.slice(i, 1).to_pylist()[0]
+                except Exception as exc:
+                    yield _bad(path, row, "", "unreadable row", f"unreadable row: {exc}")
+                    row += 1
+                    continue
+            yield RawRow(str(path), row, record, record_text(record))
+            row += 1
+
+
+# ---------------------------------------------------------------------------------------------
+# dispatch
+# ---------------------------------------------------------------------------------------------
+
+READERS: dict[str, Callable[[Path], Iterator[RawRow]]] = {
+    "jsonl": read_jsonl, "csv": read_csv, "parquet": read_parquet,
+}
+
+
+def file_format(path: Path) -> str:
+    fmt = SUFFIX_FORMATS.get(path.suffix.lower())
+    if fmt is None:
+        raise DataError(
+            f"{path}: unknown file type {path.suffix!r}; give JSONL (.jsonl), Parquet (.parquet) or "
+            f"CSV (.csv) files"
+        )
+    return fmt
+
+
+def read_rows(path: str | Path) -> Iterator[RawRow]:
+    """Every row of ``path`` (format from the extension), bad rows included with their reason."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"data file {path} not found; check data.train_files / data.val_files")
+    return READERS[file_format(path)](path)

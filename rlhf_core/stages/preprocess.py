@@ -1,0 +1,67 @@
+"""Stage `preprocess`: raw prompt files → prompts/train.parquet, val.parquet, rejects.parquet.
+
+    rlhf stage preprocess --run-dir RUN [-c PRESET] [data.train_files=[a.jsonl,b.parquet] ...]
+
+The work is ``rlhf_core.data.preprocess.preprocess_files``; this wrapper resolves the paths, loads
+the tokenizer, writes the three tables atomically and reports counts. It reruns only when a raw
+file or a ``data.*`` / ``actor_rollout_ref.model.*`` setting changed (or with ``force``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.errors import DataError
+from rlhf_core.io.atomic import atomic_write_parquet
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.stages.base import StageResult, execute_stage
+
+CONFIG_SECTIONS = ("data.", "actor_rollout_ref.model.")
+
+
+def _resolve_files(paths: list[str], key: str) -> list[Path]:
+    from rlhf_core.paths import resolve_path
+
+    resolved = [resolve_path(p) for p in paths]
+    missing = [str(p) for p, r in zip(paths, resolved) if not r.is_file()]
+    if missing:
+        raise DataError(f"{key}: file(s) not found: {', '.join(missing)}; give JSONL, Parquet or CSV paths "
+                        f"(absolute, or relative to the current directory or the project root)")
+    return resolved
+
+
+def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None,
+                   force: bool = False) -> StageResult:
+    """Preprocess ``cfg.data.train_files`` (and ``val_files``) into the run's prompts tables."""
+    train_files = _resolve_files(cfg.data.train_files, "data.train_files")
+    val_files = _resolve_files(cfg.data.val_files, "data.val_files")
+
+    def body() -> StageResult:
+        from rlhf_core.data.preprocess import load_tokenizer, preprocess_files
+        from rlhf_core.data.schemas import PROMPTS, REJECTS
+
+        tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
+        result = preprocess_files(train_files, val_files, cfg.data, tokenizer)
+        # rejects first: when nothing was accepted they are what the user needs to read
+        atomic_write_parquet(run.rejects, result.rejects, schema=REJECTS)
+        if result.train.num_rows == 0:
+            raise DataError(
+                f"no train prompts accepted from {', '.join(map(str, train_files))} "
+                f"(rejected: {', '.join(f'{kind} {n}' for kind, n in result.reject_counts.items()) or 'none'}); "
+                f"every rejected row and its reason is in {run.rejects}"
+            )
+        atomic_write_parquet(run.train_prompts, result.train, schema=PROMPTS)
+        atomic_write_parquet(run.val_prompts, result.val, schema=PROMPTS)
+        metrics = {f"data/prompt_length_{k}": v for k, v in result.length_stats.items()}
+        metrics["data/reject_fraction"] = result.rejects.num_rows / max(1, result.rows_in)
+        summary = result.summary_lines() + [f"wrote {run.train_prompts.parent}/{{train,val,rejects}}.parquet"]
+        return StageResult(
+            stage="preprocess", iteration=None,
+            outputs={"train": str(run.train_prompts), "val": str(run.val_prompts), "rejects": str(run.rejects)},
+            rows=result.rows, metrics=metrics, summary=summary,
+        )
+
+    return execute_stage(stage="preprocess", cfg=cfg, run=run, iteration=None, inputs=train_files + val_files,
+                         config_sections=CONFIG_SECTIONS, body=body, force=force)

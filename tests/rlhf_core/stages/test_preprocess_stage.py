@@ -1,0 +1,134 @@
+"""The preprocess stage on the real GSM8K train split (7,473 rows) and on small files: counts, the
+manifest skip, --force, the CLI, and the errors a user sees."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+
+from rlhf_core.config import apply_overrides, load_config
+from rlhf_core.errors import DataError
+from rlhf_core.io.manifest import read_manifest
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.stages.preprocess import run_preprocess
+
+GSM8K_ROWS = 7473
+NUMBER = re.compile(r"-?\d+(\.\d+)?")
+
+
+def gsm8k_overrides(gsm8k_train, tiny_model_dir) -> list[str]:
+    return [f"data.train_files=[{gsm8k_train}]", f"actor_rollout_ref.model.path={tiny_model_dir}"]
+
+
+@pytest.fixture(scope="module")
+def gsm8k_run(tmp_path_factory, gsm8k_train, tiny_model_dir, repo_root):
+    cfg = load_config(repo_root / "configs" / "gsm8k.yaml", gsm8k_overrides(gsm8k_train, tiny_model_dir))
+    run = RunDir(tmp_path_factory.mktemp("gsm8k_run"))
+    return cfg, run, run_preprocess(cfg, run)
+
+
+def test_gsm8k_every_row_accounted_for_with_numeric_truths(gsm8k_run, gsm8k_train):
+    cfg, run, result = gsm8k_run
+    assert not result.skipped
+    rows = result.rows
+    assert rows["input"] == GSM8K_ROWS
+    assert rows["train"] + rows["val"] + rows["rejected"] == GSM8K_ROWS
+    assert rows["val"] == cfg.data.max_val_samples == 256  # 10 % of 7,473 is capped at 256
+    train, val, rejects = (pq.read_table(p) for p in (run.train_prompts, run.val_prompts, run.rejects))
+    assert (train.num_rows, val.num_rows, rejects.num_rows) == (rows["train"], rows["val"], rows["rejected"])
+    # every row is somewhere exactly once: accepted source rows and rejected source rows partition 0..N-1
+    accepted = [e["source_row"] for e in train.column("extra_info").to_pylist() + val.column("extra_info").to_pylist()]
+    assert sorted(accepted + rejects.column("source_row").to_pylist()) == list(range(GSM8K_ROWS))
+    assert all(r.startswith("prompt too long") for r in rejects.column("reason").to_pylist())
+    assert max(train.column("prompt_length").to_pylist()) <= cfg.data.max_prompt_length
+    source = gsm8k_train.read_text().splitlines()
+    for record in train.to_pylist()[:: 97]:
+        truth = record["reward_model"]["ground_truth"]
+        assert NUMBER.fullmatch(truth), truth
+        raw = json.loads(source[record["extra_info"]["source_row"]])
+        assert truth == raw["answer"].rsplit("####", 1)[1].strip().replace(",", "")
+        assert record["extra_info"]["question"] == raw["question"]
+    assert all(NUMBER.fullmatch(t["ground_truth"]) for t in train.column("reward_model").to_pylist())
+    assert len(set(train.column("prompt_id").to_pylist() + val.column("prompt_id").to_pylist())) == (
+        rows["train"] + rows["val"])
+    assert any(line.startswith("prompt length (tokens): min") for line in result.summary)
+    assert result.metrics["data/prompt_length_max"] <= cfg.data.max_prompt_length
+
+
+def _cli(args: list[str]) -> subprocess.CompletedProcess:
+    rlhf = Path(sys.executable).with_name("rlhf")
+    command = [str(rlhf)] if rlhf.is_file() else [sys.executable, "-m", "rlhf_core.cli"]
+    return subprocess.run(command + args, capture_output=True, text=True, env=dict(os.environ), timeout=300)
+
+
+def test_rerun_is_skipped_and_cli_force_reruns_identically(gsm8k_run, gsm8k_train, tiny_model_dir, repo_root):
+    """Second run in-process: skipped by the manifest. Through the CLI: skipped again, then --force
+    recomputes everything from scratch and must reproduce the same counts and the same split."""
+    cfg, run, first = gsm8k_run
+    val_before = pq.read_table(run.val_prompts).column("prompt_id").to_pylist()
+    train_before = pq.read_table(run.train_prompts).column("prompt_id").to_pylist()
+    again = run_preprocess(cfg, run)
+    assert again.skipped and again.rows == first.rows
+    args = ["stage", "preprocess", "--run-dir", str(run.root), "-c", str(repo_root / "configs" / "gsm8k.yaml"),
+            *gsm8k_overrides(gsm8k_train, tiny_model_dir)]
+    skipped = _cli(args)
+    assert skipped.returncode == 0, skipped.stderr[-2000:]
+    assert "[preprocess] skipped (up to date)" in skipped.stdout
+    forced = _cli(args + ["--force"])
+    assert forced.returncode == 0, forced.stderr[-2000:]
+    r = first.rows
+    assert "[preprocess] done in" in forced.stdout
+    assert f"rows in: {GSM8K_ROWS} = train {r['train']} + val {r['val']} + rejected {r['rejected']}" in forced.stdout
+    assert pq.read_table(run.val_prompts).column("prompt_id").to_pylist() == val_before
+    assert pq.read_table(run.train_prompts).column("prompt_id").to_pylist() == train_before
+    assert read_manifest(run, None)["preprocess"]["rows"] == first.rows
+
+
+# ---------------------------------------------------------------------------------------------
+# small files
+# ---------------------------------------------------------------------------------------------
+
+
+def _small_cfg(tmp_path, tiny_model_dir, rows, *extra):
+    path = tmp_path / "raw.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return load_config(None, [f"data.train_files=[{path}]", f"actor_rollout_ref.model.path={tiny_model_dir}",
+                              *extra])
+
+
+def test_config_change_reruns_and_unrelated_change_does_not(tmp_path, tiny_model_dir, repo_root):
+    rows = [json.loads(line) for line in (repo_root / "data/arith/train.jsonl").read_text().splitlines()[:60]]
+    run = RunDir(tmp_path / "run")
+    cfg = _small_cfg(tmp_path, tiny_model_dir, rows)
+    first = run_preprocess(cfg, run)
+    assert first.rows == {"input": 60, "train": 54, "val": 6, "rejected": 0}
+    assert first.outputs["train"] == str(run.train_prompts)
+    assert run_preprocess(apply_overrides(cfg, ["algorithm.gamma=0.9"]), run).skipped
+    reseeded = run_preprocess(apply_overrides(cfg, ["data.seed=7"]), run)
+    assert not reseeded.skipped and reseeded.rows == first.rows
+    assert not run_preprocess(apply_overrides(cfg, ["data.seed=7"]), run, force=True).skipped
+
+
+def test_nothing_accepted_is_an_error_that_points_at_the_rejects(tmp_path, tiny_model_dir):
+    cfg = _small_cfg(tmp_path, tiny_model_dir, [{"question": "Q?", "answer": "no number"},
+                                                {"question": " ", "answer": "#### 1"}])
+    run = RunDir(tmp_path / "run")
+    expected = r"no train prompts accepted .*no #### number 1, empty question 1.*rejects\.parquet"
+    with pytest.raises(DataError, match=expected):
+        run_preprocess(cfg, run)
+    assert pq.read_table(run.rejects).num_rows == 2
+    assert not run.train_prompts.exists()
+
+
+def test_missing_file_names_the_key_and_the_file(tmp_path, tiny_model_dir):
+    cfg = load_config(None, [f"data.train_files=[{tmp_path / 'nope.jsonl'}]",
+                             f"actor_rollout_ref.model.path={tiny_model_dir}"])
+    with pytest.raises(DataError, match=r"data\.train_files: file\(s\) not found: .*nope\.jsonl"):
+        run_preprocess(cfg, RunDir(tmp_path / "run"))
