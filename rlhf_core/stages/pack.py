@@ -1,0 +1,276 @@
+"""Stage `pack`: prompts/train.parquet → pack/generation_batches.parquet + pack/summary.json.
+
+    rlhf stage pack --run-dir RUN [-c PRESET] [actor_rollout_ref.rollout.generation_batch_tokens=8192 ...]
+
+1. Order: the train prompts sorted by prompt_id (so the input file order does not matter), then
+   shuffled with ``data.seed`` (one epoch; iteration k uses slot (k - 1) % num_slots, so later epochs
+   replay the same order).
+2. Slots: consecutive runs of ``data.train_batch_size`` prompts, one per iteration. A last partial
+   slot is kept as its own (smaller) slot when at least half full; otherwise its prompts join the
+   slot before it (so no prompt is dropped and no iteration trains on a tiny batch). With fewer
+   prompts than half a batch there is one slot holding all of them.
+3. Generation batches: each slot is cut by ``plan_generation_batches`` so that
+   ``prompts × rollout.n × (longest prompt + data.max_response_length)`` fits
+   ``rollout.generation_batch_tokens`` — fewest batches first, then least left padding.
+4. Summary: packing efficiency of the generation batches against random batches of the same count,
+   and an estimate for the training micro-batches at ``actor.ppo_max_token_len_per_gpu`` (every
+   response taken at its maximum length, the worst case the budget must hold) against fixed
+   micro-batches of ``actor.ppo_micro_batch_size_per_gpu`` padded to their longest.
+
+The stage reruns only when the train prompts or one of ``CONFIG_KEYS`` changed: rerunning it marks
+every iteration stale, so unrelated settings (learning rate, temperature) must not trigger it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import pyarrow as pa
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.errors import DataError
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.stages.base import StageResult, execute_stage
+
+# Dotted prefixes of exactly the keys this stage reads. (Prefix matching also catches rollout.name
+# through rollout.n: switching engines reruns packing, which is harmless.)
+CONFIG_KEYS = (
+    "data.seed", "data.train_batch_size", "data.max_response_length",
+    "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.generation_batch_tokens",
+    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.actor.ppo_mini_batch_size",
+    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
+)
+GEN_BUDGET_KEY = "actor_rollout_ref.rollout.generation_batch_tokens"
+TRAIN_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+
+
+# ---------------------------------------------------------------------------------------------
+# pure steps (tested directly)
+# ---------------------------------------------------------------------------------------------
+
+
+def epoch_order(prompt_ids: list[str], seed: int, epoch: int = 0) -> list[int]:
+    """Indices into ``prompt_ids`` in this epoch's order: sorted by id, then a seeded shuffle, so
+    the order depends on the set of prompts and the seed only."""
+    order = sorted(range(len(prompt_ids)), key=lambda i: prompt_ids[i])
+    random.Random(f"pack:{seed}:{epoch}").shuffle(order)
+    return order
+
+
+def cut_slots(order: list[int], batch_size: int) -> list[list[int]]:
+    """Consecutive slots of ``batch_size``; the remainder is its own slot when at least half full,
+    else it joins the previous slot (see the module docstring)."""
+    if batch_size < 1:
+        raise DataError(f"data.train_batch_size must be >= 1, got {batch_size}")
+    slots = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
+    if len(slots) >= 2 and 2 * len(slots[-1]) < batch_size:
+        tail = slots.pop()
+        slots[-1] = slots[-1] + tail
+    return slots
+
+
+@dataclass
+class SlotPlan:
+    slot: int
+    prompts: list[int]  # indices into the prompts table, in slot order
+    batches: list[list[int]]  # generation batches: indices into the prompts table
+
+
+def plan_slots(lengths: list[int], slots: list[list[int]], max_response_length: int, n: int,
+               budget: int) -> list[SlotPlan]:
+    from rlhf_core.data.packing import PackingBudgetError, plan_generation_batches
+
+    plans = []
+    for s, members in enumerate(slots):
+        try:
+            local = plan_generation_batches([lengths[i] for i in members], max_response_length, n, budget,
+                                            budget_key=GEN_BUDGET_KEY)
+        except PackingBudgetError as err:
+            long_one = max(members, key=lambda i: lengths[i])
+            raise PackingBudgetError(f"slot {s}: {err} (the longest prompt has {lengths[long_one]} "
+                                     f"tokens; each costs its length + data.max_response_length "
+                                     f"= {lengths[long_one] + max_response_length}, times rollout.n = {n})") from None
+        plans.append(SlotPlan(slot=s, prompts=members, batches=[[members[k] for k in b] for b in local]))
+    return plans
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics
+# ---------------------------------------------------------------------------------------------
+
+
+def generation_stats(lengths: list[int], plans: list[SlotPlan], max_response_length: int, n: int,
+                     budget: int, seed: int) -> dict[str, float]:
+    """Left-padding efficiency of the planned batches vs random batches of the same count."""
+    from rlhf_core.data.packing import padded_batches_efficiency
+
+    ours, random_batches, kv_used = [], [], 0
+    rng = random.Random(f"pack-baseline:{seed}")
+    for plan in plans:
+        ours += plan.batches
+        shuffled = rng.sample(plan.prompts, len(plan.prompts))
+        size = -(-len(shuffled) // len(plan.batches))
+        random_batches += [shuffled[s:s + size] for s in range(0, len(shuffled), size)]
+        kv_used += sum(len(b) * n * (max(lengths[i] for i in b) + max_response_length) for b in plan.batches)
+    num = len(ours)
+    return {
+        "pack/generation_batches": float(num),
+        "pack/generation_prompts_per_batch": sum(map(len, ours)) / max(1, num),
+        "pack/generation_prompt_efficiency": padded_batches_efficiency(lengths, ours),
+        "pack/generation_prompt_efficiency_random": padded_batches_efficiency(lengths, random_batches),
+        "pack/generation_budget_fill": kv_used / max(1, num * budget),
+    }
+
+
+def _padded_slots(lengths: list[int], batches: list[list[int]]) -> int:
+    """Slots of batches laid out one sequence per row, padded to the batch's longest."""
+    return sum(len(b) * max((lengths[i] for i in b), default=0) for b in batches)
+
+
+def training_stats(lengths: list[int], plans: list[SlotPlan], cfg: RLHFConfig, seed: int) -> dict[str, float]:
+    """Training micro-batches per epoch, every sequence at prompt + max response length, split per
+    mini-batch: budget packing (use_dynamic_bsz) vs fixed micro-batches padded to their longest
+    (use_dynamic_bsz=False, sequences in shuffled order). With use_dynamic_bsz off and a budget
+    smaller than the longest sequence, the budget what-if is left out rather than failing."""
+    from rlhf_core.data.packing import fixed_micro_batches, micro_batches_by_budget
+
+    actor, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
+    budget, fixed = actor.ppo_max_token_len_per_gpu, actor.ppo_micro_batch_size_per_gpu
+    mini = actor.ppo_mini_batch_size * n  # sequences per optimizer step
+    longest = max(lengths, default=0) + cfg.data.max_response_length
+    with_budget = actor.use_dynamic_bsz or longest <= budget
+    rng = random.Random(f"pack-baseline:{seed}")
+    real = bins_count = padded = fixed_count = fixed_padded = 0
+    for plan in plans:
+        seqs = [lengths[i] + cfg.data.max_response_length for i in plan.prompts for _ in range(n)]
+        for s in range(0, len(seqs), mini):
+            part = seqs[s:s + mini]
+            real += sum(part)
+            if with_budget:
+                bins = micro_batches_by_budget(part, budget, budget_key=TRAIN_BUDGET_KEY)
+                bins_count += len(bins)
+                padded += _padded_slots(part, bins)
+            order = rng.sample(range(len(part)), len(part))
+            chunks = [[order[i] for i in c] for c in fixed_micro_batches(len(part), fixed)]
+            fixed_count += len(chunks)
+            fixed_padded += _padded_slots(part, chunks)
+    stats = {"pack/train_fixed_micro_batches": float(fixed_count),
+             "pack/train_fixed_pad_efficiency": real / max(1, fixed_padded)}
+    if with_budget:
+        stats.update({"pack/train_micro_batches": float(bins_count),
+                      "pack/train_budget_fill": real / max(1, bins_count * budget),
+                      "pack/train_padded_bins_efficiency": real / max(1, padded)})
+    return stats
+
+
+# ---------------------------------------------------------------------------------------------
+# I/O and the stage
+# ---------------------------------------------------------------------------------------------
+
+
+def read_prompt_lengths(run: RunDir) -> tuple[list[str], list[int]]:
+    """(prompt ids, prompt lengths) of the run's train prompts; errors name the file and the fix."""
+    import pyarrow.parquet as pq
+
+    path = run.train_prompts
+    names = set(pq.read_schema(path).names)
+    missing = {"prompt_id", "prompt_length"} - names
+    if missing:
+        raise DataError(f"{path} lacks column(s) {', '.join(sorted(missing))}; rerun the preprocess stage")
+    table = pq.read_table(path, columns=["prompt_id", "prompt_length"])
+    ids, lengths = table["prompt_id"].to_pylist(), table["prompt_length"].to_pylist()
+    if not ids:
+        raise DataError(f"{path} has no prompts; see {run.rejects} for why rows were rejected")
+    seen: dict[str, int] = {}
+    for row, pid in enumerate(ids):
+        if pid in seen:
+            raise DataError(f"{path}: prompt_id {pid!r} appears in rows {seen[pid]} and {row}; "
+                            f"prompt ids must be unique (rerun preprocess with data.dedup=true)")
+        seen[pid] = row
+    return ids, [int(n) for n in lengths]
+
+
+def batches_table(ids: list[str], lengths: list[int], plans: list[SlotPlan]) -> pa.Table:
+    from rlhf_core.data.schemas import GENERATION_BATCHES
+
+    rows = [{"slot": p.slot, "batch_id": b, "prompt_ids": [ids[i] for i in batch], "num_prompts": len(batch),
+             "prompt_tokens": sum(lengths[i] for i in batch),
+             "padded_tokens": len(batch) * max(lengths[i] for i in batch)}
+            for p in plans for b, batch in enumerate(p.batches)]
+    return pa.Table.from_pylist(rows, schema=GENERATION_BATCHES)
+
+
+def _summary_lines(num_prompts: int, plans: list[SlotPlan], metrics: dict[str, float], cfg: RLHFConfig) -> list[str]:
+    m = metrics
+    sizes = sorted({len(p.prompts) for p in plans})
+    return [
+        f"pack: {num_prompts} prompts → {len(plans)} slots of {'/'.join(map(str, sizes))} prompts "
+        f"→ {int(m['pack/generation_batches'])} generation batches "
+        f"({m['pack/generation_prompts_per_batch']:.1f} prompts each, "
+        f"budget {cfg.actor_rollout_ref.rollout.generation_batch_tokens} tokens)",
+        f"generation prompt padding: {m['pack/generation_prompt_efficiency']:.1%} real tokens grouped by length "
+        f"vs {m['pack/generation_prompt_efficiency_random']:.1%} for random batches of the same count; "
+        f"budget fill {m['pack/generation_budget_fill']:.1%}",
+        _training_line(m, cfg),
+    ]
+
+
+def _training_line(m: dict[str, float], cfg: RLHFConfig) -> str:
+    actor = cfg.actor_rollout_ref.actor
+    fixed = (f"{int(m['pack/train_fixed_micro_batches'])} fixed micro-batches of "
+             f"{actor.ppo_micro_batch_size_per_gpu} padded to their longest: "
+             f"{m['pack/train_fixed_pad_efficiency']:.1%}")
+    if "pack/train_micro_batches" not in m:
+        return (f"training (every response at max length): {fixed}; no budget estimate (use_dynamic_bsz off and "
+                f"ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu} below the longest sequence)")
+    return (f"training (every response at max length): {int(m['pack/train_micro_batches'])} micro-batches of "
+            f"≤{actor.ppo_max_token_len_per_gpu} tokens, budget fill {m['pack/train_budget_fill']:.1%} "
+            f"(padded per bin: {m['pack/train_padded_bins_efficiency']:.1%}) vs {fixed}")
+
+
+def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
+    """Plan the run's generation batches (see the module docstring); writes
+    pack/generation_batches.parquet (schema GENERATION_BATCHES) and pack/summary.json."""
+    if not run.train_prompts.is_file():
+        raise DataError(f"{run.train_prompts} not found; run `rlhf stage preprocess --run-dir {run.root}` first")
+
+    def body() -> StageResult:
+        from rlhf_core.data.schemas import GENERATION_BATCHES
+        from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
+
+        data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
+        ids, lengths = read_prompt_lengths(run)
+        slots = cut_slots(epoch_order(ids, data.seed), data.train_batch_size)
+        plans = plan_slots(lengths, slots, data.max_response_length, rollout.n, rollout.generation_batch_tokens)
+        placed = sorted(i for p in plans for b in p.batches for i in b)
+        assert placed == list(range(len(ids))), "every prompt must be in exactly one generation batch"
+        metrics = generation_stats(lengths, plans, data.max_response_length, rollout.n,
+                                   rollout.generation_batch_tokens, data.seed)
+        metrics.update(training_stats(lengths, plans, cfg, data.seed))
+        table = batches_table(ids, lengths, plans)
+        atomic_write_parquet(run.generation_batches, table, schema=GENERATION_BATCHES)
+        summary_path = run.pack_dir / "summary.json"
+        lines = _summary_lines(len(ids), plans, metrics, cfg)
+        atomic_write_json(summary_path, {
+            "prompts": len(ids), "slots": len(plans), "generation_batches": table.num_rows,
+            "slot_sizes": [len(p.prompts) for p in plans], "batches_per_slot": [len(p.batches) for p in plans],
+            "config": {key: _config_value(cfg, key) for key in CONFIG_KEYS}, "metrics": metrics, "summary": lines,
+        })
+        return StageResult(
+            stage="pack", iteration=None,
+            outputs={"generation_batches": str(run.generation_batches), "summary": str(summary_path)},
+            rows={"prompts": len(ids), "slots": len(plans), "generation_batches": table.num_rows},
+            metrics=metrics, summary=lines + [f"wrote {run.generation_batches} and {summary_path}"],
+        )
+
+    return execute_stage(stage="pack", cfg=cfg, run=run, iteration=None, inputs=[run.train_prompts],
+                         config_sections=CONFIG_KEYS, body=body, force=force)
+
+
+def _config_value(cfg: RLHFConfig, dotted: str):
+    value = cfg
+    for part in dotted.split("."):
+        value = getattr(value, part)
+    return value
