@@ -231,7 +231,9 @@ def split_into_rows(lengths: Sequence[int], indices: Sequence[int], max_row_toke
     """Lay one micro-batch out as several packed rows of at most ``max_row_tokens`` each.
 
     With a dense 4-D mask (sdpa on CPU) attention costs L² per row whatever the mask hides, so a
-    micro-batch of 8k tokens is cheaper as eight 1k rows than one 8k row. The row width is a speed
+    micro-batch of 8k tokens is cheaper as several narrower rows (measured on the tiny model, 2 CPU
+    cores, three 8k-token bins of 200-700-token sequences: 13.4 s as 8k rows, 6.3 s at 4k, 3.9 s at
+    2k, 3.8 s at 1k; about 2-3× the longest sequence is enough). The row width is a speed
     setting, not a memory limit: a sequence longer than ``max_row_tokens`` gets a row of its own.
     Returns lists of entries of ``indices``.
     """
