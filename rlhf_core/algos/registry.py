@@ -1,0 +1,110 @@
+"""Name -> implementation registries, one per algorithm family.
+
+New variants plug in by name, e.g.::
+
+    @register_policy_loss("my_loss")
+    def my_loss(*, old_log_prob, log_prob, advantages, response_mask, **kw): ...
+
+Lookups of unknown names raise ``ValueError`` listing the valid names, so a typo in a run
+config fails at start-up with the fix in the message rather than deep inside training.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """A named table of implementations for one family (``kind`` is used in error messages)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._entries: dict[str, T] = {}
+
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator registering ``obj`` under ``name``; re-registering a different object errors."""
+
+        def decorator(obj: T) -> T:
+            existing = self._entries.get(name)
+            # Silently replacing an entry would make behaviour depend on import order.
+            if existing is not None and existing is not obj:
+                raise ValueError(f"{self.kind} {name!r} is already registered as {existing!r}")
+            self._entries[name] = obj
+            return obj
+
+        return decorator
+
+    def unregister(self, name: str) -> None:
+        """Remove ``name`` (for tests and plugins that register temporary variants)."""
+        self._entries.pop(name, None)
+
+    def get(self, name: str) -> T:
+        try:
+            return self._entries[name]
+        except (KeyError, TypeError):
+            raise ValueError(f"unknown {self.kind} {name!r}; valid: {self.names()}") from None
+
+    def names(self) -> list[str]:
+        return sorted(self._entries)
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            return name in self._entries
+        except TypeError:  # unhashable, e.g. a list from a mis-parsed config
+            return False
+
+
+ADV_ESTIMATORS: Registry[Callable[..., Any]] = Registry("advantage estimator")
+POLICY_LOSSES: Registry[Callable[..., Any]] = Registry("policy loss")
+KL_ESTIMATORS: Registry[Callable[..., Any]] = Registry("KL estimator")
+AGG_MODES: Registry[Callable[..., Any]] = Registry("loss aggregation mode")
+KL_CONTROLLERS: Registry[type] = Registry("KL controller")
+
+
+def register_adv_estimator(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn(*, token_level_rewards, response_mask, ...) -> (advantages, returns)``."""
+    return ADV_ESTIMATORS.register(name)
+
+
+def get_adv_estimator(name: str) -> Callable[..., Any]:
+    return ADV_ESTIMATORS.get(name)
+
+
+def register_policy_loss(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn(*, old_log_prob, log_prob, advantages, response_mask, **hyper) -> (loss, metrics)``."""
+    return POLICY_LOSSES.register(name)
+
+
+def get_policy_loss_fn(name: str) -> Callable[..., Any]:
+    return POLICY_LOSSES.get(name)
+
+
+def register_kl_estimator(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register a base KL estimator ``fn(logprob, ref_logprob) -> (B, T)``.
+
+    Its straight-through variant ``name + "+"`` comes for free (see ``kl.get_kl_estimator``).
+    """
+    if name.endswith("+"):
+        raise ValueError("the '+' suffix is reserved for straight-through variants")
+    return KL_ESTIMATORS.register(name)
+
+
+def register_agg_mode(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Register ``fn(loss_mat, valid_bool_mask, *, global_num_tokens, global_num_seqs,
+    seq_norm_scale) -> 0-dim tensor`` (see ``aggregation`` for the global-count convention)."""
+    return AGG_MODES.register(name)
+
+
+def get_agg_fn(name: str) -> Callable[..., Any]:
+    return AGG_MODES.get(name)
+
+
+def register_kl_controller(name: str) -> Callable[[type], type]:
+    """Register a controller class with ``create(kl_coef, target_kl, horizon)`` and ``from_state``."""
+    return KL_CONTROLLERS.register(name)
+
+
+def get_kl_controller_cls(name: str) -> type:
+    return KL_CONTROLLERS.get(name)

@@ -1,0 +1,154 @@
+"""Masked statistics, whitening and loss aggregation (incl. micro-batch / global-count shares)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from rlhf_core.algos import (
+    AGG_MODES,
+    agg_loss,
+    get_agg_fn,
+    global_counts,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+)
+
+SETTINGS = settings(max_examples=40, deadline=None)
+MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+
+def _case(seed, batch, length, masks, dtype=torch.float64):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(batch, length, generator=gen, dtype=torch.float64) * 3 + 1).to(dtype)
+    return gen, x, masks.make(gen, batch, length)
+
+
+def _naive_agg(loss, mask, mode, scale=None):
+    """Straight from the definitions, row by row in Python."""
+    rows = [loss[i][mask[i]] for i in range(loss.shape[0])]
+    alive = [r for r in rows if r.numel() > 0]
+    if mode == "token-mean":
+        flat = torch.cat(rows)
+        return flat.mean() if flat.numel() else torch.tensor(0.0, dtype=loss.dtype)
+    if not alive:
+        return torch.tensor(0.0, dtype=loss.dtype)
+    if mode == "seq-mean-token-sum":
+        per_row = [r.sum() for r in alive]
+    elif mode == "seq-mean-token-mean":
+        per_row = [r.mean() for r in alive]
+    else:
+        per_row = [r.sum() / (loss.shape[-1] if scale is None else scale) for r in alive]
+    return torch.stack(per_row).mean()
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 6), length=st.integers(1, 40))
+def test_masked_mean_and_var_match_selection(masks, seed, batch, length):
+    _, x, mask = _case(seed, batch, length, masks)
+    selected = x[mask]
+    if selected.numel() >= 2:
+        torch.testing.assert_close(masked_var(x, mask), selected.var(unbiased=True))
+        torch.testing.assert_close(masked_var(x, mask, unbiased=False), selected.var(unbiased=False))
+    expected_mean = selected.mean() if selected.numel() else torch.tensor(0.0, dtype=x.dtype)
+    torch.testing.assert_close(masked_mean(x, mask), expected_mean)
+    zero = torch.tensor(0.0, dtype=x.dtype)
+    row_means = torch.stack([x[i][mask[i]].mean() if mask[i].any() else zero for i in range(batch)])
+    torch.testing.assert_close(masked_mean(x, mask, dim=-1), row_means)
+
+
+def test_variance_of_fewer_than_two_tokens_is_zero_not_an_error():
+    x = torch.tensor([[5.0, 7.0]])
+    assert masked_var(x, torch.tensor([[True, False]])) == 0
+    assert masked_var(x, torch.tensor([[False, False]])) == 0
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 6),
+    length=st.integers(2, 40),
+    shift_mean=st.booleans(),
+    dtype=st.sampled_from([torch.float32, torch.float64]),
+)
+def test_whiten_normalises_valid_tokens_and_ignores_masked(masks, seed, batch, length, shift_mean, dtype):
+    gen, x, mask = _case(seed, batch, length, masks, dtype)
+    out = masked_whiten(x, mask, shift_mean=shift_mean)
+    assert out.dtype == dtype and not out[~mask].any()
+    selected = x[mask].double()
+    if selected.numel() >= 3 and selected.std() > 1e-3:
+        expected = (selected - selected.mean()) / torch.sqrt(selected.var() + 1e-8)
+        if not shift_mean:
+            expected = expected + selected.mean()
+        torch.testing.assert_close(out[mask].double(), expected, rtol=1e-4, atol=1e-4)
+    junk = masks.scramble(x, mask, gen)
+    assert torch.equal(masked_whiten(junk, mask, shift_mean=shift_mean), out)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 8),
+    length=st.integers(1, 30),
+    mode=st.sampled_from(MODES),
+    scale=st.one_of(st.none(), st.floats(0.5, 100.0)),
+)
+def test_agg_modes_match_their_definitions_and_ignore_masked_values(masks, seed, batch, length, mode, scale):
+    gen, loss, mask = _case(seed, batch, length, masks)
+    got = agg_loss(loss_mat=loss, loss_mask=mask, loss_agg_mode=mode, seq_norm_scale=scale)
+    torch.testing.assert_close(got, _naive_agg(loss, mask, mode, scale))
+    junk = agg_loss(loss_mat=masks.scramble(loss, mask, gen), loss_mask=mask, loss_agg_mode=mode, seq_norm_scale=scale)
+    assert torch.equal(junk, got)
+
+
+@SETTINGS
+@given(
+    seed=st.integers(0, 2**31 - 1),
+    batch=st.integers(1, 12),
+    length=st.integers(1, 30),
+    mode=st.sampled_from(MODES),
+    n_parts=st.integers(1, 5),
+)
+def test_micro_batch_shares_sum_to_full_batch(masks, seed, batch, length, mode, n_parts):
+    gen, loss, mask = _case(seed, batch, length, masks)
+    loss = loss.requires_grad_(True)
+    full = agg_loss(loss_mat=loss, loss_mask=mask, loss_agg_mode=mode)
+    (full_grad,) = torch.autograd.grad(full, loss)
+
+    # Random contiguous split of a shuffled batch, as a sampler + micro-batcher would do.
+    order = torch.randperm(batch, generator=gen)
+    cuts = sorted(torch.randint(0, batch + 1, (n_parts - 1,), generator=gen).tolist())
+    parts = [order[a:b] for a, b in zip([0] + cuts, cuts + [batch])]
+    num_tokens, num_seqs = global_counts(mask)
+    total = sum(
+        agg_loss(
+            loss_mat=loss[idx],
+            loss_mask=mask[idx],
+            loss_agg_mode=mode,
+            global_num_tokens=num_tokens,
+            global_num_seqs=num_seqs,
+        )
+        for idx in parts
+    )
+    (split_grad,) = torch.autograd.grad(total, loss)
+    torch.testing.assert_close(total, full)
+    torch.testing.assert_close(split_grad, full_grad)
+
+
+def test_all_masked_batch_aggregates_to_zero():
+    loss = torch.full((3, 4), float("nan"))
+    mask = torch.zeros(3, 4, dtype=torch.bool)
+    for mode in MODES:
+        assert agg_loss(loss_mat=loss, loss_mask=mask, loss_agg_mode=mode) == 0
+
+
+def test_unknown_mode_lists_valid_modes():
+    assert sorted(AGG_MODES.names()) == sorted(MODES)
+    with pytest.raises(ValueError) as info:
+        agg_loss(loss_mat=torch.zeros(1, 1), loss_mask=torch.ones(1, 1), loss_agg_mode="token_mean")
+    assert all(mode in str(info.value) for mode in MODES)
+    with pytest.raises(ValueError, match="seq-mean-token-mean"):
+        get_agg_fn("mean")
