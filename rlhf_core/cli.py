@@ -1,10 +1,18 @@
 """The `rlhf` command line.
 
     rlhf config show [-c PRESET] [key=value ...]        print the resolved config
-    rlhf stage NAME --run-dir RUN [--iteration K] [-c PRESET] [key=value ...]
-    rlhf run [-c PRESET] [key=value ...] [--run-name NAME] [--resume RUN_DIR]
-    rlhf demo                                           the main job on the embedded defaults
+    rlhf run [-c PRESET] [key=value ...] [--run-name NAME] [--iterations N]
+    rlhf run --resume RUN_DIR [key=value ...]           continue after the last committed iteration
+    rlhf demo [key=value ...]                           the main job on the embedded defaults
+    rlhf stage NAME --run-dir RUN [--iteration K] [-c PRESET] [key=value ...]   rerun one stage
+    rlhf status RUN                                     per-iteration stage table, last-good
+    rlhf query RUN "SQL"                                DuckDB over the whole run (see rlhf_core.query)
+    rlhf export RUN [key=value ...]                     save the last-good actor in HF format
     rlhf model build-tiny --out DIR                     build the local tiny model + tokenizer
+
+`run`, `demo` and `stage` run as Prefect flow runs (a temporary local Prefect server starts when
+PREFECT_API_URL is not set) tracked in MLflow (an SQLite store under $RLHF_HOME unless
+MLFLOW_TRACKING_URI is set).
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_args(show)
     show.add_argument("--flat", action="store_true", help="one dotted key per line")
 
-    stage = sub.add_parser("stage", help="run (or rerun) one stage on a run directory")
+    stage = sub.add_parser("stage", help="run (or rerun) one stage on a run directory, as its own flow run")
     stage_sub = stage.add_subparsers(dest="stage", required=True)
     for spec in STAGES.values():
         sp = stage_sub.add_parser(spec.name, help=spec.help, description=spec.help)
@@ -50,17 +58,38 @@ def build_parser() -> argparse.ArgumentParser:
         if spec.per_iteration:
             sp.add_argument("--iteration", "-k", type=int, required=True, help="iteration number (1-based)")
         sp.add_argument("--force", action="store_true", help="rerun even if inputs and config are unchanged")
+        sp.add_argument("--local", action="store_true",
+                        help="run in this process without Prefect or MLflow (debugging)")
         if spec.name == "update":
             sp.add_argument("--nproc", type=int, default=None, help="data-parallel processes (trainer.nproc)")
         _add_config_args(sp)
 
-    run = sub.add_parser("run", help="run the pipeline")
+    run = sub.add_parser("run", help="run the pipeline (a Prefect flow run, tracked in MLflow)")
     _add_config_args(run)
     run.add_argument("--run-name", help="run directory name under trainer.runs_root (default: timestamp)")
-    run.add_argument("--resume", type=Path, help="resume an existing run directory")
+    run.add_argument("--iterations", type=int, help="PPO iterations (trainer.total_iterations)")
+    run.add_argument("--resume", type=Path, metavar="RUN_DIR",
+                     help="continue RUN_DIR after its last committed iteration (its saved config + overrides)")
 
     demo = sub.add_parser("demo", help="the main job on the embedded default data and tiny model")
+    demo.add_argument("--run-name", help="run directory name (default: timestamp)")
     demo.add_argument("overrides", nargs="*", metavar="key=value")
+
+    status = sub.add_parser("status", help="per-iteration stage table and the last-good iteration")
+    status.add_argument("run_dir", type=Path, metavar="RUN")
+
+    query = sub.add_parser("query", help="SQL (DuckDB) over the whole run: prompts, rollouts, scored, "
+                                         "advantages, response_kl, metrics, metrics_wide, stages, events, validation")
+    query.add_argument("run_dir", type=Path, metavar="RUN")
+    query.add_argument("sql", help='e.g. "SELECT iteration, avg(reward) FROM scored GROUP BY 1 ORDER BY 1"')
+    query.add_argument("--max-rows", type=int, default=50)
+    query.add_argument("--csv", type=Path, help="also write the full result to this CSV file")
+
+    export = sub.add_parser("export", help="save the last-good actor in Hugging Face format (LoRA merged), if its "
+                                           "latest validation score clears trainer.export_min_val_score")
+    export.add_argument("run_dir", type=Path, metavar="RUN")
+    export.add_argument("--out", type=Path, help="output directory (default RUN/export/actor)")
+    export.add_argument("overrides", nargs="*", metavar="key=value")
 
     model = sub.add_parser("model", help="model utilities").add_subparsers(dest="model_cmd", required=True)
     tiny = model.add_parser("build-tiny", help="build the tiny Qwen2-style model + BPE tokenizer locally")
@@ -78,23 +107,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_run_config(run_dir: Optional[Path], preset: Optional[str], overrides: Sequence[str]):
-    """A run's config: its saved config.yaml (+ overrides) when no preset is given, else the preset
-    (+ overrides). The result is saved back so later stage reruns see what ran."""
-    from rlhf_core.config import apply_overrides, config_from_dict, load_config
-    from rlhf_core.config.loader import read_preset
+    """A run's config: its saved config.yaml (+ overrides) when no preset is given, else the preset."""
+    from rlhf_core.pipeline import resolve_run_config as resolve
 
-    saved = run_dir / "config.yaml" if run_dir else None
-    if preset is None and saved is not None and saved.is_file():
-        return apply_overrides(config_from_dict(read_preset(saved)), overrides)
-    return load_config(preset, overrides)
+    return resolve(run_dir, preset, overrides)
 
 
-def _print_result(result) -> None:
-    status = "skipped (up to date)" if result.skipped else f"done in {result.seconds:.1f}s"
-    where = f" iteration {result.iteration}" if result.iteration is not None else ""
-    print(f"[{result.stage}{where}] {status}")
-    for line in result.summary:
+def _prefect_env() -> None:
+    """Prefect keeps its database and results under the project's state directory."""
+    from rlhf_core.paths import state_dir
+
+    os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect"))
+
+
+def _print_result(result: dict) -> None:
+    status = "skipped (up to date)" if result["skipped"] else f"done in {result['seconds']:.1f}s"
+    where = f" iteration {result['iteration']}" if result.get("iteration") is not None else ""
+    print(f"[{result['stage']}{where}] {status}")
+    for line in result.get("summary", []):
         print(f"  {line}")
+    if result.get("action"):
+        print(f"  guard verdict applied: {result['action']}")
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -109,46 +142,52 @@ def cmd_config_show(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_stage(args: argparse.Namespace) -> int:
+def _stage_local(args: argparse.Namespace, overrides: list[str]) -> dict:
     from rlhf_core.config import to_yaml
     from rlhf_core.io.rundir import RunDir, RunLock, write_config
     from rlhf_core.stages import get_stage
 
+    cfg = resolve_run_config(args.run_dir, args.preset, overrides)
+    run = RunDir(args.run_dir)
+    with RunLock(run):
+        write_config(run, to_yaml(cfg))
+        return get_stage(args.stage).load()(cfg, run, getattr(args, "iteration", None), force=args.force).to_dict()
+
+
+def cmd_stage(args: argparse.Namespace) -> int:
     overrides = list(args.overrides)
     if getattr(args, "nproc", None):
         overrides.append(f"trainer.nproc={args.nproc}")
-    cfg = resolve_run_config(args.run_dir, args.preset, overrides)
-    run = RunDir(args.run_dir)
-    spec = get_stage(args.stage)
-    with RunLock(run):
-        write_config(run, to_yaml(cfg))
-        result = spec.load()(cfg, run, getattr(args, "iteration", None), force=args.force)
+    if args.local:
+        result = _stage_local(args, overrides)
+    else:
+        _prefect_env()
+        from flows.stage import StageParams, rlhf_stage
+
+        result = rlhf_stage(StageParams(stage=args.stage, run_dir=str(args.run_dir.resolve()),
+                                        iteration=getattr(args, "iteration", None), config=args.preset,
+                                        overrides=overrides, force=args.force))
     _print_result(result)
     return 0
 
 
-def _new_run_dir(cfg, run_name: Optional[str]) -> Path:
-    from rlhf_core.paths import resolve_path
-
-    root = resolve_path(cfg.trainer.runs_root) if Path(cfg.trainer.runs_root).is_absolute() else Path(
-        cfg.trainer.runs_root).resolve()
-    name = run_name or time.strftime("%Y%m%d-%H%M%S")
-    path = root / name
-    if path.exists() and any(path.iterdir()):
-        raise SystemExit(f"run directory {path} already exists; pick another --run-name or use --resume {path}")
-    return path
-
-
 def cmd_run(args: argparse.Namespace) -> int:
-    from rlhf_core.pipeline import run_pipeline
+    _prefect_env()
+    from flows.pipeline import PipelineParams, rlhf_pipeline
 
-    if args.resume:
-        cfg = resolve_run_config(args.resume, args.preset, args.overrides)
-        run_dir = args.resume
-    else:
-        cfg = resolve_run_config(None, args.preset, args.overrides)
-        run_dir = _new_run_dir(cfg, args.run_name)
-    run_pipeline(cfg, run_dir, resume=bool(args.resume))
+    params = PipelineParams(config=args.preset if args.preset or args.resume else None,
+                            overrides=list(args.overrides), iterations=args.iterations,
+                            run_name=args.run_name, resume=str(args.resume.resolve()) if args.resume else None)
+    summary = rlhf_pipeline(params)
+    print(f"run directory: {summary['run_dir']}")
+    last_good = summary.get("last_good")
+    print(f"last-good: iteration {last_good['iteration']}" if last_good else "last-good: none")
+    exported = summary.get("export") or {}
+    if exported.get("exported"):
+        print(f"exported actor: {exported['path']}")
+    elif exported.get("reason"):
+        print(f"export: {exported['reason']}")
+    print(f"MLflow run: {summary['mlflow_run_id']}  (rlhf status {summary['run_dir']} | rlhf query {summary['run_dir']} ...)")
     return 0
 
 
@@ -156,8 +195,57 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rlhf_core.paths import project_root
 
     ns = argparse.Namespace(preset=str(project_root() / "configs" / "demo.yaml"), overrides=args.overrides,
-                            run_name=None, resume=None)
+                            run_name=args.run_name, resume=None, iterations=None)
     return cmd_run(ns)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from rlhf_core.query import format_status
+
+    _require_run_dir(args.run_dir)
+    print(format_status(args.run_dir))
+    return 0
+
+
+def cmd_query(args: argparse.Namespace) -> int:
+    import duckdb
+
+    from rlhf_core.errors import RLHFError
+    from rlhf_core.query import format_table, query
+
+    _require_run_dir(args.run_dir)
+    try:
+        table = query(args.run_dir, args.sql)
+    except duckdb.Error as exc:
+        raise RLHFError(f"query failed: {exc}\n(views: prompts, rejects, generation_batches, rollouts, scored, "
+                        "advantages, response_kl, validation, metrics, metrics_wide, stages, events)") from None
+    print(format_table(table, max_rows=args.max_rows))
+    if args.csv:
+        import pyarrow.csv as pacsv
+
+        pacsv.write_csv(table, args.csv)
+        print(f"wrote {args.csv}")
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from rlhf_core.export import export_actor
+    from rlhf_core.io.rundir import RunDir, RunLock
+
+    _require_run_dir(args.run_dir)
+    run = RunDir(args.run_dir)
+    cfg = resolve_run_config(run.root, None, args.overrides)
+    with RunLock(run):
+        path = export_actor(cfg, run, args.out)
+    print(f"exported the last-good actor to {path}")
+    return 0
+
+
+def _require_run_dir(path: Path) -> None:
+    from rlhf_core.errors import RLHFError
+
+    if not (Path(path) / "config.yaml").is_file():
+        raise RLHFError(f"{path} is not a run directory (no config.yaml); runs live under trainer.runs_root")
 
 
 def cmd_build_tiny(args: argparse.Namespace) -> int:
@@ -176,14 +264,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {
         "config": cmd_config_show, "stage": cmd_stage, "run": cmd_run, "demo": cmd_demo,
-        "model": cmd_build_tiny,
+        "status": cmd_status, "query": cmd_query, "export": cmd_export, "model": cmd_build_tiny,
     }
     try:
         return handlers[args.command](args) or 0
     except (RLHFError, FileNotFoundError) as exc:
         # user errors: one clear line, no traceback
         print(f"rlhf: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 2
+        return 3 if type(exc).__name__ == "KLGuardHalt" else 2
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.errors import CheckpointError
+from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.io.atomic import TMP_MARK, atomic_write_json
 from rlhf_core.io.manifest import read_manifest, set_status, write_manifest
 from rlhf_core.io.pointers import read_last_good, write_last_good
@@ -40,6 +40,10 @@ from the last-good actor, which the rollback keeps, so a retry reuses them."""
 GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts",
                   "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.log_prob",
                   "actor_rollout_ref.model", "actor_rollout_ref.ref", "trainer.device")
+
+
+class KLGuardHalt(RLHFError):
+    """The guard rolled back an iteration and the policy (halt, or retries used up) stops the run."""
 
 
 def verdict_path(run: RunDir, k: int) -> Path:
@@ -275,6 +279,15 @@ def commit_iteration(run: RunDir, k: int) -> dict:
     set_status(run, k, "guard", "done", committed=True)
     run.append_event("commit", k, previous_last_good=previous.get("iteration") if previous else None)
     return record
+
+
+def check_committed(run: RunDir, k: int) -> None:
+    """Prefect logs and swallows a failing commit hook (and then rolls back): fail loudly instead."""
+    record = read_last_good(run)
+    if not record or record.get("iteration") != k:
+        raise CheckpointError(f"iteration {k} of {run.root} passed the KL guard but last_good.json does not point "
+                              f"at it (see the commit hook's error in the flow log); rerun with `rlhf run --resume "
+                              f"{run.root}`")
 
 
 def discard_checkpoint(run: RunDir, k: int) -> bool:

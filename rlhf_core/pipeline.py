@@ -1,26 +1,236 @@
-"""In-process pipeline driver used until the Prefect flow (flows/) takes over `rlhf run`.
+"""Run planning for the pipeline: which run directory, which iterations, what is due when.
 
-Runs the setup stages (preprocess → pack) on a run directory and prints their summaries.
+The Prefect flow (flows/pipeline.py) only wires tasks; every decision it needs lives here, as plain
+functions that tests call without Prefect:
+
+    plan = plan_run(preset="configs/demo.yaml", overrides=[...], run_name="demo"); open_run(plan)
+    for k in plan.iterations(): ...  validate_due(cfg, k), prune_checkpoints(cfg, run), ...
+
+Checkpoint retention: every iteration's update writes iter_k/checkpoint; after the guard commits
+an iteration, only the last-good checkpoint and the last ``trainer.max_ckpt_to_keep`` checkpoints of
+save points (every ``trainer.save_freq`` iterations, and the final one) are kept.
 """
 
 from __future__ import annotations
 
+import math
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional, Sequence
 
-from rlhf_core.config import RLHFConfig, to_yaml
-from rlhf_core.io.rundir import RunDir, RunLock, write_config
-from rlhf_core.stages import STAGES
+from rlhf_core.config import RLHFConfig, apply_overrides, config_from_dict, load_config, to_yaml
+from rlhf_core.config.loader import read_preset
+from rlhf_core.errors import RLHFError
+from rlhf_core.io.manifest import read_manifest, write_manifest
+from rlhf_core.io.pointers import read_last_good
+from rlhf_core.io.rundir import ITERATION_STAGES, RunDir, write_config
+from rlhf_core.paths import resolve_path
 
 
-def run_pipeline(cfg: RLHFConfig, run_dir: str | Path, resume: bool = False) -> RunDir:
-    run = RunDir(run_dir)
-    with RunLock(run):
-        write_config(run, to_yaml(cfg))
-        print(f"run directory: {run.root}")
-        for name in ("preprocess", "pack"):
-            result = STAGES[name].load()(cfg, run, None)
-            status = "skipped (up to date)" if result.skipped else f"done in {result.seconds:.1f}s"
-            print(f"[{name}] {status}")
-            for line in result.summary:
-                print(f"  {line}")
-    return run
+@dataclass
+class RunPlan:
+    cfg: RLHFConfig
+    run: RunDir
+    first_iteration: int
+    """The next iteration to run: 1 for a new run, last-good + 1 on resume."""
+    resumed: bool
+
+    @property
+    def last_iteration(self) -> int:
+        return self.cfg.trainer.total_iterations
+
+    def iterations(self) -> range:
+        return range(self.first_iteration, self.last_iteration + 1)
+
+
+def resolve_run_config(run_dir: Optional[Path], preset: Optional[str], overrides: Sequence[str]) -> RLHFConfig:
+    """A run's config: its saved config.yaml (+ overrides) when no preset is given, else the preset
+    (+ overrides)."""
+    saved = Path(run_dir) / "config.yaml" if run_dir else None
+    if preset is None and saved is not None and saved.is_file():
+        return apply_overrides(config_from_dict(read_preset(saved)), overrides)
+    return load_config(resolve_path(preset) if preset else None, overrides)
+
+
+def new_run_dir(cfg: RLHFConfig, run_name: Optional[str]) -> Path:
+    """runs_root/<run_name or a timestamp>; refuses a non-empty existing directory."""
+    root = Path(cfg.trainer.runs_root).expanduser().resolve()
+    path = root / (run_name or time.strftime("%Y%m%d-%H%M%S"))
+    if path.exists() and any(path.iterdir()):
+        raise RLHFError(f"run directory {path} already exists; pick another run name or resume it with "
+                        f"`rlhf run --resume {path}`")
+    return path
+
+
+def resume_point(run: RunDir) -> int:
+    """The first iteration not yet committed: last-good + 1 (1 when nothing was committed)."""
+    record = read_last_good(run)
+    return record["iteration"] + 1 if record else 1
+
+
+def plan_run(preset: Optional[str] = None, overrides: Sequence[str] = (), iterations: Optional[int] = None,
+             run_name: Optional[str] = None, resume: Optional[str | Path] = None) -> RunPlan:
+    """Resolve the config and the run directory and say where to start; writes nothing.
+
+    ``resume`` names an existing run directory: its saved config (plus ``overrides``) is used and the
+    run continues after its last committed iteration. ``iterations`` overrides
+    trainer.total_iterations. Call ``open_run`` once the run directory is locked.
+    """
+    overrides = list(overrides) + ([f"trainer.total_iterations={iterations}"] if iterations else [])
+    if resume:
+        run = RunDir(resume)
+        if not run.config_path.is_file():
+            raise RLHFError(f"cannot resume {run.root}: it has no config.yaml (is it a run directory?)")
+        cfg = resolve_run_config(run.root, preset, overrides)
+        return RunPlan(cfg=cfg, run=run, first_iteration=resume_point(run), resumed=True)
+    cfg = resolve_run_config(None, preset, overrides)
+    return RunPlan(cfg=cfg, run=RunDir(new_run_dir(cfg, run_name)), first_iteration=1, resumed=False)
+
+
+def open_run(plan: RunPlan) -> None:
+    """Save the run's config (a resume's overrides included) and note a resume in the event log."""
+    from rlhf_core.io.atomic import clean_temporaries
+
+    plan.run.root.mkdir(parents=True, exist_ok=True)
+    if plan.resumed:
+        removed = clean_temporaries(plan.run.root)  # leftovers of writes a crash interrupted
+        plan.run.append_event("resume", plan.first_iteration, cleaned=[str(p) for p in removed])
+    write_config(plan.run, to_yaml(plan.cfg))
+
+
+def save_config(run: RunDir, cfg: RLHFConfig) -> None:
+    """Persist a changed config (e.g. a retry's smaller learning rate) so a resume continues with it."""
+    write_config(run, to_yaml(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# schedule
+# ---------------------------------------------------------------------------------------------
+
+
+def validate_due(cfg: RLHFConfig, k: int) -> bool:
+    """Validate every trainer.test_freq iterations and after the last one."""
+    return k % cfg.trainer.test_freq == 0 or k == cfg.trainer.total_iterations
+
+
+def save_due(cfg: RLHFConfig, k: int) -> bool:
+    """Keep iteration ``k``'s checkpoint past the next commit (every trainer.save_freq, and the last)."""
+    return k % cfg.trainer.save_freq == 0 or k == cfg.trainer.total_iterations
+
+
+def prune_checkpoints(cfg: RLHFConfig, run: RunDir) -> list[int]:
+    """Delete committed checkpoints that are neither last-good nor among the last
+    trainer.max_ckpt_to_keep save points; note it in the update record. Returns the iterations."""
+    from rlhf_core.guard import committed_iterations, discard_checkpoint
+
+    record = read_last_good(run)
+    last_good = record["iteration"] if record else None
+    committed = committed_iterations(run)
+    save_points = [k for k in committed if save_due(cfg, k)]
+    keep = set(save_points[-cfg.trainer.max_ckpt_to_keep:] if cfg.trainer.max_ckpt_to_keep > 0 else [])
+    keep.add(last_good)
+    removed = []
+    for k in committed:
+        if k in keep or not run.checkpoint(k).exists():
+            continue
+        discard_checkpoint(run, k)
+        manifest = read_manifest(run, k)
+        if "update" in manifest:
+            manifest["update"]["checkpoint_pruned"] = True
+            write_manifest(run, k, manifest)
+        removed.append(k)
+    return removed
+
+
+def mark_skipped(run: RunDir, k: Optional[int], stage: str) -> None:
+    """Note that the last invocation of ``stage`` reused its outputs (shown as 'skipped')."""
+    manifest = read_manifest(run, k)
+    if stage in manifest:
+        manifest[stage]["skipped_at"] = time.time()
+        write_manifest(run, k, manifest)
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics
+# ---------------------------------------------------------------------------------------------
+
+ALIASES = {
+    "guard/kl_mean": "kl/mean",  # the guarded KL(actor‖ref) after the update
+}
+"""Stage metric → the name the dashboards use, when they differ."""
+
+
+def iteration_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
+    """Every stage metric of iteration ``k`` (manifest records, aliases applied), plus
+    perf/stage_seconds/<stage>, perf/iteration_seconds and perf/tokens_per_s; written to
+    iter_k/metrics.json (merged over what is there) and returned."""
+    manifest = read_manifest(run, k)
+    out: dict[str, float] = dict(run.read_json(run.metrics(k)) or {})
+    seconds = 0.0
+    for stage, rec in manifest.items():
+        if rec.get("status") not in ("done", "stale"):
+            continue
+        for name, value in (rec.get("metrics") or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                out[ALIASES.get(name, name)] = float(value)
+        if rec.get("seconds") is not None:
+            out[f"perf/stage_seconds/{stage}"] = float(rec["seconds"])
+            seconds += float(rec["seconds"]) if stage in ITERATION_STAGES or stage == "validate" else 0.0
+    out["perf/iteration_seconds"] = seconds
+    tokens = iteration_tokens(run, k)
+    if tokens and seconds > 0:
+        out["perf/tokens_per_s"] = tokens / seconds
+    out["iteration"] = float(k)
+    from rlhf_core.io.atomic import atomic_write_json
+
+    atomic_write_json(run.metrics(k), out)
+    return out
+
+
+def iteration_tokens(run: RunDir, k: int) -> int:
+    """Prompt + response tokens of iteration ``k``'s rollout (0 when absent)."""
+    if not run.rollout(k).is_file():
+        return 0
+    import pyarrow.compute as pc
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(run.rollout(k), columns=["prompt_token_ids", "response_length"])
+    prompt = pc.sum(pc.list_value_length(table.column("prompt_token_ids"))).as_py() or 0
+    response = pc.sum(table.column("response_length")).as_py() or 0
+    return int(prompt + response)
+
+
+ROW_COLUMNS = (("iter", "iteration", "{:>4.0f}"), ("reward", "reward/mean", "{:>7.3f}"),
+               ("acc", "val/accuracy", "{:>6.3f}"), ("kl", "kl/mean", "{:>8.4f}"),
+               ("clipfrac", "actor/pg_clipfrac", "{:>8.3f}"), ("grad_norm", "actor/grad_norm", "{:>9.3f}"),
+               ("seconds", "perf/iteration_seconds", "{:>7.1f}"))
+
+
+def format_iteration_header() -> str:
+    widths = [len(fmt.format(0.0)) for _, _, fmt in ROW_COLUMNS]
+    return " ".join(title.rjust(w) for (title, _, _), w in zip(ROW_COLUMNS, widths))
+
+
+def format_iteration_row(metrics: dict[str, float], note: str = "") -> str:
+    """One line of the CLI's per-iteration table ('-' where a metric is absent)."""
+    cells = []
+    for _, key, fmt in ROW_COLUMNS:
+        value = metrics.get(key)
+        width = len(fmt.format(0.0))
+        cells.append(fmt.format(value) if isinstance(value, (int, float)) else "-".rjust(width))
+    return " ".join(cells) + (f"  {note}" if note else "")
+
+
+def alerts(cfg: RLHFConfig, metrics: dict[str, float]) -> list[str]:
+    """Lines worth a warning: KL above the rollback threshold, clip fraction below 0.1 (the policy
+    barely moves any more: a convergence signal)."""
+    out = []
+    kl = metrics.get("kl/mean")
+    if kl is not None and kl > cfg.trainer.kl_rollback_threshold:
+        out.append(f"KL {kl:.4f} above trainer.kl_rollback_threshold={cfg.trainer.kl_rollback_threshold} "
+                   "(rolled back)")
+    clipfrac = metrics.get("actor/pg_clipfrac")
+    if clipfrac is not None and clipfrac < 0.1:
+        out.append(f"actor/pg_clipfrac {clipfrac:.3f} < 0.1: updates are small (a convergence signal)")
+    return out

@@ -1,0 +1,140 @@
+"""The pipeline flow: preprocess and pack once, then N iterations of
+
+    rollout → score → gae → [ update → kl-guard ] → (validate) → finish-iteration
+
+where the bracket is one Prefect transaction: when the guard's verdict is "rollback" the flow
+rolls the transaction back, whose hooks discard the new checkpoint and restore the KL controller
+(tasks.stages); otherwise it commits, whose hook moves last_good. After a rollback,
+``trainer.on_kl_breach`` decides: retry the iteration (smaller learning rate, larger KL coefficient,
+at most ``trainer.max_rollbacks`` times) or halt the flow run with a message saying how to go on.
+The flow holds the run directory's lock; it contains wiring only (decisions live in rlhf_core).
+
+    rlhf run -c configs/demo.yaml trainer.total_iterations=4      (CLI)
+    rlhf_pipeline(PipelineParams(config="configs/demo.yaml", iterations=4))   (Python / deployment)
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Optional
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from prefect import flow
+from prefect.transactions import transaction
+
+from rlhf_core.config import RLHFConfig, apply_overrides
+from rlhf_core.guard import KLGuardHalt, check_committed
+from rlhf_core.io.rundir import RunDir, RunLock
+from rlhf_core.pipeline import RunPlan, format_iteration_header, format_iteration_row, open_run, plan_run, validate_due
+from tasks import reporting
+from tasks.guard import handle_breach_task
+from tasks.iteration import begin_iteration_task, finish_iteration_task, finish_tracking_task, start_tracking_task
+from tasks.stages import (
+    export_task, gae_task, guard_task, pack_task, preprocess_task, rollout_task, score_task, update_task, validate_task,
+)
+
+
+class PipelineParams(BaseModel):
+    """What the Prefect UI's Run form asks for."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    config: Optional[str] = Field("configs/demo.yaml", description="YAML preset: defaults ← preset ← overrides. "
+                                  "Ignored on resume (the run's saved config is used).")
+    overrides: list[str] = Field(default_factory=list, description="Dotted overrides, e.g. "
+                                 "algorithm.kl_ctrl.kl_coef=0.002")
+    iterations: Optional[int] = Field(None, ge=1, description="PPO iterations (sets trainer.total_iterations)")
+    run_name: Optional[str] = Field(None, pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
+                                    description="Run directory name under trainer.runs_root (default: a timestamp)")
+    resume: Optional[str] = Field(None, description="An existing run directory to continue after its last "
+                                  "committed iteration")
+
+    @field_validator("overrides")
+    @classmethod
+    def _dotted(cls, values: list[str]) -> list[str]:
+        for v in values:
+            if "=" not in v or v.startswith("="):
+                raise ValueError(f"override {v!r} must look like dotted.key=value")
+        return values
+
+
+def _flow_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters.get("params") or {}
+    get = params.get if isinstance(params, dict) else lambda key: getattr(params, key, None)
+    if get("resume"):
+        return f"resume-{str(get('resume')).rstrip('/').rsplit('/', 1)[-1]}"
+    return f"run-{get('run_name') or 'new'}"
+
+
+@flow(name="rlhf-pipeline", flow_run_name=_flow_run_name, persist_result=False)
+def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
+    """Run (or resume) a PPO RLHF run; returns {run_dir, mlflow_run_id, last_good, metrics, export}."""
+    plan = plan_run(preset=None if params.resume else params.config, overrides=params.overrides,
+                    iterations=params.iterations, run_name=params.run_name, resume=params.resume)
+    with RunLock(plan.run):
+        open_run(plan)
+        mlflow_run_id = start_tracking_task(plan.cfg, str(plan.run.root))
+        try:
+            summary = train(plan, mlflow_run_id)
+        except KLGuardHalt as exc:
+            finish_tracking_task(mlflow_run_id, "FAILED", reason=str(exc))
+            raise
+        except Exception as exc:
+            finish_tracking_task(mlflow_run_id, "FAILED", reason=f"{type(exc).__name__}: {exc}")
+            raise
+        finish_tracking_task(mlflow_run_id)
+    return {**summary, "mlflow_run_id": mlflow_run_id}
+
+
+def train(plan: RunPlan, mlflow_run_id: str) -> dict:
+    """The iteration loop (setup stages first); prints one table row per iteration."""
+    from tqdm.auto import tqdm
+
+    cfg, run_dir = plan.cfg, str(plan.run.root)
+    preprocess_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
+    pack_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
+    total = cfg.trainer.total_iterations
+    progress = reporting.progress_start(plan.run, total, done=plan.first_iteration - 1)
+    metrics: dict = {}
+    with tqdm(total=total, initial=plan.first_iteration - 1, desc="iterations", unit="it",
+              dynamic_ncols=True) as bar:
+        bar.write(format_iteration_header())
+        for k in plan.iterations():
+            cfg = run_iteration(cfg, run_dir, k, mlflow_run_id)
+            if validate_due(cfg, k):
+                validate_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
+            closed = finish_iteration_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id, progress_id=progress)
+            metrics = closed["metrics"]
+            bar.write(format_iteration_row(metrics, note="; ".join(closed["alerts"])))
+            bar.update(1)
+    exported = export_task(cfg, run_dir, mlflow_run_id=mlflow_run_id) if plan.iterations() else None
+    return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
+            "export": exported}
+
+
+def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: str) -> RLHFConfig:
+    """Iteration k until the guard commits it; returns the config it committed with (a retry
+    changes it). Raises KLGuardHalt when the breach policy stops the run."""
+    for attempt in itertools.count(1):
+        begin_iteration_task(run_dir, k)
+        rollout_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
+        score_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
+        gae_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
+        with transaction() as txn:
+            for key, value in (("run_dir", run_dir), ("iteration", k), ("attempt", attempt),
+                               ("policy", cfg.trainer.on_kl_breach)):
+                txn.set(key, value)
+            update_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
+            decision = guard_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)["verdict"]["decision"]
+            if decision == "rollback":
+                txn.rollback()
+        if decision == "commit":
+            check_committed(RunDir(run_dir), k)
+            return cfg
+        outcome = handle_breach_task(cfg, run_dir, k, attempt, mlflow_run_id=mlflow_run_id)
+        if outcome["action"] == "halt":
+            raise KLGuardHalt(outcome["message"])
+        cfg = apply_overrides(cfg, outcome["overrides"])
+    raise AssertionError("unreachable")

@@ -1,0 +1,98 @@
+"""One stage as its own flow run: what `rlhf stage NAME --run-dir RUN [--iteration K]` runs.
+
+The stage reads the inputs already in the run directory, replaces its outputs atomically and marks
+the stages after it stale (rlhf_core.stages.base.execute_stage). Its MLflow run is nested under the
+run directory's pipeline run. A guard rerun acts on its verdict on disk: commit moves last_good; a
+breach discards the iteration's checkpoint and restores the KL controller (an iteration that is
+already committed is only re-measured, never rolled back by hand).
+"""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from prefect import flow, task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf_core.guard import commit_iteration, discard_checkpoint, rollback_count, rollback_iteration
+from rlhf_core.io.pointers import read_last_good
+from rlhf_core.io.rundir import RunDir, RunLock
+from rlhf_core.pipeline import resolve_run_config, save_config
+from rlhf_core.stages import STAGES
+from tasks import reporting
+from tasks.iteration import finish_iteration_task, finish_tracking_task, start_tracking_task
+from tasks.stages import STAGE_TASKS
+
+StageName = Literal["preprocess", "pack", "rollout", "score", "gae", "update", "guard", "validate"]
+
+
+class StageParams(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    stage: StageName = Field(description="The stage to (re)run")
+    run_dir: str = Field(description="The run directory (created for setup stages if absent)")
+    iteration: Optional[int] = Field(None, ge=1, description="Iteration K (per-iteration stages only)")
+    config: Optional[str] = Field(None, description="YAML preset; default: the run's saved config.yaml")
+    overrides: list[str] = Field(default_factory=list, description="Dotted key=value overrides")
+    force: bool = Field(False, description="Rerun even when inputs and config are unchanged")
+
+    @model_validator(mode="after")
+    def _iteration_matches_stage(self) -> "StageParams":
+        per_iteration = STAGES[self.stage].per_iteration
+        if per_iteration and self.iteration is None:
+            raise ValueError(f"stage {self.stage!r} runs per iteration: give iteration=K")
+        if not per_iteration and self.iteration is not None:
+            raise ValueError(f"stage {self.stage!r} is a setup stage: it takes no iteration")
+        return self
+
+
+def _stage_run_name() -> str:
+    from prefect.runtime import flow_run
+
+    params = flow_run.parameters.get("params") or {}
+    get = params.get if isinstance(params, dict) else lambda key: getattr(params, key, None)
+    return f"{get('stage')}" + (f"-iter{get('iteration')}" if get("iteration") else "")
+
+
+@task(name="apply-guard-verdict", task_run_name="apply-verdict-iter{iteration}", cache_policy=NO_CACHE,
+      persist_result=False)
+def apply_verdict_task(run_dir: str, iteration: int, decision: str) -> str:
+    """Act on a rerun guard's verdict (no transaction: this flow has no update to undo)."""
+    run = RunDir(run_dir)
+    log = reporting.logger()
+    last_good = read_last_good(run)
+    if last_good and last_good["iteration"] >= iteration:
+        log.warning("iteration %d is already committed (last-good is %d): verdict %r recorded, nothing moved",
+                    iteration, last_good["iteration"], decision)
+        return "recorded"
+    if decision == "commit":
+        commit_iteration(run, iteration)
+        return "committed"
+    discard_checkpoint(run, iteration)
+    rollback_iteration(run, iteration, policy="stage-rerun", attempt=rollback_count(run, iteration) + 1)
+    log.warning("iteration %d rolled back by the guard rerun", iteration)
+    return "rolled_back"
+
+
+@flow(name="rlhf-stage", flow_run_name=_stage_run_name, persist_result=False)
+def rlhf_stage(params: StageParams) -> dict:
+    """Rerun one stage on a run directory; returns the stage result."""
+    run = RunDir(params.run_dir)
+    with RunLock(run):
+        cfg = resolve_run_config(run.root, params.config, params.overrides)
+        save_config(run, cfg)
+        mlflow_run_id = start_tracking_task(cfg, str(run.root), stage=params.stage, iteration=params.iteration)
+        try:
+            stage_task = STAGE_TASKS[params.stage]
+            args = (cfg, str(run.root)) + ((params.iteration,) if params.iteration is not None else ())
+            result = stage_task(*args, force=params.force, mlflow_run_id=mlflow_run_id)
+            if params.stage == "guard":
+                result["action"] = apply_verdict_task(str(run.root), params.iteration, result["verdict"]["decision"])
+            if params.iteration is not None:
+                finish_iteration_task(cfg, str(run.root), params.iteration, mlflow_run_id=mlflow_run_id)
+        except Exception as exc:
+            finish_tracking_task(mlflow_run_id, "FAILED", reason=f"{type(exc).__name__}: {exc}")
+            raise
+        finish_tracking_task(mlflow_run_id)
+    return result

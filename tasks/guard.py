@@ -1,0 +1,74 @@
+"""What follows a KL breach: record it everywhere, then retry the iteration or halt the run.
+
+The rollback itself already happened in the transaction hooks (tasks.stages); this task checks it
+left the run directory as promised, records the event (MLflow tag and metrics, a Prefect artifact,
+a warning in the flow log) and applies ``trainer.on_kl_breach``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf_core.config import RLHFConfig, apply_overrides
+from rlhf_core.errors import CheckpointError
+from rlhf_core.guard import halt_message, read_verdict, retry_overrides
+from rlhf_core.io.manifest import read_manifest
+from rlhf_core.io.pointers import read_last_good
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.pipeline import save_config
+from tasks import reporting, tracking
+
+
+def check_rolled_back(run: RunDir, k: int) -> None:
+    """Prefect logs and swallows a failing rollback hook; fail loudly instead of training on."""
+    problems = []
+    if run.checkpoint(k).exists():
+        problems.append(f"{run.checkpoint(k)} still exists")
+    if read_manifest(run, k).get("update", {}).get("status") not in ("rolled_back", None):
+        problems.append("the update record is not marked rolled_back")
+    record = read_last_good(run)
+    if record and record.get("iteration") == k:
+        problems.append("last_good points at the rolled-back iteration")
+    if problems:
+        raise CheckpointError(f"rollback of iteration {k} in {run.root} did not complete: {'; '.join(problems)} "
+                              "(see the rollback hook's error in the flow log)")
+
+
+@task(name="kl-breach", task_run_name="kl-breach-iter{iteration}", cache_policy=NO_CACHE, persist_result=False)
+def handle_breach_task(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
+                       mlflow_run_id: Optional[str] = None) -> dict:
+    """Returns {"action": "retry", "overrides": [...], "changes": {...}} or {"action": "halt", "message"}."""
+    run = RunDir(run_dir)
+    k = iteration
+    check_rolled_back(run, k)
+    verdict = read_verdict(run, k) or {}
+    t = cfg.trainer
+    log = reporting.logger()
+    alert = (f"KL alert: iteration {k} KL(actor‖ref) {verdict.get('kl_mean', float('nan')):.4f} > "
+             f"threshold {t.kl_rollback_threshold} — rolled back (attempt {attempt})")
+    log.warning(alert)
+    if mlflow_run_id:
+        tracking.set_tags(mlflow_run_id, {f"rollback.iter_{k}.attempt_{attempt}": alert, "rollback": "true"})
+        tracking.log_metrics(mlflow_run_id, {"guard/rollback": 1.0, "guard/rollback_kl": verdict.get("kl_mean", 0.0),
+                                             "guard/rollback_attempt": float(attempt)}, step=k)
+    if t.on_kl_breach == "retry" and attempt <= t.max_rollbacks:
+        overrides, changes = retry_overrides(cfg, run, k)
+        save_config(run, apply_overrides(cfg, overrides))
+        run.append_event("retry", k, attempt=attempt, changes=changes)
+        text = ", ".join(f"{key} {old:.3g} → {new:.3g}" for key, (old, new) in changes.items()) or "no change"
+        log.warning("retrying iteration %d (%d of at most %d): %s", k, attempt, t.max_rollbacks, text)
+        outcome = {"action": "retry", "overrides": overrides, "changes": changes}
+    else:
+        reason = ("trainer.on_kl_breach=halt" if t.on_kl_breach == "halt"
+                  else f"trainer.max_rollbacks={t.max_rollbacks} retries used")
+        outcome = {"action": "halt", "message": halt_message(run, k, reason)}
+        run.append_event("halt", k, reason=reason)
+    reporting.markdown(
+        f"## KL rollback — iteration {k}, attempt {attempt}\n\n{alert}\n\n"
+        f"- decision: **{outcome['action']}**\n"
+        + (f"- changes: {outcome['changes']}\n" if outcome["action"] == "retry" else f"- {outcome['message']}\n"),
+        key=reporting.artifact_key(run, "kl-rollback"), description=f"KL rollback at iteration {k}")
+    return outcome

@@ -1,0 +1,184 @@
+"""One Prefect task per stage: a thin wrapper over the core stage function.
+
+Each task resolves the run directory, calls ``run_<stage>(cfg, run, iteration, force)``, logs the
+stage's metrics to MLflow (one batch, step = iteration) and publishes a markdown artifact with the
+stage's summary. Tasks take and return small things: the config, paths, a result dict (never
+tensors). Prefect's result caching is off: whether a stage reruns is decided by the run's manifest
+(same input hashes and config hash → skipped), which also survives a crash and a CLI rerun.
+
+Retries only where the failure can be a transient I/O error (``OSError`` other than a missing file
+or a permission problem); never on the update, whose optimizer step is not idempotent, nor on the
+guard, whose verdict decides a commit.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.pipeline import mark_skipped
+from rlhf_core.stages import get_stage
+from tasks import reporting, tracking
+
+NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
+
+
+def transient_io_error(task, task_run, state) -> bool:
+    """Retry condition: the task failed with an OSError that may pass (a busy or flaky filesystem)."""
+    try:
+        state.result(raise_on_failure=True)
+    except OSError as exc:
+        return not isinstance(exc, NOT_TRANSIENT)
+    except BaseException:
+        return False
+    return False
+
+
+IO_RETRIES = dict(retries=2, retry_delay_seconds=3, retry_condition_fn=transient_io_error)
+NO_RESULTS = dict(cache_policy=NO_CACHE, persist_result=False)
+
+
+def execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int], force: bool,
+            mlflow_run_id: Optional[str]) -> dict[str, Any]:
+    """Run one stage and report it (MLflow metrics, Prefect artifact, run log)."""
+    run = RunDir(run_dir)
+    result = get_stage(stage).load()(cfg, run, iteration, force=force)
+    log = reporting.logger()
+    if result.skipped:
+        mark_skipped(run, iteration, stage)
+    elif mlflow_run_id:
+        metrics = dict(result.metrics)
+        metrics[f"perf/stage_seconds/{stage}"] = result.seconds
+        tracking.log_metrics(mlflow_run_id, metrics, step=iteration)
+    where = f" iteration {iteration}" if iteration is not None else ""
+    log.info("[%s%s] %s", stage, where, "skipped (up to date)" if result.skipped else f"done in {result.seconds:.1f}s")
+    for line in result.summary:
+        log.info("  %s", line)
+    out = result.to_dict()
+    reporting.markdown(reporting.stage_markdown(out), description=f"{stage}{where}")
+    return out
+
+
+@task(name="preprocess", **NO_RESULTS, **IO_RETRIES)
+def preprocess_task(cfg: RLHFConfig, run_dir: str, force: bool = False, mlflow_run_id: Optional[str] = None) -> dict:
+    """Raw prompt files → prompts/train.parquet, val.parquet, rejects.parquet."""
+    return execute("preprocess", cfg, run_dir, None, force, mlflow_run_id)
+
+
+@task(name="pack", **NO_RESULTS, **IO_RETRIES)
+def pack_task(cfg: RLHFConfig, run_dir: str, force: bool = False, mlflow_run_id: Optional[str] = None) -> dict:
+    """Train prompts → token-budget generation batches."""
+    return execute("pack", cfg, run_dir, None, force, mlflow_run_id)
+
+
+@task(name="rollout", task_run_name="rollout-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
+def rollout_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
+                 mlflow_run_id: Optional[str] = None) -> dict:
+    """Sample responses from the last-good actor → iter_K/rollout.parquet."""
+    return execute("rollout", cfg, run_dir, iteration, force, mlflow_run_id)
+
+
+@task(name="score", task_run_name="score-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
+def score_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
+               mlflow_run_id: Optional[str] = None) -> dict:
+    """Rewards, old/ref log-probs and values → iter_K/scored.parquet."""
+    return execute("score", cfg, run_dir, iteration, force, mlflow_run_id)
+
+
+@task(name="gae", task_run_name="gae-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
+def gae_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
+             mlflow_run_id: Optional[str] = None) -> dict:
+    """KL-in-reward penalty and GAE → iter_K/advantages.parquet (updates the KL controller)."""
+    return execute("gae", cfg, run_dir, iteration, force, mlflow_run_id)
+
+
+@task(name="update", task_run_name="update-iter{iteration}", **NO_RESULTS)
+def update_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
+                mlflow_run_id: Optional[str] = None) -> dict:
+    """PPO update of actor and critic → iter_K/checkpoint/. Never retried."""
+    return execute("update", cfg, run_dir, iteration, force, mlflow_run_id)
+
+
+@task(name="kl-guard", task_run_name="kl-guard-iter{iteration}", **NO_RESULTS)
+def guard_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
+               mlflow_run_id: Optional[str] = None) -> dict:
+    """Measure KL(actor‖ref) of the new actor → the verdict (commit / rollback) in iter_K/guard.json.
+    Acting on it is left to the transaction hooks (tasks.guard)."""
+    from rlhf_core.guard import read_verdict
+
+    out = execute("guard", cfg, run_dir, iteration, force, mlflow_run_id)
+    out["verdict"] = read_verdict(RunDir(run_dir), iteration)
+    return out
+
+
+@task(name="validate", task_run_name="validate-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
+def validate_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
+                  mlflow_run_id: Optional[str] = None) -> dict:
+    """Sampled accuracy of the current actor on the validation prompts (val/accuracy)."""
+    return execute("validate", cfg, run_dir, iteration, force, mlflow_run_id)
+
+
+@task(name="export", **NO_RESULTS, **IO_RETRIES)
+def export_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: Optional[str] = None) -> dict:
+    """Merge LoRA (if any) and save the last-good actor in Hugging Face format, when the latest
+    validation accuracy clears trainer.export_min_val_score; a refusal is reported, not raised."""
+    from rlhf_core.export import ExportRefused, export_actor
+
+    run = RunDir(run_dir)
+    log = reporting.logger()
+    try:
+        path = export_actor(cfg, run)
+    except ExportRefused as exc:
+        log.warning("export refused: %s", exc)
+        reporting.markdown(f"### export refused\n\n{exc}", key=reporting.artifact_key(run, "export"))
+        if mlflow_run_id:
+            tracking.set_tags(mlflow_run_id, {"export": "refused", "export.reason": str(exc)})
+        return {"exported": False, "reason": str(exc)}
+    log.info("exported the actor to %s", path)
+    reporting.markdown(f"### exported\n\nHugging Face actor: `{path}`", key=reporting.artifact_key(run, "export"))
+    if mlflow_run_id:
+        tracking.set_tags(mlflow_run_id, {"export": str(path)})
+    return {"exported": True, "path": str(path)}
+
+
+STAGE_TASKS = {
+    "preprocess": preprocess_task, "pack": pack_task, "rollout": rollout_task, "score": score_task,
+    "gae": gae_task, "update": update_task, "guard": guard_task, "validate": validate_task,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# transaction hooks: the flow opens a transaction around update + guard and sets "run_dir",
+# "iteration", "policy" and "attempt" on it; the hooks read them back (a child transaction falls
+# back to its parent's values).
+# ---------------------------------------------------------------------------------------------
+
+
+@update_task.on_rollback
+def discard_new_checkpoint(txn) -> None:
+    """Rolled back: the iteration's checkpoint must not survive (last-good stays where it was)."""
+    from rlhf_core.guard import discard_checkpoint
+
+    discard_checkpoint(RunDir(txn.get("run_dir")), int(txn.get("iteration")))
+
+
+@guard_task.on_commit
+def move_last_good(txn) -> None:
+    """Committed: last_good.json → this iteration's checkpoint (atomic)."""
+    from rlhf_core.guard import commit_iteration
+
+    commit_iteration(RunDir(txn.get("run_dir")), int(txn.get("iteration")))
+
+
+@guard_task.on_rollback
+def restore_last_good_state(txn) -> None:
+    """Rolled back: KL controller back to its pre-iteration state, gae/update/guard marked
+    rolled_back, the event appended (the actor, critic and optimizer already are last-good's)."""
+    from rlhf_core.guard import rollback_iteration
+
+    rollback_iteration(RunDir(txn.get("run_dir")), int(txn.get("iteration")), policy=str(txn.get("policy")),
+                       attempt=int(txn.get("attempt")))

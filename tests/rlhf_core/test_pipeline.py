@@ -1,0 +1,82 @@
+"""Run planning: new vs resumed runs, the validation / save schedule, checkpoint pruning, metrics."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pytest
+
+from rlhf_core import pipeline
+from rlhf_core.config import load_config
+from rlhf_core.data import schemas
+from rlhf_core.errors import RLHFError
+from rlhf_core.io.atomic import atomic_write_parquet
+from rlhf_core.io.manifest import read_manifest, record_stage
+from rlhf_core.io.pointers import write_last_good
+from rlhf_core.io.rundir import RunDir
+
+
+def test_new_run_then_resume(tmp_path):
+    plan = pipeline.plan_run(None, [f"trainer.runs_root={tmp_path}"], iterations=3, run_name="a")
+    assert plan.run.root == tmp_path / "a" and list(plan.iterations()) == [1, 2, 3] and not plan.resumed
+    assert not plan.run.root.exists()  # planning writes nothing
+    pipeline.open_run(plan)
+    assert plan.run.config_path.is_file()
+    with pytest.raises(RLHFError, match="already exists"):
+        pipeline.plan_run(None, [f"trainer.runs_root={tmp_path}"], run_name="a")
+    write_last_good(plan.run, 2)
+    resumed = pipeline.plan_run(None, ["trainer.test_freq=5"], resume=plan.run.root)
+    assert resumed.first_iteration == 3 and resumed.cfg.trainer.total_iterations == 3
+    assert resumed.cfg.trainer.test_freq == 5
+    pipeline.open_run(resumed)
+    assert plan.run.events()[-1]["kind"] == "resume"
+    with pytest.raises(RLHFError, match="no config.yaml"):
+        pipeline.plan_run(resume=tmp_path / "nothing")
+
+
+def test_schedule():
+    cfg = load_config(None, ["trainer.total_iterations=7", "trainer.test_freq=3", "trainer.save_freq=2"])
+    assert [k for k in range(1, 8) if pipeline.validate_due(cfg, k)] == [3, 6, 7]
+    assert [k for k in range(1, 8) if pipeline.save_due(cfg, k)] == [2, 4, 6, 7]
+
+
+def test_prune_keeps_last_good_and_the_last_save_points(tmp_path):
+    cfg = load_config(None, ["trainer.total_iterations=9", "trainer.save_freq=2", "trainer.max_ckpt_to_keep=2"])
+    run = RunDir(tmp_path / "run")
+    for k in range(1, 8):
+        run.checkpoint(k).joinpath("actor").mkdir(parents=True)
+        record_stage(run, k, "update", status="done", inputs={}, outputs={}, config_hash="h")
+        record_stage(run, k, "guard", status="done", inputs={}, outputs={}, config_hash="h", committed=k <= 6)
+    write_last_good(run, 6)
+    assert pipeline.prune_checkpoints(cfg, run) == [1, 2, 3, 5]
+    assert [k for k in range(1, 8) if run.checkpoint(k).exists()] == [4, 6, 7]  # 7: not committed yet
+    assert read_manifest(run, 2)["update"]["checkpoint_pruned"] is True
+
+
+def test_iteration_metrics_merge_stage_metrics_and_timings(tmp_path):
+    cfg = load_config(None)
+    run = RunDir(tmp_path / "run")
+    rows = [{"prompt_id": "p", "sample_index": 0, "iteration": 1, "data_source": "arith", "ground_truth": "1",
+             "prompt_token_ids": [1, 2, 3], "response_text": "x", "response_token_ids": [4, 5],
+             "response_length": 2, "finish_reason": "stop", "engine": "hf", "sampling_seed": 1}] * 2
+    atomic_write_parquet(run.rollout(1), pa.Table.from_pylist(rows, schema=schemas.ROLLOUT), schema=schemas.ROLLOUT)
+    record_stage(run, 1, "rollout", status="done", inputs={}, outputs={}, config_hash="h", seconds=2.0,
+                 metrics={"response_length/mean": 2.0})
+    record_stage(run, 1, "guard", status="done", inputs={}, outputs={}, config_hash="h", seconds=3.0,
+                 metrics={"guard/kl_mean": 0.2})
+    record_stage(run, 1, "gae", status="rolled_back", inputs={}, outputs={}, config_hash="h", seconds=9.0,
+                 metrics={"kl/coef": 5.0})
+    metrics = pipeline.iteration_metrics(cfg, run, 1)
+    assert metrics["kl/mean"] == 0.2 and "kl/coef" not in metrics  # rolled-back records do not count
+    assert metrics["perf/stage_seconds/rollout"] == 2.0 and metrics["perf/iteration_seconds"] == 5.0
+    assert metrics["perf/tokens_per_s"] == pytest.approx(10 / 5.0)
+    assert run.read_json(run.metrics(1)) == metrics
+
+
+def test_alerts_and_table_row():
+    cfg = load_config(None, ["trainer.kl_rollback_threshold=0.05"])
+    lines = pipeline.alerts(cfg, {"kl/mean": 0.07, "actor/pg_clipfrac": 0.05})
+    assert len(lines) == 2 and "0.0700" in lines[0] and "convergence" in lines[1]
+    assert pipeline.alerts(cfg, {"kl/mean": 0.05, "actor/pg_clipfrac": 0.2}) == []
+    header = pipeline.format_iteration_header()
+    row = pipeline.format_iteration_row({"iteration": 3, "reward/mean": 0.5, "kl/mean": 0.01})
+    assert len(row) == len(header) and row.split()[:2] == ["3", "0.500"] and row.split()[2] == "-"

@@ -1,0 +1,61 @@
+"""The KL-breach task's policy (retry with smaller steps, or halt) on a rolled-back run directory."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_core.config import load_config, to_yaml
+from rlhf_core.errors import CheckpointError
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.io.manifest import record_stage
+from rlhf_core.io.pointers import write_last_good
+from rlhf_core.io.rundir import RunDir, write_config
+from rlhf_core.pipeline import resolve_run_config
+from tasks.guard import check_rolled_back, handle_breach_task
+
+
+def _rolled_back_run(tmp_path, *overrides):
+    cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-3", "trainer.retry_lr_divisor=100",
+                             "trainer.retry_kl_coef_multiplier=2", *overrides])
+    run = RunDir(tmp_path / "run")
+    run.checkpoint(1).joinpath("actor").mkdir(parents=True)
+    write_last_good(run, 1)
+    write_config(run, to_yaml(cfg))
+    record_stage(run, 2, "update", status="rolled_back", inputs={}, outputs={}, config_hash="h")
+    atomic_write_json(run.iter_dir(2) / "guard.json", {"kl_mean": 0.7, "threshold": 0.05, "decision": "rollback"})
+    atomic_write_json(run.iter_dir(2) / "kl_ctrl_before.json", {"state": {"type": "fixed", "value": 0.01}})
+    atomic_write_json(run.kl_ctrl_path, {"type": "fixed", "value": 0.01})
+    return cfg, run
+
+
+def test_retry_lowers_the_learning_rate_and_raises_the_kl_coefficient(tmp_path):
+    cfg, run = _rolled_back_run(tmp_path, "trainer.on_kl_breach=retry", "trainer.max_rollbacks=2")
+    outcome = handle_breach_task.fn(cfg, str(run.root), 2, attempt=1)
+    assert outcome["action"] == "retry"
+    assert outcome["changes"]["actor_rollout_ref.actor.optim.lr"] == pytest.approx((1e-3, 1e-5))
+    assert run.read_json(run.kl_ctrl_path)["value"] == pytest.approx(0.02)
+    saved = resolve_run_config(run.root, None, [])  # a resume continues with the smaller step
+    assert saved.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-5)
+    assert [e["kind"] for e in run.events()] == ["retry"]
+
+
+def test_retries_are_bounded_then_the_run_halts(tmp_path):
+    cfg, run = _rolled_back_run(tmp_path, "trainer.on_kl_breach=retry", "trainer.max_rollbacks=2")
+    outcome = handle_breach_task.fn(cfg, str(run.root), 2, attempt=3)
+    assert outcome["action"] == "halt"
+    assert "trainer.max_rollbacks=2" in outcome["message"] and f"rlhf run --resume {run.root}" in outcome["message"]
+    assert "last-good is iteration 1" in outcome["message"]
+
+
+def test_halt_policy_halts_at_once(tmp_path):
+    cfg, run = _rolled_back_run(tmp_path, "trainer.on_kl_breach=halt")
+    outcome = handle_breach_task.fn(cfg, str(run.root), 2, attempt=1)
+    assert outcome["action"] == "halt" and "0.7000 > trainer.kl_rollback_threshold" in outcome["message"]
+    assert run.read_json(run.kl_ctrl_path)["value"] == 0.01  # nothing changed for a retry
+
+
+def test_an_incomplete_rollback_is_an_error(tmp_path):
+    cfg, run = _rolled_back_run(tmp_path)
+    run.checkpoint(2).mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="still exists"):
+        check_rolled_back(run, 2)

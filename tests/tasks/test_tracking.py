@@ -1,0 +1,67 @@
+"""MLflow tracking against the embedded SQLite store (real MLflow, no server)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_core.config import flatten, load_config
+from rlhf_core.io.rundir import RunDir
+from tasks import tracking
+
+
+@pytest.fixture(scope="module")
+def shared_home(tmp_path_factory):
+    """One tracking store for the module: creating an SQLite store runs MLflow's migrations (seconds)."""
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture
+def run(tmp_path, shared_home, monkeypatch):
+    monkeypatch.setenv("RLHF_HOME", str(shared_home))
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    return run
+
+
+def test_embedded_store_lives_in_the_state_directory(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking.tracking_uri() == f"sqlite:///{tmp_path / '.rlhf' / 'mlflow' / 'mlflow.db'}"
+    assert tracking.artifact_root() == (tmp_path / ".rlhf" / "mlflow" / "artifacts").as_uri()
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
+    assert tracking.tracking_uri() == "http://127.0.0.1:5000" and tracking.artifact_root() is None
+
+
+def test_one_run_per_run_directory_with_config_params_and_batched_metrics(run, tmp_path):
+    cfg = load_config(None, ["trainer.experiment_name=unit"])
+    run_id = tracking.start_pipeline_run(run, cfg)
+    assert tracking.params_of(run_id) == {k: str(v) for k, v in flatten(cfg).items()}
+    assert tracking.log_metrics(run_id, {"reward/mean": 0.5, "kl/mean": 0.01, "bad": float("nan")}, step=1) == 2
+    tracking.log_metrics(run_id, {"reward/mean": 0.7}, step=2)
+    assert tracking.metric_history(run_id, "reward/mean") == [(1, 0.5), (2, 0.7)]
+    # a resume reopens the same run; a changed value becomes a tag (parameters are immutable)
+    changed = load_config(None, ["trainer.experiment_name=unit", "actor_rollout_ref.actor.optim.lr=1e-7"])
+    assert tracking.start_pipeline_run(run, changed) == run_id
+    assert tracking.tags_of(run_id)["config_change/actor_rollout_ref.actor.optim.lr"] == "1e-06 -> 1e-07"
+    png = tmp_path / "curve.png"
+    png.write_bytes(b"\x89PNG fake")
+    tracking.log_artifact(run_id, png, "plots")
+    assert [a.path for a in tracking.client().list_artifacts(run_id, "plots")] == ["plots/curve.png"]
+    tracking.finish(run_id)
+    assert tracking.client().get_run(run_id).info.status == "FINISHED"
+
+
+def test_stage_reruns_are_nested_under_the_pipeline_run(run):
+    cfg = load_config(None, ["trainer.experiment_name=unit-nested"])
+    parent = tracking.start_pipeline_run(run, cfg)
+    child = tracking.start_stage_run(run, cfg, "score", 1)
+    assert tracking.tags_of(child)["mlflow.parentRunId"] == parent
+    assert [r.info.run_id for r in tracking.child_runs(parent)] == [child]
+    assert tracking.client().get_run(child).info.run_name == "score-iter1"
+
+
+def test_a_wiped_store_starts_a_new_run(run, tmp_path, monkeypatch):
+    cfg = load_config(None, ["trainer.experiment_name=unit"])
+    first = tracking.start_pipeline_run(run, cfg)
+    monkeypatch.setenv("RLHF_HOME", str(tmp_path / "other-home"))
+    assert tracking.read_record(run) is None  # recorded against another store
+    assert tracking.start_pipeline_run(run, cfg) != first

@@ -1,0 +1,67 @@
+"""The CLI commands that need no Prefect server: status, query, export (refusal), argument errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_core.cli import build_parser, main
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.io.manifest import record_stage
+from rlhf_core.io.pointers import write_last_good
+from rlhf_core.io.rundir import RunDir
+
+
+@pytest.fixture
+def run(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.config_path.write_text("trainer:\n  export_min_val_score: 0.5\n")
+    for k in (1, 2):
+        for stage in ("rollout", "score", "gae", "update", "guard"):
+            record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h")
+        atomic_write_json(run.metrics(k), {"reward/mean": 0.1 * k, "kl/mean": 0.01, "val/accuracy": 0.125 * k})
+    record_stage(run, 1, "guard", status="done", inputs={}, outputs={}, config_hash="h", committed=True)
+    write_last_good(run, 1)
+    run.checkpoint(1).joinpath("actor").mkdir(parents=True)
+    return run
+
+
+def test_every_command_is_registered():
+    parser = build_parser()
+    for argv in (["run", "--resume", "x"], ["demo"], ["status", "r"], ["query", "r", "SELECT 1"], ["export", "r"],
+                 ["stage", "guard", "--run-dir", "r", "-k", "2"], ["stage", "validate", "--run-dir", "r", "-k", "1"]):
+        assert parser.parse_args(argv).command == argv[0]
+
+
+def test_status(run, capsys):
+    assert main(["status", str(run.root)]) == 0
+    out = capsys.readouterr().out
+    assert "last-good: iteration 1 (iter_1/checkpoint)" in out
+    assert "committed" in out and "setup: preprocess -, pack -" in out
+
+
+def test_query(run, capsys, tmp_path):
+    csv = tmp_path / "out.csv"
+    sql = "SELECT iteration, value FROM metrics WHERE name = 'val/accuracy' ORDER BY 1"
+    assert main(["query", str(run.root), sql, "--csv", str(csv)]) == 0
+    out = capsys.readouterr().out
+    assert "(2 rows)" in out and "0.25" in out
+    assert csv.read_text().splitlines()[0] == '"iteration","value"'
+
+
+def test_bad_sql_names_the_views(run, capsys):
+    assert main(["query", str(run.root), "SELECT * FROM nope"]) == 2
+    err = capsys.readouterr().err
+    assert "query failed" in err and "rollouts, scored" in err
+
+
+def test_export_refuses_with_the_score(run, capsys):
+    assert main(["export", str(run.root)]) == 2
+    err = capsys.readouterr().err
+    assert "latest validation accuracy 0.2500 (iteration 2)" in err and "export_min_val_score=0.5" in err
+    assert not (run.root / "export").exists()
+
+
+def test_not_a_run_directory(tmp_path, capsys):
+    assert main(["status", str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
