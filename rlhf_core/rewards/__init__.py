@@ -1,0 +1,13 @@
+"""Rewards: verl-compatible rule-based reward functions routed by data_source, and reward models."""
+
+from rlhf_core.rewards.registry import (
+    GSM8K_SOURCES,
+    get_reward_fn,
+    load_user_function,
+    normalize_result,
+    register_reward,
+    registered_sources,
+)
+
+__all__ = ["GSM8K_SOURCES", "get_reward_fn", "load_user_function", "normalize_result", "register_reward",
+           "registered_sources"]

@@ -1,0 +1,168 @@
+"""Reward functions by data source, with verl's signature so a verl user's function works unchanged:
+
+    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+
+A dict result must hold ``"score"``; its other keys are kept (as JSON) in the scored table's
+``reward_extra`` column. Three ways to provide a reward:
+
+1. built in: ``openai/gsm8k``, ``gsm8k`` and ``arith`` route to the GSM8K scorer, configured by
+   ``custom_reward_function.gsm8k_method`` / ``format_score`` / ``score``;
+2. ``@register_reward("my/source")`` on a function in code imported before scoring;
+3. ``custom_reward_function.path`` (``pkg.module:function``, ``pkg.module`` + ``name``, or a ``.py``
+   file + ``name``): as in verl, that one function then scores every row, whatever its data source.
+   The user's code is imported only when this key is set.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Callable, Union
+
+from rlhf_core.config import ConfigError, RLHFConfig
+from rlhf_core.errors import DataError
+
+RewardFn = Callable[..., Union[float, dict]]
+"""compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"""
+
+GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "arith")
+
+_REGISTERED: dict[str, RewardFn] = {}
+
+
+def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: route rows whose ``data_source`` is one of ``data_sources`` to the function."""
+    if not data_sources:
+        raise ValueError("register_reward needs at least one data_source name")
+
+    def decorate(fn: RewardFn) -> RewardFn:
+        for source in data_sources:
+            _REGISTERED[source] = fn
+        return fn
+
+    return decorate
+
+
+def registered_sources() -> list[str]:
+    """Every data_source that has a route (built-in and registered)."""
+    return sorted(set(GSM8K_SOURCES) | set(_REGISTERED))
+
+
+def _gsm8k_route(cfg: RLHFConfig) -> RewardFn:
+    from rlhf_core.rewards import gsm8k
+
+    c = cfg.custom_reward_function
+
+    def score_gsm8k(data_source, solution_str, ground_truth, extra_info=None):
+        return gsm8k.compute_score(solution_str, ground_truth, method=c.gsm8k_method,
+                                   format_score=c.format_score, score=c.score)
+
+    return score_gsm8k
+
+
+def _routes(cfg: RLHFConfig) -> dict[str, RewardFn]:
+    routes = {source: _gsm8k_route(cfg) for source in GSM8K_SOURCES}
+    routes.update(_REGISTERED)  # a registered function overrides a built-in of the same name
+    return routes
+
+
+def _route(routes: dict[str, RewardFn], data_source, solution_str, ground_truth, extra_info=None):
+    fn = routes.get(data_source)
+    if fn is None:
+        raise DataError(
+            f"no reward function for data_source {data_source!r}; registered: {', '.join(sorted(routes))}. "
+            "Register one with @rlhf_core.rewards.register_reward('<data_source>') in code imported "
+            "before scoring, or set custom_reward_function.path=<pkg.module:function | /path/file.py> "
+            "(and custom_reward_function.name) to score every row with your own compute_score"
+        )
+    return fn(data_source, solution_str, ground_truth, extra_info)
+
+
+def get_reward_fn(cfg: RLHFConfig) -> RewardFn:
+    """The callable that scores one response: the user's function when custom_reward_function.path
+    is set (imported now, and only then), else the router over built-in and registered routes."""
+    if cfg.custom_reward_function.path:
+        return load_user_function(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    return functools.partial(_route, _routes(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# user functions
+# ---------------------------------------------------------------------------------------------
+
+
+def _split_target(path: str, name: str) -> tuple[str, str]:
+    """'pkg.mod:fn' → ('pkg.mod', 'fn'); '/a/b.py:fn' → ('/a/b.py', 'fn'); else (path, name)."""
+    head, sep, tail = path.rpartition(":")
+    if sep and tail.isidentifier() and head and not (len(head) == 1 and head.isalpha()):  # not 'C:'
+        return head, tail
+    return path, name
+
+
+def _import_file(file: Path):
+    module_name = "rlhf_user_reward_" + hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]
+    spec = importlib.util.spec_from_file_location(module_name, file)
+    if spec is None or spec.loader is None:
+        raise ConfigError(f"custom_reward_function.path={str(file)!r}: cannot import this file as Python")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module  # dataclasses / typing in the user's file look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+def load_user_function(path: str, name: str = "compute_score") -> RewardFn:
+    """Import the user's reward function from a module path or a ``.py`` file."""
+    target, fn_name = _split_target(path, name)
+    looks_like_file = target.endswith(".py") or "/" in target or "\\" in target
+    if looks_like_file:
+        from rlhf_core.paths import resolve_path
+
+        file = resolve_path(target)
+        if not file.is_file():
+            raise ConfigError(f"custom_reward_function.path={path!r}: file {file} not found")
+        module = _import_file(file)
+    else:
+        try:
+            module = importlib.import_module(target)
+        except ModuleNotFoundError as exc:
+            raise ConfigError(f"custom_reward_function.path={path!r}: cannot import module {target!r} "
+                              f"({exc}); give 'pkg.module:function' on the Python path, or a .py file") from None
+    fn = getattr(module, fn_name, None)
+    if not callable(fn):
+        available = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+        raise ConfigError(f"custom_reward_function: {target!r} has no function {fn_name!r}; set "
+                          f"custom_reward_function.name to one of: {', '.join(available) or '(none)'}")
+    return fn
+
+
+# ---------------------------------------------------------------------------------------------
+# results
+# ---------------------------------------------------------------------------------------------
+
+
+def normalize_result(result: Any, where: str) -> tuple[float, str]:
+    """(score, reward_extra JSON) from a float / int / bool / dict result; ``where`` names the row."""
+    extra: dict = {}
+    if isinstance(result, dict):
+        if "score" not in result:
+            raise DataError(f"{where}: the reward function returned a dict without 'score' "
+                            f"(keys: {', '.join(map(str, result))}); a dict result must hold 'score'")
+        extra = {k: v for k, v in result.items() if k != "score"}
+        result = result["score"]
+    if isinstance(result, (list, tuple)) and result:  # verl tolerates a (score, ...) sequence
+        result = result[0]
+    try:
+        score = float(result)
+    except (TypeError, ValueError):
+        raise DataError(f"{where}: the reward function returned {result!r}; return a number or a "
+                        "dict with a numeric 'score'") from None
+    if not math.isfinite(score):
+        raise DataError(f"{where}: the reward function returned a non-finite score ({score}); "
+                        "NaN or inf would poison the advantages")
+    return score, json.dumps(extra, sort_keys=True, default=str)

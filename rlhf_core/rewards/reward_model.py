@@ -1,0 +1,110 @@
+"""Score responses with a sequence-classification reward model (one scalar per conversation).
+
+The text is the reward model's own chat template over the prompt messages plus an assistant turn
+holding the response, so a reward model trained on a different template than the actor still sees
+the format it knows. The score is the head's output at the LAST REAL token of each sequence.
+
+Why not just call the model: transformers' ``*ForSequenceClassification`` picks "the rightmost
+token that is not ``pad_token_id``", which is wrong whenever a real token equals the pad id (models
+whose pad token is their EOS, and a conversation that ends in EOS, score one token too early or
+read a pad). Here the position comes from the attention mask instead: batches are right-padded,
+the backbone runs once, and the ``score`` head is applied only at each row's last real position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import torch
+
+from rlhf_core.errors import CheckpointError
+
+
+@dataclass
+class RewardModel:
+    model: torch.nn.Module  # AutoModelForSequenceClassification, num_labels = 1, eval mode
+    tokenizer: object  # its tokenizer (chat template required)
+    device: torch.device
+
+
+def load_reward_model(path: str | Path, device: str | torch.device = "cpu",
+                      dtype: torch.dtype = torch.float32) -> RewardModel:
+    """Load ``AutoModelForSequenceClassification`` (one label) and its tokenizer from a local dir."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"reward_model.model_path={str(path)!r} is not a Hugging Face model "
+                              "directory (no config.json); give a local sequence-classification model")
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                               attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise CheckpointError(f"reward model tokenizer at {path} has no chat template; add one to its "
+                              "tokenizer_config.json (the conversation is formatted with it)")
+    if model.config.num_labels != 1:
+        raise CheckpointError(f"reward model at {path} has {model.config.num_labels} labels; a reward "
+                              "model must output one score")
+    device = torch.device(device)
+    return RewardModel(model=model.to(device).eval(), tokenizer=tokenizer, device=device)
+
+
+def conversation_ids(rm: RewardModel, messages: Sequence[dict], response_text: str) -> list[int]:
+    """Token ids of prompt messages + the response as an assistant turn, in the RM's template."""
+    chat = [{"role": m["role"], "content": m["content"]} for m in messages]
+    chat.append({"role": "assistant", "content": response_text})
+    text = rm.tokenizer.apply_chat_template(chat, tokenize=False)
+    return rm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def _right_padded(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, L) input ids right-padded with ``pad_id`` and the (B, L) attention mask."""
+    width = max(len(ids) for ids in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, ids in enumerate(batch):
+        input_ids[row, :len(ids)] = torch.as_tensor(list(ids), dtype=torch.long)
+        mask[row, :len(ids)] = 1
+    return input_ids, mask
+
+
+@torch.no_grad()
+def score_token_batch(rm: RewardModel, batch: Sequence[Sequence[int]]) -> torch.Tensor:
+    """(B,) scores at each sequence's last real token, for a batch of token-id lists."""
+    pad_id = rm.tokenizer.pad_token_id if rm.tokenizer.pad_token_id is not None else 0
+    input_ids, mask = _right_padded(batch, pad_id)
+    input_ids, mask = input_ids.to(rm.device), mask.to(rm.device)
+    last = mask.sum(dim=1) - 1  # (B,) index of the last real token (right padding)
+    rows = torch.arange(len(batch), device=rm.device)
+    head = getattr(rm.model, "score", None)
+    backbone = getattr(rm.model, rm.model.base_model_prefix, None)
+    if isinstance(head, torch.nn.Linear) and backbone is not None:
+        hidden = backbone(input_ids=input_ids, attention_mask=mask, use_cache=False).last_hidden_state
+        return head(hidden[rows, last]).float()[:, 0]  # (B, H) → (B,)
+    # another head layout: let the model pool, after checking it can find the right token
+    if bool((input_ids[rows, last] == pad_id).any()):
+        raise CheckpointError("reward model: a sequence ends in the pad token and this model class pools "
+                              "by pad id; give the tokenizer a pad token distinct from EOS")
+    return rm.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits.float()[:, 0]
+
+
+def score_conversations(rm: RewardModel, prompts: Sequence[Sequence[dict]], responses: Sequence[str],
+                        micro_batch_size: int = 16, progress: Optional[bool] = None) -> list[float]:
+    """Scores for (prompt messages, response text) pairs, ``micro_batch_size`` at a time.
+
+    Sequences are sorted by length before batching so each batch pads little; scores come back in
+    the input order.
+    """
+    from tqdm.auto import tqdm
+
+    ids = [conversation_ids(rm, p, r) for p, r in zip(prompts, responses)]
+    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
+    scores = [0.0] * len(ids)
+    starts = range(0, len(order), micro_batch_size)
+    for s in tqdm(starts, desc="reward model", unit="batch", disable=progress is False, leave=False):
+        chunk = order[s:s + micro_batch_size]
+        for i, value in zip(chunk, score_token_batch(rm, [ids[i] for i in chunk]).tolist()):
+            scores[i] = value
+    return scores

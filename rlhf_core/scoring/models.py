@@ -1,0 +1,88 @@
+"""Loading the models scoring runs (actor, reference, critic) and telling identical weights apart."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from rlhf_core.errors import CheckpointError
+
+
+def scoring_device(preference: str = "auto") -> torch.device:
+    """trainer.device: 'auto' → CUDA when present, else CPU."""
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def scoring_dtype(device: torch.device, deepspeed_dtype: str = "auto") -> torch.dtype:
+    """The dtype the update stage trains in, so old log-probs and the first update's log-probs come
+    from the same arithmetic: fp32 on CPU (no fast bf16 here), else the DeepSpeed dtype (auto = bf16)."""
+    if device.type == "cpu":
+        return torch.float32
+    return {"fp32": torch.float32, "fp16": torch.float16}.get(deepspeed_dtype, torch.bfloat16)
+
+
+def _require_model_dir(path: Path, role: str) -> None:
+    if not (path / "config.json").is_file():
+        raise CheckpointError(f"{role} model at {path} is missing config.json; point the config at a "
+                              "Hugging Face model directory (or rerun the stage that writes it)")
+
+
+def attention_implementation(device: torch.device) -> str:
+    """flash_attention_2 on CUDA when flash-attn is installed (packed rows then run the varlen
+    kernel, no mask), else sdpa with the 4-D block-diagonal mask."""
+    import importlib.util
+
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, role: str = "actor"):
+    """``AutoModelForCausalLM`` in eval mode, attention from ``attention_implementation``."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    _require_model_dir(path, role)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype,
+                                                 attn_implementation=attention_implementation(device))
+    return model.to(device).eval()
+
+
+def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype):
+    """The value model: ``AutoModelForTokenClassification`` with one label, eval mode (no dropout)."""
+    from transformers import AutoModelForTokenClassification
+
+    path = Path(path)
+    _require_model_dir(path, "critic")
+    model = AutoModelForTokenClassification.from_pretrained(
+        path, num_labels=1, dtype=dtype, attn_implementation=attention_implementation(device))
+    return model.to(device).eval()
+
+
+def weights_fingerprint(path: str | Path) -> Optional[str]:
+    """sha256 over config.json and every *.safetensors file (None when there are no safetensors
+    weights: then nothing can be proven equal). Tokenizer files are left out: they do not change the
+    log-probs of given token ids."""
+    path = Path(path)
+    weights = sorted(path.glob("*.safetensors"))
+    if not weights or not (path / "config.json").is_file():
+        return None
+    h = hashlib.sha256()
+    for f in [path / "config.json", *weights]:
+        h.update(f.name.encode())
+        with open(f, "rb") as fh:
+            while chunk := fh.read(1 << 20):
+                h.update(chunk)
+    return h.hexdigest()
+
+
+def same_weights(a: str | Path, b: str | Path) -> bool:
+    """True only when both directories hold byte-identical config and safetensors weights, so
+    log-probs computed under one are exactly those of the other."""
+    fa = weights_fingerprint(a)
+    return fa is not None and fa == weights_fingerprint(b)

@@ -1,0 +1,275 @@
+"""Stage `score`: iter_K/rollout.parquet → iter_K/scored.parquet (everything the advantage step needs).
+
+    rlhf stage score --run-dir RUN --iteration K [-c PRESET] [key=value ...]
+
+Per response: a sequence-level ``reward`` (the reward model when ``reward_model.enable``, else the
+reward function routed by ``data_source``), and three per-token lists, each exactly
+``response_length`` long: ``old_log_probs`` under the actor that generated (at the rollout
+temperature), ``ref_log_probs`` under the frozen reference (same temperature), ``values`` under the
+critic. The model passes run over token-budget packed micro-batches
+(``actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu``). When the actor and reference hold
+byte-identical weights (iteration 1) the reference pass is skipped and the actor's log-probs reused.
+
+Inspect it with DuckDB:  SELECT avg(reward) FROM 'RUN/iter_1/scored.parquet'
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.errors import DataError, RLHFError
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.stages.base import StageResult, execute_stage
+
+CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
+
+
+@dataclass
+class ModelPaths:
+    actor: Path
+    reference: Path
+    critic: Path
+    reward_model: Optional[Path]
+
+
+def _model_paths(cfg: RLHFConfig, run: RunDir) -> ModelPaths:
+    from rlhf_core.io.pointers import actor_path, critic_path, reference_path
+    from rlhf_core.paths import resolve_model_path
+
+    rm = None
+    if cfg.reward_model.enable:
+        if not cfg.reward_model.model_path:
+            raise RLHFError("reward_model.enable=true needs reward_model.model_path=<local sequence-"
+                            "classification model dir>; or set reward_model.enable=false for rule-based rewards")
+        rm = resolve_model_path(cfg.reward_model.model_path)
+    return ModelPaths(actor=actor_path(cfg, run), reference=reference_path(cfg),
+                      critic=critic_path(cfg, run), reward_model=rm)
+
+
+def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
+    """Score iteration ``iteration``'s rollout; skipped when its inputs and config are unchanged."""
+    if iteration is None or iteration < 1:
+        raise RLHFError("score is a per-iteration stage: give --iteration K (K >= 1)")
+    rollout_path = run.rollout(iteration)
+    if not rollout_path.is_file():
+        raise DataError(f"{rollout_path} not found: run `rlhf stage rollout --run-dir {run.root} "
+                        f"--iteration {iteration}` first")
+    if not run.train_prompts.is_file():
+        raise DataError(f"{run.train_prompts} not found: run `rlhf stage preprocess --run-dir {run.root}` first")
+    models = _model_paths(cfg, run)
+    inputs = [rollout_path, run.train_prompts, models.actor, models.reference, models.critic]
+    if models.reward_model is not None:
+        inputs.append(models.reward_model)
+
+    def body() -> StageResult:
+        return _score(cfg, run, iteration, models)
+
+    return execute_stage(stage="score", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
+                         config_sections=CONFIG_SECTIONS, body=body, force=force)
+
+
+def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> StageResult:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from rlhf_core.data.schemas import SCORED
+    from rlhf_core.io.atomic import atomic_write_parquet
+    from rlhf_core.scoring import Throughput
+
+    rollout_path = run.rollout(iteration)
+    table = pq.read_table(rollout_path)
+    rows = table.to_pylist()
+    _check_rollout(rows, rollout_path)
+    prompts = _prompt_lookup(run.train_prompts, rows)
+    if models.reward_model is not None:
+        rewards, extras = _reward_model_scores(cfg, models.reward_model, rows, prompts)
+    else:
+        rewards, extras = _rule_rewards(cfg, rows, prompts, rollout_path)
+    meter = Throughput()
+    old, ref, values, ref_reused = _model_passes(cfg, models, rows, meter)
+    _check_lengths(rows, {"old_log_probs": old, "ref_log_probs": ref, "values": values})
+    scored = table
+    for name, column in [("reward", rewards), ("reward_extra", extras), ("old_log_probs", old),
+                         ("ref_log_probs", ref), ("values", values)]:
+        scored = scored.append_column(name, pa.array(column, type=SCORED.field(name).type))
+    out = run.scored(iteration)
+    atomic_write_parquet(out, scored, schema=SCORED)
+    metrics = _metrics(cfg, rows, rewards, old, ref, meter, rule_based=models.reward_model is None)
+    summary = _summary(rows, metrics, meter, ref_reused, out)
+    return StageResult(stage="score", iteration=iteration, outputs={"scored": str(out)},
+                       rows={"scored": len(rows)}, metrics=metrics, summary=summary)
+
+
+# ---------------------------------------------------------------------------------------------
+# inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def _where(path: Path, i: int, row: dict) -> str:
+    return f"{path} row {i} (prompt_id={row['prompt_id']!r}, sample_index={row['sample_index']})"
+
+
+def _check_rollout(rows: list[dict], path: Path) -> None:
+    if not rows:
+        raise DataError(f"{path} has no rows: the rollout produced no responses; rerun the rollout stage")
+    for i, row in enumerate(rows):
+        n = len(row["response_token_ids"] or [])
+        if row["response_length"] != n:
+            raise DataError(f"{_where(path, i, row)}: response_length={row['response_length']} but "
+                            f"response_token_ids holds {n} tokens; rerun the rollout stage")
+        if not row["prompt_token_ids"]:
+            raise DataError(f"{_where(path, i, row)}: empty prompt_token_ids; rerun preprocess and rollout")
+
+
+def _prompt_lookup(prompts_path: Path, rows: list[dict]) -> dict[str, dict]:
+    """prompt_id → {"prompt": chat messages, "extra_info": dict} for the prompts the rollout used."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(prompts_path, columns=["prompt_id", "prompt", "extra_info"])
+    lookup = {r["prompt_id"]: r for r in table.to_pylist()}
+    missing = sorted({r["prompt_id"] for r in rows} - set(lookup))
+    if missing:
+        raise DataError(f"{len(missing)} rollout prompt_id(s) are not in {prompts_path} (first: "
+                        f"{missing[0]!r}); the prompts were re-preprocessed after the rollout: rerun the "
+                        "rollout stage")
+    return lookup
+
+
+# ---------------------------------------------------------------------------------------------
+# rewards
+# ---------------------------------------------------------------------------------------------
+
+
+def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
+                  path: Path) -> tuple[list[float], list[str]]:
+    from tqdm.auto import tqdm
+
+    from rlhf_core.rewards import get_reward_fn, normalize_result
+
+    reward_fn = get_reward_fn(cfg)
+    rewards, extras = [], []
+    for i, row in enumerate(tqdm(rows, desc="rewards", unit="resp", leave=False)):
+        extra_info = prompts[row["prompt_id"]]["extra_info"]
+        where = _where(path, i, row)
+        try:
+            result = reward_fn(row["data_source"], row["response_text"], row["ground_truth"], extra_info)
+        except RLHFError as exc:
+            raise type(exc)(f"{where}: {exc}") from None
+        except Exception as exc:  # a bug in the user's function: keep its traceback, add the row
+            exc.add_note(f"while scoring {where} with the reward function")
+            raise
+        score, extra = normalize_result(result, where)
+        rewards.append(score)
+        extras.append(extra)
+    return rewards, extras
+
+
+def _reward_model_scores(cfg: RLHFConfig, path: Path, rows: list[dict],
+                         prompts: dict[str, dict]) -> tuple[list[float], list[str]]:
+    import json
+
+    from rlhf_core.rewards.reward_model import load_reward_model, score_conversations
+    from rlhf_core.scoring import scoring_device, scoring_dtype
+
+    device = scoring_device(cfg.trainer.device)
+    rm = load_reward_model(path, device, scoring_dtype(device))
+    messages = [prompts[r["prompt_id"]]["prompt"] for r in rows]
+    scores = score_conversations(rm, messages, [r["response_text"] for r in rows],
+                                 micro_batch_size=cfg.reward_model.micro_batch_size)
+    del rm
+    gc.collect()
+    return scores, [json.dumps({"rm_score": s}) for s in scores]
+
+
+# ---------------------------------------------------------------------------------------------
+# model passes
+# ---------------------------------------------------------------------------------------------
+
+
+def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
+    """(old log-probs, ref log-probs, values, whether ref reused the actor's), each a list of lists."""
+    from rlhf_core.scoring import (
+        compute_token_logprobs, compute_token_values, load_causal_lm, load_critic, same_weights,
+        scoring_device, scoring_dtype,
+    )
+
+    device = scoring_device(cfg.trainer.device)
+    dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
+    rollout = cfg.actor_rollout_ref.rollout
+    sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
+    prompt_lengths = [len(r["prompt_token_ids"]) for r in rows]
+    common = dict(sequences=sequences, prompt_lengths=prompt_lengths,
+                  budget=rollout.log_prob_max_token_len_per_gpu, throughput=meter)
+
+    def logprobs(path: Path, role: str) -> list[list[float]]:
+        model = load_causal_lm(path, device, dtype, role=role)
+        out = compute_token_logprobs(model, temperature=rollout.temperature, pad_id=_pad_id(model),
+                                     desc=f"{role} log-probs", **common)
+        del model
+        gc.collect()
+        return [t.tolist() for t in out]
+
+    old = logprobs(models.actor, "actor")
+    ref_reused = same_weights(models.actor, models.reference)
+    ref = [list(x) for x in old] if ref_reused else logprobs(models.reference, "reference")
+    critic = load_critic(models.critic, device, dtype)
+    values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common)
+    values = [t.tolist() for t in values]
+    del critic
+    gc.collect()
+    return old, ref, values, ref_reused
+
+
+def _pad_id(model) -> int:
+    """Any valid id works (padding is masked out); the model's own pad id when it has one."""
+    pad = getattr(model.config, "pad_token_id", None)
+    return int(pad) if pad is not None else 0
+
+
+def _check_lengths(rows: list[dict], columns: dict[str, list[list[float]]]) -> None:
+    for name, column in columns.items():
+        for i, (row, values) in enumerate(zip(rows, column)):
+            if len(values) != row["response_length"]:  # a bug, not user input: fail before writing
+                raise AssertionError(f"{name} of row {i} has {len(values)} entries, "
+                                     f"expected {row['response_length']}")
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+
+def _metrics(cfg: RLHFConfig, rows, rewards, old, ref, meter, rule_based: bool) -> dict[str, float]:
+    lengths = [r["response_length"] for r in rows]
+    tokens = max(1, sum(lengths))
+    metrics = {
+        "reward/mean": statistics.fmean(rewards),
+        "reward/std": statistics.pstdev(rewards),
+        "response_length/mean": statistics.fmean(lengths),
+        "perf/score_tokens_per_s": meter.tokens_per_s,
+        "perf/score_model_seconds": meter.seconds,
+        "kl/old_ref_mean": sum(o - r for lo, lr in zip(old, ref) for o, r in zip(lo, lr)) / tokens,
+    }
+    if rule_based and not cfg.custom_reward_function.path:
+        correct = sum(r >= cfg.custom_reward_function.score for r in rewards)
+        metrics["reward/accuracy"] = correct / len(rewards)
+    return metrics
+
+
+def _summary(rows, metrics, meter, ref_reused: bool, out: Path) -> list[str]:
+    lines = [f"{len(rows)} responses, {sum(r['response_length'] for r in rows)} response tokens "
+             f"(mean length {metrics['response_length/mean']:.1f})",
+             f"reward mean {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f}"
+             + (f", accuracy {metrics['reward/accuracy']:.3f}" if "reward/accuracy" in metrics else "")]
+    passes = ", ".join(f"{name} ({n} micro-batches)" for name, n in meter.passes.items())
+    reuse = "; reference = actor (identical weights): its log-probs reused" if ref_reused else ""
+    lines.append(f"model passes: {passes}{reuse}")
+    lines.append(f"scoring throughput {meter.tokens_per_s:,.0f} tokens/s ({meter.tokens:,} tokens in "
+                 f"{meter.seconds:.1f}s)")
+    lines.append(f"wrote {out}")
+    return lines

@@ -1,0 +1,121 @@
+"""Reward routing by data_source, user functions (module:function and file path), dict results."""
+
+from __future__ import annotations
+
+import json
+import sys
+import textwrap
+
+import pytest
+
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.errors import DataError
+from rlhf_core.rewards import get_reward_fn, normalize_result, register_reward, registered_sources
+from rlhf_core.rewards import registry
+
+
+@pytest.fixture(autouse=True)
+def _clean_registry(monkeypatch):
+    monkeypatch.setattr(registry, "_REGISTERED", {})
+
+
+@pytest.mark.parametrize("source", ["openai/gsm8k", "gsm8k", "arith"])
+def test_builtin_gsm8k_routes_use_the_configured_method(source):
+    strict = get_reward_fn(load_config(None, []))
+    flexible = get_reward_fn(load_config(None, ["custom_reward_function.gsm8k_method=flexible",
+                                                "custom_reward_function.format_score=0.1"]))
+    assert strict(source, "#### 12", "12") == 1.0
+    assert strict(source, "The answer is 12", "12") == 0.0
+    assert flexible(source, "The answer is 12", "12") == 1.0
+    assert flexible(source, "The answer is 13", "12", None) == 0.1
+
+
+def test_unknown_data_source_lists_routes_and_says_how_to_add_one():
+    fn = get_reward_fn(load_config(None, []))
+    with pytest.raises(DataError) as err:
+        fn("my/dataset", "x", "y")
+    message = str(err.value)
+    assert "'my/dataset'" in message and "openai/gsm8k" in message
+    assert "register_reward" in message and "custom_reward_function.path" in message
+
+
+def test_registered_function_gets_verl_arguments_and_overrides_builtin():
+    seen = []
+
+    @register_reward("my/dataset", "arith")
+    def exact(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append((data_source, extra_info))
+        return float(solution_str.strip() == ground_truth)
+
+    fn = get_reward_fn(load_config(None, []))
+    assert fn("my/dataset", " yes ", "yes", {"index": 3}) == 1.0
+    assert fn("arith", "#### 12", "12") == 0.0  # the registered function now owns 'arith'
+    assert seen == [("my/dataset", {"index": 3}), ("arith", None)]
+    assert {"my/dataset", "openai/gsm8k"} <= set(registered_sources())
+
+
+USER_MODULE = textwrap.dedent("""
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        return {"score": 0.5 if data_source == "anything" else 0.25, "length": len(solution_str)}
+
+    def other(data_source, solution_str, ground_truth, extra_info=None):
+        return 2
+""")
+
+
+def test_user_function_from_module_path(tmp_path, monkeypatch):
+    (tmp_path / "my_rewards_mod.py").write_text(USER_MODULE)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    try:
+        fn = get_reward_fn(load_config(None, ["custom_reward_function.path=my_rewards_mod:other"]))
+        assert fn("openai/gsm8k", "x", "y") == 2  # the user's function scores every data source
+        fn = get_reward_fn(load_config(None, ["custom_reward_function.path=my_rewards_mod"]))
+        assert fn("anything", "abc", "y") == {"score": 0.5, "length": 3}
+    finally:
+        sys.modules.pop("my_rewards_mod", None)
+
+
+def test_user_function_from_file_path_with_name(tmp_path):
+    file = tmp_path / "reward.py"
+    file.write_text(USER_MODULE)
+    fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={file}",
+                                          "custom_reward_function.name=other"]))
+    assert fn("x", "y", "z") == 2
+    fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={file}:compute_score"]))
+    assert fn("x", "hello", "z")["length"] == 5
+
+
+def test_user_code_is_not_imported_unless_configured(tmp_path):
+    """A reward file that leaves a marker when imported: an unset path never executes it."""
+    marker = tmp_path / "imported.txt"
+    file = tmp_path / "side_effect.py"
+    file.write_text(f"open({str(marker)!r}, 'w').write('x')\n" + USER_MODULE)
+    get_reward_fn(load_config(None, []))("arith", "#### 1", "1")
+    assert not marker.exists()
+    get_reward_fn(load_config(None, [f"custom_reward_function.path={file}"]))
+    assert marker.exists()  # the test can fail: configured, it is imported
+
+
+def test_user_function_errors_name_the_key_and_the_fix(tmp_path):
+    file = tmp_path / "reward.py"
+    file.write_text(USER_MODULE)
+    with pytest.raises(ConfigError, match="custom_reward_function.name to one of: compute_score, other"):
+        get_reward_fn(load_config(None, [f"custom_reward_function.path={file}",
+                                         "custom_reward_function.name=missing"]))
+    with pytest.raises(ConfigError, match="not found"):
+        get_reward_fn(load_config(None, [f"custom_reward_function.path={tmp_path / 'nope.py'}"]))
+    with pytest.raises(ConfigError, match="cannot import module"):
+        get_reward_fn(load_config(None, ["custom_reward_function.path=no_such_pkg.rewards:fn"]))
+
+
+def test_normalize_result():
+    assert normalize_result(1, "row 0") == (1.0, "{}")
+    assert normalize_result(True, "row 0") == (1.0, "{}")
+    score, extra = normalize_result({"score": 0.5, "acc": True, "pred": "18"}, "row 0")
+    assert score == 0.5 and json.loads(extra) == {"acc": True, "pred": "18"}
+    with pytest.raises(DataError, match="row 7.*without 'score'"):
+        normalize_result({"acc": 1.0}, "row 7")
+    with pytest.raises(DataError, match="non-finite"):
+        normalize_result(float("nan"), "row 1")
+    with pytest.raises(DataError, match="return a number"):
+        normalize_result("high", "row 2")

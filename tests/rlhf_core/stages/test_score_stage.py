@@ -1,0 +1,182 @@
+"""The score stage: rollout table → scored table (rewards, old/ref log-probs, values), rerun rules, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rlhf_core.config import load_config
+from rlhf_core.data.schemas import PROMPTS, ROLLOUT, SCORED
+from rlhf_core.errors import DataError
+from rlhf_core.io.atomic import atomic_write_parquet
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.stages.score import run_score
+
+DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
+
+# (response text, expected strict reward): right, wrong, no answer
+RESPONSES = [("3 + 4 = 7\n#### {a}", 1.0), ("I think #### {w}", 0.0), ("no idea", 0.0)]
+
+
+def load_questions(path, n):
+    return [json.loads(line) for line in path.read_text().splitlines()[:n]]
+
+
+def write_run_inputs(run: RunDir, tokenizer, questions, data_source="arith", n_samples=3, iteration=1):
+    """A prompts table and an iteration's rollout table, built directly with the declared schemas.
+    Sample j of every prompt gets RESPONSES[j]; returns the expected rewards in row order."""
+    prompt_rows, rollout_rows, expected = [], [], []
+    for i, q in enumerate(questions):
+        messages = [{"role": "user", "content": q["question"]}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        answer = q["answer"].rsplit("####", 1)[1].strip()
+        prompt_rows.append(dict(
+            prompt_id=f"p{i}", data_source=data_source, prompt=messages, ability="math",
+            reward_model={"style": "rule", "ground_truth": answer},
+            extra_info={"split": "train", "index": i, "question": q["question"], "answer": q["answer"],
+                        "source_file": "test", "source_row": i},
+            prompt_text=text, prompt_token_ids=ids, prompt_length=len(ids)))
+        for j in range(n_samples):
+            template, reward = RESPONSES[j % len(RESPONSES)]
+            response = template.format(a=answer, w=answer + "1")
+            response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            rollout_rows.append(dict(
+                prompt_id=f"p{i}", sample_index=j, iteration=iteration, data_source=data_source,
+                ground_truth=answer, prompt_token_ids=ids, response_text=response,
+                response_token_ids=response_ids, response_length=len(response_ids), finish_reason="stop",
+                engine="offline", sampling_seed=0))
+            expected.append(reward)
+    atomic_write_parquet(run.train_prompts, pa.Table.from_pylist(prompt_rows, schema=PROMPTS), schema=PROMPTS)
+    atomic_write_parquet(run.rollout(iteration), pa.Table.from_pylist(rollout_rows, schema=ROLLOUT), schema=ROLLOUT)
+    return expected
+
+
+@pytest.fixture
+def tokenizer(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(tiny_model_dir)
+
+
+def demo_config(tiny_model_dir, *extra):
+    return load_config(DEMO, [f"actor_rollout_ref.model.path={tiny_model_dir}",
+                                             "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=512",
+                                             *extra])
+
+
+def test_score_stage_on_embedded_data(tmp_path, repo_root, tiny_model_dir, tokenizer):
+    import duckdb
+
+    from rlhf_core.scoring import compute_token_logprobs, compute_token_values, load_causal_lm, load_critic
+
+    run = RunDir(tmp_path / "run")
+    expected = write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 8))
+    cfg = demo_config(tiny_model_dir, "actor_rollout_ref.rollout.temperature=0.7")
+    result = run_score(cfg, run, 1)
+
+    table = pq.read_table(run.scored(1))
+    assert table.schema.equals(SCORED, check_metadata=False)
+    rows = table.to_pylist()
+    assert [r["reward"] for r in rows] == expected
+    for r in rows:
+        for col in ("old_log_probs", "ref_log_probs", "values"):
+            assert len(r[col]) == r["response_length"]
+        assert r["old_log_probs"] == r["ref_log_probs"]  # iteration 1: reference = initial actor
+        assert all(lp <= 0 for lp in r["old_log_probs"]) and r["reward_extra"] == "{}"
+
+    # the stored numbers are the models' (at the rollout temperature), not just the right shapes
+    seqs = [r["prompt_token_ids"] + r["response_token_ids"] for r in rows]
+    plens = [len(r["prompt_token_ids"]) for r in rows]
+    actor = load_causal_lm(tiny_model_dir, torch.device("cpu"), torch.float32)
+    direct = compute_token_logprobs(actor, seqs, plens, 4096, temperature=0.7, progress=False)
+    critic = load_critic(run.models_dir / "critic_init", torch.device("cpu"), torch.float32)
+    values = compute_token_values(critic, seqs, plens, 4096, progress=False)
+    for r, lp, v in zip(rows, direct, values):
+        torch.testing.assert_close(torch.tensor(r["old_log_probs"]), lp, atol=1e-5, rtol=0)
+        torch.testing.assert_close(torch.tensor(r["values"]), v, atol=1e-5, rtol=0)
+
+    assert result.metrics["reward/mean"] == pytest.approx(sum(expected) / len(expected))
+    assert result.metrics["reward/accuracy"] == pytest.approx(1 / 3)
+    assert result.metrics["perf/score_tokens_per_s"] > 0 and result.rows == {"scored": 24}
+    assert any("identical weights" in line for line in result.summary)
+    mean = duckdb.sql(f"SELECT avg(reward) FROM '{run.scored(1)}'").fetchall()[0][0]
+    assert mean == pytest.approx(sum(expected) / len(expected))
+
+    again = run_score(cfg, run, 1)
+    assert again.skipped and again.metrics["reward/mean"] == result.metrics["reward/mean"]
+    changed = run_score(demo_config(tiny_model_dir, "custom_reward_function.format_score=0.5"), run, 1)
+    assert not changed.skipped  # a reward setting changed: rescored
+    assert [r["reward"] for r in pq.read_table(run.scored(1)).to_pylist()][:3] == [1.0, 0.5, 0.0]
+
+
+def test_different_reference_and_reward_model(tmp_path, repo_root, tiny_model_dir, tokenizer):
+    """A reference with other weights gets its own pass; reward_model.enable scores with the RM."""
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+
+    ref_dir, rm_dir = tmp_path / "ref", tmp_path / "rm"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    model.save_pretrained(ref_dir)
+    torch.manual_seed(5)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    rm.config.pad_token_id = tokenizer.pad_token_id
+    rm.save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+
+    run = RunDir(tmp_path / "run")
+    write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 4), n_samples=2)
+    cfg = demo_config(tiny_model_dir, f"actor_rollout_ref.ref.model_path={ref_dir}", "reward_model.enable=true",
+                      f"reward_model.model_path={rm_dir}", "reward_model.micro_batch_size=3")
+    result = run_score(cfg, run, 1)
+    rows = pq.read_table(run.scored(1)).to_pylist()
+    assert all(r["old_log_probs"] != r["ref_log_probs"] for r in rows)
+    assert all(len(r["ref_log_probs"]) == r["response_length"] for r in rows)
+    assert all(json.loads(r["reward_extra"])["rm_score"] == pytest.approx(r["reward"]) for r in rows)
+    assert len({r["reward"] for r in rows}) > 1 and "reward/accuracy" not in result.metrics
+    assert not any("identical weights" in line for line in result.summary)
+
+
+def test_score_from_the_cli_on_gsm8k_prompts(tmp_path, gsm8k_train, tiny_model_dir, tokenizer, capsys):
+    from rlhf_core.cli import main
+
+    run = RunDir(tmp_path / "run")
+    expected = write_run_inputs(run, tokenizer, load_questions(gsm8k_train, 4), data_source="openai/gsm8k")
+    argv = ["stage", "score", "--local", "--run-dir", str(run.root), "--iteration", "1", "-c", str(DEMO),
+            f"actor_rollout_ref.model.path={tiny_model_dir}", "custom_reward_function.gsm8k_method=flexible"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "[score iteration 1] done" in out and "tokens/s" in out and "accuracy" in out
+    rewards = [r["reward"] for r in pq.read_table(run.scored(1), columns=["reward"]).to_pylist()]
+    # flexible reads the wrong "#### <answer>1" as wrong, and "no idea" has no number: same as strict
+    assert rewards == expected
+    assert main(argv) == 0 and "skipped (up to date)" in capsys.readouterr().out
+
+
+def test_missing_rollout_and_mismatched_lengths_are_clear_errors(tmp_path, repo_root, tiny_model_dir, tokenizer):
+    run = RunDir(tmp_path / "run")
+    cfg = demo_config(tiny_model_dir)
+    with pytest.raises(DataError, match="rlhf stage rollout"):
+        run_score(cfg, run, 1)
+    write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 1), n_samples=1)
+    table = pq.read_table(run.rollout(1))
+    bad = table.set_column(table.schema.get_field_index("response_length"), "response_length",
+                           pa.array([99], pa.int32()))
+    atomic_write_parquet(run.rollout(1), bad, schema=ROLLOUT)
+    with pytest.raises(DataError, match="row 0 .*response_length=99"):
+        run_score(cfg, run, 1)
+    assert not run.scored(1).exists()
+
+
+def test_unknown_data_source_names_the_row(tmp_path, repo_root, tiny_model_dir, tokenizer):
+    run = RunDir(tmp_path / "run")
+    write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 1), n_samples=1,
+                     data_source="my/data")
+    with pytest.raises(DataError, match=r"row 0 \(prompt_id='p0'.*no reward function for data_source 'my/data'"):
+        run_score(demo_config(tiny_model_dir), run, 1)
