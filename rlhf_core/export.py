@@ -60,7 +60,9 @@ def load_actor(path: str | Path, device=None, dtype=None):
 def latest_val_score(run: RunDir) -> Optional[tuple[int, float]]:
     """(iteration, val/accuracy) of the latest iteration that validated, or None."""
     for k in reversed(run.iterations()):
-        metrics = run.read_json(run.metrics(k)) or {}
+        from rlhf_core.query import read_iteration_metrics
+
+        metrics = read_iteration_metrics(run, k)
         if VAL_METRIC in metrics:
             return k, float(metrics[VAL_METRIC])
     return None

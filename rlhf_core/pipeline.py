@@ -163,10 +163,12 @@ ALIASES = {
 
 def iteration_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
     """Every stage metric of iteration ``k`` (manifest records, aliases applied), plus
-    perf/stage_seconds/<stage>, perf/iteration_seconds and perf/tokens_per_s; written to
-    iter_k/metrics.json (merged over what is there) and returned."""
+    perf/stage_seconds/<stage>, perf/iteration_seconds and perf/iteration_tokens_per_s; written to
+    iter_k/iteration_metrics.json and returned."""
+    from rlhf_core.query import iteration_metrics_path
+
     manifest = read_manifest(run, k)
-    out: dict[str, float] = dict(run.read_json(run.metrics(k)) or {})
+    out: dict[str, float] = {}
     seconds = 0.0
     for stage, rec in manifest.items():
         if rec.get("status") not in ("done", "stale"):
@@ -180,11 +182,11 @@ def iteration_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
     out["perf/iteration_seconds"] = seconds
     tokens = iteration_tokens(run, k)
     if tokens and seconds > 0:
-        out["perf/tokens_per_s"] = tokens / seconds
+        out["perf/iteration_tokens_per_s"] = tokens / seconds
     out["iteration"] = float(k)
     from rlhf_core.io.atomic import atomic_write_json
 
-    atomic_write_json(run.metrics(k), out)
+    atomic_write_json(iteration_metrics_path(run, k), out)
     return out
 
 

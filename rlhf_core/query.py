@@ -12,7 +12,7 @@ iteration (each row carries its ``iteration``):
     response_kl         one row per scored response: iteration, prompt_id, sample_index, reward,
                         response_length, kl = token-mean of old_log_probs − ref_log_probs
     validation          iter_*/validation.parquet: the sampled validation responses, reward, correct
-    metrics             iter_*/metrics.json, long: iteration, name, value
+    metrics             iter_*/iteration_metrics.json (every stage's metrics), long: iteration, name, value
     metrics_wide        the same, one row per iteration, one column per metric ("reward/mean", …)
     stages              every manifest record: iteration (NULL = setup), stage, status, seconds, …
     events              events.jsonl: time, kind, iteration, details (JSON of the other fields)
@@ -64,10 +64,22 @@ def _prompts_view(con, run: RunDir) -> None:
     con.execute(f"CREATE VIEW prompts AS {union}")
 
 
+def iteration_metrics_path(run: RunDir, k: int) -> Path:
+    """iter_k/iteration_metrics.json: every stage's metrics of the iteration, merged when it closes
+    (the update stage's own iter_k/metrics.json is one of its inputs)."""
+    return run.iter_dir(k) / "iteration_metrics.json"
+
+
+def read_iteration_metrics(run: RunDir, k: int) -> dict[str, Any]:
+    """The merged metrics of iteration ``k``; before it closed, whatever the update stage wrote."""
+    merged = run.read_json(iteration_metrics_path(run, k))
+    return merged if merged is not None else (run.read_json(run.metrics(k)) or {})
+
+
 def metrics_table(run: RunDir) -> pa.Table:
     rows = []
     for k in run.iterations():
-        for name, value in (run.read_json(run.metrics(k)) or {}).items():
+        for name, value in read_iteration_metrics(run, k).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool):
                 rows.append({"iteration": k, "name": name, "value": float(value)})
     return pa.Table.from_pylist(rows, schema=pa.schema([("iteration", pa.int32()), ("name", pa.string()),
@@ -201,7 +213,7 @@ def status_table(run: RunDir | str | Path) -> list[dict[str, Any]]:
     rows = []
     for k in run.iterations():
         manifest = read_manifest(run, k)
-        metrics = run.read_json(run.metrics(k)) or {}
+        metrics = read_iteration_metrics(run, k)
         row: dict[str, Any] = {"iteration": k}
         for stage in ITERATION_STAGES:
             row[stage] = stage_state(manifest.get(stage))

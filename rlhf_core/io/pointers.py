@@ -40,6 +40,32 @@ def last_good_checkpoint(run: RunDir) -> Optional[Path]:
     return run.root / record["checkpoint"] if record else None
 
 
+def checkpoint_before(run: RunDir, iteration: int) -> Optional[Path]:
+    """The checkpoint iteration ``iteration`` started from: that of the latest earlier iteration the
+    KL guard committed (None: the initial models). While the pipeline moves forward this is the
+    last-good checkpoint; for a rerun of an old iteration it is the one that iteration really used,
+    so `rlhf stage score --iteration 1` after iteration 2 committed still scores with the initial actor."""
+    from rlhf_core.errors import CheckpointError
+    from rlhf_core.io.manifest import read_manifest
+
+    last_good = read_last_good(run)
+    for k in range(iteration - 1, 0, -1):
+        committed = read_manifest(run, k).get("guard", {}).get("committed")
+        if committed or (last_good and last_good.get("iteration") == k):
+            ckpt = run.checkpoint(k)
+            if not (ckpt / "actor").is_dir():
+                raise CheckpointError(
+                    f"iteration {iteration} started from {ckpt}, which was pruned (checkpoints are kept every "
+                    f"trainer.save_freq iterations and for last-good); rerun that iteration's stages only when "
+                    f"its starting checkpoint is kept")
+            return ckpt
+    return None
+
+
+def _start_checkpoint(run: RunDir, iteration: Optional[int]) -> Optional[Path]:
+    return last_good_checkpoint(run) if iteration is None else checkpoint_before(run, iteration)
+
+
 def initial_actor_path(cfg: RLHFConfig) -> Path:
     return resolve_model_path(cfg.actor_rollout_ref.model.path)
 
@@ -50,16 +76,18 @@ def reference_path(cfg: RLHFConfig) -> Path:
     return resolve_model_path(ref) if ref else initial_actor_path(cfg)
 
 
-def actor_path(cfg: RLHFConfig, run: RunDir) -> Path:
-    """The actor to sample from / train next: last-good checkpoint's actor, else the initial model."""
-    ckpt = last_good_checkpoint(run)
+def actor_path(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None) -> Path:
+    """The actor to sample from / train next: last-good checkpoint's actor, else the initial model.
+    With ``iteration``: the actor that iteration started from (``checkpoint_before``)."""
+    ckpt = _start_checkpoint(run, iteration)
     return ckpt / "actor" if ckpt else initial_actor_path(cfg)
 
 
-def critic_path(cfg: RLHFConfig, run: RunDir) -> Path:
+def critic_path(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None) -> Path:
     """The value model to score with / train next: the last-good critic, else the run's initial
-    critic (built once by ``ensure_initial_critic`` so scoring and update start from the same head)."""
-    ckpt = last_good_checkpoint(run)
+    critic (built once by ``ensure_initial_critic`` so scoring and update start from the same head).
+    With ``iteration``: the critic that iteration started from (``checkpoint_before``)."""
+    ckpt = _start_checkpoint(run, iteration)
     if ckpt is not None and (ckpt / "critic").is_dir():
         return ckpt / "critic"
     return ensure_initial_critic(cfg, run)

@@ -222,3 +222,21 @@ def test_retry_without_controller_state_overrides_the_config_coefficient(tmp_pat
     overrides, changes = guard.retry_overrides(cfg, run, 1)
     assert overrides == ["algorithm.kl_ctrl.kl_coef=0.006"]
     assert "actor_rollout_ref.actor.optim.lr" not in changes
+
+
+def test_checkpoint_before_is_the_one_an_iteration_started_from(tmp_path, tiny_model_dir):
+    from rlhf_core.io.pointers import actor_path, checkpoint_before
+
+    run = RunDir(tmp_path / "run")
+    cfg = _cfg(tiny_model_dir)
+    for k in (1, 2, 3):
+        run.checkpoint(k).joinpath("actor").mkdir(parents=True)
+        record_stage(run, k, "guard", status="done", inputs={}, outputs={}, config_hash="h", committed=k != 2)
+    write_last_good(run, 3)
+    assert checkpoint_before(run, 1) is None and actor_path(cfg, run, 1) == tiny_model_dir
+    assert checkpoint_before(run, 2) == run.checkpoint(1)
+    assert checkpoint_before(run, 3) == run.checkpoint(1)  # iteration 2 was rolled back
+    assert checkpoint_before(run, 4) == run.checkpoint(3) == actor_path(cfg, run).parent  # = last-good
+    shutil.rmtree(run.checkpoint(1))  # pruned
+    with pytest.raises(CheckpointError, match="pruned"):
+        checkpoint_before(run, 2)

@@ -68,8 +68,8 @@ def test_iteration_metrics_merge_stage_metrics_and_timings(tmp_path):
     metrics = pipeline.iteration_metrics(cfg, run, 1)
     assert metrics["kl/mean"] == 0.2 and "kl/coef" not in metrics  # rolled-back records do not count
     assert metrics["perf/stage_seconds/rollout"] == 2.0 and metrics["perf/iteration_seconds"] == 5.0
-    assert metrics["perf/tokens_per_s"] == pytest.approx(10 / 5.0)
-    assert run.read_json(run.metrics(1)) == metrics
+    assert metrics["perf/iteration_tokens_per_s"] == pytest.approx(10 / 5.0)
+    assert run.read_json(run.iter_dir(1) / "iteration_metrics.json") == metrics
 
 
 def test_alerts_and_table_row():
