@@ -73,6 +73,7 @@ def validate(cfg: RLHFConfig) -> None:
            r.gpu_memory_utilization)
     _check(r.tensor_model_parallel_size >= 1, rp + "tensor_model_parallel_size", "must be >= 1",
            r.tensor_model_parallel_size)
+    _check(r.cpu_threads >= 0, rp + "cpu_threads", "must be >= 0 (0 = auto)", r.cpu_threads)
     _check(r.name != "offline" or bool(r.offline_path), rp + "offline_path",
            "must name a JSONL/Parquet file when actor_rollout_ref.rollout.name=offline", r.offline_path)
 

@@ -1,0 +1,185 @@
+"""Prompts → responses with a generation engine, and responses → the rollout table.
+
+``generate_responses`` is the one entry point every caller shares: the rollout stage (train prompts,
+the pack stage's generation batches, sampled) and validation (held-out prompts, possibly greedy)::
+
+    rows = read_prompt_rows(run.val_prompts)
+    samples, stats = generate_responses(cfg, model_dir, rows, SamplingParams(greedy=True, max_new_tokens=48))
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Mapping, Optional, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.data.schemas import ROLLOUT
+from rlhf_core.errors import DataError
+from rlhf_core.rollout.base import (
+    FINISH_STOP, GeneratedSample, GenerationStats, RolloutEngine, SamplingParams, derive_seed, get_engine,
+)
+
+PROMPT_COLUMNS = ("prompt_id", "data_source", "reward_model", "prompt_token_ids", "prompt_length")
+
+
+def read_prompt_rows(path: str | Path, columns: Optional[Sequence[str]] = PROMPT_COLUMNS) -> list[dict[str, Any]]:
+    """Rows of a prompts table (prompts/train.parquet or val.parquet): the columns generation needs,
+    or every column with ``columns=None``."""
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"prompt table {path} not found; run `rlhf stage preprocess --run-dir <run>` first")
+    return pq.read_table(path, columns=list(columns) if columns is not None else None).to_pylist()
+
+
+def sampling_from_config(cfg: RLHFConfig, *, seed: int, greedy: bool = False) -> SamplingParams:
+    """Our SamplingParams from ``actor_rollout_ref.rollout`` and ``data.max_response_length``."""
+    r = cfg.actor_rollout_ref.rollout
+    return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+                          max_new_tokens=cfg.data.max_response_length, n=1 if greedy else r.n,
+                          seed=seed, greedy=greedy)
+
+
+def build_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional[str] = None) -> RolloutEngine:
+    """The engine named by ``actor_rollout_ref.rollout.name`` (or ``name``), loaded on ``model_path``."""
+    r = cfg.actor_rollout_ref.rollout
+    name = name or r.name
+    engine_cls = get_engine(name)  # unknown names (and 'offline') fail here, listing the engines
+    tokenizer_path = tokenizer_path_for(cfg, Path(model_path))
+    if name == "vllm":
+        return engine_cls(model_path, tensor_parallel_size=r.tensor_model_parallel_size,
+                          gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
+                          max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
+                          tokenizer_path=tokenizer_path)
+    return engine_cls(model_path, device=cfg.trainer.device, tokenizer_path=tokenizer_path,
+                      cpu_threads=r.cpu_threads)
+
+
+def tokenizer_path_for(cfg: RLHFConfig, model_path: Path) -> Path:
+    """A checkpoint carries its tokenizer; only a bare initial model falls back to model.tokenizer_path."""
+    configured = cfg.actor_rollout_ref.model.tokenizer_path
+    if (model_path / "tokenizer_config.json").is_file() or not configured:
+        return model_path
+    from rlhf_core.paths import resolve_model_path
+
+    return resolve_model_path(configured)
+
+
+def generate_responses(
+    cfg: RLHFConfig,
+    model_path: str | Path,
+    prompt_rows: Sequence[Mapping[str, Any]],
+    sampling: SamplingParams,
+    batches: Optional[Sequence[Sequence[str]]] = None,
+    *,
+    engine: Optional[RolloutEngine] = None,
+    desc: str = "rollout",
+) -> tuple[list[GeneratedSample], GenerationStats]:
+    """Sample ``sampling.n`` responses for every prompt row.
+
+    ``prompt_rows`` need ``prompt_id`` and ``prompt_token_ids``. ``batches`` lists prompt ids per
+    generation batch (the pack stage's plan); without it they are planned here the same way
+    (``plan_generation_batches`` within ``rollout.generation_batch_tokens``). Batch b is sampled
+    with ``derive_seed(sampling.seed, b)``, so a batch reproduces whatever ran before it. An engine that batches on its own (vLLM) gets
+    every prompt in one call. Returned samples' ``prompt_index`` indexes ``prompt_rows``.
+    """
+    index_of = {row["prompt_id"]: i for i, row in enumerate(prompt_rows)}
+    plan = _batch_plan(cfg, prompt_rows, sampling, batches, index_of)
+    stats = GenerationStats()
+    owned = engine is None
+    started = time.perf_counter()
+    engine = engine or build_engine(cfg, model_path)
+    stats.load_seconds = time.perf_counter() - started if owned else 0.0
+    try:
+        if engine.schedules_own_batches:
+            plan = [[i for batch in plan for i in batch]]
+        samples = _run_plan(engine, prompt_rows, sampling, plan, stats, desc)
+    finally:
+        if owned:
+            engine.close()
+    return samples, stats
+
+
+def _batch_plan(cfg: RLHFConfig, prompt_rows: Sequence[Mapping[str, Any]], sampling: SamplingParams,
+                batches: Optional[Sequence[Sequence[str]]], index_of: dict[str, int]) -> list[list[int]]:
+    """Generation batches as lists of positions in ``prompt_rows``."""
+    if batches is None:
+        from rlhf_core.data.packing import plan_generation_batches
+
+        lengths = [len(row["prompt_token_ids"]) for row in prompt_rows]
+        return [list(b) for b in plan_generation_batches(
+            lengths, sampling.max_new_tokens, sampling.n, cfg.actor_rollout_ref.rollout.generation_batch_tokens,
+            budget_key="actor_rollout_ref.rollout.generation_batch_tokens")]
+    plan = []
+    for b, ids in enumerate(batches):
+        missing = [pid for pid in ids if pid not in index_of]
+        if missing:
+            raise DataError(f"generation batch {b} names prompt id {missing[0]!r} that is not in the prompt "
+                            f"table; rerun the pack stage (`rlhf stage pack --force`) after preprocess")
+        plan.append([index_of[pid] for pid in ids])
+    return plan
+
+
+def _run_plan(engine: RolloutEngine, prompt_rows: Sequence[Mapping[str, Any]], sampling: SamplingParams,
+              plan: list[list[int]], stats: GenerationStats, desc: str) -> list[GeneratedSample]:
+    from dataclasses import replace
+
+    from tqdm.auto import tqdm
+
+    samples: list[GeneratedSample] = []
+    bar = tqdm(total=len(plan), desc=desc, unit="batch", dynamic_ncols=True)
+    try:
+        for batch_id, positions in enumerate(plan):
+            batch_sampling = replace(sampling, seed=derive_seed(sampling.seed, batch_id))
+            tic = time.perf_counter()
+            out = engine.generate([list(prompt_rows[i]["prompt_token_ids"]) for i in positions], batch_sampling)
+            stats.seconds += time.perf_counter() - tic
+            for s in out:
+                s.prompt_index = positions[s.prompt_index]  # batch position → prompt_rows position
+            samples.extend(out)
+            stats.generated_tokens += sum(len(s.token_ids) for s in out)
+            stats.batches += 1
+            bar.update(1)
+            bar.set_postfix(tok_s=f"{stats.tokens_per_s:.0f}", responses=len(samples))
+    finally:
+        bar.close()
+    return samples
+
+
+def rollout_metrics(samples: Sequence[GeneratedSample], stats: GenerationStats) -> dict[str, float]:
+    """Namespaced metrics of one rollout (verl names where verl has them)."""
+    lengths = [len(s.token_ids) for s in samples] or [0]
+    return {
+        "perf/rollout_tokens_per_s": stats.tokens_per_s,
+        "perf/rollout_seconds": stats.seconds,
+        "perf/rollout_load_seconds": stats.load_seconds,
+        "response_length/mean": sum(lengths) / len(lengths),
+        "response_length/max": float(max(lengths)),
+        "response_length/min": float(min(lengths)),
+        "rollout/stop_frac": sum(s.finish_reason == FINISH_STOP for s in samples) / max(len(samples), 1),
+        "rollout/num_responses": float(len(samples)),
+    }
+
+
+def rollout_table(prompt_rows: Sequence[Mapping[str, Any]], samples: Sequence[GeneratedSample],
+                  iteration: int, engine: str) -> pa.Table:
+    """The rollout table (schema ``ROLLOUT``): one row per sample, prompt columns copied over."""
+    columns: dict[str, list] = {name: [] for name in ROLLOUT.names}
+    for s in samples:
+        row = prompt_rows[s.prompt_index]
+        columns["prompt_id"].append(row["prompt_id"])
+        columns["sample_index"].append(s.sample_index)
+        columns["iteration"].append(iteration)
+        columns["data_source"].append(row.get("data_source"))
+        columns["ground_truth"].append((row.get("reward_model") or {}).get("ground_truth"))
+        columns["prompt_token_ids"].append(list(row["prompt_token_ids"]))
+        columns["response_text"].append(s.text)
+        columns["response_token_ids"].append(s.token_ids)
+        columns["response_length"].append(len(s.token_ids))
+        columns["finish_reason"].append(s.finish_reason)
+        columns["engine"].append(engine)
+        columns["sampling_seed"].append(s.seed if s.seed is not None else -1)
+    return pa.table(columns, schema=ROLLOUT)

@@ -1,0 +1,141 @@
+"""Hugging Face ``generate`` engine: batched sampling with a KV cache, on CPU (default) or CUDA.
+
+Each ``generate`` call is one left-padded batch (the pack stage sizes them by token budget). The
+call's seed is set inside a forked RNG, so a batch's samples depend only on (weights, prompts,
+sampling parameters, seed) — not on which batches ran before — and a rerun reproduces them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from pathlib import Path
+from typing import Iterator, Optional
+
+from rlhf_core.errors import RLHFError
+from rlhf_core.rollout.base import GeneratedSample, SamplingParams, eos_token_ids, trim_response
+
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+SMALL_MODEL_PARAMS = 100_000_000  # below this, CPU decoding runs on one thread (see cpu_threads)
+
+
+def resolve_device(device: str = "auto") -> str:
+    """'auto' → 'cuda' when available, else 'cpu'."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RLHFError("trainer.device=cuda but CUDA is not available here; use trainer.device=auto or cpu")
+    return device
+
+
+class HFEngine:
+    """``AutoModelForCausalLM.generate`` over one batch per call.
+
+    dtype 'auto' is fp32 on CPU (no fast bf16 on CPUs without avx512_bf16) and bf16 on CUDA.
+    ``cpu_threads`` 0 = auto: one thread for models under 100 M parameters (their per-token matmuls
+    are too small to split, and extra threads spin-wait on a shared machine), else torch's default.
+    """
+
+    name = "hf"
+    schedules_own_batches = False
+
+    def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "auto",
+                 tokenizer_path: Optional[str | Path] = None, cpu_threads: int = 0):
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+        self.device = resolve_device(device)
+        if dtype == "auto":
+            dtype = "bf16" if self.device.startswith("cuda") else "fp32"
+        torch_dtype = getattr(torch, _DTYPES[dtype])
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
+        self.model = model.to(self.device).eval()
+        self.eos_ids = eos_token_ids(self.tokenizer, model.generation_config)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        # Our SamplingParams are the only source of sampling settings: a checkpoint's
+        # generation_config.json (e.g. Qwen's repetition_penalty=1.05, top_k=20) would otherwise fill
+        # every unset field and sample from a distribution the scoring stage does not model.
+        self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        self.cpu_threads = cpu_threads or (1 if model.num_parameters() < SMALL_MODEL_PARAMS else 0)
+
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GeneratedSample]:
+        """Sample ``sampling.n`` responses per prompt; returns len(prompts) × n samples in order."""
+        import torch
+
+        if not prompt_token_ids:
+            return []
+        input_ids, attention_mask = self._left_pad(prompt_token_ids)  # (B, P) each
+        self._check_length(input_ids.shape[1], sampling.max_new_tokens)
+        devices = [torch.device(self.device).index or 0] if self.device.startswith("cuda") else []
+        with torch.random.fork_rng(devices=devices), torch.inference_mode(), self._threads():
+            torch.manual_seed(sampling.seed)
+            out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
+                                      **self._generate_kwargs(sampling))  # (B·n, P + T)
+        new_tokens = out[:, input_ids.shape[1]:].tolist()  # (B·n, T), rows grouped per prompt
+        trimmed = [trim_response(row, self.eos_ids) for row in new_tokens]
+        texts = self.tokenizer.batch_decode([ids for ids, _ in trimmed], skip_special_tokens=True)
+        return [
+            GeneratedSample(prompt_index=row // sampling.n, sample_index=row % sampling.n, token_ids=ids,
+                            text=text, finish_reason=reason, seed=sampling.seed)
+            for row, ((ids, reason), text) in enumerate(zip(trimmed, texts))
+        ]
+
+    def close(self) -> None:
+        import gc
+
+        import torch
+
+        self.model = None
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+    # -------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _threads(self) -> Iterator[None]:
+        """Torch's thread count is process-wide: set it for this call only, then restore it."""
+        import torch
+
+        if self.device != "cpu" or not self.cpu_threads:
+            yield
+            return
+        before = torch.get_num_threads()
+        torch.set_num_threads(self.cpu_threads)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(before)
+
+    def _left_pad(self, prompts: list[list[int]]):
+        """(B, P) input ids and attention mask, padded on the left so every row ends at column P."""
+        import torch
+
+        width = max(len(p) for p in prompts)
+        ids = torch.full((len(prompts), width), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(prompts), width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise RLHFError(f"prompt {i} of the batch has no tokens; rerun the preprocess stage")
+            ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+            mask[i, width - len(p):] = 1
+        return ids.to(self.device), mask.to(self.device)
+
+    def _generate_kwargs(self, sampling: SamplingParams) -> dict:
+        common = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
+                      eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True)
+        if sampling.greedy:
+            return dict(do_sample=False, **common)
+        return dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
+                    top_k=sampling.top_k if sampling.top_k > 0 else 0,  # 0 = no top-k filter in transformers
+                    **common)
+
+    def _check_length(self, prompt_width: int, max_new_tokens: int) -> None:
+        if self.max_positions and prompt_width + max_new_tokens > self.max_positions:
+            raise RLHFError(
+                f"longest prompt ({prompt_width} tokens) + max response ({max_new_tokens}) exceeds the model's "
+                f"{self.max_positions} positions; lower data.max_prompt_length or data.max_response_length")
+
