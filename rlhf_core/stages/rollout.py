@@ -1,0 +1,139 @@
+"""Rollout stage: iteration k's prompts → ``iter_k/rollout.parquet`` (schema ``ROLLOUT``).
+
+Sources (``actor_rollout_ref.rollout.name``):
+- ``hf`` / ``vllm``: sample from the actor iteration k started from (the checkpoint of the latest
+  earlier committed iteration, else the initial model; `io.pointers.actor_path`)
+  over the pack stage's generation batches of slot ``(k - 1) % num_slots``; seeded by
+  ``rollout.seed + k``, so iterations differ and a rerun reproduces the table.
+- ``offline``: import ``rollout.offline_path`` (see ``rlhf_core.rollout.offline``); rejected rows go
+  to ``iter_k/rollout_rejects.parquet``.
+
+    rlhf stage rollout --run-dir runs/demo --iteration 1
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.data.schemas import REJECTS, ROLLOUT
+from rlhf_core.errors import DataError, RLHFError
+from rlhf_core.io.atomic import atomic_write_parquet
+from rlhf_core.io.pointers import actor_path
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.rollout.generate import (
+    generate_responses, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
+)
+from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
+from rlhf_core.stages.base import StageResult, execute_stage
+
+CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.")
+REJECTS_NAME = "rollout_rejects.parquet"
+
+
+def rollout_rejects_path(run: RunDir, iteration: int) -> Path:
+    """Offline rows that were not imported, each with its reason (schema ``REJECTS``)."""
+    return run.iter_dir(iteration) / REJECTS_NAME
+
+
+def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, force: bool = False) -> StageResult:
+    """Write iteration ``iteration``'s rollout table; skipped when inputs and config are unchanged."""
+    if iteration is None or iteration < 1:
+        raise RLHFError(f"rollout is a per-iteration stage: pass --iteration K with K >= 1 (got {iteration})")
+    if not run.train_prompts.is_file():
+        raise DataError(f"{run.train_prompts} not found; run `rlhf stage preprocess --run-dir {run.root}` first")
+    r = cfg.actor_rollout_ref.rollout
+    model_dir = actor_path(cfg, run, iteration)  # the actor this iteration started from (reruns too)
+    if r.name == OFFLINE_ENGINE:
+        from rlhf_core.paths import resolve_path
+
+        offline_file = resolve_path(r.offline_path or "")
+        if not offline_file.is_file():
+            raise DataError(f"actor_rollout_ref.rollout.offline_path={r.offline_path!r}: no such file")
+        inputs = [run.train_prompts, model_dir, offline_file]
+        body = lambda: _offline_body(cfg, run, iteration, model_dir, offline_file)  # noqa: E731
+    else:
+        if not run.generation_batches.is_file():
+            raise DataError(f"{run.generation_batches} not found; "
+                            f"run `rlhf stage pack --run-dir {run.root}` first")
+        inputs = [run.train_prompts, run.generation_batches, model_dir]
+        body = lambda: _generate_body(cfg, run, iteration, model_dir)  # noqa: E731
+    return execute_stage(stage="rollout", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
+                         config_sections=CONFIG_SECTIONS, body=body, force=force)
+
+
+def slot_batches(run: RunDir, iteration: int) -> tuple[int, int, list[list[str]]]:
+    """(slot, number of slots, prompt ids per generation batch in batch order) for iteration k."""
+    table = pq.read_table(run.generation_batches, columns=["slot", "batch_id", "prompt_ids"])
+    if table.num_rows == 0:
+        raise DataError(f"{run.generation_batches} has no generation batches; rerun the pack stage")
+    num_slots = int(pc.max(table["slot"]).as_py()) + 1
+    slot = (iteration - 1) % num_slots
+    rows = sorted((r for r in table.to_pylist() if r["slot"] == slot), key=lambda r: r["batch_id"])
+    if not rows:
+        raise DataError(f"{run.generation_batches} has no batches for slot {slot}; rerun the pack stage")
+    return slot, num_slots, [r["prompt_ids"] for r in rows]
+
+
+def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path) -> StageResult:
+    slot, num_slots, batches = slot_batches(run, iteration)
+    by_id = {row["prompt_id"]: row for row in read_prompt_rows(run.train_prompts)}
+    wanted = list(dict.fromkeys(pid for batch in batches for pid in batch))  # batch order, unique
+    unknown = [pid for pid in wanted if pid not in by_id]
+    if unknown:
+        raise DataError(f"{run.generation_batches} names prompt id {unknown[0]!r} that is not in "
+                        f"{run.train_prompts}; rerun `rlhf stage pack --force` after preprocess")
+    prompt_rows = [by_id[pid] for pid in wanted]
+    sampling = sampling_from_config(cfg, seed=cfg.actor_rollout_ref.rollout.seed + iteration)
+    samples, stats = generate_responses(cfg, model_dir, prompt_rows, sampling, batches,
+                                        desc=f"rollout iter {iteration}")
+    engine = cfg.actor_rollout_ref.rollout.name
+    out = atomic_write_parquet(run.rollout(iteration), rollout_table(prompt_rows, samples, iteration, engine),
+                               schema=ROLLOUT)
+    metrics = rollout_metrics(samples, stats)
+    summary = [
+        f"{len(prompt_rows)} prompts (slot {slot} of {num_slots}, {stats.batches} generation batches) "
+        f"× n={sampling.n} → {len(samples)} responses with {engine} from {model_dir}",
+        f"{stats.generated_tokens} tokens in {stats.seconds:.1f}s: {stats.tokens_per_s:.0f} tokens/s "
+        f"(model load {stats.load_seconds:.1f}s)",
+        f"response length mean {metrics['response_length/mean']:.1f}, max {metrics['response_length/max']:.0f} "
+        f"of {sampling.max_new_tokens}; stopped on EOS {100 * metrics['rollout/stop_frac']:.0f}%",
+        f"wrote {out}",
+    ]
+    return StageResult(stage="rollout", iteration=iteration, outputs={"rollout": str(out)},
+                       rows={"prompts": len(prompt_rows), "responses": len(samples)}, metrics=metrics,
+                       summary=summary)
+
+
+def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
+                  offline_file: Path) -> StageResult:
+    from transformers import AutoTokenizer
+
+    from rlhf_core.rollout.base import GenerationStats
+    from rlhf_core.rollout.generate import tokenizer_path_for
+
+    prompt_rows = read_prompt_rows(run.train_prompts, columns=None)  # text columns: prompts matched by text
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path_for(cfg, model_dir))
+    imported = import_offline(offline_file, prompt_rows, tokenizer,
+                              max_response_length=cfg.data.max_response_length,
+                              prompts_name=str(run.train_prompts.relative_to(run.root)))
+    out = atomic_write_parquet(run.rollout(iteration),
+                               rollout_table(prompt_rows, imported.samples, iteration, OFFLINE_ENGINE),
+                               schema=ROLLOUT)
+    rejects = atomic_write_parquet(rollout_rejects_path(run, iteration), imported.rejects_table(), schema=REJECTS)
+    metrics = rollout_metrics(imported.samples, GenerationStats())
+    metrics = {k: v for k, v in metrics.items() if not k.startswith("perf/")}  # nothing was generated
+    metrics["rollout/offline_rejected"] = float(len(imported.rejects))
+    prompts = len({s.prompt_index for s in imported.samples})
+    summary = [f"imported {len(imported.samples)} responses for {prompts} prompts from {offline_file}",
+               f"rejected {len(imported.rejects)} rows → {rejects}"
+               + (f" (first: {imported.rejects[0]['reason']})" if imported.rejects else ""),
+               f"response length mean {metrics['response_length/mean']:.1f}, max "
+               f"{metrics['response_length/max']:.0f}", f"wrote {out}"]
+    return StageResult(stage="rollout", iteration=iteration,
+                       outputs={"rollout": str(out), "rollout_rejects": str(rejects)},
+                       rows={"prompts": prompts, "responses": len(imported.samples),
+                             "rejected": len(imported.rejects)}, metrics=metrics, summary=summary)
