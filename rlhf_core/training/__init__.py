@@ -1,0 +1,14 @@
+"""PPO training with DeepSpeed: config, engines, the update loop, checkpoints.
+
+    ds_config     our config → DeepSpeed config dict (ZeRO stage, offload, dtype, clipping)
+    distributed   process group for one process or one torchrun rank
+    engines       actor / critic models (LoRA), client AdamW + warm-up, the optimizer step
+    batch         advantages table → mini-batches → token-budget micro-batches → tensors
+    forward       packed forward with gradients → (B, T) log-probs, entropy, values
+    ppo           the loop: losses with global token counts, accumulation, metrics
+    optim_state   optimizer state by parameter name (safetensors), any ZeRO stage / world size
+    checkpoint    HF actor/critic + optimizer state + manifest, written atomically, verified on load
+    update        one iteration on one rank (``train_update``); ``launch`` is the torchrun entry
+
+DeepSpeed is imported only inside functions, so importing this package stays cheap.
+"""

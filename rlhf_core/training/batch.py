@@ -1,0 +1,185 @@
+"""The update's data: the advantages table in memory, mini-batches, micro-batches, packed tensors.
+
+Indices everywhere refer to rows of the iteration's table (``PPOData``). A mini-batch (one optimizer
+step) is a list of row indices; its micro-batches (one forward/backward each) are lists of packed
+rows, each a list of row indices. Shapes: B sequences in a micro-batch, T = their longest response.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from rlhf_core.errors import DataError
+
+PER_TOKEN_COLUMNS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns")
+
+ROW_TOKENS = 1024
+"""Packed row width inside a micro-batch. With a dense 4-D mask attention costs L² per row whatever
+the mask hides, so a 3k-token micro-batch is cheaper as three 1k rows than as one 3k row (the score
+stage lays its micro-batches out the same way). A longer sequence gets a row of its own."""
+
+BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+
+
+@dataclass
+class PPOData:
+    """The columns of ``iter_K/advantages.parquet`` the update reads, one entry per response."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    per_token: dict[str, list[np.ndarray]]
+    """column name → N float32 arrays, array i of length len(response_ids[i])."""
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @property
+    def lengths(self) -> list[int]:
+        """Sequence lengths (prompt + response), what the token budget counts."""
+        return [len(p) + len(r) for p, r in zip(self.prompt_ids, self.response_ids)]
+
+    @property
+    def response_lengths(self) -> list[int]:
+        return [len(r) for r in self.response_ids]
+
+    def sequence(self, i: int) -> list[int]:
+        return self.prompt_ids[i] + self.response_ids[i]
+
+
+def read_advantages(path: str | Path) -> PPOData:
+    """Load the update's columns and check each row's per-token lists against ``response_length``
+    (a mismatch names the row and column: the table was written by something else than gae)."""
+    import pyarrow.parquet as pq
+
+    path = Path(path)
+    if not path.is_file():
+        raise DataError(f"{path} not found: run the gae stage for this iteration first")
+    columns = ["prompt_token_ids", "response_token_ids", "response_length", *PER_TOKEN_COLUMNS]
+    try:
+        table = pq.read_table(path, columns=columns)
+    except (KeyError, ValueError) as exc:  # pyarrow names the missing column
+        raise DataError(f"{path}: not an advantages table ({exc}); rerun the gae stage") from None
+    data = table.to_pydict()
+    per_token = {c: [np.asarray(v, dtype=np.float32) for v in data[c]] for c in PER_TOKEN_COLUMNS}
+    for i, (resp, n) in enumerate(zip(data["response_token_ids"], data["response_length"])):
+        if len(resp) != n:
+            raise DataError(f"{path} row {i}: {len(resp)} response tokens but response_length={n}")
+        if not data["prompt_token_ids"][i]:
+            raise DataError(f"{path} row {i}: empty prompt_token_ids (a response needs a prompt to condition on)")
+        for c in PER_TOKEN_COLUMNS:
+            if len(per_token[c][i]) != n:
+                raise DataError(f"{path} row {i}: column {c} has {len(per_token[c][i])} entries, "
+                                f"response_length is {n}; rerun the gae stage")
+    return PPOData(prompt_ids=[list(p) for p in data["prompt_token_ids"]],
+                   response_ids=[list(r) for r in data["response_token_ids"]], per_token=per_token)
+
+
+def mini_batches(n: int, size: int, *, shuffle: bool, seed: int, epoch: int) -> list[list[int]]:
+    """Consecutive chunks of ``size`` row indices (the last may be shorter), after a shuffle seeded
+    by (seed, epoch) when ``shuffle``: every rank and every rerun sees the same order."""
+    order = list(range(n))
+    if shuffle:
+        random.Random(f"{seed}:{epoch}").shuffle(order)
+    return [order[s:s + size] for s in range(0, n, size)]
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    use_dynamic_bsz: bool
+    token_budget: int
+    """ppo_max_token_len_per_gpu: real tokens per micro-batch with dynamic batching."""
+    micro_batch_size: int
+    """ppo_micro_batch_size_per_gpu: sequences per micro-batch without it."""
+    pack_rows: bool = True
+    """Several sequences per row (block-diagonal mask); False = one padded sequence per row."""
+
+
+def split_mini_batch(lengths: Sequence[int], rows: Sequence[int], plan: MicroBatchPlan,
+                     world_size: int = 1, rank: int = 0) -> list[list[list[int]]]:
+    """This rank's micro-batches of one mini-batch: a list of micro-batches, each a list of packed
+    rows, each a list of table row indices. Every rank gets the same number of micro-batches (the
+    DeepSpeed collectives run once per backward); a rank with nothing left gets ``[]`` entries, for
+    which the caller runs a zero-weight step.
+
+    Dynamic: ``micro_batches_by_budget`` (token-balanced shares across ranks). Fixed: rank r takes
+    every world_size-th sequence, in chunks of ``micro_batch_size``.
+    """
+    from rlhf_core.data.packing import fixed_micro_batches, micro_batches_by_budget, split_into_rows
+
+    local_lengths = [lengths[i] for i in rows]
+    if plan.use_dynamic_bsz:
+        bins = micro_batches_by_budget(local_lengths, plan.token_budget, world_size, rank, budget_key=BUDGET_KEY)
+    else:
+        share = list(range(rank, len(rows), world_size))
+        bins = [[share[k] for k in b] for b in fixed_micro_batches(len(share), plan.micro_batch_size)]
+        per_rank = -(-len(rows) // world_size)  # the largest share decides the common count
+        bins += [[] for _ in range(-(-per_rank // plan.micro_batch_size) - len(bins))]
+    width = max(ROW_TOKENS, max(local_lengths, default=0))
+    out = []
+    for b in bins:
+        if not plan.pack_rows:
+            layout = [[k] for k in b]
+        else:
+            layout = split_into_rows(local_lengths, b, width) if b else []
+        out.append([[rows[k] for k in row] for row in layout])
+    return out
+
+
+@dataclass
+class MicroBatch:
+    """One forward/backward's inputs. ``order`` lists the table rows in the (B, T) tensors' order."""
+
+    packed: "object"  # rlhf_core.models.packed.PackedRows over local sequence indices 0..B-1
+    prompt_lengths: list[int]  # (B,)
+    order: list[int]  # (B,) table row of each local sequence
+    tensors: dict[str, torch.Tensor]  # PER_TOKEN_COLUMNS → (B, T) float32, zero past each response
+    response_mask: torch.Tensor  # (B, T) bool
+    weight: float = 1.0
+    """0.0 for a filler micro-batch on a rank with no data left: it only keeps collectives in step."""
+
+    @property
+    def num_tokens(self) -> int:
+        return self.packed.num_tokens
+
+
+def _pad(arrays: Sequence[np.ndarray], T: int) -> torch.Tensor:
+    out = torch.zeros(len(arrays), T, dtype=torch.float32)
+    for b, a in enumerate(arrays):
+        out[b, :len(a)] = torch.from_numpy(a)
+    return out
+
+
+def build_micro_batch(data: PPOData, layout: list[list[int]], pad_id: int,
+                      filler_row: Optional[int] = None) -> MicroBatch:
+    """Tensors for one micro-batch laid out as ``layout`` (rows of table indices). An empty layout
+    becomes a filler: ``filler_row`` alone, weight 0."""
+    from rlhf_core.models.packed import pack_rows
+
+    weight = 1.0
+    if not layout:
+        if filler_row is None:
+            raise ValueError("an empty micro-batch needs a filler_row")
+        layout, weight = [[filler_row]], 0.0
+    order = [i for row in layout for i in row]
+    local = {i: k for k, i in enumerate(order)}
+    sequences = [data.sequence(i) for i in order]
+    packed = pack_rows([[local[i] for i in row] for row in layout], sequences, pad_id)
+    T = max((len(data.response_ids[i]) for i in order), default=0)
+    tensors = {c: _pad([data.per_token[c][i] for i in order], T) for c in PER_TOKEN_COLUMNS}
+    lengths = torch.tensor([len(data.response_ids[i]) for i in order])
+    mask = torch.arange(T)[None, :] < lengths[:, None]
+    return MicroBatch(packed=packed, prompt_lengths=[len(data.prompt_ids[i]) for i in order], order=order,
+                      tensors=tensors, response_mask=mask, weight=weight)
+
+
+def global_counts(data: PPOData, rows: Sequence[int]) -> tuple[int, int]:
+    """(response tokens, sequences with >= 1 response token) of a whole mini-batch, all ranks
+    together. Every rank reads the full table, so this needs no communication."""
+    n = [len(data.response_ids[i]) for i in rows]
+    return sum(n), sum(1 for x in n if x > 0)

@@ -1,0 +1,138 @@
+"""The DeepSpeed config dict, built from our config (no DeepSpeed import here).
+
+Gradient accumulation belongs to the PPO loop, not to DeepSpeed: a mini-batch is split into a
+varying number of token-budget micro-batches, so DeepSpeed is told ``gradient_accumulation_steps=1``
+(it then never divides the loss) and the loop marks the boundary itself with
+``engine.set_gradient_accumulation_boundary`` (False for every micro-batch but the last), calling
+``engine.step()`` once per mini-batch. The losses carry the global token / sequence counts of the
+whole mini-batch, so the accumulated gradient is the full-mini-batch gradient.
+
+The optimizer is a client ``torch.optim.AdamW`` (DeepSpeed's own Adam variants JIT-compile C++/CUDA
+ops on first use, about 70 s each on a CPU machine); with optimizer offload that needs
+``zero_force_ds_cpu_optimizer: false``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+from rlhf_core.config.loader import ConfigError
+from rlhf_core.config.schema import DeepSpeedConfig
+
+DTYPES = ("fp32", "bf16", "fp16")
+
+# keys a raw JSON must not set: they would fight the loop's own accumulation or the client optimizer
+RESERVED_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
+                 "optimizer", "scheduler")
+
+
+def resolve_device(preference: str = "auto") -> str:
+    """trainer.device: 'auto' → 'cuda' when a GPU is visible, else 'cpu'."""
+    import torch
+
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        return "cuda"
+    return "cpu"
+
+
+def resolve_dtype(dtype: str, device: str) -> str:
+    """deepspeed_config.dtype: 'auto' = fp32 on CPU (no fast bf16 kernels there), bf16 on CUDA."""
+    if dtype == "auto":
+        return "fp32" if device == "cpu" else "bf16"
+    if dtype not in DTYPES:
+        raise ConfigError(f"deepspeed_config.dtype={dtype!r}: must be auto, fp32, bf16 or fp16")
+    return dtype
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
+
+
+def _zero_section(ds: DeepSpeedConfig, key: str) -> dict[str, Any]:
+    if ds.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{key}.zero_stage={ds.zero_stage!r}: must be 0, 1, 2 or 3")
+    if ds.offload_optimizer and ds.zero_stage == 0:
+        raise ConfigError(f"{key}.offload_optimizer=true needs ZeRO: set {key}.zero_stage to 1, 2 or 3")
+    if ds.offload_param and ds.zero_stage != 3:
+        raise ConfigError(f"{key}.offload_param=true needs ZeRO-3: set {key}.zero_stage=3 "
+                          "(or drop fsdp_config.param_offload / offload_policy)")
+    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+    if ds.offload_param:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+    return zero
+
+
+def deep_merge(base: dict, override: dict) -> dict:
+    """``override``'s keys win; nested dicts merge key by key."""
+    out = copy.deepcopy(base)
+    for k, v in override.items():
+        out[k] = deep_merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else copy.deepcopy(v)
+    return out
+
+
+def read_raw_config(path: str | Path, key: str) -> dict:
+    """A user's DeepSpeed JSON; reserved keys (see ``RESERVED_KEYS``) are refused with the reason."""
+    from rlhf_core.paths import resolve_path
+
+    p = resolve_path(path)
+    if not p.is_file():
+        raise ConfigError(f"{key}.config_path={str(path)!r}: file not found")
+    try:
+        raw = json.loads(p.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{key}.config_path={str(path)!r}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{key}.config_path={str(path)!r}: must hold a JSON object")
+    bad = [k for k in RESERVED_KEYS if k in raw]
+    if bad:
+        raise ConfigError(
+            f"{p}: keys {bad} are set by the PPO loop (micro-batches by token budget, one optimizer step "
+            f"per mini-batch, client AdamW with our warm-up); remove them and use "
+            f"actor_rollout_ref.actor.ppo_mini_batch_size / optim.* instead")
+    return raw
+
+
+def build_ds_config(ds: DeepSpeedConfig, *, max_grad_norm: float, device: str, world_size: int = 1,
+                    key: str = "actor_rollout_ref.actor.deepspeed_config") -> dict[str, Any]:
+    """The DeepSpeed config for one engine (``key`` names its section in error messages).
+
+    ``max_grad_norm`` becomes ``gradient_clipping``; the raw JSON at ``ds.config_path`` (if any) is
+    merged last, so its keys win.
+    """
+    dtype = resolve_dtype(ds.dtype, device)
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "train_batch_size": world_size,
+        "gradient_clipping": float(max_grad_norm),
+        "zero_optimization": _zero_section(ds, key),
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 16},
+        "zero_allow_untested_optimizer": True,
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 1 << 30,
+        "wall_clock_breakdown": False,
+    }
+    if ds.config_path:
+        config = deep_merge(config, read_raw_config(ds.config_path, key))
+    return config
+
+
+def actor_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
+    """The actor's config: verl's FSDP offload flags folded in (``effective_deepspeed``)."""
+    from rlhf_core.config import effective_deepspeed
+
+    return build_ds_config(effective_deepspeed(cfg), max_grad_norm=cfg.actor_rollout_ref.actor.max_grad_norm,
+                           device=device, world_size=world_size)
+
+
+def critic_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
+    return build_ds_config(cfg.critic.deepspeed_config, max_grad_norm=cfg.critic.max_grad_norm, device=device,
+                           world_size=world_size, key="critic.deepspeed_config")

@@ -1,0 +1,206 @@
+"""Actor and critic as DeepSpeed engines: model loading (LoRA included), client AdamW, warm-up, step.
+
+The actor is a causal LM; the critic the same backbone family with a one-output token-classification
+head (``AutoModelForTokenClassification``, num_labels=1, as verl does). Dropout is switched off in
+both: the old log-probs and values were computed without it, so with dropout the PPO ratio would not
+start at 1. The reference model is not needed here: the update reads ``ref_log_probs`` from the
+advantages table. With LoRA the reference is the base model with the adapters disabled
+(``reference_logprobs``), never a second copy.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+
+from rlhf_core.config.schema import ModelConfig, OptimConfig
+
+
+@dataclass(frozen=True)
+class LoraSettings:
+    rank: int
+    alpha: int
+    target_modules: str
+    """'all-linear' or a comma-separated list of module names."""
+
+    @classmethod
+    def from_config(cls, model_cfg: ModelConfig) -> Optional["LoraSettings"]:
+        if model_cfg.lora_rank <= 0:
+            return None
+        return cls(model_cfg.lora_rank, model_cfg.lora_alpha, model_cfg.target_modules)
+
+    def peft_config(self):
+        from peft import LoraConfig, TaskType
+
+        targets: Any = self.target_modules
+        if targets != "all-linear":
+            targets = [t.strip() for t in targets.split(",") if t.strip()]
+        return LoraConfig(r=self.rank, lora_alpha=self.alpha, target_modules=targets, lora_dropout=0.0,
+                          bias="none", task_type=TaskType.CAUSAL_LM)
+
+
+def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
+    """Set every dropout probability to 0 (nn.Dropout modules and attention-dropout attributes)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+    return model
+
+
+def _prepare(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
+    disable_dropout(model)
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    return model.train()
+
+
+def load_actor_model(path: str | Path, dtype: torch.dtype, *, lora: Optional[LoraSettings] = None,
+                     adapter_path: Optional[Path] = None, gradient_checkpointing: bool = False,
+                     seed: int = 0) -> torch.nn.Module:
+    """The trainable actor. With ``lora``: ``path`` is the frozen base, adapters come from
+    ``adapter_path`` (a previous iteration's) or are freshly initialised from ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    if lora is not None:
+        from peft import PeftModel, get_peft_model
+
+        if gradient_checkpointing:
+            model.enable_input_require_grads()  # frozen embeddings: checkpointed blocks still need grad
+        if adapter_path is not None:
+            model = PeftModel.from_pretrained(model, adapter_path, is_trainable=True)
+        else:
+            torch.manual_seed(seed)
+            model = get_peft_model(model, lora.peft_config())
+    return _prepare(model, gradient_checkpointing)
+
+
+def load_critic_model(path: str | Path, dtype: torch.dtype, *, gradient_checkpointing: bool = False):
+    from transformers import AutoModelForTokenClassification
+
+    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype,
+                                                            attn_implementation="sdpa")
+    return _prepare(model, gradient_checkpointing)
+
+
+def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
+    """LR multiplier after ``step`` optimizer steps: linear from 1/warmup to 1 over ``warmup_steps``."""
+    def factor(step: int) -> float:
+        return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+
+    return factor
+
+
+@dataclass
+class TrainEngine:
+    """One trained model: the DeepSpeed engine, the client optimizer it steps, the LR schedule."""
+
+    role: str  # "actor" | "critic"
+    engine: Any  # deepspeed.DeepSpeedEngine
+    scheduler: torch.optim.lr_scheduler.LambdaLR
+    lr_factor: Callable[[int], float]
+    dtype: str  # "fp32" | "bf16" | "fp16"
+    lora: Optional[LoraSettings] = None
+
+    @property
+    def module(self) -> torch.nn.Module:
+        return self.engine.module
+
+    @property
+    def zero_stage(self) -> int:
+        return int(self.engine.zero_optimization_stage())
+
+    @property
+    def base_optimizer(self) -> torch.optim.Optimizer:
+        """The torch AdamW that holds the state (ZeRO wraps it; stage 0 fp32 uses it directly)."""
+        opt = self.engine.optimizer
+        return getattr(opt, "optimizer", opt)
+
+    def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    @property
+    def lr(self) -> float:
+        return float(self.base_optimizer.param_groups[0]["lr"])
+
+
+def build_engine(role: str, model: torch.nn.Module, optim: OptimConfig, ds_config: dict,
+                 dtype: str) -> TrainEngine:
+    """``deepspeed.initialize`` with a client AdamW over the trainable parameters and a LambdaLR
+    linear warm-up (both plain torch: no JIT-compiled DeepSpeed ops)."""
+    import deepspeed
+
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    factor = warmup_factor(optim.lr_warmup_steps)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
+                                           config=ds_config)
+    return TrainEngine(role=role, engine=engine, scheduler=scheduler, lr_factor=factor, dtype=dtype)
+
+
+@dataclass
+class StepOutcome:
+    grad_norm: float
+    """Total 2-norm of the mini-batch gradient before clipping (inf/nan when non-finite)."""
+    applied: bool
+    lr: float
+    """The learning rate this step used."""
+
+
+def _local_grad_norm(te: TrainEngine) -> float:
+    grads = [p.grad for _, p in te.named_trainable() if p.grad is not None]
+    if not grads:
+        return 0.0
+    return float(torch.nn.utils.get_total_norm(grads, norm_type=2.0))
+
+
+def full_gradients(te: TrainEngine) -> dict[str, torch.Tensor]:
+    """{parameter name: full fp32 gradient on CPU} after the last backward of a mini-batch and
+    before the step (ZeRO partitions are gathered: a collective call). For inspection and tests."""
+    from deepspeed.utils import safe_get_full_grad
+
+    out = {}
+    for name, p in te.named_trainable():
+        g = safe_get_full_grad(p) if te.engine.zero_optimization() else p.grad
+        if g is not None:
+            out[name] = g.detach().float().cpu().clone()
+    return out
+
+
+def optimizer_step(te: TrainEngine) -> StepOutcome:
+    """Close the mini-batch: one optimizer step, clipped at ``gradient_clipping``.
+
+    ZeRO stages report the pre-clip norm and skip a non-finite step themselves. Stage 0 in fp32
+    does neither (it would write NaN into the weights), so the norm is taken here from the
+    (already all-reduced) gradients and a non-finite one drops the gradients without stepping.
+    """
+    lr = te.lr
+    own_norm: Optional[float] = None
+    if not te.engine.zero_optimization() and te.dtype == "fp32":
+        own_norm = _local_grad_norm(te)
+        if not math.isfinite(own_norm):
+            te.engine.zero_grad()
+            return StepOutcome(grad_norm=own_norm, applied=False, lr=lr)
+    te.engine.step()
+    reported = te.engine.get_global_grad_norm() if own_norm is None else own_norm
+    norm = float(reported) if reported is not None else float("nan")
+    return StepOutcome(grad_norm=norm, applied=bool(te.engine.was_step_applied()), lr=lr)
+
+
+def reference_logprobs(actor: torch.nn.Module, forward: Callable[[torch.nn.Module], torch.Tensor]) -> torch.Tensor:
+    """Run ``forward(model)`` as the reference policy: with LoRA, the base model with the adapters
+    disabled (the same weights in memory, no second copy); without LoRA this is an error, because
+    the reference is then a separate frozen model (``reference_path``)."""
+    if not hasattr(actor, "disable_adapter"):
+        raise TypeError("reference_logprobs needs a LoRA (peft) actor; load the reference model from "
+                        "rlhf_core.io.pointers.reference_path otherwise")
+    with torch.no_grad(), actor.disable_adapter():
+        return forward(actor)

@@ -1,0 +1,41 @@
+"""Entry point of each data-parallel rank (started by torchrun or the deepspeed launcher):
+
+    torchrun --standalone --nproc_per_node N -m rlhf_core.training.launch \
+        --run-dir RUN --iteration K --config RUN/iter_K/.update_config.yaml
+
+The parent (``rlhf stage update --nproc N``) holds the run lock and records the stage; the ranks
+only train and (rank 0) write the checkpoint and metrics. A user error exits with status 2 and a
+one-line message, like the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    from rlhf_core.config import config_from_dict
+    from rlhf_core.config.loader import read_preset
+    from rlhf_core.errors import RLHFError
+    from rlhf_core.io.rundir import RunDir
+    from rlhf_core.training.update import train_update
+
+    parser = argparse.ArgumentParser(prog="rlhf_core.training.launch")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--iteration", type=int, required=True)
+    parser.add_argument("--config", type=Path, required=True, help="resolved config YAML")
+    parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
+    args = parser.parse_args(argv)
+    try:
+        train_update(config_from_dict(read_preset(args.config)), RunDir(args.run_dir), args.iteration)
+    except RLHFError as exc:
+        print(f"rlhf: error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,121 @@
+"""Optimizer state for exact resume, saved as safetensors + JSON (no pickle anywhere).
+
+DeepSpeed 0.19's own ``load_checkpoint`` reads its files with ``torch.load(weights_only=False)``,
+i.e. unpickles them, so we do not use it. Instead each trainable parameter's *full* AdamW moments
+are saved by parameter name — gathered from the ZeRO partitions with DeepSpeed's
+``safe_get_full_optimizer_state`` (stages 1-3, a collective call), or read from the torch optimizer
+directly at stage 0 — plus the fp32 master weights when training in bf16/fp16. The file does not
+depend on the ZeRO stage or the world size it was written under, so a run may change either between
+iterations. The step count, LR-schedule position and engine counters go to JSON.
+
+Restoring needs the optimizer's state tensors to exist, and torch AdamW creates them lazily at its
+first step. ``prime_optimizer`` therefore takes one step with zero gradients at learning rate 0
+(AdamW then changes no weight and leaves both moments at 0), after which the saved moments, step
+counts and counters are written over the fresh ones.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from rlhf_core.training.engines import TrainEngine
+
+MOMENT_KEYS = ("exp_avg", "exp_avg_sq")
+SEP = "::"
+
+
+def _is_partitioned(p: torch.nn.Parameter) -> bool:
+    return hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None
+
+
+def has_state(te: TrainEngine) -> bool:
+    return len(te.base_optimizer.state) > 0
+
+
+def adam_step_count(te: TrainEngine) -> int:
+    steps = [float(s["step"]) for s in te.base_optimizer.state.values() if "step" in s]
+    return int(max(steps)) if steps else 0
+
+
+def gather_optimizer_state(te: TrainEngine) -> dict[str, torch.Tensor]:
+    """{"<param name>::exp_avg" / "::exp_avg_sq" / "::fp32": full fp32 CPU tensor}. Collective under
+    ZeRO: every rank must call it, in the same order."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, torch.Tensor] = {}
+    if not has_state(te):
+        return out
+    for name, p in te.named_trainable():
+        for key in MOMENT_KEYS:
+            if _is_partitioned(p):
+                value = safe_get_full_optimizer_state(p, key)
+            else:
+                value = te.base_optimizer.state.get(p, {}).get(key)
+            if value is not None:  # ZeRO-3 parameters keep their full shape in ds_shape
+                out[name + SEP + key] = value.detach().float().cpu().reshape(getattr(p, "ds_shape", p.shape)).clone()
+        if te.dtype != "fp32" and _is_partitioned(p):
+            out[name + SEP + "fp32"] = safe_get_full_fp32_param(p).detach().float().cpu().clone()
+    return out
+
+
+def counters(te: TrainEngine) -> dict[str, Any]:
+    """JSON-able position of the optimizer: Adam step, schedule step, engine counters."""
+    e = te.engine
+    return {"adam_step": adam_step_count(te), "schedule_step": int(te.scheduler.last_epoch),
+            "global_steps": int(e.global_steps), "global_samples": int(e.global_samples),
+            "skipped_steps": int(e.skipped_steps), "zero_stage": te.zero_stage, "dtype": te.dtype}
+
+
+def prime_optimizer(te: TrainEngine, zero_loss: Callable[[], torch.Tensor]) -> None:
+    """Create the optimizer's state tensors with one lr=0, zero-gradient step. ``zero_loss()`` runs a
+    forward through the engine and returns 0 * (its output), so every rank joins the collectives."""
+    groups = te.base_optimizer.param_groups
+    saved_lrs = [g["lr"] for g in groups]
+    for g in groups:
+        g["lr"] = 0.0
+    te.engine.set_gradient_accumulation_boundary(True)
+    te.engine.backward(zero_loss())
+    te.engine.step()
+    for g, lr in zip(groups, saved_lrs):
+        g["lr"] = lr
+
+
+def restore_optimizer_state(te: TrainEngine, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
+                            zero_loss: Callable[[], torch.Tensor]) -> None:
+    """Load what ``gather_optimizer_state`` + ``counters`` saved (any ZeRO stage / world size).
+    The learning rate follows the *current* config's base LR at the saved schedule position, so a
+    retry with a smaller LR takes effect."""
+    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
+
+    if meta.get("adam_step", 0) > 0:
+        prime_optimizer(te, zero_loss)
+        for name, p in te.named_trainable():
+            for key in MOMENT_KEYS:
+                value = tensors.get(name + SEP + key)
+                if value is None:
+                    raise KeyError(f"optimizer state has no {key} for parameter {name}")
+                if _is_partitioned(p):
+                    safe_set_full_optimizer_state(p, value.to(p.device), key)
+                else:
+                    te.base_optimizer.state[p][key].copy_(value.view_as(p))
+            master = tensors.get(name + SEP + "fp32")
+            if master is not None and _is_partitioned(p):
+                safe_set_full_fp32_param(p, master.to(p.device))
+        for state in te.base_optimizer.state.values():
+            state["step"].fill_(float(meta["adam_step"]))
+    _restore_schedule(te, meta)
+
+
+def _restore_schedule(te: TrainEngine, meta: dict[str, Any]) -> None:
+    step = int(meta.get("schedule_step", 0))
+    te.scheduler.last_epoch = step
+    te.scheduler._step_count = step + 1  # noqa: SLF001 - keeps torch's "step before optimizer" check quiet
+    for group, base in zip(te.base_optimizer.param_groups, te.scheduler.base_lrs):
+        group["lr"] = base * te.lr_factor(step)
+    te.scheduler._last_lr = [g["lr"] for g in te.base_optimizer.param_groups]  # noqa: SLF001
+    e = te.engine
+    e.global_steps = int(meta.get("global_steps", 0))
+    e.global_samples = int(meta.get("global_samples", 0))
+    e.skipped_steps = int(meta.get("skipped_steps", 0))

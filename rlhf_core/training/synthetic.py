@@ -1,0 +1,56 @@
+"""A well-formed advantages table without running rollout/score/gae: for the update's tests and
+benchmark. Responses are random token ids; ``old_log_probs`` (and, by default, ``ref_log_probs``)
+are the model's own log-probs of them, so the PPO ratio starts at exactly the value scoring would
+give; advantages and returns are seeded Gaussian noise.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+
+def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, prompt_len: tuple[int, int] = (4, 12),
+                         response_len: tuple[int, int] = (1, 16), iteration: int = 1, temperature: float = 1.0,
+                         advantage_scale: float = 1.0, ref_model_dir: Optional[str | Path] = None):
+    """A pyarrow Table in the ADVANTAGES schema with ``n`` rows (lengths uniform in the given
+    inclusive ranges). ``ref_model_dir`` scores ``ref_log_probs`` with another model (default: the
+    same as old_log_probs, as in iteration 1)."""
+    import pyarrow as pa
+    import torch
+
+    from rlhf_core.data.schemas import ADVANTAGES
+    from rlhf_core.scoring.logprobs import compute_token_logprobs
+    from rlhf_core.scoring.models import load_causal_lm
+
+    rng = np.random.default_rng(seed)
+    model = load_causal_lm(model_dir, torch.device("cpu"), torch.float32)
+    vocab = model.config.vocab_size
+    prompts = [rng.integers(3, vocab, rng.integers(prompt_len[0], prompt_len[1] + 1)).tolist() for _ in range(n)]
+    responses = [rng.integers(3, vocab, rng.integers(response_len[0], response_len[1] + 1)).tolist() for _ in range(n)]
+    sequences = [p + r for p, r in zip(prompts, responses)]
+    lengths = [len(p) for p in prompts]
+    budget = max(len(s) for s in sequences) * 4
+    old = compute_token_logprobs(model, sequences, lengths, budget, temperature, progress=False)
+    ref = old if ref_model_dir is None else compute_token_logprobs(
+        load_causal_lm(ref_model_dir, torch.device("cpu"), torch.float32), sequences, lengths, budget, temperature,
+        progress=False)
+
+    def noise(k: int, scale: float = 1.0) -> list[float]:
+        return (rng.standard_normal(k) * scale).astype(np.float32).tolist()
+
+    values = [noise(len(r), 0.1) for r in responses]
+    advantages = [noise(len(r), advantage_scale) for r in responses]
+    returns = [[a + v for a, v in zip(adv, val)] for adv, val in zip(advantages, values)]
+    cols = {
+        "prompt_id": [f"p{i}" for i in range(n)], "sample_index": [0] * n, "iteration": [iteration] * n,
+        "data_source": ["synthetic"] * n, "ground_truth": [""] * n, "prompt_token_ids": prompts,
+        "response_text": [""] * n, "response_token_ids": responses, "response_length": [len(r) for r in responses],
+        "finish_reason": ["offline"] * n, "engine": ["offline"] * n, "sampling_seed": [seed] * n,
+        "reward": [0.0] * n, "reward_extra": ["{}"] * n, "old_log_probs": [t.tolist() for t in old],
+        "ref_log_probs": [t.tolist() for t in ref], "values": values,
+        "token_level_rewards": [[0.0] * len(r) for r in responses], "advantages": advantages, "returns": returns,
+    }
+    return pa.table(cols).cast(ADVANTAGES)
