@@ -42,6 +42,21 @@ IO_RETRIES = dict(retries=2, retry_delay_seconds=3, retry_condition_fn=transient
 NO_RESULTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
+def new_metrics(run: RunDir, iteration: Optional[int], stage: str, metrics: dict[str, float],
+                seconds: float) -> dict[str, float]:
+    """The stage's metrics minus names another stage of the same iteration already reported (e.g.
+    response_length/mean from both rollout and score): one point per metric and step in MLflow."""
+    from rlhf_core.io.manifest import read_manifest
+
+    taken = set()
+    for other, rec in read_manifest(run, iteration).items():
+        if other != stage and rec.get("status") in ("done", "stale"):
+            taken |= set(rec.get("metrics") or {})
+    out = {k: v for k, v in metrics.items() if k not in taken}
+    out[f"perf/stage_seconds/{stage}"] = seconds
+    return out
+
+
 def execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int], force: bool,
             mlflow_run_id: Optional[str]) -> dict[str, Any]:
     """Run one stage and report it (MLflow metrics, Prefect artifact, run log)."""
@@ -51,9 +66,8 @@ def execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int],
     if result.skipped:
         mark_skipped(run, iteration, stage)
     elif mlflow_run_id:
-        metrics = dict(result.metrics)
-        metrics[f"perf/stage_seconds/{stage}"] = result.seconds
-        tracking.log_metrics(mlflow_run_id, metrics, step=iteration)
+        tracking.log_metrics(mlflow_run_id, new_metrics(run, iteration, stage, result.metrics, result.seconds),
+                             step=iteration)
     where = f" iteration {iteration}" if iteration is not None else ""
     log.info("[%s%s] %s", stage, where, "skipped (up to date)" if result.skipped else f"done in {result.seconds:.1f}s")
     for line in result.summary:

@@ -1,0 +1,89 @@
+"""The whole pipeline flow, 2 iterations on the tiny model: real Prefect (test server), real MLflow
+(SQLite), real DeepSpeed on CPU. Then a CLI rerun of one stage on the finished run."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pyarrow.parquet as pq
+import pytest
+
+from flows.pipeline import PipelineParams, rlhf_pipeline
+from rlhf_core.config import flatten
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.pipeline import resolve_run_config
+from rlhf_core.query import read_iteration_metrics, status_table
+from tasks import tracking
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
+
+EVERY_ITERATION = ("reward/mean", "kl/mean", "kl/coef", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl",
+                   "actor/entropy", "actor/grad_norm", "critic/vf_loss", "critic/vf_clipfrac", "response_length/mean",
+                   "perf/tokens_per_s", "perf/stage_seconds/rollout", "perf/stage_seconds/score",
+                   "perf/stage_seconds/gae", "perf/stage_seconds/update", "perf/stage_seconds/guard")
+
+
+@pytest.fixture(scope="module")
+def two_iterations(prefect_server, demo_preset, tiny_overrides, shared_home, tmp_path_factory):
+    runs = tmp_path_factory.mktemp("runs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLHF_HOME", str(shared_home))
+        started = time.perf_counter()
+        summary = rlhf_pipeline(PipelineParams(config=demo_preset, overrides=tiny_overrides(runs),
+                                               iterations=2, run_name="two"))
+        seconds = time.perf_counter() - started
+    print(f"\n[timing] 2-iteration tiny flow: {seconds:.1f} s wall")
+    return SimpleNamespace(summary=summary, run=RunDir(summary["run_dir"]), seconds=seconds)
+
+
+def _prefect_artifact_keys(prefix: str) -> set[str]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        found = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(like_=prefix)))
+    return {a.key for a in found}
+
+
+def test_two_iterations_complete_with_their_records(two_iterations, shared_home, monkeypatch):
+    monkeypatch.setenv("RLHF_HOME", str(shared_home))
+    run = two_iterations.run
+    assert two_iterations.summary["last_good"]["iteration"] == 2
+    rows = {r["iteration"]: r for r in status_table(run)}
+    for k in (1, 2):
+        assert [rows[k][s] for s in ("rollout", "score", "gae", "update", "guard")] == \
+            ["done", "done", "done", "done", "committed"]
+    assert "val/accuracy" in read_iteration_metrics(run, 2) and "val/accuracy" not in read_iteration_metrics(run, 1)
+    assert (run.root / "export" / "actor" / "config.json").is_file()
+
+    run_id = two_iterations.summary["mlflow_run_id"]
+    mlrun = tracking.client().get_run(run_id)
+    assert mlrun.info.status == "FINISHED" and mlrun.info.run_name == "two"
+    cfg = resolve_run_config(run.root, None, [])
+    assert set(flatten(cfg)) <= set(mlrun.data.params)
+    for key in EVERY_ITERATION:
+        assert [step for step, _ in tracking.metric_history(run_id, key)] == [1, 2], key
+    assert [step for step, _ in tracking.metric_history(run_id, "val/accuracy")] == [2]
+    assert [a.path for a in tracking.client().list_artifacts(run_id, "plots")] == ["plots/learning_curve.png"]
+
+    assert {"two-metrics", "two-report", "two-progress", "two-export"} <= _prefect_artifact_keys("two-%")
+
+
+def test_cli_rerun_of_score_reproduces_the_table(two_iterations, shared_home, monkeypatch, capsys):
+    from rlhf_core.cli import main
+
+    monkeypatch.setenv("RLHF_HOME", str(shared_home))
+    run = two_iterations.run
+    before = pq.read_table(run.scored(1))
+    argv = ["stage", "score", "--run-dir", str(run.root), "--iteration", "1"]
+    assert main(argv) == 0
+    assert "[score iteration 1] skipped (up to date)" in capsys.readouterr().out
+    assert main(argv + ["--force"]) == 0
+    assert "[score iteration 1] done" in capsys.readouterr().out
+    assert pq.read_table(run.scored(1)).equals(before)
+    rows = {r["iteration"]: r for r in status_table(run)}
+    assert [rows[1][s] for s in ("score", "gae", "update")] == ["done", "stale", "stale"]
+    assert rows[2]["rollout"] == "stale"
+    nested = tracking.child_runs(two_iterations.summary["mlflow_run_id"])
+    assert {r.info.run_name for r in nested} == {"score-iter1"}

@@ -1,0 +1,61 @@
+"""A process killed in the middle of iteration 2 (after the update, before the guard's verdict) and
+`rlhf run --resume` finish the run with nothing lost: finished stages are reused, not redone."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+
+import pytest
+
+from flows.pipeline import PipelineParams, rlhf_pipeline
+from rlhf_core.io.pointers import read_last_good
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.query import status_table
+from tasks import tracking
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
+
+
+def digest(path) -> str:
+    if path.is_file():
+        return hashlib.sha256(path.read_bytes()).hexdigest()
+    return hashlib.sha256(b"".join(hashlib.sha256(p.read_bytes()).digest()
+                                   for p in sorted(path.rglob("*")) if p.is_file())).hexdigest()
+
+
+def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_overrides, tmp_path):
+    first = rlhf_pipeline(PipelineParams(config=demo_preset, overrides=tiny_overrides(tmp_path / "runs"),
+                                         iterations=1, run_name="crash"))
+    run = RunDir(first["run_dir"])
+
+    # a separate process continues to iteration 2 and dies (like SIGKILL) just before the guard's
+    # verdict file is renamed into place
+    env = dict(os.environ, PREFECT_API_URL=prefect_server, RLHF_FAULT="before_rename:guard.json")
+    proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "run", "--resume", str(run.root), "--iterations", "2"],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert read_last_good(run)["iteration"] == 1
+    finished = {s: r for s, r in status_table(run)[1].items()}
+    assert [finished[s] for s in ("rollout", "score", "gae", "update", "guard")] == ["done"] * 4 + ["-"]
+    kept = {name: digest(path) for name, path in (("rollout", run.rollout(2)), ("scored", run.scored(2)),
+                                                   ("advantages", run.advantages(2)), ("checkpoint", run.checkpoint(2)))}
+    assert run.lock_path.exists()  # left behind by the dead process
+
+    done = rlhf_pipeline(PipelineParams(resume=str(run.root)))
+    assert done["last_good"]["iteration"] == 2 and done["mlflow_run_id"] == first["mlflow_run_id"]
+    row = status_table(run)[1]
+    assert [row[s] for s in ("rollout", "score", "gae", "update", "guard")] == ["skipped"] * 4 + ["committed"]
+    assert {name: digest(path) for name, path in (("rollout", run.rollout(2)), ("scored", run.scored(2)),
+                                                  ("advantages", run.advantages(2)),
+                                                  ("checkpoint", run.checkpoint(2)))} == kept
+    assert not list(run.root.rglob("*.tmp-*"))
+    kinds = [e["kind"] for e in run.events()]
+    assert "stale_lock_cleared" in kinds and kinds.count("resume") == 2
+    # the KL controller continues from the state the killed process's gae left
+    assert run.read_json(run.kl_ctrl_path) == run.read_json(run.checkpoint(2) / "trainer_state.json")["kl_ctrl"]
+    # one MLflow run, each iteration's metrics logged once
+    for key in ("reward/mean", "kl/mean", "actor/pg_loss"):
+        assert [s for s, _ in tracking.metric_history(first["mlflow_run_id"], key)] == [1, 2], key
