@@ -1,0 +1,249 @@
+"""The advantage step on a scored table: KL-shaped token rewards, GAE, whitening. No I/O, no run dir.
+
+    scored table (B responses)
+      └─► right-padded (B, T) tensors: old/ref log-probs, values, response_mask; scores (B,)
+            └─► token_level_rewards   r_t = score·[t is the last token] − kl_coef · KL_t
+                  └─► advantages, returns = estimator(r, V; gamma, lam); advantages whitened
+                        └─► advantages table: the scored columns + three per-token lists
+
+T is the longest response of the batch; every per-token list written back is exactly
+``response_length`` long (entry t belongs to response token t). The KL coefficient is an input:
+the controller that chooses it, and its state on disk, belong to the gae stage.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+
+from rlhf_core.algos import apply_kl_penalty, get_adv_estimator, masked_mean, masked_whiten
+from rlhf_core.config import ConfigError
+from rlhf_core.data.schemas import ADVANTAGES_EXTRA, SCORED
+from rlhf_core.errors import DataError
+
+PER_TOKEN_INPUTS = ("old_log_probs", "ref_log_probs", "values")
+
+
+@dataclass(frozen=True)
+class AdvantageSettings:
+    """The ``algorithm.*`` values the advantage step reads (plain values: no config object in the math)."""
+
+    adv_estimator: str = "gae"
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv: bool = True
+    use_kl_in_reward: bool = True
+    kl_penalty: str = "kl"
+
+    @classmethod
+    def from_algorithm(cls, algorithm: Any) -> "AdvantageSettings":
+        """From ``cfg.algorithm`` (an ``AlgorithmConfig``)."""
+        return cls(adv_estimator=algorithm.adv_estimator, gamma=float(algorithm.gamma), lam=float(algorithm.lam),
+                   norm_adv=bool(algorithm.norm_adv), use_kl_in_reward=bool(algorithm.use_kl_in_reward),
+                   kl_penalty=algorithm.kl_penalty)
+
+
+@dataclass
+class ScoredBatch:
+    """A scored table's numeric columns as tensors (B responses, T = longest response, at least 1)."""
+
+    scores: torch.Tensor          # (B,) float32, the sequence-level ``reward``
+    old_log_probs: torch.Tensor   # (B, T) float32, 0 at padding
+    ref_log_probs: torch.Tensor   # (B, T) float32, 0 at padding
+    values: torch.Tensor          # (B, T) float32, 0 at padding
+    response_mask: torch.Tensor   # (B, T) bool, True for t < response_length
+    lengths: np.ndarray           # (B,) int64 response lengths
+
+
+@dataclass
+class AdvantageOutput:
+    table: pa.Table               # the scored columns + token_level_rewards, advantages, returns
+    metrics: dict[str, float]
+    kl_mean: float                # what a KL controller is fed: mean over responses of the per-token mean KL
+    num_responses: int
+
+
+# ---------------------------------------------------------------------------------------------
+# table <-> tensors
+# ---------------------------------------------------------------------------------------------
+
+
+def _where(table: pa.Table, i: int, source: str) -> str:
+    ids = {c: table.column(c)[i].as_py() for c in ("prompt_id", "sample_index") if c in table.column_names}
+    named = ", ".join(f"{k}={v!r}" for k, v in ids.items())
+    return f"{source} row {i}" + (f" ({named})" if named else "")
+
+
+def _first(flags: np.ndarray) -> int:
+    return int(np.flatnonzero(flags)[0])
+
+
+def _require_columns(table: pa.Table, source: str) -> None:
+    missing = [n for n in SCORED.names if n not in table.column_names]
+    if missing:
+        raise DataError(f"{source} is not a scored table: missing column(s) {', '.join(missing)}; "
+                        "rerun the score stage")
+
+
+def pad_list_column(table: pa.Table, name: str, lengths: np.ndarray, width: int, source: str) -> torch.Tensor:
+    """List column ``name`` → (B, width) float32 tensor, entry i right-padded with 0.
+
+    Every list must hold exactly ``lengths[i]`` finite numbers; the first row that does not is
+    named in the error. Vectorised: the flat values are scattered to (row, position) in one step.
+    """
+    column = table.column(name).combine_chunks()
+    if column.null_count:
+        i = _first(column.is_null().to_numpy(zero_copy_only=False))
+        raise DataError(f"{_where(table, i, source)}: {name} is null; rerun the score stage")
+    counts = pc.list_value_length(column).to_numpy(zero_copy_only=False).astype(np.int64)
+    if (counts != lengths).any():
+        i = _first(counts != lengths)
+        raise DataError(f"{_where(table, i, source)}: {name} has {counts[i]} entries but response_length is "
+                        f"{lengths[i]}; rerun the score stage")
+    flat_array = pc.list_flatten(column)
+    flat = flat_array.to_numpy(zero_copy_only=False).astype(np.float32)
+    if flat_array.null_count or not np.isfinite(flat).all():
+        bad = ~np.isfinite(flat)
+        row = int(np.searchsorted(np.cumsum(lengths), _first(bad), side="right"))
+        raise DataError(f"{_where(table, row, source)}: {name} holds a non-finite or null value; "
+                        "rerun the score stage (a -inf log-prob means the model gave a sampled token zero probability)")
+    rows = np.repeat(np.arange(len(lengths)), lengths)
+    starts = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    out = np.zeros((len(lengths), width), dtype=np.float32)
+    out[rows, np.arange(len(flat)) - starts] = flat
+    return torch.from_numpy(out)
+
+
+def unpad(tensor: torch.Tensor, lengths: np.ndarray) -> pa.ListArray:
+    """(B, T) tensor → list<float32> array whose entry i is ``tensor[i, :lengths[i]]``."""
+    mask = torch.arange(tensor.shape[1]).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)
+    # Boolean indexing walks row-major, and each row's valid tokens are a prefix: row i's values
+    # come out in order, right after row i-1's.
+    flat = tensor.detach().to(torch.float32)[mask].cpu().numpy()
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, pa.float32()))
+
+
+def scored_batch(table: pa.Table, source: str = "scored table") -> ScoredBatch:
+    """Tensors of a SCORED-schema table (checks lengths, nulls and finiteness, naming the bad row)."""
+    _require_columns(table, source)
+    if table.num_rows == 0:
+        raise DataError(f"{source} has no rows: the rollout produced no responses; rerun rollout and score")
+    length_column = table.column("response_length").combine_chunks()
+    if length_column.null_count:
+        raise DataError(f"{_where(table, _first(length_column.is_null().to_numpy(zero_copy_only=False)), source)}: "
+                        "response_length is null; rerun the rollout stage")
+    lengths = length_column.to_numpy(zero_copy_only=False).astype(np.int64)
+    token_counts = pc.list_value_length(table.column("response_token_ids").combine_chunks())
+    token_counts = token_counts.fill_null(-1).to_numpy(zero_copy_only=False).astype(np.int64)
+    if (token_counts != lengths).any():
+        i = _first(token_counts != lengths)
+        raise DataError(f"{_where(table, i, source)}: response_length={lengths[i]} but response_token_ids holds "
+                        f"{max(token_counts[i], 0)} tokens; rerun the rollout stage")
+    reward = table.column("reward").combine_chunks()
+    scores = reward.to_numpy(zero_copy_only=False).astype(np.float32)
+    if reward.null_count or not np.isfinite(scores).all():
+        i = _first(~np.isfinite(scores))
+        raise DataError(f"{_where(table, i, source)}: reward is {reward[i].as_py()}; fix the reward function "
+                        "(it must return a finite number) and rerun the score stage")
+    width = max(int(lengths.max()), 1)  # T >= 1 keeps the (B, T) maths defined when every response is empty
+    padded = {n: pad_list_column(table, n, lengths, width, source) for n in PER_TOKEN_INPUTS}
+    mask = torch.arange(width).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)
+    return ScoredBatch(scores=torch.from_numpy(scores), old_log_probs=padded["old_log_probs"],
+                       ref_log_probs=padded["ref_log_probs"], values=padded["values"], response_mask=mask,
+                       lengths=lengths)
+
+
+# ---------------------------------------------------------------------------------------------
+# the maths
+# ---------------------------------------------------------------------------------------------
+
+
+def shaped_rewards(batch: ScoredBatch, *, kl_coef: float, kind: str) -> tuple[torch.Tensor, float]:
+    """(token_level_rewards (B, T), measured KL) with ``r_t = score·[t last] − kl_coef·KL_t`` (0 at padding).
+
+    ``kl_coef = 0`` gives the score on each response's last token only (the inputs are checked
+    finite, so ``0·KL`` is exactly 0). The measured KL (estimator ``kind`` of the sampling policy
+    against the reference) is the mean over responses of the per-token mean, as verl feeds its
+    controller.
+    """
+    rewards, metrics = apply_kl_penalty(scores=batch.scores, old_log_prob=batch.old_log_probs,
+                                        ref_log_prob=batch.ref_log_probs, response_mask=batch.response_mask,
+                                        kl_coef=kl_coef, kind=kind)
+    return rewards, float(metrics["kl/mean"])
+
+
+def _estimator(name: str):
+    try:
+        return get_adv_estimator(name)
+    except ValueError as exc:
+        raise ConfigError(f"algorithm.adv_estimator: {exc}") from None
+
+
+def estimate_advantages(batch: ScoredBatch, rewards: torch.Tensor,
+                        settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages, returns), both (B, T) and 0 at padding; advantages whitened over the batch's
+    valid tokens when ``settings.norm_adv``, returns never (they are the critic's targets)."""
+    estimator = _estimator(settings.adv_estimator)
+    offered = dict(token_level_rewards=rewards, values=batch.values, response_mask=batch.response_mask,
+                   gamma=settings.gamma, lam=settings.lam)
+    params = inspect.signature(estimator).parameters
+    # An estimator takes what it needs (a critic-free one has no ``values``); **kwargs takes all.
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        offered = {k: v for k, v in offered.items() if k in params}
+    advantages, returns = estimator(**offered)
+    if settings.norm_adv:
+        advantages = masked_whiten(advantages, batch.response_mask)
+    zero = torch.zeros((), dtype=advantages.dtype)
+    return torch.where(batch.response_mask, advantages, zero), torch.where(batch.response_mask, returns, zero)
+
+
+def _valid_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    selected = values[mask]
+    if selected.numel() == 0:
+        return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
+    return {f"{prefix}/mean": float(selected.double().mean()), f"{prefix}/max": float(selected.max()),
+            f"{prefix}/min": float(selected.min())}
+
+
+def advantage_metrics(batch: ScoredBatch, rewards: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
+                      *, kl_coef: float, kl_mean: float) -> dict[str, float]:
+    """kl/in_reward_mean, kl/coef, reward/score_mean, reward/token_level_mean (per-response sum, mean),
+    advantages/{mean,max,min}, returns/{mean,max,min}, critic/values_mean: over valid tokens."""
+    mask = batch.response_mask
+    metrics = {
+        "kl/in_reward_mean": kl_mean,
+        "kl/coef": float(kl_coef),
+        "reward/score_mean": float(batch.scores.double().mean()),
+        "reward/token_level_mean": float(torch.where(mask, rewards, 0.0).double().sum(-1).mean()),
+        **_valid_stats("advantages", advantages, mask),
+        **_valid_stats("returns", returns, mask),
+        "critic/values_mean": float(masked_mean(batch.values.double(), mask)),
+    }
+    assert all(math.isfinite(v) for v in metrics.values()), metrics  # inputs were checked finite
+    return metrics
+
+
+def compute_advantages(table: pa.Table, *, kl_coef: float, settings: AdvantageSettings,
+                       source: str = "scored table") -> AdvantageOutput:
+    """Scored table → advantages table (SCORED columns + token_level_rewards, advantages, returns).
+
+    ``kl_coef`` is the KL coefficient to use; it is ignored (0) unless ``settings.use_kl_in_reward``.
+    ``source`` names the table in error messages.
+    """
+    batch = scored_batch(table, source)
+    coef = float(kl_coef) if settings.use_kl_in_reward else 0.0
+    rewards, kl_mean = shaped_rewards(batch, kl_coef=coef, kind=settings.kl_penalty)
+    advantages, returns = estimate_advantages(batch, rewards, settings)
+    out = table.select(SCORED.names)
+    for (name, _), tensor in zip(ADVANTAGES_EXTRA, (rewards, advantages, returns)):
+        out = out.append_column(name, unpad(tensor, batch.lengths))
+    metrics = advantage_metrics(batch, rewards, advantages, returns, kl_coef=coef, kl_mean=kl_mean)
+    return AdvantageOutput(table=out, metrics=metrics, kl_mean=kl_mean, num_responses=table.num_rows)

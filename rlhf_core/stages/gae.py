@@ -1,0 +1,168 @@
+"""Stage `gae`: iter_K/scored.parquet → iter_K/advantages.parquet (token rewards, advantages, returns).
+
+    rlhf stage gae --run-dir RUN --iteration K [-c PRESET] [key=value ...]
+
+With ``algorithm.use_kl_in_reward`` the token rewards carry the KL penalty ``−β·KL_t`` (estimator
+``algorithm.kl_penalty``) with β = the KL controller's current coefficient; the controller then
+takes one step with the iteration's measured KL and B = number of responses
+(``algorithm.kl_ctrl``: fixed, or the adaptive controller of Ziegler et al. 2019). GAE
+(``algorithm.gamma``, ``algorithm.lam``) and the whitening (``algorithm.norm_adv``) are in
+``rlhf_core.advantages``.
+
+KL controller state (``RunDir.kl_ctrl_path`` = kl_ctrl.json, the controller's ``state_dict()``):
+iteration K always starts from the state recorded before K in ``iter_K/kl_ctrl_before.json``
+(``guard.kl_snapshot_path``; taken here when the flow's begin-iteration has not taken it). So a
+rerun of K (forced, after a crash, after a rollback) uses the same coefficient, writes the same
+table and leaves the same state: the controller never steps twice for one iteration. A retry after
+a KL-guard rollback edits that snapshot (a raised coefficient), which this stage then uses.
+A stored state gives the coefficient; ``target_kl`` and ``horizon`` come from the current config.
+
+Inspect it with DuckDB:  SELECT avg(list_sum(token_level_rewards)) FROM 'RUN/iter_1/advantages.parquet'
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+from rlhf_core.config import ConfigError, RLHFConfig
+from rlhf_core.errors import DataError, RLHFError
+from rlhf_core.guard import kl_snapshot_path
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.stages.base import StageResult, execute_stage
+
+CONFIG_SECTIONS = ("algorithm.",)
+
+
+def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
+    """Advantages of iteration ``iteration``; skipped when its scored table, KL snapshot and
+    ``algorithm.*`` config are unchanged."""
+    if iteration is None or iteration < 1:
+        raise RLHFError("gae is a per-iteration stage: give --iteration K (K >= 1)")
+    scored = run.scored(iteration)
+    if not scored.is_file():
+        raise DataError(f"{scored} not found: run `rlhf stage score --run-dir {run.root} "
+                        f"--iteration {iteration}` first")
+    if cfg.algorithm.use_kl_in_reward:
+        # Before hashing the inputs: the snapshot is an input, and the first run must hash what a rerun will.
+        take_kl_snapshot(run, iteration)
+    snapshot = kl_snapshot_path(run, iteration)
+    inputs = [scored] + ([snapshot] if snapshot.is_file() else [])
+
+    def body() -> StageResult:
+        return _gae(cfg, run, iteration)
+
+    return execute_stage(stage="gae", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
+                         config_sections=CONFIG_SECTIONS, body=body, force=force)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL controller state
+# ---------------------------------------------------------------------------------------------
+
+
+def take_kl_snapshot(run: RunDir, k: int) -> bool:
+    """Record kl_ctrl.json as it is now as the state before iteration ``k``, unless already recorded
+    (same format as ``guard.begin_iteration``: {"state": <state_dict or null>}). Returns whether taken."""
+    snapshot = kl_snapshot_path(run, k)
+    if snapshot.is_file():
+        return False
+    atomic_write_json(snapshot, {"state": run.read_json(run.kl_ctrl_path)})
+    return True
+
+
+def kl_state_before(run: RunDir, k: int) -> Optional[dict]:
+    """The controller state iteration ``k`` starts from (None: a fresh controller from the config)."""
+    snapshot = kl_snapshot_path(run, k)
+    record = run.read_json(snapshot)
+    if not isinstance(record, dict) or "state" not in record:
+        raise DataError(f"{snapshot} is not a KL controller snapshot (expected {{\"state\": ...}}); delete it to "
+                        f"start iteration {k} from {run.kl_ctrl_path}")
+    return record["state"]
+
+
+def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path):
+    """The controller of ``algorithm.kl_ctrl`` starting at ``state["value"]`` (else at kl_coef)."""
+    from rlhf_core.algos import make_kl_controller
+
+    ctrl = cfg.algorithm.kl_ctrl
+    coef = ctrl.kl_coef
+    if state is not None:
+        if not isinstance(state, dict) or not isinstance(state.get("value"), (int, float)):
+            raise DataError(f"{source}: KL controller state {state!r} has no numeric \"value\"; restore the file "
+                            "or delete it to restart the coefficient at algorithm.kl_ctrl.kl_coef")
+        if state.get("type") != ctrl.type:
+            raise ConfigError(
+                f"{source} holds a {state.get('type')!r} KL controller but algorithm.kl_ctrl.type={ctrl.type!r}; "
+                f"set algorithm.kl_ctrl.type={state.get('type')} to continue this run's controller, or delete "
+                f"{source.name} (and kl_ctrl.json) to restart the coefficient at algorithm.kl_ctrl.kl_coef")
+        coef = float(state["value"])
+    return make_kl_controller(ctrl.type, coef, ctrl.target_kl, ctrl.horizon)
+
+
+def later_started_iteration(run: RunDir, k: int) -> Optional[int]:
+    """The first iteration after ``k`` that already took its KL snapshot (started from kl_ctrl.json)."""
+    return next((j for j in run.iterations() if j > k and kl_snapshot_path(run, j).is_file()), None)
+
+
+def persist_kl_controller(run: RunDir, k: int, controller) -> Optional[int]:
+    """Write the stepped controller to kl_ctrl.json, unless a later iteration already started from
+    the file (a rerun of an old iteration must not rewind the run's controller). Returns that
+    later iteration, or None when written."""
+    later = later_started_iteration(run, k)
+    if later is None:
+        atomic_write_json(run.kl_ctrl_path, controller.state_dict())
+    return later
+
+
+# ---------------------------------------------------------------------------------------------
+# body
+# ---------------------------------------------------------------------------------------------
+
+
+def _gae(cfg: RLHFConfig, run: RunDir, k: int) -> StageResult:
+    import pyarrow.parquet as pq
+
+    from rlhf_core.advantages import AdvantageSettings, compute_advantages
+    from rlhf_core.data.schemas import ADVANTAGES
+    from rlhf_core.io.atomic import atomic_write_parquet
+
+    settings = AdvantageSettings.from_algorithm(cfg.algorithm)
+    controller = None
+    if settings.use_kl_in_reward:
+        controller = kl_controller_for(cfg, kl_state_before(run, k), kl_snapshot_path(run, k))
+    used = controller.value if controller is not None else 0.0
+    out = compute_advantages(pq.read_table(run.scored(k)), kl_coef=used, settings=settings,
+                             source=str(run.scored(k)))
+    path = atomic_write_parquet(run.advantages(k), out.table, schema=ADVANTAGES)
+    metrics = dict(out.metrics)
+    kl_lines = [f"KL not in the reward (algorithm.use_kl_in_reward=false): token reward = score on the last "
+                f"token; KL({settings.kl_penalty}) of the rollout policy to the reference "
+                f"{out.kl_mean:.5f} per token"]
+    if controller is not None:
+        controller.update(current_kl=out.kl_mean, n_steps=out.num_responses)
+        metrics["kl/coef_next"] = controller.value
+        later = persist_kl_controller(run, k, controller)
+        kl_lines = [f"KL in reward: {settings.kl_penalty} estimator, coefficient {used:.6g} "
+                    f"({cfg.algorithm.kl_ctrl.type}); measured KL {out.kl_mean:.5f} per token → next "
+                    f"coefficient {controller.value:.6g}"]
+        if later is not None:
+            kl_lines.append(f"{run.kl_ctrl_path.name} left as is: iteration {later} already started from it")
+    tokens = int(out.table.column("response_length").to_numpy().sum())
+    return StageResult(stage="gae", iteration=k, outputs={"advantages": str(path)},
+                       rows={"advantages": out.num_responses, "tokens": tokens},
+                       metrics=metrics, summary=_summary(settings, out, metrics, kl_lines, path))
+
+
+def _summary(settings, out, metrics: dict[str, float], kl_lines: list[str], path: Path) -> list[str]:
+    whitened = "whitened" if settings.norm_adv else "not whitened (algorithm.norm_adv=false)"
+    return [
+        f"{out.num_responses} responses; score mean {metrics['reward/score_mean']:.4f}, token-level reward "
+        f"per response {metrics['reward/token_level_mean']:.4f}",
+        *kl_lines,
+        f"{settings.adv_estimator} γ={settings.gamma:g} λ={settings.lam:g}: advantages {whitened}, mean "
+        f"{metrics['advantages/mean']:.4f} in [{metrics['advantages/min']:.3f}, {metrics['advantages/max']:.3f}]; "
+        f"returns mean {metrics['returns/mean']:.4f}; values mean {metrics['critic/values_mean']:.4f}",
+        f"wrote {path}",
+    ]

@@ -1,0 +1,226 @@
+"""The gae stage: scored table → advantages table, the KL controller's state in the run directory (one
+step per iteration, however often the stage reruns), the guard's snapshot/retry contract, the CLI."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from rlhf_core import guard
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.data.schemas import ADVANTAGES, PROMPTS, ROLLOUT, SCORED
+from rlhf_core.errors import DataError
+from rlhf_core.io.atomic import atomic_write_parquet
+from rlhf_core.io.manifest import read_manifest
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.stages.gae import run_gae
+
+DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
+ADAPTIVE = ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.target_kl=0.05",
+            "algorithm.kl_ctrl.horizon=40"]
+
+
+def write_scored(run: RunDir, k: int, lengths=(4, 7, 1, 0, 5), seed=0, kl_shift=0.3) -> list[dict]:
+    """A hand-made scored table for iteration k: old log-probs sit ``kl_shift`` above ref on average."""
+    rng = random.Random(seed)
+    rows = []
+    for i, n in enumerate(lengths):
+        ref = [rng.uniform(-3, -0.5) for _ in range(n)]
+        rows.append(dict(prompt_id=f"p{i}", sample_index=i % 2, iteration=k, data_source="arith", ground_truth="7",
+                         prompt_token_ids=[1, 2, 3], response_text="r" * n, response_token_ids=list(range(n)),
+                         response_length=n, finish_reason="stop", engine="offline", sampling_seed=0,
+                         reward=float(i % 2), reward_extra="{}",
+                         old_log_probs=[x + kl_shift + rng.uniform(-0.1, 0.1) for x in ref], ref_log_probs=ref,
+                         values=[rng.uniform(-1, 1) for _ in range(n)]))
+    atomic_write_parquet(run.scored(k), pa.Table.from_pylist(rows, schema=SCORED), schema=SCORED)
+    return rows
+
+
+def config(*overrides):
+    return load_config(None, list(overrides))
+
+
+def advantages(run: RunDir, k: int) -> list[dict]:
+    return pq.read_table(run.advantages(k)).to_pylist()
+
+
+def test_schema_lengths_and_hand_computed_advantages_without_kl(tmp_path):
+    run = RunDir(tmp_path / "run")
+    scored = write_scored(run, 1)
+    result = run_gae(config("algorithm.use_kl_in_reward=false", "algorithm.norm_adv=false"), run, 1)
+    table = pq.read_table(run.advantages(1))
+    assert table.schema.names == ADVANTAGES.names and table.schema.equals(ADVANTAGES, check_metadata=False)
+    stored = pq.read_table(run.scored(1)).to_pylist()
+    for row, src, kept in zip(table.to_pylist(), scored, stored):
+        n = src["response_length"]
+        assert {k: row[k] for k in SCORED.names} == kept  # every scored column passes through unchanged
+        assert len(row["token_level_rewards"]) == len(row["advantages"]) == len(row["returns"]) == n
+        if n:  # score on the last token only; gamma = lam = 1: return R everywhere, A_t = R - V_t
+            assert row["token_level_rewards"] == [0.0] * (n - 1) + [src["reward"]]
+            assert row["returns"] == pytest.approx([src["reward"]] * n, abs=1e-6)
+            assert row["advantages"] == pytest.approx([src["reward"] - v for v in src["values"]], abs=1e-6)
+    assert not run.kl_ctrl_path.exists() and not guard.kl_snapshot_path(run, 1).exists()  # controller untouched
+    assert result.metrics["kl/coef"] == 0.0 and "kl/coef_next" not in result.metrics
+    assert result.rows == {"advantages": 5, "tokens": 17}
+    assert any("KL not in the reward" in line for line in result.summary)
+    assert read_manifest(run, 1)["gae"]["status"] == "done"
+
+
+def test_adaptive_controller_steps_once_per_iteration_and_reruns_are_identical(tmp_path):
+    run = RunDir(tmp_path / "run")
+    scored = write_scored(run, 1)
+    cfg = config(*ADAPTIVE, "algorithm.norm_adv=false")
+    first = run_gae(cfg, run, 1)
+    rows = advantages(run, 1)
+    for row, src in zip(rows, scored):  # kind "kl": r_t = -beta (old - ref), plus the score on the last token
+        expected = [-0.1 * (o - r) for o, r in zip(src["old_log_probs"], src["ref_log_probs"])]
+        if expected:
+            expected[-1] += src["reward"]
+        assert row["token_level_rewards"] == pytest.approx(expected, abs=1e-6)
+    # measured KL ~ 0.3 > target 0.05: the error clips at +0.2, and 5 responses of a 40-sample horizon
+    kl = first.metrics["kl/in_reward_mean"]
+    assert kl == pytest.approx(0.3, abs=0.05)
+    state = json.loads(run.kl_ctrl_path.read_text())
+    assert state == {"type": "adaptive", "value": pytest.approx(0.1 * (1 + 0.2 * 5 / 40)), "target_kl": 0.05,
+                     "horizon": 40.0}
+    assert first.metrics["kl/coef"] == 0.1 and first.metrics["kl/coef_next"] == pytest.approx(state["value"])
+    assert json.loads(guard.kl_snapshot_path(run, 1).read_text()) == {"state": None}
+
+    assert run_gae(cfg, run, 1).skipped  # unchanged inputs: nothing reruns, nothing steps
+    again = run_gae(cfg, run, 1, force=True)
+    assert advantages(run, 1) == rows and json.loads(run.kl_ctrl_path.read_text()) == state
+    assert again.metrics == first.metrics
+
+    write_scored(run, 2, seed=1, kl_shift=0.0)  # KL ~ 0 < target: the coefficient goes down
+    second = run_gae(cfg, run, 2)
+    assert second.metrics["kl/coef"] == pytest.approx(state["value"])
+    after_two = json.loads(run.kl_ctrl_path.read_text())
+    assert after_two["value"] == pytest.approx(state["value"] * (1 - 0.2 * 5 / 40))
+    # Rerunning iteration 1 now reproduces its table but must not rewind the run's controller.
+    old = run_gae(cfg, run, 1, force=True)
+    assert advantages(run, 1) == rows and json.loads(run.kl_ctrl_path.read_text()) == after_two
+    assert any("iteration 2 already started" in line for line in old.summary)
+
+
+def test_fixed_controller_never_moves(tmp_path):
+    run = RunDir(tmp_path / "run")
+    cfg = config("algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0.02")
+    for k in (1, 2):
+        write_scored(run, k, seed=k)
+        result = run_gae(cfg, run, k)
+        assert result.metrics["kl/coef"] == result.metrics["kl/coef_next"] == 0.02
+    assert json.loads(run.kl_ctrl_path.read_text()) == {"type": "fixed", "value": 0.02}
+
+
+def test_whitened_advantages_have_zero_mean_unit_std_over_valid_tokens(tmp_path):
+    run = RunDir(tmp_path / "run")
+    write_scored(run, 1, lengths=(9, 3, 0, 14, 6, 2))
+    result = run_gae(config("algorithm.norm_adv=true", "algorithm.gamma=0.99", "algorithm.lam=0.95"), run, 1)
+    rows = advantages(run, 1)
+    flat = np.concatenate([np.array(r["advantages"]) for r in rows])
+    assert len(flat) == 34 and flat.mean() == pytest.approx(0.0, abs=1e-5)
+    assert flat.std(ddof=1) == pytest.approx(1.0, abs=1e-4)
+    assert result.metrics["advantages/min"] == pytest.approx(flat.min(), abs=1e-6)
+    # returns stay un-whitened: the critic's targets
+    run_gae(config("algorithm.norm_adv=false", "algorithm.gamma=0.99", "algorithm.lam=0.95"), run, 1)
+    assert [r["returns"] for r in advantages(run, 1)] == [r["returns"] for r in rows]
+
+
+def test_guard_snapshot_rollback_and_retry_contract(tmp_path):
+    """The flow's begin-iteration snapshot is what gae starts from; a rollback restores kl_ctrl.json; the
+    retry's raised coefficient (written into the snapshot) is what the rerun uses."""
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir(parents=True)
+    start = {"type": "adaptive", "value": 0.2, "target_kl": 0.05, "horizon": 40.0}
+    run.kl_ctrl_path.write_text(json.dumps(start))
+    write_scored(run, 3)
+    cfg = config(*ADAPTIVE, "trainer.retry_kl_coef_multiplier=2.0")
+    assert guard.begin_iteration(run, 3)["snapshot"] == "taken"
+    assert run_gae(cfg, run, 3).metrics["kl/coef"] == 0.2  # the stored value, not algorithm.kl_ctrl.kl_coef
+    assert json.loads(run.kl_ctrl_path.read_text())["value"] == pytest.approx(0.2 * 1.025)
+
+    guard.rollback_iteration(run, 3, policy="retry", attempt=1)
+    assert json.loads(run.kl_ctrl_path.read_text()) == start
+    guard.retry_overrides(cfg, run, 3)  # kl_ctrl.json and the snapshot now hold 0.4
+    assert guard.begin_iteration(run, 3)["snapshot"] == "kept"
+    retried = run_gae(cfg, run, 3)
+    assert not retried.skipped and retried.metrics["kl/coef"] == pytest.approx(0.4)
+    assert json.loads(run.kl_ctrl_path.read_text())["value"] == pytest.approx(0.4 * 1.025)
+
+
+def test_clear_errors(tmp_path):
+    run = RunDir(tmp_path / "run")
+    with pytest.raises(DataError, match="rlhf stage score"):
+        run_gae(config(), run, 1)
+    write_scored(run, 1)
+    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.3}')
+    with pytest.raises(ConfigError, match="algorithm.kl_ctrl.type=fixed"):
+        run_gae(config("algorithm.kl_ctrl.type=adaptive"), run, 1)
+    assert not run.advantages(1).exists()
+
+
+def test_gae_from_the_cli(tmp_path, capsys):
+    from rlhf_core.cli import main
+
+    run = RunDir(tmp_path / "run")
+    write_scored(run, 1)
+    argv = ["stage", "gae", "--local", "--run-dir", str(run.root), "--iteration", "1", "-c", str(DEMO),
+            "algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0.05"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "[gae iteration 1] done" in out and "KL in reward: kl estimator, coefficient 0.05 (fixed)" in out
+    assert len(advantages(run, 1)) == 5
+    assert main(argv) == 0 and "skipped (up to date)" in capsys.readouterr().out
+
+
+def test_score_then_gae_on_the_tiny_model(tmp_path, repo_root, tiny_model_dir):
+    """The real score stage's table feeds gae: iteration 1's reference is the actor, so the in-reward
+    KL is exactly 0, the token rewards are the scores alone, and the adaptive coefficient goes down."""
+    from transformers import AutoTokenizer
+
+    from rlhf_core.stages.score import run_score
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    run = RunDir(tmp_path / "run")
+    questions = [json.loads(line) for line in (repo_root / "data/arith/train.jsonl").read_text().splitlines()[:3]]
+    write_prompts_and_rollout(run, tokenizer, questions)
+    cfg = load_config(DEMO, [f"actor_rollout_ref.model.path={tiny_model_dir}", *ADAPTIVE])
+    run_score(cfg, run, 1)
+    result = run_gae(cfg, run, 1)
+    scored = pq.read_table(run.scored(1)).to_pylist()
+    for row, src in zip(advantages(run, 1), scored):
+        n = src["response_length"]
+        assert row["token_level_rewards"] == [0.0] * (n - 1) + [src["reward"]]
+        assert row["values"] == src["values"] and len(row["advantages"]) == n
+    assert result.metrics["kl/in_reward_mean"] == 0.0
+    assert result.metrics["kl/coef_next"] == pytest.approx(0.1 * (1 - 0.2 * 6 / 40))
+    assert {r["reward"] for r in scored} == {0.0, 1.0}
+
+
+def write_prompts_and_rollout(run: RunDir, tokenizer, questions) -> None:
+    """Prompts and an iteration-1 rollout with two responses per question: the right answer, a wrong one."""
+    prompts, rollout = [], []
+    for i, q in enumerate(questions):
+        messages = [{"role": "user", "content": q["question"]}]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        answer = q["answer"].rsplit("####", 1)[1].strip()
+        prompts.append(dict(prompt_id=f"p{i}", data_source="arith", prompt=messages, ability="math",
+                            reward_model={"style": "rule", "ground_truth": answer},
+                            extra_info={"split": "train", "index": i, "question": q["question"], "answer": q["answer"],
+                                        "source_file": "test", "source_row": i},
+                            prompt_text=text, prompt_token_ids=ids, prompt_length=len(ids)))
+        for j, response in enumerate([f"so #### {answer}", f"#### {answer}9"]):
+            response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+            rollout.append(dict(prompt_id=f"p{i}", sample_index=j, iteration=1, data_source="arith",
+                                ground_truth=answer, prompt_token_ids=ids, response_text=response,
+                                response_token_ids=response_ids, response_length=len(response_ids),
+                                finish_reason="stop", engine="offline", sampling_seed=0))
+    atomic_write_parquet(run.train_prompts, pa.Table.from_pylist(prompts, schema=PROMPTS), schema=PROMPTS)
+    atomic_write_parquet(run.rollout(1), pa.Table.from_pylist(rollout, schema=ROLLOUT), schema=ROLLOUT)
