@@ -33,7 +33,9 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
 
     # a separate process continues to iteration 2 and dies (like SIGKILL) just before the guard's
     # verdict file is renamed into place
-    env = dict(os.environ, PREFECT_API_URL=prefect_server, RLHF_FAULT="before_rename:guard.json")
+    env = {k: v for k, v in os.environ.items()  # this test process already holds a torch.distributed port
+           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PREFECT_API_URL=prefect_server, RLHF_FAULT="before_rename:guard.json")
     proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "run", "--resume", str(run.root), "--iterations", "2"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
