@@ -240,3 +240,35 @@ def test_checkpoint_before_is_the_one_an_iteration_started_from(tmp_path, tiny_m
     shutil.rmtree(run.checkpoint(1))  # pruned
     with pytest.raises(CheckpointError, match="pruned"):
         checkpoint_before(run, 2)
+
+
+def _val_prompts(run, tokenizer_dir, n=3):
+    from transformers import AutoTokenizer
+
+    from rlhf_core.data import schemas
+    from rlhf_core.io.atomic import atomic_write_parquet
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = []
+    for i in range(n):
+        text = tok.apply_chat_template([{"role": "user", "content": f"What is {i} + {i}?"}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text)["input_ids"]
+        rows.append({"prompt_id": f"v{i}", "data_source": "arith", "prompt": [{"role": "user", "content": text}],
+                     "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+                     "extra_info": None, "prompt_text": text, "prompt_token_ids": ids, "prompt_length": len(ids)})
+    atomic_write_parquet(run.val_prompts, pa.Table.from_pylist(rows, schema=schemas.PROMPTS), schema=schemas.PROMPTS)
+
+
+def test_guard_on_validation_prompts_samples_from_the_new_actor(tmp_path, tiny_model_dir):
+    run = _scored_run(tmp_path, tiny_model_dir, actor_scale=2.0)
+    _val_prompts(run, tiny_model_dir)
+    off = _cfg(tiny_model_dir, "data.max_response_length=8")
+    assert guard.measure_val_kl(off, run, 1) == {}  # trainer.kl_guard_val_prompts=0: no generation
+    cfg = _cfg(tiny_model_dir, "data.max_response_length=8", "trainer.kl_guard_val_prompts=2",
+               "trainer.kl_rollback_threshold=1000", "trainer.device=cpu")
+    val = guard.measure_val_kl(cfg, run, 1)
+    assert val["val_kl_mean"] > 0 and 2 <= val["val_kl_tokens"] <= 16
+    guard.run_guard(cfg, run, 1)
+    verdict = guard.read_verdict(run, 1)
+    assert verdict["val_kl_mean"] == pytest.approx(val["val_kl_mean"]) and verdict["decision"] == "commit"
