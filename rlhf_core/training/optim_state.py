@@ -27,7 +27,9 @@ SEP = "::"
 
 
 def _is_partitioned(p: torch.nn.Parameter) -> bool:
-    return hasattr(p, "ds_id") or getattr(p, "_hp_mapping", None) is not None
+    # ZeRO-1/2 give every parameter an _hp_mapping attribute, None on ranks that hold none of it:
+    # those ranks must still join the gather, so test for the attribute, not its value
+    return hasattr(p, "ds_id") or hasattr(p, "_hp_mapping")
 
 
 def has_state(te: TrainEngine) -> bool:

@@ -8,6 +8,18 @@ from pathlib import Path
 import pytest
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    """The update runs the tiny model on one thread (see training.update.cpu_threads); the tests that
+    drive engines directly do the same, or OpenMP spin-waits dominate on a busy 2-core machine."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def critic_init_dir(tiny_model_dir, tmp_path_factory) -> Path:
     """The tiny backbone with a seeded one-output value head, saved like ensure_initial_critic does."""

@@ -1,0 +1,94 @@
+"""Stage `update`: iter_K/advantages.parquet → iter_K/checkpoint/ + iter_K/metrics.json.
+
+    rlhf stage update --run-dir RUN --iteration K [--nproc N] [-c PRESET] [key=value ...]
+
+PPO trains the actor and the critic with DeepSpeed (ZeRO stage, offload and dtype from
+``actor_rollout_ref.actor.deepspeed_config`` / ``critic.deepspeed_config``), starting from the
+last-good checkpoint (weights and optimizer state) or the initial models. It writes a checkpoint but
+does not move ``last_good.json``: the KL guard decides whether this iteration is kept.
+
+With ``--nproc N`` (trainer.nproc) > 1 the stage starts N data-parallel ranks with torchrun
+(gloo on CPU, nccl on CUDA; OMP_NUM_THREADS = cores // N each), waits, and reports; the result matches
+one process on the same batch up to floating-point summation order.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.errors import DataError, RLHFError
+from rlhf_core.io.rundir import RunDir
+from rlhf_core.stages.base import StageResult, execute_stage
+
+CONFIG_SECTIONS = ("actor_rollout_ref.model.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.temperature",
+                   "critic.", "data.use_sequence_packing", "trainer.seed", "trainer.nproc", "trainer.device")
+
+STAGE_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy",
+                 "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "perf/tokens_per_s", "perf/peak_rss_gb")
+
+
+def _inputs(cfg: RLHFConfig, run: RunDir, iteration: int) -> list[Path]:
+    from rlhf_core.training.update import resolve_sources
+
+    sources = resolve_sources(cfg, run)
+    paths = [run.advantages(iteration), sources.actor, sources.critic]
+    paths += [p for p in (sources.adapter, sources.resume and sources.resume / "deepspeed") if p is not None]
+    return paths
+
+
+def launch_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, nproc: int) -> None:
+    """Run ``train_update`` on ``nproc`` ranks under torchrun and wait; a failing rank's last output
+    lines go into the error."""
+    from rlhf_core.config import to_yaml
+    from rlhf_core.io.atomic import atomic_write_text
+
+    config_file = run.iter_dir(iteration) / ".update_config.yaml"
+    atomic_write_text(config_file, to_yaml(cfg))
+    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+           f"--nproc_per_node={nproc}", "-m", "rlhf_core.training.launch", "--run-dir", str(run.root),
+           "--iteration", str(iteration), "--config", str(config_file)]
+    try:
+        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    finally:
+        config_file.unlink(missing_ok=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-25:])
+        raise RLHFError(f"update on {nproc} ranks failed (exit {proc.returncode}); last output:\n{tail}")
+
+
+def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
+    """Train iteration ``iteration``'s actor and critic; skipped when inputs and config are unchanged."""
+    if iteration is None or iteration < 1:
+        raise RLHFError("update is a per-iteration stage: give --iteration K (K >= 1)")
+    if not run.advantages(iteration).is_file():
+        raise DataError(f"{run.advantages(iteration)} not found: run `rlhf stage gae --run-dir {run.root} "
+                        f"--iteration {iteration}` first")
+
+    def body() -> StageResult:
+        from rlhf_core.training.update import read_update_metrics, train_update
+
+        nproc = cfg.trainer.nproc
+        if nproc > 1:
+            launch_ranks(cfg, run, iteration, nproc)
+            metrics = read_update_metrics(run, iteration)
+        else:
+            metrics = train_update(cfg, run, iteration)
+        import pyarrow.parquet as pq
+
+        rows = pq.ParquetFile(run.advantages(iteration)).metadata.num_rows
+        shown = ", ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in STAGE_METRICS if k in metrics)
+        return StageResult(
+            stage="update", iteration=iteration,
+            outputs={"checkpoint": str(run.checkpoint(iteration)), "metrics": str(run.metrics(iteration))},
+            rows={"sequences": rows}, metrics=metrics,
+            summary=[f"{rows} sequences, {int(metrics.get('actor/num_steps', 0))} actor steps on {nproc} "
+                     f"process(es): {shown}", f"checkpoint: {run.checkpoint(iteration)}"])
+
+    return execute_stage(stage="update", cfg=cfg, run=run, iteration=iteration, inputs=_inputs(cfg, run, iteration),
+                         config_sections=CONFIG_SECTIONS, body=body, force=force)
