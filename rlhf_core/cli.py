@@ -117,7 +117,8 @@ def _prefect_env() -> None:
     """Prefect keeps its database and results under the project's state directory."""
     from rlhf_core.paths import state_dir
 
-    os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect"))
+    home = Path(os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect")))
+    home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level itself
 
 
 def _print_result(result: dict) -> None:
