@@ -1,0 +1,63 @@
+"""Our config → the DeepSpeed config dict (no engine needed)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from rlhf_core.config import ConfigError, load_config
+from rlhf_core.config.schema import DeepSpeedConfig
+from rlhf_core.training.ds_config import actor_ds_config, build_ds_config, critic_ds_config, resolve_dtype
+
+
+def test_defaults_let_the_ppo_loop_own_accumulation_and_use_a_client_optimizer():
+    cfg = load_config(None, ["actor_rollout_ref.actor.max_grad_norm=0.7"])
+    ds = actor_ds_config(cfg, "cpu", world_size=2)
+    assert ds["gradient_accumulation_steps"] == 1 and ds["train_micro_batch_size_per_gpu"] == 1
+    assert ds["train_batch_size"] == 2
+    assert ds["gradient_clipping"] == 0.7
+    assert ds["zero_optimization"] == {"stage": 0}
+    assert ds["zero_force_ds_cpu_optimizer"] is False and "optimizer" not in ds and "scheduler" not in ds
+    assert not ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]  # auto = fp32 on CPU
+
+
+@pytest.mark.parametrize("dtype, device, want", [("auto", "cpu", "fp32"), ("auto", "cuda", "bf16"),
+                                                 ("fp16", "cuda", "fp16"), ("bf16", "cpu", "bf16")])
+def test_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda(dtype, device, want):
+    assert resolve_dtype(dtype, device) == want
+    ds = build_ds_config(DeepSpeedConfig(dtype=dtype), max_grad_norm=1.0, device=device)
+    assert ds["bf16"]["enabled"] == (want == "bf16") and ds["fp16"]["enabled"] == (want == "fp16")
+
+
+def test_fsdp_offload_policy_maps_to_zero3_parameter_and_optimizer_offload():
+    cfg = load_config(None, ["actor_rollout_ref.actor.fsdp_config.offload_policy=true",
+                             "actor_rollout_ref.actor.deepspeed_config.zero_stage=3"])
+    zero = actor_ds_config(cfg, "cpu", 1)["zero_optimization"]
+    assert zero["stage"] == 3
+    assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["actor_rollout_ref.actor.deepspeed_config.offload_optimizer=true"], "zero_stage to 1, 2 or 3"),
+    (["actor_rollout_ref.actor.fsdp_config.param_offload=true",
+      "actor_rollout_ref.actor.deepspeed_config.zero_stage=2"], "needs ZeRO-3"),
+])
+def test_offload_without_the_zero_stage_it_needs_names_the_fix(overrides, key):
+    with pytest.raises(ConfigError, match=key):
+        actor_ds_config(load_config(None, overrides), "cpu", 1)
+
+
+def test_raw_json_overrides_generated_keys_and_reserved_keys_are_refused(tmp_path):
+    raw = tmp_path / "ds.json"
+    raw.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}, "gradient_clipping": 5.0}))
+    cfg = load_config(None, [f"critic.deepspeed_config.config_path={raw}"])
+    ds = critic_ds_config(cfg, "cpu", 1)
+    assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True} and ds["gradient_clipping"] == 5.0
+
+    raw.write_text(json.dumps({"gradient_accumulation_steps": 4}))
+    with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
+        critic_ds_config(cfg, "cpu", 1)
+    raw.write_text("{not json")
+    with pytest.raises(ConfigError, match="not valid JSON"):
+        critic_ds_config(cfg, "cpu", 1)
