@@ -14,6 +14,7 @@ at torch's default.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from pathlib import Path
@@ -69,6 +70,9 @@ def main(argv=None) -> int:
         plan.append(((1024, 4096), 2, 10))
 
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, float32, gamma={GAMMA}, lam={LAM}")
+    # Other processes on the cores stall torch's thread pool at every op: report the load so a
+    # reader can tell a contended run (where the big shape suffers most) from a quiet one.
+    print(f"1-min load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     header = f"{'shape':>12} | {'loop ms':>9} | {'ours ms':>8} | {'speed-up':>8} | {'max |diff|':>10}"
     print(header)
     print("-" * len(header))

@@ -9,9 +9,10 @@ Masked-step semantics follow verl's ``compute_gae_advantage_return``: walking t 
 
 with nextvalue = lastgaelam = 0 after the end (no bootstrap). A masked step is therefore
 invisible: it neither discounts nor contributes reward. Equivalently, per row, GAE runs on the
-*compacted* sequence of valid tokens only. ``compute_gae`` uses exactly that view: it compacts
-valid tokens to the left, evaluates the discounted reverse cumulative sum with a uniform
-discount by blocked matrix products, and scatters back — no Python loop over t.
+*compacted* sequence of valid tokens only. ``compute_gae`` uses exactly that view: it scatters
+valid tokens to the left, evaluates the discounted reverse cumulative sum with the uniform
+discount gamma * lam by blocked matrix products, and gathers the result back to the original
+positions: no Python loop over t, and no (gamma * lam)**-t factor that could overflow.
 """
 
 from __future__ import annotations

@@ -72,7 +72,7 @@ def compute_policy_loss(
         metrics = {
             "pg_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), response_mask),
             "pg_clipfrac_lower": masked_mean((negative & (loss_clip > loss_dual)).float(), response_mask),
-            "ppo_kl": masked_mean(-negative_approx_kl.float(), response_mask),
+            "ppo_kl": masked_mean(-negative_approx_kl, response_mask),
         }
     return loss, metrics
 
