@@ -14,10 +14,12 @@ import numpy as np
 
 def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, prompt_len: tuple[int, int] = (4, 12),
                          response_len: tuple[int, int] = (1, 16), iteration: int = 1, temperature: float = 1.0,
-                         advantage_scale: float = 1.0, ref_model_dir: Optional[str | Path] = None):
+                         advantage_scale: float = 1.0, ref_model_dir: Optional[str | Path] = None,
+                         pairs: Optional[list[tuple[list[int], list[int]]]] = None):
     """A pyarrow Table in the ADVANTAGES schema with ``n`` rows (lengths uniform in the given
-    inclusive ranges). ``ref_model_dir`` scores ``ref_log_probs`` with another model (default: the
-    same as old_log_probs, as in iteration 1)."""
+    inclusive ranges), or one row per given (prompt ids, response ids) in ``pairs``.
+    ``ref_model_dir`` scores ``ref_log_probs`` with another model (default: the same as
+    old_log_probs, as in iteration 1)."""
     import pyarrow as pa
     import torch
 
@@ -28,8 +30,11 @@ def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, p
     rng = np.random.default_rng(seed)
     model = load_causal_lm(model_dir, torch.device("cpu"), torch.float32)
     vocab = model.config.vocab_size
-    prompts = [rng.integers(3, vocab, rng.integers(prompt_len[0], prompt_len[1] + 1)).tolist() for _ in range(n)]
-    responses = [rng.integers(3, vocab, rng.integers(response_len[0], response_len[1] + 1)).tolist() for _ in range(n)]
+    if pairs is not None:
+        prompts, responses, n = [list(p) for p, _ in pairs], [list(r) for _, r in pairs], len(pairs)
+    else:
+        prompts = [rng.integers(3, vocab, rng.integers(*prompt_len, endpoint=True)).tolist() for _ in range(n)]
+        responses = [rng.integers(3, vocab, rng.integers(*response_len, endpoint=True)).tolist() for _ in range(n)]
     sequences = [p + r for p, r in zip(prompts, responses)]
     lengths = [len(p) for p in prompts]
     budget = max(len(s) for s in sequences) * 4
