@@ -90,7 +90,7 @@ def rlhf_stage(params: StageParams) -> dict:
             if params.stage == "guard":
                 result["action"] = apply_verdict_task(str(run.root), params.iteration, result["verdict"]["decision"])
             if params.iteration is not None:
-                finish_iteration_task(cfg, str(run.root), params.iteration, mlflow_run_id=mlflow_run_id)
+                finish_iteration_task(cfg, str(run.root), params.iteration, mlflow_run_id=mlflow_run_id, prune=False)
         except Exception as exc:
             finish_tracking_task(mlflow_run_id, "FAILED", reason=f"{type(exc).__name__}: {exc}")
             raise

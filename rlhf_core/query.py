@@ -217,7 +217,7 @@ def status_table(run: RunDir | str | Path) -> list[dict[str, Any]]:
         row: dict[str, Any] = {"iteration": k}
         for stage in ITERATION_STAGES:
             row[stage] = stage_state(manifest.get(stage))
-        if manifest.get("guard", {}).get("committed"):
+        if manifest.get("guard", {}).get("committed") and row["guard"] == "done":
             row["guard"] = "committed"
         row["reward"] = metrics.get("reward/mean")
         row["kl"] = metrics.get("kl/mean")

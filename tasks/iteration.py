@@ -60,9 +60,10 @@ def derived_only(metrics: dict[str, float], run: RunDir, k: int) -> dict[str, fl
 
 @task(name="finish-iteration", task_run_name="finish-iter{iteration}", **NO_RESULTS)
 def finish_iteration_task(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_id: Optional[str] = None,
-                          progress_id: Any = None) -> dict:
-    """Close iteration k: iter_k/metrics.json, MLflow batch + learning-curve PNG, Prefect table,
-    report and progress, alerts in the log, old checkpoints pruned. Returns the metrics."""
+                          progress_id: Any = None, prune: bool = True) -> dict:
+    """Close iteration k: iter_k/iteration_metrics.json, MLflow batch + learning-curve PNG, Prefect
+    table, report and progress, alerts in the log, old checkpoints pruned (not after a single-stage
+    rerun, which may have just rebuilt an old checkpoint on purpose). Returns the metrics."""
     run = RunDir(run_dir)
     k = iteration
     log = reporting.logger()
@@ -82,7 +83,7 @@ def finish_iteration_task(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_
                                                  if mlflow_run_id else None),
                        key=reporting.artifact_key(run, "report"), description=f"run report after iteration {k}")
     reporting.progress_update(progress_id, k, cfg.trainer.total_iterations)
-    pruned = prune_checkpoints(cfg, run)
+    pruned = prune_checkpoints(cfg, run) if prune else []
     if pruned:
         log.info("pruned checkpoints of iterations %s (kept: last-good and the last %d save points)",
                  pruned, cfg.trainer.max_ckpt_to_keep)
