@@ -65,3 +65,16 @@ def test_export_refuses_with_the_score(run, capsys):
 def test_not_a_run_directory(tmp_path, capsys):
     assert main(["status", str(tmp_path)]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_core_and_the_cli_module_import_neither_prefect_nor_mlflow():
+    """Layering: rlhf_core never imports prefect or mlflow; the CLI loads flows only inside the
+    commands that run them, so `rlhf status`/`query`/`--help` stay fast."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rlhf_core.cli, rlhf_core.guard, rlhf_core.query, rlhf_core.export, rlhf_core.pipeline, "
+            "rlhf_core.validation; rlhf_core.cli.build_parser(); "
+            "print(sorted(m for m in ('prefect', 'mlflow', 'tasks', 'flows') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
