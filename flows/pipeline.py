@@ -30,7 +30,7 @@ from tasks import reporting
 from tasks.guard import handle_breach_task
 from tasks.iteration import begin_iteration_task, finish_iteration_task, finish_tracking_task, start_tracking_task
 from tasks.stages import (
-    export_task, gae_task, guard_task, pack_task, preprocess_task, rollout_task, score_task, update_task, validate_task,
+    ITERATION_KEY, export_task, gae_task, guard_task, pack_task, preprocess_task, rollout_task, score_task, update_task, validate_task,
 )
 
 
@@ -123,9 +123,8 @@ def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: str) -> 
         score_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
         gae_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
         with transaction() as txn:
-            for key, value in (("run_dir", run_dir), ("iteration", k), ("attempt", attempt),
-                               ("policy", cfg.trainer.on_kl_breach)):
-                txn.set(key, value)
+            txn.set(ITERATION_KEY, {"run_dir": run_dir, "iteration": k, "attempt": attempt,
+                                    "policy": cfg.trainer.on_kl_breach})
             update_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
             decision = guard_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)["verdict"]["decision"]
             if decision == "rollback":

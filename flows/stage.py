@@ -16,6 +16,7 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.guard import commit_iteration, discard_checkpoint, rollback_count, rollback_iteration
+from rlhf_core.io.manifest import read_manifest, set_status
 from rlhf_core.io.pointers import read_last_good
 from rlhf_core.io.rundir import RunDir, RunLock
 from rlhf_core.pipeline import resolve_run_config, save_config
@@ -57,13 +58,17 @@ def _stage_run_name() -> str:
 
 @task(name="apply-guard-verdict", task_run_name="apply-verdict-iter{iteration}", cache_policy=NO_CACHE,
       persist_result=False)
-def apply_verdict_task(run_dir: str, iteration: int, decision: str) -> str:
-    """Act on a rerun guard's verdict (no transaction: this flow has no update to undo)."""
+def apply_verdict_task(run_dir: str, iteration: int, decision: str, was_committed: bool) -> str:
+    """Act on a rerun guard's verdict (no transaction: this flow has no update to undo). An
+    iteration at or before last-good is only re-measured: rolling back past last-good by hand would
+    orphan the iterations built on it."""
     run = RunDir(run_dir)
     log = reporting.logger()
     last_good = read_last_good(run)
     if last_good and last_good["iteration"] >= iteration:
-        log.warning("iteration %d is already committed (last-good is %d): verdict %r recorded, nothing moved",
+        if was_committed:
+            set_status(run, iteration, "guard", "done", committed=True)
+        log.warning("iteration %d is at or before last-good (%d): verdict %r recorded, nothing moved",
                     iteration, last_good["iteration"], decision)
         return "recorded"
     if decision == "commit":
@@ -84,11 +89,14 @@ def rlhf_stage(params: StageParams) -> dict:
         save_config(run, cfg)
         mlflow_run_id = start_tracking_task(cfg, str(run.root), stage=params.stage, iteration=params.iteration)
         try:
+            was_committed = bool(params.iteration and read_manifest(run, params.iteration).get("guard", {})
+                                 .get("committed"))
             stage_task = STAGE_TASKS[params.stage]
             args = (cfg, str(run.root)) + ((params.iteration,) if params.iteration is not None else ())
             result = stage_task(*args, force=params.force, mlflow_run_id=mlflow_run_id)
             if params.stage == "guard":
-                result["action"] = apply_verdict_task(str(run.root), params.iteration, result["verdict"]["decision"])
+                result["action"] = apply_verdict_task(str(run.root), params.iteration, result["verdict"]["decision"],
+                                                      was_committed)
             if params.iteration is not None:
                 finish_iteration_task(cfg, str(run.root), params.iteration, mlflow_run_id=mlflow_run_id, prune=False)
         except Exception as exc:

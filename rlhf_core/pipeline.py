@@ -230,8 +230,7 @@ def alerts(cfg: RLHFConfig, metrics: dict[str, float]) -> list[str]:
     out = []
     kl = metrics.get("kl/mean")
     if kl is not None and kl > cfg.trainer.kl_rollback_threshold:
-        out.append(f"KL {kl:.4f} above trainer.kl_rollback_threshold={cfg.trainer.kl_rollback_threshold} "
-                   "(rolled back)")
+        out.append(f"KL {kl:.4f} above trainer.kl_rollback_threshold={cfg.trainer.kl_rollback_threshold}")
     clipfrac = metrics.get("actor/pg_clipfrac")
     if clipfrac is not None and clipfrac < 0.1:
         out.append(f"actor/pg_clipfrac {clipfrac:.3f} < 0.1: updates are small (a convergence signal)")

@@ -166,10 +166,17 @@ STAGE_TASKS = {
 
 
 # ---------------------------------------------------------------------------------------------
-# transaction hooks: the flow opens a transaction around update + guard and sets "run_dir",
-# "iteration", "policy" and "attempt" on it; the hooks read them back (a child transaction falls
-# back to its parent's values).
+# transaction hooks. The pipeline flow opens a transaction around update + guard and sets
+# ITERATION_KEY = {"run_dir", "iteration", "policy", "attempt"} on it; the hooks read it back (a
+# child transaction falls back to its parent's values). Outside that transaction (a single-stage
+# rerun, where Prefect wraps each task in a transaction of its own) the hooks do nothing.
 # ---------------------------------------------------------------------------------------------
+
+ITERATION_KEY = "rlhf_iteration"
+
+
+def _iteration(txn) -> Optional[dict]:
+    return txn.get(ITERATION_KEY, None)
 
 
 @update_task.on_rollback
@@ -177,7 +184,8 @@ def discard_new_checkpoint(txn) -> None:
     """Rolled back: the iteration's checkpoint must not survive (last-good stays where it was)."""
     from rlhf_core.guard import discard_checkpoint
 
-    discard_checkpoint(RunDir(txn.get("run_dir")), int(txn.get("iteration")))
+    if it := _iteration(txn):
+        discard_checkpoint(RunDir(it["run_dir"]), int(it["iteration"]))
 
 
 @guard_task.on_commit
@@ -185,7 +193,8 @@ def move_last_good(txn) -> None:
     """Committed: last_good.json → this iteration's checkpoint (atomic)."""
     from rlhf_core.guard import commit_iteration
 
-    commit_iteration(RunDir(txn.get("run_dir")), int(txn.get("iteration")))
+    if it := _iteration(txn):
+        commit_iteration(RunDir(it["run_dir"]), int(it["iteration"]))
 
 
 @guard_task.on_rollback
@@ -194,5 +203,6 @@ def restore_last_good_state(txn) -> None:
     rolled_back, the event appended (the actor, critic and optimizer already are last-good's)."""
     from rlhf_core.guard import rollback_iteration
 
-    rollback_iteration(RunDir(txn.get("run_dir")), int(txn.get("iteration")), policy=str(txn.get("policy")),
-                       attempt=int(txn.get("attempt")))
+    if it := _iteration(txn):
+        rollback_iteration(RunDir(it["run_dir"]), int(it["iteration"]), policy=str(it["policy"]),
+                           attempt=int(it["attempt"]))

@@ -87,3 +87,23 @@ def test_cli_rerun_of_score_reproduces_the_table(two_iterations, shared_home, mo
     assert rows[2]["rollout"] == "stale"
     nested = tracking.child_runs(two_iterations.summary["mlflow_run_id"])
     assert {r.info.run_name for r in nested} == {"score-iter1"}
+
+
+def test_guard_rerun_on_a_committed_iteration_only_records_its_verdict(two_iterations, shared_home, monkeypatch,
+                                                                        capsys):
+    from rlhf_core.cli import main
+    from rlhf_core.guard import read_verdict
+    from rlhf_core.io.pointers import read_last_good
+
+    monkeypatch.setenv("RLHF_HOME", str(shared_home))
+    run = two_iterations.run
+    checkpoint = sorted(p.name for p in (run.checkpoint(2) / "actor").iterdir())
+    argv = ["stage", "guard", "--run-dir", str(run.root), "--iteration", "2", "trainer.kl_rollback_threshold=1e-12"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "→ rollback" in out and "guard verdict applied: recorded" in out
+    assert read_verdict(run, 2)["decision"] == "rollback"
+    assert read_last_good(run)["iteration"] == 2
+    assert sorted(p.name for p in (run.checkpoint(2) / "actor").iterdir()) == checkpoint
+    assert status_table(run)[1]["guard"] == "committed"
+    assert not [e for e in run.events() if e["kind"] == "rollback"]
