@@ -70,6 +70,33 @@ class DataConfig:
 
 
 @dataclass
+class WarmStartConfig:
+    """Supervised warm start (``rlhf_core.sft.warm_start``): fine-tune model.path on the train split's
+    worked answers before PPO, so a model with no instruct checkpoint (the tiny one) starts from a
+    real but weak policy. Cached under <state dir>/models by a hash of everything below + data + model."""
+
+    enable: bool = False
+    """Off by default: real checkpoints are already instruct-tuned; the demo turns it on."""
+    steps: int = 1000
+    """Optimizer steps; on the demo data this lands strict sampled accuracy near 30 % (measured)."""
+    batch_size: int = 32
+    """Sequences per step (~105 tokens each on the demo data)."""
+    lr: float = 6.0e-3
+    """Peak AdamW lr, cosine-decayed to 10 %: tiny models need a large lr, the decay sharpens the end."""
+    warmup_steps: int = 30
+    """Linear lr warm-up steps."""
+    prose_answer_fraction: float = 0.6
+    """Share of SFT answers ending in prose ("The answer is 7.") instead of '#### 7': the warm policy then
+    follows the output-format instruction only sometimes, as small instruct models do on GSM8K."""
+    eval_every: int = 200
+    """Measure sampled accuracy on the dev prompts every N steps (0 = only at the end); ~1 s each."""
+    dev_size: int = 128
+    """Train-split prompts held out of the fine-tuning to measure it (validation stays untouched)."""
+    seed: int = 0
+    """Seed of the data order, the prose endings and the dev sample."""
+
+
+@dataclass
 class ModelConfig:
     path: str = "tiny"
     """Hugging Face model directory, or 'tiny' for the project's locally built tiny model."""
@@ -83,6 +110,8 @@ class ModelConfig:
     """peft target modules: 'all-linear' or a comma-separated list of module names."""
     enable_gradient_checkpointing: bool = False
     """Trade compute for memory in the update; off for tiny models where it only costs time."""
+    warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
+    """Supervised warm start of the initial actor (the embedded demo enables it)."""
 
 
 @dataclass

@@ -101,6 +101,19 @@ def validate(cfg: RLHFConfig) -> None:
     _check(t.nproc >= 1, "trainer.nproc", "must be >= 1", t.nproc)
     _check(cfg.reward_model.model_path is not None or not cfg.reward_model.enable,
            "reward_model.model_path", "must be set when reward_model.enable=true", cfg.reward_model.model_path)
+    _validate_warm_start(cfg)
+
+
+def _validate_warm_start(cfg: RLHFConfig) -> None:
+    w, key = cfg.actor_rollout_ref.model.warm_start, "actor_rollout_ref.model.warm_start."
+    _check(w.steps >= 1, key + "steps", "must be >= 1", w.steps)
+    _check(w.batch_size >= 1, key + "batch_size", "must be >= 1", w.batch_size)
+    _check(w.lr > 0, key + "lr", "must be > 0", w.lr)
+    _check(w.warmup_steps >= 1, key + "warmup_steps", "must be >= 1", w.warmup_steps)
+    _check(0 <= w.prose_answer_fraction <= 1, key + "prose_answer_fraction", "must be in [0, 1]",
+           w.prose_answer_fraction)
+    _check(w.eval_every >= 0, key + "eval_every", "must be >= 0 (0 = evaluate only at the end)", w.eval_every)
+    _check(w.dev_size >= 1, key + "dev_size", "must be >= 1", w.dev_size)
 
 
 def effective_deepspeed(cfg: RLHFConfig) -> DeepSpeedConfig:
