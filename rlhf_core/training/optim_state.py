@@ -16,7 +16,7 @@ counts and counters are written over the fresh ones.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -84,13 +84,39 @@ def prime_optimizer(te: TrainEngine, zero_loss: Callable[[], torch.Tensor]) -> N
         g["lr"] = lr
 
 
+def _set_full(p: torch.nn.Parameter, value: torch.Tensor, key: Optional[str]) -> None:
+    """Write a full-size state tensor (``key`` None: the fp32 master weights) into this rank's part.
+
+    ZeRO-3 goes through the per-rank API with our own slicing: DeepSpeed 0.19's
+    ``safe_set_full_optimizer_state`` slices ``rank * partition_numel`` out of the unpadded full
+    tensor and fails on the last rank whenever the size does not divide by the world size."""
+    from deepspeed.utils import (safe_set_full_fp32_param, safe_set_full_optimizer_state,
+                                 safe_set_local_fp32_param, safe_set_local_optimizer_state)
+
+    if hasattr(p, "ds_id"):
+        from deepspeed import comm
+
+        n = p.ds_tensor.numel()
+        rank = comm.get_rank(group=getattr(p, "ds_process_group", None))
+        local = torch.zeros(n, dtype=torch.float32)
+        piece = value.flatten()[rank * n:(rank + 1) * n]
+        local[:piece.numel()] = piece
+        local = local.to(p.ds_tensor.device)
+        if key is None:
+            safe_set_local_fp32_param(p, local)
+        else:
+            safe_set_local_optimizer_state(p, local, key)
+    elif key is None:
+        safe_set_full_fp32_param(p, value.to(p.device))
+    else:
+        safe_set_full_optimizer_state(p, value.to(p.device), key)
+
+
 def restore_optimizer_state(te: TrainEngine, tensors: dict[str, torch.Tensor], meta: dict[str, Any],
                             zero_loss: Callable[[], torch.Tensor]) -> None:
     """Load what ``gather_optimizer_state`` + ``counters`` saved (any ZeRO stage / world size).
     The learning rate follows the *current* config's base LR at the saved schedule position, so a
     retry with a smaller LR takes effect."""
-    from deepspeed.utils import safe_set_full_fp32_param, safe_set_full_optimizer_state
-
     if meta.get("adam_step", 0) > 0:
         prime_optimizer(te, zero_loss)
         for name, p in te.named_trainable():
@@ -99,12 +125,12 @@ def restore_optimizer_state(te: TrainEngine, tensors: dict[str, torch.Tensor], m
                 if value is None:
                     raise KeyError(f"optimizer state has no {key} for parameter {name}")
                 if _is_partitioned(p):
-                    safe_set_full_optimizer_state(p, value.to(p.device), key)
+                    _set_full(p, value, key)
                 else:
                     te.base_optimizer.state[p][key].copy_(value.view_as(p))
             master = tensors.get(name + SEP + "fp32")
             if master is not None and _is_partitioned(p):
-                safe_set_full_fp32_param(p, master.to(p.device))
+                _set_full(p, master, None)
         for state in te.base_optimizer.state.values():
             state["step"].fill_(float(meta["adam_step"]))
     _restore_schedule(te, meta)
