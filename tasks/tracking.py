@@ -14,19 +14,16 @@ per call (one SQLite transaction; separate ``log_metric`` calls cost ~20 ms each
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import time
 from pathlib import Path
-from typing import Any, Iterable, Optional
+from typing import Any, Optional
 
 from rlhf_core.config import RLHFConfig, flatten
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.rundir import RunDir
 from rlhf_core.paths import state_dir
-
-log = logging.getLogger(__name__)
 
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 MAX_PARAM_LENGTH = 6000
@@ -213,10 +210,3 @@ def child_runs(run_id: str) -> list[Any]:
     parent = c.get_run(run_id)
     return list(c.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'"))
 
-
-def last_metrics(run_id: str) -> dict[str, float]:
-    return dict(client().get_run(run_id).data.metrics)
-
-
-def all_keys(metrics: Iterable[str], prefix: str) -> list[str]:
-    return sorted(k for k in metrics if k.startswith(prefix))
