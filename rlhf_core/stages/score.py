@@ -37,7 +37,7 @@ class ModelPaths:
     reward_model: Optional[Path]
 
 
-def _model_paths(cfg: RLHFConfig, run: RunDir) -> ModelPaths:
+def _model_paths(cfg: RLHFConfig, run: RunDir, iteration: int) -> ModelPaths:
     from rlhf_core.io.pointers import actor_path, critic_path, reference_path
     from rlhf_core.paths import resolve_model_path
 
@@ -47,8 +47,9 @@ def _model_paths(cfg: RLHFConfig, run: RunDir) -> ModelPaths:
             raise RLHFError("reward_model.enable=true needs reward_model.model_path=<local sequence-"
                             "classification model dir>; or set reward_model.enable=false for rule-based rewards")
         rm = resolve_model_path(cfg.reward_model.model_path)
-    return ModelPaths(actor=actor_path(cfg, run), reference=reference_path(cfg),
-                      critic=critic_path(cfg, run), reward_model=rm)
+    # the models iteration k started from, so a rerun of an old iteration reproduces its table
+    return ModelPaths(actor=actor_path(cfg, run, iteration), reference=reference_path(cfg),
+                      critic=critic_path(cfg, run, iteration), reward_model=rm)
 
 
 def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
@@ -61,7 +62,7 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
                         f"--iteration {iteration}` first")
     if not run.train_prompts.is_file():
         raise DataError(f"{run.train_prompts} not found: run `rlhf stage preprocess --run-dir {run.root}` first")
-    models = _model_paths(cfg, run)
+    models = _model_paths(cfg, run, iteration)
     inputs = [rollout_path, run.train_prompts, models.actor, models.reference, models.critic]
     if models.reward_model is not None:
         inputs.append(models.reward_model)
