@@ -137,7 +137,8 @@ class FSDPConfig:
 @dataclass
 class DeepSpeedConfig:
     zero_stage: int = 0
-    """ZeRO stage 0-3. 0 is fastest for one process on a CPU; use 2 or 3 on several GPUs."""
+    """ZeRO stage 0-3. 0 is fastest for one process on a CPU; use 2 or 3 on several GPUs. bf16/fp16 train
+    at stage >= 1 (DeepSpeed's stage-0 mixed-precision optimizer hides the per-parameter state we save)."""
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """'auto' = fp32 on CPU (no fast bf16 there), bf16 on CUDA."""
     offload_optimizer: bool = False

@@ -7,6 +7,11 @@ varying number of token-budget micro-batches, so DeepSpeed is told ``gradient_ac
 ``engine.step()`` once per mini-batch. The losses carry the global token / sequence counts of the
 whole mini-batch, so the accumulated gradient is the full-mini-batch gradient.
 
+Mixed precision (bf16/fp16) runs at ZeRO stage 1 or higher: at stage 0 DeepSpeed wraps the optimizer
+in its FP16 optimizers, which expose no per-parameter view of the fp32 master weights and moments,
+and the pickle-free checkpoint (``optim_state``) needs that view. With one process ZeRO-1 holds the
+same tensors as stage 0; with several it also splits the optimizer state across ranks.
+
 The optimizer is a client ``torch.optim.AdamW`` (DeepSpeed's own Adam variants JIT-compile C++/CUDA
 ops on first use, about 70 s each on a CPU machine); with optimizer offload that needs
 ``zero_force_ds_cpu_optimizer: false``.
@@ -53,7 +58,7 @@ def torch_dtype(name: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def _zero_section(ds: DeepSpeedConfig, key: str) -> dict[str, Any]:
+def _zero_section(ds: DeepSpeedConfig, key: str, dtype: str) -> dict[str, Any]:
     if ds.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{key}.zero_stage={ds.zero_stage!r}: must be 0, 1, 2 or 3")
     if ds.offload_optimizer and ds.zero_stage == 0:
@@ -61,7 +66,7 @@ def _zero_section(ds: DeepSpeedConfig, key: str) -> dict[str, Any]:
     if ds.offload_param and ds.zero_stage != 3:
         raise ConfigError(f"{key}.offload_param=true needs ZeRO-3: set {key}.zero_stage=3 "
                           "(or drop fsdp_config.param_offload / offload_policy)")
-    zero: dict[str, Any] = {"stage": ds.zero_stage}
+    zero: dict[str, Any] = {"stage": max(ds.zero_stage, 1) if dtype != "fp32" else ds.zero_stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
     if ds.offload_param:
@@ -112,7 +117,7 @@ def build_ds_config(ds: DeepSpeedConfig, *, max_grad_norm: float, device: str, w
         "gradient_accumulation_steps": 1,
         "train_batch_size": world_size,
         "gradient_clipping": float(max_grad_norm),
-        "zero_optimization": _zero_section(ds, key),
+        "zero_optimization": _zero_section(ds, key, dtype),
         "bf16": {"enabled": dtype == "bf16"},
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 16},
         "zero_allow_untested_optimizer": True,

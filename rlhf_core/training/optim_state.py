@@ -122,6 +122,8 @@ def restore_optimizer_state(te: TrainEngine, tensors: dict[str, torch.Tensor], m
         for name, p in te.named_trainable():
             for key in MOMENT_KEYS:
                 value = tensors.get(name + SEP + key)
+                if value is None and not _is_partitioned(p) and p not in te.base_optimizer.state:
+                    continue  # stage 0: a parameter that never had a gradient has no state anywhere
                 if value is None:
                     raise KeyError(f"optimizer state has no {key} for parameter {name}")
                 if _is_partitioned(p):

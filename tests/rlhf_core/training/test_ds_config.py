@@ -28,6 +28,8 @@ def test_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda(dtype, device, want):
     assert resolve_dtype(dtype, device) == want
     ds = build_ds_config(DeepSpeedConfig(dtype=dtype), max_grad_norm=1.0, device=device)
     assert ds["bf16"]["enabled"] == (want == "bf16") and ds["fp16"]["enabled"] == (want == "fp16")
+    # mixed precision trains at ZeRO >= 1, where the fp32 master weights are visible per parameter
+    assert ds["zero_optimization"]["stage"] == (0 if want == "fp32" else 1)
 
 
 def test_fsdp_offload_policy_maps_to_zero3_parameter_and_optimizer_offload():
