@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import re
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -56,6 +57,30 @@ def _bad(path: Path, row: int, raw: str, kind: str, reason: str) -> RawRow:
     return RawRow(str(path), row, None, truncate(raw), kind, reason)
 
 
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def lone_surrogate_field(record: dict[str, Any]) -> Optional[str]:
+    """The top-level key whose name or value (at any depth) holds a UTF-16 surrogate, else None.
+
+    JSON accepts escapes such as ``"\\ud800"`` without their pair, but such a string is not Unicode
+    text: the tokenizer and every UTF-8 writer (Parquet included) refuse it, so the row must be
+    rejected here rather than crash a later step."""
+    for top, value in record.items():
+        pending: list[Any] = [top, value]
+        while pending:  # iterative: a deeply nested value must not hit the recursion limit
+            item = pending.pop()
+            if isinstance(item, str):
+                if _SURROGATE.search(item):
+                    return top
+            elif isinstance(item, dict):
+                pending.extend(item.keys())
+                pending.extend(item.values())
+            elif isinstance(item, list):
+                pending.extend(item)
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # JSONL
 # ---------------------------------------------------------------------------------------------
@@ -79,6 +104,11 @@ def _decode_line(path: Path, row: int, line: bytes) -> RawRow:
     if not isinstance(record, dict):
         return _bad(path, row, text, "not a JSON object",
                     f"not a JSON object (got a JSON {type(record).__name__})")
+    field = lone_surrogate_field(record)
+    if field is not None:
+        return _bad(path, row, text, "not valid Unicode",
+                    f"not valid Unicode: field {field!r} holds a lone surrogate escape (\\ud800-\\udfff "
+                    f"without its pair)")
     return RawRow(str(path), row, record, truncate(text))
 
 
@@ -102,6 +132,20 @@ def _has_undecodable(values: list[str]) -> bool:
     return any("\udc80" <= ch <= "\udcff" for v in values for ch in v)
 
 
+def _check_csv_header(path: Path, header: list[str]) -> None:
+    """Header problems spoil every row, so they are whole-file errors, not per-row rejects."""
+    if _has_undecodable(header):
+        raise DataError(f"{path}: the CSV header is not valid UTF-8; save the file as UTF-8")
+    # blank names repeat in spreadsheet exports with trailing empty columns; no key can name them
+    if any("\n" in h or "\r" in h for h in header):  # else the whole file reads as one header, no rows
+        raise DataError(f"{path}: the CSV header runs over several lines (a quote left open?); close the "
+                        f"quote in the first line")
+    repeated = sorted({h for h in header if h and header.count(h) > 1})
+    if repeated:
+        raise DataError(f"{path}: the CSV header repeats column(s) {', '.join(map(repr, repeated))}; "
+                        f"give every column a distinct name")
+
+
 def read_csv(path: Path) -> Iterator[RawRow]:
     """A header row then one row per CSV record (quoted fields may span lines). All values are
     strings, as CSV has no types."""
@@ -110,9 +154,12 @@ def read_csv(path: Path) -> Iterator[RawRow]:
     reader = csv.reader(io.StringIO(text, newline=""))
     try:
         header = next(reader)
-    except (StopIteration, csv.Error):
+    except StopIteration:  # an empty file: no rows
         return
+    except csv.Error as exc:  # the header swallowed the file (e.g. an open quote): nothing is readable
+        raise DataError(f"{path}: cannot read the CSV header ({exc}); fix the first line") from None
     header = [h.strip().lstrip("\ufeff") for h in header]
+    _check_csv_header(path, header)
     row = 0
     while True:
         try:
@@ -130,8 +177,10 @@ def read_csv(path: Path) -> Iterator[RawRow]:
         elif not any(v.strip() for v in values):
             yield _bad(path, row, shown, "blank line", "blank line")
         elif len(values) != len(header):
+            joined = any("\n" in v for v in values)  # an open quote swallows the lines after it
             yield _bad(path, row, shown, "malformed CSV",
-                       f"malformed CSV: expected {len(header)} fields, got {len(values)}")
+                       f"malformed CSV: expected {len(header)} fields, got {len(values)}"
+                       + ("; a quote left open joined the following lines into this record" if joined else ""))
         else:
             record = dict(zip(header, values))
             yield RawRow(str(path), row, record, record_text(record))
@@ -141,6 +190,20 @@ def read_csv(path: Path) -> Iterator[RawRow]:
 # ---------------------------------------------------------------------------------------------
 # Parquet
 # ---------------------------------------------------------------------------------------------
+
+
+def _parquet_batches(path: Path, parquet, batch_rows: int) -> Iterator[Any]:
+    """Record batches; a file whose footer reads but whose pages do not (truncated, corrupt) is a
+    whole-file problem: the rows past the damage cannot be counted, let alone rejected one by one."""
+    batches = parquet.iter_batches(batch_size=batch_rows)
+    while True:
+        try:
+            batch = next(batches)
+        except StopIteration:
+            return
+        except Exception as exc:  # pyarrow raises OSError / ArrowInvalid / ArrowException for damage
+            raise DataError(f"{path}: cannot read Parquet data ({exc}); check or regenerate the file") from None
+        yield batch
 
 
 def read_parquet(path: Path, batch_rows: int = 4096) -> Iterator[RawRow]:
@@ -153,7 +216,7 @@ def read_parquet(path: Path, batch_rows: int = 4096) -> Iterator[RawRow]:
     except Exception as exc:  # pyarrow raises several types for a damaged or foreign file
         raise DataError(f"{path}: cannot open as Parquet ({exc}); check the file or its extension") from None
     row = 0
-    for batch in parquet.iter_batches(batch_size=batch_rows):
+    for batch in _parquet_batches(path, parquet, batch_rows):
         try:
             records = batch.to_pylist()
         except Exception:  # e.g. invalid UTF-8 in a string column: find the bad rows one by one
@@ -170,6 +233,9 @@ def read_parquet(path: Path, batch_rows: int = 4096) -> Iterator[RawRow]:
                     continue
             yield RawRow(str(path), row, record, record_text(record))
             row += 1
+    if row != parquet.metadata.num_rows:  # damaged page headers can end the data early, silently
+        raise DataError(f"{path}: read {row} rows but its footer declares {parquet.metadata.num_rows}; "
+                        f"the file is damaged, regenerate it")
 
 
 # ---------------------------------------------------------------------------------------------
