@@ -6,9 +6,10 @@ user message, its templated ``prompt_text`` or the raw question; a list of chat 
 works, its last user message is used). An optional ``sample_index`` numbers several responses of
 one prompt; without it responses are numbered in file order.
 
-Every row is validated against the prompt table; a row that fails (unknown prompt, missing
-response, duplicate (prompt, sample_index), response over ``max_response_length`` tokens) is
-rejected with a reason naming the row, e.g. ``row 17: prompt_id 'x' not in prompts/train.parquet``,
+Every row is validated against the prompt table; a row that fails (unreadable: invalid UTF-8,
+malformed JSON, not an object; unknown prompt, missing or empty response, a ``sample_index`` that
+is not an integer in [0, 2**31), duplicate (prompt, sample_index), response over
+``max_response_length`` tokens) is rejected with a reason naming the row, e.g. ``row 17: prompt_id 'x' not in prompts/train.parquet``,
 and written to ``iter_<k>/rollout_rejects.parquet``. No accepted row at all is an error.
 
 Tokenization: responses are encoded with the actor's tokenizer and get the EOS token appended
@@ -22,14 +23,14 @@ The whole file is imported every iteration: it is a fixed data set, not a per-it
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator, Mapping, Optional, Sequence
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
+from rlhf_core.data.readers import RawRow, read_jsonl, read_parquet
 from rlhf_core.data.schemas import REJECTS
 from rlhf_core.errors import DataError
 from rlhf_core.rollout.base import FINISH_OFFLINE, GeneratedSample
@@ -49,27 +50,36 @@ class OfflineImport:
         return pa.Table.from_pylist(self.rejects, schema=REJECTS)
 
 
-def read_offline_rows(path: str | Path) -> Iterator[tuple[int, Optional[dict], str]]:
-    """(0-based row number, parsed row or None, raw text) for every non-blank row of JSONL/Parquet."""
+def read_offline_rows(path: str | Path) -> Iterator[RawRow]:
+    """Every non-blank row of a JSONL/Parquet file, with the preprocess readers' rules: bytes are
+    decoded per line (invalid UTF-8, malformed JSON, a non-object or a lone surrogate escape is a
+    row with ``error`` set, never an exception), row numbers are 0-based lines split on ``\\n``.
+    Blank lines are skipped: a logged file often ends with one. Whole-file problems (missing, wrong
+    extension, damaged Parquet) raise ``DataError`` naming the file."""
     path = Path(path)
     if not path.is_file():
         raise DataError(f"offline trajectories file {path} not found; set actor_rollout_ref.rollout.offline_path")
-    if path.suffix.lower() == ".parquet":
-        for i, row in enumerate(pq.read_table(path).to_pylist()):
-            yield i, row, json.dumps(row, default=str)
+    suffix = path.suffix.lower()
+    if suffix == ".parquet":
+        yield from read_parquet(path)
         return
-    if path.suffix.lower() not in (".jsonl", ".json"):
+    if suffix not in (".jsonl", ".json"):
         raise DataError(f"offline trajectories file {path} must be .jsonl or .parquet")
-    with open(path, encoding="utf-8") as fh:
-        for i, line in enumerate(fh):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError:
-                yield i, None, line
-                continue
-            yield i, row if isinstance(row, dict) else None, line
+    for row in read_jsonl(path):
+        if row.error_kind != "blank line":
+            yield row
+
+
+def _sample_index(value: Any) -> Optional[int]:
+    """``sample_index`` as an int in [0, 2**31), an integral float included (Parquet writers turn an
+    int column with nulls into floats); None for anything else (text, bool, 1.5, NaN, -1, 2**40)."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, int) and 0 <= value < 2**31:
+        return value
+    return None
 
 
 class _PromptIndex:
@@ -125,9 +135,14 @@ def import_offline(path: str | Path, prompt_rows: Sequence[Mapping[str, Any]], t
         result.rejects.append({"source_file": str(path), "source_row": row_no,
                                "reason": f"row {row_no}: {reason}", "raw": raw[:RAW_LIMIT]})
 
-    for row_no, row, raw in read_offline_rows(path):
+    for raw_row in read_offline_rows(path):
+        row_no, row, raw = raw_row.source_row, raw_row.record, raw_row.raw
         if row is None:
-            reject(row_no, raw, "not a JSON object")
+            reject(row_no, raw, raw_row.error or "unreadable row")
+            continue
+        pid = row.get("prompt_id")
+        if pid is not None and (isinstance(pid, bool) or not isinstance(pid, (str, int))):
+            reject(row_no, raw, f"prompt_id must be text or an integer, got {type(pid).__name__}")
             continue
         position, looked_up = index.find(row)
         if position is None:
@@ -138,14 +153,20 @@ def import_offline(path: str | Path, prompt_rows: Sequence[Mapping[str, Any]], t
         if not isinstance(response, str):
             reject(row_no, raw, f"response must be text, got {type(response).__name__}")
             continue
+        text = response[: -len(eos_text)] if eos_text and response.endswith(eos_text) else response
+        if not text.strip():  # an empty log entry, not an answer: it would teach "stop at once"
+            reject(row_no, raw, "response is empty")
+            continue
         sample_index = row.get("sample_index")
         if sample_index is None:
             sample_index = next_sample.get(position, 0)
-        sample_index = int(sample_index)
+        elif _sample_index(sample_index) is None:
+            reject(row_no, raw, f"sample_index must be an integer in [0, 2**31), got {sample_index!r}")
+            continue
+        sample_index = _sample_index(sample_index)
         if (position, sample_index) in seen:
             reject(row_no, raw, f"duplicate sample_index {sample_index} for {looked_up}")
             continue
-        text = response[: -len(eos_text)] if eos_text and response.endswith(eos_text) else response
         token_ids = tokenizer(text, add_special_tokens=False)["input_ids"] + [eos_id]
         if len(token_ids) > max_response_length:
             reject(row_no, raw, f"response is {len(token_ids)} tokens with EOS, over data.max_response_length="

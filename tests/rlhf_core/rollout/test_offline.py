@@ -115,7 +115,7 @@ def test_bad_rows_are_rejected_not_dropped(tmp_path, prompt_rows, tokenizer):
     result = import_offline(src, prompt_rows, tokenizer, max_response_length=32)
     assert len(result.samples) == 1
     reasons = [r["reason"] for r in result.rejects]
-    assert reasons[0] == "row 1: not a JSON object"
+    assert reasons[0].startswith("row 1: malformed JSON: ")
     assert reasons[1] == "row 2: response must be text, got NoneType"
     assert reasons[2] == "row 3: has neither prompt_id nor prompt (text or chat messages)"
     assert reasons[3].startswith("row 4: response is") and "data.max_response_length=32" in reasons[3]
