@@ -14,6 +14,7 @@ one process on the same batch up to floating-point summation order.
 
 from __future__ import annotations
 
+import collections
 import os
 import subprocess
 import sys
@@ -37,13 +38,16 @@ def _inputs(cfg: RLHFConfig, run: RunDir, iteration: int) -> list[Path]:
 
     sources = resolve_sources(cfg, run)
     paths = [run.advantages(iteration), sources.actor, sources.critic]
-    paths += [p for p in (sources.adapter, sources.resume and sources.resume / "deepspeed") if p is not None]
+    if sources.adapter is not None:
+        paths.append(sources.adapter)
+    if sources.resume is not None:  # the optimizer state this iteration continues
+        paths.append(sources.resume / "deepspeed")
     return paths
 
 
 def launch_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, nproc: int) -> None:
-    """Run ``train_update`` on ``nproc`` ranks under torchrun and wait; a failing rank's last output
-    lines go into the error."""
+    """Run ``train_update`` on ``nproc`` ranks under torchrun and wait. The ranks' output is passed
+    through to stderr; a rank's user error (``rlhf: error: ...``) becomes this stage's error."""
     from rlhf_core.config import to_yaml
     from rlhf_core.io.atomic import atomic_write_text
 
@@ -53,13 +57,21 @@ def launch_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, nproc: int) -> No
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
            f"--nproc_per_node={nproc}", "-m", "rlhf_core.training.launch", "--run-dir", str(run.root),
            "--iteration", str(iteration), "--config", str(config_file)]
+    tail: collections.deque[str] = collections.deque(maxlen=25)
+    user_errors = []
     try:
-        proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            for line in proc.stdout:
+                sys.stderr.write(line)
+                tail.append(line.rstrip())
+                if "rlhf: error: " in line:
+                    user_errors.append(line.split("rlhf: error: ", 1)[1].strip())
     finally:
         config_file.unlink(missing_ok=True)
     if proc.returncode != 0:
-        tail = "\n".join(proc.stdout.strip().splitlines()[-25:])
-        raise RLHFError(f"update on {nproc} ranks failed (exit {proc.returncode}); last output:\n{tail}")
+        if user_errors:  # its message already names the file/key and the fix
+            raise RLHFError(user_errors[0])
+        raise RLHFError(f"update on {nproc} ranks failed (exit {proc.returncode}); last output:\n" + "\n".join(tail))
 
 
 def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
@@ -71,6 +83,8 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
                         f"--iteration {iteration}` first")
 
     def body() -> StageResult:
+        import pyarrow.parquet as pq
+
         from rlhf_core.training.update import read_update_metrics, train_update
 
         nproc = cfg.trainer.nproc
@@ -79,8 +93,6 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
             metrics = read_update_metrics(run, iteration)
         else:
             metrics = train_update(cfg, run, iteration)
-        import pyarrow.parquet as pq
-
         rows = pq.ParquetFile(run.advantages(iteration)).metadata.num_rows
         shown = ", ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in STAGE_METRICS if k in metrics)
         return StageResult(

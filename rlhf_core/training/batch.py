@@ -100,6 +100,17 @@ class MicroBatchPlan:
     """Several sequences per row (block-diagonal mask); False = one padded sequence per row."""
 
 
+def check_budget(data: PPOData, plan: MicroBatchPlan, source: str | Path) -> None:
+    """Fail before any model loads when a sequence cannot fit a micro-batch, naming its table row."""
+    if not plan.use_dynamic_bsz or not len(data):
+        return
+    lengths = data.lengths
+    row = max(range(len(lengths)), key=lengths.__getitem__)
+    if lengths[row] > plan.token_budget:
+        raise DataError(f"{source} row {row}: prompt + response = {lengths[row]} tokens does not fit one micro-batch; "
+                        f"raise {BUDGET_KEY} (now {plan.token_budget}) to at least {lengths[row]}")
+
+
 def split_mini_batch(lengths: Sequence[int], rows: Sequence[int], plan: MicroBatchPlan,
                      world_size: int = 1, rank: int = 0) -> list[list[list[int]]]:
     """This rank's micro-batches of one mini-batch: a list of micro-batches, each a list of packed

@@ -192,7 +192,8 @@ def aggregate(outcome: PPOOutcome) -> dict[str, float]:
             values = [s[k] for s in pool if k in s and math.isfinite(s[k])]
             if values:
                 out[k] = sum(values) / len(values)
-    world_tokens = all_reduce(torch.tensor([float(outcome.tokens.get(r, 0)) for r in outcome.steps]))
+    world_tokens = all_reduce(torch.tensor([float(outcome.tokens.get(r, 0)) for r in outcome.steps],
+                                            dtype=torch.float64))
     for (role, tokens) in zip(outcome.steps, world_tokens.tolist()):
         secs = outcome.seconds.get(role, 0.0)
         out[f"perf/{role}_tokens_per_s"] = tokens / secs if secs > 0 else 0.0

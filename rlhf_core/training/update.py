@@ -147,9 +147,20 @@ def cpu_threads(device: str, num_params: int, world_size: int) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
+def reset_peak_rss() -> None:
+    """Start a fresh peak-memory window (Linux: writing 5 to /proc/self/clear_refs resets VmHWM), so
+    perf/peak_rss_gb is the update's own peak even in a process that ran other stages before."""
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
+
+
 def peak_rss_gb() -> float:
-    """Peak resident memory of this process so far (GiB); Linux reports ru_maxrss in KiB."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2
+    """Peak resident memory (GiB) since ``reset_peak_rss``: VmHWM, else the process's ru_maxrss."""
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024 ** 2  # kB
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024 ** 2  # KiB on Linux
 
 
 def _pad_id(path: Path) -> int:
@@ -178,15 +189,18 @@ def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Opti
     """Run the PPO update of ``iteration`` on this rank; returns the per-iteration metrics (the same
     on every rank). Writes ``run.checkpoint(iteration)`` and ``run.metrics(iteration)`` (rank 0)."""
     from rlhf_core.io.atomic import atomic_write_json
-    from rlhf_core.training.batch import read_advantages
+    from rlhf_core.training.batch import check_budget, read_advantages
     from rlhf_core.training.checkpoint import save_checkpoint
     from rlhf_core.training.distributed import all_reduce, init_distributed
     from rlhf_core.training.ds_config import resolve_device
     from rlhf_core.training.ppo import CriticLoss, RoleSchedule, aggregate, run_ppo
 
+    reset_peak_rss()
     device = resolve_device(cfg.trainer.device)
     dist = init_distributed(device)
     data = read_advantages(run.advantages(iteration))
+    plan = micro_batch_plan(cfg)
+    check_budget(data, plan, run.advantages(iteration))
     sources = resolve_sources(cfg, run)
     pad_id = _pad_id(sources.actor)
     actor, critic = build_engines(cfg, sources, device, dist.world_size)
@@ -198,7 +212,7 @@ def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Opti
     with cpu_threads(device, num_params, dist.world_size) as threads:
         if sources.resume is not None:
             resume_optimizers(sources.resume, [actor, critic], pad_id)
-        outcome = run_ppo(roles, data, plan=micro_batch_plan(cfg), mini_batch_size=a.ppo_mini_batch_size,
+        outcome = run_ppo(roles, data, plan=plan, mini_batch_size=a.ppo_mini_batch_size,
                           shuffle=a.shuffle, seed=f"{cfg.trainer.seed}:{iteration}", dist=dist, pad_id=pad_id,
                           progress=progress)
         metrics = aggregate(outcome)

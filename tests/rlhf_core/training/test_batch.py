@@ -103,3 +103,14 @@ def test_packed_grad_forward_matches_scoring_log_probs_entropy_and_values(ppo_da
             p = torch.softmax(logits, -1)
             torch.testing.assert_close(entropy[b, :n].detach(), -(p * p.log()).sum(-1), atol=1e-4, rtol=0)
         assert float(log_prob[b, n:].detach().abs().sum()) == 0.0
+
+
+def test_a_sequence_longer_than_the_token_budget_is_refused_naming_its_row(ppo_data):
+    from rlhf_core.training.batch import check_budget
+
+    longest = max(ppo_data.lengths)
+    row = ppo_data.lengths.index(longest)
+    check_budget(ppo_data, MicroBatchPlan(True, longest, 1), "adv.parquet")
+    with pytest.raises(DataError, match=rf"adv.parquet row {row}: .* at least {longest}"):
+        check_budget(ppo_data, MicroBatchPlan(True, longest - 1, 1), "adv.parquet")
+    check_budget(ppo_data, MicroBatchPlan(False, 1, 4), "adv.parquet")  # fixed-size micro-batches: no budget
