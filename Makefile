@@ -38,3 +38,15 @@ test: $(STAMP)
 
 clean:
 	rm -rf $(VENV) runs .rlhf .pytest_cache .hypothesis
+
+# Local Prefect server + worker + MLflow UI on 127.0.0.1 (deployments/README.md)
+.PHONY: services-up services-down services-status services-register
+SERVICES_ARGS ?=
+services-up: $(STAMP)
+	$(BIN)/python -m deployments.services up $(SERVICES_ARGS)
+services-down:
+	$(BIN)/python -m deployments.services down
+services-status:
+	$(BIN)/python -m deployments.services status
+services-register: $(STAMP)
+	$(BIN)/python -m deployments.services register

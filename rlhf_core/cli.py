@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--vocab-size", type=int, default=512)
     tiny.add_argument("--seed", type=int, default=0)
+    svc = sub.add_parser("services", help="local Prefect server + worker + MLflow UI on 127.0.0.1 "
+                                          "(deployments/README.md)")
+    svc.add_argument("action", choices=["up", "down", "status", "register"])
+    svc.add_argument("options", nargs=argparse.REMAINDER, help="e.g. --prefect-port 4300 --concurrency 2")
     return parser
 
 
@@ -173,6 +177,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    from rlhf_core.pipeline import plan_run
+
+    # fail on a bad preset, override or path here, before a Prefect server is started for nothing
+    plan_run(preset=None if args.resume else args.preset, overrides=list(args.overrides),
+             iterations=args.iterations, run_name=args.run_name, resume=args.resume)
     _prefect_env()
     from flows.pipeline import PipelineParams, rlhf_pipeline
 
@@ -259,6 +268,12 @@ def cmd_build_tiny(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_services(args: argparse.Namespace) -> int:
+    from deployments.services import main as services_main
+
+    return services_main([args.action, *args.options]) or 0
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     from rlhf_core.errors import RLHFError
 
@@ -266,6 +281,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     handlers = {
         "config": cmd_config_show, "stage": cmd_stage, "run": cmd_run, "demo": cmd_demo,
         "status": cmd_status, "query": cmd_query, "export": cmd_export, "model": cmd_build_tiny,
+        "services": cmd_services,
     }
     try:
         return handlers[args.command](args) or 0

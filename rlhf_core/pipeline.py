@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -26,6 +27,7 @@ from rlhf_core.io.manifest import read_manifest, write_manifest
 from rlhf_core.io.pointers import read_last_good
 from rlhf_core.io.rundir import ITERATION_STAGES, RunDir, write_config
 from rlhf_core.paths import resolve_path
+from rlhf_core.retrain import check_inputs
 
 
 @dataclass
@@ -56,7 +58,8 @@ def resolve_run_config(run_dir: Optional[Path], preset: Optional[str], overrides
 def new_run_dir(cfg: RLHFConfig, run_name: Optional[str]) -> Path:
     """runs_root/<run_name or a timestamp>; refuses a non-empty existing directory."""
     root = Path(cfg.trainer.runs_root).expanduser().resolve()
-    path = root / (run_name or time.strftime("%Y%m%d-%H%M%S"))
+    # a random suffix: two runs started in the same second (pool concurrency > 1) never collide
+    path = root / (run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
     if path.exists() and any(path.iterdir()):
         raise RLHFError(f"run directory {path} already exists; pick another run name or resume it with "
                         f"`rlhf run --resume {path}`")
@@ -85,6 +88,7 @@ def plan_run(preset: Optional[str] = None, overrides: Sequence[str] = (), iterat
         cfg = resolve_run_config(run.root, preset, overrides)
         return RunPlan(cfg=cfg, run=run, first_iteration=resume_point(run), resumed=True)
     cfg = resolve_run_config(None, preset, overrides)
+    check_inputs(cfg)  # a missing data/model path fails before a run directory or MLflow run exists
     return RunPlan(cfg=cfg, run=RunDir(new_run_dir(cfg, run_name)), first_iteration=1, resumed=False)
 
 
