@@ -12,7 +12,7 @@ have room to climb.
     labels -100 (no loss)                                              labels = the tokens
 
 Deterministic: the same (model spec, data files, settings, seed) give the same weights, bit for bit
-when torch runs on one thread (thread count changes float summation order). Cached: the result lives
+(small models train on one thread; the thread count changes float summation order). Cached: the result lives
 in ``<state dir>/models/tiny-sft-<hash>`` keyed on all of those, written atomically, and reused.
 
 Stopping: every ``eval_every`` steps the sampled accuracy is measured on ``dev_size`` TRAIN-split
@@ -23,11 +23,12 @@ so PPO's validation curve starts from an unselected, honest estimate.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 SFT_FORMAT_VERSION = 1
 """Bumped when the training procedure changes, so old cached warm starts are not reused."""
@@ -259,8 +260,8 @@ def is_complete(path: Path) -> bool:
 def warm_start(cfg, out_root: Optional[str | Path] = None, progress: bool = True) -> Path:
     """Fine-tune ``actor_rollout_ref.model.path`` per ``actor_rollout_ref.model.warm_start`` and
     return the directory of the result (HF model + tokenizer + ``warm_start.json``), reusing it when
-    the same inputs were already trained. Runs on the threads torch is set to use (1 thread gives
-    bit-identical weights from run to run)."""
+    the same inputs were already trained. Trains on CPU; small models on one thread (bit-identical
+    weights from run to run, see ``_single_thread_if_small``)."""
     import shutil
 
     import torch
@@ -280,10 +281,12 @@ def warm_start(cfg, out_root: Optional[str | Path] = None, progress: bool = True
     data = build_sft_data(load_train_rows(cfg, tokenizer), tokenizer, settings.dev_size,
                           settings.prose_answer_fraction, settings.seed)
     _check_data(data, cfg)
-    history = train_sft(model, tokenizer, data, settings, cfg.data.max_response_length, progress)
+    with _single_thread_if_small(model):
+        threads = torch.get_num_threads()
+        history = train_sft(model, tokenizer, data, settings, cfg.data.max_response_length, progress)
     record = {"key": warm_start_key(cfg), "history": history, "final": history[-1] if history else {},
               "train_examples": len(data.examples), "prose_answers": data.prose_answers,
-              "dev_prompts": len(data.dev_prompts), "torch_threads": torch.get_num_threads(),
+              "dev_prompts": len(data.dev_prompts), "torch_threads": threads,
               "seconds": round(time.perf_counter() - started, 1)}
     with atomic_dir(out) as tmp:
         model.save_pretrained(tmp, safe_serialization=True)
@@ -292,6 +295,24 @@ def warm_start(cfg, out_root: Optional[str | Path] = None, progress: bool = True
             shutil.copy2(base / "tiny_spec.json", tmp / "tiny_spec.json")
         (tmp / "warm_start.json").write_text(json.dumps(record, indent=2, sort_keys=True) + "\n")
     return out
+
+
+@contextlib.contextmanager
+def _single_thread_if_small(model) -> Iterator[None]:
+    """One torch thread for models under SMALL_MODEL_PARAMS: their matmuls are too small to gain from
+    a second thread on two shared cores, and one thread makes the weights bit-reproducible (the
+    cache promises that the same key means the same weights). Larger models keep the caller's setting."""
+    import torch
+
+    from rlhf_core.rollout.hf import SMALL_MODEL_PARAMS
+
+    before = torch.get_num_threads()
+    if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def _check_data(data: SFTData, cfg) -> None:

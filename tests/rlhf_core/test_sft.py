@@ -138,13 +138,16 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 def test_warm_start_is_deterministic_and_changes_the_weights(cfg, tiny_model_dir, tmp_path, one_thread):
     first = sft.warm_start(cfg, out_root=tmp_path / "a", progress=False)
+    torch.set_num_threads(2)  # the warm start pins a small model to one thread itself, then restores
     second = sft.warm_start(cfg, out_root=tmp_path / "b", progress=False)
+    assert torch.get_num_threads() == 2
     a, b, base = _weights(first), _weights(second), _weights(tiny_model_dir)
     assert a.keys() == b.keys()
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert any(not torch.equal(a[k], base[k]) for k in a)
     record = sft.read_warm_start_record(first)
     assert record["final"]["step"] == 3 and 0.0 <= record["final"]["dev_acc_strict"] <= 1.0
+    assert record["torch_threads"] == 1 and record["train_examples"] > 0
     assert (first / "tokenizer_config.json").is_file() and (first / "tiny_spec.json").is_file()
 
 
