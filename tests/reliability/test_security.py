@@ -118,8 +118,8 @@ def _call_problem(call: ast.Call, name: str) -> str | None:
         return f"{name}(trust_remote_code=True) runs code shipped with a model"
     if _is_const(_keyword(call, "use_safetensors"), False):
         return f"{name}(use_safetensors=False) allows pickled weights"
-    if name.endswith(".load_checkpoint") and "deepspeed" in name.lower():
-        return f"{name}: DeepSpeed checkpoints load with torch.load(weights_only=False)"
+    if name.endswith(".load_checkpoint") and not name.startswith("rlhf_core."):
+        return f"{name}: DeepSpeed's load_checkpoint reads with torch.load(weights_only=False)"
     return None
 
 
@@ -164,6 +164,7 @@ def test_no_unsafe_load_anywhere_in_the_code():
     "from transformers import AutoModel\nAutoModel.from_pretrained(p, trust_remote_code=True)",
     "from transformers import AutoModel\nAutoModel.from_pretrained(p, use_safetensors=False)",
     "import mlflow\nmlflow.pyfunc.load_model('runs:/x/model')",
+    "engine.load_checkpoint(ckpt_dir, tag='step3')",
 ])
 def test_scanner_finds_unsafe_loads(snippet):
     assert scan_source(snippet), f"the scanner missed: {snippet!r}"
@@ -181,26 +182,30 @@ def test_scanner_allows_safe_loads(snippet):
     assert scan_source(snippet) == []
 
 
-def _persist_result_off(call: ast.Call, module: ast.Module) -> bool:
-    """``persist_result=False`` directly, or via ``**NAME`` where NAME is a module-level dict(...) or
-    {...} that sets it."""
-    if _is_const(_keyword(call, "persist_result"), False):
+def _sets(call: ast.Call, module: ast.Module, keyword: str, wanted) -> bool:
+    """``keyword=<wanted>`` in the decorator call, directly or via ``**NAME`` where NAME is a
+    module-level dict(...) or {...}. ``wanted`` is a constant or a Name's id (e.g. NO_CACHE)."""
+    def matches(node) -> bool:
+        return _is_const(node, wanted) or (isinstance(node, ast.Name) and node.id == wanted)
+
+    if matches(_keyword(call, keyword)):
         return True
     spread = [kw.value.id for kw in call.keywords if kw.arg is None and isinstance(kw.value, ast.Name)]
     for node in module.body:
         if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id in spread for t in node.targets):
             value = node.value
-            if isinstance(value, ast.Call) and _is_const(_keyword(value, "persist_result"), False):
+            if isinstance(value, ast.Call) and matches(_keyword(value, keyword)):
                 return True
-            if isinstance(value, ast.Dict) and any(_is_const(k, "persist_result") and _is_const(v, False)
+            if isinstance(value, ast.Dict) and any(_is_const(k, keyword) and matches(v)
                                                    for k, v in zip(value.keys, value.values)):
                 return True
     return False
 
 
 def test_prefect_never_persists_pickled_results():
-    """Prefect pickles task/flow results by default and unpickles them on a cache hit: every task and
-    flow here returns plain data with persistence off (state lives in the run directory instead)."""
+    """Prefect pickles task/flow results by default and unpickles them on a cache hit: every flow
+    and task here runs with persistence off, every task without a cache, and state lives in the run
+    directory instead."""
     seen, problems = 0, []
     for f in python_files():
         module = ast.parse(f.read_text())
@@ -209,11 +214,15 @@ def test_prefect_never_persists_pickled_results():
                 continue
             for deco in node.decorator_list:
                 target = deco.func if isinstance(deco, ast.Call) else deco
-                if isinstance(target, ast.Name) and target.id in ("task", "flow"):
-                    seen += 1
-                    if not (isinstance(deco, ast.Call) and _persist_result_off(deco, module)):
-                        problems.append(f"{f.relative_to(REPO)}:{node.lineno}: @{target.id} {node.name} "
-                                        f"without persist_result=False")
+                if not (isinstance(target, ast.Name) and target.id in ("task", "flow")):
+                    continue
+                seen += 1
+                where = f"{f.relative_to(REPO)}:{node.lineno}: @{target.id} {node.name}"
+                if not (isinstance(deco, ast.Call) and _sets(deco, module, "persist_result", False)):
+                    problems.append(f"{where} without persist_result=False")
+                if target.id == "task" and not (isinstance(deco, ast.Call)
+                                                and _sets(deco, module, "cache_policy", "NO_CACHE")):
+                    problems.append(f"{where} without cache_policy=NO_CACHE")
     assert seen >= 10, "the scan must see the Prefect tasks and flows"
     assert not problems, "\n".join(problems)
 
