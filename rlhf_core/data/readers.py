@@ -101,6 +101,8 @@ def _decode_line(path: Path, row: int, line: bytes) -> RawRow:
         return _bad(path, row, text, "malformed JSON", f"malformed JSON: {exc.msg} at column {exc.colno}")
     except RecursionError:  # absurdly nested input must not take the reader down
         return _bad(path, row, text, "malformed JSON", "malformed JSON: nested too deeply")
+    except ValueError as exc:  # e.g. an integer of > 4,300 digits (Python's int-to-str limit)
+        return _bad(path, row, text, "malformed JSON", f"malformed JSON: {exc}")
     if not isinstance(record, dict):
         return _bad(path, row, text, "not a JSON object",
                     f"not a JSON object (got a JSON {type(record).__name__})")
@@ -215,6 +217,11 @@ def read_parquet(path: Path, batch_rows: int = 4096) -> Iterator[RawRow]:
         parquet = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a damaged or foreign file
         raise DataError(f"{path}: cannot open as Parquet ({exc}); check the file or its extension") from None
+    names = parquet.schema_arrow.names
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:  # rows as dicts would keep only the last of them, silently
+        raise DataError(f"{path}: the Parquet file repeats column(s) {', '.join(map(repr, repeated))}; "
+                        f"give every column a distinct name")
     row = 0
     for batch in _parquet_batches(path, parquet, batch_rows):
         try:

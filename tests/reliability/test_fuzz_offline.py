@@ -343,12 +343,13 @@ def test_regressions_rejected_with_reasons_not_raised(tmp_path, prompt_rows, tok
         json.dumps({"prompt_id": pid, "response": "<|im_end|>"}).encode(),                # 10 EOS only
         json.dumps({"prompt_id": pid, "response": "  "}).encode(),                        # 11
         ok[:-1] + b'\r' + ok,                                                              # 12 bare CR inside
+        ok[:-1] + b', "sample_index": ' + b"7" * 5000 + b"}",                              # 13 > 4,300 digits
     ]
     path = tmp_path / "logged.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
     imported = check_import(path, len(lines), prompt_rows, tokenizer, tmp_path)
     got = reasons(imported)
-    assert len(imported.samples) == 1 and len(got) == 12
+    assert len(imported.samples) == 1 and len(got) == 13
     assert got[0].startswith("row 1: not valid UTF-8")
     assert got[1].startswith("row 2: not valid Unicode: field 'response'")
     for i, shown in zip(range(3, 9), ["'abc'", "[1]", "nan", str(2**31), "1.5", "-1"]):
@@ -356,6 +357,7 @@ def test_regressions_rejected_with_reasons_not_raised(tmp_path, prompt_rows, tok
     assert got[8] == "row 9: prompt_id must be text or an integer, got dict"
     assert got[9] == "row 10: response is empty" and got[10] == "row 11: response is empty"
     assert got[11].startswith("row 12: malformed JSON")
+    assert got[12].startswith("row 13: malformed JSON: Exceeds the limit (4300 digits)")
 
 
 def test_integral_float_sample_index_from_parquet_is_accepted(tmp_path, prompt_rows, tokenizer):

@@ -98,7 +98,9 @@ def corrupt(draw, data: bytes) -> bytes:
 @st.composite
 def jsonl_lines(draw) -> bytes:
     kind = draw(st.sampled_from(["record", "record", "record", "corrupt", "not_object", "blank", "garbage",
-                                 "surrogate"]))
+                                 "surrogate", "huge_number"]))
+    if kind == "huge_number":  # JSON allows any number of digits; Python's int() stops at 4,300
+        return b'{"question": "What is 7 times 6?", "answer": ' + b"4" * draw(st.integers(4290, 4400)) + b"}"
     if kind == "not_object":
         return json.dumps(draw(wrong_types())).encode()
     if kind == "blank":
@@ -182,7 +184,10 @@ def parquet_tables(draw) -> pa.Table:
         columns[name] = parquet_column(draw, name, kind, n)
     if not columns:
         columns["other"] = pa.array([0] * n, pa.int64())
-    return pa.table(columns)
+    names = list(columns)
+    if draw(st.integers(0, 9)) == 0:  # a repeated column name (a whole-file error)
+        names[-1] = names[0]
+    return pa.Table.from_arrays(list(columns.values()), names=names)
 
 
 @st.composite
@@ -307,7 +312,8 @@ def test_fuzz_parquet_mixed_schemas(tokenizer, tables, data, with_val, damage, w
                                   "pages": blob[:at] + b"\xff" * 24 + blob[at + 24:]}[damage])
         train, val = split_train_val(with_val, paths)
         result = check_preprocess(train, val, expected, data, tokenizer, tmp)
-        assert result is not None or damage, "only a damaged file may stop preprocessing"
+        repeated = any(len(set(t.column_names)) < t.num_columns for t in tables)
+        assert result is not None or damage or repeated, "only a damaged or ambiguous file may stop preprocessing"
         note(f"damage={damage}: {'DataError' if result is None else 'read'}")
 
 
@@ -413,6 +419,26 @@ def test_csv_open_quote_in_a_row_is_one_rejected_record_with_a_hint(tmp_path, to
     result = check_preprocess([path], [], {path: 1}, DataConfig(val_fraction=0.0), tokenizer, tmp_path)
     assert result.rejects.column("reason").to_pylist() == [
         "malformed CSV: expected 2 fields, got 1; a quote left open joined the following lines into this record"]
+
+
+def test_integer_over_python_digit_limit_is_a_reject_not_a_crash(tmp_path, tokenizer):
+    """json.loads raises a plain ValueError (not JSONDecodeError) past 4,300 digits: it escaped the reader."""
+    path = tmp_path / "in.jsonl"
+    path.write_bytes(b'{"question": "What is 7 times 6?", "answer": "#### 42"}\n'
+                     b'{"question": "Big?", "answer": ' + b"9" * 5000 + b"}\n")
+    result = check_preprocess([path], [], {path: 2}, DataConfig(val_fraction=0.0, adapter="generic"), tokenizer,
+                              tmp_path)
+    assert result.rejects.column("reason").to_pylist()[0].startswith("malformed JSON: Exceeds the limit")
+
+
+def test_parquet_with_repeated_column_names_is_a_data_error(tmp_path, tokenizer):
+    """Rows as dicts kept only the last of two 'question' columns, silently."""
+    path = tmp_path / "in.parquet"
+    pq.write_table(pa.Table.from_arrays([pa.array(["What is 7 times 6?"]), pa.array(["Other?"]), pa.array(["#### 42"])],
+                                        names=["question", "question", "answer"]), path)
+    with pytest.raises(DataError, match="repeats column.*'question'") as err:
+        preprocess_files([path], [], DataConfig(val_fraction=0.0), tokenizer, progress=False)
+    assert str(path) in str(err.value)
 
 
 def test_blank_repeated_csv_columns_are_allowed(tmp_path, tokenizer):
