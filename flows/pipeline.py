@@ -30,7 +30,8 @@ from tasks import reporting
 from tasks.guard import handle_breach_task
 from tasks.iteration import begin_iteration_task, finish_iteration_task, finish_tracking_task, start_tracking_task
 from tasks.stages import (
-    ITERATION_KEY, export_task, gae_task, guard_task, pack_task, preprocess_task, rollout_task, score_task, update_task, validate_task,
+    ITERATION_KEY, export_task, gae_task, guard_task, pack_task, preprocess_task, rollout_task, score_task, update_task,
+    validate_task, warm_start_task,
 )
 
 
@@ -93,8 +94,12 @@ def train(plan: RunPlan, mlflow_run_id: str) -> dict:
     from tqdm.auto import tqdm
 
     cfg, run_dir = plan.cfg, str(plan.run.root)
+    warm_start_task(cfg, run_dir)
     preprocess_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
     pack_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
+    if not plan.resumed:  # the initial policy's score: the baseline every later val/accuracy is read against
+        baseline = validate_task(cfg, run_dir, 0, mlflow_run_id=mlflow_run_id)
+        print(f"initial policy (iteration 0): val/accuracy {baseline['metrics'].get('val/accuracy', float('nan')):.3f}")
     total = cfg.trainer.total_iterations
     progress = reporting.progress_start(plan.run, total, done=plan.first_iteration - 1)
     metrics: dict = {}

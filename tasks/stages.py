@@ -77,6 +77,19 @@ def execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int],
     return out
 
 
+@task(name="warm-start", **NO_RESULTS)
+def warm_start_task(cfg: RLHFConfig, run_dir: str) -> Optional[str]:
+    """Supervised warm start of the initial policy (cached by content; trained once, reused after),
+    when actor_rollout_ref.model.warm_start.enable. Returns the model directory, or None."""
+    from rlhf_core.io.pointers import initial_actor_path
+
+    if not cfg.actor_rollout_ref.model.warm_start.enable:
+        return None
+    path = initial_actor_path(cfg)
+    reporting.logger().info("initial policy: warm-started model %s", path)
+    return str(path)
+
+
 @task(name="preprocess", **NO_RESULTS, **IO_RETRIES)
 def preprocess_task(cfg: RLHFConfig, run_dir: str, force: bool = False, mlflow_run_id: Optional[str] = None) -> dict:
     """Raw prompt files → prompts/train.parquet, val.parquet, rejects.parquet."""

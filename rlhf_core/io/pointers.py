@@ -67,6 +67,14 @@ def _start_checkpoint(run: RunDir, iteration: Optional[int]) -> Optional[Path]:
 
 
 def initial_actor_path(cfg: RLHFConfig) -> Path:
+    """The policy the run starts from: the warm-started (SFT) model when
+    actor_rollout_ref.model.warm_start.enable, else actor_rollout_ref.model.path. The reference and
+    the critic's backbone follow it. The warm start is cached, so after the first call this only
+    hashes its inputs."""
+    if cfg.actor_rollout_ref.model.warm_start.enable:
+        from rlhf_core.sft import warm_start
+
+        return warm_start(cfg)
     return resolve_model_path(cfg.actor_rollout_ref.model.path)
 
 

@@ -41,6 +41,7 @@ def tiny_overrides(tiny_model_dir):
 def _tiny(tiny_model_dir: Path, runs_root: Path, *extra: str) -> list[str]:
     return [
         f"actor_rollout_ref.model.path={tiny_model_dir}", f"trainer.runs_root={runs_root}",
+        "actor_rollout_ref.model.warm_start.enable=false",
         "data.train_batch_size=4", "data.max_val_samples=4", "data.max_response_length=12",
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
         "actor_rollout_ref.rollout.generation_batch_tokens=2048",

@@ -64,7 +64,8 @@ def test_two_iterations_complete_with_their_records(two_iterations, shared_home,
     assert set(flatten(cfg)) <= set(mlrun.data.params)
     for key in EVERY_ITERATION:
         assert [step for step, _ in tracking.metric_history(run_id, key)] == [1, 2], key
-    assert [step for step, _ in tracking.metric_history(run_id, "val/accuracy")] == [2]
+    # step 0 is the initial policy's baseline, then every trainer.test_freq iterations and the last
+    assert [step for step, _ in tracking.metric_history(run_id, "val/accuracy")] == [0, 2]
     assert [a.path for a in tracking.client().list_artifacts(run_id, "plots")] == ["plots/learning_curve.png"]
 
     assert {"two-metrics", "two-report", "two-progress", "two-export"} <= _prefect_artifact_keys("two-%")
@@ -105,5 +106,5 @@ def test_guard_rerun_on_a_committed_iteration_only_records_its_verdict(two_itera
     assert read_verdict(run, 2)["decision"] == "rollback"
     assert read_last_good(run)["iteration"] == 2
     assert sorted(p.name for p in (run.checkpoint(2) / "actor").iterdir()) == checkpoint
-    assert status_table(run)[1]["guard"] == "committed"
+    assert {r["iteration"]: r for r in status_table(run)}[2]["guard"] == "committed"
     assert not [e for e in run.events() if e["kind"] == "rollback"]

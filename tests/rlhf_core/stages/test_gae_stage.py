@@ -190,7 +190,7 @@ def test_score_then_gae_on_the_tiny_model(tmp_path, repo_root, tiny_model_dir):
     run = RunDir(tmp_path / "run")
     questions = [json.loads(line) for line in (repo_root / "data/arith/train.jsonl").read_text().splitlines()[:3]]
     write_prompts_and_rollout(run, tokenizer, questions)
-    cfg = load_config(DEMO, [f"actor_rollout_ref.model.path={tiny_model_dir}", *ADAPTIVE])
+    cfg = load_config(DEMO, [f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.model.warm_start.enable=false", *ADAPTIVE])
     run_score(cfg, run, 1)
     result = run_gae(cfg, run, 1)
     scored = pq.read_table(run.scored(1)).to_pylist()

@@ -65,7 +65,7 @@ def tokenizer(tiny_model_dir):
 
 
 def demo_config(tiny_model_dir, *extra):
-    return load_config(DEMO, [f"actor_rollout_ref.model.path={tiny_model_dir}",
+    return load_config(DEMO, [f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.model.warm_start.enable=false",
                                              "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=512",
                                              *extra])
 
@@ -149,7 +149,8 @@ def test_score_from_the_cli_on_gsm8k_prompts(tmp_path, gsm8k_train, tiny_model_d
     run = RunDir(tmp_path / "run")
     expected = write_run_inputs(run, tokenizer, load_questions(gsm8k_train, 4), data_source="openai/gsm8k")
     argv = ["stage", "score", "--local", "--run-dir", str(run.root), "--iteration", "1", "-c", str(DEMO),
-            f"actor_rollout_ref.model.path={tiny_model_dir}", "custom_reward_function.gsm8k_method=flexible"]
+            f"actor_rollout_ref.model.path={tiny_model_dir}", "custom_reward_function.gsm8k_method=flexible",
+            "actor_rollout_ref.model.warm_start.enable=false"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "[score iteration 1] done" in out and "tokens/s" in out and "accuracy" in out
