@@ -4,7 +4,7 @@ Where: ``MLFLOW_TRACKING_URI`` when set; else an embedded SQLite store inside th
 directory (``$RLHF_HOME/mlflow/mlflow.db``, artifacts under ``$RLHF_HOME/mlflow/artifacts``), so no
 server is needed. Browse it with
 
-    mlflow ui --backend-store-uri sqlite:///$RLHF_HOME/mlflow/mlflow.db
+    mlflow ui --host 127.0.0.1 --backend-store-uri sqlite:///$RLHF_HOME/mlflow/mlflow.db
 
 One MLflow run per pipeline flow run, named after the run directory and recorded in
 ``RUN/tracking.json``; a resumed run continues the same MLflow run, and ``rlhf stage`` reruns attach
@@ -24,6 +24,7 @@ from rlhf_core.config import RLHFConfig, flatten
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.rundir import RunDir
 from rlhf_core.paths import state_dir
+from rlhf_core.security import redact, redact_value
 
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 MAX_PARAM_LENGTH = 6000
@@ -144,7 +145,7 @@ def log_config(run_id: str, cfg: RLHFConfig) -> None:
     c = client()
     logged = c.get_run(run_id).data.params
     new, changed = [], []
-    for key, value in flatten(cfg).items():
+    for key, value in redact(flatten(cfg)).items():  # never a token or password in MLflow params
         text = str(value)[:MAX_PARAM_LENGTH]
         if key not in logged:
             new.append(Param(key, text))
@@ -171,7 +172,7 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: Optional[int]) -> 
 def set_tags(run_id: str, tags: dict[str, Any]) -> None:
     from mlflow.entities import RunTag
 
-    client().log_batch(run_id, tags=[RunTag(k, str(v)[:5000]) for k, v in tags.items()])
+    client().log_batch(run_id, tags=[RunTag(k, str(redact_value(v))[:5000]) for k, v in tags.items()])
 
 
 def log_artifact(run_id: str, path: Path, artifact_path: Optional[str] = None) -> None:

@@ -235,10 +235,7 @@ LOOPBACK = {"127.0.0.1", "localhost", "::1"}
 SERVER_LINE = re.compile(r"\b(prefect\s+server\s+start|mlflow\s+(ui|server))\b")
 HOST_ARG = re.compile(r"--host(?:=|\s+)(\S+)")
 # Known violations waiting on their owners (file → what to change); a strict xfail flags the fix.
-PENDING: dict[str, str] = {
-    "tasks/tracking.py": "the module docstring's `mlflow ui --backend-store-uri ...` needs `--host 127.0.0.1`",
-    "README.md": "'Where to look': `prefect server start` and `mlflow ui ...` need `--host 127.0.0.1`",
-}
+PENDING: dict[str, str] = {}
 
 
 def _shell_host_ok(value: str, text: str) -> bool:
@@ -342,11 +339,6 @@ def test_servers_bind_to_loopback_unless_told_otherwise():
     assert not unexpected, "servers not bound to 127.0.0.1:\n" + "\n".join(sum(unexpected.values(), []))
 
 
-@pytest.mark.xfail(strict=True, reason="pending owners' fixes: " + "; ".join(f"{k}: {v}" for k, v in PENDING.items()))
-def test_pending_server_host_fixes():
-    """Fails (strict xfail → XPASS is an error) once the pending files are fixed: then empty PENDING."""
-    found = server_problems()
-    assert not [f for f in PENDING if f in found]
 
 
 def test_the_deployment_services_are_actually_scanned():
