@@ -157,6 +157,21 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
     return response_kl(kls, k1)
 
 
+def nonfinite_update(update_record: dict, kl: float) -> Optional[str]:
+    """Why iteration's update is not worth keeping although its KL may look fine, else None: a
+    non-finite KL, or every actor optimizer step skipped for a non-finite loss / gradient norm (the
+    weights did not move; committing would hide the fault). ``update_record``: iter_k/metrics.json."""
+    import math
+
+    if not math.isfinite(kl):
+        return f"KL(actor‖ref) is {kl}"
+    metrics = update_record.get("metrics") or {}
+    steps, skipped = metrics.get("actor/num_steps", 0), metrics.get("actor/skipped_steps", 0)
+    if steps and skipped >= steps:
+        return f"all {int(steps)} actor steps skipped (non-finite loss or gradient norm)"
+    return None
+
+
 def decide(kl: float, threshold: float) -> str:
     """"commit" when KL is at or under the threshold, else "rollback"."""
     return "commit" if kl <= threshold else "rollback"
@@ -180,13 +195,17 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         verdict.update(val)
         guarded = max(kl["kl_mean"], val.get("val_kl_mean", float("-inf")))
         verdict["decision"] = decide(guarded, threshold)
+        nonfinite = nonfinite_update(run.read_json(run.metrics(k)) or {}, guarded)
+        if nonfinite:
+            verdict.update(decision="rollback", reason=f"non-finite update: {nonfinite}")
         atomic_write_json(verdict_path(run, k), verdict)
         metrics = {f"guard/{key}": float(v) for key, v in verdict.items() if key.startswith(("kl_", "val_kl_"))}
         metrics["guard/breach"] = float(verdict["decision"] == "rollback")
+        metrics["guard/nonfinite_update"] = float(nonfinite is not None)
         metrics["guard/threshold"] = float(threshold)
         line = (f"KL(actor‖ref) per-token mean {kl['kl_mean']:.4f} "
-                f"{'>' if verdict['decision'] == 'rollback' else '<='} threshold {threshold:g} → "
-                f"{verdict['decision']}")
+                f"{'>' if guarded > threshold else '<='} threshold {threshold:g} → {verdict['decision']}"
+                + (f" ({verdict['reason']})" if "reason" in verdict else ""))
         return StageResult(stage="guard", iteration=k, outputs={"verdict": str(verdict_path(run, k))},
                            rows={"responses": int(kl["num_responses"]), "tokens": int(kl["num_tokens"])}, metrics=metrics,
                            summary=[line])
@@ -319,7 +338,8 @@ def rollback_iteration(run: RunDir, k: int, *, policy: str, attempt: int) -> dic
     restored = restore_kl_controller(run, k)
     last_good = read_last_good(run)
     return run.append_event(
-        "rollback", k, kl=verdict.get("kl_mean"), val_kl=verdict.get("val_kl_mean"),
+        "rollback", k, reason=verdict.get("reason", "KL above threshold"), kl=verdict.get("kl_mean"),
+        val_kl=verdict.get("val_kl_mean"),
         threshold=verdict.get("threshold"), attempt=attempt, policy=policy,
         last_good=last_good.get("iteration") if last_good else None,
         kl_ctrl_restored=restored)

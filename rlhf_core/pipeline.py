@@ -24,7 +24,7 @@ from rlhf_core.config import RLHFConfig, apply_overrides, config_from_dict, load
 from rlhf_core.config.loader import read_preset
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.manifest import read_manifest, write_manifest
-from rlhf_core.io.pointers import read_last_good
+from rlhf_core.io.pointers import read_last_good, verified_last_good
 from rlhf_core.io.rundir import ITERATION_STAGES, RunDir, write_config
 from rlhf_core.paths import resolve_path
 from rlhf_core.retrain import check_inputs
@@ -99,7 +99,11 @@ def open_run(plan: RunPlan) -> None:
     plan.run.root.mkdir(parents=True, exist_ok=True)
     if plan.resumed:
         removed = clean_temporaries(plan.run.root)  # leftovers of writes a crash interrupted
-        plan.run.append_event("resume", plan.first_iteration, cleaned=[str(p) for p in removed])
+        # a damaged last-good checkpoint moves the pointer back to the newest one that verifies
+        fallback = verified_last_good(plan.run)
+        plan.first_iteration = resume_point(plan.run)
+        plan.run.append_event("resume", plan.first_iteration, cleaned=[str(p) for p in removed],
+                              fell_back_from=(fallback or {}).get("fell_back_from"))
     write_config(plan.run, to_yaml(plan.cfg))
 
 

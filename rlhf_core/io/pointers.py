@@ -120,3 +120,68 @@ def ensure_initial_critic(cfg: RLHFConfig, run: RunDir) -> Path:
         model.save_pretrained(tmp, safe_serialization=True)
         AutoTokenizer.from_pretrained(backbone).save_pretrained(tmp)
     return out
+
+
+def verified_last_good(run: RunDir) -> Optional[dict]:
+    """The last-good record after checking its checkpoint against its sha256 manifest; when that
+    checkpoint is damaged, fall back to the newest earlier committed checkpoint that verifies.
+
+    A fallback from iteration b to g (< b) puts the run back as if g were the last commit: the
+    gae/update/guard records of g+1..b become ``stale`` (they rerun; rollout and score stay valid,
+    they started from g's models), the KL controller returns to its state before g+1, last_good.json
+    moves to g (atomic), and a ``checkpoint_corrupt_fallback`` event and a stderr line say so. Each
+    step is idempotent, so a crash in between is repaired by resuming again. Raises
+    ``CheckpointError`` naming every damaged file when no committed checkpoint verifies.
+    """
+    from rlhf_core.errors import CheckpointError
+    from rlhf_core.training.checkpoint import verify_checkpoint
+
+    record = read_last_good(run)
+    if not record:
+        return None
+    errors: list[str] = []
+    for k in _committed_newest_first(run, int(record["iteration"])):
+        try:
+            verify_checkpoint(run.checkpoint(k))
+        except CheckpointError as exc:
+            errors.append(f"iteration {k}: {exc}")
+            continue
+        return record if k == record["iteration"] else _fall_back(run, int(record["iteration"]), k, errors)
+    raise CheckpointError(
+        f"no committed checkpoint of {run.root} verifies:\n  " + "\n  ".join(errors or ["(none kept)"])
+        + "\nkeep more checkpoints (trainer.save_freq=1, trainer.max_ckpt_to_keep>=2) or start a new run")
+
+
+def _committed_newest_first(run: RunDir, last_good: int) -> list[int]:
+    """Iterations up to ``last_good`` whose guard committed them and whose checkpoint is kept."""
+    from rlhf_core.io.manifest import read_manifest
+
+    out = []
+    for k in range(last_good, 0, -1):
+        committed = k == last_good or read_manifest(run, k).get("guard", {}).get("committed")
+        if committed and run.checkpoint(k).is_dir():
+            out.append(k)
+    return out
+
+
+def _fall_back(run: RunDir, bad: int, good: int, errors: list[str]) -> dict:
+    import sys
+
+    from rlhf_core.guard import restore_kl_controller
+    from rlhf_core.io.manifest import read_manifest, write_manifest
+
+    for j in range(good + 1, bad + 1):  # undo the commits after ``good``: they rerun from its models
+        manifest = read_manifest(run, j)
+        for stage in ("gae", "update", "guard"):
+            if stage in manifest:
+                manifest[stage]["status"] = "stale"
+        if "guard" in manifest:
+            manifest["guard"].update(committed=False, checkpoint_corrupt=j == bad)
+        write_manifest(run, j, manifest)
+    restore_kl_controller(run, good + 1)
+    record = write_last_good(run, good)
+    message = (f"last-good checkpoint of iteration {bad} is damaged ({errors[0].split(': ', 1)[1]}); falling back "
+               f"to the checkpoint of iteration {good}: iterations {good + 1}..{bad} will be rerun")
+    run.append_event("checkpoint_corrupt_fallback", good, corrupt_iteration=bad, errors=errors, message=message)
+    print(f"rlhf: warning: {message}", file=sys.stderr)
+    return {**record, "fell_back_from": bad, "message": message}
