@@ -131,7 +131,8 @@ def verified_last_good(run: RunDir) -> Optional[dict]:
     they started from g's models), the KL controller returns to its state before g+1, last_good.json
     moves to g (atomic), and a ``checkpoint_corrupt_fallback`` event and a stderr line say so. Each
     step is idempotent, so a crash in between is repaired by resuming again. Raises
-    ``CheckpointError`` naming every damaged file when no committed checkpoint verifies.
+    ``CheckpointError`` naming every damaged file when no committed checkpoint verifies and some were
+    pruned; when none was pruned (every commit is damaged) the run falls back to the initial models.
     """
     from rlhf_core.errors import CheckpointError
     from rlhf_core.training.checkpoint import verify_checkpoint
@@ -147,6 +148,8 @@ def verified_last_good(run: RunDir) -> Optional[dict]:
             errors.append(f"iteration {k}: {exc}")
             continue
         return record if k == record["iteration"] else _fall_back(run, int(record["iteration"]), k, errors)
+    if len(errors) == record["iteration"]:  # every commit tried, none pruned: start again from the initial models
+        return _fall_back(run, int(record["iteration"]), 0, errors)
     raise CheckpointError(
         f"no committed checkpoint of {run.root} verifies:\n  " + "\n  ".join(errors or ["(none kept)"])
         + "\nkeep more checkpoints (trainer.save_freq=1, trainer.max_ckpt_to_keep>=2) or start a new run")
@@ -179,9 +182,14 @@ def _fall_back(run: RunDir, bad: int, good: int, errors: list[str]) -> dict:
             manifest["guard"].update(committed=False, checkpoint_corrupt=j == bad)
         write_manifest(run, j, manifest)
     restore_kl_controller(run, good + 1)
-    record = write_last_good(run, good)
+    if good:
+        record = write_last_good(run, good)
+    else:
+        run.last_good_path.unlink(missing_ok=True)
+        record = {"iteration": 0, "checkpoint": None}
+    target = f"the checkpoint of iteration {good}" if good else "the initial models (no checkpoint verifies)"
     message = (f"last-good checkpoint of iteration {bad} is damaged ({errors[0].split(': ', 1)[1]}); falling back "
-               f"to the checkpoint of iteration {good}: iterations {good + 1}..{bad} will be rerun")
+               f"to {target}: iterations {good + 1}..{bad} will be rerun")
     run.append_event("checkpoint_corrupt_fallback", good, corrupt_iteration=bad, errors=errors, message=message)
     print(f"rlhf: warning: {message}", file=sys.stderr)
     return {**record, "fell_back_from": bad, "message": message}

@@ -12,6 +12,7 @@ corrupts real update checkpoints of the tiny pipeline and resumes.
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 
@@ -102,13 +103,24 @@ def test_fallback_skips_every_damaged_checkpoint(tmp_path):
 
 
 def test_no_checkpoint_verifies_is_an_error_naming_each(tmp_path):
-    run = committed_run(tmp_path / "run", iterations=2)
-    (run.checkpoint(2) / "manifest.json").unlink()
-    flip_byte(run.checkpoint(1) / "actor" / "model.safetensors")
+    run = committed_run(tmp_path / "run", iterations=3)
+    shutil.rmtree(run.checkpoint(1))  # pruned: the run cannot go back to the initial models
+    (run.checkpoint(3) / "manifest.json").unlink()
+    flip_byte(run.checkpoint(2) / "actor" / "model.safetensors")
     with pytest.raises(CheckpointError, match="no committed checkpoint") as info:
         verified_last_good(run)
-    assert "iteration 2" in str(info.value) and "iteration 1" in str(info.value)
-    assert read_last_good(run)["iteration"] == 2  # nothing moved
+    assert "iteration 3" in str(info.value) and "iteration 2" in str(info.value)
+    assert read_last_good(run)["iteration"] == 3  # nothing moved
+
+
+def test_every_commit_damaged_and_none_pruned_restarts_from_the_initial_models(tmp_path, capsys):
+    run = committed_run(tmp_path / "run", iterations=2)
+    truncate(run.checkpoint(2) / "trainer_state.json")
+    flip_byte(run.checkpoint(1) / "actor" / "model.safetensors")
+    assert verified_last_good(run)["fell_back_from"] == 2
+    assert read_last_good(run) is None and resume_point(run) == 1
+    assert "falling back to the initial models" in capsys.readouterr().err
+    assert run.read_json(run.kl_ctrl_path) == {"type": "fixed", "value": 0.1}
 
 
 def test_intact_last_good_is_kept_silently(tmp_path, capsys):
