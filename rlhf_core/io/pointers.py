@@ -138,8 +138,8 @@ def verified_last_good(run: RunDir) -> Optional[dict]:
     from rlhf_core.training.checkpoint import verify_checkpoint
 
     record = read_last_good(run)
-    if not record:
-        return None
+    if not record or not (run.root / record["checkpoint"]).exists():
+        return record  # nothing on disk to judge: the stage that needs it names the missing directory
     errors: list[str] = []
     for k in _committed_newest_first(run, int(record["iteration"])):
         try:
