@@ -179,7 +179,8 @@ def _fall_back(run: RunDir, bad: int, good: int, errors: list[str]) -> dict:
             if stage in manifest:
                 manifest[stage]["status"] = "stale"
         if "guard" in manifest:
-            manifest["guard"].update(committed=False, checkpoint_corrupt=j == bad)
+            manifest["guard"].update(committed=False,
+                                     checkpoint_corrupt=any(e.startswith(f"iteration {j}:") for e in errors))
         write_manifest(run, j, manifest)
     restore_kl_controller(run, good + 1)
     if good:
