@@ -1,0 +1,237 @@
+"""PPO update throughput against TRL's PPOTrainer on the same tiny model, batch, lengths, epochs and
+mini-batches, on CPU, measured side by side in one run. Goal: ours ≥ 1.5× TRL's update tokens/s.
+
+    python benchmarks/bench_vs_trl.py [--batch 64] [--mini-batch 32] [--response-length 32] [--epochs 2]
+                                      [--hidden 64 --layers 2 --intermediate 176] [--venv /tmp/rlhf-bench-trl-venv]
+
+TRL runs in its own throwaway virtual environment (created on first use, reused after): torch==2.13.0
+(the local CPU wheel, installed first so nothing pulls a CUDA build), then trl==1.12.0 and
+transformers==5.24.0. In trl 1.12.0 the PPOTrainer lives in ``trl.experimental.ppo``. Without network
+the venv cannot be built: the script says so and exits 2.
+
+What is measured:
+  TRL  — one ``PPOTrainer.train()`` update of ``--batch`` prompts (the demo's arithmetic prompts in the
+         tiny model's chat template), ``--response-length`` sampled tokens each (no stop token, so every
+         response has exactly that length). Phases timed by wrapping the trainer module's functions:
+         generation (``batch_generation``), scoring (policy/ref log-probs, values, reward, GAE: from the
+         end of generation to the first forward with gradients) and training (the PPO epochs: first
+         grad-enabled forward → last optimizer step). One AdamW over policy+value (TRL's design).
+  ours — the same prompts and the very responses TRL generated, as an advantages table
+         (``rlhf_core.training.synthetic.synthetic_advantages``: old/ref log-probs scored by the model =
+         our scoring phase), then ``rlhf_core.training.update.train_update`` (what ``rlhf stage update``
+         runs: critic then actor through DeepSpeed ZeRO on CPU, packed micro-batches) with the same
+         epochs and mini-batch size. Phases: scoring, setup (engines), update loop, checkpoint.
+  update tokens/s = real (non-pad) prompt+response tokens × epochs / training-phase seconds, for both.
+Each side runs in a fresh process, one after the other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+TRL_VERSION = "1.12.0"
+PINS = (["torch==2.13.0"], [f"trl=={TRL_VERSION}", "transformers==5.24.0"])
+
+
+# ----------------------------------------------------------------------------- TRL side (its venv)
+
+def trl_worker(spec: dict, out: Path) -> None:
+    """Run one PPOTrainer update in this (TRL venv) process; write phase times and the generations."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    import trl
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as mod
+
+    torch.manual_seed(spec["seed"])
+    model_dir = spec["model_dir"]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    reward = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    for m in (reward, value):
+        m.config.pad_token_id = tok.pad_token_id
+    marks: dict = {"train_first": None, "step_end": None}
+    captured = {}
+
+    real_generation, real_forward = mod.batch_generation, mod.forward
+
+    def timed_generation(*args, **kwargs):
+        marks["gen_start"] = time.perf_counter()
+        result = real_generation(*args, **kwargs)
+        marks["gen_end"] = time.perf_counter()
+        captured["queries"], captured["query_responses"] = args[1], result[0]
+        return result
+
+    def timed_forward(model, *args, **kwargs):
+        if torch.is_grad_enabled() and marks["train_first"] is None:
+            marks["train_first"] = time.perf_counter()
+        return real_forward(model, *args, **kwargs)
+
+    mod.batch_generation, mod.forward = timed_generation, timed_forward
+    args = PPOConfig(
+        output_dir=str(out.parent / "trl_out"), per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1,
+        num_mini_batches=spec["batch"] // spec["mini_batch"], num_ppo_epochs=spec["epochs"],
+        response_length=spec["response_length"], total_episodes=spec["batch"], local_rollout_forward_batch_size=spec["batch"],
+        num_sample_generations=0, use_cpu=True, report_to=[], save_strategy="no", learning_rate=1e-5,
+        seed=spec["seed"], stop_token=None, logging_steps=1000, bf16=False, fp16=False)
+    dataset = Dataset.from_dict({"input_ids": spec["prompts"]})
+    trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                         train_dataset=dataset, value_model=value)
+    torch_optimizer = getattr(trainer.optimizer, "optimizer", trainer.optimizer)  # accelerate wraps it
+    torch_optimizer.register_step_post_hook(lambda *_: marks.__setitem__("step_end", time.perf_counter()))
+    started = time.perf_counter()
+    trainer.train()
+    total = time.perf_counter() - started
+    query_responses = captured["query_responses"]
+    # the dataloader shuffles: return the prompts in the order TRL used them, left pads stripped
+    queries = captured["queries"]
+    prompts = [[t for t in row if t != tok.pad_token_id] for row in queries.tolist()]
+    responses = query_responses[:, queries.shape[1]:].tolist()
+    out.write_text(json.dumps({
+        "trl_version": trl.__version__, "threads": torch.get_num_threads(), "prompts": prompts, "responses": responses,
+        "generation_s": marks["gen_end"] - marks["gen_start"], "scoring_s": marks["train_first"] - marks["gen_end"],
+        "training_s": marks["step_end"] - marks["train_first"], "total_s": total,
+        "padded_tokens": int(query_responses.numel())}))
+
+
+# ----------------------------------------------------------------------------- our side (project venv)
+
+def ours_worker(spec: dict, out: Path) -> None:
+    """Score the same sequences into an advantages table and run train_update on it."""
+    sys.path.insert(0, str(REPO))
+    from rlhf_core.config import load_config
+    from rlhf_core.data.schemas import ADVANTAGES
+    from rlhf_core.io.atomic import atomic_write_parquet
+    from rlhf_core.io.rundir import RunDir
+    from rlhf_core.training.synthetic import synthetic_advantages
+    from rlhf_core.training.update import train_update
+
+    pairs = list(zip(spec["prompts"], spec["responses"]))
+    run = RunDir(out.parent / "ours_run")
+    started = time.perf_counter()
+    table = synthetic_advantages(spec["model_dir"], pairs=pairs, seed=spec["seed"])
+    scoring = time.perf_counter() - started
+    atomic_write_parquet(run.advantages(1), table, ADVANTAGES)
+    cfg = load_config(str(REPO / "configs/demo.yaml"), [
+        f"actor_rollout_ref.model.path={spec['model_dir']}", "actor_rollout_ref.model.warm_start.enable=false",
+        f"data.train_batch_size={spec['batch']}", f"data.max_response_length={spec['response_length']}",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={spec['mini_batch']}",
+        f"actor_rollout_ref.actor.ppo_epochs={spec['epochs']}", f"trainer.seed={spec['seed']}"])
+    started = time.perf_counter()
+    metrics = train_update(cfg, run, 1, progress=False)
+    metrics.update(scoring_s=scoring, total_s=time.perf_counter() - started)
+    out.write_text(json.dumps(metrics))
+
+
+# ----------------------------------------------------------------------------- driver
+
+def ensure_trl_venv(venv: Path) -> Path:
+    """The TRL venv's python, building the venv on first use; exits 2 with a message when it cannot."""
+    python = venv / "bin" / "python"
+    probe = [str(python), "-c", "import trl, sys; from trl.experimental.ppo import PPOTrainer; "
+             f"sys.exit(trl.__version__ != '{TRL_VERSION}')"]
+    if python.exists() and subprocess.run(probe, capture_output=True).returncode == 0:
+        return python
+    print(f"building the TRL venv at {venv} (torch 2.13.0 CPU, trl {TRL_VERSION}; a few minutes, needs the package index)")
+    try:
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        for pins in PINS:
+            subprocess.run([str(python), "-m", "pip", "install", "-q", *pins], check=True)
+        subprocess.run(probe, check=True)
+    except subprocess.CalledProcessError as exc:
+        sys.exit(f"error: could not build the TRL virtual environment at {venv} ({exc}). It needs the package "
+                 f"index (pip install torch==2.13.0, then trl=={TRL_VERSION}); check network access, or delete "
+                 f"{venv} and retry.")
+    return python
+
+
+def arith_prompts(model_dir: Path, n: int) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    rows = [json.loads(line) for line in (REPO / "data/arith/train.jsonl").read_text().splitlines()[:n]]
+    return [tok(tok.apply_chat_template([{"role": "user", "content": r["question"]}], add_generation_prompt=True,
+                                        tokenize=False), add_special_tokens=False)["input_ids"] for r in rows]
+
+
+def run_worker(python: str, role: str, spec: dict, work: Path, env: dict) -> dict:
+    spec_path, out = work / f"{role}_spec.json", work / f"{role}.json"
+    spec_path.write_text(json.dumps(spec))
+    proc = subprocess.run([python, __file__, f"--{role}-worker", str(spec_path), str(out)], env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.exit(f"error: the {role} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(out.read_text())
+
+
+def report(spec: dict, trl_r: dict, ours: dict) -> None:
+    real = sum(len(p) for p in spec["prompts"]) + sum(len(r) for r in spec["responses"])
+    trl_tps = real * spec["epochs"] / trl_r["training_s"]
+    ours_tps = ours["perf/tokens_per_s"]
+    print(f"{spec['batch']} sequences, {real} real tokens ({trl_r['padded_tokens']} padded in TRL), "
+          f"response length {spec['response_length']}, {spec['epochs']} PPO epoch(s), mini-batch {spec['mini_batch']}; "
+          f"threads: TRL {trl_r['threads']}, ours {int(ours['perf/threads_per_rank'])}")
+    print(f"TRL {trl_r['trl_version']} PPOTrainer: generation {trl_r['generation_s']:.2f} s, scoring "
+          f"(logprobs/ref/values/reward/GAE) {trl_r['scoring_s']:.2f} s, training {trl_r['training_s']:.2f} s, "
+          f"train() total {trl_r['total_s']:.2f} s")
+    print(f"ours: scoring (old/ref log-probs) {ours['scoring_s']:.2f} s, setup (engines) {ours['perf/setup_seconds']:.2f} s, "
+          f"update loop {ours['perf/update_seconds']:.2f} s, checkpoint {ours['perf/checkpoint_seconds']:.2f} s, "
+          f"train_update total {ours['total_s']:.2f} s")
+    print(f"update tokens/s: TRL {trl_tps:.0f}, ours {ours_tps:.0f} (actor {ours['perf/actor_tokens_per_s']:.0f}, "
+          f"critic {ours['perf/critic_tokens_per_s']:.0f})")
+    print(f"ratio ours/TRL: {ours_tps / trl_tps:.2f}x (goal >= 1.5x)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--mini-batch", type=int, default=32)
+    parser.add_argument("--response-length", type=int, default=32)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--intermediate", type=int, default=176)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "rlhf-bench-trl-venv")
+    parser.add_argument("--trl-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--ours-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    for role, paths in (("trl", args.trl_worker), ("ours", args.ours_worker)):
+        if paths:
+            (trl_worker if role == "trl" else ours_worker)(json.loads(paths[0].read_text()), paths[1])
+            return
+
+    trl_python = ensure_trl_venv(args.venv)
+    sys.path.insert(0, str(REPO))
+    from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
+
+    with tempfile.TemporaryDirectory(prefix="rlhf-bench-trl-") as tmp:
+        work = Path(tmp)
+        env = dict(os.environ, RLHF_HOME=str(work / "home"), DS_ACCELERATOR="cpu", HF_HUB_OFFLINE="1",
+                   TRANSFORMERS_OFFLINE="1", TOKENIZERS_PARALLELISM="false", DO_NOT_TRACK="1")
+        model_dir = work / "model"
+        build_tiny_model(model_dir, TinyModelSpec(hidden_size=args.hidden, num_hidden_layers=args.layers,
+                                                  intermediate_size=args.intermediate, seed=args.seed))
+        spec = {"model_dir": str(model_dir), "prompts": arith_prompts(model_dir, args.batch), "batch": args.batch,
+                "mini_batch": args.mini_batch, "response_length": args.response_length, "epochs": args.epochs,
+                "seed": args.seed}
+        trl_r = run_worker(str(trl_python), "trl", spec, work, env)
+        spec["prompts"], spec["responses"] = trl_r["prompts"], trl_r["responses"]
+        ours = run_worker(sys.executable, "ours", spec, work, env)
+    report(spec, trl_r, ours)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,184 @@
+"""Rollout and update throughput of a ~0.5B-parameter Qwen2-shaped model (Qwen2.5-0.5B's shape, random
+weights) on one GPU: HF batched ``generate`` tokens/s, then our PPO update (``train_update``, the body of
+``rlhf stage update``: critic then actor through DeepSpeed, bf16) tokens/s and model FLOPs utilisation.
+
+    python benchmarks/gpu/bench_h200.py                 # on the GPU machine (benchmarks/gpu/bench_h200.sh)
+    python benchmarks/gpu/bench_h200.py --small --device cpu --batch 8 --new-tokens 16   # dry run here
+
+Steps: (1) the tiny model's tokenizer (rlhf_core.models.tiny) + a Qwen2Config of the requested shape with
+random bf16 weights, saved as an HF directory; (2) rollout: ``--batch`` random prompts of ``--prompt-len``
+tokens, sampled to exactly ``--new-tokens`` new tokens (min = max), one warm-up call, then one timed call;
+(3) scoring: old log-probs of those sequences under the same model (rlhf_core.scoring.logprobs) into an
+advantages table (Gaussian advantages/returns: throughput does not depend on their values); (4) one PPO
+update with ``--epochs`` epochs and mini-batches of ``--mini-batch`` sequences, micro-batches packed to
+``--token-budget`` tokens.
+
+MFU = 6 × params × tokens/s / peak: training costs ~6 FLOPs per parameter per token (forward 2, backward
+4; attention's own FLOPs left out, as is usual). Update: actor and critic each train on every token, so
+6 × (actor params + critic params) × perf/tokens_per_s, the critic counted without the embedding (it has no
+LM-head matmul; the actor's tied embedding is its LM head). Peak: H200 dense bf16 989 TFLOP/s (``--peak-tflops``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  intermediate_size=4864, vocab_size=151936)
+SMALL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=352, vocab_size=4096)
+
+
+def build_model(out: Path, shape: dict, device: str) -> int:
+    """Tokenizer from the tiny builder, weights random at ``shape``; returns the parameter count."""
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    from rlhf_core.models.tiny import build_tiny_model
+
+    build_tiny_model(out)  # tokenizer files (ids < 512 are text; larger ids are valid model tokens)
+    tiny = json.loads((out / "config.json").read_text())
+    config = Qwen2Config(**shape, max_position_embeddings=4096, tie_word_embeddings=True, rope_theta=1e6,
+                         eos_token_id=tiny["eos_token_id"], pad_token_id=tiny["pad_token_id"], bos_token_id=None)
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    for f in out.glob("model*.safetensors"):
+        f.unlink()
+    model.save_pretrained(out)
+    return sum(p.numel() for p in model.parameters())
+
+
+def rollout(model_dir: Path, args, device: str) -> tuple[list[list[int]], list[list[int]], dict]:
+    """Timed batched sampling; returns (prompts, responses, numbers)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    model.eval()
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(600, model.config.vocab_size, (args.batch, args.prompt_len), generator=g).to(device)
+    mask = torch.ones_like(prompts)
+
+    def sample(new: int):
+        out = model.generate(input_ids=prompts, attention_mask=mask, do_sample=True, max_new_tokens=new,
+                             min_new_tokens=new, pad_token_id=model.config.pad_token_id, use_cache=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return out
+
+    sample(min(8, args.new_tokens))  # warm-up: kernels, allocator
+    started = time.perf_counter()
+    out = sample(args.new_tokens)
+    seconds = time.perf_counter() - started
+    responses = out[:, args.prompt_len:].tolist()
+    new_tokens = sum(len(r) for r in responses)
+    numbers = {"rollout_seconds": seconds, "rollout_new_tokens": new_tokens, "rollout_tokens_per_s": new_tokens / seconds,
+               "rollout_peak_gpu_gb": torch.cuda.max_memory_allocated() / 1024 ** 3 if device == "cuda" else 0.0}
+    del model
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return prompts.tolist(), responses, numbers
+
+
+def advantages_table(model_dir: Path, prompts, responses, device: str, budget: int):
+    """ADVANTAGES rows for (prompt, response) pairs; old = ref log-probs scored by the model on ``device``."""
+    import numpy as np
+    import pyarrow as pa
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rlhf_core.data.schemas import ADVANTAGES
+    from rlhf_core.scoring.logprobs import compute_token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
+    model.eval()
+    logprobs = compute_token_logprobs(model, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts],
+                                      budget, 1.0, pad_id=model.config.pad_token_id, progress=False)
+    del model
+    rng, n = np.random.default_rng(0), len(prompts)
+    adv = [rng.standard_normal(len(r)).astype(np.float32).tolist() for r in responses]
+    lp = [t.float().tolist() for t in logprobs]
+    cols = {
+        "prompt_id": [f"p{i}" for i in range(n)], "sample_index": [0] * n, "iteration": [1] * n,
+        "data_source": ["bench"] * n, "ground_truth": [""] * n, "prompt_token_ids": prompts, "response_text": [""] * n,
+        "response_token_ids": responses, "response_length": [len(r) for r in responses],
+        "finish_reason": ["length"] * n, "engine": ["hf"] * n, "sampling_seed": [0] * n, "reward": [0.0] * n,
+        "reward_extra": ["{}"] * n, "old_log_probs": lp, "ref_log_probs": lp, "values": [[0.0] * len(r) for r in responses],
+        "token_level_rewards": [[0.0] * len(r) for r in responses], "advantages": adv, "returns": adv,
+    }
+    return pa.table(cols).cast(ADVANTAGES)
+
+
+def update(model_dir: Path, home: Path, table, args, device: str) -> dict:
+    from rlhf_core.config import load_config
+    from rlhf_core.data.schemas import ADVANTAGES
+    from rlhf_core.io.atomic import atomic_write_parquet
+    from rlhf_core.io.rundir import RunDir
+    from rlhf_core.training.update import train_update
+
+    run = RunDir(home / "run")
+    atomic_write_parquet(run.advantages(1), table, ADVANTAGES)
+    cfg = load_config(str(REPO / "configs/demo.yaml"), [
+        f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.warm_start.enable=false",
+        f"trainer.device={device}", f"data.train_batch_size={args.batch}", f"data.max_prompt_length={args.prompt_len}",
+        f"data.max_response_length={args.new_tokens}", f"actor_rollout_ref.actor.ppo_mini_batch_size={args.mini_batch}",
+        f"actor_rollout_ref.actor.ppo_epochs={args.epochs}",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.token_budget}",
+        f"actor_rollout_ref.actor.deepspeed_config.zero_stage={args.zero}", f"critic.deepspeed_config.zero_stage={args.zero}"])
+    return train_update(cfg, run, 1, progress=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--small", action="store_true", help="a small shape, for a dry run without a GPU")
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--mini-batch", type=int, default=64)
+    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--token-budget", type=int, default=16384)
+    parser.add_argument("--zero", type=int, default=1)
+    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
+    parser.add_argument("--out", type=Path, help="also write the numbers here as JSON")
+    args = parser.parse_args()
+    os.environ.setdefault("RLHF_HOME", tempfile.mkdtemp(prefix="rlhf-bench-gpu-"))
+    home = Path(os.environ["RLHF_HOME"])
+    model_dir = home / "qwen2-shaped"
+    t0 = time.perf_counter()
+    params = build_model(model_dir, SMALL if args.small else QWEN25_05B, args.device)  # tied: embedding = LM head
+    numbers: dict = {"params": params, "build_seconds": time.perf_counter() - t0}
+    prompts, responses, rolled = rollout(model_dir, args, args.device)
+    numbers.update(rolled)
+    t0 = time.perf_counter()
+    table = advantages_table(model_dir, prompts, responses, args.device, args.token_budget)
+    numbers["scoring_seconds"] = time.perf_counter() - t0
+    m = update(model_dir, home, table, args, args.device)
+    shape = SMALL if args.small else QWEN25_05B
+    # the critic has no LM head matmul (the embedding is a lookup): backbone minus embedding + value head
+    critic_params = params - shape["vocab_size"] * shape["hidden_size"] + shape["hidden_size"] + 1
+    flops = 6 * (params + critic_params) * m["perf/tokens_per_s"]
+    numbers.update({k: m[k] for k in ("perf/tokens_per_s", "perf/actor_tokens_per_s", "perf/critic_tokens_per_s",
+                                      "perf/update_seconds", "perf/setup_seconds", "perf/checkpoint_seconds")},
+                   update_tflops=flops / 1e12, mfu=flops / (args.peak_tflops * 1e12),
+                   actor_mfu=6 * params * m["perf/actor_tokens_per_s"] / (args.peak_tflops * 1e12))
+    print(json.dumps(numbers, indent=1))
+    print(f"\n{params / 1e6:.0f}M params; rollout {numbers['rollout_tokens_per_s']:.0f} new tokens/s "
+          f"({args.batch} x {args.new_tokens} in {numbers['rollout_seconds']:.1f} s); update {m['perf/tokens_per_s']:.0f} tokens/s "
+          f"(actor {m['perf/actor_tokens_per_s']:.0f}, critic {m['perf/critic_tokens_per_s']:.0f}), "
+          f"{numbers['update_tflops']:.1f} TFLOP/s, MFU {numbers['mfu']:.1%} of {args.peak_tflops:.0f} TFLOP/s")
+    if args.out:
+        args.out.write_text(json.dumps(numbers, indent=1))
+
+
+if __name__ == "__main__":
+    main()
