@@ -36,7 +36,7 @@ STAGE_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl
 def _inputs(cfg: RLHFConfig, run: RunDir, iteration: int) -> list[Path]:
     from rlhf_core.training.update import resolve_sources
 
-    sources = resolve_sources(cfg, run)
+    sources = resolve_sources(cfg, run, iteration)
     paths = [run.advantages(iteration), sources.actor, sources.critic]
     if sources.adapter is not None:
         paths.append(sources.adapter)

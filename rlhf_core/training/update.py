@@ -12,6 +12,7 @@ import contextlib
 import json
 import os
 import resource
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -39,11 +40,14 @@ class UpdateSources:
     """Last-good checkpoint whose optimizer state continues here (None before the first commit)."""
 
 
-def resolve_sources(cfg: RLHFConfig, run: RunDir) -> UpdateSources:
-    from rlhf_core.io.pointers import actor_path, critic_path, initial_actor_path, last_good_checkpoint
+def resolve_sources(cfg: RLHFConfig, run: RunDir, iteration: int) -> UpdateSources:
+    """The weights iteration ``iteration`` starts from — the checkpoint of the latest earlier
+    committed iteration (``checkpoint_before``), else the initial models — the same ones its rollout
+    and score used, also when an old iteration is rerun after later ones committed."""
+    from rlhf_core.io.pointers import actor_path, checkpoint_before, critic_path, initial_actor_path
     from rlhf_core.paths import resolve_model_path
 
-    ckpt = last_good_checkpoint(run)
+    ckpt = checkpoint_before(run, iteration)
     lora = LoraSettings.from_config(cfg.actor_rollout_ref.model)
     adapter = None
     if lora is not None:
@@ -52,12 +56,12 @@ def resolve_sources(cfg: RLHFConfig, run: RunDir) -> UpdateSources:
             adapter = ckpt / "actor_adapter"
             if not adapter.is_dir():
                 raise CheckpointError(
-                    f"last-good checkpoint {ckpt} has no actor_adapter/ (it was trained without LoRA) but "
+                    f"checkpoint {ckpt} has no actor_adapter/ (it was trained without LoRA) but "
                     "actor_rollout_ref.model.lora_rank > 0; keep lora_rank=0 for this run, or start a new run")
     else:
-        actor = actor_path(cfg, run)
+        actor = actor_path(cfg, run, iteration)
     tok = cfg.actor_rollout_ref.model.tokenizer_path
-    return UpdateSources(actor=actor, adapter=adapter, critic=critic_path(cfg, run),
+    return UpdateSources(actor=actor, adapter=adapter, critic=critic_path(cfg, run, iteration),
                          tokenizer=resolve_model_path(tok) if tok else actor, resume=ckpt)
 
 
@@ -196,12 +200,13 @@ def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Opti
     from rlhf_core.training.ppo import CriticLoss, RoleSchedule, aggregate, run_ppo
 
     reset_peak_rss()
+    started = time.perf_counter()
     device = resolve_device(cfg.trainer.device)
     dist = init_distributed(device)
     data = read_advantages(run.advantages(iteration))
     plan = micro_batch_plan(cfg)
     check_budget(data, plan, run.advantages(iteration))
-    sources = resolve_sources(cfg, run)
+    sources = resolve_sources(cfg, run, iteration)
     pad_id = _pad_id(sources.actor)
     actor, critic = build_engines(cfg, sources, device, dist.world_size)
     a = cfg.actor_rollout_ref.actor
@@ -212,6 +217,7 @@ def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Opti
     with cpu_threads(device, num_params, dist.world_size) as threads:
         if sources.resume is not None:
             resume_optimizers(sources.resume, [actor, critic], pad_id)
+        setup_seconds = time.perf_counter() - started
         outcome = run_ppo(roles, data, plan=plan, mini_batch_size=a.ppo_mini_batch_size,
                           shuffle=a.shuffle, seed=f"{cfg.trainer.seed}:{iteration}", dist=dist, pad_id=pad_id,
                           progress=progress)
@@ -220,8 +226,11 @@ def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Opti
         metrics["perf/world_size"] = float(dist.world_size)
         metrics["perf/threads_per_rank"] = float(threads)
         state = _trainer_state(cfg, run, iteration, sources, len(outcome.steps.get("actor", [])))
+        saving = time.perf_counter()
         save_checkpoint(run.checkpoint(iteration), actor=actor, critic=critic, tokenizer_path=sources.tokenizer,
                         trainer_state=state, dist=dist, lora_base=sources.actor if actor.lora else None)
+    metrics["perf/setup_seconds"] = setup_seconds  # process group, data, models, engines, optimizer state
+    metrics["perf/checkpoint_seconds"] = time.perf_counter() - saving
     if dist.is_main:
         atomic_write_json(run.metrics(iteration), {"iteration": iteration, "stage": "update", "metrics": metrics,
                                                    "steps": outcome.steps})

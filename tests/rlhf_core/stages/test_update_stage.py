@@ -89,6 +89,13 @@ def test_second_iteration_continues_the_first_iterations_optimizer(tiny_model_di
     assert trainer["sources"]["resumed_from"] == str(run.checkpoint(1))
     assert trainer["sources"]["actor"] == str(run.checkpoint(1) / "actor")
 
+    # rerunning iteration 1 after iteration 2 committed starts where iteration 1 started: the initial models
+    write_last_good(run, 2)
+    run_update(cfg, run, 1, force=True)
+    trainer = json.loads((run.checkpoint(1) / "trainer_state.json").read_text())
+    assert trainer["sources"]["resumed_from"] is None and trainer["sources"]["actor"] == str(tiny_model_dir)
+    assert json.loads((run.checkpoint(1) / "deepspeed" / "actor_state.json").read_text())["adam_step"] == 2
+
 
 def test_two_processes_match_one_process(tiny_model_dir, tmp_path):
     """`rlhf stage update --nproc 2` (torchrun, gloo) against the same update in one process: the
