@@ -387,6 +387,11 @@ def halt_message(run: RunDir, k: int, reason: str) -> str:
     verdict = read_verdict(run, k) or {}
     last_good = read_last_good(run)
     where = f"iteration {last_good['iteration']}" if last_good else "the initial model (no iteration committed)"
+    if "reason" in verdict:  # a non-finite update, not a KL breach
+        return (f"KL guard halted the run at iteration {k}: {verdict['reason']} ({reason}). The iteration was "
+                f"rolled back; last-good is {where}. Look for NaN/inf in iter_{k}/advantages.parquet and the "
+                f"update's metrics (iter_{k}/metrics.json), lower actor_rollout_ref.actor.optim.lr or fix the "
+                f"reward, then resume: rlhf run --resume {run.root}")
     return (f"KL guard halted the run at iteration {k}: KL(actor‖ref) = {verdict.get('kl_mean', float('nan')):.4f} "
             f"> trainer.kl_rollback_threshold = {verdict.get('threshold')} ({reason}). The iteration was rolled "
             f"back; last-good is {where}. To continue, lower the step size or raise the threshold and resume, "

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhf_core.guard import decide, nonfinite_update, read_verdict, rollback_iteration
+from rlhf_core.guard import decide, halt_message, nonfinite_update, read_verdict, rollback_iteration
 from rlhf_core.io.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
@@ -123,3 +123,4 @@ def test_nan_advantages_skip_the_step_and_the_guard_rolls_back(scored_run, tmp_p
     event = rollback_iteration(run, 1, policy="retry", attempt=1)
     assert event["reason"].startswith("non-finite update")
     assert run.read_json(run.last_good_path) is None  # nothing committed
+    assert "non-finite update" in halt_message(run, 1, "trainer.on_kl_breach=halt")
