@@ -103,7 +103,8 @@ def train(plan: RunPlan, mlflow_run_id: str) -> dict:
     total = cfg.trainer.total_iterations
     progress = reporting.progress_start(plan.run, total, done=plan.first_iteration - 1)
     metrics: dict = {}
-    with tqdm(total=total, initial=plan.first_iteration - 1, desc="iterations", unit="it",
+    shown: set[str] = set()  # alert kinds already in the table (every one stays in the flow log)
+    with tqdm(total=total, initial=plan.first_iteration - 1, desc="iterations", unit="it", disable=False,
               dynamic_ncols=True) as bar:
         bar.write(format_iteration_header())
         for k in plan.iterations():
@@ -112,11 +113,22 @@ def train(plan: RunPlan, mlflow_run_id: str) -> dict:
                 validate_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
             closed = finish_iteration_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id, progress_id=progress)
             metrics = closed["metrics"]
-            bar.write(format_iteration_row(metrics, note="; ".join(closed["alerts"])))
+            bar.write(format_iteration_row(metrics, note="; ".join(_first_of_kind(closed["alerts"], shown))))
             bar.update(1)
     exported = export_task(cfg, run_dir, mlflow_run_id=mlflow_run_id) if plan.iterations() else None
     return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
             "export": exported}
+
+
+def _first_of_kind(alerts: list[str], shown: set[str]) -> list[str]:
+    """KL alerts every time; a recurring signal (e.g. the clip-fraction note) only the first time."""
+    out = []
+    for alert in alerts:
+        kind = alert.split(" ", 1)[0]
+        if kind.startswith("KL") or kind not in shown:
+            out.append(alert if kind.startswith("KL") else alert + " (shown once; every one is in the flow log)")
+            shown.add(kind)
+    return out
 
 
 def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: str) -> RLHFConfig:

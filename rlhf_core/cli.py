@@ -70,9 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--iterations", type=int, help="PPO iterations (trainer.total_iterations)")
     run.add_argument("--resume", type=Path, metavar="RUN_DIR",
                      help="continue RUN_DIR after its last committed iteration (its saved config + overrides)")
+    run.add_argument("--verbose", action="store_true",
+                     help="also print every task's log and the per-stage progress bars (the Prefect UI has them)")
 
     demo = sub.add_parser("demo", help="the main job on the embedded default data and tiny model")
     demo.add_argument("--run-name", help="run directory name (default: timestamp)")
+    demo.add_argument("--verbose", action="store_true", help="as for `rlhf run`")
     demo.add_argument("overrides", nargs="*", metavar="key=value")
 
     status = sub.add_parser("status", help="per-iteration stage table and the last-good iteration")
@@ -123,6 +126,15 @@ def _prefect_env() -> None:
 
     home = Path(os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect")))
     home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level itself
+
+
+def _quiet_console() -> None:
+    """A run's console shows the iteration table, warnings and errors; the per-task INFO log stays
+    in the Prefect UI (only the console handler is raised) and the inner progress bars go away
+    (bars that matter pass disable=False explicitly). A user's own setting wins."""
+    for key, value in {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "TQDM_DISABLE": "1",
+                       "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}.items():
+        os.environ.setdefault(key, value)
 
 
 def _print_result(result: dict) -> None:
@@ -182,6 +194,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     # fail on a bad preset, override or path here, before a Prefect server is started for nothing
     plan_run(preset=None if args.resume else args.preset, overrides=list(args.overrides),
              iterations=args.iterations, run_name=args.run_name, resume=args.resume)
+    if not getattr(args, "verbose", False):
+        _quiet_console()
     _prefect_env()
     from flows.pipeline import PipelineParams, rlhf_pipeline
 
@@ -205,7 +219,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from rlhf_core.paths import project_root
 
     ns = argparse.Namespace(preset=str(project_root() / "configs" / "demo.yaml"), overrides=args.overrides,
-                            run_name=args.run_name, resume=None, iterations=None)
+                            run_name=args.run_name, resume=None, iterations=None, verbose=args.verbose)
     return cmd_run(ns)
 
 

@@ -196,7 +196,7 @@ def train_sft(model, tokenizer, data: SFTData, settings, max_new_tokens: int,
     order = batch_order(len(data.examples), settings.steps, settings.batch_size, settings.seed)
     history, window = [], []
     model.train()
-    bar = tqdm(order, desc="warm start (SFT)", unit="step", disable=not progress)
+    bar = tqdm(order, desc="warm start (SFT)", unit="step", disable=not progress, mininterval=2.0)
     for step, indices in enumerate(bar, start=1):
         loss = answer_token_loss(model, collate([data.examples[i] for i in indices], tokenizer.pad_token_id))
         optimizer.zero_grad(set_to_none=True)

@@ -69,8 +69,8 @@ def finish_iteration_task(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_
     log = reporting.logger()
     metrics = iteration_metrics(cfg, run, k)
     warnings = alerts(cfg, metrics)
-    for line in warnings:
-        log.warning("alert (iteration %d): %s", k, line)
+    for line in warnings:  # a KL breach is a warning; the clip-fraction signal is information
+        (log.warning if line.startswith("KL") else log.info)("alert (iteration %d): %s", k, line)
         run.append_event("alert", k, message=line)
     png = reporting.plot_learning_curve(run, run.root / "plots" / "learning_curve.png",
                                         kl_threshold=cfg.trainer.kl_rollback_threshold)

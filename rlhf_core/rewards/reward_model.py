@@ -20,6 +20,7 @@ from typing import Optional, Sequence
 import torch
 
 from rlhf_core.errors import CheckpointError
+from rlhf_core.progress import bar_disabled
 
 
 @dataclass
@@ -103,7 +104,7 @@ def score_conversations(rm: RewardModel, prompts: Sequence[Sequence[dict]], resp
     order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
     scores = [0.0] * len(ids)
     starts = range(0, len(order), micro_batch_size)
-    for s in tqdm(starts, desc="reward model", unit="batch", disable=progress is False, leave=False):
+    for s in tqdm(starts, desc="reward model", unit="batch", disable=bar_disabled(progress), leave=False):
         chunk = order[s:s + micro_batch_size]
         for i, value in zip(chunk, score_token_batch(rm, [ids[i] for i in chunk]).tolist()):
             scores[i] = value

@@ -22,6 +22,7 @@ from rlhf_core.errors import DataError
 from rlhf_core.rollout.base import (
     FINISH_STOP, GeneratedSample, GenerationStats, RolloutEngine, SamplingParams, derive_seed, get_engine,
 )
+from rlhf_core.progress import bar_disabled
 
 PROMPT_COLUMNS = ("prompt_id", "data_source", "reward_model", "prompt_token_ids", "prompt_length")
 
@@ -130,7 +131,7 @@ def _run_plan(engine: RolloutEngine, prompt_rows: Sequence[Mapping[str, Any]], s
     from tqdm.auto import tqdm
 
     samples: list[GeneratedSample] = []
-    bar = tqdm(total=len(plan), desc=desc, unit="batch", dynamic_ncols=True)
+    bar = tqdm(total=len(plan), desc=desc, unit="batch", dynamic_ncols=True, disable=bar_disabled())
     try:
         for batch_id, positions in enumerate(plan):
             batch_sampling = replace(sampling, seed=derive_seed(sampling.seed, batch_id))

@@ -25,6 +25,7 @@ from rlhf_core.data.packing import micro_batches_by_budget, split_into_rows
 from rlhf_core.models.packed import (
     gather_response_logprobs, gather_response_values, pack_rows, packed_forward, packing_attention_mode,
 )
+from rlhf_core.progress import bar_disabled
 
 BUDGET_KEY = "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"
 
@@ -77,7 +78,7 @@ def _packed_passes(model: torch.nn.Module, sequences: Sequence[Sequence[int]], p
     out: list[Optional[torch.Tensor]] = [None] * len(sequences)
     started = time.perf_counter()
     with tqdm(total=sum(lengths), desc=desc, unit="tok", unit_scale=True, leave=False,
-              disable=progress is False) as bar:
+              disable=bar_disabled(progress)) as bar:
         for rows in plan:
             packed = pack_rows(rows, sequences, pad_id, mode=mode)
             for i, tensor in gather(packed_forward(model, packed), packed).items():

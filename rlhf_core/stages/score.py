@@ -25,6 +25,7 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.rundir import RunDir
 from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.progress import bar_disabled
 
 CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
 
@@ -154,7 +155,7 @@ def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
 
     reward_fn = get_reward_fn(cfg)
     rewards, extras = [], []
-    for i, row in enumerate(tqdm(rows, desc="rewards", unit="resp", leave=False)):
+    for i, row in enumerate(tqdm(rows, desc="rewards", unit="resp", leave=False, disable=bar_disabled())):
         extra_info = prompts[row["prompt_id"]]["extra_info"]
         where = _where(path, i, row)
         try:

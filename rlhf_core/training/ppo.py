@@ -30,6 +30,7 @@ from rlhf_core.training.batch import mini_batches, split_mini_batch
 from rlhf_core.training.distributed import DistInfo, all_reduce
 from rlhf_core.training.engines import TrainEngine, optimizer_step
 from rlhf_core.training.forward import actor_forward, critic_forward
+from rlhf_core.progress import bar_disabled
 
 # a micro-batch loss: (engine, micro-batch, mini-batch tokens, mini-batch sequences) → (loss, sums)
 MicroLoss = Callable[[object, MicroBatch, int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -158,7 +159,7 @@ def run_ppo(roles: list[RoleSchedule], data: PPOData, *, plan: MicroBatchPlan, m
     outcome = PPOOutcome()
     total = sum(r.epochs * math.ceil(len(data) / mini_batch_size) for r in roles)
     with tqdm(total=total, desc="ppo update", unit="step", leave=False,
-              disable=progress is False or not dist.is_main) as bar:
+              disable=bar_disabled(progress) or not dist.is_main) as bar:
         for role in roles:
             name, started = role.te.role, time.perf_counter()
             steps = outcome.steps.setdefault(name, [])
