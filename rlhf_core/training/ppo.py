@@ -27,6 +27,7 @@ import torch
 
 from rlhf_core.training.batch import MicroBatch, MicroBatchPlan, PPOData, build_micro_batch, global_counts
 from rlhf_core.training.batch import mini_batches, split_mini_batch
+from rlhf_core.io.atomic import fault_point
 from rlhf_core.training.distributed import DistInfo, all_reduce
 from rlhf_core.training.engines import TrainEngine, optimizer_step
 from rlhf_core.training.forward import actor_forward, critic_forward
@@ -167,6 +168,7 @@ def run_ppo(roles: list[RoleSchedule], data: PPOData, *, plan: MicroBatchPlan, m
                 for rows in mini_batches(len(data), mini_batch_size, shuffle=shuffle, seed=seed, epoch=epoch):
                     result = train_step(role.te, data, rows, plan, role.loss_fn, dist, pad_id)
                     steps.append({"epoch": epoch, "step": len(steps), **result.metrics})
+                    fault_point(f"update:after_step:{name}:{len(steps)}")  # kill tests: weights moved, nothing saved
                     outcome.tokens[name] = outcome.tokens.get(name, 0) + result.tokens
                     bar.update(1)
             outcome.seconds[name] = time.perf_counter() - started

@@ -188,6 +188,17 @@ def test_killed_before_its_output_is_renamed_then_rerun(reference, tmp_path, sta
     finish_and_compare(run, stage, reference, proc.pid)
 
 
+def test_update_killed_between_optimizer_steps_then_rerun(reference, tmp_path):
+    """Killed after the actor's optimizer step (weights changed in memory, nothing saved)."""
+    run = copy_run(reference.before["update"], tmp_path / "run")
+    proc = subprocess.run(stage_command(run, "update"), cwd=REPO, capture_output=True, text=True, timeout=600,
+                          env=clean_env(RLHF_FAULT="update:after_step:actor:1"))
+    assert proc.returncode == 137, proc.stdout[-2000:] + proc.stderr[-2000:]
+    assert not run.checkpoint(1).exists() and not run.metrics(1).exists()
+    assert_everything_readable(run.root)
+    finish_and_compare(run, "update", reference, None)
+
+
 def kill_when(proc: subprocess.Popen, ready, rng: random.Random, max_delay: float) -> bool:
     """SIGKILL ``proc`` a random time (≤ max_delay s) after ``ready()`` turns true; False when the
     process ended first."""
