@@ -2,7 +2,8 @@
 mini-batches, on CPU, measured side by side in one run. Goal: ours ≥ 1.5× TRL's update tokens/s.
 
     python benchmarks/bench_vs_trl.py [--batch 64] [--mini-batch 32] [--response-length 32] [--epochs 2]
-                                      [--hidden 64 --layers 2 --intermediate 176] [--venv /tmp/rlhf-bench-trl-venv]
+                                      [--hidden 64 --layers 2 --intermediate 176] [--trl-threads N] [--token-budget 2048]
+                                      [--venv /tmp/rlhf-bench-trl-venv]
 
 TRL runs in its own throwaway virtual environment (created on first use, reused after): torch==2.13.0
 (the local CPU wheel, installed first so nothing pulls a CUDA build), then trl==1.12.0 and
@@ -54,6 +55,8 @@ def trl_worker(spec: dict, out: Path) -> None:
     from trl.experimental.ppo import ppo_trainer as mod
 
     torch.manual_seed(spec["seed"])
+    if spec.get("trl_threads"):
+        torch.set_num_threads(spec["trl_threads"])
     model_dir = spec["model_dir"]
     tok = AutoTokenizer.from_pretrained(model_dir)
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
@@ -128,7 +131,8 @@ def ours_worker(spec: dict, out: Path) -> None:
         f"actor_rollout_ref.model.path={spec['model_dir']}", "actor_rollout_ref.model.warm_start.enable=false",
         f"data.train_batch_size={spec['batch']}", f"data.max_response_length={spec['response_length']}",
         f"actor_rollout_ref.actor.ppo_mini_batch_size={spec['mini_batch']}",
-        f"actor_rollout_ref.actor.ppo_epochs={spec['epochs']}", f"trainer.seed={spec['seed']}"])
+        f"actor_rollout_ref.actor.ppo_epochs={spec['epochs']}", f"trainer.seed={spec['seed']}",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={spec['token_budget']}", *spec["ours_overrides"]])
     started = time.perf_counter()
     metrics = train_update(cfg, run, 1, progress=False)
     metrics.update(scoring_s=scoring, total_s=time.perf_counter() - started)
@@ -204,6 +208,10 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--intermediate", type=int, default=176)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--token-budget", type=int, default=2048, help="our micro-batch token budget (the demo's 2048)")
+    parser.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
+                        help="extra config override for our update (repeatable), e.g. data.use_sequence_packing=false")
+    parser.add_argument("--trl-threads", type=int, help="torch threads for TRL (default: torch's own choice)")
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "rlhf-bench-trl-venv")
     parser.add_argument("--trl-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--ours-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
@@ -226,7 +234,8 @@ def main() -> None:
                                                   intermediate_size=args.intermediate, seed=args.seed))
         spec = {"model_dir": str(model_dir), "prompts": arith_prompts(model_dir, args.batch), "batch": args.batch,
                 "mini_batch": args.mini_batch, "response_length": args.response_length, "epochs": args.epochs,
-                "seed": args.seed}
+                "seed": args.seed, "trl_threads": args.trl_threads, "token_budget": args.token_budget,
+                "ours_overrides": args.ours_override}
         trl_r = run_worker(str(trl_python), "trl", spec, work, env)
         spec["prompts"], spec["responses"] = trl_r["prompts"], trl_r["responses"]
         ours = run_worker(sys.executable, "ours", spec, work, env)
