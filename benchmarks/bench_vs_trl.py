@@ -23,7 +23,8 @@ What is measured:
          runs: critic then actor through DeepSpeed ZeRO on CPU, packed micro-batches) with the same
          epochs and mini-batch size. Phases: scoring, setup (engines), update loop, checkpoint.
   update tokens/s = real (non-pad) prompt+response tokens × epochs / training-phase seconds, for both.
-Each side runs in a fresh process, one after the other.
+Each side runs in a fresh process, one after the other. Threads are matched by default (1 each; see
+--trl-threads). Results and their analysis: docs/benchmarks.md §3.
 """
 
 from __future__ import annotations
@@ -211,7 +212,10 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=2048, help="our micro-batch token budget (the demo's 2048)")
     parser.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for our update (repeatable), e.g. data.use_sequence_packing=false")
-    parser.add_argument("--trl-threads", type=int, help="torch threads for TRL (default: torch's own choice)")
+    parser.add_argument("--trl-threads", type=int, default=1,
+                        help="torch threads for TRL: 1 (default) matches our update, which runs models under 100M "
+                             "parameters on one CPU thread; 0 = torch's own choice (2 here), which thrashes on a "
+                             "busy 2-core machine and makes TRL 6-20x slower")
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "rlhf-bench-trl-venv")
     parser.add_argument("--trl-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--ours-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
