@@ -109,14 +109,16 @@ def metrics_by_iteration(run: RunDir) -> dict[int, dict[str, float]]:
 def plot_learning_curve(run: RunDir, out: Path, kl_threshold: Optional[float] = None) -> Path:
     """2×2 PNG of reward, KL (with the rollback threshold), clip fraction and validation accuracy
     against the iteration, from iter_*/metrics.json; rolled-back iterations marked with a red ×."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # the object API (no pyplot state) and a fixed layout: drawn every iteration, so it must be cheap
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
 
     by_iter = metrics_by_iteration(run)
     rollbacks = sorted({e["iteration"] for e in run.events() if e.get("kind") == "rollback"})
-    fig, axes = plt.subplots(2, 2, figsize=(9, 6), sharex=True)
+    fig = Figure(figsize=(9, 6))
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(2, 2, sharex=True, gridspec_kw=dict(left=0.07, right=0.98, top=0.9, bottom=0.09,
+                                                             hspace=0.25, wspace=0.18))
     for ax, (key, title) in zip(axes.flat, CURVE_PANELS):
         points = [(k, m[key]) for k, m in sorted(by_iter.items()) if key in m]
         if points:
@@ -131,10 +133,8 @@ def plot_learning_curve(run: RunDir, out: Path, kl_threshold: Optional[float] = 
     for ax in axes[1]:
         ax.set_xlabel("iteration")
     fig.suptitle(run.root.name)
-    fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=90)
-    plt.close(fig)
+    fig.savefig(out, dpi=80)
     return out
 
 

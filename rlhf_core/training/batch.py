@@ -19,10 +19,12 @@ from rlhf_core.errors import DataError
 
 PER_TOKEN_COLUMNS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns")
 
-ROW_TOKENS = 1024
-"""Packed row width inside a micro-batch. With a dense 4-D mask attention costs L² per row whatever
-the mask hides, so a 3k-token micro-batch is cheaper as three 1k rows than as one 3k row (the score
-stage lays its micro-batches out the same way). A longer sequence gets a row of its own."""
+ROW_TOKENS = 512
+"""Widest packed row inside a micro-batch. With a dense 4-D mask attention costs L² per row whatever
+the mask hides, so rows are kept to about two of the longest sequences (at most this many tokens):
+packing still removes most padding while the masked attention stays cheap (measured against TRL's
+padded batches: 1024-token rows made the tiny model's update 2.4x slower than unpacked). A longer
+sequence gets a row of its own."""
 
 BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 
@@ -131,7 +133,8 @@ def split_mini_batch(lengths: Sequence[int], rows: Sequence[int], plan: MicroBat
         bins = [[share[k] for k in b] for b in fixed_micro_batches(len(share), plan.micro_batch_size)]
         per_rank = -(-len(rows) // world_size)  # the largest share decides the common count
         bins += [[] for _ in range(-(-per_rank // plan.micro_batch_size) - len(bins))]
-    width = max(ROW_TOKENS, max(local_lengths, default=0))
+    longest = max(local_lengths, default=0)
+    width = max(longest, min(ROW_TOKENS, 2 * longest))
     out = []
     for b in bins:
         if not plan.pack_rows:

@@ -155,8 +155,10 @@ def test_run_button_trains_into_a_run_directory_tracked_in_mlflow(stack, pressed
     assert mlrun.info.status == "FINISHED" and mlrun.info.run_name == "ui-run"
     assert mlrun.data.params["algorithm.kl_ctrl.kl_coef"] == "0.002"
     assert mlrun.data.tags["prefect.flow_run_id"] == pressed.train["id"]
-    for key in ("reward/mean", "kl/mean", "actor/pg_loss", "critic/vf_loss", "val/accuracy"):
+    for key in ("reward/mean", "kl/mean", "actor/pg_loss", "critic/vf_loss"):
         assert [m.step for m in client.get_metric_history(run_id, key)] == [1], key
+    # validation also scores the initial policy, at step 0
+    assert [m.step for m in client.get_metric_history(run_id, "val/accuracy")] == [0, 1]
 
     # the MLflow UI serves the same store
     ui = httpx.get(f"{stack.state.mlflow_url}/api/2.0/mlflow/runs/get", params={"run_id": run_id}, timeout=30)

@@ -40,7 +40,7 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert read_last_good(run)["iteration"] == 1
-    finished = {s: r for s, r in status_table(run)[1].items()}
+    finished = {s: r for s, r in _row(run, 2).items()}
     assert [finished[s] for s in ("rollout", "score", "gae", "update", "guard")] == ["done"] * 4 + ["-"]
     kept = {name: digest(path) for name, path in (("rollout", run.rollout(2)), ("scored", run.scored(2)),
                                                    ("advantages", run.advantages(2)), ("checkpoint", run.checkpoint(2)))}
@@ -48,7 +48,7 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
 
     done = rlhf_pipeline(PipelineParams(resume=str(run.root)))
     assert done["last_good"]["iteration"] == 2 and done["mlflow_run_id"] == first["mlflow_run_id"]
-    row = status_table(run)[1]
+    row = _row(run, 2)
     assert [row[s] for s in ("rollout", "score", "gae", "update", "guard")] == ["skipped"] * 4 + ["committed"]
     assert {name: digest(path) for name, path in (("rollout", run.rollout(2)), ("scored", run.scored(2)),
                                                   ("advantages", run.advantages(2)),
@@ -61,3 +61,8 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
     # one MLflow run, each iteration's metrics logged once
     for key in ("reward/mean", "kl/mean", "actor/pg_loss"):
         assert [s for s, _ in tracking.metric_history(first["mlflow_run_id"], key)] == [1, 2], key
+
+
+def _row(run, iteration):
+    """The status row of one iteration (iteration 0 holds the initial policy's validation)."""
+    return {r["iteration"]: r for r in status_table(run)}[iteration]

@@ -52,7 +52,7 @@ def test_kl_breach_rolls_back_then_halts_or_retries(prefect_server, demo_preset,
     assert run.read_json(run.kl_ctrl_path) == run.read_json(kl_snapshot_path(run, 2))["state"]
     kinds = [(e["kind"], e["iteration"]) for e in run.events()]
     assert ("rollback", 2) in kinds and ("halt", 2) in kinds
-    assert status_table(run)[1]["update"] == "rolled_back"
+    assert _row(run, 2)["update"] == "rolled_back"
     mlrun = tracking.client().get_run(run_id)
     assert mlrun.info.status == "FAILED" and mlrun.data.tags["rollback"] == "true"
     assert "rollback.iter_2.attempt_1" in mlrun.data.tags
@@ -64,9 +64,14 @@ def test_kl_breach_rolls_back_then_halts_or_retries(prefect_server, demo_preset,
     assert tree_digest(run.checkpoint(1)) == last_good_files
     kinds = [e["kind"] for e in run.events() if e["iteration"] == 2]
     assert [kinds.count(k) for k in ("rollback", "halt", "retry", "commit")] == [2, 1, 1, 1]
-    assert status_table(run)[1]["guard"] == "committed" and status_table(run)[1]["rollbacks"] == 2
+    assert _row(run, 2)["guard"] == "committed" and _row(run, 2)["rollbacks"] == 2
     assert tracking.client().get_run(run_id).info.status == "FINISHED"
     assert [s for s, v in tracking.metric_history(run_id, "guard/rollback")] == [2, 2]
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["kl-kl-rollback"])))
     assert artifacts and "retry" in artifacts[0].data
+
+
+def _row(run, iteration):
+    """The status row of one iteration (iteration 0 holds the initial policy's validation)."""
+    return {r["iteration"]: r for r in status_table(run)}[iteration]
