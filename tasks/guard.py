@@ -47,8 +47,11 @@ def handle_breach_task(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: i
     verdict = read_verdict(run, k) or {}
     t = cfg.trainer
     log = reporting.logger()
-    alert = (f"KL alert: iteration {k} KL(actor‖ref) {verdict.get('kl_mean', float('nan')):.4f} > "
-             f"threshold {t.kl_rollback_threshold} — rolled back (attempt {attempt})")
+    if str(verdict.get("reason", "")).startswith("non-finite update"):
+        alert = f"iteration {k}: {verdict['reason']} — rolled back (attempt {attempt})"
+    else:
+        alert = (f"KL alert: iteration {k} KL(actor‖ref) {verdict.get('kl_mean', float('nan')):.4f} > "
+                 f"threshold {t.kl_rollback_threshold} — rolled back (attempt {attempt})")
     log.warning(alert)
     if mlflow_run_id:
         tracking.set_tags(mlflow_run_id, {f"rollback.iter_{k}.attempt_{attempt}": alert, "rollback": "true"})
