@@ -122,6 +122,13 @@ def validate_due(cfg: RLHFConfig, k: int) -> bool:
     return k % cfg.trainer.test_freq == 0 or k == cfg.trainer.total_iterations
 
 
+def curve_due(cfg: RLHFConfig, run: RunDir, k: int) -> bool:
+    """Redraw the learning curve and report after iteration ``k``: every trainer.curve_freq
+    iterations, after the last one, and whenever ``k`` was rolled back (the event must show)."""
+    rolled_back = any(e.get("kind") == "rollback" and e.get("iteration") == k for e in run.events())
+    return k % cfg.trainer.curve_freq == 0 or k == cfg.trainer.total_iterations or rolled_back
+
+
 def save_due(cfg: RLHFConfig, k: int) -> bool:
     """Keep iteration ``k``'s checkpoint past the next commit (every trainer.save_freq, and the last)."""
     return k % cfg.trainer.save_freq == 0 or k == cfg.trainer.total_iterations

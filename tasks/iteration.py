@@ -12,7 +12,7 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.guard import begin_iteration
 from rlhf_core.io.manifest import read_manifest
 from rlhf_core.io.rundir import RunDir
-from rlhf_core.pipeline import alerts, iteration_metrics, prune_checkpoints
+from rlhf_core.pipeline import alerts, curve_due, iteration_metrics, prune_checkpoints
 from tasks import reporting, tracking
 from tasks.stages import IO_RETRIES
 
@@ -72,16 +72,18 @@ def finish_iteration_task(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_
     for line in warnings:  # a KL breach is a warning; the clip-fraction signal is information
         (log.warning if line.startswith("KL") else log.info)("alert (iteration %d): %s", k, line)
         run.append_event("alert", k, message=line)
-    png = reporting.plot_learning_curve(run, run.root / "plots" / "learning_curve.png",
-                                        kl_threshold=cfg.trainer.kl_rollback_threshold)
     if mlflow_run_id:
         tracking.log_metrics(mlflow_run_id, derived_only(metrics, run, k), step=k)
-        tracking.log_artifact(mlflow_run_id, png, "plots")
     reporting.table(reporting.metrics_rows(run), key=reporting.artifact_key(run, "metrics"),
                     description="per-iteration metrics")
-    reporting.markdown(reporting.report_markdown(run, png, warnings, tracking.run_url(mlflow_run_id)
-                                                 if mlflow_run_id else None),
-                       key=reporting.artifact_key(run, "report"), description=f"run report after iteration {k}")
+    if curve_due(cfg, run, k):
+        png = reporting.plot_learning_curve(run, run.root / "plots" / "learning_curve.png",
+                                            kl_threshold=cfg.trainer.kl_rollback_threshold)
+        if mlflow_run_id:
+            tracking.log_artifact(mlflow_run_id, png, "plots")
+        reporting.markdown(reporting.report_markdown(run, png, warnings, tracking.run_url(mlflow_run_id)
+                                                     if mlflow_run_id else None),
+                           key=reporting.artifact_key(run, "report"), description=f"run report after iteration {k}")
     reporting.progress_update(progress_id, k, cfg.trainer.total_iterations)
     pruned = prune_checkpoints(cfg, run) if prune else []
     if pruned:

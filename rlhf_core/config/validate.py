@@ -93,6 +93,7 @@ def validate(cfg: RLHFConfig) -> None:
     _check(t.total_iterations >= 1, "trainer.total_iterations", "must be >= 1", t.total_iterations)
     _check(t.test_freq >= 1, "trainer.test_freq", "must be >= 1", t.test_freq)
     _check(t.save_freq >= 1, "trainer.save_freq", "must be >= 1", t.save_freq)
+    _check(t.curve_freq >= 1, "trainer.curve_freq", "must be >= 1", t.curve_freq)
     _check(t.kl_rollback_threshold > 0, "trainer.kl_rollback_threshold", "must be > 0", t.kl_rollback_threshold)
     _check(t.max_rollbacks >= 0, "trainer.max_rollbacks", "must be >= 0", t.max_rollbacks)
     _check(t.retry_kl_coef_multiplier >= 1, "trainer.retry_kl_coef_multiplier", "must be >= 1",

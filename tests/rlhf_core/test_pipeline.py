@@ -80,3 +80,17 @@ def test_alerts_and_table_row():
     header = pipeline.format_iteration_header()
     row = pipeline.format_iteration_row({"iteration": 3, "reward/mean": 0.5, "kl/mean": 0.01})
     assert len(row) == len(header) and row.split()[:2] == ["3", "0.500"] and row.split()[2] == "-"
+
+
+def test_curve_redrawn_every_curve_freq_after_the_last_and_after_a_rollback(tmp_path):
+    from rlhf_core.config import load_config
+    from rlhf_core.io.rundir import RunDir
+    from rlhf_core.pipeline import curve_due
+
+    cfg = load_config(None, ["trainer.curve_freq=5", "trainer.total_iterations=12"])
+    run = RunDir(tmp_path / "run")
+    assert [k for k in range(1, 13) if curve_due(cfg, run, k)] == [5, 10, 12]
+    run.append_event("rollback", 3)
+    assert curve_due(cfg, run, 3) and not curve_due(cfg, run, 4)
+    every = load_config(None, ["trainer.total_iterations=3"])
+    assert [k for k in range(1, 4) if curve_due(every, run, k)] == [1, 2, 3]
