@@ -35,6 +35,14 @@ from tasks.stages import (
 )
 
 
+def dotted_overrides(values: list[str]) -> list[str]:
+    """Form-level check shared by the flows' parameter models: every override is dotted.key=value."""
+    for v in values:
+        if "=" not in v or v.startswith("="):
+            raise ValueError(f"override {v!r} must look like dotted.key=value")
+    return values
+
+
 class PipelineParams(BaseModel):
     """What the Prefect UI's Run form asks for."""
 
@@ -53,10 +61,7 @@ class PipelineParams(BaseModel):
     @field_validator("overrides")
     @classmethod
     def _dotted(cls, values: list[str]) -> list[str]:
-        for v in values:
-            if "=" not in v or v.startswith("="):
-                raise ValueError(f"override {v!r} must look like dotted.key=value")
-        return values
+        return dotted_overrides(values)
 
 
 def _flow_run_name() -> str:

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.pipeline import PipelineParams, rlhf_pipeline
+from flows.pipeline import PipelineParams, dotted_overrides, rlhf_pipeline
 from rlhf_core.config import apply_overrides, load_config, valid_keys
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.rundir import RunDir, RunLock
@@ -56,10 +56,7 @@ class RetrainParams(BaseModel):
     @field_validator("overrides")
     @classmethod
     def _dotted(cls, values: list[str]) -> list[str]:
-        for v in values:
-            if "=" not in v or v.startswith("="):
-                raise ValueError(f"override {v!r} must look like dotted.key=value")
-        return values
+        return dotted_overrides(values)
 
 
 def _retrain_flow_run_name() -> str:
