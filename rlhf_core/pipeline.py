@@ -27,7 +27,7 @@ from rlhf_core.io.manifest import read_manifest, write_manifest
 from rlhf_core.io.pointers import read_last_good, verified_last_good
 from rlhf_core.io.rundir import ITERATION_STAGES, RunDir, write_config
 from rlhf_core.paths import resolve_path
-from rlhf_core.retrain import check_inputs
+from rlhf_core.inputs import check_inputs
 
 
 @dataclass

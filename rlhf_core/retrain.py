@@ -26,6 +26,7 @@ from typing import Optional, Sequence
 
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.io.atomic import atomic_path, atomic_write_json
+from rlhf_core.inputs import check_inputs  # noqa: F401  (re-exported: the retrain flow checks its inputs)
 from rlhf_core.io.hashing import sha256_file
 from rlhf_core.paths import resolve_path
 
@@ -133,31 +134,3 @@ def snapshot_files(files: Sequence[str], dest: str | Path, key: str = "data.trai
                         "bytes": target.stat().st_size})
     atomic_write_json(dest / "snapshot.json", {"key": key, "files": entries, "time": time.time()})
     return entries
-
-
-def check_inputs(cfg: RLHFConfig) -> None:
-    """Fail before any work when a path the config names is missing: data.train_files,
-    data.val_files, the actor / tokenizer / reference / critic / reward-model directories and an
-    offline rollout file. One ConfigError lists every problem with its key."""
-    problems = []
-    for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
-        missing = [f for f in files if not resolve_path(f).is_file()]
-        if missing:
-            problems.append(f"{key}: file(s) not found: {', '.join(missing)}")
-    arr = cfg.actor_rollout_ref
-    directories = [("actor_rollout_ref.model.path", arr.model.path),
-                   ("actor_rollout_ref.model.tokenizer_path", arr.model.tokenizer_path),
-                   ("actor_rollout_ref.ref.model_path", arr.ref.model_path),
-                   ("critic.model.path", cfg.critic.model.path)]
-    if cfg.reward_model.enable:
-        directories.append(("reward_model.model_path", cfg.reward_model.model_path))
-    for key, value in directories:
-        if value and value != "tiny" and not resolve_path(value).is_dir():
-            problems.append(f"{key}: model directory {value!r} not found (local Hugging Face directories only, "
-                            "or 'tiny')")
-    offline = arr.rollout.offline_path
-    if arr.rollout.name == "offline" and offline and not resolve_path(offline).is_file():
-        problems.append(f"actor_rollout_ref.rollout.offline_path: file {offline!r} not found")
-    if problems:
-        raise ConfigError("; ".join(problems) + ". Fix the path(s) in the preset or the run's overrides "
-                          "(paths are absolute, or relative to the current directory or the project root)")

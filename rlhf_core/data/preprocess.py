@@ -160,10 +160,16 @@ def _adapt(rows: Iterable[tuple[str, RawRow]], data: DataConfig) -> tuple[list[_
     return candidates, rejects, rows_seen
 
 
-def _duckdb():
+def _sql_rows(sql: str, name: str, table: pa.Table) -> list[tuple]:
+    """Run ``sql`` over ``table`` (registered as ``name``) in a throwaway in-memory DuckDB."""
     import duckdb
 
-    return duckdb.connect(":memory:")
+    con = duckdb.connect(":memory:")
+    try:
+        con.register(name, table)
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
 
 
 def _drop_duplicates(candidates: list[_Candidate]) -> tuple[list[_Candidate], list[_Reject]]:
@@ -171,13 +177,9 @@ def _drop_duplicates(candidates: list[_Candidate]) -> tuple[list[_Candidate], li
     if not candidates:
         return candidates, []
     table = pa.table({"i": list(range(len(candidates))), "dedup_key": [c.dedup_key for c in candidates]})
-    con = _duckdb()
-    con.register("candidates", table)
-    firsts = con.execute(
+    firsts = _sql_rows(
         # candidates are in input order, so the smallest index in a group is its first occurrence
-        "SELECT i, min(i) OVER (PARTITION BY dedup_key) AS first_i FROM candidates"
-    ).fetchall()
-    con.close()
+        "SELECT i, min(i) OVER (PARTITION BY dedup_key) AS first_i FROM candidates", "candidates", table)
     first_of = dict(firsts)
     kept, rejects = [], []
     for i, c in enumerate(candidates):
@@ -245,12 +247,9 @@ def _assign_splits(candidates: list[_Candidate], data: DataConfig, separate_val:
         return [], [], []
     table = pa.table({"i": list(range(len(candidates))), "grp": [c.group for c in candidates],
                       "split_key": [_split_key(data.seed, c.prompt_id) for c in candidates]})
-    con = _duckdb()
-    con.register("candidates", table)
-    ranked = con.execute(
-        "SELECT i, row_number() OVER (PARTITION BY grp ORDER BY split_key, i) AS rank FROM candidates"
-    ).fetchall()
-    con.close()
+    ranked = _sql_rows(
+        "SELECT i, row_number() OVER (PARTITION BY grp ORDER BY split_key, i) AS rank FROM candidates",
+        "candidates", table)
     rank = dict(ranked)
     train, val, rejects = [], [], []
     n_val = data.max_val_samples if separate_val else _validation_size(len(candidates), data)
@@ -269,12 +268,9 @@ def prompt_length_stats(lengths: Sequence[int]) -> dict[str, float]:
     """min / mean / p50 / p95 / max of prompt lengths (continuous quantiles); {} when empty."""
     if not len(lengths):
         return {}
-    con = _duckdb()
-    con.register("prompts", pa.table({"n": pa.array(lengths, pa.int64())}))
-    row = con.execute(
-        "SELECT min(n), avg(n), quantile_cont(n, 0.5), quantile_cont(n, 0.95), max(n) FROM prompts"
-    ).fetchone()
-    con.close()
+    (row,) = _sql_rows(
+        "SELECT min(n), avg(n), quantile_cont(n, 0.5), quantile_cont(n, 0.95), max(n) FROM prompts",
+        "prompts", pa.table({"n": pa.array(lengths, pa.int64())}))
     return dict(zip(("min", "mean", "p50", "p95", "max"), (float(v) for v in row)))
 
 
