@@ -31,7 +31,7 @@ AttentionMode = Literal["mask4d", "varlen"]
 @dataclass
 class PackedRows:
     input_ids: torch.Tensor  # (R, L) long, right-padded with pad_id; (1, N) in varlen mode
-    position_ids: torch.Tensor  # (R, L) long, restart at 0 per sequence; padding continues counting
+    position_ids: torch.Tensor  # (R, L) long, restart at 0 per sequence (and for a packed row's padding)
     attention_mask: Optional[torch.Tensor]  # (R, 1, L, L) bool, True = may attend; None for varlen kernels
     spans: list[list[tuple[int, int, int]]] = field(default_factory=list)
     """Per row, (sequence index, start, end) of each sequence in the row."""
@@ -126,8 +126,20 @@ def pack_rows(rows: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]],
         position_ids[r, start:] = torch.arange(L - start)
         spans.append(row_spans)
         masks.append(block_causal_mask(lengths, L))
+    if all(len(row) <= 1 for row in rows):
+        return _single_sequence_rows(input_ids, spans)
     mask = torch.stack(masks)[:, None] if masks else None
     return PackedRows(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, spans=spans)
+
+
+def _single_sequence_rows(input_ids: torch.Tensor, spans: list[list[tuple[int, int, int]]]) -> PackedRows:
+    """Rows of one right-padded sequence each need no mask: under plain causal attention a real
+    token only sees the tokens before it in its own sequence, and the padding after it never
+    influences it. Without a mask sdpa takes its causal fast path (no (R, 1, L, L) tensor; on CPU
+    the flash kernel), and the position ids simply count on through the padding."""
+    R, L = input_ids.shape
+    position_ids = torch.arange(L).expand(R, L).clone()
+    return PackedRows(input_ids=input_ids, position_ids=position_ids, attention_mask=None, spans=spans)
 
 
 def _attention_kwargs(model: torch.nn.Module, packed: PackedRows, device: torch.device) -> dict:
@@ -149,14 +161,39 @@ def _attention_kwargs(model: torch.nn.Module, packed: PackedRows, device: torch.
     return {"attention_mask": mask}
 
 
-def packed_forward(model: torch.nn.Module, packed: PackedRows) -> torch.Tensor:
+def packed_forward(model: torch.nn.Module, packed: PackedRows,
+                   positions: Optional[tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
     """Run ``model`` on packed rows; returns its main output (logits (R, L, V) for a causal LM,
     (R, L, 1) for a token-classification value model). ``use_cache=False``: a cache is never
-    wanted for scoring/training and would change how transformers reads the position_ids."""
+    wanted for scoring/training and would change how transformers reads the position_ids.
+
+    ``positions`` = (rows, cols), two (N,) index tensors: return only the outputs at those positions,
+    (N, V). For a model with an output-embedding head (a causal LM) the head then runs on those N
+    hidden states only — on short responses after long prompts most of the (R, L, V) logits (and
+    their backward) are never needed."""
     device = next(model.parameters()).device
     kwargs = dict(input_ids=packed.input_ids.to(device), position_ids=packed.position_ids.to(device),
                   use_cache=False, **_attention_kwargs(model, packed, device))
-    return model(**kwargs).logits
+    if positions is None:
+        return model(**kwargs).logits
+    rows, cols = positions[0].to(device), positions[1].to(device)
+    head = _output_head(model)
+    if head is None:
+        return model(**kwargs).logits[rows, cols]
+    hook = head.register_forward_pre_hook(lambda _module, args: (args[0][rows, cols], *args[1:]))
+    try:
+        return model(**kwargs).logits
+    finally:
+        hook.remove()
+
+
+def _output_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+    """The output-embedding head (lm_head) of a Hugging Face model, also behind a DeepSpeed engine
+    (``.module``) or peft; None when the model has none (e.g. a token-classification critic)."""
+    inner = model.module if hasattr(model, "module") and not hasattr(model, "get_output_embeddings") else model
+    getter = getattr(inner, "get_output_embeddings", None)
+    head = getter() if callable(getter) else None
+    return head if isinstance(head, torch.nn.Module) else None
 
 
 def response_slices(packed: PackedRows, prompt_lengths: Sequence[int]) -> list[tuple[int, int, int, int]]:

@@ -1,7 +1,7 @@
 """Forward passes with gradients over packed micro-batches, returning (B, T) response tensors.
 
 ``rlhf_core.models.packed`` lays sequences out and runs the model; here only the response positions
-are picked out of the packed output and turned into per-token log-probs, entropies (actor) or
+are picked out of the packed output (the actor's LM head runs on those positions alone) and turned into per-token log-probs, entropies (actor) or
 values (critic), padded to (B, T) in the micro-batch's sequence order. Log-probs and entropy use
 ``rlhf_core.algos``' chunked custom-autograd functions over the (N, V) response logits only, so no
 (tokens, V) log-softmax copy is kept for backward.
@@ -43,13 +43,13 @@ def actor_forward(model, mb: MicroBatch, temperature: float = 1.0, *, entropy: b
     """
     from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
 
-    logits = packed_forward(model, mb.packed)  # (R, L, V)
     slices = _by_sequence(mb)
-    labels_src = mb.packed.input_ids.to(logits.device)
-    flat = torch.cat([logits[r, a:b] for r, a, b in slices])  # (N, V) response positions only
+    rows = torch.cat([torch.full((b - a,), r, dtype=torch.long) for r, a, b in slices])
+    cols = torch.cat([torch.arange(a, b) for _, a, b in slices])
+    flat = packed_forward(model, mb.packed, positions=(rows, cols))  # (N, V) response positions only
     if temperature != 1.0:
         flat = flat / temperature
-    labels = torch.cat([labels_src[r, a + 1:b + 1] for r, a, b in slices])
+    labels = mb.packed.input_ids[rows, cols + 1].to(flat.device)
     counts = [b - a for _, a, b in slices]
     T = mb.response_mask.shape[1]
     log_prob = _to_padded(logprobs_from_logits(flat, labels), counts, T)

@@ -175,3 +175,37 @@ def test_varlen_flash_attention_on_gpu(tiny_model_dir):
         got = gather_response_logprobs(packed_forward(model, packed), packed, prompts)
     want = {i: v.cuda() for i, v in reference_logprobs(model, sequences, prompts).items()}
     assert max_error(got, want) < 2e-2  # bf16 kernels: same math, different summation order
+
+
+@pytest.mark.parametrize("model_name", ["policy", "critic"])
+def test_one_sequence_per_row_needs_no_mask(request, model_name):
+    """Right-padded single-sequence rows run under plain causal attention (no 4-D mask, positions
+    counting on through the padding) and still match one sequence at a time."""
+    model = request.getfixturevalue(model_name)
+    sequences, prompts = make_batch(seed=7)
+    packed = pack_rows([[i] for i in range(len(sequences))], sequences, pad_id=0)
+    assert packed.attention_mask is None and packed.mode == "mask4d"
+    assert packed.position_ids[0].tolist() == list(range(packed.input_ids.shape[1]))
+    with torch.no_grad():
+        out = packed_forward(model, packed)
+    if model_name == "policy":
+        got, want = gather_response_logprobs(out, packed, prompts), reference_logprobs(model, sequences, prompts)
+    else:
+        got, want = gather_response_values(out, packed, prompts), reference_values(model, sequences, prompts)
+    assert max_error(got, want) < TOL
+
+
+@pytest.mark.parametrize("model_name", ["policy", "critic"])
+def test_outputs_at_chosen_positions_equal_the_full_output_there(request, model_name):
+    """``positions`` runs the LM head on the chosen hidden states only (the critic, which has no
+    output-embedding head, is indexed after its forward); both equal the full output at them."""
+    model = request.getfixturevalue(model_name)
+    sequences, prompts = make_batch(seed=8)
+    packed = pack_rows(several_rows(sequences), sequences, pad_id=0)
+    rows = torch.tensor([0, 0, 1, 1, 1])
+    cols = torch.tensor([3, 0, 5, 2, 2])
+    with torch.no_grad():
+        full = packed_forward(model, packed)
+        picked = packed_forward(model, packed, positions=(rows, cols))
+    assert picked.shape == (5, full.shape[-1])
+    assert torch.allclose(picked, full[rows, cols], atol=1e-6)
