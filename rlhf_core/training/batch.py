@@ -19,12 +19,13 @@ from rlhf_core.errors import DataError
 
 PER_TOKEN_COLUMNS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns")
 
-ROW_TOKENS = 512
-"""Widest packed row inside a micro-batch. With a dense 4-D mask attention costs L² per row whatever
-the mask hides, so rows are kept to about two of the longest sequences (at most this many tokens):
-packing still removes most padding while the masked attention stays cheap (measured against TRL's
-padded batches: 1024-token rows made the tiny model's update 2.4x slower than unpacked). A longer
-sequence gets a row of its own."""
+ROW_WIDTH_RULE = "longest sequence of the mini-batch"
+"""How wide a packed row inside a micro-batch may be. With a dense 4-D mask attention costs L² per row
+whatever the mask hides, so a row is never wider than the mini-batch's longest sequence: packing then
+only fills padding that pad-to-longest would have wasted, and attention per token never exceeds what
+one-sequence rows pay (measured on the tiny model against TRL's padded batches: 1024-token rows made
+the update 2.4x slower than unpacked). A micro-batch in which no two sequences share a row needs no
+mask at all (``rlhf_core.models.packed``)."""
 
 BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 
@@ -133,8 +134,7 @@ def split_mini_batch(lengths: Sequence[int], rows: Sequence[int], plan: MicroBat
         bins = [[share[k] for k in b] for b in fixed_micro_batches(len(share), plan.micro_batch_size)]
         per_rank = -(-len(rows) // world_size)  # the largest share decides the common count
         bins += [[] for _ in range(-(-per_rank // plan.micro_batch_size) - len(bins))]
-    longest = max(local_lengths, default=0)
-    width = max(longest, min(ROW_TOKENS, 2 * longest))
+    width = max(local_lengths, default=0)  # ROW_WIDTH_RULE
     out = []
     for b in bins:
         if not plan.pack_rows:
