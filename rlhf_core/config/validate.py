@@ -100,6 +100,9 @@ def validate(cfg: RLHFConfig) -> None:
            t.retry_kl_coef_multiplier)
     _check(t.retry_lr_divisor >= 1, "trainer.retry_lr_divisor", "must be >= 1", t.retry_lr_divisor)
     _check(t.nproc >= 1, "trainer.nproc", "must be >= 1", t.nproc)
+    _check(t.concurrent_critic_actor != "always" or t.nproc == 1, "trainer.concurrent_critic_actor",
+           "'always' needs trainer.nproc=1 (two threads' collectives could pair up differently on each rank); "
+           "use 'auto' or 'never'", t.concurrent_critic_actor)
     _check(cfg.reward_model.model_path is not None or not cfg.reward_model.enable,
            "reward_model.model_path", "must be set when reward_model.enable=true", cfg.reward_model.model_path)
     _validate_warm_start(cfg)

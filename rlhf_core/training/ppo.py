@@ -149,29 +149,62 @@ class PPOOutcome:
     """role → sequence tokens this rank trained on (each epoch counted)."""
     seconds: dict[str, float] = field(default_factory=dict)
     """role → wall seconds of its training loop."""
+    wall_seconds: float = 0.0
+    """Wall seconds of the whole update loop (less than the sum of ``seconds`` when roles overlap)."""
+
+
+def _train_role(role: RoleSchedule, data: PPOData, plan: MicroBatchPlan, mini_batch_size: int, shuffle: bool,
+                seed: str, dist: DistInfo, pad_id: int, bar) -> tuple[list[dict[str, float]], int, float]:
+    """All epochs of one role: (per-step metrics, tokens trained on, wall seconds)."""
+    name, started = role.te.role, time.perf_counter()
+    steps: list[dict[str, float]] = []
+    tokens = 0
+    for epoch in range(role.epochs):
+        for rows in mini_batches(len(data), mini_batch_size, shuffle=shuffle, seed=seed, epoch=epoch):
+            result = train_step(role.te, data, rows, plan, role.loss_fn, dist, pad_id)
+            steps.append({"epoch": epoch, "step": len(steps), **result.metrics})
+            fault_point(f"update:after_step:{name}:{len(steps)}")  # kill tests: weights moved, nothing saved
+            tokens += result.tokens
+            bar.update(1)
+    return steps, tokens, time.perf_counter() - started
 
 
 def run_ppo(roles: list[RoleSchedule], data: PPOData, *, plan: MicroBatchPlan, mini_batch_size: int,
-            shuffle: bool, seed: str, dist: DistInfo, pad_id: int, progress: Optional[bool] = None) -> PPOOutcome:
+            shuffle: bool, seed: str, dist: DistInfo, pad_id: int, progress: Optional[bool] = None,
+            concurrent: bool = False) -> PPOOutcome:
     """Train each role (critic, then actor) for its epochs over ``data``; every rank returns the same
-    (all-reduced) metrics. The mini-batch order depends only on ``seed`` and the epoch."""
+    (all-reduced) metrics. The mini-batch order depends only on ``seed`` and the epoch.
+
+    ``concurrent``: train the roles at the same time, one thread each. The critic's and the actor's
+    updates read the same fixed advantages table and share nothing else, so each ends with exactly
+    the weights and metrics it would have alone; with one intra-op thread per role this keeps two
+    cores busy where a small model's matmuls cannot. Only for one process (``concurrent_roles``):
+    with several ranks, two threads' collectives could interleave differently on each rank.
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
     from tqdm.auto import tqdm
 
+    if concurrent and dist.world_size > 1:
+        raise ValueError("concurrent roles need a single process: collectives from two threads could "
+                         "pair up differently on each rank")
     outcome = PPOOutcome()
     total = sum(r.epochs * math.ceil(len(data) / mini_batch_size) for r in roles)
+    started = time.perf_counter()
     with tqdm(total=total, desc="ppo update", unit="step", leave=False,
               disable=bar_disabled(progress) or not dist.is_main) as bar:
-        for role in roles:
-            name, started = role.te.role, time.perf_counter()
-            steps = outcome.steps.setdefault(name, [])
-            for epoch in range(role.epochs):
-                for rows in mini_batches(len(data), mini_batch_size, shuffle=shuffle, seed=seed, epoch=epoch):
-                    result = train_step(role.te, data, rows, plan, role.loss_fn, dist, pad_id)
-                    steps.append({"epoch": epoch, "step": len(steps), **result.metrics})
-                    fault_point(f"update:after_step:{name}:{len(steps)}")  # kill tests: weights moved, nothing saved
-                    outcome.tokens[name] = outcome.tokens.get(name, 0) + result.tokens
-                    bar.update(1)
-            outcome.seconds[name] = time.perf_counter() - started
+        args = (data, plan, mini_batch_size, shuffle, seed, dist, pad_id, bar)
+        if concurrent and len(roles) > 1:
+            with ThreadPoolExecutor(max_workers=len(roles), thread_name_prefix="ppo-role") as pool:
+                futures = [pool.submit(_train_role, role, *args) for role in roles]
+                results = [f.result() for f in futures]  # re-raises a role's exception here
+        else:
+            results = [_train_role(role, *args) for role in roles]
+    for role, (steps, tokens, seconds) in zip(roles, results):
+        outcome.steps[role.te.role] = steps
+        outcome.tokens[role.te.role] = tokens
+        outcome.seconds[role.te.role] = seconds
+    outcome.wall_seconds = time.perf_counter() - started
     return outcome
 
 
@@ -181,8 +214,8 @@ def aggregate(outcome: PPOOutcome) -> dict[str, float]:
 
     ``perf/<role>_tokens_per_s``: sequence tokens (prompt + response, all ranks) through that model's
     forward and backward per second. ``perf/tokens_per_s``: the iteration's tokens times the actor's
-    epochs over the whole update's seconds (critic and actor both trained) — the rate at which the
-    update consumes data.
+    epochs over the whole update's wall seconds (critic and actor both trained, one after the other
+    or at the same time) — the rate at which the update consumes data.
     """
     out: dict[str, float] = {}
     for role, steps in outcome.steps.items():
@@ -200,7 +233,7 @@ def aggregate(outcome: PPOOutcome) -> dict[str, float]:
     for (role, tokens) in zip(outcome.steps, world_tokens.tolist()):
         secs = outcome.seconds.get(role, 0.0)
         out[f"perf/{role}_tokens_per_s"] = tokens / secs if secs > 0 else 0.0
-    total = sum(outcome.seconds.values())
+    total = outcome.wall_seconds or sum(outcome.seconds.values())
     out["perf/update_seconds"] = total
     actor_tokens = float(world_tokens[list(outcome.steps).index("actor")]) if "actor" in outcome.steps else 0.0
     out["perf/tokens_per_s"] = actor_tokens / total if total > 0 else 0.0

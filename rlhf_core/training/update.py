@@ -151,6 +151,17 @@ def cpu_threads(device: str, num_params: int, world_size: int) -> Iterator[int]:
         torch.set_num_threads(before)
 
 
+def concurrent_roles(setting: str, device: str, threads: int, world_size: int) -> bool:
+    """Whether the critic and the actor train at the same time (``trainer.concurrent_critic_actor``):
+    never with several ranks; 'auto' = on CPU when each role gets one intra-op thread and a second
+    core is there to run the other (the small-model case of ``cpu_threads``)."""
+    if setting == "never" or world_size > 1:
+        return False
+    if setting == "always":
+        return True
+    return device == "cpu" and threads == 1 and (os.cpu_count() or 1) >= 2
+
+
 def reset_peak_rss() -> None:
     """Start a fresh peak-memory window (Linux: writing 5 to /proc/self/clear_refs resets VmHWM), so
     perf/peak_rss_gb is the update's own peak even in a process that ran other stages before."""
@@ -218,13 +229,15 @@ def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Opti
         if sources.resume is not None:
             resume_optimizers(sources.resume, [actor, critic], pad_id)
         setup_seconds = time.perf_counter() - started
+        concurrent = concurrent_roles(cfg.trainer.concurrent_critic_actor, device, threads, dist.world_size)
         outcome = run_ppo(roles, data, plan=plan, mini_batch_size=a.ppo_mini_batch_size,
                           shuffle=a.shuffle, seed=f"{cfg.trainer.seed}:{iteration}", dist=dist, pad_id=pad_id,
-                          progress=progress)
+                          progress=progress, concurrent=concurrent)
         metrics = aggregate(outcome)
         metrics["perf/peak_rss_gb"] = float(all_reduce(torch.tensor(peak_rss_gb()), op="max"))
         metrics["perf/world_size"] = float(dist.world_size)
         metrics["perf/threads_per_rank"] = float(threads)
+        metrics["perf/concurrent_critic_actor"] = float(concurrent)
         state = _trainer_state(cfg, run, iteration, sources, len(outcome.steps.get("actor", [])))
         saving = time.perf_counter()
         save_checkpoint(run.checkpoint(iteration), actor=actor, critic=critic, tokenizer_path=sources.tokenizer,
