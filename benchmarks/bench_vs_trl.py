@@ -2,7 +2,8 @@
 mini-batches, on CPU, measured side by side in one run. Goal: ours ≥ 1.5× TRL's update tokens/s.
 
     python benchmarks/bench_vs_trl.py [--batch 64] [--mini-batch 32] [--response-length 32] [--epochs 2]
-                                      [--hidden 64 --layers 2 --intermediate 176] [--trl-threads N] [--token-budget 2048]
+                                      [--hidden 64 --layers 2 --intermediate 176] [--trl-threads 1 0] [--token-budget 2048]
+                                      [--repeats 3]
                                       [--venv /tmp/rlhf-bench-trl-venv]
 
 TRL runs in its own throwaway virtual environment (created on first use, reused after): torch==2.13.0
@@ -20,11 +21,15 @@ What is measured:
   ours — the same prompts and the very responses TRL generated, as an advantages table
          (``rlhf_core.training.synthetic.synthetic_advantages``: old/ref log-probs scored by the model =
          our scoring phase), then ``rlhf_core.training.update.train_update`` (what ``rlhf stage update``
-         runs: critic then actor through DeepSpeed ZeRO on CPU, packed micro-batches) with the same
+         runs: critic and actor through DeepSpeed ZeRO on CPU, packed micro-batches) with the same
          epochs and mini-batch size. Phases: scoring, setup (engines), update loop, checkpoint.
   update tokens/s = real (non-pad) prompt+response tokens × epochs / training-phase seconds, for both.
-Each side runs in a fresh process, one after the other. Threads are matched by default (1 each; see
---trl-threads). Results and their analysis: docs/benchmarks.md §3.
+Each side runs in a fresh process, one after the other, ``--repeats`` times interleaved; medians are
+reported. TRL runs at each ``--trl-threads`` setting (default: 1 thread, and torch's own choice = all
+cores); ours runs as the update stage would (1 thread per model under 100 M parameters, the critic and
+the actor at the same time when there are >= 2 cores: ``trainer.concurrent_critic_actor``), so the
+ratio against TRL at all cores compares both using the whole machine. Results and their analysis:
+docs/benchmarks.md §3.
 """
 
 from __future__ import annotations
@@ -181,22 +186,42 @@ def run_worker(python: str, role: str, spec: dict, work: Path, env: dict) -> dic
     return json.loads(out.read_text())
 
 
-def report(spec: dict, trl_r: dict, ours: dict) -> None:
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+
+
+def _seconds(values: list[float]) -> str:
+    return ", ".join(f"{v:.2f}" for v in values)
+
+
+def report(spec: dict, trl_runs: dict[int, list[dict]], ours_runs: list[dict]) -> None:
+    """Per-phase medians of each side and the ratio of update tokens/s against each TRL thread setting."""
     real = sum(len(p) for p in spec["prompts"]) + sum(len(r) for r in spec["responses"])
-    trl_tps = real * spec["epochs"] / trl_r["training_s"]
-    ours_tps = ours["perf/tokens_per_s"]
-    print(f"{spec['batch']} sequences, {real} real tokens ({trl_r['padded_tokens']} padded in TRL), "
-          f"response length {spec['response_length']}, {spec['epochs']} PPO epoch(s), mini-batch {spec['mini_batch']}; "
-          f"threads: TRL {trl_r['threads']}, ours {int(ours['perf/threads_per_rank'])}")
-    print(f"TRL {trl_r['trl_version']} PPOTrainer: generation {trl_r['generation_s']:.2f} s, scoring "
-          f"(logprobs/ref/values/reward/GAE) {trl_r['scoring_s']:.2f} s, training {trl_r['training_s']:.2f} s, "
-          f"train() total {trl_r['total_s']:.2f} s")
-    print(f"ours: scoring (old/ref log-probs) {ours['scoring_s']:.2f} s, setup (engines) {ours['perf/setup_seconds']:.2f} s, "
-          f"update loop {ours['perf/update_seconds']:.2f} s, checkpoint {ours['perf/checkpoint_seconds']:.2f} s, "
-          f"train_update total {ours['total_s']:.2f} s")
-    print(f"update tokens/s: TRL {trl_tps:.0f}, ours {ours_tps:.0f} (actor {ours['perf/actor_tokens_per_s']:.0f}, "
-          f"critic {ours['perf/critic_tokens_per_s']:.0f})")
-    print(f"ratio ours/TRL: {ours_tps / trl_tps:.2f}x (goal >= 1.5x)")
+    first = next(iter(trl_runs.values()))[0]
+    ours0 = ours_runs[0]
+    print(f"{spec['batch']} sequences, {real} real tokens ({first['padded_tokens']} padded in TRL), "
+          f"response length {spec['response_length']}, {spec['epochs']} PPO epoch(s), mini-batch {spec['mini_batch']}, "
+          f"{len(ours_runs)} run(s) per side, medians shown")
+    print(f"ours: {int(ours0['perf/threads_per_rank'])} thread(s) per model, critic and actor "
+          f"{'at the same time' if ours0.get('perf/concurrent_critic_actor') else 'one after the other'}")
+    ours_loops = [o["perf/update_seconds"] for o in ours_runs]
+    ours_train = median(ours_loops)
+    ours_tps = median([o["perf/tokens_per_s"] for o in ours_runs])
+    print(f"ours: scoring (old/ref log-probs) {median([o['scoring_s'] for o in ours_runs]):.2f} s, setup (engines) "
+          f"{median([o['perf/setup_seconds'] for o in ours_runs]):.2f} s, update loop {ours_train:.2f} s "
+          f"(runs: {_seconds(ours_loops)}), checkpoint "
+          f"{median([o['perf/checkpoint_seconds'] for o in ours_runs]):.2f} s; update tokens/s {ours_tps:.0f}")
+    for threads, runs in trl_runs.items():
+        trains = [r["training_s"] for r in runs]
+        train = median(trains)
+        tps = real * spec["epochs"] / train
+        print(f"TRL {runs[0]['trl_version']} PPOTrainer, {runs[0]['threads']} thread(s): generation "
+              f"{median([r['generation_s'] for r in runs]):.2f} s, scoring (logprobs/ref/values/reward/GAE) "
+              f"{median([r['scoring_s'] for r in runs]):.2f} s, training {train:.2f} s "
+              f"(runs: {_seconds(trains)}); update tokens/s {tps:.0f}; "
+              f"ratio ours/TRL {ours_tps / tps:.2f}x (goal >= 1.5x)")
 
 
 def main() -> None:
@@ -212,10 +237,11 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=2048, help="our micro-batch token budget (the demo's 2048)")
     parser.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for our update (repeatable), e.g. data.use_sequence_packing=false")
-    parser.add_argument("--trl-threads", type=int, default=1,
-                        help="torch threads for TRL: 1 (default) matches our update, which runs models under 100M "
-                             "parameters on one CPU thread; 0 = torch's own choice (2 here), which thrashes on a "
-                             "busy 2-core machine and makes TRL 6-20x slower")
+    parser.add_argument("--trl-threads", type=int, nargs="+", default=[1, 0],
+                        help="torch thread settings to run TRL at (0 = torch's own choice, all cores); each is "
+                             "reported with its own ratio. Ours picks its threads itself (1 per model under 100 M "
+                             "parameters, the critic and the actor at the same time on >= 2 cores)")
+    parser.add_argument("--repeats", type=int, default=3, help="runs per side (interleaved); medians are reported")
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "rlhf-bench-trl-venv")
     parser.add_argument("--trl-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
     parser.add_argument("--ours-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
@@ -238,12 +264,18 @@ def main() -> None:
                                                   intermediate_size=args.intermediate, seed=args.seed))
         spec = {"model_dir": str(model_dir), "prompts": arith_prompts(model_dir, args.batch), "batch": args.batch,
                 "mini_batch": args.mini_batch, "response_length": args.response_length, "epochs": args.epochs,
-                "seed": args.seed, "trl_threads": args.trl_threads, "token_budget": args.token_budget,
-                "ours_overrides": args.ours_override}
-        trl_r = run_worker(str(trl_python), "trl", spec, work, env)
-        spec["prompts"], spec["responses"] = trl_r["prompts"], trl_r["responses"]
-        ours = run_worker(sys.executable, "ours", spec, work, env)
-    report(spec, trl_r, ours)
+                "seed": args.seed, "token_budget": args.token_budget, "ours_overrides": args.ours_override}
+        trl_runs: dict[int, list[dict]] = {t: [] for t in args.trl_threads}
+        ours_runs: list[dict] = []
+        for repeat in range(args.repeats):
+            for threads in args.trl_threads:
+                result = run_worker(str(trl_python), "trl", {**spec, "trl_threads": threads}, work, env)
+                trl_runs[threads].append(result)
+                if "responses" not in spec:  # seeded: every TRL run samples the same responses
+                    spec["prompts"], spec["responses"] = result["prompts"], result["responses"]
+            ours_runs.append(run_worker(sys.executable, "ours", spec, work, env))
+            print(f"run {repeat + 1}/{args.repeats} done", file=sys.stderr)
+    report(spec, trl_runs, ours_runs)
 
 
 if __name__ == "__main__":
