@@ -68,16 +68,11 @@ def packing_attention_mode(model: torch.nn.Module) -> AttentionMode:
 def block_causal_mask(lengths: Sequence[int], total: int) -> torch.Tensor:
     """(total, total) bool: token i may attend to j iff same sequence and j <= i. Padding tokens
     (after the last sequence) attend to themselves only, so no softmax row is empty (NaN)."""
-    seg = torch.full((total,), -1, dtype=torch.long)
-    start = 0
-    for i, n in enumerate(lengths):
-        seg[start:start + n] = i
-        start += n
-    pad = seg < 0
-    seg[pad] = -1 - torch.arange(int(pad.sum()))  # each pad token its own segment
+    used = sum(lengths)
+    seg = torch.cat([torch.repeat_interleave(torch.arange(len(lengths)), torch.as_tensor(list(lengths), dtype=torch.long)),
+                     -1 - torch.arange(total - used)])  # each pad token its own segment
     same = seg[:, None] == seg[None, :]
-    causal = torch.ones(total, total, dtype=torch.bool).tril()
-    return same & causal
+    return same.tril_()
 
 
 def _pack_varlen(rows: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]]) -> PackedRows:
@@ -112,7 +107,7 @@ def pack_rows(rows: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]],
     R = len(rows)
     input_ids = torch.full((R, L), pad_id, dtype=torch.long)
     position_ids = torch.zeros((R, L), dtype=torch.long)
-    masks, spans = [], []
+    spans, row_lengths = [], []
     for r, row in enumerate(rows):
         start, row_spans, lengths = 0, [], []
         for i in row:
@@ -125,10 +120,10 @@ def pack_rows(rows: Sequence[Sequence[int]], sequences: Sequence[Sequence[int]],
             start += n
         position_ids[r, start:] = torch.arange(L - start)
         spans.append(row_spans)
-        masks.append(block_causal_mask(lengths, L))
+        row_lengths.append(lengths)
     if all(len(row) <= 1 for row in rows):
         return _single_sequence_rows(input_ids, spans)
-    mask = torch.stack(masks)[:, None] if masks else None
+    mask = torch.stack([block_causal_mask(lengths, L) for lengths in row_lengths])[:, None]
     return PackedRows(input_ids=input_ids, position_ids=position_ids, attention_mask=mask, spans=spans)
 
 

@@ -209,3 +209,17 @@ def test_outputs_at_chosen_positions_equal_the_full_output_there(request, model_
         picked = packed_forward(model, packed, positions=(rows, cols))
     assert picked.shape == (5, full.shape[-1])
     assert torch.allclose(picked, full[rows, cols], atol=1e-6)
+
+
+def test_block_causal_mask_keeps_sequences_and_padding_apart():
+    from rlhf_core.models.packed import block_causal_mask
+
+    want = [[1, 0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 0, 0],
+            [0, 0, 1, 0, 0, 0, 0],
+            [0, 0, 1, 1, 0, 0, 0],
+            [0, 0, 1, 1, 1, 0, 0],
+            [0, 0, 0, 0, 0, 1, 0],   # padding: itself only
+            [0, 0, 0, 0, 0, 0, 1]]
+    assert block_causal_mask([2, 3], 7).int().tolist() == want
+    assert block_causal_mask([4], 4).equal(torch.ones(4, 4, dtype=torch.bool).tril())
