@@ -5,8 +5,9 @@
 Data: the embedded arithmetic problems (data/arith/train.jsonl) in the tiny model's chat template,
 each followed by its reference solution + EOS as the response (the demo's shapes: prompts ~85-111
 tokens, responses ~20-45), old/ref log-probs scored by the model, seeded Gaussian advantages. The
-update runs as the stage does (``train_update``: critic then actor, mini-batches of 32, token
-budget 2048, checkpoint written), each ZeRO stage in a fresh process so peak RSS is its own.
+update runs as the stage does (``train_update``: critic and actor — at the same time on >= 2 cores —,
+mini-batches of 32, token budget 2048, checkpoint written), each ZeRO stage in a fresh process so
+peak RSS is its own.
 
 Columns: ``tokens/s`` = perf/tokens_per_s (batch tokens × epochs / update-loop seconds, actor and
 critic both trained), ``actor tok/s`` / ``critic tok/s`` = each model's forward+backward rate,

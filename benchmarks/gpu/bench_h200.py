@@ -1,6 +1,6 @@
 """Rollout and update throughput of a ~0.5B-parameter Qwen2-shaped model (Qwen2.5-0.5B's shape, random
 weights) on one GPU: HF batched ``generate`` tokens/s, then our PPO update (``train_update``, the body of
-``rlhf stage update``: critic then actor through DeepSpeed, bf16) tokens/s and model FLOPs utilisation.
+``rlhf stage update``: critic and actor through DeepSpeed, bf16) tokens/s and model FLOPs utilisation.
 
     python benchmarks/gpu/bench_h200.py                 # on the GPU machine (benchmarks/gpu/bench_h200.sh)
     python benchmarks/gpu/bench_h200.py --small --device cpu --batch 8 --new-tokens 16   # dry run here

@@ -172,8 +172,8 @@ def _train_role(role: RoleSchedule, data: PPOData, plan: MicroBatchPlan, mini_ba
 def run_ppo(roles: list[RoleSchedule], data: PPOData, *, plan: MicroBatchPlan, mini_batch_size: int,
             shuffle: bool, seed: str, dist: DistInfo, pad_id: int, progress: Optional[bool] = None,
             concurrent: bool = False) -> PPOOutcome:
-    """Train each role (critic, then actor) for its epochs over ``data``; every rank returns the same
-    (all-reduced) metrics. The mini-batch order depends only on ``seed`` and the epoch.
+    """Train each role (critic, then actor, or both at once) for its epochs over ``data``; every rank
+    returns the same (all-reduced) metrics. The mini-batch order depends only on ``seed`` and the epoch.
 
     ``concurrent``: train the roles at the same time, one thread each. The critic's and the actor's
     updates read the same fixed advantages table and share nothing else, so each ends with exactly
