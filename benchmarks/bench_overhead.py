@@ -1,22 +1,31 @@
 """Orchestration overhead of the real pipeline flow: the share of each iteration's wall time spent
-outside stage compute (Prefect task runs, MLflow logging, manifests, hashing, reporting). Goal: ≤ 5 %.
+outside stage compute. Goal (issue 8): <= 5 % on the demo.
 
-    python benchmarks/bench_overhead.py [--iterations 3] [--keep DIR]
+    python benchmarks/bench_overhead.py [--iterations 5] [--keep DIR]
 
 Runs ``flows.pipeline.rlhf_pipeline`` on configs/demo.yaml (full demo batch: 64 prompts, 32-token
-responses) without the SFT warm start, ``--iterations`` + 1 iterations, in a fresh RLHF_HOME (its own
-ephemeral Prefect server and SQLite MLflow store). Validation is pushed past the run
-(``trainer.test_freq``) so no iteration carries it.
+responses; the demo's own validation, learning-curve and checkpoint schedule) without the SFT warm
+start, ``--iterations`` + 1 iterations, in a fresh RLHF_HOME (its own ephemeral Prefect server and
+SQLite MLflow store), in this process with ``rlhf_core.io.timing`` span logging on.
 
-Per iteration k (read from the manifests, ``iter_<k>/manifest.json``):
-  wall_k    = rollout.started_at(k+1) − rollout.started_at(k)   (everything the flow did for k,
-              including begin/finish-iteration tasks, transaction hooks and MLflow calls)
-  compute_k = Σ stage ``seconds`` (rollout, score, gae, update, guard) — the stage bodies as
-              ``execute_stage`` timed them, which includes their own model loads and checkpoint I/O
-  overhead  = 1 − compute_k / wall_k
+Definition, per iteration k:
+  wall_k     = rollout.started_at(k+1) - rollout.started_at(k)   (everything the flow did for k:
+               begin/finish-iteration tasks, validation when due, transactions, MLflow, Prefect)
+  compute_k  = sum over k's stage bodies (rollout, score, gae, update, guard, validate) of
+               ``seconds - io_seconds`` from iter_k/manifest.json: the body's wall time minus the
+               model/tokenizer loads, checkpoint writes, the update's setup (process group, model
+               loads, DeepSpeed engines, optimizer state), table/JSON reads and writes, hashing and
+               memory release it spent inside (``rlhf_core.io.timing``)
+  overhead_k = 1 - compute_k / wall_k
 The last iteration has no successor, so it only serves as the end mark of the one before.
-Start-up is reported apart: flow call → preprocess start (Prefect server start, MLflow run creation),
-setup stages, and the iteration-0 validation between pack and iteration 1.
+
+The overhead is split by source (they add up to wall - compute): the Prefect task-run wrapper
+(task-run time as the Prefect server recorded it minus the task function's own time), flow code
+outside any task run (including Prefect's task submission), begin/finish-iteration bodies (MLflow,
+artifacts, learning curve, rest), the stage tasks' own reporting (MLflow, Prefect artifacts, rest),
+the manifest bookkeeping around each stage body (input/output hashing, manifest reads and writes),
+and the stage bodies' I/O by kind. Start-up (Prefect server, MLflow run, preprocess, pack, the
+iteration-0 validation) is reported apart.
 """
 
 from __future__ import annotations
@@ -33,7 +42,14 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
-STAGES = ("rollout", "score", "gae", "update", "guard")
+STAGES = ("rollout", "score", "gae", "update", "guard", "validate")
+BODY_IO = (("model_load", "model/tokenizer loads"), ("checkpoint_write", "checkpoint writes"),
+           ("update_setup", "update setup (engines, model + optimizer loads)"),
+           ("table_read", "table reads"), ("table_write", "table writes"), ("json_write", "JSON writes"),
+           ("manifest", "manifest reads/writes"), ("hashing", "hashing (weight fingerprints)"),
+           ("memory_release", "memory release (gc.collect)"), ("gc_pause", "automatic full GC pauses"),
+           ("process_launch", "rank process start-up"))
+REPORTING = (("mlflow", "MLflow"), ("prefect_artifact", "Prefect artifacts"), ("plot", "learning-curve PNG"))
 
 
 def offline_env(home: Path) -> None:
@@ -46,24 +62,20 @@ def offline_env(home: Path) -> None:
         os.environ[key] = value
 
 
-def run_flow(home: Path, iterations: int) -> tuple[Path, float, float, list, dict]:
-    """Run the flow; returns (run dir, wall-clock time of the call's start, its end, its Prefect task
-    runs, the finish-iteration breakdown)."""
+def run_flow(home: Path, iterations: int, extra: list[str]) -> tuple[Path, float, float, list]:
+    """Run the flow; returns (run dir, wall-clock time of the call's start, its end, its Prefect task runs)."""
     from flows.pipeline import PipelineParams, rlhf_pipeline
+    from rlhf_core.io import timing
 
     overrides = [f"trainer.runs_root={home / 'runs'}", "actor_rollout_ref.model.warm_start.enable=false",
-                 "trainer.test_freq=1000", f"trainer.total_iterations={iterations}"]
+                 f"trainer.total_iterations={iterations}", *extra]
+    timing.keep_spans()
     started = time.time()
     state = rlhf_pipeline(PipelineParams(config=str(REPO / "configs/demo.yaml"), overrides=overrides,
                                          run_name="overhead"), return_state=True)
     ended = time.time()
     summary = state.result()
-    run_dir = Path(summary["run_dir"])
-    try:
-        parts = finish_parts(run_dir, summary["mlflow_run_id"], iterations)
-    except Exception as exc:  # a diagnostic only: never lose the main numbers to it
-        parts = {f"(breakdown failed: {type(exc).__name__}: {exc})": float("nan")}
-    return run_dir, started, ended, task_runs(state.state_details.flow_run_id), parts
+    return Path(summary["run_dir"]), started, ended, task_runs(state.state_details.flow_run_id)
 
 
 def task_runs(flow_run_id) -> list[tuple[str, float, float]]:
@@ -78,65 +90,74 @@ def task_runs(flow_run_id) -> list[tuple[str, float, float]]:
             for r in runs if r.start_time and r.end_time]
 
 
-def task_breakdown(runs: list, window: tuple[float, float], n_iterations: int) -> list[tuple[str, float]]:
-    """Mean seconds per iteration of each Prefect task inside the measured window, plus the time no
-    task covered (flow-level code: transactions, the tqdm table, Prefect task submission)."""
-    per_task: dict[str, float] = {}
-    inside = [(n, max(s, window[0]), min(e, window[1])) for n, s, e in runs if e > window[0] and s < window[1]]
-    for name, s, e in inside:
-        per_task[name] = per_task.get(name, 0.0) + (e - s)
-    covered, cursor = 0.0, window[0]
-    for _, s, e in sorted(inside, key=lambda r: r[1]):
+def clipped(start: float, end: float, window: tuple[float, float]) -> float:
+    return max(0.0, min(end, window[1]) - max(start, window[0]))
+
+
+def covered(intervals: list[tuple[float, float]], window: tuple[float, float]) -> float:
+    """Seconds of ``window`` covered by the union of ``intervals``."""
+    total, cursor = 0.0, window[0]
+    for s, e in sorted((max(s, window[0]), min(e, window[1])) for s, e in intervals):
         s = max(s, cursor)
         if e > s:
-            covered, cursor = covered + e - s, e
-    rows = sorted(((n, t / n_iterations) for n, t in per_task.items()), key=lambda r: -r[1])
-    return rows + [("(outside any task)", (window[1] - window[0] - covered) / n_iterations)]
+            total, cursor = total + e - s, e
+    return total
 
 
-def iteration_rows(run_dir: Path, iterations: int) -> list[dict]:
-    manifests = {k: json.loads((run_dir / f"iter_{k}" / "manifest.json").read_text()) for k in range(1, iterations + 1)}
-    rows = []
-    for k in range(1, iterations):
-        m, nxt = manifests[k], manifests[k + 1]
-        wall = nxt["rollout"]["started_at"] - m["rollout"]["started_at"]
-        stage_s = {s: float(m[s]["seconds"]) for s in STAGES if s in m}
-        compute = sum(stage_s.values())
-        last_end = max(m[s]["finished_at"] for s in stage_s)
-        rows.append({"k": k, "wall": wall, "compute": compute, "share": 1 - compute / wall,
-                     "after_guard": nxt["rollout"]["started_at"] - last_end, **stage_s})
-    return rows
+def inside(span, containers) -> bool:
+    return any(c.start <= span.start and span.end <= c.end for c in containers)
 
 
-def finish_parts(run_dir: Path, mlflow_run_id: str, k: int) -> dict[str, float]:
-    """Seconds of each part of the finish-iteration task, re-run once on iteration k of the finished run
-    (modules already imported, so this is the steady per-iteration cost). Outside a flow: the Prefect
-    artifact calls go to the same server."""
-    from rlhf_core.io.rundir import RunDir
-    from rlhf_core.pipeline import iteration_metrics, resolve_run_config
-    from tasks import reporting, tracking
-    from tasks.iteration import derived_only
-
-    run = RunDir(run_dir)
-    cfg = resolve_run_config(run.root, None, [])
-    parts, t = {}, time.perf_counter()
-
-    def mark(name: str) -> None:
-        nonlocal t
-        parts[name], t = time.perf_counter() - t, time.perf_counter()
-
-    metrics = iteration_metrics(cfg, run, k); mark("iteration_metrics (read manifests + metrics)")
-    png = reporting.plot_learning_curve(run, run.root / "plots" / "bench.png",
-                                        kl_threshold=cfg.trainer.kl_rollback_threshold); mark("learning-curve PNG (matplotlib)")
-    tracking.log_metrics(mlflow_run_id, derived_only(metrics, run, k), step=k); mark("MLflow log_batch")
-    tracking.log_artifact(mlflow_run_id, png, "plots"); mark("MLflow log_artifact (PNG)")
-    # tasks.reporting skips artifacts outside a Prefect run: call Prefect directly, as it does inside one
-    from prefect.artifacts import create_markdown_artifact, create_table_artifact
-
-    create_table_artifact(table=reporting.metrics_rows(run), key="bench-metrics"); mark("Prefect table artifact")
-    create_markdown_artifact(markdown=reporting.report_markdown(run, png, [], tracking.run_url(mlflow_run_id)),
-                             key="bench-report"); mark("Prefect markdown report artifact")
-    return parts
+def account(k: int, m: dict, window: tuple[float, float], runs: list, spans: list) -> dict:
+    """Iteration k's wall time split into compute and every overhead source (see the docstring)."""
+    wall = window[1] - window[0]
+    bodies = {s: m[s] for s in STAGES if s in m and m[s].get("started_at", 0) >= window[0] - 1e-6
+              and m[s].get("finished_at", 0) <= window[1] + 1e-6}
+    row: dict = {"k": k, "wall": wall, "stage_seconds": {s: float(r["seconds"]) for s, r in bodies.items()},
+                 "stage_io": {s: float(r.get("io_seconds", 0.0)) for s, r in bodies.items()}}
+    row["compute"] = sum(row["stage_seconds"].values()) - sum(row["stage_io"].values())
+    io: dict[str, float] = {}
+    for rec in bodies.values():
+        for kind, sec in (rec.get("io") or {}).items():
+            io[kind] = io.get(kind, 0.0) + sec
+    tasks = [sp for sp in spans if sp.kind.startswith("task:") and clipped(sp.start, sp.end, window) > 0]
+    stage_calls = [sp for sp in spans if sp.kind == "stage_call" and clipped(sp.start, sp.end, window) > 0]
+    leaves = [sp for sp in spans if not sp.in_stage and ":" not in sp.kind and sp.kind != "stage_call"
+              and clipped(sp.start, sp.end, window) > 0]
+    bookkeeping = sum(clipped(sp.start, sp.end, window) for sp in stage_calls) - sum(row["stage_seconds"].values())
+    task_fn = sum(clipped(sp.start, sp.end, window) for sp in tasks)
+    task_run_time = sum(clipped(s, e, window) for _, s, e in runs)
+    sources: dict[str, float] = {
+        "Prefect task-run wrapper": task_run_time - task_fn,
+        "flow code outside task runs (incl. task submission)": wall - covered([(s, e) for _, s, e in runs], window),
+    }
+    for label, kinds in (("begin/finish-iteration", ("task:begin-iteration", "task:finish-iteration", "task:kl-breach")),
+                         ("stage tasks' reporting", None)):
+        own = [t for t in tasks if (t.kind in kinds if kinds else t.kind not in
+                                    ("task:begin-iteration", "task:finish-iteration", "task:kl-breach"))]
+        fn_time = sum(clipped(t.start, t.end, window) for t in own)
+        if kinds is None:
+            fn_time -= sum(clipped(sp.start, sp.end, window) for sp in stage_calls)
+        parts = {}
+        for kind, name in REPORTING + (("manifest", "manifest reads/writes"), ("gc_pause", "automatic full GC pauses")):
+            parts[name] = sum(clipped(sp.start, sp.end, window) for sp in leaves
+                              if sp.kind == kind and inside(sp, own) and not inside(sp, stage_calls))
+        parts["rest (logging, metrics, pruning)"] = fn_time - sum(parts.values())
+        for name, sec in parts.items():
+            sources[f"{label}: {name}"] = sec
+    gc_outside = sum(clipped(sp.start, sp.end, window) for sp in leaves if sp.kind == "gc_pause" and not inside(sp, tasks))
+    sources["flow code outside task runs (incl. task submission)"] -= gc_outside
+    sources["flow code: automatic full GC pauses"] = gc_outside
+    sources["stage bookkeeping: input/output hashing, manifest, skip check"] = bookkeeping
+    for kind, name in BODY_IO:
+        sources[f"stage bodies: {name}"] = io.pop(kind, 0.0)
+    for kind, sec in io.items():
+        sources[f"stage bodies: {kind}"] = sec
+    row["sources"] = sources
+    row["overhead"] = wall - row["compute"]
+    row["unattributed"] = row["overhead"] - sum(sources.values())
+    row["share"] = row["overhead"] / wall
+    return row
 
 
 def startup(run_dir: Path, called: float, first_iteration: dict) -> dict:
@@ -146,47 +167,64 @@ def startup(run_dir: Path, called: float, first_iteration: dict) -> dict:
             "pack → iteration 1 (incl. iteration-0 validation)": first_iteration["rollout"]["started_at"] - pack["finished_at"]}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=3, help="iterations measured (one more is run)")
-    parser.add_argument("--keep", type=Path, help="copy the run directory here")
-    args = parser.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="rlhf-bench-overhead-"))
-    try:
-        offline_env(home)
-        run_dir, called, ended, runs, parts = run_flow(home, args.iterations + 1)
-        rows = iteration_rows(run_dir, args.iterations + 1)
-        first = json.loads((run_dir / "iter_1" / "manifest.json").read_text())
-        after = json.loads((run_dir / f"iter_{args.iterations + 1}" / "manifest.json").read_text())
-        tasks = task_breakdown(runs, (first["rollout"]["started_at"], after["rollout"]["started_at"]), args.iterations)
-        last = json.loads((run_dir / f"iter_{args.iterations + 1}" / "manifest.json").read_text())
-        start_costs = startup(run_dir, called, first)
-        if args.keep:
-            shutil.copytree(run_dir, args.keep, dirs_exist_ok=True)
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
-    print(f"\nflow: {args.iterations + 1} iterations, {ended - called:.1f} s from call to return")
-    print(f"{'iter':>4} {'wall s':>7} {'compute s':>9} " + " ".join(f"{s:>8}" for s in STAGES)
-          + f" {'guard→next s':>12} {'overhead':>8}")
+def print_report(rows: list[dict], ended: float, called: float, start_costs: dict, last: dict) -> None:
+    print(f"\nflow: {len(rows) + 1} iterations, {ended - called:.1f} s from call to return")
+    print(f"{'iter':>4} {'wall s':>7} {'compute s':>9} " + " ".join(f"{s[:8]:>8}" for s in STAGES) + f" {'overhead':>8}")
+    print(f"{'':>22}" + " ".join(f"{'(io)':>8}" for _ in STAGES))
     for r in rows:
-        print(f"{r['k']:>4} {r['wall']:>7.2f} {r['compute']:>9.2f} " + " ".join(f"{r.get(s, 0.0):>8.2f}" for s in STAGES)
-              + f" {r['after_guard']:>12.2f} {r['share']:>8.1%}")
-    mean = sum(r["share"] for r in rows) / len(rows)
-    print(f"mean overhead share: {mean:.1%} (goal ≤ 5%)")
-    stage_means = {s: sum(r.get(s, 0.0) for r in rows) / len(rows) for s in STAGES}
-    stage_means["kl-guard"] = stage_means.pop("guard")
-    print("per iteration, mean seconds: Prefect task run (as the server recorded it) vs the stage body inside it")
-    for name, sec in tasks:
-        inner = stage_means.get(name)
-        print(f"  {name:<20} {sec:>7.2f}" + (f"   stage body {inner:.2f}, wrapper {sec - inner:.2f}" if inner is not None else ""))
-    print("finish-iteration parts, re-run once after the flow (s):")
-    for name, sec in parts.items():
-        print(f"  {name:<45} {sec:>6.2f}")
+        print(f"{r['k']:>4} {r['wall']:>7.2f} {r['compute']:>9.2f} "
+              + " ".join(f"{r['stage_seconds'].get(s, 0.0):>8.2f}" for s in STAGES) + f" {r['share']:>8.1%}")
+        print(f"{'':>22}" + " ".join(f"{r['stage_io'].get(s, 0.0):>8.2f}" for s in STAGES))
+    n = len(rows)
+    mean_wall = sum(r["wall"] for r in rows) / n
+    print(f"mean overhead share: {sum(r['overhead'] for r in rows) / sum(r['wall'] for r in rows):.1%} of the summed "
+          f"walls (per-iteration mean {sum(r['share'] for r in rows) / n:.1%}; goal <= 5%)")
+    if n > 1:
+        steady = rows[1:]
+        print(f"from iteration 2 on: {sum(r['overhead'] for r in steady) / sum(r['wall'] for r in steady):.1%}")
+    print(f"\nwhere the overhead goes, mean s per iteration (share of the mean wall {mean_wall:.2f} s):")
+    for name in rows[0]["sources"]:
+        sec = sum(r["sources"].get(name, 0.0) for r in rows) / n
+        if abs(sec) >= 0.0005:
+            print(f"  {name:<70} {sec:>7.3f}  {sec / mean_wall:>6.1%}")
+    for label, key in (("overlapping task runs (counted twice above)", "unattributed"),
+                       ("total overhead", "overhead"), ("compute", "compute")):
+        sec = sum(r[key] for r in rows) / n
+        print(f"  {label:<70} {sec:>7.3f}  {sec / mean_wall:>6.1%}")
     print("one-off start-up:")
     for name, sec in start_costs.items():
         print(f"  {name}: {sec:.2f} s")
     tail_end = max(last[s]["finished_at"] for s in STAGES if s in last)
-    print(f"  after the last guard → flow return (finish-iteration, export, MLflow close): {ended - tail_end:.2f} s")
+    print(f"  after the last stage → flow return (finish-iteration, export, MLflow close): {ended - tail_end:.2f} s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=int, default=5,
+                        help="iterations measured (one more is run); the demo validates and redraws its curve every 5th")
+    parser.add_argument("--keep", type=Path, help="copy the run directory here")
+    parser.add_argument("--json", type=Path, help="write the per-iteration rows here")
+    parser.add_argument("overrides", nargs="*", help="extra dotted config overrides")
+    args = parser.parse_args()
+    home = Path(tempfile.mkdtemp(prefix="rlhf-bench-overhead-"))
+    try:
+        offline_env(home)
+        run_dir, called, ended, runs = run_flow(home, args.iterations + 1, args.overrides)
+        from rlhf_core.io import timing
+
+        spans = timing.spans()
+        manifests = {k: json.loads((run_dir / f"iter_{k}" / "manifest.json").read_text())
+                     for k in range(1, args.iterations + 2)}
+        rows = [account(k, manifests[k], (manifests[k]["rollout"]["started_at"], manifests[k + 1]["rollout"]["started_at"]),
+                        runs, spans) for k in range(1, args.iterations + 1)]
+        start_costs = startup(run_dir, called, manifests[1])
+        if args.keep:
+            shutil.copytree(run_dir, args.keep, dirs_exist_ok=True)
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    print_report(rows, ended, called, start_costs, manifests[args.iterations + 1])
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import RLHFConfig, apply_overrides
 from rlhf_core.errors import CheckpointError
 from rlhf_core.guard import halt_message, read_verdict, retry_overrides
+from rlhf_core.io import timing
 from rlhf_core.io.manifest import read_manifest
 from rlhf_core.io.pointers import read_last_good
 from rlhf_core.io.rundir import RunDir
@@ -41,6 +42,12 @@ def check_rolled_back(run: RunDir, k: int) -> None:
 def handle_breach_task(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
                        mlflow_run_id: Optional[str] = None) -> dict:
     """Returns {"action": "retry", "overrides": [...], "changes": {...}} or {"action": "halt", "message"}."""
+    with timing.span("task:kl-breach"):
+        return _handle_breach(cfg, run_dir, iteration, attempt, mlflow_run_id)
+
+
+def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
+                   mlflow_run_id: Optional[str]) -> dict:
     run = RunDir(run_dir)
     k = iteration
     check_rolled_back(run, k)

@@ -10,6 +10,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.guard import begin_iteration
+from rlhf_core.io import timing
 from rlhf_core.io.manifest import read_manifest
 from rlhf_core.io.rundir import RunDir
 from rlhf_core.pipeline import alerts, curve_due, iteration_metrics, prune_checkpoints
@@ -46,7 +47,8 @@ def finish_tracking_task(mlflow_run_id: str, status: str = "FINISHED", reason: O
 def begin_iteration_task(run_dir: str, iteration: int) -> dict:
     """Snapshot the KL controller before the iteration (restored by a rollback, or after a crash
     inside gae so a resumed gae does not update it twice)."""
-    return begin_iteration(RunDir(run_dir), iteration)
+    with timing.span("task:begin-iteration"):
+        return begin_iteration(RunDir(run_dir), iteration)
 
 
 def derived_only(metrics: dict[str, float], run: RunDir, k: int) -> dict[str, float]:
@@ -64,6 +66,12 @@ def finish_iteration_task(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_
     """Close iteration k: iter_k/iteration_metrics.json, MLflow batch + learning-curve PNG, Prefect
     table, report and progress, alerts in the log, old checkpoints pruned (not after a single-stage
     rerun, which may have just rebuilt an old checkpoint on purpose). Returns the metrics."""
+    with timing.span("task:finish-iteration"):
+        return _finish_iteration(cfg, run_dir, iteration, mlflow_run_id, progress_id, prune)
+
+
+def _finish_iteration(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_id: Optional[str],
+                      progress_id: Any, prune: bool) -> dict:
     run = RunDir(run_dir)
     k = iteration
     log = reporting.logger()

@@ -14,8 +14,11 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlhf_core.io.rundir import RunDir
+from rlhf_core.io.timing import timed
 from rlhf_core.query import metrics_table
 
+ARTIFACT, PLOT = "prefect_artifact", "plot"
+"""``io.timing`` kinds of publishing Prefect artifacts and drawing the learning curve."""
 CURVE_PANELS = (("reward/mean", "reward (mean)"), ("kl/mean", "KL(actor‖ref) per token"),
                 ("actor/pg_clipfrac", "PPO clip fraction"), ("val/accuracy", "validation accuracy"))
 TABLE_COLUMNS = ("reward/mean", "val/accuracy", "kl/mean", "kl/coef", "actor/pg_loss", "actor/pg_clipfrac",
@@ -48,6 +51,7 @@ def artifact_key(run: RunDir, suffix: str) -> str:
     return f"{slug}-{suffix}"
 
 
+@timed(ARTIFACT)
 def markdown(text: str, key: Optional[str] = None, description: Optional[str] = None) -> None:
     if in_prefect_run():
         from prefect.artifacts import create_markdown_artifact
@@ -55,6 +59,7 @@ def markdown(text: str, key: Optional[str] = None, description: Optional[str] = 
         create_markdown_artifact(markdown=text, key=key, description=description)
 
 
+@timed(ARTIFACT)
 def table(rows: list[dict[str, Any]], key: Optional[str] = None, description: Optional[str] = None) -> None:
     if in_prefect_run() and rows:
         from prefect.artifacts import create_table_artifact
@@ -62,6 +67,7 @@ def table(rows: list[dict[str, Any]], key: Optional[str] = None, description: Op
         create_table_artifact(table=rows, key=key, description=description)
 
 
+@timed(ARTIFACT)
 def progress_start(run: RunDir, total: int, done: int = 0):
     if not in_prefect_run():
         return None
@@ -71,6 +77,7 @@ def progress_start(run: RunDir, total: int, done: int = 0):
                                     description=f"iterations committed: {done}/{total}")
 
 
+@timed(ARTIFACT)
 def progress_update(artifact_id, done: int, total: int) -> None:
     if artifact_id is None or not in_prefect_run():
         return
@@ -106,6 +113,7 @@ def metrics_by_iteration(run: RunDir) -> dict[int, dict[str, float]]:
     return out
 
 
+@timed(PLOT)
 def plot_learning_curve(run: RunDir, out: Path, kl_threshold: Optional[float] = None) -> Path:
     """2×2 PNG of reward, KL (with the rollback threshold), clip fraction and validation accuracy
     against the iteration, from iter_*/metrics.json; rolled-back iterations marked with a red ×."""

@@ -19,6 +19,7 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.io import timing
 from rlhf_core.io.rundir import RunDir
 from rlhf_core.pipeline import mark_skipped
 from rlhf_core.stages import get_stage
@@ -60,6 +61,12 @@ def new_metrics(run: RunDir, iteration: Optional[int], stage: str, metrics: dict
 def execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int], force: bool,
             mlflow_run_id: Optional[str]) -> dict[str, Any]:
     """Run one stage and report it (MLflow metrics, Prefect artifact, run log)."""
+    with timing.span(f"task:{stage}"):
+        return _execute(stage, cfg, run_dir, iteration, force, mlflow_run_id)
+
+
+def _execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int], force: bool,
+             mlflow_run_id: Optional[str]) -> dict[str, Any]:
     run = RunDir(run_dir)
     result = get_stage(stage).load()(cfg, run, iteration, force=force)
     log = reporting.logger()

@@ -23,9 +23,12 @@ from typing import Any, Optional
 from rlhf_core.config import RLHFConfig, flatten
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.rundir import RunDir
+from rlhf_core.io.timing import timed
 from rlhf_core.paths import state_dir
 from rlhf_core.security import redact, redact_value
 
+MLFLOW = "mlflow"
+"""``io.timing`` kind of the per-iteration MLflow calls (the orchestration-overhead benchmark sums it)."""
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 MAX_PARAM_LENGTH = 6000
 
@@ -157,6 +160,7 @@ def log_config(run_id: str, cfg: RLHFConfig) -> None:
         c.log_batch(run_id, tags=changed)
 
 
+@timed(MLFLOW)
 def log_metrics(run_id: str, metrics: dict[str, float], step: Optional[int]) -> int:
     """One log_batch of every finite numeric metric at ``step``. Returns how many were logged."""
     from mlflow.entities import Metric
@@ -169,16 +173,19 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: Optional[int]) -> 
     return len(batch)
 
 
+@timed(MLFLOW)
 def set_tags(run_id: str, tags: dict[str, Any]) -> None:
     from mlflow.entities import RunTag
 
     client().log_batch(run_id, tags=[RunTag(k, str(redact_value(v))[:5000]) for k, v in tags.items()])
 
 
+@timed(MLFLOW)
 def log_artifact(run_id: str, path: Path, artifact_path: Optional[str] = None) -> None:
     client().log_artifact(run_id, str(path), artifact_path)
 
 
+@timed(MLFLOW)
 def finish(run_id: str, status: str = "FINISHED") -> None:
     """status: FINISHED | FAILED | KILLED."""
     client().set_terminated(run_id, status=status)
@@ -189,6 +196,7 @@ def metric_history(run_id: str, key: str) -> list[tuple[int, float]]:
     return [(m.step, m.value) for m in client().get_metric_history(run_id, key)]
 
 
+@timed(MLFLOW)
 def run_url(run_id: str) -> Optional[str]:
     """A browsable address when the tracking store is a server."""
     uri = tracking_uri()

@@ -18,6 +18,8 @@ from typing import Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf_core.io.timing import CHECKPOINT_WRITE, JSON_WRITE, TABLE_WRITE, timed
+
 TMP_MARK = ".tmp-"
 
 
@@ -61,7 +63,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    with atomic_path(path) as tmp:
+    with timed(JSON_WRITE), atomic_path(path) as tmp:
         tmp.write_bytes(data)
     return Path(path)
 
@@ -78,7 +80,7 @@ def atomic_write_parquet(path: str | Path, table: pa.Table, schema: pa.Schema | 
     """Write ``table`` (cast to ``schema`` when given, so a stage's declared schema is enforced)."""
     if schema is not None:
         table = table.select(schema.names).cast(schema)
-    with atomic_path(path) as tmp:
+    with timed(TABLE_WRITE), atomic_path(path) as tmp:
         pq.write_table(table, tmp, compression="zstd")
     return Path(path)
 
@@ -86,7 +88,14 @@ def atomic_write_parquet(path: str | Path, table: pa.Table, schema: pa.Schema | 
 @contextlib.contextmanager
 def atomic_dir(path: str | Path) -> Iterator[Path]:
     """Yield a temporary directory; on success it replaces ``path`` (an old one is removed after
-    the new one is in place, so a crash leaves either the old or the new directory, never a mix)."""
+    the new one is in place, so a crash leaves either the old or the new directory, never a mix).
+    The caller's writes inside the block count as a checkpoint write (``io.timing``)."""
+    with timed(CHECKPOINT_WRITE), _atomic_dir(path) as tmp:
+        yield tmp
+
+
+@contextlib.contextmanager
+def _atomic_dir(path: str | Path) -> Iterator[Path]:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_sibling(path)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
+from rlhf_core.io.timing import HASHING, timed
+
 _CHUNK = 1 << 20
 
 
@@ -19,13 +21,14 @@ def sha256_file(path: str | Path) -> str:
 def sha256_tree(path: str | Path) -> str:
     """Hash of a file, or of a directory's relative names and file contents (order-independent)."""
     path = Path(path)
-    if path.is_file():
-        return sha256_file(path)
-    h = hashlib.sha256()
-    for p in sorted(q for q in path.rglob("*") if q.is_file()):
-        h.update(str(p.relative_to(path)).encode())
-        h.update(sha256_file(p).encode())
-    return h.hexdigest()
+    with timed(HASHING):
+        if path.is_file():
+            return sha256_file(path)
+        h = hashlib.sha256()
+        for p in sorted(q for q in path.rglob("*") if q.is_file()):
+            h.update(str(p.relative_to(path)).encode())
+            h.update(sha256_file(p).encode())
+        return h.hexdigest()
 
 
 def sha256_text(text: str) -> str:

@@ -6,7 +6,11 @@ iteration) maps stage name → record::
     {"status": "done" | "stale" | "rolled_back" | "failed",
      "inputs": {relpath: sha256}, "outputs": {relpath: sha256}, "config_hash": str,
      "rows": {name: int}, "metrics": {name: float}, "seconds": float,
+     "io_seconds": float, "io": {kind: float},
      "started_at": float, "finished_at": float}
+
+``seconds`` is the stage body's wall time; ``io_seconds`` the part of it spent loading models,
+writing checkpoints and tables, hashing, releasing memory (``rlhf_core.io.timing``), by kind in ``io``.
 
 A stage is up to date when its record is ``done``, its recorded input hashes and config hash match
 the current ones, and its outputs still hash to what was recorded.
@@ -21,14 +25,17 @@ from typing import Any, Optional
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.hashing import sha256_tree
 from rlhf_core.io.rundir import ITERATION_STAGES, SETUP_STAGES, RunDir
+from rlhf_core.io.timing import MANIFEST, timed
 
 
 def read_manifest(run: RunDir, iteration: Optional[int]) -> dict[str, Any]:
-    return run.read_json(run.manifest_path(iteration), default={}) or {}
+    with timed(MANIFEST):
+        return run.read_json(run.manifest_path(iteration), default={}) or {}
 
 
 def write_manifest(run: RunDir, iteration: Optional[int], manifest: dict[str, Any]) -> None:
-    atomic_write_json(run.manifest_path(iteration), manifest)
+    with timed(MANIFEST):
+        atomic_write_json(run.manifest_path(iteration), manifest)
 
 
 def hash_paths(run: RunDir, paths: list[Path]) -> dict[str, str]:

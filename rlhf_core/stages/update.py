@@ -18,11 +18,13 @@ import collections
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import DataError, RLHFError
+from rlhf_core.io import timing
 from rlhf_core.io.rundir import RunDir
 from rlhf_core.stages.base import StageResult, execute_stage
 
@@ -74,6 +76,20 @@ def launch_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, nproc: int) -> No
         raise RLHFError(f"update on {nproc} ranks failed (exit {proc.returncode}); last output:\n" + "\n".join(tail))
 
 
+def count_update_io(metrics: dict[str, float], wall: float, separate_processes: bool) -> None:
+    """Count the trainer's non-compute seconds into the stage's I/O tally (``io.timing``): its
+    setup (process group, data, model loads, DeepSpeed engines, optimizer state:
+    perf/setup_seconds) and its checkpoint save (perf/checkpoint_seconds). With torchrun ranks,
+    the rest of the launch's wall time outside those and the PPO loop (perf/update_seconds) is
+    process start-up (interpreter, imports)."""
+    setup = float(metrics.get("perf/setup_seconds", 0.0))
+    checkpoint = float(metrics.get("perf/checkpoint_seconds", 0.0))
+    timing.add(timing.UPDATE_SETUP, setup)
+    timing.add(timing.CHECKPOINT_WRITE, checkpoint)
+    if separate_processes:
+        timing.add("process_launch", wall - setup - checkpoint - float(metrics.get("perf/update_seconds", 0.0)))
+
+
 def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
     """Train iteration ``iteration``'s actor and critic; skipped when inputs and config are unchanged."""
     if iteration is None or iteration < 1:
@@ -88,11 +104,14 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
         from rlhf_core.training.update import read_update_metrics, train_update
 
         nproc = cfg.trainer.nproc
-        if nproc > 1:
-            launch_ranks(cfg, run, iteration, nproc)
-            metrics = read_update_metrics(run, iteration)
-        else:
-            metrics = train_update(cfg, run, iteration)
+        launched = time.perf_counter()
+        with timing.opaque():  # the trainer times its own I/O: counted below from its metrics
+            if nproc > 1:
+                launch_ranks(cfg, run, iteration, nproc)
+                metrics = read_update_metrics(run, iteration)
+            else:
+                metrics = train_update(cfg, run, iteration)
+        count_update_io(metrics, time.perf_counter() - launched, separate_processes=nproc > 1)
         rows = pq.ParquetFile(run.advantages(iteration)).metadata.num_rows
         shown = ", ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in STAGE_METRICS if k in metrics)
         return StageResult(
