@@ -25,7 +25,9 @@ from prefect.transactions import transaction
 from rlhf_core.config import RLHFConfig, apply_overrides
 from rlhf_core.guard import KLGuardHalt, check_committed
 from rlhf_core.io.rundir import RunDir, RunLock
-from rlhf_core.pipeline import RunPlan, format_iteration_header, format_iteration_row, open_run, plan_run, validate_due
+from rlhf_core.pipeline import (
+    RunPlan, format_iteration_header, format_iteration_row, open_run, plan_run, settle_heap, validate_due,
+)
 from tasks import reporting
 from tasks.guard import handle_breach_task
 from tasks.iteration import begin_iteration_task, finish_iteration_task, finish_tracking_task, start_tracking_task
@@ -105,6 +107,7 @@ def train(plan: RunPlan, mlflow_run_id: str) -> dict:
     if not plan.resumed:  # the initial policy's score: the baseline every later val/accuracy is read against
         baseline = validate_task(cfg, run_dir, 0, mlflow_run_id=mlflow_run_id)
         print(f"initial policy (iteration 0): val/accuracy {baseline['metrics'].get('val/accuracy', float('nan')):.3f}")
+    settle_heap()  # every module is imported by now: keep the GC from rescanning them each iteration
     total = cfg.trainer.total_iterations
     progress = reporting.progress_start(plan.run, total, done=plan.first_iteration - 1)
     metrics: dict = {}

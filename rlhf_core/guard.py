@@ -31,6 +31,7 @@ from rlhf_core.io.atomic import TMP_MARK, atomic_write_json
 from rlhf_core.io.manifest import read_manifest, set_status, write_manifest
 from rlhf_core.io.pointers import read_last_good, write_last_good
 from rlhf_core.io.rundir import RunDir
+from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, execute_stage
 
 ROLLED_BACK_STAGES = ("gae", "update", "guard")
@@ -122,7 +123,8 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
 def _load_scored_sequences(path: Path) -> tuple[list[list[int]], list[int], list[list[float]]]:
     import pyarrow.parquet as pq
 
-    table = pq.read_table(path, columns=["prompt_token_ids", "response_token_ids", "ref_log_probs"])
+    with timed(TABLE_READ):
+        table = pq.read_table(path, columns=["prompt_token_ids", "response_token_ids", "ref_log_probs"])
     prompts = table.column("prompt_token_ids").to_pylist()
     responses = table.column("response_token_ids").to_pylist()
     refs = table.column("ref_log_probs").to_pylist()
@@ -136,7 +138,6 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
 
     ``actor_dir`` defaults to the iteration's freshly trained actor (iter_k/checkpoint/actor).
     """
-    from rlhf_core.export import load_actor
     from rlhf_core.io.pointers import reference_path
     from rlhf_core.scoring import load_causal_lm, scoring_device, scoring_dtype
 
@@ -148,13 +149,25 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
     rollout = cfg.actor_rollout_ref.rollout
     device = scoring_device(cfg.trainer.device)
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
-    actor = load_actor(actor_dir, device=device, dtype=dtype)
-    ref = load_causal_lm(reference_path(cfg), device, dtype, role="reference")
+    actor = load_actor_for_kl(actor_dir, device, dtype)
+    ref = load_causal_lm(reference_path(cfg), device, dtype, role="reference", shared=True)
     pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
     kls, sampled = token_kl(actor, ref, sequences, prompt_lengths, budget=rollout.log_prob_max_token_len_per_gpu,
                             temperature=rollout.temperature, pad_id=pad_id)
     k1 = [[a - b for a, b in zip(new.tolist(), old)] for new, old in zip(sampled, ref_log_probs)]
     return response_kl(kls, k1)
+
+
+def load_actor_for_kl(actor_dir: Path, device, dtype):
+    """The trained actor for KL measurement: shared from ``scoring.cache`` (the next rollout samples
+    from it when committed), except a LoRA adapter, which ``export.load_actor`` merges into its base."""
+    from rlhf_core.export import is_lora_dir, load_actor
+    from rlhf_core.scoring import load_causal_lm
+
+    if is_lora_dir(actor_dir):
+        with timed(MODEL_LOAD):
+            return load_actor(actor_dir, device=device, dtype=dtype)
+    return load_causal_lm(actor_dir, device, dtype, role="actor", shared=True)
 
 
 def nonfinite_update(update_record: dict, kl: float) -> Optional[str]:

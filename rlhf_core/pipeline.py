@@ -158,6 +158,17 @@ def prune_checkpoints(cfg: RLHFConfig, run: RunDir) -> list[int]:
     return removed
 
 
+def settle_heap() -> None:
+    """Collect once, then move every object alive now (imported modules, Prefect, MLflow, torch and
+    transformers state) out of the garbage collector's view (``gc.freeze``). They live for the whole
+    process anyway; afterwards each automatic full collection scans only what the iterations
+    allocate instead of the whole heap (0.2-0.5 s per collection in a flow process without it)."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def mark_skipped(run: RunDir, k: Optional[int], stage: str) -> None:
     """Note that the last invocation of ``stage`` reused its outputs (shown as 'skipped')."""
     manifest = read_manifest(run, k)

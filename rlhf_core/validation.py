@@ -21,6 +21,7 @@ from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.io.manifest import read_manifest
 from rlhf_core.io.pointers import actor_path, reference_path
 from rlhf_core.io.rundir import RunDir
+from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, execute_stage
 
 VALIDATION = pa.schema([
@@ -61,7 +62,8 @@ def sample_val_responses(cfg: RLHFConfig, run: RunDir, actor_dir: Path, limit: O
     from rlhf_core.rollout.base import derive_seed
     from rlhf_core.rollout.generate import generate_responses, read_prompt_rows, sampling_from_config
 
-    rows = read_prompt_rows(run.val_prompts)
+    with timed(TABLE_READ):
+        rows = read_prompt_rows(run.val_prompts)
     rows = rows[:limit] if limit else rows
     sampling = sampling_from_config(cfg, seed=derive_seed(cfg.actor_rollout_ref.rollout.seed, seed_offset))
     from dataclasses import replace
@@ -117,8 +119,7 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
 def val_kl_from_samples(cfg: RLHFConfig, samples: tuple[list[dict], list], actor_dir: Path) -> dict[str, float]:
     """On-policy KL(actor ‖ ref) on responses the actor itself sampled for validation prompts:
     {"val_kl_mean", "val_kl_tokens"} (per-token mean of the exact per-position KL, ``guard.token_kl``)."""
-    from rlhf_core.export import load_actor
-    from rlhf_core.guard import response_kl, token_kl
+    from rlhf_core.guard import load_actor_for_kl, response_kl, token_kl
     from rlhf_core.scoring import load_causal_lm, scoring_device, scoring_dtype
 
     rows, generated = samples
@@ -128,8 +129,8 @@ def val_kl_from_samples(cfg: RLHFConfig, samples: tuple[list[dict], list], actor
     rollout = cfg.actor_rollout_ref.rollout
     device = scoring_device(cfg.trainer.device)
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
-    actor = load_actor(actor_dir, device, dtype)
-    ref = load_causal_lm(reference_path(cfg), device, dtype, role="reference")
+    actor = load_actor_for_kl(actor_dir, device, dtype)
+    ref = load_causal_lm(reference_path(cfg), device, dtype, role="reference", shared=True)
     pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
     kls, _ = token_kl(actor, ref, sequences, prompt_lengths, budget=rollout.log_prob_max_token_len_per_gpu,
                       temperature=rollout.temperature, pad_id=pad_id)

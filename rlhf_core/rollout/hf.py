@@ -43,20 +43,25 @@ class HFEngine:
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "auto",
                  tokenizer_path: Optional[str | Path] = None, cpu_threads: int = 0):
         import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+        from transformers import GenerationConfig
+
+        from rlhf_core.scoring.models import load_causal_lm, load_tokenizer
 
         self.device = resolve_device(device)
         if dtype == "auto":
             dtype = "bf16" if self.device.startswith("cuda") else "fp32"
         torch_dtype = getattr(torch, _DTYPES[dtype])
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch_dtype)
-        self.model = model.to(self.device).eval()
+        # shared (scoring.cache): the actor the guard just measured, or the one scoring will use next;
+        # sdpa is transformers' default, named so the key matches the scoring stage's on CPU
+        self.tokenizer = load_tokenizer(tokenizer_path or model_path, shared=True)
+        model = load_causal_lm(Path(model_path), torch.device(self.device), torch_dtype, shared=True, attention="sdpa")
+        self.model = model
         self.eos_ids = eos_token_ids(self.tokenizer, model.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
         # Our SamplingParams are the only source of sampling settings: a checkpoint's
         # generation_config.json (e.g. Qwen's repetition_penalty=1.05, top_k=20) would otherwise fill
-        # every unset field and sample from a distribution the scoring stage does not model.
+        # every unset field and sample from a distribution the scoring stage does not model. (On a
+        # shared model this is the same assignment every engine makes: the union of the same EOS ids.)
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
         self.cpu_threads = cpu_threads or (1 if model.num_parameters() < SMALL_MODEL_PARAMS else 0)
@@ -84,14 +89,17 @@ class HFEngine:
         ]
 
     def close(self) -> None:
-        import gc
+        import weakref
 
         import torch
 
+        from rlhf_core.scoring.models import release
+
+        if self.model is None:
+            return
+        alive = weakref.ref(self.model)
         self.model = None
-        gc.collect()
-        if self.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        release(alive, torch.device(self.device))
 
     # -------------------------------------------------------------------------------------------
 

@@ -30,6 +30,7 @@ from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.guard import kl_snapshot_path
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.rundir import RunDir
+from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, execute_stage
 
 CONFIG_SECTIONS = ("algorithm.",)
@@ -133,8 +134,9 @@ def _gae(cfg: RLHFConfig, run: RunDir, k: int) -> StageResult:
     if settings.use_kl_in_reward:
         controller = kl_controller_for(cfg, kl_state_before(run, k), kl_snapshot_path(run, k))
     used = controller.value if controller is not None else 0.0
-    out = compute_advantages(pq.read_table(run.scored(k)), kl_coef=used, settings=settings,
-                             source=str(run.scored(k)))
+    with timed(TABLE_READ):
+        scored = pq.read_table(run.scored(k))
+    out = compute_advantages(scored, kl_coef=used, settings=settings, source=str(run.scored(k)))
     path = atomic_write_parquet(run.advantages(k), out.table, schema=ADVANTAGES)
     metrics = dict(out.metrics)
     kl_lines = [f"KL not in the reward (algorithm.use_kl_in_reward=false): token reward = score on the last "

@@ -24,8 +24,10 @@ from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.io.pointers import actor_path
 from rlhf_core.io.rundir import RunDir
+from rlhf_core.io.tables import rows_with_ids
+from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.rollout.generate import (
-    generate_responses, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
+    PROMPT_COLUMNS, generate_responses, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
 )
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
 from rlhf_core.stages.base import StageResult, execute_stage
@@ -67,7 +69,8 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
 
 def slot_batches(run: RunDir, iteration: int) -> tuple[int, int, list[list[str]]]:
     """(slot, number of slots, prompt ids per generation batch in batch order) for iteration k."""
-    table = pq.read_table(run.generation_batches, columns=["slot", "batch_id", "prompt_ids"])
+    with timed(TABLE_READ):
+        table = pq.read_table(run.generation_batches, columns=["slot", "batch_id", "prompt_ids"])
     if table.num_rows == 0:
         raise DataError(f"{run.generation_batches} has no generation batches; rerun the pack stage")
     num_slots = int(pc.max(table["slot"]).as_py()) + 1
@@ -80,8 +83,8 @@ def slot_batches(run: RunDir, iteration: int) -> tuple[int, int, list[list[str]]
 
 def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path) -> StageResult:
     slot, num_slots, batches = slot_batches(run, iteration)
-    by_id = {row["prompt_id"]: row for row in read_prompt_rows(run.train_prompts)}
     wanted = list(dict.fromkeys(pid for batch in batches for pid in batch))  # batch order, unique
+    by_id = {row["prompt_id"]: row for row in rows_with_ids(run.train_prompts, "prompt_id", wanted, PROMPT_COLUMNS)}
     unknown = [pid for pid in wanted if pid not in by_id]
     if unknown:
         raise DataError(f"{run.generation_batches} names prompt id {unknown[0]!r} that is not in "
@@ -115,8 +118,10 @@ def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
     from rlhf_core.rollout.base import GenerationStats
     from rlhf_core.rollout.generate import tokenizer_path_for
 
-    prompt_rows = read_prompt_rows(run.train_prompts, columns=None)  # text columns: prompts matched by text
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_path_for(cfg, model_dir))
+    with timed(TABLE_READ):
+        prompt_rows = read_prompt_rows(run.train_prompts, columns=None)  # text columns: prompts matched by text
+    with timed(MODEL_LOAD):
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path_for(cfg, model_dir))
     imported = import_offline(offline_file, prompt_rows, tokenizer,
                               max_response_length=cfg.data.max_response_length,
                               prompts_name=str(run.train_prompts.relative_to(run.root)))

@@ -15,8 +15,8 @@ Inspect it with DuckDB:  SELECT avg(reward) FROM 'RUN/iter_1/scored.parquet'
 
 from __future__ import annotations
 
-import gc
 import statistics
+import weakref
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -24,6 +24,7 @@ from typing import Optional
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.rundir import RunDir
+from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.progress import bar_disabled
 
@@ -84,8 +85,9 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
     from rlhf_core.scoring import Throughput
 
     rollout_path = run.rollout(iteration)
-    table = pq.read_table(rollout_path)
-    rows = table.to_pylist()
+    with timed(TABLE_READ):
+        table = pq.read_table(rollout_path)
+        rows = table.to_pylist()
     _check_rollout(rows, rollout_path)
     prompts = _prompt_lookup(run.train_prompts, rows)
     if models.reward_model is not None:
@@ -130,10 +132,11 @@ def _check_rollout(rows: list[dict], path: Path) -> None:
 
 def _prompt_lookup(prompts_path: Path, rows: list[dict]) -> dict[str, dict]:
     """prompt_id → {"prompt": chat messages, "extra_info": dict} for the prompts the rollout used."""
-    import pyarrow.parquet as pq
+    from rlhf_core.io.tables import rows_with_ids
 
-    table = pq.read_table(prompts_path, columns=["prompt_id", "prompt", "extra_info"])
-    lookup = {r["prompt_id"]: r for r in table.to_pylist()}
+    used = {r["prompt_id"] for r in rows}
+    lookup = {r["prompt_id"]: r for r in rows_with_ids(prompts_path, "prompt_id", used,
+                                                        ["prompt_id", "prompt", "extra_info"])}
     missing = sorted({r["prompt_id"] for r in rows} - set(lookup))
     if missing:
         raise DataError(f"{len(missing)} rollout prompt_id(s) are not in {prompts_path} (first: "
@@ -177,14 +180,17 @@ def _reward_model_scores(cfg: RLHFConfig, path: Path, rows: list[dict],
 
     from rlhf_core.rewards.reward_model import load_reward_model, score_conversations
     from rlhf_core.scoring import scoring_device, scoring_dtype
+    from rlhf_core.scoring.models import release
 
     device = scoring_device(cfg.trainer.device)
-    rm = load_reward_model(path, device, scoring_dtype(device))
+    with timed(MODEL_LOAD):
+        rm = load_reward_model(path, device, scoring_dtype(device))
     messages = [prompts[r["prompt_id"]]["prompt"] for r in rows]
     scores = score_conversations(rm, messages, [r["response_text"] for r in rows],
                                  micro_batch_size=cfg.reward_model.micro_batch_size)
+    alive = weakref.ref(rm)
     del rm
-    gc.collect()
+    release(alive, device)
     return scores, [json.dumps({"rm_score": s}) for s in scores]
 
 
@@ -199,6 +205,7 @@ def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
         compute_token_logprobs, compute_token_values, load_causal_lm, load_critic, same_weights,
         scoring_device, scoring_dtype,
     )
+    from rlhf_core.scoring.models import release
 
     device = scoring_device(cfg.trainer.device)
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
@@ -209,11 +216,13 @@ def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
                   budget=rollout.log_prob_max_token_len_per_gpu, throughput=meter)
 
     def logprobs(path: Path, role: str) -> list[list[float]]:
-        model = load_causal_lm(path, device, dtype, role=role)
+        # shared: the actor the rollout just sampled from, the reference the guard uses too
+        model = load_causal_lm(path, device, dtype, role=role, shared=True)
         out = compute_token_logprobs(model, temperature=rollout.temperature, pad_id=_pad_id(model),
                                      desc=f"{role} log-probs", **common)
+        alive = weakref.ref(model)
         del model
-        gc.collect()
+        release(alive, device)
         return [t.tolist() for t in out]
 
     old = logprobs(models.actor, "actor")
@@ -222,8 +231,9 @@ def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
     critic = load_critic(models.critic, device, dtype)
     values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common)
     values = [t.tolist() for t in values]
+    alive = weakref.ref(critic)  # the critic changes every iteration: not worth caching
     del critic
-    gc.collect()
+    release(alive, device)
     return old, ref, values, ref_reused
 
 

@@ -94,3 +94,15 @@ def test_curve_redrawn_every_curve_freq_after_the_last_and_after_a_rollback(tmp_
     assert curve_due(cfg, run, 3) and not curve_due(cfg, run, 4)
     every = load_config(None, ["trainer.total_iterations=3"])
     assert [k for k in range(1, 4) if curve_due(every, run, k)] == [1, 2, 3]
+
+
+def test_settle_heap_moves_live_objects_out_of_the_collectors_view():
+    import gc
+
+    from rlhf_core.pipeline import settle_heap
+
+    try:
+        settle_heap()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
