@@ -58,10 +58,13 @@ class Span:
     end: float
     in_stage: bool
     """Inside a stage body (then already in that stage's manifest ``io``)."""
+    background: bool = False
+    """Logged by a background thread (``background()``): overlaps the critical path, not on it."""
 
 
 _tally: contextvars.ContextVar[Optional[dict[str, float]]] = contextvars.ContextVar("rlhf_io_tally", default=None)
 _busy: contextvars.ContextVar[bool] = contextvars.ContextVar("rlhf_io_busy", default=False)
+_background: contextvars.ContextVar[bool] = contextvars.ContextVar("rlhf_io_background", default=False)
 _spans: Optional[collections.deque] = None
 MAX_SPANS = 100_000
 # For the garbage-collector callback, which runs in whichever thread allocated last: the innermost
@@ -91,7 +94,7 @@ def timed(kind: str) -> Iterator[None]:
         if tally is not None:
             tally[kind] = tally.get(kind, 0.0) + seconds
         if _spans is not None:
-            _spans.append(Span(kind, wall, wall + seconds, tally is not None))
+            _spans.append(Span(kind, wall, wall + seconds, tally is not None, _background.get()))
 
 
 @contextlib.contextmanager
@@ -119,7 +122,19 @@ def span(kind: str) -> Iterator[None]:
         yield
     finally:
         if _spans is not None:
-            _spans.append(Span(kind, wall, wall + time.perf_counter() - started, _tally.get() is not None))
+            _spans.append(Span(kind, wall, wall + time.perf_counter() - started, _tally.get() is not None,
+                               _background.get()))
+
+
+@contextlib.contextmanager
+def background() -> Iterator[None]:
+    """Mark the spans logged inside (in this context) as background work: a reporter thread's
+    MLflow and artifact calls overlap the next iteration instead of lengthening it."""
+    token = _background.set(True)
+    try:
+        yield
+    finally:
+        _background.reset(token)
 
 
 def add(kind: str, seconds: float) -> None:
