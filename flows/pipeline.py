@@ -9,6 +9,13 @@ rolls the transaction back, whose hooks discard the new checkpoint and restore t
 at most ``trainer.max_rollbacks`` times) or halt the flow run with a message saying how to go on.
 The flow holds the run directory's lock; it contains wiring only (decisions live in rlhf_core).
 
+Reporting is per iteration, not per stage: the stage tasks run with report=False and
+finish-iteration emits one MLflow batch and one markdown artifact for the whole iteration. Its
+views (MLflow batch, learning curve, Prefect artifacts) are published by a background reporter
+(tasks.reporter) while the next iteration runs; the reporter is drained before the flow returns or
+fails, and committed iterations whose batch is not in MLflow are logged from the run directory
+(at the end, and on resume after a crash).
+
     rlhf run -c configs/demo.yaml trainer.total_iterations=4      (CLI)
     rlhf_pipeline(PipelineParams(config="configs/demo.yaml", iterations=4))   (Python / deployment)
 """
@@ -30,7 +37,11 @@ from rlhf_core.pipeline import (
 )
 from tasks import reporting
 from tasks.guard import handle_breach_task
-from tasks.iteration import begin_iteration_task, finish_iteration_task, finish_tracking_task, start_tracking_task
+from tasks.iteration import (
+    backfill_tracking_task, begin_iteration_task, finish_iteration_task, finish_tracking_task, publish_iteration,
+    start_tracking_task,
+)
+from tasks.reporter import Reporter
 from tasks.stages import (
     ITERATION_KEY, export_task, gae_task, guard_task, pack_task, preprocess_task, rollout_task, score_task, update_task,
     validate_task, warm_start_task,
@@ -84,6 +95,8 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     with RunLock(plan.run):
         open_run(plan)
         mlflow_run_id = start_tracking_task(plan.cfg, str(plan.run.root))
+        if plan.resumed:  # a crash may have come between an iteration's commit and its report
+            backfill_tracking_task(plan.cfg, str(plan.run.root), mlflow_run_id)
         try:
             summary = train(plan, mlflow_run_id)
         except KLGuardHalt as exc:
@@ -98,8 +111,6 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
 
 def train(plan: RunPlan, mlflow_run_id: str) -> dict:
     """The iteration loop (setup stages first); prints one table row per iteration."""
-    from tqdm.auto import tqdm
-
     cfg, run_dir = plan.cfg, str(plan.run.root)
     warm_start_task(cfg, run_dir)
     preprocess_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
@@ -108,7 +119,23 @@ def train(plan: RunPlan, mlflow_run_id: str) -> dict:
         baseline = validate_task(cfg, run_dir, 0, mlflow_run_id=mlflow_run_id)
         print(f"initial policy (iteration 0): val/accuracy {baseline['metrics'].get('val/accuracy', float('nan')):.3f}")
     settle_heap()  # every module is imported by now: keep the GC from rescanning them each iteration
-    total = cfg.trainer.total_iterations
+    reporter = Reporter(reporting.logger())
+    try:
+        cfg, metrics = iterate(plan, cfg, mlflow_run_id, reporter)
+    finally:  # every queued view is published (or its failure logged) before the flow returns or fails
+        failed = reporter.close()
+    if failed:  # the batches a failed report did not log (a failed run catches up on resume)
+        backfill_tracking_task(cfg, run_dir, mlflow_run_id)
+    exported = export_task(cfg, run_dir, mlflow_run_id=mlflow_run_id) if plan.iterations() else None
+    return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
+            "export": exported}
+
+
+def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: str, reporter: Reporter) -> tuple[RLHFConfig, dict]:
+    """Iterations first..last: run, close, queue the views; returns the last config and metrics."""
+    from tqdm.auto import tqdm
+
+    run_dir, total = str(plan.run.root), cfg.trainer.total_iterations
     progress = reporting.progress_start(plan.run, total, done=plan.first_iteration - 1)
     metrics: dict = {}
     shown: set[str] = set()  # alert kinds already in the table (every one stays in the flow log)
@@ -116,16 +143,16 @@ def train(plan: RunPlan, mlflow_run_id: str) -> dict:
               dynamic_ncols=True) as bar:
         bar.write(format_iteration_header())
         for k in plan.iterations():
-            cfg = run_iteration(cfg, run_dir, k, mlflow_run_id)
+            cfg, results = run_iteration(cfg, run_dir, k, mlflow_run_id)
             if validate_due(cfg, k):
-                validate_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
-            closed = finish_iteration_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id, progress_id=progress)
+                results.append(validate_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id, report=False))
+            closed = finish_iteration_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id, progress_id=progress,
+                                           stage_results=results, publish=False)
+            reporter.submit(f"report of iteration {k}", publish_iteration, closed["report"])
             metrics = closed["metrics"]
             bar.write(format_iteration_row(metrics, note="; ".join(_first_of_kind(closed["alerts"], shown))))
             bar.update(1)
-    exported = export_task(cfg, run_dir, mlflow_run_id=mlflow_run_id) if plan.iterations() else None
-    return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
-            "export": exported}
+    return cfg, metrics
 
 
 def _first_of_kind(alerts: list[str], shown: set[str]) -> list[str]:
@@ -139,25 +166,27 @@ def _first_of_kind(alerts: list[str], shown: set[str]) -> list[str]:
     return out
 
 
-def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: str) -> RLHFConfig:
+def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: str) -> tuple[RLHFConfig, list[dict]]:
     """Iteration k until the guard commits it; returns the config it committed with (a retry
-    changes it). Raises KLGuardHalt when the breach policy stops the run."""
+    changes it) and the committed attempt's stage results, which the stage tasks did not report
+    (finish-iteration does). Raises KLGuardHalt when the breach policy stops the run."""
+    quiet = dict(mlflow_run_id=mlflow_run_id, report=False)
     for attempt in itertools.count(1):
         begin_iteration_task(run_dir, k)
-        rollout_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
-        score_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
-        gae_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
+        results = [rollout_task(cfg, run_dir, k, **quiet), score_task(cfg, run_dir, k, **quiet),
+                   gae_task(cfg, run_dir, k, **quiet)]
         with transaction() as txn:
             txn.set(ITERATION_KEY, {"run_dir": run_dir, "iteration": k, "attempt": attempt,
                                     "policy": cfg.trainer.on_kl_breach})
-            update_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)
-            decision = guard_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id)["verdict"]["decision"]
+            results.append(update_task(cfg, run_dir, k, **quiet))
+            results.append(guard_task(cfg, run_dir, k, **quiet))
+            decision = results[-1]["verdict"]["decision"]
             if decision == "rollback":
                 txn.rollback()
         if decision == "commit":
             check_committed(RunDir(run_dir), k)
-            return cfg
-        outcome = handle_breach_task(cfg, run_dir, k, attempt, mlflow_run_id=mlflow_run_id)
+            return cfg, results
+        outcome = handle_breach_task(cfg, run_dir, k, attempt, mlflow_run_id=mlflow_run_id, stage_results=results)
         if outcome["action"] == "halt":
             raise KLGuardHalt(outcome["message"])
         cfg = apply_overrides(cfg, outcome["overrides"])

@@ -216,6 +216,30 @@ def iteration_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
     return out
 
 
+REPORT_ORDER = ITERATION_STAGES + ("validate",)
+"""The order an iteration's stages run in: a metric two stages report is reported by the first."""
+
+
+def stage_reports(manifest: dict, statuses: Sequence[str] = ("done", "stale")) -> dict[str, dict[str, float]]:
+    """What each stage of an iteration reports to MLflow, in run order: its metrics minus the names
+    an earlier stage already reported (one point per metric and step; e.g. response_length/mean
+    from rollout, not again from score), plus perf/stage_seconds/<stage>. Only records whose status
+    is in ``statuses`` count, as reporters and as earlier stages."""
+    taken: set[str] = set()
+    out: dict[str, dict[str, float]] = {}
+    for stage in REPORT_ORDER:
+        rec = manifest.get(stage)
+        if not rec or rec.get("status") not in statuses:
+            continue
+        metrics = rec.get("metrics") or {}
+        mine = {name: value for name, value in metrics.items() if name not in taken}
+        taken |= set(metrics)
+        if rec.get("seconds") is not None:
+            mine[f"perf/stage_seconds/{stage}"] = float(rec["seconds"])
+        out[stage] = mine
+    return out
+
+
 def iteration_tokens(run: RunDir, k: int) -> int:
     """Prompt + response tokens of iteration ``k``'s rollout (0 when absent)."""
     if not run.rollout(k).is_file():

@@ -19,7 +19,7 @@ from rlhf_core.io import timing
 from rlhf_core.io.manifest import read_manifest
 from rlhf_core.io.pointers import read_last_good
 from rlhf_core.io.rundir import RunDir
-from rlhf_core.pipeline import save_config
+from rlhf_core.pipeline import save_config, stage_reports
 from tasks import reporting, tracking
 
 
@@ -40,14 +40,30 @@ def check_rolled_back(run: RunDir, k: int) -> None:
 
 @task(name="kl-breach", task_run_name="kl-breach-iter{iteration}", cache_policy=NO_CACHE, persist_result=False)
 def handle_breach_task(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
-                       mlflow_run_id: Optional[str] = None) -> dict:
-    """Returns {"action": "retry", "overrides": [...], "changes": {...}} or {"action": "halt", "message"}."""
+                       mlflow_run_id: Optional[str] = None, stage_results: Optional[list[dict]] = None) -> dict:
+    """Returns {"action": "retry", "overrides": [...], "changes": {...}} or {"action": "halt", "message"}.
+
+    ``stage_results``: the attempt's stage tasks ran with report=False (pipeline flow); the metrics
+    of its rolled-back stages then go into this task's MLflow batch and their summaries into its
+    artifact (the stages that stay committed-to-be, rollout and score, report with the iteration)."""
     with timing.span("task:kl-breach"):
-        return _handle_breach(cfg, run_dir, iteration, attempt, mlflow_run_id)
+        return _handle_breach(cfg, run_dir, iteration, attempt, mlflow_run_id, stage_results)
+
+
+def rolled_back_metrics(run: RunDir, k: int, attempt: int) -> dict[str, float]:
+    """What the stages rolled back by ``attempt`` report (as they would have on their own)."""
+    manifest = read_manifest(run, k)
+    reports = stage_reports(manifest, statuses=("done", "stale", "rolled_back"))
+    out: dict[str, float] = {}
+    for stage, reported in reports.items():
+        rec = manifest[stage]
+        if rec.get("status") == "rolled_back" and rec.get("rollback_attempt") == attempt:
+            out.update(reported)
+    return out
 
 
 def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
-                   mlflow_run_id: Optional[str]) -> dict:
+                   mlflow_run_id: Optional[str], stage_results: Optional[list[dict]]) -> dict:
     run = RunDir(run_dir)
     k = iteration
     check_rolled_back(run, k)
@@ -62,8 +78,10 @@ def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
     log.warning(alert)
     if mlflow_run_id:
         tracking.set_tags(mlflow_run_id, {f"rollback.iter_{k}.attempt_{attempt}": alert, "rollback": "true"})
-        tracking.log_metrics(mlflow_run_id, {"guard/rollback": 1.0, "guard/rollback_kl": verdict.get("kl_mean", 0.0),
-                                             "guard/rollback_attempt": float(attempt)}, step=k)
+        batch = rolled_back_metrics(run, k, attempt) if stage_results is not None else {}
+        batch.update({"guard/rollback": 1.0, "guard/rollback_kl": verdict.get("kl_mean", 0.0),
+                      "guard/rollback_attempt": float(attempt)})
+        tracking.log_metrics(mlflow_run_id, batch, step=k)
     if t.on_kl_breach == "retry" and attempt <= t.max_rollbacks:
         overrides, changes = retry_overrides(cfg, run, k)
         save_config(run, apply_overrides(cfg, overrides))
@@ -79,6 +97,7 @@ def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
     reporting.markdown(
         f"## KL rollback — iteration {k}, attempt {attempt}\n\n{alert}\n\n"
         f"- decision: **{outcome['action']}**\n"
-        + (f"- changes: {outcome['changes']}\n" if outcome["action"] == "retry" else f"- {outcome['message']}\n"),
+        + (f"- changes: {outcome['changes']}\n" if outcome["action"] == "retry" else f"- {outcome['message']}\n")
+        + "".join(f"\n{reporting.stage_markdown(r)}\n" for r in stage_results or []),
         key=reporting.artifact_key(run, "kl-rollback"), description=f"KL rollback at iteration {k}")
     return outcome

@@ -3,6 +3,7 @@ iteration (KL controller snapshot; metrics, learning curve, artifacts, alerts, c
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Optional
 
 from prefect import task
@@ -13,7 +14,7 @@ from rlhf_core.guard import begin_iteration
 from rlhf_core.io import timing
 from rlhf_core.io.manifest import read_manifest
 from rlhf_core.io.rundir import RunDir
-from rlhf_core.pipeline import alerts, curve_due, iteration_metrics, prune_checkpoints
+from rlhf_core.pipeline import alerts, curve_due, iteration_metrics, prune_checkpoints, stage_reports
 from tasks import reporting, tracking
 from tasks.stages import IO_RETRIES
 
@@ -60,18 +61,57 @@ def derived_only(metrics: dict[str, float], run: RunDir, k: int) -> dict[str, fl
     return {key: v for key, v in metrics.items() if key not in logged}
 
 
+def iteration_batch(metrics: dict[str, float], run: RunDir, k: int) -> dict[str, float]:
+    """Everything iteration ``k`` reports to MLflow at step k, from the run directory alone: each
+    committed stage's metrics (``stage_reports``: the same names and values the stage tasks log
+    on a single-stage rerun) plus the derived ones. The pipeline flow logs it as one batch."""
+    batch: dict[str, float] = {}
+    for reported in stage_reports(read_manifest(run, k)).values():
+        batch.update(reported)
+    batch.update(derived_only(metrics, run, k))
+    return batch
+
+
+DONE_MARK = "perf/iteration_seconds"
+"""Logged by every iteration's batch, never by a stage: its steps in MLflow are the iterations whose
+batch landed (one log_batch is one store transaction)."""
+
+
+@dataclass
+class IterationReport:
+    """The views of a closed iteration, ready to publish (here or on a background reporter)."""
+
+    run_dir: str
+    iteration: int
+    total: int
+    mlflow_run_id: Optional[str]
+    batch: dict[str, float]
+    stages_text: Optional[str]
+    """One markdown section per stage that ran (None: the stage tasks published their own)."""
+    rows: list[dict[str, Any]]
+    alerts: list[str]
+    curve: Optional[dict[str, Any]]
+    """Snapshot the learning curve is drawn from ({"by_iter", "rollbacks", "kl_threshold"}), when due."""
+    progress_id: Any = None
+
+
 @task(name="finish-iteration", task_run_name="finish-iter{iteration}", **NO_RESULTS)
 def finish_iteration_task(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_id: Optional[str] = None,
-                          progress_id: Any = None, prune: bool = True) -> dict:
-    """Close iteration k: iter_k/iteration_metrics.json, MLflow batch + learning-curve PNG, Prefect
-    table, report and progress, alerts in the log, old checkpoints pruned (not after a single-stage
-    rerun, which may have just rebuilt an old checkpoint on purpose). Returns the metrics."""
+                          progress_id: Any = None, prune: bool = True,
+                          stage_results: Optional[list[dict]] = None, publish: bool = True) -> dict:
+    """Close iteration k: iter_k/iteration_metrics.json, alerts in the log, old checkpoints pruned
+    (not after a single-stage rerun, which may have just rebuilt an old checkpoint on purpose); then
+    its views: one MLflow batch, the learning-curve PNG, Prefect table, report and progress.
+
+    ``stage_results``: the pipeline flow's stage tasks ran with report=False; the batch then holds
+    every stage's metrics and one markdown artifact summarises the stages. ``publish=False`` leaves
+    the views to the caller (returned as ``report``, an ``IterationReport``). Returns the metrics."""
     with timing.span("task:finish-iteration"):
-        return _finish_iteration(cfg, run_dir, iteration, mlflow_run_id, progress_id, prune)
+        return _finish_iteration(cfg, run_dir, iteration, mlflow_run_id, progress_id, prune, stage_results, publish)
 
 
 def _finish_iteration(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_id: Optional[str],
-                      progress_id: Any, prune: bool) -> dict:
+                      progress_id: Any, prune: bool, stage_results: Optional[list[dict]], publish: bool) -> dict:
     run = RunDir(run_dir)
     k = iteration
     log = reporting.logger()
@@ -80,21 +120,61 @@ def _finish_iteration(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_
     for line in warnings:  # a KL breach is a warning; the clip-fraction signal is information
         (log.warning if line.startswith("KL") else log.info)("alert (iteration %d): %s", k, line)
         run.append_event("alert", k, message=line)
-    if mlflow_run_id:
-        tracking.log_metrics(mlflow_run_id, derived_only(metrics, run, k), step=k)
-    reporting.table(reporting.metrics_rows(run), key=reporting.artifact_key(run, "metrics"),
-                    description="per-iteration metrics")
-    if curve_due(cfg, run, k):
-        png = reporting.plot_learning_curve(run, run.root / "plots" / "learning_curve.png",
-                                            kl_threshold=cfg.trainer.kl_rollback_threshold)
-        if mlflow_run_id:
-            tracking.log_artifact(mlflow_run_id, png, "plots")
-        reporting.markdown(reporting.report_markdown(run, png, warnings, tracking.run_url(mlflow_run_id)
-                                                     if mlflow_run_id else None),
-                           key=reporting.artifact_key(run, "report"), description=f"run report after iteration {k}")
-    reporting.progress_update(progress_id, k, cfg.trainer.total_iterations)
+    report = IterationReport(
+        run_dir=run_dir, iteration=k, total=cfg.trainer.total_iterations, mlflow_run_id=mlflow_run_id,
+        batch=iteration_batch(metrics, run, k) if stage_results is not None else derived_only(metrics, run, k),
+        stages_text=(stages_markdown(k, stage_results) if stage_results else None),
+        rows=reporting.metrics_rows(run), alerts=warnings, progress_id=progress_id,
+        curve=(reporting.curve_snapshot(run, cfg.trainer.kl_rollback_threshold) if curve_due(cfg, run, k) else None))
     pruned = prune_checkpoints(cfg, run) if prune else []
     if pruned:
         log.info("pruned checkpoints of iterations %s (kept: last-good and the last %d save points)",
                  pruned, cfg.trainer.max_ckpt_to_keep)
-    return {"metrics": metrics, "alerts": warnings, "pruned": pruned}
+    if publish:
+        publish_iteration(report)
+    return {"metrics": metrics, "alerts": warnings, "pruned": pruned, **({} if publish else {"report": report})}
+
+
+def stages_markdown(k: int, stage_results: list[dict]) -> str:
+    """One markdown document of an iteration's stages (what each stage task publishes on its own)."""
+    return "\n\n".join([f"## Iteration {k}"] + [reporting.stage_markdown(r) for r in stage_results])
+
+
+def publish_iteration(report: IterationReport) -> None:
+    """The views of one iteration: MLflow batch (+ learning curve), Prefect artifacts. Reads
+    nothing the next iteration writes (the report carries its snapshot)."""
+    run, k = RunDir(report.run_dir), report.iteration
+    if report.mlflow_run_id:
+        tracking.log_metrics(report.mlflow_run_id, report.batch, step=k)
+    if report.stages_text:
+        reporting.markdown(report.stages_text, description=f"stages of iteration {k}")
+    reporting.table(report.rows, key=reporting.artifact_key(run, "metrics"), description="per-iteration metrics")
+    if report.curve is not None:
+        png = reporting.plot_learning_curve(run, run.root / "plots" / "learning_curve.png", **report.curve)
+        if report.mlflow_run_id:
+            tracking.log_artifact(report.mlflow_run_id, png, "plots")
+        url = tracking.run_url(report.mlflow_run_id) if report.mlflow_run_id else None
+        reporting.markdown(reporting.report_markdown(run, png, report.alerts, url, rows=report.rows),
+                           key=reporting.artifact_key(run, "report"), description=f"run report after iteration {k}")
+    reporting.progress_update(report.progress_id, k, report.total)
+
+
+@task(name="backfill-tracking", **NO_RESULTS, **IO_RETRIES)
+def backfill_tracking_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: str) -> list[int]:
+    """Log the batch of every committed iteration whose batch is not in MLflow (a crash between the
+    commit and the report, a background report that failed). Returns those iterations."""
+    with timing.span("task:backfill-tracking"):
+        return backfill_metrics(cfg, RunDir(run_dir), mlflow_run_id)
+
+
+def backfill_metrics(cfg: RLHFConfig, run: RunDir, mlflow_run_id: str) -> list[int]:
+    from rlhf_core.guard import committed_iterations
+
+    logged = {step for step, _ in tracking.metric_history(mlflow_run_id, DONE_MARK)}
+    missing = [k for k in committed_iterations(run) if k not in logged]
+    for k in missing:
+        tracking.log_metrics(mlflow_run_id, iteration_batch(iteration_metrics(cfg, run, k), run, k), step=k)
+    if missing:
+        reporting.logger().warning("MLflow was missing the metrics of committed iterations %s: logged them from "
+                                   "the run directory", missing)
+    return missing

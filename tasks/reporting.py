@@ -113,16 +113,28 @@ def metrics_by_iteration(run: RunDir) -> dict[int, dict[str, float]]:
     return out
 
 
+def curve_snapshot(run: RunDir, kl_threshold: Optional[float] = None) -> dict[str, Any]:
+    """What the learning curve is drawn from, read now (``plot_learning_curve(run, out, **snapshot)``
+    may then run later, on a background reporter, while the next iteration writes the run)."""
+    return {"by_iter": metrics_by_iteration(run), "kl_threshold": kl_threshold,
+            "rollbacks": sorted({e["iteration"] for e in run.events() if e.get("kind") == "rollback"})}
+
+
 @timed(PLOT)
-def plot_learning_curve(run: RunDir, out: Path, kl_threshold: Optional[float] = None) -> Path:
+def plot_learning_curve(run: RunDir, out: Path, kl_threshold: Optional[float] = None,
+                        by_iter: Optional[dict[int, dict[str, float]]] = None,
+                        rollbacks: Optional[list[int]] = None) -> Path:
     """2×2 PNG of reward, KL (with the rollback threshold), clip fraction and validation accuracy
-    against the iteration, from iter_*/metrics.json; rolled-back iterations marked with a red ×."""
+    against the iteration, from iter_*/metrics.json (or a ``curve_snapshot`` of them); rolled-back
+    iterations marked with a red ×."""
     # the object API (no pyplot state) and a fixed layout: drawn every iteration, so it must be cheap
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    by_iter = metrics_by_iteration(run)
-    rollbacks = sorted({e["iteration"] for e in run.events() if e.get("kind") == "rollback"})
+    if by_iter is None:
+        by_iter = metrics_by_iteration(run)
+    if rollbacks is None:
+        rollbacks = sorted({e["iteration"] for e in run.events() if e.get("kind") == "rollback"})
     fig = Figure(figsize=(9, 6))
     FigureCanvasAgg(fig)
     axes = fig.subplots(2, 2, sharex=True, gridspec_kw=dict(left=0.07, right=0.98, top=0.9, bottom=0.09,
@@ -154,8 +166,10 @@ def metrics_rows(run: RunDir) -> list[dict[str, Any]]:
     return rows
 
 
-def report_markdown(run: RunDir, png: Optional[Path], alerts: list[str], mlflow_url: Optional[str]) -> str:
-    """The run report: header, alerts, the learning curve (inline PNG) and the metrics table."""
+def report_markdown(run: RunDir, png: Optional[Path], alerts: list[str], mlflow_url: Optional[str],
+                    rows: Optional[list[dict[str, Any]]] = None) -> str:
+    """The run report: header, alerts, the learning curve (inline PNG) and the metrics table
+    (``rows``: ``metrics_rows(run)`` read earlier; read now when absent)."""
     lines = [f"# RLHF run `{run.root.name}`", "", f"Run directory: `{run.root}`"]
     if mlflow_url:
         lines.append(f"MLflow: {mlflow_url}")
@@ -164,7 +178,7 @@ def report_markdown(run: RunDir, png: Optional[Path], alerts: list[str], mlflow_
     if png is not None and png.is_file():
         data = base64.b64encode(png.read_bytes()).decode()
         lines += ["", "## Learning curve", "", f"![learning curve](data:image/png;base64,{data})"]
-    rows = metrics_rows(run)
+    rows = metrics_rows(run) if rows is None else rows
     if rows:
         cols = ["iteration", "reward/mean", "val/accuracy", "kl/mean", "actor/pg_clipfrac", "actor/grad_norm",
                 "perf/iteration_seconds"]

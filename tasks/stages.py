@@ -2,7 +2,8 @@
 
 Each task resolves the run directory, calls ``run_<stage>(cfg, run, iteration, force)``, logs the
 stage's metrics to MLflow (one batch, step = iteration) and publishes a markdown artifact with the
-stage's summary. Tasks take and return small things: the config, paths, a result dict (never
+stage's summary — unless called with ``report=False``: the pipeline flow reports a whole iteration
+at once (one MLflow batch, one markdown artifact: tasks.iteration), single-stage reruns per stage. Tasks take and return small things: the config, paths, a result dict (never
 tensors). Prefect's result caching is off: whether a stage reruns is decided by the run's manifest
 (same input hashes and config hash → skipped), which also survives a crash and a CLI rerun.
 
@@ -59,20 +60,20 @@ def new_metrics(run: RunDir, iteration: Optional[int], stage: str, metrics: dict
 
 
 def execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int], force: bool,
-            mlflow_run_id: Optional[str]) -> dict[str, Any]:
-    """Run one stage and report it (MLflow metrics, Prefect artifact, run log)."""
+            mlflow_run_id: Optional[str], report: bool = True) -> dict[str, Any]:
+    """Run one stage, log it, and report it (MLflow metrics, Prefect artifact) when ``report``."""
     with timing.span(f"task:{stage}"):
-        return _execute(stage, cfg, run_dir, iteration, force, mlflow_run_id)
+        return _execute(stage, cfg, run_dir, iteration, force, mlflow_run_id, report)
 
 
 def _execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int], force: bool,
-             mlflow_run_id: Optional[str]) -> dict[str, Any]:
+             mlflow_run_id: Optional[str], report: bool) -> dict[str, Any]:
     run = RunDir(run_dir)
     result = get_stage(stage).load()(cfg, run, iteration, force=force)
     log = reporting.logger()
     if result.skipped:
         mark_skipped(run, iteration, stage)
-    elif mlflow_run_id:
+    elif mlflow_run_id and report:
         tracking.log_metrics(mlflow_run_id, new_metrics(run, iteration, stage, result.metrics, result.seconds),
                              step=iteration)
     where = f" iteration {iteration}" if iteration is not None else ""
@@ -80,7 +81,8 @@ def _execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int]
     for line in result.summary:
         log.info("  %s", line)
     out = result.to_dict()
-    reporting.markdown(reporting.stage_markdown(out), description=f"{stage}{where}")
+    if report:
+        reporting.markdown(reporting.stage_markdown(out), description=f"{stage}{where}")
     return out
 
 
@@ -111,49 +113,49 @@ def pack_task(cfg: RLHFConfig, run_dir: str, force: bool = False, mlflow_run_id:
 
 @task(name="rollout", task_run_name="rollout-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
 def rollout_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-                 mlflow_run_id: Optional[str] = None) -> dict:
+                 mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
     """Sample responses from the last-good actor → iter_K/rollout.parquet."""
-    return execute("rollout", cfg, run_dir, iteration, force, mlflow_run_id)
+    return execute("rollout", cfg, run_dir, iteration, force, mlflow_run_id, report)
 
 
 @task(name="score", task_run_name="score-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
 def score_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-               mlflow_run_id: Optional[str] = None) -> dict:
+               mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
     """Rewards, old/ref log-probs and values → iter_K/scored.parquet."""
-    return execute("score", cfg, run_dir, iteration, force, mlflow_run_id)
+    return execute("score", cfg, run_dir, iteration, force, mlflow_run_id, report)
 
 
 @task(name="gae", task_run_name="gae-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
 def gae_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-             mlflow_run_id: Optional[str] = None) -> dict:
+             mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
     """KL-in-reward penalty and GAE → iter_K/advantages.parquet (updates the KL controller)."""
-    return execute("gae", cfg, run_dir, iteration, force, mlflow_run_id)
+    return execute("gae", cfg, run_dir, iteration, force, mlflow_run_id, report)
 
 
 @task(name="update", task_run_name="update-iter{iteration}", **NO_RESULTS)
 def update_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-                mlflow_run_id: Optional[str] = None) -> dict:
+                mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
     """PPO update of actor and critic → iter_K/checkpoint/. Never retried."""
-    return execute("update", cfg, run_dir, iteration, force, mlflow_run_id)
+    return execute("update", cfg, run_dir, iteration, force, mlflow_run_id, report)
 
 
 @task(name="kl-guard", task_run_name="kl-guard-iter{iteration}", **NO_RESULTS)
 def guard_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-               mlflow_run_id: Optional[str] = None) -> dict:
+               mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
     """Measure KL(actor‖ref) of the new actor → the verdict (commit / rollback) in iter_K/guard.json.
     Acting on it is left to the transaction hooks (tasks.guard)."""
     from rlhf_core.guard import read_verdict
 
-    out = execute("guard", cfg, run_dir, iteration, force, mlflow_run_id)
+    out = execute("guard", cfg, run_dir, iteration, force, mlflow_run_id, report)
     out["verdict"] = read_verdict(RunDir(run_dir), iteration)
     return out
 
 
 @task(name="validate", task_run_name="validate-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
 def validate_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-                  mlflow_run_id: Optional[str] = None) -> dict:
+                  mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
     """Sampled accuracy of the current actor on the validation prompts (val/accuracy)."""
-    return execute("validate", cfg, run_dir, iteration, force, mlflow_run_id)
+    return execute("validate", cfg, run_dir, iteration, force, mlflow_run_id, report)
 
 
 @task(name="export", **NO_RESULTS, **IO_RETRIES)

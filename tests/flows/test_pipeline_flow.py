@@ -69,6 +69,28 @@ def test_two_iterations_complete_with_their_records(two_iterations, shared_home,
     assert [a.path for a in tracking.client().list_artifacts(run_id, "plots")] == ["plots/learning_curve.png"]
 
     assert {"two-metrics", "two-report", "two-progress", "two-export"} <= _prefect_artifact_keys("two-%")
+    # published by the background reporter, still attached to the flow run; one stage summary per iteration
+    flow_run = _flow_run_named("run-two")
+    assert {a.key: a.flow_run_id for a in _artifacts_of(flow_run)}.get("two-report") == flow_run
+    summaries = [a.description for a in _artifacts_of(flow_run) if (a.description or "").startswith("stages of")]
+    assert sorted(summaries) == ["stages of iteration 1", "stages of iteration 2"]
+
+
+def _flow_run_named(name: str):
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    with get_client(sync_client=True) as client:
+        (found,) = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+    return found.id
+
+
+def _artifacts_of(flow_run_id) -> list:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
 
 
 def test_cli_rerun_of_score_reproduces_the_table(two_iterations, shared_home, monkeypatch, capsys):

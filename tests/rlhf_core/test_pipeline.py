@@ -106,3 +106,17 @@ def test_settle_heap_moves_live_objects_out_of_the_collectors_view():
         assert gc.get_freeze_count() > 0
     finally:
         gc.unfreeze()
+
+
+def test_stage_reports_one_point_per_metric_in_run_order():
+    manifest = {  # dict order is not run order: the order of REPORT_ORDER decides who reports a shared name
+        "score": {"status": "done", "metrics": {"response_length/mean": 9.0, "reward/mean": 0.5}, "seconds": 2.0},
+        "rollout": {"status": "done", "metrics": {"response_length/mean": 8.0}, "seconds": 1.0},
+        "gae": {"status": "rolled_back", "metrics": {"kl/mean": 0.1}, "seconds": 3.0},
+    }
+    assert pipeline.stage_reports(manifest) == {
+        "rollout": {"response_length/mean": 8.0, "perf/stage_seconds/rollout": 1.0},
+        "score": {"reward/mean": 0.5, "perf/stage_seconds/score": 2.0},
+    }
+    with_rolled_back = pipeline.stage_reports(manifest, statuses=("done", "rolled_back"))
+    assert with_rolled_back["gae"] == {"kl/mean": 0.1, "perf/stage_seconds/gae": 3.0}

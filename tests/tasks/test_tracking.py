@@ -65,3 +65,26 @@ def test_a_wiped_store_starts_a_new_run(run, tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_HOME", str(tmp_path / "other-home"))
     assert tracking.read_record(run) is None  # recorded against another store
     assert tracking.start_pipeline_run(run, cfg) != first
+
+
+def test_backfill_logs_committed_iterations_missing_from_mlflow_once(run):
+    """A crash between an iteration's commit and its (background) report: the run directory has the
+    metrics, MLflow not; the next flow run logs them, the same batch the report would have sent."""
+    from rlhf_core.io.manifest import record_stage
+    from tasks.iteration import backfill_metrics
+
+    cfg = load_config(None, ["trainer.experiment_name=unit"])
+    run_id = tracking.start_pipeline_run(run, cfg)
+    for k in (1, 2):
+        record_stage(run, k, "rollout", status="done", inputs={}, outputs={}, config_hash="h",
+                     metrics={"response_length/mean": 8.0 + k}, seconds=1.0)
+        record_stage(run, k, "guard", status="done", inputs={}, outputs={}, config_hash="h",
+                     metrics={"guard/kl_mean": 0.01 * k}, seconds=0.5, committed=True)
+    record_stage(run, 3, "rollout", status="done", inputs={}, outputs={}, config_hash="h", metrics={}, seconds=1.0)
+    tracking.log_metrics(run_id, {"perf/iteration_seconds": 1.5, "kl/mean": 0.01}, step=1)  # 1 was reported
+
+    assert backfill_metrics(cfg, run, run_id) == [2]  # 3 is not committed
+    assert tracking.metric_history(run_id, "response_length/mean") == [(2, 10.0)]
+    assert tracking.metric_history(run_id, "kl/mean") == [(1, 0.01), (2, 0.02)]  # the alias, as finish logs it
+    assert [s for s, _ in tracking.metric_history(run_id, "perf/stage_seconds/guard")] == [2]
+    assert backfill_metrics(cfg, run, run_id) == []  # nothing logged twice
