@@ -100,23 +100,28 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
     """
     import torch
 
-    from rlhf_core.models.packed import pack_rows, packed_forward, response_slices
+    from rlhf_core.models.packed import pack_rows, packed_forward, response_positions
     from rlhf_core.scoring import plan_micro_batches
 
     kls: list = [None] * len(sequences)
     sampled: list = [None] * len(sequences)
     with torch.no_grad():
-        for rows in plan_micro_batches([len(s) for s in sequences], budget):
-            packed = pack_rows(rows, sequences, pad_id)
-            la_all = packed_forward(actor, packed)
-            lr_all = packed_forward(ref, packed)
-            for i, r, first, last in response_slices(packed, prompt_lengths):
-                la = torch.log_softmax(la_all[r, first:last].float() / temperature, dim=-1)  # (n_i, V)
-                lr = torch.log_softmax(lr_all[r, first:last].float() / temperature, dim=-1)
-                kls[i] = (la.exp() * (la - lr)).sum(-1).clamp_min(0.0).cpu()  # clamp: rounding only
-                labels = packed.input_ids[r, first + 1:last + 1].to(la.device)
-                sampled[i] = la.gather(-1, labels[:, None]).squeeze(-1).cpu()
-            del la_all, lr_all
+        for micro in plan_micro_batches([len(s) for s in sequences], budget):
+            packed = pack_rows(micro, sequences, pad_id)
+            rows, cols, owners = response_positions(packed, prompt_lengths)
+            if not owners:
+                continue
+            # the LM heads run on the response positions only: (N, V) each
+            la = torch.log_softmax(packed_forward(actor, packed, positions=(rows, cols)).float() / temperature, dim=-1)
+            lr = torch.log_softmax(packed_forward(ref, packed, positions=(rows, cols)).float() / temperature, dim=-1)
+            kl = (la.exp() * (la - lr)).sum(-1).clamp_min(0.0).cpu()  # clamp: rounding only
+            labels = packed.input_ids[rows, cols + 1].to(la.device)
+            picked = la.gather(-1, labels[:, None]).squeeze(-1).cpu()
+            offset = 0
+            for i, n in owners:
+                kls[i], sampled[i] = kl[offset:offset + n], picked[offset:offset + n]
+                offset += n
+            del la, lr
     return kls, sampled
 
 

@@ -202,6 +202,39 @@ def response_slices(packed: PackedRows, prompt_lengths: Sequence[int]) -> list[t
     return out
 
 
+def response_positions(packed: PackedRows, prompt_lengths: Sequence[int]
+                       ) -> tuple[torch.Tensor, torch.Tensor, list[tuple[int, int]]]:
+    """(rows, cols, owners): the (N,) row and column of every response-scoring position (those whose
+    next-token output scores a response token), and (sequence index, count) per sequence in order."""
+    rows, cols, owners = [], [], []
+    for i, r, first, last in response_slices(packed, prompt_lengths):
+        rows.append(torch.full((last - first,), r, dtype=torch.long))
+        cols.append(torch.arange(first, last))
+        owners.append((i, last - first))
+    if not owners:
+        return torch.zeros(0, dtype=torch.long), torch.zeros(0, dtype=torch.long), []
+    return torch.cat(rows), torch.cat(cols), owners
+
+
+def _chunked_logprobs(flat_logits: torch.Tensor, flat_labels: torch.Tensor, temperature: float,
+                      chunk_tokens: int) -> torch.Tensor:
+    """log softmax(logits / T)[label] per row of (N, V) logits, ``chunk_tokens`` rows at a time."""
+    out = []
+    for s in range(0, flat_logits.shape[0], chunk_tokens):
+        chunk = flat_logits[s:s + chunk_tokens].float() / temperature
+        picked = chunk.gather(-1, flat_labels[s:s + chunk_tokens, None]).squeeze(-1)
+        out.append(picked - torch.logsumexp(chunk, dim=-1))
+    return torch.cat(out)
+
+
+def _split_by_owner(flat: torch.Tensor, owners: list[tuple[int, int]]) -> dict[int, torch.Tensor]:
+    result, offset = {}, 0
+    for i, n in owners:
+        result[i] = flat[offset:offset + n]
+        offset += n
+    return result
+
+
 def gather_response_logprobs(logits: torch.Tensor, packed: PackedRows, prompt_lengths: Sequence[int],
                              temperature: float = 1.0, chunk_tokens: int = 4096) -> dict[int, torch.Tensor]:
     """{sequence index: log p(response token) (n_response,)} from packed logits.
@@ -210,26 +243,25 @@ def gather_response_logprobs(logits: torch.Tensor, packed: PackedRows, prompt_le
     (tokens, V) log-probability matrix is never materialised. Logits are divided by the sampling
     temperature, matching the distribution the tokens were drawn from.
     """
-    pieces, labels, owners = [], [], []
-    for i, r, first, last in response_slices(packed, prompt_lengths):
-        pieces.append(logits[r, first:last])
-        labels.append(packed.input_ids[r, first + 1:last + 1].to(logits.device))
-        owners.append((i, last - first))
-    if not pieces:
+    rows, cols, owners = response_positions(packed, prompt_lengths)
+    if not owners:
         return {}
-    flat_logits = torch.cat(pieces)  # (N, V) response positions only
-    flat_labels = torch.cat(labels)
-    out = []
-    for s in range(0, flat_logits.shape[0], chunk_tokens):
-        chunk = flat_logits[s:s + chunk_tokens].float() / temperature
-        picked = chunk.gather(-1, flat_labels[s:s + chunk_tokens, None]).squeeze(-1)
-        out.append(picked - torch.logsumexp(chunk, dim=-1))
-    flat = torch.cat(out)
-    result, offset = {}, 0
-    for i, n in owners:
-        result[i] = flat[offset:offset + n]
-        offset += n
-    return result
+    labels = packed.input_ids[rows, cols + 1].to(logits.device)
+    flat = _chunked_logprobs(logits[rows.to(logits.device), cols.to(logits.device)], labels, temperature, chunk_tokens)
+    return _split_by_owner(flat, owners)
+
+
+def response_logprobs(model: torch.nn.Module, packed: PackedRows, prompt_lengths: Sequence[int],
+                      temperature: float = 1.0, chunk_tokens: int = 4096) -> dict[int, torch.Tensor]:
+    """``gather_response_logprobs`` of ``model``'s forward on ``packed``, with the LM head run on the
+    response positions only (``packed_forward(positions=...)``): the same values, without the
+    prompt positions' (tokens, V) logits."""
+    rows, cols, owners = response_positions(packed, prompt_lengths)
+    if not owners:
+        return {}
+    logits = packed_forward(model, packed, positions=(rows, cols))  # (N, V)
+    labels = packed.input_ids[rows, cols + 1].to(logits.device)
+    return _split_by_owner(_chunked_logprobs(logits, labels, temperature, chunk_tokens), owners)
 
 
 def gather_response_values(values: torch.Tensor, packed: PackedRows,

@@ -8,9 +8,8 @@ micro-batch. Only response positions are read back:
     log_probs[i][t] = log softmax(logits(s_i[:P_i + t]) / T)[response_i[t]]     t < n_i
     values[i][t]    = V(s_i[:P_i + t])       (the critic's estimate before response token t)
 
-Memory: logits exist for one micro-batch at a time, and the log-softmax runs over chunks of the
-response positions only (``gather_response_logprobs``), so no (tokens, vocabulary) log-probability
-matrix is ever built for the whole batch.
+Memory: the LM head runs on the response positions only and the log-softmax over chunks of them
+(``response_logprobs``), so no (tokens, vocabulary) logits or log-probability matrix is ever built.
 """
 
 from __future__ import annotations
@@ -23,7 +22,7 @@ import torch
 
 from rlhf_core.data.packing import micro_batches_by_budget, split_into_rows
 from rlhf_core.models.packed import (
-    gather_response_logprobs, gather_response_values, pack_rows, packed_forward, packing_attention_mode,
+    gather_response_values, pack_rows, packed_forward, packing_attention_mode, response_logprobs,
 )
 from rlhf_core.progress import bar_disabled
 
@@ -66,9 +65,9 @@ def _check_inputs(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[i
 
 @torch.no_grad()
 def _packed_passes(model: torch.nn.Module, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
-                   budget: int, gather: Callable, *, pad_id: int, row_tokens: int, desc: str,
+                   budget: int, score: Callable, *, pad_id: int, row_tokens: int, desc: str,
                    throughput: Optional[Throughput], progress: Optional[bool]) -> list[torch.Tensor]:
-    """Run ``model`` over packed micro-batches; ``gather(output, packed)`` → {index: (n_i,) tensor}."""
+    """Run ``model`` over packed micro-batches; ``score(packed)`` → {index: (n_i,) tensor}."""
     from tqdm.auto import tqdm
 
     _check_inputs(sequences, prompt_lengths)
@@ -81,7 +80,7 @@ def _packed_passes(model: torch.nn.Module, sequences: Sequence[Sequence[int]], p
               disable=bar_disabled(progress)) as bar:
         for rows in plan:
             packed = pack_rows(rows, sequences, pad_id, mode=mode)
-            for i, tensor in gather(packed_forward(model, packed), packed).items():
+            for i, tensor in score(packed).items():
                 out[i] = tensor.detach().float().cpu()
             bar.update(packed.num_tokens)
     if throughput is not None:
@@ -110,10 +109,10 @@ def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to define log-probs, got {temperature}")
 
-    def gather(logits, packed):
-        return gather_response_logprobs(logits, packed, prompt_lengths, temperature=temperature)
+    def score(packed):
+        return response_logprobs(model, packed, prompt_lengths, temperature=temperature)
 
-    return _packed_passes(model, sequences, prompt_lengths, budget, gather, pad_id=pad_id,
+    return _packed_passes(model, sequences, prompt_lengths, budget, score, pad_id=pad_id,
                           row_tokens=row_tokens, desc=desc, throughput=throughput, progress=progress)
 
 
@@ -127,8 +126,8 @@ def compute_token_values(critic: torch.nn.Module, sequences: Sequence[Sequence[i
     Same inputs as ``compute_token_logprobs``; returns N float32 CPU tensors of shape (n_i,).
     """
 
-    def gather(values, packed):
-        return gather_response_values(values, packed, prompt_lengths)
+    def score(packed):
+        return gather_response_values(packed_forward(critic, packed), packed, prompt_lengths)
 
-    return _packed_passes(critic, sequences, prompt_lengths, budget, gather, pad_id=pad_id,
+    return _packed_passes(critic, sequences, prompt_lengths, budget, score, pad_id=pad_id,
                           row_tokens=row_tokens, desc=desc, throughput=throughput, progress=progress)
