@@ -98,8 +98,9 @@ def main() -> None:
         compute_token_values(critic, seqs, plens, args.budget, throughput=meter, progress=False)
         packed_best = max(packed_best, meter.tokens_per_s)
         padded_best = max(padded_best, tokens / padded_passes((actor, ref, critic), seqs, plens))
-    print(f"{len(seqs)} sequences, {tokens // 3:,} tokens each pass, budget {args.budget}, rows of "
-          f"{ROW_TOKENS}, torch threads {torch.get_num_threads()}")
+    rows = f"at least {ROW_TOKENS} tokens wide" if ROW_TOKENS else "as wide as the longest sequence"
+    print(f"{len(seqs)} sequences, {tokens // 3:,} tokens each pass, budget {args.budget}, rows {rows}, "
+          f"torch threads {torch.get_num_threads()}")
     print(f"packed   actor+ref+critic: {packed_best:10,.0f} tokens/s")
     print(f"padded16 actor+ref+critic: {padded_best:10,.0f} tokens/s   ratio packed/padded {packed_best / padded_best:.2f}")
 
