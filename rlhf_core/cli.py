@@ -211,8 +211,31 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"exported actor: {exported['path']}")
     elif exported.get("reason"):
         print(f"export: {exported['reason']}")
-    print(f"MLflow run: {summary['mlflow_run_id']}  (rlhf status {summary['run_dir']} | rlhf query {summary['run_dir']} ...)")
+    print(where_to_look(summary))
     return 0
+
+
+def where_to_look(summary: dict) -> str:
+    """The closing block of ``rlhf run`` / ``rlhf demo``: the run directory, its learning curve,
+    MLflow and the Prefect UI, each with the command that opens it."""
+    from tasks.tracking import run_url, tracking_uri
+
+    run_dir = summary["run_dir"]
+    uri = tracking_uri()
+    mlflow = run_url(summary["mlflow_run_id"]) or (
+        f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000)")
+    api = os.environ.get("PREFECT_API_URL")
+    prefect = (f"{api.removesuffix('/api')}/runs (flow rlhf-pipeline)" if api else
+               "this run used a temporary Prefect server, now stopped; `make services-up` starts a "
+               "persistent one (http://127.0.0.1:4200) where later runs and the deployments appear")
+    lines = [
+        "where to look:",
+        f"  run directory   {run_dir}   (rlhf status {run_dir}; rlhf query {run_dir} \"select * from metrics_wide\")",
+        f"  learning curve  {Path(run_dir) / 'plots' / 'learning_curve.png'}",
+        f"  MLflow          run {summary['mlflow_run_id']}: {mlflow}",
+        f"  Prefect UI      {prefect}",
+    ]
+    return "\n".join(lines)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -78,3 +78,19 @@ def test_core_and_the_cli_module_import_neither_prefect_nor_mlflow():
             "print(sorted(m for m in ('prefect', 'mlflow', 'tasks', 'flows') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_a_run_ends_by_saying_where_to_look(tmp_path, monkeypatch):
+    from rlhf_core.cli import where_to_look
+
+    monkeypatch.setenv("RLHF_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    text = where_to_look({"run_dir": str(tmp_path / "run"), "mlflow_run_id": "abc123"})
+    assert f"run directory   {tmp_path / 'run'}" in text
+    assert str(tmp_path / "run" / "plots" / "learning_curve.png") in text
+    assert f"--backend-store-uri sqlite:///{tmp_path / 'home' / 'mlflow' / 'mlflow.db'}" in text and "abc123" in text
+    assert "make services-up" in text  # the demo's temporary Prefect server is gone by now
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    assert "Prefect UI      http://127.0.0.1:4200/runs" in where_to_look({"run_dir": "r", "mlflow_run_id": "x"})
