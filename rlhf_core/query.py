@@ -71,9 +71,14 @@ def iteration_metrics_path(run: RunDir, k: int) -> Path:
 
 
 def read_iteration_metrics(run: RunDir, k: int) -> dict[str, Any]:
-    """The merged metrics of iteration ``k``; before it closed, whatever the update stage wrote."""
+    """The merged metrics of iteration ``k``; before it closed, whatever the update stage wrote.
+    Iteration 0 is the initial policy's validation (the baseline later accuracies are read against)."""
     merged = run.read_json(iteration_metrics_path(run, k))
-    return merged if merged is not None else (run.read_json(run.metrics(k)) or {})
+    if merged is not None:
+        return merged
+    if k == 0:
+        return dict(read_manifest(run, 0).get("validate", {}).get("metrics") or {})
+    return run.read_json(run.metrics(k)) or {}
 
 
 def metrics_table(run: RunDir) -> pa.Table:

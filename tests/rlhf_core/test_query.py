@@ -142,3 +142,14 @@ def test_format_table_truncates():
     table = pa.table({"a": list(range(5)), "b": ["x" * 100] * 5})
     text = query.format_table(table, max_rows=2, max_width=10)
     assert "... 3 more rows" in text and "(5 rows)" in text and "x" * 10 not in text
+
+
+def test_iteration_zero_is_the_initial_policys_validation(run):
+    """The baseline every later val/accuracy is read against shows up as iteration 0 of the metrics
+    views (and so of the learning curve), from the validate stage's manifest record."""
+    record_stage(run, 0, "validate", status="done", inputs={}, outputs={}, config_hash="h", seconds=1.0,
+                 metrics={"val/accuracy": 0.3125})
+    rows = query.query(run, "SELECT iteration, value FROM metrics WHERE name = 'val/accuracy'").to_pylist()
+    assert rows == [{"iteration": 0, "value": 0.3125}]
+    wide = query.query(run, 'SELECT iteration FROM metrics_wide ORDER BY 1').column("iteration").to_pylist()
+    assert wide == [0, 1, 2]
