@@ -156,6 +156,15 @@ def corrupt_checkpoint(run, k: int, rng: random.Random) -> str:
     return f"{victim.relative_to(run.root)} ({how})"
 
 
+def iteration_seconds(run, k: int, default: float = 2.0) -> float:
+    """Seconds iteration ``k``'s stage bodies took (the sum of their manifest ``seconds``: a kill and
+    its recovery in between do not count), or ``default`` before the first iteration."""
+    from rlhf_core.io.manifest import read_manifest
+
+    seconds = [float(r["seconds"]) for r in read_manifest(run, k).values() if r.get("seconds")] if k > 0 else []
+    return sum(seconds) if seconds else default
+
+
 def schedule(iterations: int, rng: random.Random) -> list[str]:
     kinds = [kind for kind in KINDS for _ in range(max(1, round(SHARE[kind] * iterations)))]
     kinds = kinds[:iterations] + ["none"] * max(0, iterations - len(kinds))
@@ -174,7 +183,7 @@ def soak(iterations: int, seed: int, work: Path) -> dict:
     cfg = load_config(str(REPO / "configs" / "demo.yaml"), overrides(resolve_model_path("tiny"), work, iterations))
     write_config(run, to_yaml(cfg))
     plan = schedule(iterations, rng)
-    injected, recovered, notes = Counter(), Counter(), []
+    injected, recovered, missed, notes = Counter(), Counter(), Counter(), []
     done = 0
     for k, kind in enumerate(plan, start=1):
         if kind in ("kill_point", "kill_time") and done < k - 1:  # reach k-1 cleanly, so the kill lands in k
@@ -186,12 +195,20 @@ def soak(iterations: int, seed: int, work: Path) -> dict:
             if rc == 137:
                 injected[kind] += 1
                 notes.append(f"iteration {k}: killed at {point}")
+            else:
+                missed[kind] += 1
+                notes.append(f"iteration {k}: fault point {point} never reached (exit {rc})")
             recovered[kind] += _recover(run, k, rc == 137)
         elif kind == "kill_time":
-            rc = launch(run.root, k, {}, kill_after=rng.uniform(0.5, 8.0))
+            # within the iteration: a fixed window would mostly land after a fast iteration has finished
+            after = rng.uniform(0.02, 1.0) * iteration_seconds(run, k - 1)
+            rc = launch(run.root, k, {}, kill_after=after)
             if rc == -signal.SIGKILL:
                 injected[kind] += 1
-                notes.append(f"iteration {k}: SIGKILL")
+                notes.append(f"iteration {k}: SIGKILL {after:.2f} s in")
+            else:
+                missed[kind] += 1
+                notes.append(f"iteration {k}: SIGKILL {after:.2f} s in came after the iteration ended")
             recovered[kind] += _recover(run, k, rc == -signal.SIGKILL)
         elif kind == "nan":
             _require(launch(run.root, k, {"nan": True}) == 0, f"iteration {k} with NaN advantages did not finish")
@@ -213,7 +230,8 @@ def soak(iterations: int, seed: int, work: Path) -> dict:
         done = k if kind != "none" or k == iterations else done
     if done < iterations:
         _require(launch(run.root, iterations, {}) == 0, "final run failed")
-    return {"injected": injected, "recovered": recovered, "lost": data_lost(run, cfg, iterations), "notes": notes}
+    return {"injected": injected, "recovered": recovered, "missed": missed, "lost": data_lost(run, cfg, iterations),
+            "notes": notes}
 
 
 def _recover(run, k: int, was_killed: bool) -> int:
@@ -269,12 +287,17 @@ def data_lost(run, cfg, iterations: int) -> dict[str, list[str]]:
 
 
 def print_table(result: dict, iterations: int, seed: int, seconds: float) -> None:
-    injected, recovered = result["injected"], result["recovered"]
+    injected, recovered, missed = result["injected"], result["recovered"], result["missed"]
     print(f"soak: {iterations} iterations, seed {seed}, {seconds:.0f} s")
-    print(f"{'fault':<12} {'injected':>8} {'recovered':>9}")
+    print(f"{'fault':<12} {'injected':>8} {'recovered':>9} {'missed':>7}")
     for kind in KINDS:
-        print(f"{kind:<12} {injected[kind]:>8} {recovered[kind]:>9}")
-    print(f"{'total':<12} {sum(injected.values()):>8} {sum(recovered.values()):>9}")
+        print(f"{kind:<12} {injected[kind]:>8} {recovered[kind]:>9} {missed[kind]:>7}")
+    print(f"{'total':<12} {sum(injected.values()):>8} {sum(recovered.values()):>9} {sum(missed.values()):>7}")
+    print("(missed: drawn but never fired — the fault point was not reached, or the SIGKILL came after the "
+          "iteration had finished; the run still had to carry on)")
+    for note in result["notes"]:
+        if "never reached" in note or "came after" in note:
+            print(f"  {note}")
     lost = result["lost"]
     print(f"data lost: {sum(len(v) for v in lost.values())}" + (f"  {lost}" if lost else ""))
 
