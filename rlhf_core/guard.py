@@ -143,24 +143,31 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
 
     ``actor_dir`` defaults to the iteration's freshly trained actor (iter_k/checkpoint/actor).
     """
-    from rlhf_core.io.pointers import reference_path
-    from rlhf_core.scoring import load_causal_lm, scoring_device, scoring_dtype
-
     actor_dir = Path(actor_dir) if actor_dir else run.checkpoint(k) / "actor"
     if not actor_dir.is_dir():
         raise CheckpointError(f"no trained actor at {actor_dir}: run `rlhf stage update --run-dir {run.root} "
                               f"--iteration {k}` before the guard")
     sequences, prompt_lengths, ref_log_probs = _load_scored_sequences(run.scored(k))
+    kls, sampled = actor_ref_kl(cfg, actor_dir, sequences, prompt_lengths)
+    k1 = [[a - b for a, b in zip(new.tolist(), old)] for new, old in zip(sampled, ref_log_probs)]
+    return response_kl(kls, k1)
+
+
+def actor_ref_kl(cfg: RLHFConfig, actor_dir: Path, sequences: list[list[int]], prompt_lengths: list[int]
+                 ) -> tuple[list, list]:
+    """``token_kl`` of the actor in ``actor_dir`` against the reference policy, on the scoring
+    device and dtype, with the rollout's temperature and scoring token budget."""
+    from rlhf_core.io.pointers import reference_path
+    from rlhf_core.scoring import load_causal_lm, scoring_device, scoring_dtype
+
     rollout = cfg.actor_rollout_ref.rollout
     device = scoring_device(cfg.trainer.device)
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
     actor = load_actor_for_kl(actor_dir, device, dtype)
     ref = load_causal_lm(reference_path(cfg), device, dtype, role="reference", shared=True)
     pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
-    kls, sampled = token_kl(actor, ref, sequences, prompt_lengths, budget=rollout.log_prob_max_token_len_per_gpu,
-                            temperature=rollout.temperature, pad_id=pad_id)
-    k1 = [[a - b for a, b in zip(new.tolist(), old)] for new, old in zip(sampled, ref_log_probs)]
-    return response_kl(kls, k1)
+    return token_kl(actor, ref, sequences, prompt_lengths, budget=rollout.log_prob_max_token_len_per_gpu,
+                    temperature=rollout.temperature, pad_id=pad_id)
 
 
 def load_actor_for_kl(actor_dir: Path, device, dtype):

@@ -19,7 +19,7 @@ import pyarrow as pa
 from rlhf_core.config import RLHFConfig
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.io.manifest import read_manifest
-from rlhf_core.io.pointers import actor_path, reference_path
+from rlhf_core.io.pointers import actor_path
 from rlhf_core.io.rundir import RunDir
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, execute_stage
@@ -119,20 +119,12 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
 def val_kl_from_samples(cfg: RLHFConfig, samples: tuple[list[dict], list], actor_dir: Path) -> dict[str, float]:
     """On-policy KL(actor ‖ ref) on responses the actor itself sampled for validation prompts:
     {"val_kl_mean", "val_kl_tokens"} (per-token mean of the exact per-position KL, ``guard.token_kl``)."""
-    from rlhf_core.guard import load_actor_for_kl, response_kl, token_kl
-    from rlhf_core.scoring import load_causal_lm, scoring_device, scoring_dtype
+    from rlhf_core.guard import actor_ref_kl, response_kl
 
     rows, generated = samples
     keep = [s for s in generated if s.token_ids]
     sequences = [list(rows[s.prompt_index]["prompt_token_ids"]) + list(s.token_ids) for s in keep]
     prompt_lengths = [len(rows[s.prompt_index]["prompt_token_ids"]) for s in keep]
-    rollout = cfg.actor_rollout_ref.rollout
-    device = scoring_device(cfg.trainer.device)
-    dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
-    actor = load_actor_for_kl(actor_dir, device, dtype)
-    ref = load_causal_lm(reference_path(cfg), device, dtype, role="reference", shared=True)
-    pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
-    kls, _ = token_kl(actor, ref, sequences, prompt_lengths, budget=rollout.log_prob_max_token_len_per_gpu,
-                      temperature=rollout.temperature, pad_id=pad_id)
+    kls, _ = actor_ref_kl(cfg, actor_dir, sequences, prompt_lengths)
     kl = response_kl(kls)
     return {"val_kl_mean": kl["kl_mean"], "val_kl_tokens": float(kl["num_tokens"])}
