@@ -1,7 +1,7 @@
 """Typed configuration (YAML presets + dotted overrides)."""
 
+from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.loader import (
-    ConfigError,
     apply_overrides,
     config_from_dict,
     config_hash,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import functools
 import hashlib
 import json
 import types
@@ -19,12 +20,12 @@ from typing import Any, Iterable, Literal, Union
 
 import yaml
 
+from rlhf_core.config import verl_keys
+from rlhf_core.config.errors import ConfigError
+from rlhf_core.config.machine import fit_to_machine
+from rlhf_core.config.notes import say_once
 from rlhf_core.config.schema import RLHFConfig
-from rlhf_core.errors import RLHFError
-
-
-class ConfigError(RLHFError, ValueError):
-    """A configuration problem; the message names the key and how to fix it."""
+from rlhf_core.config.validate import validate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,11 +176,54 @@ def _set_dotted(tree: dict, dotted: str, value: Any) -> None:
     node = tree
     parts = dotted.split(".")
     for i, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
         if not isinstance(child, dict):
             raise ConfigError(f"{'.'.join(parts[: i + 1])} is a value, not a section: cannot set {dotted}")
         node = child
     node[parts[-1]] = value
+
+
+def _leaves(tree: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = []
+    for key, value in tree.items():
+        dotted = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            out.extend(_leaves(value, dotted + "."))
+        elif not isinstance(value, dict):
+            out.append((dotted, value))
+    return out
+
+
+def normalise(tree: dict) -> dict:
+    """A tree with verl's older names moved to their fields and verl's no-effect keys dropped (each
+    named once); a verl key whose value this project cannot honour is refused with the fix."""
+    out: dict = {}
+    for dotted, value in _leaves(tree):
+        if dotted == verl_keys.A + "policy_loss" and isinstance(value, str):
+            dotted = verl_keys.A + "policy_loss.loss_mode"  # our earlier flat spelling
+        if dotted in verl_keys.RENAMED:
+            new = verl_keys.RENAMED[dotted]
+            say_once(f"config: {dotted} is read as {new}")
+            dotted = new
+        only = verl_keys.lookup(verl_keys.ONLY_DEFAULT, dotted)
+        if only is not None:
+            allowed, fix = verl_keys.ONLY_DEFAULT[only]
+            if value not in allowed:
+                raise ConfigError(f"{dotted}={value!r}: {fix}")
+            continue
+        ignored = verl_keys.lookup(verl_keys.NO_EFFECT, dotted)
+        if ignored is not None and dotted not in _schema_keys():
+            say_once(f"config: {dotted} has no effect here ({verl_keys.NO_EFFECT[ignored]})")
+            continue
+        _set_dotted(out, dotted, value)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_keys() -> frozenset[str]:
+    return frozenset(valid_keys())
 
 
 def read_preset(path: str | Path) -> dict:
@@ -195,39 +239,35 @@ def read_preset(path: str | Path) -> dict:
     return tree
 
 
-def load_config(preset: str | Path | None = None, overrides: Iterable[str] = ()) -> RLHFConfig:
-    """Defaults ← preset YAML ← dotted overrides, then type-checked and validated."""
-    from rlhf_core.config.validate import validate
-
-    tree = read_preset(preset) if preset else {}
+def _with_overrides(tree: dict, overrides: Iterable[str]) -> dict:
+    tree = normalise(tree)
     for text in overrides:
         key, value = parse_override(text)
-        if key not in valid_keys():
-            raise _unknown_key_error(key)
         _set_dotted(tree, key, value)
+    return normalise(tree)
+
+
+def _finish(tree: dict) -> RLHFConfig:
     cfg = _build(RLHFConfig, tree)
     validate(cfg)
-    return cfg
+    return fit_to_machine(cfg)
+
+
+def load_config(preset: str | Path | None = None, overrides: Iterable[str] = ()) -> RLHFConfig:
+    """Defaults ← preset YAML ← dotted overrides, then type-checked, validated and fitted to this
+    machine (a setting it cannot act on falls back, saying so, or is refused with the fix)."""
+    tree = read_preset(preset) if preset else {}
+    return _finish(_with_overrides(tree, overrides))
 
 
 def config_from_dict(tree: dict) -> RLHFConfig:
     """Rebuild a config saved with ``to_dict`` (e.g. a run directory's config.yaml)."""
-    from rlhf_core.config.validate import validate
-
-    cfg = _build(RLHFConfig, tree)
-    validate(cfg)
-    return cfg
+    return _finish(normalise(tree))
 
 
 def apply_overrides(cfg: RLHFConfig, overrides: Iterable[str]) -> RLHFConfig:
     """A copy of ``cfg`` with dotted overrides applied and validated."""
-    tree = to_dict(cfg)
-    for text in overrides:
-        key, value = parse_override(text)
-        if key not in valid_keys():
-            raise _unknown_key_error(key)
-        _set_dotted(tree, key, value)
-    return config_from_dict(tree)
+    return _finish(_with_overrides(to_dict(cfg), overrides))
 
 
 # ---------------------------------------------------------------------------------------------

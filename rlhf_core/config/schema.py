@@ -1,8 +1,11 @@
 """Typed configuration: every key a user can set, with its default and the reason for it.
 
 Names follow verl's dotted layout (``actor_rollout_ref.actor.clip_ratio``) so a verl user's overrides
-work unchanged. Defaults marked "seed" come from the project's seed design; the others are chosen for
-the laptop-CPU default and say why. Rules that a value must obey live in ``validate.py``.
+work unchanged, and a key that carries verl's name has verl's meaning and verl's default (docstrings
+start "verl:"); where a default differs, its docstring says why and docs/verl.md lists it. Keys of
+verl's that change nothing here are accepted and named once (``verl_keys.py``). Rules that a value
+must obey live in ``validate.py``; derived values (budgets that default to another key's) in
+``resolve.py``.
 
 FSDP → DeepSpeed mapping (the update stage always trains with DeepSpeed ZeRO):
     actor.strategy = fsdp | fsdp2        → accepted as aliases of ``deepspeed`` (ZeRO stage from
@@ -27,41 +30,58 @@ from typing import Literal, Optional
 @dataclass
 class DataConfig:
     train_files: list[str] = field(default_factory=lambda: ["data/arith/train.jsonl"])
-    """Raw prompt files (JSONL, Parquet or CSV). The default is the embedded arithmetic set."""
+    """Prompt files: verl's preprocessed Parquet, or raw JSONL / Parquet / CSV rows (data.adapter).
+    The default is the embedded arithmetic set."""
     val_files: list[str] = field(default_factory=list)
-    """Optional separate validation files; when empty, val_fraction of train is held out."""
-    adapter: Literal["gsm8k", "generic"] = "gsm8k"
-    """How raw rows become prompts: 'gsm8k' (question/answer with '#### n') or 'generic' (column map)."""
+    """Validation prompt files (verl). When empty, val_fraction of train is held out instead."""
+    adapter: Literal["auto", "verl", "gsm8k", "generic"] = "auto"
+    """How rows become prompts. 'verl': verl's preprocessed layout (prompt_key = chat messages,
+    reward_model.ground_truth, data_source, ability, extra_info); 'gsm8k': raw question/answer rows
+    with '#### n'; 'generic': a text column + an answer column; 'auto' picks by the file's columns."""
     data_source: str = "openai/gsm8k"
-    """Value written to the data_source column; routes the reward function (verl convention)."""
+    """gsm8k/generic adapters: value written to the data_source column (verl rows carry their own)."""
     ability: str = "math"
-    """Value written to verl's ability column; GSM8K-style word problems are 'math'."""
-    prompt_key: str = "question"
-    """Column holding the prompt text (gsm8k: the question)."""
+    """gsm8k/generic adapters: value written to verl's ability column."""
+    prompt_key: str = "prompt"
+    """verl: the column holding the prompt (chat messages; a plain string becomes one user turn)."""
+    reward_fn_key: str = "data_source"
+    """verl: the column whose value picks the reward function for a row."""
+    question_key: str = "question"
+    """gsm8k adapter: the column holding the question text."""
     answer_key: str = "answer"
     """Column holding the answer (generic: the ground truth verbatim; gsm8k: the solution ending '#### n')."""
     id_key: str = "id"
     """Column whose values become prompt_id when present on every row and unique ('' = always hash)."""
     instruction: str = "Let's think step by step and output the final answer after \"####\"."
-    """Appended to every question in the chat prompt (verl's GSM8K recipe uses the same wording)."""
+    """gsm8k/generic adapters: appended to every question (verl's GSM8K script uses the same words)."""
     system_prompt: Optional[str] = None
-    """Optional system message placed before the user turn."""
+    """gsm8k/generic adapters: optional system message placed before the user turn."""
     val_fraction: float = 0.1
     """Share of rows held out for validation when val_files is empty (deterministic by seed)."""
     max_val_samples: int = 256
-    """Cap on validation prompts: validation is sampled, so a few hundred is enough signal."""
-    max_prompt_length: int = 256
-    """Prompts longer than this (tokens, chat template applied) are rejected with a reason."""
-    max_response_length: int = 128
-    """Generation budget per response (tokens)."""
-    train_batch_size: int = 256
-    """seed: prompts per PPO iteration (before n samples per prompt)."""
+    """Cap on validation prompts (0 = no validation set): a few hundred is enough signal."""
+    train_max_samples: int = -1
+    """verl: use at most this many training prompts (-1 = all)."""
+    val_max_samples: int = -1
+    """verl: use at most this many validation prompts (-1 = all; max_val_samples still caps)."""
+    max_prompt_length: int = 512
+    """verl: prompt budget in tokens (chat template applied); see filter_overlong_prompts/truncation."""
+    max_response_length: int = 512
+    """verl: generation budget per response (tokens)."""
+    filter_overlong_prompts: bool = False
+    """verl: drop prompts longer than max_prompt_length (here into prompts/rejects.parquet with the
+    reason). When false, data.truncation decides."""
+    truncation: Literal["error", "left", "right", "middle"] = "error"
+    """verl: what an overlong prompt does when it is not filtered: 'error' stops preprocess naming the
+    row; 'left' / 'right' / 'middle' cut tokens from that side."""
+    train_batch_size: int = 1024
+    """verl: prompts per training step (before rollout.n samples per prompt)."""
+    shuffle: bool = True
+    """verl: shuffle the training prompts each epoch (seeded by data.seed)."""
     dedup: bool = True
     """Drop exact duplicate prompts (kept: first occurrence; the rest go to rejects)."""
-    use_sequence_packing: bool = True
-    """Pack several sequences into one row (block-diagonal attention) instead of padding."""
     seed: int = 42
-    """Seed for the train/validation split and the per-iteration prompt sampling."""
+    """Seed for the train/validation split and the per-epoch prompt order."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,29 +119,50 @@ class WarmStartConfig:
 @dataclass
 class ModelConfig:
     path: str = "tiny"
-    """Hugging Face model directory, or 'tiny' for the project's locally built tiny model."""
+    """A local Hugging Face model directory, a hub id resolved offline from the local Hugging Face
+    cache (HF_HOME / HF_HUB_CACHE; nothing is downloaded), or 'tiny' for the locally built tiny model."""
     tokenizer_path: Optional[str] = None
-    """Defaults to the model path."""
+    """Defaults to the model path (same forms as path)."""
+    trust_remote_code: bool = False
+    """verl: allow the model's own modelling code (passed to from_pretrained)."""
     lora_rank: int = 0
-    """seed: 0 disables LoRA; > 0 trains rank-r adapters only (peft)."""
+    """verl: 0 disables LoRA; > 0 trains rank-r adapters only (peft)."""
     lora_alpha: int = 16
     """LoRA scaling numerator (scale = alpha / rank)."""
     target_modules: str = "all-linear"
     """peft target modules: 'all-linear' or a comma-separated list of module names."""
     enable_gradient_checkpointing: bool = False
-    """Trade compute for memory in the update; off for tiny models where it only costs time."""
+    """Trade compute for memory in the update. verl defaults to true; off here because on the laptop
+    CPU default (tiny model) it only costs time. Turn it on for real models on GPUs."""
+    use_remove_padding: bool = True
+    """verl: pack the sequences of a micro-batch into rows without padding (block-diagonal attention)
+    in scoring and the update; false = one padded sequence per row."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Supervised warm start of the initial actor (the embedded demo enables it)."""
 
 
 @dataclass
 class OptimConfig:
+    optimizer: Literal["AdamW"] = "AdamW"
+    """verl: the optimizer class (AdamW, torch.optim's)."""
     lr: float = 1e-6
-    """Learning rate (verl's actor default)."""
+    """Peak learning rate (verl's actor default)."""
     weight_decay: float = 0.01
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    lr_warmup_steps: int = 0
-    """Linear warm-up over this many optimizer steps (0 = none)."""
+    lr_warmup_steps: int = -1
+    """verl: linear warm-up over this many training steps; -1 = use lr_warmup_steps_ratio."""
+    lr_warmup_steps_ratio: float = 0.0
+    """verl: warm-up steps as a share of the total training steps (when lr_warmup_steps < 0)."""
+    lr_scheduler_type: Literal["constant", "cosine"] = "constant"
+    """verl: the schedule after warm-up, stepped once per training step (iteration)."""
+    warmup_style: Optional[Literal["constant", "cosine"]] = None
+    """verl's older name of lr_scheduler_type; when set it wins."""
+    min_lr_ratio: float = 0.0
+    """verl (cosine): the floor of the schedule as a share of lr."""
+    num_cycles: float = 0.5
+    """verl (cosine): cosine cycles over the decay (0.5 = one half-wave down to min_lr_ratio)."""
+    total_training_steps: int = -1
+    """verl: filled in from trainer.* when the run starts (-1); a value here is ignored, as in verl."""
 
 
 @dataclass
@@ -131,7 +172,7 @@ class FSDPConfig:
     param_offload: bool = False
     optimizer_offload: bool = False
     offload_policy: bool = False
-    """seed: FSDP2 CPU offload policy; maps to DeepSpeed parameter + optimizer offload."""
+    """FSDP2 CPU offload policy; maps to DeepSpeed parameter + optimizer offload."""
 
 
 @dataclass
@@ -148,68 +189,111 @@ class DeepSpeedConfig:
 
 
 @dataclass
+class PolicyLossConfig:
+    loss_mode: str = "vanilla"
+    """verl: the policy-loss registry name (rlhf_core.algos.registry.POLICY_LOSSES)."""
+    clip_cov_ratio: float = 0.0002
+    """verl (clip_cov): share of tokens whose gradient is detached."""
+    clip_cov_lb: float = 1.0
+    clip_cov_ub: float = 5.0
+    kl_cov_ratio: float = 0.0002
+    """verl (kl_cov): share of tokens that get the KL penalty."""
+    ppo_kl_coef: float = 0.1
+    """verl (kl_cov): coefficient of that penalty."""
+
+
+@dataclass
 class ActorConfig:
     strategy: Literal["deepspeed", "fsdp", "fsdp2"] = "deepspeed"
     """Training backend. fsdp/fsdp2 are accepted aliases that map to DeepSpeed ZeRO."""
-    ppo_mini_batch_size: int = 64
-    """seed: sequences (prompts × n) per optimizer step."""
-    ppo_micro_batch_size_per_gpu: int = 8
-    """Sequences per forward/backward when use_dynamic_bsz is off."""
-    use_dynamic_bsz: bool = True
-    """Split mini-batches into micro-batches by token budget instead of a fixed count."""
-    ppo_max_token_len_per_gpu: int = 3072
-    """seed: token budget of one micro-batch with use_dynamic_bsz."""
+    ppo_mini_batch_size: int = 256
+    """verl: prompts per optimizer step; each brings its rollout.n responses (so a step trains on
+    ppo_mini_batch_size × n sequences)."""
+    ppo_micro_batch_size: Optional[int] = None
+    """verl (deprecated): sequences per forward/backward over all GPUs; divided by the world size."""
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    """verl: sequences per forward/backward per GPU when use_dynamic_bsz is off."""
+    use_dynamic_bsz: bool = False
+    """verl: split mini-batches into micro-batches by token budget instead of a fixed count."""
+    ppo_max_token_len_per_gpu: int = 16384
+    """verl: token budget of one micro-batch with use_dynamic_bsz."""
     ppo_epochs: int = 1
-    """Passes over the iteration's batch."""
-    shuffle: bool = True
-    """Shuffle sequences between PPO epochs (seeded)."""
+    """verl: passes over the step's batch."""
+    shuffle: bool = False
+    """verl: shuffle the sequences between PPO epochs (seeded by trainer.seed)."""
     clip_ratio: float = 0.2
-    """seed: PPO ε; clip_ratio_low / clip_ratio_high default to it."""
+    """verl: PPO ε; clip_ratio_low / clip_ratio_high default to it."""
     clip_ratio_low: Optional[float] = None
     clip_ratio_high: Optional[float] = None
     clip_ratio_c: float = 3.0
-    """seed: dual-clip bound c (> 1) for negative advantages."""
+    """verl: dual-clip bound c (> 1) for negative advantages."""
     loss_agg_mode: str = "token-mean"
-    """token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
-    policy_loss: str = "vanilla"
-    """Policy-loss registry name."""
+    """verl: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    loss_scale_factor: Optional[float] = None
+    """verl: the divisor of seq-mean-token-sum-norm; null = data.max_response_length."""
+    policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     entropy_coeff: float = 0.0
-    """Entropy bonus weight (verl's default 0)."""
+    """verl: entropy bonus weight."""
     use_kl_loss: bool = False
-    """Add kl_loss_coef·KL(actor‖ref) to the actor loss (GRPO-style) instead of/as well as in reward."""
+    """verl: add kl_loss_coef·KL(actor‖ref) to the actor loss (GRPO-style)."""
     kl_loss_coef: float = 0.001
-    """seed."""
-    kl_loss_type: str = "k1+"
-    """seed: KL estimator for the loss (k1, k2, k3, abs, … and '+' straight-through variants)."""
-    max_grad_norm: float = 1.0
-    """seed: gradient-norm clip (DeepSpeed gradient_clipping)."""
+    """verl."""
+    kl_loss_type: str = "low_var_kl"
+    """verl: KL estimator for the loss (kl/k1, abs, mse/k2, low_var_kl/k3, and '+' straight-through variants)."""
+    grad_clip: float = 1.0
+    """verl: gradient-norm clip (DeepSpeed gradient_clipping)."""
     optim: OptimConfig = field(default_factory=OptimConfig)
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
 
 @dataclass
+class SamplingConfig:
+    """verl's rollout.val_kwargs: how validation decodes (greedy by default)."""
+
+    top_k: int = -1
+    top_p: float = 1.0
+    temperature: float = 0.0
+    """0 = greedy."""
+    n: int = 1
+    """Responses per validation prompt (mean@n and best@n are reported)."""
+    do_sample: bool = False
+    """verl: false = greedy, whatever the temperature."""
+
+
+@dataclass
 class RolloutConfig:
     name: Literal["hf", "vllm", "offline"] = "hf"
-    """Engine: Hugging Face generate (CPU/GPU), vLLM (GPU), or imported offline trajectories."""
+    """Engine: Hugging Face generate (CPU/GPU), vLLM (GPU; falls back to hf without CUDA, saying so),
+    or imported offline trajectories."""
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
     """-1 disables top-k (vLLM convention)."""
+    do_sample: bool = True
+    """verl: false = greedy rollout."""
     n: int = 1
-    """Responses sampled per prompt."""
+    """verl: responses sampled per prompt."""
+    val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
+    """verl: sampling for validation."""
     seed: int = 0
     """Sampling seed; the iteration number is added so iterations differ but reruns match."""
     generation_batch_tokens: int = 8192
-    """Token budget of one generation batch (prompt + response slots) for the hf engine."""
+    """hf engine: token budget of one generation batch (prompt + response slots)."""
     gpu_memory_utilization: float = 0.5
-    """vLLM: share of GPU memory for weights + KV cache."""
+    """verl (vLLM): share of GPU memory for weights + KV cache."""
     tensor_model_parallel_size: int = 1
-    """vLLM tensor parallel degree."""
+    """verl (vLLM): tensor parallel degree. verl defaults to 2; 1 here so one GPU works unchanged."""
     offline_path: Optional[str] = None
     """name=offline: JSONL/Parquet of responses generated elsewhere."""
-    log_prob_max_token_len_per_gpu: int = 8192
-    """Token budget of one scoring micro-batch (old/ref log-probs, values)."""
+    log_prob_micro_batch_size: Optional[int] = None
+    """verl (deprecated): old-log-prob sequences per forward over all GPUs."""
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    """verl: sequences per forward when computing the old log-probs (without dynamic batching)."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """verl: batch the old log-prob forwards by token budget; null = actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """verl: token budget of one old log-prob forward; null = actor.ppo_max_token_len_per_gpu."""
     cpu_threads: int = 0
     """hf engine on CPU: torch threads while generating; 0 = auto: 1 for models under 100 M parameters
     (their per-token matmuls are too small to split; on shared cores extra threads spin-wait: tiny
@@ -219,7 +303,16 @@ class RolloutConfig:
 @dataclass
 class RefConfig:
     model_path: Optional[str] = None
-    """Reference policy; defaults to the actor's initial model."""
+    """Reference policy; defaults to the actor's initial model (same forms as model.path)."""
+    log_prob_micro_batch_size: Optional[int] = None
+    """verl (deprecated): reference-log-prob sequences per forward over all GPUs."""
+    log_prob_micro_batch_size_per_gpu: Optional[int] = None
+    """verl: sequences per forward when computing the reference log-probs (without dynamic batching)."""
+    log_prob_use_dynamic_bsz: Optional[bool] = None
+    """verl: null = actor.use_dynamic_bsz."""
+    log_prob_max_token_len_per_gpu: Optional[int] = None
+    """verl: null = actor.ppo_max_token_len_per_gpu."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
@@ -239,39 +332,91 @@ class ActorRolloutRefConfig:
 class CriticModelConfig:
     path: Optional[str] = None
     """Backbone for the value model; defaults to the actor's initial model (new scalar head)."""
+    tokenizer_path: Optional[str] = None
+    """verl: must tokenize as the actor's does; accepted and checked, the actor's tokenizer is used."""
+    trust_remote_code: bool = False
+    enable_gradient_checkpointing: bool = False
+    """As actor_rollout_ref.model.enable_gradient_checkpointing (verl defaults to true)."""
+    use_remove_padding: Optional[bool] = None
+    """verl: null = actor_rollout_ref.model.use_remove_padding."""
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
 class CriticConfig:
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
+    strategy: Literal["deepspeed", "fsdp", "fsdp2"] = "deepspeed"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """verl's critic default lr is 1e-5 (ten times the actor's)."""
-    cliprange_value: float = 0.5
-    """Value clipping ε around the old values."""
-    loss_agg_mode: str = "token-mean"
+    ppo_mini_batch_size: Optional[int] = None
+    """verl: prompts (× rollout.n responses) per critic optimizer step; null = the actor's."""
+    ppo_micro_batch_size: Optional[int] = None
+    """verl (deprecated): sequences per forward/backward over all GPUs."""
+    ppo_micro_batch_size_per_gpu: Optional[int] = None
+    """verl: sequences per forward/backward when use_dynamic_bsz is off."""
+    use_dynamic_bsz: Optional[bool] = None
+    """verl: null = actor_rollout_ref.actor.use_dynamic_bsz."""
+    ppo_max_token_len_per_gpu: int = 32768
+    """verl: the critic's token budget per micro-batch with use_dynamic_bsz."""
+    forward_micro_batch_size_per_gpu: Optional[int] = None
+    """verl: sequences per value forward in scoring; null = ppo_micro_batch_size_per_gpu."""
+    forward_max_token_len_per_gpu: Optional[int] = None
+    """verl: token budget of one value forward in scoring; null = ppo_max_token_len_per_gpu."""
     ppo_epochs: Optional[int] = None
-    """Defaults to the actor's."""
-    max_grad_norm: float = 1.0
+    """verl: null = the actor's."""
+    shuffle: Optional[bool] = None
+    """verl: null = the actor's."""
+    cliprange_value: float = 0.5
+    """verl: value clipping ε around the old values."""
+    loss_agg_mode: Optional[str] = None
+    """verl: null = actor_rollout_ref.actor.loss_agg_mode."""
+    grad_clip: float = 1.0
+    """verl: the critic's gradient-norm clip."""
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+
+
+@dataclass
+class RewardModelModelConfig:
+    path: Optional[str] = None
+    """verl: the sequence-classification reward model (local directory or hub id in the local cache)."""
+    input_tokenizer: Optional[str] = None
+    """verl: the actor's tokenizer when the reward model's chat template differs (responses are then
+    decoded and re-rendered with the reward model's template); null = same tokenizer."""
+    trust_remote_code: bool = False
+    fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
 @dataclass
 class RewardModelConfig:
     enable: bool = False
-    """Score with a sequence-classification reward model instead of rule-based rewards."""
-    model_path: Optional[str] = None
-    micro_batch_size: int = 16
+    """verl: score with a sequence-classification reward model instead of the rule-based reward."""
+    strategy: Literal["deepspeed", "fsdp", "fsdp2"] = "deepspeed"
+    model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
+    micro_batch_size: Optional[int] = None
+    """verl (deprecated): sequences per forward over all GPUs."""
+    micro_batch_size_per_gpu: Optional[int] = 16
+    """verl: sequences per reward-model forward. verl's default is null (required when enabled)."""
+    max_length: Optional[int] = None
+    """verl: truncate prompt + response to this many tokens before scoring (null = no limit)."""
+    use_dynamic_bsz: Optional[bool] = None
+    """verl: null = critic.use_dynamic_bsz."""
+    reward_manager: Literal["naive"] = "naive"
+    """verl: how rule-based rewards are applied; 'naive' (one compute_score call per response)."""
 
 
 @dataclass
 class CustomRewardConfig:
     path: Optional[str] = None
-    """'module' or a .py file holding a verl-style compute_score; loaded only when set."""
+    """verl: a .py file (or 'pkg.module') holding compute_score(data_source, solution_str,
+    ground_truth, extra_info); when set it scores every row."""
     name: str = "compute_score"
+    """verl: the function's name in that file."""
     gsm8k_method: Literal["strict", "flexible"] = "strict"
-    """GSM8K answer extraction: strict needs '#### n'; flexible finds the last number stated."""
+    """Built-in GSM8K scorer: 'strict' needs '#### n' (verl's default); 'flexible' takes the last number."""
     format_score: float = 0.0
+    """Built-in GSM8K scorer: the score of a well-formed wrong answer (verl's format_score)."""
     score: float = 1.0
+    """Built-in GSM8K scorer: the score of a right answer (verl's score)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,66 +426,99 @@ class CustomRewardConfig:
 
 @dataclass
 class KLCtrlConfig:
-    type: Literal["fixed", "adaptive"] = "adaptive"
-    """seed."""
+    type: Literal["fixed", "adaptive"] = "fixed"
+    """verl: the in-reward KL coefficient's controller."""
     kl_coef: float = 0.001
-    """seed: initial KL-in-reward coefficient."""
-    target_kl: float = 0.02
-    """seed: adaptive controller target (per-token mean KL)."""
+    """verl: the initial KL-in-reward coefficient."""
+    target_kl: float = 0.1
+    """verl: the adaptive controller's target (per-token mean KL)."""
     horizon: int = 10000
-    """Adaptive controller horizon (samples)."""
+    """verl: the adaptive controller's horizon (samples)."""
 
 
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "gae"
+    """verl: the advantage-estimator registry name (rlhf_core.algos.registry.ADV_ESTIMATORS)."""
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv: bool = True
-    """Whiten advantages over the batch's valid tokens."""
-    use_kl_in_reward: bool = True
-    """seed: subtract kl_coef·KL(actor‖ref) from the token rewards."""
+    """Whiten GAE advantages over the batch's valid tokens (verl always does for GAE)."""
+    norm_adv_by_std_in_grpo: bool = True
+    """verl (grpo): divide group-centred rewards by the group's standard deviation."""
+    use_kl_in_reward: bool = False
+    """verl: subtract kl_coef·KL(actor‖ref) from the token rewards."""
     kl_penalty: str = "kl"
-    """KL estimator for the in-reward penalty."""
+    """verl: KL estimator for the in-reward penalty."""
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
 
 
 @dataclass
 class TrainerConfig:
     project_name: str = "rlhf"
+    """verl: the MLflow experiment is <project_name>/<experiment_name>."""
     experiment_name: str = "default"
+    logger: list[str] = field(default_factory=lambda: ["console", "mlflow"])
+    """verl: where metrics go. console and mlflow work here; wandb, swanlab, tensorboard, vemlp_wandb,
+    clearml, trackio are accepted and said once to be unavailable. verl's default is console + wandb
+    (wandb needs its service and an account; MLflow is this project's tracker)."""
     runs_root: str = "runs"
     """Run directories are created under this folder."""
-    total_iterations: int = 20
-    """PPO iterations (rollout → score → gae → update → guard)."""
-    test_freq: int = 10
-    """seed: validate every N iterations (and after the last)."""
-    save_freq: int = 10
-    """seed: keep a full checkpoint every N iterations (and the last-good one always)."""
+    total_epochs: int = 30
+    """verl: passes over the training prompts; training steps = epochs × (prompts // train_batch_size)."""
+    total_training_steps: Optional[int] = None
+    """verl: when set, the number of training steps (iterations), whatever total_epochs says."""
+    total_iterations: Optional[int] = None
+    """Our name for the same count (`--iterations`); when set it wins over both. Filled in from the
+    two above when a run starts."""
+    val_before_train: bool = True
+    """verl: validate the initial policy before the first step (logged at step 0)."""
+    val_only: bool = False
+    """verl: only validate the initial policy, then stop."""
+    test_freq: int = -1
+    """verl: validate every N steps and after the last one (-1 = never)."""
+    save_freq: int = -1
+    """verl: keep a full checkpoint every N steps and after the last one (-1 = only the last-good
+    checkpoint, which the KL guard always keeps for rollback)."""
     max_ckpt_to_keep: int = 2
+    """Save-point checkpoints kept (oldest pruned first); the last-good one is always kept."""
+    critic_warmup: int = 0
+    """verl: train only the critic for the first N steps (the actor is not updated)."""
+    n_gpus_per_node: Optional[int] = None
+    """verl: devices (processes) of the update per node; null = every visible GPU (1 process on CPU).
+    verl's default is 8. More than the machine has falls back (CPU) or is refused (GPU), saying so."""
+    nnodes: int = 1
+    """verl: machines in the training world; this version trains on one (nnodes > 1 is refused)."""
     curve_freq: int = 1
     """Redraw the learning-curve PNG and the Prefect run report every N iterations (always after the
     last one and after a rollback). 1 = every iteration; each redraw costs ~0.15 s plus two
     artifact calls, which is a visible share of a few-second tiny-model iteration."""
     kl_rollback_threshold: float = 0.05
-    """seed: roll back an iteration whose KL(actor‖ref) per-token mean exceeds this."""
+    """Roll back an iteration whose KL(actor‖ref) per-token mean exceeds this: 0.05 nats per token is
+    far above what a healthy PPO step moves (the demo peaks near 0.03) and well below collapse."""
     kl_guard_val_prompts: int = 0
     """Also measure KL(actor‖ref) on this many validation prompts, sampled from the new actor (an
     on-policy check; 0 = guard on the iteration's responses only, which costs no generation)."""
     on_kl_breach: Literal["halt", "retry"] = "retry"
+    """After a rollback: retry the iteration with a larger KL coefficient and smaller lr, or halt."""
     max_rollbacks: int = 2
+    """Retries of one iteration before the run halts (each retry doubles the KL pressure)."""
     retry_kl_coef_multiplier: float = 2.0
+    """A retry multiplies the KL coefficients (in reward and in loss) by this."""
     retry_lr_divisor: float = 2.0
+    """A retry divides the actor's learning rate by this."""
     export_min_val_score: float = 0.5
-    """seed: export only when the latest validation score is at least this."""
+    """Export only when the latest validation score is at least this (a half-trained policy is not
+    worth shipping by accident)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    nproc: int = 1
-    """Data-parallel processes for the update stage."""
+    """'auto' = cuda when available, else cpu (verl assumes cuda)."""
+    nproc: Optional[int] = None
+    """Our name for the update's data-parallel processes; when set it wins over n_gpus_per_node × nnodes."""
     concurrent_critic_actor: Literal["auto", "always", "never"] = "auto"
     """Train the critic and the actor at the same time, one thread each, in a one-process update (their
     updates only share the fixed advantages table, so the weights and metrics are the same as one
     after the other). 'auto': on CPU when both run on one thread (models under 100 M parameters) and
-    there are at least 2 cores — the tiny model's update then takes ~0.6x the time. Needs nproc=1."""
+    there are at least 2 cores — the tiny model's update then takes ~0.6x the time. Needs one process."""
     seed: int = 1
     """Global seed (model init, shuffles)."""
 

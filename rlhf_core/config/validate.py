@@ -1,16 +1,26 @@
-"""Rules a config must obey, each stated in its error, plus the FSDP → DeepSpeed mapping."""
+"""Rules a config must obey, each stated in its error, plus the FSDP → DeepSpeed mapping.
+
+Names of algorithms (advantage estimator, policy loss, KL estimator, aggregation mode, KL
+controller) are checked against their registries in ``rlhf_core.algos``, so a newly registered
+variant is valid at once and a typo fails at load with the valid names.
+"""
 
 from __future__ import annotations
 
+from rlhf_core.algos.registry import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, KL_ESTIMATORS, POLICY_LOSSES
+from rlhf_core.algos import kl as _kl  # noqa: F401  (registers the KL estimators)
+from rlhf_core.algos import advantage as _advantage  # noqa: F401  (registers the estimators)
+from rlhf_core.algos import losses as _losses  # noqa: F401  (registers the policy losses)
+from rlhf_core.algos import controllers as _controllers  # noqa: F401  (registers the KL controllers)
+from rlhf_core.config.errors import ConfigError
+from rlhf_core.config.resolve import micro_batching
 from rlhf_core.config.schema import DeepSpeedConfig, RLHFConfig
 
-AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-KL_KINDS = ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3")
+LOGGERS_HERE = ("console", "mlflow")
+LOGGERS_ELSEWHERE = ("wandb", "swanlab", "tensorboard", "vemlp_wandb", "clearml", "trackio", "file")
 
 
 def _fail(key: str, rule: str, value: object) -> None:
-    from rlhf_core.config.loader import ConfigError
-
     raise ConfigError(f"{key}={value!r}: {rule}")
 
 
@@ -20,7 +30,15 @@ def _check(ok: bool, key: str, rule: str, value: object) -> None:
 
 
 def _kl_kind_ok(kind: str) -> bool:
-    return kind.removesuffix("+") in KL_KINDS
+    return kind.removesuffix("+") in KL_ESTIMATORS
+
+
+def _in_registry(registry, key: str, value: str) -> None:
+    _check(value in registry, key, f"unknown {registry.kind}; valid: {', '.join(registry.names())}", value)
+
+
+def _freq_ok(value: int) -> bool:
+    return value == -1 or value >= 1
 
 
 def validate(cfg: RLHFConfig) -> None:
@@ -39,24 +57,27 @@ def validate(cfg: RLHFConfig) -> None:
         value = getattr(a, name)
         _check(value is None or value >= 0, pre + name, "must be >= 0 (or null to use clip_ratio)", value)
     _check(a.clip_ratio_c > 1, pre + "clip_ratio_c", "dual-clip bound must be > 1", a.clip_ratio_c)
-    _check(a.max_grad_norm > 0, pre + "max_grad_norm", "must be > 0", a.max_grad_norm)
+    _check(a.grad_clip > 0, pre + "grad_clip", "must be > 0", a.grad_clip)
     _check(a.ppo_mini_batch_size > 0, pre + "ppo_mini_batch_size", "must be > 0", a.ppo_mini_batch_size)
-    _check(a.ppo_micro_batch_size_per_gpu > 0, pre + "ppo_micro_batch_size_per_gpu", "must be > 0",
-           a.ppo_micro_batch_size_per_gpu)
     _check(a.ppo_epochs >= 1, pre + "ppo_epochs", "must be >= 1", a.ppo_epochs)
     _check(a.kl_loss_coef >= 0, pre + "kl_loss_coef", "must be >= 0", a.kl_loss_coef)
     _check(_kl_kind_ok(a.kl_loss_type), pre + "kl_loss_type",
-           f"must be one of {', '.join(KL_KINDS)}, optionally with a '+' suffix", a.kl_loss_type)
-    _check(a.loss_agg_mode in AGG_MODES, pre + "loss_agg_mode", f"must be one of {', '.join(AGG_MODES)}",
-           a.loss_agg_mode)
-    # a micro-batch must hold at least one full sequence, or dynamic batching cannot place it
-    longest = d.max_prompt_length + d.max_response_length
-    _check(not a.use_dynamic_bsz or a.ppo_max_token_len_per_gpu >= longest,
-           pre + "ppo_max_token_len_per_gpu",
-           f"must be >= data.max_prompt_length + data.max_response_length = {longest}",
-           a.ppo_max_token_len_per_gpu)
-    _check(a.optim.lr > 0, pre + "optim.lr", "must be > 0", a.optim.lr)
-    _check(len(a.optim.betas) == 2, pre + "optim.betas", "needs exactly two values", a.optim.betas)
+           f"must be one of {', '.join(KL_ESTIMATORS.names())}, optionally with a '+' suffix", a.kl_loss_type)
+    _in_registry(AGG_MODES, pre + "loss_agg_mode", a.loss_agg_mode)
+    _in_registry(POLICY_LOSSES, pre + "policy_loss.loss_mode", a.policy_loss.loss_mode)
+    _check(a.loss_scale_factor is None or a.loss_scale_factor > 0, pre + "loss_scale_factor",
+           "must be > 0 (or null = data.max_response_length)", a.loss_scale_factor)
+    _check(a.ppo_mini_batch_size <= d.train_batch_size, pre + "ppo_mini_batch_size",
+           f"counts prompts, as in verl, and must be <= data.train_batch_size={d.train_batch_size}",
+           a.ppo_mini_batch_size)
+    _validate_batching(cfg)
+    for key, optim in ((pre + "optim.", a.optim), ("critic.optim.", cfg.critic.optim)):
+        _check(optim.lr > 0, key + "lr", "must be > 0", optim.lr)
+        _check(len(optim.betas) == 2, key + "betas", "needs exactly two values", optim.betas)
+        _check(0 <= optim.lr_warmup_steps_ratio <= 1, key + "lr_warmup_steps_ratio", "must be in [0, 1]",
+               optim.lr_warmup_steps_ratio)
+        _check(0 <= optim.min_lr_ratio <= 1, key + "min_lr_ratio", "must be in [0, 1]", optim.min_lr_ratio)
+        _check(optim.num_cycles > 0, key + "num_cycles", "must be > 0", optim.num_cycles)
     _check(cfg.actor_rollout_ref.model.lora_rank >= 0, "actor_rollout_ref.model.lora_rank", "must be >= 0",
            cfg.actor_rollout_ref.model.lora_rank)
     for key, ds in (("actor_rollout_ref.actor", a.deepspeed_config), ("critic", cfg.critic.deepspeed_config)):
@@ -64,8 +85,13 @@ def validate(cfg: RLHFConfig) -> None:
                ds.zero_stage)
 
     rp = "actor_rollout_ref.rollout."
-    _check(r.temperature > 0, rp + "temperature", "must be > 0 (use a small value for near-greedy)",
-           r.temperature)
+    _check(r.temperature > 0 or not r.do_sample, rp + "temperature",
+           "must be > 0 when sampling (set actor_rollout_ref.rollout.do_sample=false for greedy)", r.temperature)
+    v = r.val_kwargs
+    _check(v.temperature >= 0, rp + "val_kwargs.temperature", "must be >= 0 (0 = greedy)", v.temperature)
+    _check(0 < v.top_p <= 1, rp + "val_kwargs.top_p", "must be in (0, 1]", v.top_p)
+    _check(v.top_k == -1 or v.top_k > 0, rp + "val_kwargs.top_k", "must be -1 (off) or > 0", v.top_k)
+    _check(v.n >= 1, rp + "val_kwargs.n", "must be >= 1", v.n)
     _check(0 < r.top_p <= 1, rp + "top_p", "must be in (0, 1]", r.top_p)
     _check(r.top_k == -1 or r.top_k > 0, rp + "top_k", "must be -1 (off) or > 0", r.top_k)
     _check(r.n >= 1, rp + "n", "must be >= 1", r.n)
@@ -80,31 +106,48 @@ def validate(cfg: RLHFConfig) -> None:
     al = cfg.algorithm
     _check(0 <= al.gamma <= 1, "algorithm.gamma", "must be in [0, 1]", al.gamma)
     _check(0 <= al.lam <= 1, "algorithm.lam", "must be in [0, 1]", al.lam)
+    _in_registry(ADV_ESTIMATORS, "algorithm.adv_estimator", al.adv_estimator)
+    _in_registry(KL_CONTROLLERS, "algorithm.kl_ctrl.type", al.kl_ctrl.type)
     _check(_kl_kind_ok(al.kl_penalty), "algorithm.kl_penalty",
-           f"must be one of {', '.join(KL_KINDS)}, optionally with a '+' suffix", al.kl_penalty)
+           f"must be one of {', '.join(KL_ESTIMATORS.names())}, optionally with a '+' suffix", al.kl_penalty)
     _check(al.kl_ctrl.kl_coef >= 0, "algorithm.kl_ctrl.kl_coef", "must be >= 0", al.kl_ctrl.kl_coef)
     _check(al.kl_ctrl.target_kl > 0, "algorithm.kl_ctrl.target_kl", "must be > 0", al.kl_ctrl.target_kl)
     _check(al.kl_ctrl.horizon > 0, "algorithm.kl_ctrl.horizon", "must be > 0", al.kl_ctrl.horizon)
     _check(cfg.critic.cliprange_value > 0, "critic.cliprange_value", "must be > 0", cfg.critic.cliprange_value)
-    _check(cfg.critic.loss_agg_mode in AGG_MODES, "critic.loss_agg_mode",
-           f"must be one of {', '.join(AGG_MODES)}", cfg.critic.loss_agg_mode)
+    if cfg.critic.loss_agg_mode is not None:
+        _in_registry(AGG_MODES, "critic.loss_agg_mode", cfg.critic.loss_agg_mode)
+    _check(cfg.critic.grad_clip > 0, "critic.grad_clip", "must be > 0", cfg.critic.grad_clip)
+    cm = cfg.critic.ppo_mini_batch_size
+    _check(cm is None or 0 < cm <= d.train_batch_size, "critic.ppo_mini_batch_size",
+           f"counts prompts, as in verl, and must be in [1, data.train_batch_size={d.train_batch_size}]", cm)
 
     t = cfg.trainer
-    _check(t.total_iterations >= 1, "trainer.total_iterations", "must be >= 1", t.total_iterations)
-    _check(t.test_freq >= 1, "trainer.test_freq", "must be >= 1", t.test_freq)
-    _check(t.save_freq >= 1, "trainer.save_freq", "must be >= 1", t.save_freq)
+    _check(t.total_iterations is None or t.total_iterations >= 1, "trainer.total_iterations",
+           "must be >= 1 (or null: derived from total_training_steps / total_epochs)", t.total_iterations)
+    _check(t.total_training_steps is None or t.total_training_steps >= 1, "trainer.total_training_steps",
+           "must be >= 1 (or null: total_epochs × steps per epoch)", t.total_training_steps)
+    _check(t.total_epochs >= 1, "trainer.total_epochs", "must be >= 1", t.total_epochs)
+    _check(_freq_ok(t.test_freq), "trainer.test_freq", "must be >= 1, or -1 for never", t.test_freq)
+    _check(_freq_ok(t.save_freq), "trainer.save_freq", "must be >= 1, or -1 for only the last-good checkpoint",
+           t.save_freq)
+    _check(t.critic_warmup >= 0, "trainer.critic_warmup", "must be >= 0", t.critic_warmup)
+    for name in t.logger:
+        _check(name in LOGGERS_HERE + LOGGERS_ELSEWHERE, "trainer.logger",
+               f"unknown logger {name!r}; valid: {', '.join(LOGGERS_HERE + LOGGERS_ELSEWHERE)}", t.logger)
     _check(t.curve_freq >= 1, "trainer.curve_freq", "must be >= 1", t.curve_freq)
     _check(t.kl_rollback_threshold > 0, "trainer.kl_rollback_threshold", "must be > 0", t.kl_rollback_threshold)
     _check(t.max_rollbacks >= 0, "trainer.max_rollbacks", "must be >= 0", t.max_rollbacks)
     _check(t.retry_kl_coef_multiplier >= 1, "trainer.retry_kl_coef_multiplier", "must be >= 1",
            t.retry_kl_coef_multiplier)
     _check(t.retry_lr_divisor >= 1, "trainer.retry_lr_divisor", "must be >= 1", t.retry_lr_divisor)
-    _check(t.nproc >= 1, "trainer.nproc", "must be >= 1", t.nproc)
-    _check(t.concurrent_critic_actor != "always" or t.nproc == 1, "trainer.concurrent_critic_actor",
+    _check(t.nproc is None or t.nproc >= 1, "trainer.nproc", "must be >= 1 (or null: n_gpus_per_node × nnodes)",
+           t.nproc)
+    _check(t.concurrent_critic_actor != "always" or (t.nproc or 1) == 1, "trainer.concurrent_critic_actor",
            "'always' needs trainer.nproc=1 (two threads' collectives could pair up differently on each rank); "
            "use 'auto' or 'never'", t.concurrent_critic_actor)
-    _check(cfg.reward_model.model_path is not None or not cfg.reward_model.enable,
-           "reward_model.model_path", "must be set when reward_model.enable=true", cfg.reward_model.model_path)
+    rm = cfg.reward_model
+    _check(rm.model.path is not None or not rm.enable, "reward_model.model.path",
+           "must be set when reward_model.enable=true", rm.model.path)
     _validate_warm_start(cfg)
 
 
@@ -131,3 +174,26 @@ def effective_deepspeed(cfg: RLHFConfig) -> DeepSpeedConfig:
         offload_param=ds.offload_param or fsdp.param_offload or fsdp.offload_policy,
         config_path=ds.config_path,
     )
+
+
+def _validate_batching(cfg: RLHFConfig) -> None:
+    """Each role's micro-batching is complete (a count without dynamic batching, a budget that holds
+    the longest sequence with it), named by the key to set."""
+    d = cfg.data
+    longest = d.max_prompt_length + d.max_response_length
+    keys = {
+        "actor": ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"),
+        "critic": ("critic.ppo_micro_batch_size_per_gpu", "critic.ppo_max_token_len_per_gpu"),
+        "rollout": ("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu",
+                    "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+        "ref": ("actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu",
+                "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
+    }
+    for role, (count_key, budget_key) in keys.items():
+        mb = micro_batching(cfg, role)
+        if mb.use_dynamic_bsz:
+            # a micro-batch must hold at least one full sequence, or dynamic batching cannot place it
+            _check(mb.token_budget >= longest, budget_key,
+                   f"must be >= data.max_prompt_length + data.max_response_length = {longest}", mb.token_budget)
+        else:
+            _check(mb.micro_batch_size > 0, count_key, "must be > 0", mb.micro_batch_size)

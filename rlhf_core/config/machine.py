@@ -1,0 +1,54 @@
+"""Fit a validated config to this machine: what it cannot act on falls back, saying so, or is
+refused at once with the key and the fix (before any stage runs or run directory is made).
+
+    setting                        without CUDA                       with CUDA
+    rollout.name=vllm              falls back to hf (one line)        vllm (needs the vllm extra)
+    trainer.n_gpus_per_node=N      one process (one line when N > 1)  refused when N > visible GPUs
+    trainer.nnodes > 1             refused (one node in this version) refused
+    trainer.device=cuda            refused                            cuda
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+
+import torch
+
+from rlhf_core.config.errors import ConfigError
+from rlhf_core.config.notes import say_once
+from rlhf_core.config.schema import RLHFConfig
+
+
+def cuda_devices() -> int:
+    """Visible CUDA devices (0 on a CPU machine)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def fit_to_machine(cfg: RLHFConfig, gpus: int | None = None) -> RLHFConfig:
+    """``cfg`` as it will run here (a copy when something falls back)."""
+    gpus = cuda_devices() if gpus is None else gpus
+    t, r = cfg.trainer, cfg.actor_rollout_ref.rollout
+    if t.nnodes != 1:
+        raise ConfigError(f"trainer.nnodes={t.nnodes}: this version trains on one machine; set trainer.nnodes=1 "
+                          "(docs/verl.md lists what runs where)")
+    if t.device == "cuda" and gpus == 0:
+        raise ConfigError("trainer.device=cuda: no CUDA device is visible here; use trainer.device=auto or cpu")
+    if t.n_gpus_per_node is not None and t.n_gpus_per_node < 1:
+        raise ConfigError(f"trainer.n_gpus_per_node={t.n_gpus_per_node}: must be >= 1 (or null = every visible GPU)")
+    on_gpu = gpus > 0 and t.device != "cpu"
+    if on_gpu and t.n_gpus_per_node is not None and t.n_gpus_per_node > gpus:
+        raise ConfigError(f"trainer.n_gpus_per_node={t.n_gpus_per_node}: only {gpus} CUDA device(s) are visible; "
+                          f"set trainer.n_gpus_per_node={gpus} (or null for all)")
+    if not on_gpu and (t.n_gpus_per_node or 1) > 1 and t.nproc is None:
+        say_once(f"config: trainer.n_gpus_per_node={t.n_gpus_per_node} on a machine without CUDA: the update runs "
+             "as 1 process (set trainer.nproc=N for N CPU processes)")
+    if r.name == "vllm" and not on_gpu:
+        say_once("config: actor_rollout_ref.rollout.name=vllm needs a CUDA GPU; using the hf engine "
+             "(Hugging Face generate) instead")
+        return dataclasses.replace(cfg, actor_rollout_ref=dataclasses.replace(
+            cfg.actor_rollout_ref, rollout=dataclasses.replace(r, name="hf")))
+    if r.name == "vllm" and importlib.util.find_spec("vllm") is None:
+        raise ConfigError("actor_rollout_ref.rollout.name=vllm: vLLM is not installed; "
+                          "`pip install -e '.[vllm]'` or use actor_rollout_ref.rollout.name=hf")
+    return cfg

@@ -1,0 +1,173 @@
+"""Derived settings: values that default to another key's, resolved the way verl resolves them.
+
+Every stage asks here instead of reading the raw field, so "null = the actor's" is decided once:
+
+    mini_batch_sequences(cfg, "critic")   critic.ppo_mini_batch_size (or the actor's) × rollout.n
+    micro_batching(cfg, "ref")            (use_dynamic_bsz, token budget, sequences per forward)
+    update_world_size(cfg, cuda_devices)  trainer.nproc, else n_gpus_per_node × nnodes
+    total_iterations(cfg, train_prompts)  trainer.total_iterations / total_training_steps / epochs
+
+Nothing here reads files or the machine; callers pass what they measured.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Optional
+
+from rlhf_core.config.schema import OptimConfig, RLHFConfig
+
+Role = Literal["actor", "critic", "rollout", "ref", "reward_model"]
+"""actor/critic: the update's forward/backward; rollout: old log-probs; ref: reference log-probs;
+reward_model: the reward model's forward."""
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    use_dynamic_bsz: bool
+    token_budget: int
+    """Real tokens per micro-batch (per process) when use_dynamic_bsz."""
+    micro_batch_size: int
+    """Sequences per micro-batch (per process) without it."""
+
+
+def clip_ratios(cfg: RLHFConfig) -> tuple[float, float]:
+    """(ε_low, ε_high): clip_ratio_low / clip_ratio_high, each defaulting to clip_ratio (verl)."""
+    a = cfg.actor_rollout_ref.actor
+    low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
+    high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
+    return low, high
+
+
+def mini_batch_prompts(cfg: RLHFConfig, role: Literal["actor", "critic"]) -> int:
+    """Prompts per optimizer step: the role's ppo_mini_batch_size (the critic's defaults to the actor's)."""
+    actor = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
+    if role == "critic" and cfg.critic.ppo_mini_batch_size is not None:
+        return cfg.critic.ppo_mini_batch_size
+    return actor
+
+
+def mini_batch_sequences(cfg: RLHFConfig, role: Literal["actor", "critic"]) -> int:
+    """Sequences per optimizer step over all processes: prompts × rollout.n, as verl multiplies
+    ppo_mini_batch_size by rollout.n before splitting it over the data-parallel ranks."""
+    return mini_batch_prompts(cfg, role) * cfg.actor_rollout_ref.rollout.n
+
+
+DEFAULT_MICRO_BATCH = 8
+"""Sequences per forward when neither the per-GPU nor the global micro-batch size is set. verl has no
+default there and refuses to start; a bare config runs here (docs/verl.md lists the difference)."""
+
+
+def _per_gpu(per_gpu: Optional[int], global_: Optional[int], world_size: int) -> int:
+    """verl's deprecated global micro-batch size is divided by the world size; per-GPU wins."""
+    if per_gpu is not None:
+        return per_gpu
+    if global_ is not None:
+        return max(1, global_ // max(1, world_size))
+    return DEFAULT_MICRO_BATCH
+
+
+def micro_batching(cfg: RLHFConfig, role: Role, world_size: int = 1) -> MicroBatching:
+    """How ``role``'s forwards are cut, with verl's fall-backs:
+
+    actor        actor.use_dynamic_bsz, ppo_max_token_len_per_gpu, ppo_micro_batch_size_per_gpu
+    critic       critic.* of the same names; use_dynamic_bsz null = the actor's
+    rollout/ref  log_prob_use_dynamic_bsz (null = actor.use_dynamic_bsz),
+                 log_prob_max_token_len_per_gpu (null = actor.ppo_max_token_len_per_gpu),
+                 log_prob_micro_batch_size_per_gpu
+    reward_model micro_batch_size_per_gpu; use_dynamic_bsz null = the critic's;
+                 budget = critic.forward_max_token_len_per_gpu (null = critic.ppo_max_token_len_per_gpu)
+    """
+    arr, a, c = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.critic
+    critic_dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
+    critic_forward_budget = c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu
+    if role == "actor":
+        return MicroBatching(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu,
+                             _per_gpu(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, world_size))
+    if role == "critic":
+        return MicroBatching(critic_dynamic, c.ppo_max_token_len_per_gpu,
+                             _per_gpu(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size, world_size))
+    if role == "reward_model":
+        rm = cfg.reward_model
+        dynamic = critic_dynamic if rm.use_dynamic_bsz is None else rm.use_dynamic_bsz
+        return MicroBatching(dynamic, critic_forward_budget,
+                             _per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size))
+    src = arr.rollout if role == "rollout" else arr.ref
+    dynamic = a.use_dynamic_bsz if src.log_prob_use_dynamic_bsz is None else src.log_prob_use_dynamic_bsz
+    budget = src.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
+    return MicroBatching(dynamic, budget,
+                         _per_gpu(src.log_prob_micro_batch_size_per_gpu, src.log_prob_micro_batch_size, world_size))
+
+
+def critic_value_batching(cfg: RLHFConfig, world_size: int = 1) -> MicroBatching:
+    """The critic's forward in scoring (values): forward_* keys, falling back to its ppo_* keys."""
+    c = cfg.critic
+    train = micro_batching(cfg, "critic", world_size)
+    per_gpu = c.forward_micro_batch_size_per_gpu or train.micro_batch_size
+    return MicroBatching(train.use_dynamic_bsz, c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu,
+                         per_gpu)
+
+
+def critic_epochs(cfg: RLHFConfig) -> int:
+    return cfg.critic.ppo_epochs or cfg.actor_rollout_ref.actor.ppo_epochs
+
+
+def critic_shuffle(cfg: RLHFConfig) -> bool:
+    a = cfg.actor_rollout_ref.actor
+    return a.shuffle if cfg.critic.shuffle is None else cfg.critic.shuffle
+
+
+def critic_loss_agg_mode(cfg: RLHFConfig) -> str:
+    return cfg.critic.loss_agg_mode or cfg.actor_rollout_ref.actor.loss_agg_mode
+
+
+def critic_use_remove_padding(cfg: RLHFConfig) -> bool:
+    m = cfg.critic.model.use_remove_padding
+    return cfg.actor_rollout_ref.model.use_remove_padding if m is None else m
+
+
+def loss_scale_factor(cfg: RLHFConfig) -> float:
+    """The constant divisor of seq-mean-token-sum-norm: actor.loss_scale_factor, else the configured
+    response length (verl divides by the padded response width, which is data.max_response_length)."""
+    factor = cfg.actor_rollout_ref.actor.loss_scale_factor
+    return float(factor) if factor is not None else float(cfg.data.max_response_length)
+
+
+def scheduler_type(optim: OptimConfig) -> str:
+    """verl's warmup_style (older name) wins over lr_scheduler_type when set."""
+    return optim.warmup_style or optim.lr_scheduler_type
+
+
+def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
+    """lr_warmup_steps when >= 0, else int(lr_warmup_steps_ratio × total steps), as verl computes it."""
+    if optim.lr_warmup_steps >= 0:
+        return optim.lr_warmup_steps
+    return int(optim.lr_warmup_steps_ratio * total_steps)
+
+
+def steps_per_epoch(cfg: RLHFConfig, train_prompts: int) -> int:
+    """Training steps in one pass over the prompts: verl's dataloader drops the last partial batch."""
+    return train_prompts // cfg.data.train_batch_size
+
+
+def total_iterations(cfg: RLHFConfig, train_prompts: int) -> int:
+    """Training steps of the run: trainer.total_iterations (ours) when set, else
+    trainer.total_training_steps (verl) when set, else total_epochs × steps per epoch (verl)."""
+    t = cfg.trainer
+    if t.total_iterations is not None:
+        return t.total_iterations
+    if t.total_training_steps is not None:
+        return t.total_training_steps
+    return t.total_epochs * steps_per_epoch(cfg, train_prompts)
+
+
+def update_world_size(cfg: RLHFConfig, cuda_devices: int) -> int:
+    """Processes of the update: trainer.nproc when set; on GPUs n_gpus_per_node (null = every visible
+    device) × nnodes; on CPU one process (n_gpus_per_node names GPUs, and there are none)."""
+    t = cfg.trainer
+    if t.nproc is not None:
+        return t.nproc
+    if cuda_devices == 0:
+        return 1
+    per_node = t.n_gpus_per_node if t.n_gpus_per_node is not None else cuda_devices
+    return per_node * t.nnodes
