@@ -43,3 +43,43 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def _isolated_state(tmp_path, monkeypatch):
     """Each test gets its own RLHF_HOME so built models, MLflow stores and Prefect homes never leak."""
     monkeypatch.setenv("RLHF_HOME", str(tmp_path / ".rlhf"))
+
+
+# verl's GSM8K PPO quickstart (volcengine/verl docs/start/quickstart.rst), its 25 overrides verbatim
+# except the four paths, which the test fills in ({train}, {val}, {model}).
+VERL_QUICKSTART = """
+data.train_files={train}
+data.val_files={val}
+data.train_batch_size=256
+data.max_prompt_length=512
+data.max_response_length=512
+actor_rollout_ref.model.path={model}
+actor_rollout_ref.actor.optim.lr=1e-6
+actor_rollout_ref.actor.ppo_mini_batch_size=64
+actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4
+actor_rollout_ref.rollout.name=vllm
+actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=8
+actor_rollout_ref.rollout.tensor_model_parallel_size=1
+actor_rollout_ref.rollout.gpu_memory_utilization=0.4
+actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=4
+critic.optim.lr=1e-5
+critic.model.path={model}
+critic.ppo_micro_batch_size_per_gpu=4
+algorithm.kl_ctrl.kl_coef=0.001
+trainer.logger=console
+trainer.val_before_train=False
+trainer.n_gpus_per_node=1
+trainer.nnodes=1
+trainer.save_freq=10
+trainer.test_freq=10
+trainer.total_epochs=15
+""".split()
+
+
+@pytest.fixture(scope="session")
+def verl_quickstart():
+    """verl_quickstart(train=..., val=..., model=...) -> the quickstart's overrides with those paths."""
+    def fill(**paths: str) -> list[str]:
+        return [line.format(**paths) for line in VERL_QUICKSTART]
+
+    return fill

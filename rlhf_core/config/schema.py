@@ -222,9 +222,12 @@ class ActorConfig:
     shuffle: bool = False
     """verl: shuffle the sequences between PPO epochs (seeded by trainer.seed)."""
     clip_ratio: float = 0.2
-    """verl: PPO ε; clip_ratio_low / clip_ratio_high default to it."""
-    clip_ratio_low: Optional[float] = None
-    clip_ratio_high: Optional[float] = None
+    """verl: PPO ε, used only where clip_ratio_low / clip_ratio_high are null."""
+    clip_ratio_low: Optional[float] = 0.2
+    """verl: the lower clip ε (ratio ≥ 1 − ε). verl's default is 0.2, not null, so setting clip_ratio
+    alone changes nothing; set this (and clip_ratio_high) to null to follow clip_ratio."""
+    clip_ratio_high: Optional[float] = 0.2
+    """verl: the upper clip ε (ratio ≤ 1 + ε); 0.28 with a low of 0.2 is DAPO's clip-higher."""
     clip_ratio_c: float = 3.0
     """verl: dual-clip bound c (> 1) for negative advantages."""
     loss_agg_mode: str = "token-mean"

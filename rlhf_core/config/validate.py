@@ -13,6 +13,7 @@ from rlhf_core.algos import advantage as _advantage  # noqa: F401  (registers th
 from rlhf_core.algos import losses as _losses  # noqa: F401  (registers the policy losses)
 from rlhf_core.algos import controllers as _controllers  # noqa: F401  (registers the KL controllers)
 from rlhf_core.config.errors import ConfigError
+from rlhf_core.config.notes import say_once
 from rlhf_core.config.resolve import micro_batching
 from rlhf_core.config.schema import DeepSpeedConfig, RLHFConfig
 
@@ -57,6 +58,9 @@ def validate(cfg: RLHFConfig) -> None:
         value = getattr(a, name)
         _check(value is None or value >= 0, pre + name, "must be >= 0 (or null to use clip_ratio)", value)
     _check(a.clip_ratio_c > 1, pre + "clip_ratio_c", "dual-clip bound must be > 1", a.clip_ratio_c)
+    if a.clip_ratio != 0.2 and a.clip_ratio_low is not None and a.clip_ratio_high is not None:
+        say_once(f"config: {pre}clip_ratio={a.clip_ratio} has no effect while clip_ratio_low/high are set "
+                 f"({a.clip_ratio_low}/{a.clip_ratio_high}, verl's defaults are 0.2); set them to null to follow it")
     _check(a.grad_clip > 0, pre + "grad_clip", "must be > 0", a.grad_clip)
     _check(a.ppo_mini_batch_size > 0, pre + "ppo_mini_batch_size", "must be > 0", a.ppo_mini_batch_size)
     _check(a.ppo_epochs >= 1, pre + "ppo_epochs", "must be >= 1", a.ppo_epochs)

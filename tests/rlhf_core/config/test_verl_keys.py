@@ -1,0 +1,128 @@
+"""A verl user's keys load: renamed spellings move, no-effect knobs are named once, values this
+project cannot honour are refused with the fix, and what the machine cannot do falls back."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from rlhf_core.algos.registry import ADV_ESTIMATORS
+from rlhf_core.config import ConfigError, flatten, load_config
+from rlhf_core.config import notes
+from rlhf_core.config.machine import fit_to_machine
+
+
+@pytest.fixture
+def said(monkeypatch, caplog):
+    """Fresh 'said once' memory; returns the config notes logged during the test."""
+    monkeypatch.setattr(notes, "_SAID", set())
+    caplog.set_level(logging.WARNING, logger="rlhf.config")
+    return lambda: [r.getMessage() for r in caplog.records if r.name == "rlhf.config"]
+
+
+def test_quickstart_overrides_load_with_verl_meanings(verl_quickstart, said):
+    cfg = load_config(None, verl_quickstart(train="t.parquet", val="v.parquet", model="tiny"))
+    a, r = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout
+    assert cfg.data.val_files == ["v.parquet"] and cfg.data.train_batch_size == 256
+    assert a.ppo_mini_batch_size == 64 and a.ppo_micro_batch_size_per_gpu == 4
+    assert r.log_prob_micro_batch_size_per_gpu == 8 and cfg.actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu == 4
+    assert cfg.critic.ppo_micro_batch_size_per_gpu == 4 and cfg.critic.optim.lr == 1e-5
+    assert cfg.trainer.logger == ["console"] and cfg.trainer.val_before_train is False
+    assert cfg.trainer.total_epochs == 15 and cfg.trainer.test_freq == 10 and cfg.trainer.save_freq == 10
+    assert r.name == "hf"  # no CUDA here: vLLM falls back, saying so once
+    assert any("rollout.name=vllm needs a CUDA GPU" in line for line in said())
+
+
+def test_renamed_keys_move_and_are_said_once(said):
+    cfg = load_config(None, ["actor_rollout_ref.actor.max_grad_norm=0.5", "critic.optim.clip_grad=0.7",
+                             "actor_rollout_ref.actor.policy_loss=vanilla", "reward_model.model_path=rm",
+                             "data.use_sequence_packing=false"])
+    assert cfg.actor_rollout_ref.actor.grad_clip == 0.5
+    assert cfg.critic.grad_clip == 0.7
+    assert cfg.actor_rollout_ref.actor.policy_loss.loss_mode == "vanilla"
+    assert cfg.reward_model.model.path == "rm"
+    assert cfg.actor_rollout_ref.model.use_remove_padding is False
+    load_config(None, ["actor_rollout_ref.actor.max_grad_norm=0.5"])
+    lines = said()
+    assert sum("max_grad_norm is read as actor_rollout_ref.actor.grad_clip" in s for s in lines) == 1
+
+
+def test_no_effect_keys_are_accepted_and_named(said, tmp_path):
+    preset = tmp_path / "verl.yaml"
+    preset.write_text("actor_rollout_ref:\n  rollout:\n    enforce_eager: true\n    free_cache_engine: true\n"
+                      "  actor:\n    use_torch_compile: false\n    checkpoint:\n      save_contents: [model]\n"
+                      "trainer:\n  balance_batch: true\n")
+    cfg = load_config(preset, ["data.dataloader_num_workers=4", "actor_rollout_ref.hybrid_engine=True"])
+    assert "actor_rollout_ref.rollout.enforce_eager" not in flatten(cfg)
+    text = "\n".join(said())
+    for key in ("rollout.enforce_eager", "rollout.free_cache_engine", "actor.use_torch_compile",
+                "actor.checkpoint.save_contents", "trainer.balance_batch", "data.dataloader_num_workers",
+                "actor_rollout_ref.hybrid_engine"):
+        assert f"{key} has no effect here (" in text, key
+
+
+@pytest.mark.parametrize("override, fragment", [
+    ("actor_rollout_ref.actor.ulysses_sequence_parallel_size=2", "sequence parallelism is not implemented"),
+    ("actor_rollout_ref.rollout.multi_turn.enable=true", "multi-turn rollouts are not implemented"),
+    ("actor_rollout_ref.rollout.skip_rollout=true", "rollout.name=offline"),
+])
+def test_values_we_cannot_honour_are_refused(override, fragment):
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert override.split("=")[0] in str(err.value) and fragment in str(err.value)
+    load_config(None, [override.split("=")[0] + "=" + ("1" if "size" in override else "false")])  # default is fine
+
+
+def test_unknown_keys_still_fail_with_suggestions():
+    with pytest.raises(ConfigError, match="did you mean|Did you mean"):
+        load_config(None, ["actor_rollout_ref.actor.ppo_mini_batch=4"])
+
+
+def test_algorithm_names_checked_against_the_registries():
+    with pytest.raises(ConfigError, match="algorithm.adv_estimator='nope'.*valid: .*gae"):
+        load_config(None, ["algorithm.adv_estimator=nope"])
+    with pytest.raises(ConfigError, match="policy_loss.loss_mode='nope'.*vanilla"):
+        load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=nope"])
+    ADV_ESTIMATORS.register("test_only_estimator")(lambda **kw: None)
+    try:  # a newly registered estimator is valid at once
+        assert load_config(None, ["algorithm.adv_estimator=test_only_estimator"]).algorithm.adv_estimator == \
+            "test_only_estimator"
+    finally:
+        ADV_ESTIMATORS.unregister("test_only_estimator")
+
+
+def test_machine_fit_without_and_with_gpus(said):
+    cfg = load_config(None, ["trainer.n_gpus_per_node=8"])
+    assert any("n_gpus_per_node=8 on a machine without CUDA" in s for s in said())
+    with pytest.raises(ConfigError, match="trainer.n_gpus_per_node=8: only 2 CUDA device"):
+        fit_to_machine(cfg, gpus=2)
+    assert fit_to_machine(cfg, gpus=8) is cfg
+    with pytest.raises(ConfigError, match="trainer.nnodes=2"):
+        load_config(None, ["trainer.nnodes=2"])
+    vllm = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, n_gpus_per_node=1))
+    vllm.actor_rollout_ref.rollout.name = "vllm"
+    assert fit_to_machine(vllm, gpus=0).actor_rollout_ref.rollout.name == "hf"
+
+
+def test_logger_names():
+    assert load_config(None, ["trainer.logger=['console','wandb']"]).trainer.logger == ["console", "wandb"]
+    with pytest.raises(ConfigError, match="unknown logger 'slack'"):
+        load_config(None, ["trainer.logger=[console,slack]"])
+
+
+def test_ppo_mini_batch_counts_prompts_and_fits_the_batch():
+    with pytest.raises(ConfigError, match="counts prompts, as in verl"):
+        load_config(None, ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=32"])
+
+
+def test_cli_config_show_prints_notes_as_single_lines(verl_quickstart):
+    out = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "config", "show", "--flat",
+                          *verl_quickstart(train="t.parquet", val="v.parquet", model="tiny")],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+    assert "actor_rollout_ref.rollout.name=hf" in out.stdout.splitlines()
