@@ -1,9 +1,31 @@
-"""Where things live: the project root, the state directory, and how relative paths resolve."""
+"""Where things live: the project root, the state directory, how relative paths resolve, and where
+a model named by path, by Hugging Face hub id, or as 'tiny' is found.
+
+Model names (``actor_rollout_ref.model.path``, ``tokenizer_path``, ``ref.model_path``,
+``critic.model.path``, ``reward_model.model.path``) are read in this order:
+
+1. 'tiny': the locally built tiny model (``resolve_model_path`` builds it on first use);
+2. a local directory (absolute, relative to the current directory, or to the project root);
+3. a hub id ``ORG/NAME``, looked up OFFLINE in the local Hugging Face cache, laid out as
+   huggingface_hub writes it: ``<cache>/models--ORG--NAME/refs/main`` holds a commit hash and
+   ``<cache>/models--ORG--NAME/snapshots/<hash>/`` the files. Nothing is ever downloaded.
+"""
 
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
+from typing import Optional
+
+TINY = "tiny"
+
+# huggingface_hub's repo-id rule, loosely: ORG/NAME of letters, digits, '-', '_', '.'
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*$")
+
+
+class ModelNotFoundError(FileNotFoundError):
+    """A model name that is neither 'tiny', a local directory, nor a hub id in the local cache."""
 
 
 def project_root() -> Path:
@@ -26,16 +48,80 @@ def resolve_path(path: str | Path) -> Path:
     return candidate.resolve() if candidate.exists() else p.resolve()
 
 
+# ---------------------------------------------------------------------------------------------
+# the Hugging Face cache (read only)
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_hub_cache() -> Path:
+    """The hub cache directory, in huggingface_hub's order: $HF_HUB_CACHE (or its older name
+    $HUGGINGFACE_HUB_CACHE), else $HF_HOME/hub, else $XDG_CACHE_HOME/huggingface/hub, else
+    ~/.cache/huggingface/hub."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get("HF_HOME")
+    if not home:
+        home = str(Path(os.environ.get("XDG_CACHE_HOME") or "~/.cache") / "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def is_hub_id(name: str) -> bool:
+    """Whether ``name`` has the shape of a hub model id (``ORG/NAME``)."""
+    return bool(_HUB_ID.match(name)) and ".." not in name
+
+
+def cached_snapshot(repo_id: str, cache: Optional[Path] = None) -> Optional[Path]:
+    """The snapshot directory ``refs/main`` points at for ``repo_id`` in the cache, or None."""
+    repo = (cache or hf_hub_cache()) / ("models--" + repo_id.replace("/", "--"))
+    try:
+        commit = (repo / "refs" / "main").read_text().strip()
+    except OSError:
+        return None
+    snapshot = repo / "snapshots" / commit
+    return snapshot if commit and snapshot.is_dir() else None
+
+
+def _not_found(name: str) -> str:
+    """One line: where the model was looked for and how to put it there."""
+    if not is_hub_id(name):
+        return (f"model {name!r} is not a local directory (nor a Hugging Face hub id ORG/NAME or 'tiny'); "
+                "give a local Hugging Face model directory, a hub id in the local cache, or 'tiny'")
+    cache = hf_hub_cache()
+    return (f"model {name!r} is not a local directory and not in the Hugging Face cache {cache} (no "
+            f"{cache / ('models--' + name.replace('/', '--')) / 'refs' / 'main'}); nothing is downloaded here: "
+            f"run `huggingface-cli download {name}` on a machine with network and copy its hub cache to {cache} "
+            "(or point HF_HOME / HF_HUB_CACHE at the copy), or pass a local model directory")
+
+
+def locate_model(name: str) -> Path:
+    """Where model ``name`` is, without building or writing anything: a local directory, else the
+    cached snapshot of a hub id. 'tiny' gives the tiny model's directory, which may not exist yet
+    (``resolve_model_path`` builds it). Raises ``ModelNotFoundError`` with one line saying where it looked."""
+    if name == TINY:
+        return state_dir() / "models" / TINY
+    local = resolve_path(name)
+    if local.is_dir():
+        return local
+    snapshot = cached_snapshot(name) if is_hub_id(name) else None
+    if snapshot is None:
+        raise ModelNotFoundError(_not_found(name))
+    return snapshot
+
+
+def model_problem(name: str) -> Optional[str]:
+    """None when model ``name`` can be found (``locate_model``), else the one-line reason."""
+    try:
+        locate_model(name)
+    except ModelNotFoundError as exc:
+        return str(exc)
+    return None
+
+
 def resolve_model_path(path: str) -> Path:
-    """'tiny' → the locally built tiny model (built on first use); anything else → a local dir."""
-    if path == "tiny":
+    """The directory of model ``path`` (see ``locate_model``); 'tiny' is built on first use."""
+    if path == TINY:
         from rlhf_core.models.tiny import ensure_tiny_model
 
-        return ensure_tiny_model(state_dir() / "models" / "tiny")
-    resolved = resolve_path(path)
-    if not resolved.exists():
-        raise FileNotFoundError(
-            f"model path {path!r} not found; give a local Hugging Face model directory "
-            f"(no hub downloads here) or 'tiny' for the locally built tiny model"
-        )
-    return resolved
+        return ensure_tiny_model(locate_model(TINY))
+    return locate_model(path)
