@@ -171,3 +171,16 @@ def update_world_size(cfg: RLHFConfig, cuda_devices: int) -> int:
         return 1
     per_node = t.n_gpus_per_node if t.n_gpus_per_node is not None else cuda_devices
     return per_node * t.nnodes
+
+
+def critic_loss_scale_factor(cfg: RLHFConfig) -> float:
+    """The critic's seq-mean-token-sum-norm divisor: verl's value loss passes no loss_scale_factor, so
+    it divides by the padded response width, data.max_response_length (actor.loss_scale_factor is the
+    actor's alone)."""
+    return float(cfg.data.max_response_length)
+
+
+def actor_updates(cfg: RLHFConfig, iteration: int) -> bool:
+    """Whether training step ``iteration`` (1-based, verl's global_steps) updates the actor: verl's
+    ``critic_warmup <= global_steps``, so critic_warmup=N trains only the critic in steps 1..N-1."""
+    return cfg.trainer.critic_warmup <= iteration
