@@ -1,112 +1,51 @@
-"""Rule-based GSM8K reward: find the final answer in a response and compare it, as a number, with
-the ground truth.
+"""Rule-based GSM8K reward, the same rule as verl's ``verl/utils/reward_score/gsm8k.py``.
 
-Two extraction methods (the names and the scoring rule follow verl's ``gsm8k.compute_score``):
+Only the response's last 300 characters are searched (verl's speed cut: the final answer sits at
+the end). The answer is then compared with the ground truth AS A STRING, so the ground truth must
+be the bare answer the data preparation extracts (verl's GSM8K script: the number after '####'
+with commas removed, e.g. "1234").
 
-``strict``    the response must state the answer in GSM8K's own format, ``#### <number>``; the first
-              such marker counts (a model that keeps generating after it is not rewarded twice).
-``flexible``  the answer may be stated the ways models commonly state it, tried in this order (the
-              last occurrence of the first kind present wins): ``#### 18``, ``\\boxed{18}``,
-              "the (final) answer is / Answer: 18", then the last number in the text.
+``strict``    the LAST match of ``#### <digits, '.', ','>`` (exactly one space after the marker, an
+              optional leading '-'), commas removed: "#### 1,234" → "1234"; no marker → no answer.
+``flexible``  the last run of digits / '.' / ',' (optional leading '-') anywhere in the tail that is
+              not "" or "."; kept verbatim (commas and a trailing '.' stay: "18." ≠ "18").
 
-Scoring (verl's rule): no answer found → 0; answer found but wrong → ``format_score``; right →
-``score``. Unlike verl, which compares strings, numbers are compared as numbers in both methods:
-thousands separators, currency signs, markdown bold, trailing periods and trailing zeros do not
-matter (``$1,234.`` = ``1234`` and ``18.00`` = ``18``). The ground truth is parsed the same way: a
-full GSM8K solution (``... #### 72``) or a bare answer (``72``, ``1,234``).
+Score: no answer → 0; an answer that differs → ``format_score``; equal → ``score``.
 """
 
 from __future__ import annotations
 
 import re
-from decimal import Decimal, InvalidOperation
 from typing import Optional
 
-# A number as written in prose: optional sign and currency sign (either order), thousands groups or
-# plain digits, optional decimals. The look-behind keeps "10-3" from reading as "-3" and "x2" as "2".
-_NUMBER = (
-    r"(?<![\w.])"
-    r"(?P<sign>[-\u2212])?(?:\\?\$\s?)?(?P<sign2>[-\u2212])?"
-    r"(?P<digits>\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+(?:\.\d+)?|\.\d+)"
-    r"(?![\d,]*\d)"
-)
-NUMBER_RE = re.compile(_NUMBER)
-# strict: the GSM8K marker followed directly by a number (a currency sign is tolerated)
-STRICT_RE = re.compile(r"####\s*" + _NUMBER.replace(r"(?<![\w.])", ""))
-MARKER_RE = re.compile(r"####\s*(?P<rest>[^\n]*)")
-BOXED_RE = re.compile(r"\\boxed\s*\{(?P<rest>[^{}]*)\}")
-ANSWER_PHRASE_RE = re.compile(
-    r"answer\s*(?:is|:|=|would\s+be|will\s+be)\s*:?\s*(?P<rest>[^\n]*)", re.IGNORECASE
-)
-# markdown / LaTeX wrappers that hide a number from the patterns above
-_DECORATION_RE = re.compile(r"\*\*|__|\\\(|\\\)|\\\[|\\\]|\\text\{[^}]*\}")
+SOLUTION_CLIP_CHARS = 300
+"""Characters at the end of a response that are searched (verl's _SOLUTION_CLIP_CHARS)."""
 
-# relative tolerance for "the same number" (GSM8K answers are integers or short decimals)
-REL_TOL = Decimal("1e-6")
+STRICT_RE = re.compile(r"#### (-?[0-9.,]+)")
+NUMBER_RE = re.compile(r"(-?[0-9.,]+)")
+_NOT_AN_ANSWER = ("", ".")
+METHODS = ("strict", "flexible")
 
 
-def parse_number(match: re.Match) -> Optional[Decimal]:
-    """Decimal value of a NUMBER_RE match (commas removed, sign applied)."""
-    try:
-        value = Decimal(match.group("digits").replace(",", ""))
-    except InvalidOperation:
-        return None
-    return -value if (match.group("sign") or match.group("sign2")) else value
-
-
-def _first_number(text: str) -> Optional[Decimal]:
-    match = NUMBER_RE.search(text)
-    return parse_number(match) if match else None
-
-
-def _last_number(text: str) -> Optional[Decimal]:
-    matches = list(NUMBER_RE.finditer(text))
-    return parse_number(matches[-1]) if matches else None
-
-
-def _last_marked_number(pattern: re.Pattern, text: str) -> Optional[Decimal]:
-    """The number right after the last occurrence of ``pattern`` that is followed by a number."""
-    for match in reversed(list(pattern.finditer(text))):
-        value = _first_number(match.group("rest"))
-        if value is not None:
-            return value
-    return None
-
-
-def extract_answer(solution_str: str, method: str = "strict") -> Optional[Decimal]:
-    """The final answer a response states, as a Decimal, or None when it states none."""
+def extract_solution(solution_str: str, method: str = "strict") -> Optional[str]:
+    """The answer a response states, as verl reads it (a string), or None when it states none."""
+    if method not in METHODS:
+        raise ValueError(f"unknown GSM8K method {method!r}; use one of: {', '.join(METHODS)}")
+    tail = solution_str[-SOLUTION_CLIP_CHARS:]
     if method == "strict":
-        match = STRICT_RE.search(solution_str)
-        return parse_number(match) if match else None
-    if method != "flexible":
-        raise ValueError(f"unknown GSM8K method {method!r}; use 'strict' or 'flexible'")
-    text = _DECORATION_RE.sub("", solution_str)
-    for pattern in (MARKER_RE, BOXED_RE, ANSWER_PHRASE_RE):
-        value = _last_marked_number(pattern, text)
-        if value is not None:
-            return value
-    return _last_number(text)
-
-
-def parse_ground_truth(ground_truth: str) -> Optional[Decimal]:
-    """The answer of a ground truth: a full GSM8K solution ('... #### 72') or a bare '72' / '1,234'."""
-    text = str(ground_truth)
-    if "####" in text:
-        text = text.rsplit("####", 1)[1]
-    return _last_number(_DECORATION_RE.sub("", text))
-
-
-def same_number(a: Decimal, b: Decimal) -> bool:
-    return abs(a - b) <= REL_TOL * max(Decimal(1), abs(b))
+        found = STRICT_RE.findall(tail)
+        return found[-1].replace(",", "") if found else None
+    candidates = NUMBER_RE.findall(tail)
+    if not candidates:
+        return None
+    # the last candidate that is not "" or "."; when every one is, verl's loop ends on the first
+    return next((c for c in reversed(candidates) if c not in _NOT_AN_ANSWER), candidates[0])
 
 
 def compute_score(solution_str: str, ground_truth: str, method: str = "strict", format_score: float = 0.0,
                   score: float = 1.0) -> float:
-    """0 when no answer is found, ``format_score`` when it is wrong, ``score`` when it is right."""
-    answer = extract_answer(solution_str, method)
+    """0 when no answer is found, ``format_score`` when it differs from ``ground_truth``, else ``score``."""
+    answer = extract_solution(solution_str, method)
     if answer is None:
         return 0.0
-    truth = parse_ground_truth(ground_truth)
-    if truth is None:  # a non-numeric ground truth: compare the stated answer's text form
-        return float(score) if str(answer) == str(ground_truth).strip() else float(format_score)
-    return float(score) if same_number(answer, truth) else float(format_score)
+    return float(score) if answer == ground_truth else float(format_score)

@@ -1,37 +1,63 @@
-"""Reward functions by data source, with verl's signature so a verl user's function works unchanged:
+"""Reward functions by data source, called the way verl's naive reward manager calls them, so a
+verl user's function works unchanged:
 
-    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict
+    compute_score(data_source=..., solution_str=..., ground_truth=..., extra_info=...) -> float | dict
 
-A dict result must hold ``"score"``; its other keys are kept (as JSON) in the scored table's
+``data_source`` is the value of the row's ``data.reward_fn_key`` column (verl's default key is
+``data_source``); ``extra_info`` is the row's verl ``extra_info`` as a dict, with verl's two
+additions ``num_turns`` (None: single-turn rollouts) and ``rollout_reward_scores`` ({}). A dict
+result must hold ``"score"``; its other keys are kept (as JSON) in the scored table's
 ``reward_extra`` column. Three ways to provide a reward:
 
-1. built in: ``openai/gsm8k``, ``gsm8k`` and ``arith`` route to the GSM8K scorer, configured by
-   ``custom_reward_function.gsm8k_method`` / ``format_score`` / ``score``;
+1. built in, as verl's ``default_compute_score``: ``openai/gsm8k`` → the GSM8K rule
+   (``rewards.gsm8k``, verl's), and our ``gsm8k`` and ``arith`` (the embedded demo) → the same rule,
+   configured by ``custom_reward_function.gsm8k_method`` / ``format_score`` / ``score`` (defaults
+   verl's: strict, 0, 1). verl's other built-in sources (MATH, DAPO, PRIME, code, geometry3k,
+   search-R1: ``VERL_SOURCES_NOT_BUILT_IN``) are not built in here: their error says so;
 2. ``@register_reward("my/source")`` on a function in code imported before scoring;
 3. ``custom_reward_function.path`` (``pkg.module:function``, ``pkg.module`` + ``name``, or a ``.py``
    file + ``name``): as in verl, that one function then scores every row, whatever its data source.
-   The user's code is imported only when this key is set.
+   The user's code is imported only when this key is set. An ``async def`` function is run to completion.
 """
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.errors import DataError
+from rlhf_core.paths import resolve_path
+from rlhf_core.rewards import gsm8k
 
 RewardFn = Callable[..., Union[float, dict]]
 """compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"""
 
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "arith")
+"""verl routes 'openai/gsm8k' to its GSM8K rule; 'gsm8k' and 'arith' (the demo) are ours."""
+
+VERL_SOURCES_NOT_BUILT_IN = {
+    **dict.fromkeys(("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"),
+                    "math_reward"),
+    **dict.fromkeys(("math_dapo", "math", "math_dapo_reasoning", "aime*"), "math_dapo"),
+    **dict.fromkeys(("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
+                     "numina_cn_k12", "numina_olympiads"), "prime_math"),
+    **dict.fromkeys(("codecontests", "apps", "codeforces", "taco"), "prime_code / sandbox_fusion"),
+    "hiyouga/geometry3k": "geo3k",
+    **dict.fromkeys(("searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "searchR1_hotpotqa",
+                     "searchR1_2wikimultihopqa", "searchR1_musique", "searchR1_bamboogle"), "search_r1_like_qa_em"),
+}
+"""data_source → the verl.utils.reward_score module verl's default_compute_score scores it with;
+not built in here (a trailing '*' is a prefix, as verl's ``startswith("aime")``)."""
 
 _REGISTERED: dict[str, RewardFn] = {}
 
@@ -55,8 +81,6 @@ def registered_sources() -> list[str]:
 
 
 def _gsm8k_route(cfg: RLHFConfig) -> RewardFn:
-    from rlhf_core.rewards import gsm8k
-
     c = cfg.custom_reward_function
 
     def score_gsm8k(data_source, solution_str, ground_truth, extra_info=None):
@@ -72,24 +96,61 @@ def _routes(cfg: RLHFConfig) -> dict[str, RewardFn]:
     return routes
 
 
+def verl_scorer(data_source: str) -> Optional[str]:
+    """The verl reward module for a data source we do not build in (None: verl has none either)."""
+    for source, module in VERL_SOURCES_NOT_BUILT_IN.items():
+        if data_source == source or (source.endswith("*") and str(data_source).startswith(source[:-1])):
+            return module
+    return None
+
+
+def _unrouted(data_source, routes: dict[str, RewardFn]) -> DataError:
+    module = verl_scorer(data_source)
+    known = (f"verl scores it with verl.utils.reward_score.{module}, which is not built in here; "
+             if module else "")
+    return DataError(
+        f"no reward function for data_source {data_source!r}; {known}registered: {', '.join(sorted(routes))}. "
+        "Register one with @rlhf_core.rewards.register_reward('<data_source>') in code imported "
+        "before scoring, or set custom_reward_function.path=<pkg.module:function | /path/file.py> "
+        "(and custom_reward_function.name) to score every row with your own compute_score"
+    )
+
+
 def _route(routes: dict[str, RewardFn], data_source, solution_str, ground_truth, extra_info=None):
     fn = routes.get(data_source)
     if fn is None:
-        raise DataError(
-            f"no reward function for data_source {data_source!r}; registered: {', '.join(sorted(routes))}. "
-            "Register one with @rlhf_core.rewards.register_reward('<data_source>') in code imported "
-            "before scoring, or set custom_reward_function.path=<pkg.module:function | /path/file.py> "
-            "(and custom_reward_function.name) to score every row with your own compute_score"
-        )
-    return fn(data_source, solution_str, ground_truth, extra_info)
+        raise _unrouted(data_source, routes)
+    return fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
+
+
+def verl_extra_info(extra_info: Any) -> dict:
+    """The ``extra_info`` dict verl's naive reward manager passes: the row's extra_info (a dict, or
+    its JSON text; absent = {}) plus ``num_turns`` (None: one turn) and ``rollout_reward_scores`` ({})."""
+    if isinstance(extra_info, str):
+        extra_info = json.loads(extra_info) if extra_info.strip() else {}
+    info = dict(extra_info or {})
+    info["num_turns"] = None
+    info["rollout_reward_scores"] = {}
+    return info
+
+
+def _call_verl_style(fn: RewardFn, data_source, solution_str, ground_truth, extra_info=None):
+    """Call ``fn`` with verl's keyword arguments; an ``async def`` function is run to completion."""
+    result = fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                extra_info=verl_extra_info(extra_info))
+    return asyncio.run(result) if inspect.iscoroutine(result) else result
 
 
 def get_reward_fn(cfg: RLHFConfig) -> RewardFn:
-    """The callable that scores one response: the user's function when custom_reward_function.path
-    is set (imported now, and only then), else the router over built-in and registered routes."""
+    """The callable that scores one response, ``fn(data_source, solution_str, ground_truth,
+    extra_info=None)``: the user's function when custom_reward_function.path is set (imported now,
+    and only then), else the router over built-in and registered routes. Either is called with
+    verl's keyword arguments and verl's extra_info (``verl_extra_info``)."""
     if cfg.custom_reward_function.path:
-        return load_user_function(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
-    return functools.partial(_route, _routes(cfg))
+        target = load_user_function(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    else:
+        target = functools.partial(_route, _routes(cfg))
+    return functools.partial(_call_verl_style, target)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -121,8 +182,6 @@ def load_user_function(path: str, name: str = "compute_score") -> RewardFn:
     target, fn_name = _split_target(path, name)
     looks_like_file = target.endswith(".py") or "/" in target or "\\" in target
     if looks_like_file:
-        from rlhf_core.paths import resolve_path
-
         file = resolve_path(target)
         if not file.is_file():
             raise ConfigError(f"custom_reward_function.path={path!r}: file {file} not found")

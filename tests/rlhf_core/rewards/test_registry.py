@@ -30,12 +30,44 @@ def test_builtin_gsm8k_routes_use_the_configured_method(source):
     assert flexible(source, "The answer is 13", "12", None) == 0.1
 
 
+def test_verl_routes_only_openai_gsm8k_to_the_gsm8k_rule_and_we_add_two_names():
+    fn = get_reward_fn(load_config(None, []))
+    assert [fn(s, "so #### 1,234", "1234") for s in registry.GSM8K_SOURCES] == [1.0, 1.0, 1.0]
+    assert fn("openai/gsm8k", "#### 72\n#### 5", "5") == 1.0  # verl's rule: the last marker
+
+
+@pytest.mark.parametrize("source,module", [("lighteval/MATH", "math_reward"), ("aime2024", "math_dapo"),
+                                           ("numina_cn_k12", "prime_math"), ("taco", "prime_code"),
+                                           ("hiyouga/geometry3k", "geo3k"), ("searchR1_nq", "search_r1")])
+def test_verl_sources_not_built_in_say_which_verl_scorer_they_need(source, module):
+    fn = get_reward_fn(load_config(None, []))
+    with pytest.raises(DataError, match=f"verl scores it with verl.utils.reward_score.{module}.*not built in"):
+        fn(source, "x", "y")
+
+
+def test_user_function_is_called_with_verls_keywords_and_extra_info(tmp_path):
+    file = tmp_path / "kw.py"
+    file.write_text(textwrap.dedent("""
+        import asyncio
+        def compute_score(*, data_source, solution_str, ground_truth, extra_info):
+            return {"score": 1.0, "info": extra_info, "source": data_source}
+        async def later(data_source, solution_str, ground_truth, extra_info=None):
+            await asyncio.sleep(0)
+            return 0.75
+    """))
+    fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={file}"]))
+    result = fn("src", "text", "gt", '{"index": 4, "split": "train"}')  # extra_info as JSON text: decoded
+    assert result["info"] == {"index": 4, "split": "train", "num_turns": None, "rollout_reward_scores": {}}
+    assert result["source"] == "src"
+    assert get_reward_fn(load_config(None, [f"custom_reward_function.path={file}:later"]))("a", "b", "c") == 0.75
+
+
 def test_unknown_data_source_lists_routes_and_says_how_to_add_one():
     fn = get_reward_fn(load_config(None, []))
     with pytest.raises(DataError) as err:
         fn("my/dataset", "x", "y")
     message = str(err.value)
-    assert "'my/dataset'" in message and "openai/gsm8k" in message
+    assert "'my/dataset'" in message and "openai/gsm8k" in message and "verl scores it" not in message
     assert "register_reward" in message and "custom_reward_function.path" in message
 
 
@@ -50,7 +82,9 @@ def test_registered_function_gets_verl_arguments_and_overrides_builtin():
     fn = get_reward_fn(load_config(None, []))
     assert fn("my/dataset", " yes ", "yes", {"index": 3}) == 1.0
     assert fn("arith", "#### 12", "12") == 0.0  # the registered function now owns 'arith'
-    assert seen == [("my/dataset", {"index": 3}), ("arith", None)]
+    # verl's naive reward manager adds num_turns and rollout_reward_scores to the row's extra_info
+    assert seen == [("my/dataset", {"index": 3, "num_turns": None, "rollout_reward_scores": {}}),
+                    ("arith", {"num_turns": None, "rollout_reward_scores": {}})]
     assert {"my/dataset", "openai/gsm8k"} <= set(registered_sources())
 
 
