@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.resolve import micro_batching
 from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.io.atomic import TMP_MARK, atomic_write_json
 from rlhf_core.io.manifest import read_manifest, set_status, write_manifest
@@ -166,8 +167,11 @@ def actor_ref_kl(cfg: RLHFConfig, actor_dir: Path, sequences: list[list[int]], p
     actor = load_actor_for_kl(actor_dir, device, dtype)
     ref = load_causal_lm(reference_path(cfg), device, dtype, role="reference", shared=True)
     pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
-    return token_kl(actor, ref, sequences, prompt_lengths, budget=rollout.log_prob_max_token_len_per_gpu,
-                    temperature=rollout.temperature, pad_id=pad_id)
+    # packed like the scoring stage's reference forward: the reference role's token budget (verl's
+    # ref.log_prob_max_token_len_per_gpu, which falls back to the actor's)
+    budget = micro_batching(cfg, "ref").token_budget
+    return token_kl(actor, ref, sequences, prompt_lengths, budget=budget, temperature=rollout.temperature,
+                    pad_id=pad_id)
 
 
 def load_actor_for_kl(actor_dir: Path, device, dtype):

@@ -40,11 +40,12 @@ class SamplingParams:
     seed: int = 0
     """Seed of one generate call; the rollout derives it per generation batch (``derive_seed``)."""
     greedy: bool = False
-    """Argmax decoding (validation): ignores temperature / top_p / top_k; needs n == 1."""
+    """Argmax decoding (verl's do_sample=false): ignores temperature / top_p / top_k. With n > 1 every
+    prompt gets n identical responses, as verl repeats the batch n times; engines decode once."""
 
     def __post_init__(self) -> None:
-        if self.greedy and self.n != 1:
-            raise RLHFError(f"greedy decoding gives the same response every time; set n=1 (got n={self.n})")
+        if self.n < 1:
+            raise RLHFError(f"n (responses per prompt) must be >= 1 (got {self.n})")
         if self.max_new_tokens < 1:
             raise RLHFError(f"max_new_tokens must be >= 1 (got {self.max_new_tokens}); "
                             f"raise data.max_response_length")
@@ -65,6 +66,14 @@ class GeneratedSample:
     finish_reason: str
     seed: Optional[int] = None
     """The seed that reproduces this sample (the generate call's seed, or the per-request seed)."""
+
+
+def copies_of_greedy(samples: list[GeneratedSample], n: int) -> list[GeneratedSample]:
+    """One greedy sample per prompt → ``n`` per prompt (sample_index 0..n-1), in prompt order: what
+    verl's repeated batch decodes to, without decoding the same thing n times."""
+    return [GeneratedSample(prompt_index=s.prompt_index, sample_index=j, token_ids=list(s.token_ids), text=s.text,
+                            finish_reason=s.finish_reason, seed=s.seed)
+            for s in samples for j in range(n)]
 
 
 @runtime_checkable

@@ -4,7 +4,7 @@
 the pack stage's generation batches, sampled) and validation (held-out prompts, possibly greedy)::
 
     rows = read_prompt_rows(run.val_prompts)
-    samples, stats = generate_responses(cfg, model_dir, rows, SamplingParams(greedy=True, max_new_tokens=48))
+    samples, stats = generate_responses(cfg, model_dir, rows, val_sampling_from_config(cfg, seed=7))
 """
 
 from __future__ import annotations
@@ -36,12 +36,23 @@ def read_prompt_rows(path: str | Path, columns: Optional[Sequence[str]] = PROMPT
     return pq.read_table(path, columns=list(columns) if columns is not None else None).to_pylist()
 
 
-def sampling_from_config(cfg: RLHFConfig, *, seed: int, greedy: bool = False) -> SamplingParams:
-    """Our SamplingParams from ``actor_rollout_ref.rollout`` and ``data.max_response_length``."""
+def sampling_from_config(cfg: RLHFConfig, *, seed: int, greedy: Optional[bool] = None) -> SamplingParams:
+    """Training rollouts' SamplingParams from ``actor_rollout_ref.rollout`` and
+    ``data.max_response_length``. Greedy when rollout.do_sample is false (verl), unless ``greedy``
+    says otherwise; greedy keeps rollout.n (n identical responses, as verl repeats the batch)."""
     r = cfg.actor_rollout_ref.rollout
+    greedy = (not r.do_sample) if greedy is None else greedy
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=cfg.data.max_response_length, n=1 if greedy else r.n,
-                          seed=seed, greedy=greedy)
+                          max_new_tokens=cfg.data.max_response_length, n=r.n, seed=seed, greedy=greedy)
+
+
+def val_sampling_from_config(cfg: RLHFConfig, *, seed: int) -> SamplingParams:
+    """Validation's SamplingParams from ``actor_rollout_ref.rollout.val_kwargs`` (verl): greedy when
+    do_sample is false or the temperature is 0; val_kwargs.n responses per prompt."""
+    v = cfg.actor_rollout_ref.rollout.val_kwargs
+    greedy = not v.do_sample or v.temperature == 0
+    return SamplingParams(temperature=v.temperature if not greedy else 1.0, top_p=v.top_p, top_k=v.top_k,
+                          max_new_tokens=cfg.data.max_response_length, n=v.n, seed=seed, greedy=greedy)
 
 
 def build_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional[str] = None) -> RolloutEngine:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Iterator, Optional
 
 from rlhf_core.errors import RLHFError
-from rlhf_core.rollout.base import GeneratedSample, SamplingParams, eos_token_ids, trim_response
+from rlhf_core.rollout.base import GeneratedSample, SamplingParams, copies_of_greedy, eos_token_ids, trim_response
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SMALL_MODEL_PARAMS = 100_000_000  # below this, CPU decoding runs on one thread (see cpu_threads)
@@ -79,14 +79,16 @@ class HFEngine:
             torch.manual_seed(sampling.seed)
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                       **self._generate_kwargs(sampling))  # (B·n, P + T)
-        new_tokens = out[:, input_ids.shape[1]:].tolist()  # (B·n, T), rows grouped per prompt
+        new_tokens = out[:, input_ids.shape[1]:].tolist()  # (B·m, T), rows grouped per prompt
+        m = self._sequences_per_prompt(sampling)
         trimmed = [trim_response(row, self.eos_ids) for row in new_tokens]
         texts = self.tokenizer.batch_decode([ids for ids, _ in trimmed], skip_special_tokens=True)
-        return [
-            GeneratedSample(prompt_index=row // sampling.n, sample_index=row % sampling.n, token_ids=ids,
+        samples = [
+            GeneratedSample(prompt_index=row // m, sample_index=row % m, token_ids=ids,
                             text=text, finish_reason=reason, seed=sampling.seed)
             for row, ((ids, reason), text) in enumerate(zip(trimmed, texts))
         ]
+        return copies_of_greedy(samples, sampling.n) if sampling.greedy else samples
 
     def close(self) -> None:
         import weakref
@@ -132,8 +134,13 @@ class HFEngine:
             mask[i, width - len(p):] = 1
         return ids.to(self.device), mask.to(self.device)
 
+    @staticmethod
+    def _sequences_per_prompt(sampling: SamplingParams) -> int:
+        """Rows ``generate`` returns per prompt: n sampled, one greedy (its copies are made after)."""
+        return 1 if sampling.greedy else sampling.n
+
     def _generate_kwargs(self, sampling: SamplingParams) -> dict:
-        common = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=sampling.n,
+        common = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=self._sequences_per_prompt(sampling),
                       eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True)
         if sampling.greedy:
             return dict(do_sample=False, **common)

@@ -18,7 +18,8 @@ from typing import Optional
 
 from rlhf_core.errors import RLHFError
 from rlhf_core.rollout.base import (
-    FINISH_LENGTH, FINISH_STOP, GeneratedSample, SamplingParams, derive_seed, eos_token_ids, trim_response,
+    FINISH_LENGTH, FINISH_STOP, GeneratedSample, SamplingParams, copies_of_greedy, derive_seed, eos_token_ids,
+    trim_response,
 )
 
 VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams rejects temperature > 2
@@ -91,7 +92,7 @@ class VLLMEngine:
                 ids, reason = self._normalise(list(completion.token_ids), completion.finish_reason)
                 samples.append(GeneratedSample(prompt_index=i, sample_index=j, token_ids=ids,
                                                text=completion.text, finish_reason=reason, seed=seeds[i]))
-        return samples
+        return copies_of_greedy(samples, sampling.n) if sampling.greedy else samples
 
     def close(self) -> None:
         import gc

@@ -151,9 +151,33 @@ def test_prompt_plus_response_over_the_model_positions_is_a_clear_error(engine):
         engine.generate([[5] * 1000], SamplingParams(max_new_tokens=100))
 
 
-def test_greedy_with_several_samples_is_refused():
-    with pytest.raises(RLHFError, match="n=1"):
-        SamplingParams(greedy=True, n=2)
+def test_greedy_with_several_samples_gives_identical_copies(engine, prompts):
+    """verl repeats the batch n times before a greedy rollout: n identical responses per prompt."""
+    one = engine.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True))
+    three = engine.generate(prompts, SamplingParams(max_new_tokens=10, greedy=True, n=3))
+    assert [(s.prompt_index, s.sample_index) for s in three] == [(i, j) for i in range(len(prompts)) for j in range(3)]
+    assert [s.token_ids for s in three] == [s.token_ids for s in one for _ in range(3)]
+    with pytest.raises(RLHFError, match="n"):
+        SamplingParams(n=0)
+
+
+def test_sampling_from_config_follows_do_sample_and_val_kwargs():
+    from rlhf_core.config import load_config
+    from rlhf_core.rollout.generate import sampling_from_config, val_sampling_from_config
+
+    cfg = load_config(None, ["actor_rollout_ref.rollout.n=4"])
+    assert not sampling_from_config(cfg, seed=1).greedy and sampling_from_config(cfg, seed=1).n == 4
+    greedy = sampling_from_config(load_config(None, ["actor_rollout_ref.rollout.do_sample=false",
+                                                     "actor_rollout_ref.rollout.n=4"]), seed=1)
+    assert greedy.greedy and greedy.n == 4
+    assert val_sampling_from_config(cfg, seed=1).greedy  # verl's val_kwargs default: do_sample=false
+    assert val_sampling_from_config(load_config(None, ["actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                                                       "actor_rollout_ref.rollout.val_kwargs.temperature=0"]),
+                                    seed=1).greedy  # temperature 0 is greedy too
+    sampled = val_sampling_from_config(load_config(None, [
+        "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=0.7",
+        "actor_rollout_ref.rollout.val_kwargs.n=3"]), seed=1)
+    assert not sampled.greedy and sampled.temperature == 0.7 and sampled.n == 3
 
 
 def test_unknown_engine_lists_the_valid_ones():
