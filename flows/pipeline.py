@@ -33,9 +33,10 @@ from rlhf_core.config import RLHFConfig, apply_overrides
 from rlhf_core.guard import KLGuardHalt, check_committed
 from rlhf_core.io.rundir import RunDir, RunLock
 from rlhf_core.pipeline import (
-    RunPlan, format_iteration_header, format_iteration_row, open_run, plan_run, settle_heap, validate_due,
+    RunPlan, format_iteration_header, format_iteration_row, initial_validation_due, logs_to, open_run, plan_run,
+    resolve_iterations, settle_heap, validate_due,
 )
-from tasks import reporting
+from tasks import reporting, tracking
 from tasks.guard import handle_breach_task
 from tasks.iteration import (
     backfill_tracking_task, begin_iteration_task, finish_iteration_task, finish_tracking_task, publish_iteration,
@@ -89,18 +90,23 @@ def _flow_run_name() -> str:
 
 @flow(name="rlhf-pipeline", flow_run_name=_flow_run_name, persist_result=False)
 def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
-    """Run (or resume) a PPO RLHF run; returns {run_dir, mlflow_run_id, last_good, metrics, export}."""
+    """Run (or resume) a PPO RLHF run; returns {run_dir, mlflow_run_id (None without the mlflow
+    logger), last_good, metrics, export}."""
     plan = plan_run(preset=None if params.resume else params.config, overrides=params.overrides,
                     iterations=params.iterations, run_name=params.run_name, resume=params.resume)
     with RunLock(plan.run):
         open_run(plan)
-        mlflow_run_id = start_tracking_task(plan.cfg, str(plan.run.root))
-        if plan.resumed:  # a crash may have come between an iteration's commit and its report
+        # an MLflow run only when trainer.logger names mlflow (None otherwise: nothing is tracked)
+        mlflow_run_id = start_tracking_task(plan.cfg, str(plan.run.root)) if logs_to(plan.cfg, "mlflow") else None
+        if plan.resumed and mlflow_run_id:  # a crash may have come between an iteration's commit and its report
             backfill_tracking_task(plan.cfg, str(plan.run.root), mlflow_run_id)
         try:
             summary = train(plan, mlflow_run_id)
         except KLGuardHalt as exc:
             finish_tracking_task(mlflow_run_id, "FAILED", reason=str(exc))
+            raise
+        except KeyboardInterrupt:  # no task here: the Prefect server may have died with the same Ctrl-C
+            close_interrupted(mlflow_run_id)
             raise
         except Exception as exc:
             finish_tracking_task(mlflow_run_id, "FAILED", reason=f"{type(exc).__name__}: {exc}")
@@ -109,39 +115,69 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     return {**summary, "mlflow_run_id": mlflow_run_id}
 
 
-def train(plan: RunPlan, mlflow_run_id: str) -> dict:
-    """The iteration loop (setup stages first); prints one table row per iteration."""
-    cfg, run_dir = plan.cfg, str(plan.run.root)
-    warm_start_task(cfg, run_dir)
-    preprocess_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
+def close_interrupted(mlflow_run_id: Optional[str]) -> None:
+    """Mark the MLflow run KILLED after Ctrl-C, best effort (the run directory is the record)."""
+    if mlflow_run_id is None:
+        return
+    try:
+        tracking.set_tags(mlflow_run_id, {"halt_reason": "interrupted (Ctrl-C)"})
+        tracking.finish(mlflow_run_id, "KILLED")
+    except Exception as exc:  # a second failure must not hide the interrupt
+        reporting.logger().warning("could not mark MLflow run %s as killed: %s", mlflow_run_id, exc)
+
+
+def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
+    """Setup stages, the training-step count, the validation before training, then the iteration
+    loop; prints one table row per iteration when trainer.logger has console."""
+    run_dir = str(plan.run.root)
+    warm_start_task(plan.cfg, run_dir)
+    preprocess_task(plan.cfg, run_dir, mlflow_run_id=mlflow_run_id)
+    cfg = resolve_iterations(plan)  # verl's total steps need the train prompt count: saved in config.yaml
     pack_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
-    if not plan.resumed:  # the initial policy's score: the baseline every later val/accuracy is read against
-        baseline = validate_task(cfg, run_dir, 0, mlflow_run_id=mlflow_run_id)
-        print(f"initial policy (iteration 0): val/accuracy {baseline['metrics'].get('val/accuracy', float('nan')):.3f}")
+    metrics: dict = {}
+    if initial_validation_due(cfg):  # the policy the run starts from, at its step (0 for a new run)
+        metrics = validate_before_training(plan, cfg, mlflow_run_id)
+    if not plan.iterations():  # trainer.val_only, or nothing left to run on resume
+        return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
+                "export": None}
     settle_heap()  # every module is imported by now: keep the GC from rescanning them each iteration
     reporter = Reporter(reporting.logger())
     try:
         cfg, metrics = iterate(plan, cfg, mlflow_run_id, reporter)
     finally:  # every queued view is published (or its failure logged) before the flow returns or fails
         failed = reporter.close()
-    if failed:  # the batches a failed report did not log (a failed run catches up on resume)
+    if failed and mlflow_run_id:  # the batches a failed report did not log (a failed run catches up on resume)
         backfill_tracking_task(cfg, run_dir, mlflow_run_id)
-    exported = export_task(cfg, run_dir, mlflow_run_id=mlflow_run_id) if plan.iterations() else None
+    exported = export_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
     return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
             "export": exported}
 
 
-def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: str, reporter: Reporter) -> tuple[RLHFConfig, dict]:
+def validate_before_training(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str]) -> dict:
+    """verl's val_before_train: validate the starting policy, logged at its step (0 for a new run;
+    on resume the last committed iteration, reused when that validation is already on disk)."""
+    step = plan.first_iteration - 1
+    result = validate_task(cfg, str(plan.run.root), step, mlflow_run_id=mlflow_run_id)
+    if logs_to(cfg, "console"):
+        what = "initial policy" if step == 0 else "resumed policy"
+        print(f"{what} (iteration {step}): val/accuracy {result['metrics'].get('val/accuracy', float('nan')):.3f}")
+    return result["metrics"]
+
+
+def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], reporter: Reporter
+            ) -> tuple[RLHFConfig, dict]:
     """Iterations first..last: run, close, queue the views; returns the last config and metrics."""
     from tqdm.auto import tqdm
 
     run_dir, total = str(plan.run.root), cfg.trainer.total_iterations
+    console = logs_to(cfg, "console")
     progress = reporting.progress_start(plan.run, total, done=plan.first_iteration - 1)
     metrics: dict = {}
     shown: set[str] = set()  # alert kinds already in the table (every one stays in the flow log)
-    with tqdm(total=total, initial=plan.first_iteration - 1, desc="iterations", unit="it", disable=False,
+    with tqdm(total=total, initial=plan.first_iteration - 1, desc="iterations", unit="it", disable=not console,
               dynamic_ncols=True) as bar:
-        bar.write(format_iteration_header())
+        if console:
+            bar.write(format_iteration_header())
         for k in plan.iterations():
             cfg, results = run_iteration(cfg, run_dir, k, mlflow_run_id)
             if validate_due(cfg, k):
@@ -150,7 +186,8 @@ def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: str, reporter: Report
                                            stage_results=results, publish=False)
             reporter.submit(f"report of iteration {k}", publish_iteration, closed["report"])
             metrics = closed["metrics"]
-            bar.write(format_iteration_row(metrics, note="; ".join(_first_of_kind(closed["alerts"], shown))))
+            if console:
+                bar.write(format_iteration_row(metrics, note="; ".join(_first_of_kind(closed["alerts"], shown))))
             bar.update(1)
     return cfg, metrics
 
@@ -166,7 +203,7 @@ def _first_of_kind(alerts: list[str], shown: set[str]) -> list[str]:
     return out
 
 
-def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: str) -> tuple[RLHFConfig, list[dict]]:
+def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional[str]) -> tuple[RLHFConfig, list[dict]]:
     """Iteration k until the guard commits it; returns the config it committed with (a retry
     changes it) and the committed attempt's stage results, which the stage tasks did not report
     (finish-iteration does). Raises KLGuardHalt when the breach policy stops the run."""

@@ -100,11 +100,13 @@ def prepare_retrain_task(params: RetrainParams, flow_run_id: Optional[str] = Non
 
 
 @task(name="record-retrain", cache_policy=NO_CACHE, persist_result=False)
-def record_retrain_task(run_dir: str, mlflow_run_id: str, record: dict) -> None:
+def record_retrain_task(run_dir: str, mlflow_run_id: Optional[str], record: dict) -> None:
     """RUN/retrain.json and MLflow tags: the base model and the data bytes this run started from."""
     run = RunDir(run_dir)
     with RunLock(run):
         atomic_write_json(run.root / "retrain.json", record)
+    if mlflow_run_id is None:  # trainer.logger without mlflow
+        return
     train_hashes = ",".join(e["sha256"][:12] for e in record["snapshot"]["train"])
     tracking.set_tags(mlflow_run_id, {"rlhf.retrain.base_model": record["base_model"],
                                       "rlhf.retrain.base_model_spec": record["base_model_spec"],

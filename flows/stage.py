@@ -19,7 +19,7 @@ from rlhf_core.guard import commit_iteration, discard_checkpoint, rollback_count
 from rlhf_core.io.manifest import read_manifest, set_status
 from rlhf_core.io.pointers import read_last_good
 from rlhf_core.io.rundir import RunDir, RunLock
-from rlhf_core.pipeline import resolve_run_config, save_config
+from rlhf_core.pipeline import fill_total_iterations, logs_to, resolve_run_config, save_config
 from rlhf_core.stages import STAGES
 from tasks import reporting
 from tasks.iteration import finish_iteration_task, finish_tracking_task, start_tracking_task
@@ -87,13 +87,17 @@ def rlhf_stage(params: StageParams) -> dict:
     with RunLock(run):
         cfg = resolve_run_config(run.root, params.config, params.overrides)
         save_config(run, cfg)
-        mlflow_run_id = start_tracking_task(cfg, str(run.root), stage=params.stage, iteration=params.iteration)
+        cfg = fill_total_iterations(cfg, run)  # the update's lr schedule needs verl's step count
+        mlflow_run_id = (start_tracking_task(cfg, str(run.root), stage=params.stage, iteration=params.iteration)
+                         if logs_to(cfg, "mlflow") else None)
         try:
             was_committed = bool(params.iteration and read_manifest(run, params.iteration).get("guard", {})
                                  .get("committed"))
             stage_task = STAGE_TASKS[params.stage]
             args = (cfg, str(run.root)) + ((params.iteration,) if params.iteration is not None else ())
             result = stage_task(*args, force=params.force, mlflow_run_id=mlflow_run_id)
+            if params.stage == "preprocess":
+                fill_total_iterations(cfg, run)
             if params.stage == "guard":
                 result["action"] = apply_verdict_task(str(run.root), params.iteration, result["verdict"]["decision"],
                                                       was_committed)

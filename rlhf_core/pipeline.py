@@ -4,7 +4,17 @@ The Prefect flow (flows/pipeline.py) only wires tasks; every decision it needs l
 functions that tests call without Prefect:
 
     plan = plan_run(preset="configs/demo.yaml", overrides=[...], run_name="demo"); open_run(plan)
+    (preprocess) cfg = resolve_iterations(plan)
     for k in plan.iterations(): ...  validate_due(cfg, k), prune_checkpoints(cfg, run), ...
+
+Training steps are derived as verl derives them (``config.resolve.total_iterations``): the count
+of training prompts is known only after preprocess, so ``resolve_iterations`` fills
+trainer.total_iterations in then and saves it in the run's config.yaml; a resume, a stage rerun and
+the update's learning-rate schedule all read that one number.
+
+Schedule (verl's ``RayPPOTrainer.fit``): trainer.val_before_train validates the initial policy
+(step 0) and trainer.val_only stops after it; test_freq / save_freq act every N steps and at the
+last step, and -1 (or 0) means never.
 
 Checkpoint retention: every iteration's update writes iter_k/checkpoint; after the guard commits
 an iteration, only the last-good checkpoint and the last ``trainer.max_ckpt_to_keep`` checkpoints of
@@ -13,6 +23,7 @@ save points (every ``trainer.save_freq`` iterations, and the final one) are kept
 
 from __future__ import annotations
 
+import gc
 import math
 import time
 import uuid
@@ -20,14 +31,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rlhf_core.config import RLHFConfig, apply_overrides, config_from_dict, load_config, to_yaml
-from rlhf_core.config.loader import read_preset
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from rlhf_core.config import ConfigError, RLHFConfig, apply_overrides, config_from_dict, load_config, to_yaml
+from rlhf_core.config import resolve
+from rlhf_core.config.loader import parse_override, read_preset
+from rlhf_core.config.notes import say_once
+from rlhf_core.config.validate import LOGGERS_HERE
 from rlhf_core.errors import RLHFError
+from rlhf_core.guard import committed_iterations, discard_checkpoint
+from rlhf_core.io.atomic import atomic_write_json, clean_temporaries
 from rlhf_core.io.manifest import read_manifest, write_manifest
 from rlhf_core.io.pointers import read_last_good, verified_last_good
 from rlhf_core.io.rundir import ITERATION_STAGES, RunDir, write_config
-from rlhf_core.paths import resolve_path
 from rlhf_core.inputs import check_inputs
+from rlhf_core.paths import resolve_path
+from rlhf_core.query import iteration_metrics_path
 
 
 @dataclass
@@ -40,9 +60,15 @@ class RunPlan:
 
     @property
     def last_iteration(self) -> int:
-        return self.cfg.trainer.total_iterations
+        total = self.cfg.trainer.total_iterations
+        if total is None:  # a bug in the caller, not user input
+            raise AssertionError("trainer.total_iterations is known only after preprocess: call resolve_iterations")
+        return total
 
     def iterations(self) -> range:
+        """The training steps still to run (none after trainer.val_only)."""
+        if stops_after_validation(self.cfg):
+            return range(self.first_iteration, self.first_iteration)
         return range(self.first_iteration, self.last_iteration + 1)
 
 
@@ -82,20 +108,68 @@ def plan_run(preset: Optional[str] = None, overrides: Sequence[str] = (), iterat
     """
     overrides = list(overrides) + ([f"trainer.total_iterations={iterations}"] if iterations else [])
     if resume:
+        overrides = rederive_steps(overrides)
         run = RunDir(resume)
         if not run.config_path.is_file():
             raise RLHFError(f"cannot resume {run.root}: it has no config.yaml (is it a run directory?)")
         cfg = resolve_run_config(run.root, preset, overrides)
+        note_loggers(cfg)
         return RunPlan(cfg=cfg, run=run, first_iteration=resume_point(run), resumed=True)
     cfg = resolve_run_config(None, preset, overrides)
     check_inputs(cfg)  # a missing data/model path fails before a run directory or MLflow run exists
+    note_loggers(cfg)
     return RunPlan(cfg=cfg, run=RunDir(new_run_dir(cfg, run_name)), first_iteration=1, resumed=False)
+
+
+STEP_KEYS = ("trainer.total_epochs", "trainer.total_training_steps")
+
+
+def rederive_steps(overrides: Sequence[str]) -> list[str]:
+    """A resume's overrides: when they change total_epochs or total_training_steps but not
+    total_iterations, the saved total_iterations (filled in when the run started) is dropped so the
+    new setting is derived again instead of being ignored."""
+    keys = {parse_override(o)[0] for o in overrides}
+    if keys & set(STEP_KEYS) and "trainer.total_iterations" not in keys:
+        return [*overrides, "trainer.total_iterations=null"]
+    return list(overrides)
+
+
+def train_prompt_count(run: RunDir) -> int:
+    """Rows of prompts/train.parquet (from its footer: nothing is read but the metadata)."""
+    return pq.ParquetFile(run.train_prompts).metadata.num_rows
+
+
+def resolve_iterations(plan: RunPlan) -> RLHFConfig:
+    """After preprocess: ``fill_total_iterations`` for the plan's run (``plan.cfg`` updated)."""
+    plan.cfg = fill_total_iterations(plan.cfg, plan.run)
+    return plan.cfg
+
+
+def fill_total_iterations(cfg: RLHFConfig, run: RunDir) -> RLHFConfig:
+    """``cfg`` with trainer.total_iterations filled in from the run's preprocessed prompts (verl:
+    total_training_steps, else total_epochs × (train prompts // data.train_batch_size)) and saved in
+    config.yaml; unchanged when already set or before preprocess. Zero steps is refused unless
+    the run only validates (trainer.val_only)."""
+    t = cfg.trainer
+    if t.total_iterations is not None or not run.train_prompts.is_file():
+        return cfg
+    prompts = train_prompt_count(run)
+    total = resolve.total_iterations(cfg, prompts)
+    if total < 1 and not stops_after_validation(cfg):
+        raise ConfigError(
+            f"data.train_batch_size={cfg.data.train_batch_size} is more than the {prompts} training prompts, so an "
+            f"epoch has no training step (verl drops the last partial batch); lower data.train_batch_size or set "
+            f"trainer.total_training_steps")
+    how = ("trainer.total_training_steps" if t.total_training_steps is not None else
+           f"{t.total_epochs} epochs × ({prompts} prompts // data.train_batch_size={cfg.data.train_batch_size})")
+    say_once(f"config: training steps: {max(total, 0)} ({how})")
+    cfg = apply_overrides(cfg, [f"trainer.total_iterations={max(total, 1)}"])
+    save_config(run, cfg)
+    return cfg
 
 
 def open_run(plan: RunPlan) -> None:
     """Save the run's config (a resume's overrides included) and note a resume in the event log."""
-    from rlhf_core.io.atomic import clean_temporaries
-
     plan.run.root.mkdir(parents=True, exist_ok=True)
     if plan.resumed:
         removed = clean_temporaries(plan.run.root)  # leftovers of writes a crash interrupted
@@ -117,9 +191,45 @@ def save_config(run: RunDir, cfg: RLHFConfig) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _every(freq: int, k: int, total: Optional[int]) -> bool:
+    """verl's rule for test_freq and save_freq: ``freq > 0 and (last step or step % freq == 0)``."""
+    return freq > 0 and (k == total or k % freq == 0)
+
+
 def validate_due(cfg: RLHFConfig, k: int) -> bool:
-    """Validate every trainer.test_freq iterations and after the last one."""
-    return k % cfg.trainer.test_freq == 0 or k == cfg.trainer.total_iterations
+    """Validate after step ``k``: every trainer.test_freq steps and at the last one (-1 = never)."""
+    return _every(cfg.trainer.test_freq, k, cfg.trainer.total_iterations)
+
+
+def initial_validation_due(cfg: RLHFConfig) -> bool:
+    """verl's trainer.val_before_train: validate the policy a run (or resume) starts from."""
+    return cfg.trainer.val_before_train
+
+
+def stops_after_validation(cfg: RLHFConfig) -> bool:
+    """verl's trainer.val_only: stop after the initial validation. As in verl it acts only with
+    val_before_train (without it the run trains; that is said once)."""
+    t = cfg.trainer
+    if t.val_only and not t.val_before_train:
+        say_once("config: trainer.val_only=true has no effect with trainer.val_before_train=false (as in verl): "
+                 "the run trains; set trainer.val_before_train=true to only validate")
+    return t.val_only and t.val_before_train
+
+
+def note_loggers(cfg: RLHFConfig) -> None:
+    """Say once which trainer.logger entries this machine cannot serve (not an error, as a verl
+    config names wandb by default)."""
+    elsewhere = [name for name in cfg.trainer.logger if name not in LOGGERS_HERE]
+    if elsewhere:
+        here = [name for name in cfg.trainer.logger if name in LOGGERS_HERE]
+        say_once(f"config: trainer.logger {', '.join(elsewhere)} not available here (no such service); metrics go "
+                 f"to {', '.join(here) or 'the run directory only'} (trainer.logger=console,mlflow for both)")
+
+
+def logs_to(cfg: RLHFConfig, backend: str) -> bool:
+    """Whether trainer.logger lists ``backend``: 'console' = the per-iteration table, 'mlflow' = an
+    MLflow run (none is created without it)."""
+    return backend in cfg.trainer.logger
 
 
 def curve_due(cfg: RLHFConfig, run: RunDir, k: int) -> bool:
@@ -130,15 +240,14 @@ def curve_due(cfg: RLHFConfig, run: RunDir, k: int) -> bool:
 
 
 def save_due(cfg: RLHFConfig, k: int) -> bool:
-    """Keep iteration ``k``'s checkpoint past the next commit (every trainer.save_freq, and the last)."""
-    return k % cfg.trainer.save_freq == 0 or k == cfg.trainer.total_iterations
+    """Keep iteration ``k``'s checkpoint past the next commit: every trainer.save_freq steps and the
+    last one (-1 = never: only the last-good checkpoint, which the KL guard needs, is kept)."""
+    return _every(cfg.trainer.save_freq, k, cfg.trainer.total_iterations)
 
 
 def prune_checkpoints(cfg: RLHFConfig, run: RunDir) -> list[int]:
     """Delete committed checkpoints that are neither last-good nor among the last
     trainer.max_ckpt_to_keep save points; note it in the update record. Returns the iterations."""
-    from rlhf_core.guard import committed_iterations, discard_checkpoint
-
     record = read_last_good(run)
     last_good = record["iteration"] if record else None
     committed = committed_iterations(run)
@@ -163,8 +272,6 @@ def settle_heap() -> None:
     transformers state) out of the garbage collector's view (``gc.freeze``). They live for the whole
     process anyway; afterwards each automatic full collection scans only what the iterations
     allocate instead of the whole heap (0.2-0.5 s per collection in a flow process without it)."""
-    import gc
-
     gc.collect()
     gc.freeze()
 
@@ -183,16 +290,67 @@ def mark_skipped(run: RunDir, k: Optional[int], stage: str) -> None:
 
 ALIASES = {
     "guard/kl_mean": "kl/mean",  # the guarded KL(actor‖ref) after the update
+    "critic/score/mean": "reward/mean",  # verl's name ↔ ours: the mean sequence score (reward before KL)
 }
-"""Stage metric → the name the dashboards use, when they differ."""
+"""Pairs of names for one quantity: each side is filled in from the other when a stage reports
+only one (verl's names for verl's dashboards, ours for the CLI table and the learning curve)."""
+
+TIMING = {
+    "timing_s/gen": ("perf/stage_seconds/rollout",),
+    "timing_s/reward": ("perf/score_seconds/reward",),
+    "timing_s/old_log_prob": ("perf/score_seconds/old_log_prob", "perf/stage_seconds/score"),
+    "timing_s/ref": ("perf/score_seconds/ref",),
+    "timing_s/values": ("perf/score_seconds/values",),
+    "timing_s/adv": ("perf/stage_seconds/gae",),
+    "timing_s/update_critic": ("perf/critic_update_seconds",),
+    "timing_s/update_actor": ("perf/actor_update_seconds", "perf/stage_seconds/update"),
+    "timing_s/save_checkpoint": ("perf/checkpoint_seconds",),
+    "timing_s/testing": ("perf/stage_seconds/validate",),
+    "timing_s/step": ("perf/iteration_seconds",),
+}
+"""verl's step timers from our stage timings: the first name present wins. Approximations: one
+stage (score) computes the rewards, old and reference log-probs and values, so without per-model
+seconds from it timing_s/old_log_prob carries the whole stage and timing_s/ref, /values, /reward
+are absent; likewise timing_s/update_actor is the whole update stage (critic and actor, with the
+checkpoint save) unless the update reports perf/actor_update_seconds. timing_s/gen includes the
+rollout's model load; timing_s/step is every stage of the iteration (the KL guard included)."""
+
+
+def with_aliases(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` plus the other name of every ALIASES pair one side of which is present."""
+    out = dict(metrics)
+    for a, b in ALIASES.items():
+        if a in out:
+            out.setdefault(b, out[a])
+        elif b in out:
+            out[a] = out[b]
+    return out
+
+
+def timing_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """verl's timing_s/* names from an iteration's metrics (``TIMING``)."""
+    out = {}
+    for name, sources in TIMING.items():
+        found = next((metrics[s] for s in sources if s in metrics), None)
+        if found is not None:
+            out[name] = float(found)
+    return out
+
+
+def steps_per_epoch(cfg: RLHFConfig, run: RunDir) -> int:
+    """Iterations per pass over the training prompts as this run orders them: the pack stage's slot
+    count (verl's train prompts // data.train_batch_size when the pack stage has not run)."""
+    slots = (read_manifest(run, None).get("pack", {}).get("rows") or {}).get("slots")
+    if slots:
+        return int(slots)
+    return max(1, resolve.steps_per_epoch(cfg, train_prompt_count(run))) if run.train_prompts.is_file() else 1
 
 
 def iteration_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
-    """Every stage metric of iteration ``k`` (manifest records, aliases applied), plus
-    perf/stage_seconds/<stage>, perf/iteration_seconds and perf/iteration_tokens_per_s; written to
-    iter_k/iteration_metrics.json and returned."""
-    from rlhf_core.query import iteration_metrics_path
-
+    """Every stage metric of iteration ``k`` (manifest records, both names of each ALIASES pair),
+    plus perf/stage_seconds/<stage>, perf/iteration_seconds, perf/iteration_tokens_per_s, verl's
+    timing_s/* (``TIMING``), training/global_step and training/epoch (0-based, as verl counts);
+    written to iter_k/iteration_metrics.json and returned."""
     manifest = read_manifest(run, k)
     out: dict[str, float] = {}
     seconds = 0.0
@@ -201,17 +359,19 @@ def iteration_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
             continue
         for name, value in (rec.get("metrics") or {}).items():
             if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-                out[ALIASES.get(name, name)] = float(value)
+                out[name] = float(value)
         if rec.get("seconds") is not None:
             out[f"perf/stage_seconds/{stage}"] = float(rec["seconds"])
             seconds += float(rec["seconds"]) if stage in ITERATION_STAGES or stage == "validate" else 0.0
+    out = with_aliases(out)
     out["perf/iteration_seconds"] = seconds
     tokens = iteration_tokens(run, k)
     if tokens and seconds > 0:
         out["perf/iteration_tokens_per_s"] = tokens / seconds
+    out.update(timing_metrics(out))
+    out["training/global_step"] = float(k)
+    out["training/epoch"] = float((k - 1) // steps_per_epoch(cfg, run)) if k >= 1 else 0.0
     out["iteration"] = float(k)
-    from rlhf_core.io.atomic import atomic_write_json
-
     atomic_write_json(iteration_metrics_path(run, k), out)
     return out
 
@@ -244,9 +404,6 @@ def iteration_tokens(run: RunDir, k: int) -> int:
     """Prompt + response tokens of iteration ``k``'s rollout (0 when absent)."""
     if not run.rollout(k).is_file():
         return 0
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
     table = pq.read_table(run.rollout(k), columns=["prompt_token_ids", "response_length"])
     prompt = pc.sum(pc.list_value_length(table.column("prompt_token_ids"))).as_py() or 0
     response = pc.sum(table.column("response_length")).as_py() or 0

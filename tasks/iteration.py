@@ -38,7 +38,10 @@ def start_tracking_task(cfg: RLHFConfig, run_dir: str, stage: Optional[str] = No
 
 
 @task(name="finish-tracking", **NO_RESULTS, **IO_RETRIES)
-def finish_tracking_task(mlflow_run_id: str, status: str = "FINISHED", reason: Optional[str] = None) -> None:
+def finish_tracking_task(mlflow_run_id: Optional[str], status: str = "FINISHED", reason: Optional[str] = None) -> None:
+    """Close the MLflow run (nothing to do without one: trainer.logger without mlflow)."""
+    if mlflow_run_id is None:
+        return
     if reason:
         tracking.set_tags(mlflow_run_id, {"halt_reason": reason})
     tracking.finish(mlflow_run_id, status)

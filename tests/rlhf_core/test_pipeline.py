@@ -37,6 +37,73 @@ def test_schedule():
     cfg = load_config(None, ["trainer.total_iterations=7", "trainer.test_freq=3", "trainer.save_freq=2"])
     assert [k for k in range(1, 8) if pipeline.validate_due(cfg, k)] == [3, 6, 7]
     assert [k for k in range(1, 8) if pipeline.save_due(cfg, k)] == [2, 4, 6, 7]
+    never = load_config(None, ["trainer.total_iterations=7"])  # verl's defaults: test_freq = save_freq = -1
+    assert not any(pipeline.validate_due(never, k) or pipeline.save_due(never, k) for k in range(1, 8))
+
+
+def _train_prompts(run: RunDir, n: int) -> None:
+    rows = [{"prompt_id": f"p{i}"} for i in range(n)]
+    atomic_write_parquet(run.train_prompts, pa.Table.from_pylist(rows))
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (["trainer.total_epochs=3"], 3 * (10 // 4)),  # verl: epochs × (prompts // train_batch_size)
+    (["trainer.total_epochs=3", "trainer.total_training_steps=5"], 5),
+    (["trainer.total_training_steps=5", "trainer.total_iterations=2"], 2),  # ours wins
+])
+def test_training_steps_are_derived_after_preprocess_and_saved(tmp_path, overrides, expected):
+    plan = pipeline.plan_run(None, [f"trainer.runs_root={tmp_path}", "data.train_batch_size=4",
+                                    "actor_rollout_ref.actor.ppo_mini_batch_size=4", *overrides], run_name="a")
+    pipeline.open_run(plan)
+    _train_prompts(plan.run, 10)
+    cfg = pipeline.resolve_iterations(plan)
+    assert cfg.trainer.total_iterations == expected and list(plan.iterations()) == list(range(1, expected + 1))
+    resumed = pipeline.plan_run(resume=plan.run.root)  # the saved number, not derived again
+    assert resumed.cfg.trainer.total_iterations == expected
+    if "trainer.total_iterations=2" not in overrides:  # a resume that changes the epochs derives it again
+        again = pipeline.plan_run(None, ["trainer.total_epochs=1"], resume=plan.run.root)
+        assert again.cfg.trainer.total_iterations is None
+        steps = 5 if "trainer.total_training_steps=5" in overrides else 1 * (10 // 4)
+        assert pipeline.resolve_iterations(again).trainer.total_iterations == steps
+
+
+def test_no_training_step_is_a_clear_error_unless_only_validating(tmp_path):
+    from rlhf_core.config import ConfigError
+
+    plan = pipeline.plan_run(None, [f"trainer.runs_root={tmp_path}"], run_name="a")  # train_batch_size 1024
+    pipeline.open_run(plan)
+    _train_prompts(plan.run, 10)
+    with pytest.raises(ConfigError, match="more than the 10 training prompts"):
+        pipeline.resolve_iterations(plan)
+    only = pipeline.plan_run(None, [f"trainer.runs_root={tmp_path}", "trainer.val_only=true"], run_name="b")
+    pipeline.open_run(only)
+    _train_prompts(only.run, 10)
+    pipeline.resolve_iterations(only)
+    assert list(only.iterations()) == []
+
+
+def test_val_before_train_and_val_only_follow_verl():
+    assert pipeline.initial_validation_due(load_config(None))  # verl's default: validate the initial policy
+    assert not pipeline.initial_validation_due(load_config(None, ["trainer.val_before_train=false"]))
+    assert pipeline.stops_after_validation(load_config(None, ["trainer.val_only=true"]))
+    # verl checks val_only only inside the val_before_train branch: without it the run trains
+    assert not pipeline.stops_after_validation(load_config(None, ["trainer.val_only=true",
+                                                                  "trainer.val_before_train=false"]))
+
+
+def test_loggers_say_once_what_is_unavailable(caplog):
+    import logging
+
+    cfg = load_config(None, ["trainer.logger=[console,wandb,tensorboard]"])
+    with caplog.at_level(logging.WARNING, logger="rlhf.config"):
+        pipeline.note_loggers(cfg)
+        pipeline.note_loggers(cfg)
+    lines = [r.getMessage() for r in caplog.records if "wandb" in r.getMessage()]
+    assert len(lines) <= 1  # said once per process (an earlier test may have said it already)
+    from rlhf_core.config.notes import said
+
+    assert any("wandb, tensorboard not available here" in line for line in said())
+    assert pipeline.logs_to(cfg, "console") and not pipeline.logs_to(cfg, "mlflow")
 
 
 def test_prune_keeps_last_good_and_the_last_save_points(tmp_path):
@@ -65,11 +132,34 @@ def test_iteration_metrics_merge_stage_metrics_and_timings(tmp_path):
                  metrics={"guard/kl_mean": 0.2})
     record_stage(run, 1, "gae", status="rolled_back", inputs={}, outputs={}, config_hash="h", seconds=9.0,
                  metrics={"kl/coef": 5.0})
+    record_stage(run, 1, "score", status="done", inputs={}, outputs={}, config_hash="h", seconds=4.0,
+                 metrics={"critic/score/mean": 0.75})
     metrics = pipeline.iteration_metrics(cfg, run, 1)
     assert metrics["kl/mean"] == 0.2 and "kl/coef" not in metrics  # rolled-back records do not count
-    assert metrics["perf/stage_seconds/rollout"] == 2.0 and metrics["perf/iteration_seconds"] == 5.0
-    assert metrics["perf/iteration_tokens_per_s"] == pytest.approx(10 / 5.0)
+    assert metrics["guard/kl_mean"] == 0.2
+    assert metrics["reward/mean"] == 0.75  # our name from verl's
+    assert metrics["perf/stage_seconds/rollout"] == 2.0 and metrics["perf/iteration_seconds"] == 9.0
+    assert metrics["perf/iteration_tokens_per_s"] == pytest.approx(10 / 9.0)
+    # verl's timers: the score stage stands in for old_log_prob (it computes old/ref/values at once)
+    assert metrics["timing_s/gen"] == 2.0 and metrics["timing_s/old_log_prob"] == 4.0
+    assert metrics["timing_s/step"] == 9.0 and "timing_s/ref" not in metrics and "timing_s/adv" not in metrics
+    assert metrics["training/global_step"] == 1.0 and metrics["training/epoch"] == 0.0
     assert run.read_json(run.iter_dir(1) / "iteration_metrics.json") == metrics
+
+
+def test_training_epoch_counts_the_pack_stages_slots(tmp_path):
+    cfg = load_config(None)
+    run = RunDir(tmp_path / "run")
+    record_stage(run, None, "pack", status="done", inputs={}, outputs={}, config_hash="h", rows={"slots": 3})
+    for k in (1, 3, 4, 7):
+        record_stage(run, k, "rollout", status="done", inputs={}, outputs={}, config_hash="h", seconds=1.0)
+    assert [pipeline.iteration_metrics(cfg, run, k)["training/epoch"] for k in (1, 3, 4, 7)] == [0, 0, 1, 2]
+
+
+def test_aliases_fill_either_name():
+    assert pipeline.with_aliases({"reward/mean": 0.5})["critic/score/mean"] == 0.5
+    both = pipeline.with_aliases({"reward/mean": 0.5, "critic/score/mean": 0.25})
+    assert both["reward/mean"] == 0.5 and both["critic/score/mean"] == 0.25  # a stage's own value is kept
 
 
 def test_alerts_and_table_row():
