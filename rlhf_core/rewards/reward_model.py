@@ -1,8 +1,14 @@
-"""Score responses with a sequence-classification reward model (one scalar per conversation).
+"""Score responses with a sequence-classification reward model (one scalar per sequence).
 
-The text is the reward model's own chat template over the prompt messages plus an assistant turn
-holding the response, so a reward model trained on a different template than the actor still sees
-the format it knows. The score is the head's output at the LAST REAL token of each sequence.
+What the reward model reads follows verl's reward-model worker:
+
+* ``reward_model.model.input_tokenizer`` null: the actor's own token ids (prompt + response, as
+  generated), so the reward model must tokenize as the actor does (``check_same_vocabulary``);
+* set: each response decoded with that tokenizer (special tokens kept, then its EOS text removed),
+  appended to the prompt messages as an assistant turn, rendered with the reward model's own chat
+  template and tokenized with its tokenizer (``rerendered_ids``), the first ``max_length`` tokens kept.
+
+The score is the head's output at the LAST REAL token of each sequence.
 
 Why not just call the model: transformers' ``*ForSequenceClassification`` picks "the rightmost
 token that is not ``pad_token_id``", which is wrong whenever a real token equals the pad id (models
@@ -18,9 +24,13 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 import torch
+from tqdm.auto import tqdm
 
+from rlhf_core.config import ConfigError
+from rlhf_core.config.resolve import MicroBatching
 from rlhf_core.errors import CheckpointError
 from rlhf_core.progress import bar_disabled
+from rlhf_core.scoring.logprobs import micro_batch_indices
 
 
 @dataclass
@@ -37,7 +47,7 @@ def load_reward_model(path: str | Path, device: str | torch.device = "cpu",
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise CheckpointError(f"reward_model.model_path={str(path)!r} is not a Hugging Face model "
+        raise CheckpointError(f"reward_model.model.path={str(path)!r} is not a Hugging Face model "
                               "directory (no config.json); give a local sequence-classification model")
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
                                                                attn_implementation="sdpa")
@@ -56,8 +66,34 @@ def conversation_ids(rm: RewardModel, messages: Sequence[dict], response_text: s
     """Token ids of prompt messages + the response as an assistant turn, in the RM's template."""
     chat = [{"role": m["role"], "content": m["content"]} for m in messages]
     chat.append({"role": "assistant", "content": response_text})
-    text = rm.tokenizer.apply_chat_template(chat, tokenize=False)
+    text = rm.tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=False)
     return rm.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+
+def decoded_response(input_tokenizer, response_ids: Sequence[int]) -> str:
+    """A response as verl hands it to the reward model's template: decoded with special tokens
+    kept, then every occurrence of the EOS token's text removed."""
+    text = input_tokenizer.decode(list(response_ids))
+    eos = getattr(input_tokenizer, "eos_token", None)
+    return text.replace(eos, "") if eos else text
+
+
+def rerendered_ids(rm: RewardModel, messages: Sequence[dict], response_ids: Sequence[int], input_tokenizer,
+                   max_length: int) -> list[int]:
+    """The RM's token ids for a response generated with ``input_tokenizer``: decoded, re-rendered
+    in the RM's chat template, and cut to the first ``max_length`` tokens (verl's right truncation)."""
+    return conversation_ids(rm, messages, decoded_response(input_tokenizer, response_ids))[:max_length]
+
+
+def check_same_vocabulary(rm: RewardModel, actor_tokenizer, actor_path: object) -> None:
+    """Refuse to feed the actor's token ids to a reward model whose tokenizer maps them to other
+    tokens (verl would score garbage silently)."""
+    if rm.tokenizer.get_vocab() != actor_tokenizer.get_vocab():
+        raise ConfigError(
+            f"reward_model.model.input_tokenizer is null, so the reward model reads the actor's token ids, but its "
+            f"tokenizer differs from the actor's ({actor_path}); set reward_model.model.input_tokenizer to the "
+            "actor's model path (verl's default) to decode responses and re-render them with the reward "
+            "model's chat template")
 
 
 def _right_padded(batch: Sequence[Sequence[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,21 +127,26 @@ def score_token_batch(rm: RewardModel, batch: Sequence[Sequence[int]]) -> torch.
     return rm.model(input_ids=input_ids, attention_mask=mask, use_cache=False).logits.float()[:, 0]
 
 
-def score_conversations(rm: RewardModel, prompts: Sequence[Sequence[dict]], responses: Sequence[str],
-                        micro_batch_size: int = 16, progress: Optional[bool] = None) -> list[float]:
-    """Scores for (prompt messages, response text) pairs, ``micro_batch_size`` at a time.
-
-    Sequences are sorted by length before batching so each batch pads little; scores come back in
-    the input order.
-    """
-    from tqdm.auto import tqdm
-
-    ids = [conversation_ids(rm, p, r) for p, r in zip(prompts, responses)]
-    order = sorted(range(len(ids)), key=lambda i: len(ids[i]))
-    scores = [0.0] * len(ids)
-    starts = range(0, len(order), micro_batch_size)
-    for s in tqdm(starts, desc="reward model", unit="batch", disable=bar_disabled(progress), leave=False):
-        chunk = order[s:s + micro_batch_size]
-        for i, value in zip(chunk, score_token_batch(rm, [ids[i] for i in chunk]).tolist()):
+def score_sequences(rm: RewardModel, sequences: Sequence[Sequence[int]], batching: MicroBatching, *,
+                    budget_key: str = "critic.forward_max_token_len_per_gpu",
+                    progress: Optional[bool] = None) -> list[float]:
+    """Scores of token-id sequences, one right-padded forward per micro-batch: by token budget
+    with ``batching.use_dynamic_bsz``, else ``batching.micro_batch_size`` sequences at a time
+    (taken in length order so each batch pads little). Scores come back in the input order."""
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    lengths = [len(sequences[i]) for i in order]
+    scores = [0.0] * len(sequences)
+    batches = micro_batch_indices(lengths, batching, budget_key)
+    for batch in tqdm(batches, desc="reward model", unit="batch", disable=bar_disabled(progress), leave=False):
+        chunk = [order[k] for k in batch]
+        for i, value in zip(chunk, score_token_batch(rm, [sequences[i] for i in chunk]).tolist()):
             scores[i] = value
     return scores
+
+
+def score_conversations(rm: RewardModel, prompts: Sequence[Sequence[dict]], responses: Sequence[str],
+                        micro_batch_size: int = 16, progress: Optional[bool] = None) -> list[float]:
+    """Scores for (prompt messages, response text) pairs in the RM's template, ``micro_batch_size``
+    at a time; scores come back in the input order."""
+    ids = [conversation_ids(rm, p, r) for p, r in zip(prompts, responses)]
+    return score_sequences(rm, ids, MicroBatching(False, 0, micro_batch_size), progress=progress)

@@ -1,9 +1,18 @@
-"""Per-token log-probs and values of finished responses, over token-budget packed micro-batches.
+"""Per-token log-probs and values of finished responses, over micro-batches cut as verl cuts them.
 
-Each sequence is ``prompt_token_ids + response_token_ids``. Sequences are cut into micro-batches
-whose real tokens fit ``budget`` (``micro_batches_by_budget``), each micro-batch is laid out as
-packed rows (sequences kept apart by a block-diagonal mask), and one no-grad forward runs per
-micro-batch. Only response positions are read back:
+Each sequence is ``prompt_token_ids + response_token_ids``. The ``batching`` argument (a
+``config.resolve.MicroBatching``, from ``micro_batching(cfg, "rollout" | "ref")`` or
+``critic_value_batching(cfg)``) says how sequences are grouped into forwards:
+
+    use_dynamic_bsz   micro-batches whose real tokens fit ``token_budget`` (``micro_batches_by_budget``)
+    otherwise         ``micro_batch_size`` consecutive sequences per forward (verl's ``split``)
+
+and ``packed`` (``actor_rollout_ref.model.use_remove_padding``; the critic's own key) how one
+micro-batch is laid out: several sequences per row kept apart by a block-diagonal mask (or one
+flattened varlen row with flash-attention), or one right-padded sequence per row. Both layouts
+give the same numbers (up to float rounding); packing only wastes fewer slots. A plain ``int``
+budget is read as dynamic batching with packing (the older call form). One no-grad forward runs
+per micro-batch. Only response positions are read back:
 
     log_probs[i][t] = log softmax(logits(s_i[:P_i + t]) / T)[response_i[t]]     t < n_i
     values[i][t]    = V(s_i[:P_i + t])       (the critic's estimate before response token t)
@@ -16,11 +25,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 
-from rlhf_core.data.packing import micro_batches_by_budget, split_into_rows
+from rlhf_core.config.resolve import MicroBatching
+from rlhf_core.data.packing import Bins, fixed_micro_batches, micro_batches_by_budget, split_into_rows
 from rlhf_core.models.packed import (
     gather_response_values, pack_rows, packed_forward, packing_attention_mode, response_logprobs,
 )
@@ -49,11 +59,36 @@ class Throughput:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def plan_micro_batches(lengths: Sequence[int], budget: int, row_tokens: int = ROW_TOKENS) -> list[list[list[int]]]:
-    """Micro-batches, each a list of packed rows, each a list of sequence indices."""
+Batching = Union[MicroBatching, int]
+"""How forwards are cut: a MicroBatching, or an int token budget (dynamic batching)."""
+
+
+def as_micro_batching(batching: Batching) -> MicroBatching:
+    """A plain token budget means dynamic batching by that budget."""
+    if isinstance(batching, MicroBatching):
+        return batching
+    return MicroBatching(use_dynamic_bsz=True, token_budget=int(batching), micro_batch_size=1)
+
+
+def micro_batch_indices(lengths: Sequence[int], budget: Batching, budget_key: str = BUDGET_KEY) -> Bins:
+    """Sequence indices per forward: by token budget with use_dynamic_bsz (``budget_key`` names the
+    budget in the error for a sequence that does not fit), else ``micro_batch_size`` in order."""
+    b = as_micro_batching(budget)
+    if b.use_dynamic_bsz:
+        return micro_batches_by_budget(lengths, b.token_budget, budget_key=budget_key)
+    return fixed_micro_batches(len(lengths), b.micro_batch_size)
+
+
+def plan_micro_batches(lengths: Sequence[int], budget: Batching, row_tokens: int = ROW_TOKENS, *,
+                       packed: bool = True, budget_key: str = BUDGET_KEY) -> list[list[list[int]]]:
+    """Micro-batches (cut by ``budget``: a MicroBatching, or an int token budget), each a list of
+    rows, each a list of sequence indices: packed rows at least ``row_tokens`` wide when
+    ``packed``, else one sequence per row."""
     width = max(row_tokens, max(lengths, default=0))
-    return [split_into_rows(lengths, mb, width) for mb in
-            micro_batches_by_budget(lengths, budget, budget_key=BUDGET_KEY)]
+    micro = micro_batch_indices(lengths, budget, budget_key)
+    if not packed:
+        return [[[i] for i in mb] for mb in micro]
+    return [split_into_rows(lengths, mb, width) for mb in micro]
 
 
 def _check_inputs(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int]) -> None:
@@ -66,24 +101,27 @@ def _check_inputs(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[i
 
 @torch.no_grad()
 def _packed_passes(model: torch.nn.Module, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
-                   budget: int, score: Callable, *, pad_id: int, row_tokens: int, desc: str,
-                   throughput: Optional[Throughput], progress: Optional[bool]) -> list[torch.Tensor]:
-    """Run ``model`` over packed micro-batches; ``score(packed)`` → {index: (n_i,) tensor}."""
+                   batching: Batching, score: Callable, *, pad_id: int, row_tokens: int, packed: bool,
+                   budget_key: str, desc: str, throughput: Optional[Throughput],
+                   progress: Optional[bool]) -> list[torch.Tensor]:
+    """Run ``model`` over the micro-batches; ``score(packed rows)`` → {index: (n_i,) tensor}."""
     from tqdm.auto import tqdm
 
     _check_inputs(sequences, prompt_lengths)
     lengths = [len(s) for s in sequences]
-    plan = plan_micro_batches(lengths, budget, row_tokens)
-    mode = packing_attention_mode(model)  # block-diagonal 4-D mask, or flash-attention varlen on CUDA
+    plan = plan_micro_batches(lengths, batching, row_tokens, packed=packed, budget_key=budget_key)
+    # packed: block-diagonal 4-D mask, or flash-attention varlen on CUDA; padded: one sequence per
+    # row, which needs no mask under causal attention (the padding comes after every real token)
+    mode = packing_attention_mode(model) if packed else "mask4d"
     out: list[Optional[torch.Tensor]] = [None] * len(sequences)
     started = time.perf_counter()
     with tqdm(total=sum(lengths), desc=desc, unit="tok", unit_scale=True, leave=False,
               disable=bar_disabled(progress)) as bar:
         for rows in plan:
-            packed = pack_rows(rows, sequences, pad_id, mode=mode)
-            for i, tensor in score(packed).items():
+            layout = pack_rows(rows, sequences, pad_id, mode=mode)
+            for i, tensor in score(layout).items():
                 out[i] = tensor.detach().float().cpu()
-            bar.update(packed.num_tokens)
+            bar.update(layout.num_tokens)
     if throughput is not None:
         throughput.tokens += sum(lengths)
         throughput.seconds += time.perf_counter() - started
@@ -92,8 +130,9 @@ def _packed_passes(model: torch.nn.Module, sequences: Sequence[Sequence[int]], p
 
 
 def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[int]],
-                           prompt_lengths: Sequence[int], budget: int, temperature: float = 1.0, *,
-                           pad_id: int = 0, row_tokens: int = ROW_TOKENS, desc: str = "log-probs",
+                           prompt_lengths: Sequence[int], budget: Batching, temperature: float = 1.0, *,
+                           pad_id: int = 0, row_tokens: int = ROW_TOKENS, packed: bool = True,
+                           budget_key: str = BUDGET_KEY, desc: str = "log-probs",
                            throughput: Optional[Throughput] = None,
                            progress: Optional[bool] = None) -> list[torch.Tensor]:
     """log p(response token t | sequence before it) under ``model`` at ``temperature``.
@@ -102,24 +141,29 @@ def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[
         model: causal LM in eval mode (sdpa or eager: 4-D block mask; flash-attention on CUDA: varlen).
         sequences: N token-id lists, prompt followed by response.
         prompt_lengths: N prompt lengths P_i (>= 1).
-        budget: real tokens per micro-batch (every sequence must fit alone).
+        budget: how forwards are cut (a ``MicroBatching``; an int = dynamic batching by that many
+            real tokens per micro-batch, every sequence must fit alone).
         temperature: the sampling temperature; logits are divided by it.
+        packed: several sequences per row (use_remove_padding) or one padded sequence per row.
+        budget_key: the config key named when a sequence does not fit the token budget.
     Returns:
         N float32 CPU tensors, tensor i of shape (len(sequences[i]) - P_i,).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to define log-probs, got {temperature}")
 
-    def score(packed):
-        return response_logprobs(model, packed, prompt_lengths, temperature=temperature)
+    def score(layout):
+        return response_logprobs(model, layout, prompt_lengths, temperature=temperature)
 
-    return _packed_passes(model, sequences, prompt_lengths, budget, score, pad_id=pad_id,
-                          row_tokens=row_tokens, desc=desc, throughput=throughput, progress=progress)
+    return _packed_passes(model, sequences, prompt_lengths, budget, score, pad_id=pad_id, row_tokens=row_tokens,
+                          packed=packed, budget_key=budget_key, desc=desc, throughput=throughput,
+                          progress=progress)
 
 
 def compute_token_values(critic: torch.nn.Module, sequences: Sequence[Sequence[int]],
-                         prompt_lengths: Sequence[int], budget: int, *, pad_id: int = 0,
-                         row_tokens: int = ROW_TOKENS, desc: str = "values",
+                         prompt_lengths: Sequence[int], budget: Batching, *, pad_id: int = 0,
+                         row_tokens: int = ROW_TOKENS, packed: bool = True,
+                         budget_key: str = "critic.forward_max_token_len_per_gpu", desc: str = "values",
                          throughput: Optional[Throughput] = None,
                          progress: Optional[bool] = None) -> list[torch.Tensor]:
     """V(state before response token t) from a one-label token-classification critic.
@@ -127,8 +171,9 @@ def compute_token_values(critic: torch.nn.Module, sequences: Sequence[Sequence[i
     Same inputs as ``compute_token_logprobs``; returns N float32 CPU tensors of shape (n_i,).
     """
 
-    def score(packed):
-        return gather_response_values(packed_forward(critic, packed), packed, prompt_lengths)
+    def score(layout):
+        return gather_response_values(packed_forward(critic, layout), layout, prompt_lengths)
 
-    return _packed_passes(critic, sequences, prompt_lengths, budget, score, pad_id=pad_id,
-                          row_tokens=row_tokens, desc=desc, throughput=throughput, progress=progress)
+    return _packed_passes(critic, sequences, prompt_lengths, budget, score, pad_id=pad_id, row_tokens=row_tokens,
+                          packed=packed, budget_key=budget_key, desc=desc, throughput=throughput,
+                          progress=progress)

@@ -3,30 +3,61 @@
     rlhf stage score --run-dir RUN --iteration K [-c PRESET] [key=value ...]
 
 Per response: a sequence-level ``reward`` (the reward model when ``reward_model.enable``, else the
-reward function routed by ``data_source``), and three per-token lists, each exactly
-``response_length`` long: ``old_log_probs`` under the actor that generated (at the rollout
-temperature), ``ref_log_probs`` under the frozen reference (same temperature), ``values`` under the
-critic. The model passes run over token-budget packed micro-batches
-(``actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu``). When the actor and reference hold
-byte-identical weights (iteration 1) the reference pass is skipped and the actor's log-probs reused.
+reward function routed by the row's ``data.reward_fn_key`` column, verl's ``data_source`` by
+default), and three per-token lists, each exactly ``response_length`` long: ``old_log_probs`` under
+the actor that generated (at the rollout temperature), ``ref_log_probs`` under the frozen reference
+(same temperature), ``values`` under the critic. Each pass is cut as verl cuts it
+(``config.resolve``): old log-probs by ``micro_batching(cfg, "rollout")``, reference log-probs by
+``micro_batching(cfg, "ref")``, values by ``critic_value_batching(cfg)`` — a token budget per
+forward with use_dynamic_bsz, else micro_batch_size sequences per forward — laid out packed or
+padded by ``actor_rollout_ref.model.use_remove_padding`` (the critic: ``critic_use_remove_padding``).
+When the actor and reference hold byte-identical weights (iteration 1) the reference pass is
+skipped and the actor's log-probs reused.
+
+Metrics: verl's ``critic/score/mean|max|min`` (sequence scores of the non-empty responses, as
+verl's compute_data_metrics), and ours: ``reward/mean``, ``reward/std``, ``reward/accuracy``
+(rule-based GSM8K), ``response_length/mean``, ``kl/old_ref_mean``, ``perf/score_*``.
 
 Inspect it with DuckDB:  SELECT avg(reward) FROM 'RUN/iter_1/scored.parquet'
 """
 
 from __future__ import annotations
 
+import json
 import statistics
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
-from rlhf_core.config import RLHFConfig
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+from tqdm.auto import tqdm
+
+from rlhf_core.config import ConfigError, RLHFConfig
+from rlhf_core.config.resolve import (
+    MicroBatching, critic_use_remove_padding, critic_value_batching, micro_batching, update_world_size,
+)
+from rlhf_core.data.schemas import SCORED
 from rlhf_core.errors import DataError, RLHFError
+from rlhf_core.io.atomic import atomic_write_parquet
+from rlhf_core.io.pointers import actor_path, critic_path, reference_path
 from rlhf_core.io.rundir import RunDir
+from rlhf_core.io.tables import rows_with_ids
 from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
+from rlhf_core.rewards import get_reward_fn, normalize_result
+from rlhf_core.rewards.reward_model import (
+    check_same_vocabulary, load_reward_model, rerendered_ids, score_sequences,
+)
+from rlhf_core.scoring import (
+    Throughput, compute_token_logprobs, compute_token_values, load_causal_lm, load_critic, same_weights,
+    scoring_device, scoring_dtype,
+)
+from rlhf_core.scoring.models import load_tokenizer, release
+from rlhf_core.stages.base import StageResult, execute_stage
 
 CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
 
@@ -37,21 +68,22 @@ class ModelPaths:
     reference: Path
     critic: Path
     reward_model: Optional[Path]
+    rm_input_tokenizer: Optional[Path] = None
+    """reward_model.model.input_tokenizer: decode responses with it and re-render for the RM."""
 
 
 def _model_paths(cfg: RLHFConfig, run: RunDir, iteration: int) -> ModelPaths:
-    from rlhf_core.io.pointers import actor_path, critic_path, reference_path
-    from rlhf_core.paths import resolve_model_path
-
-    rm = None
+    rm, rm_tokenizer = None, None
     if cfg.reward_model.enable:
-        if not cfg.reward_model.model_path:
-            raise RLHFError("reward_model.enable=true needs reward_model.model_path=<local sequence-"
-                            "classification model dir>; or set reward_model.enable=false for rule-based rewards")
-        rm = resolve_model_path(cfg.reward_model.model_path)
+        if not cfg.reward_model.model.path:
+            raise RLHFError("reward_model.enable=true needs reward_model.model.path=<sequence-classification "
+                            "model>; or set reward_model.enable=false for rule-based rewards")
+        rm = resolve_model_path(cfg.reward_model.model.path)
+        if cfg.reward_model.model.input_tokenizer:
+            rm_tokenizer = resolve_model_path(cfg.reward_model.model.input_tokenizer)
     # the models iteration k started from, so a rerun of an old iteration reproduces its table
     return ModelPaths(actor=actor_path(cfg, run, iteration), reference=reference_path(cfg),
-                      critic=critic_path(cfg, run, iteration), reward_model=rm)
+                      critic=critic_path(cfg, run, iteration), reward_model=rm, rm_input_tokenizer=rm_tokenizer)
 
 
 def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
@@ -66,8 +98,7 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         raise DataError(f"{run.train_prompts} not found: run `rlhf stage preprocess --run-dir {run.root}` first")
     models = _model_paths(cfg, run, iteration)
     inputs = [rollout_path, run.train_prompts, models.actor, models.reference, models.critic]
-    if models.reward_model is not None:
-        inputs.append(models.reward_model)
+    inputs += [p for p in (models.reward_model, models.rm_input_tokenizer) if p is not None]
 
     def body() -> StageResult:
         return _score(cfg, run, iteration, models)
@@ -77,21 +108,14 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
 
 
 def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> StageResult:
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    from rlhf_core.data.schemas import SCORED
-    from rlhf_core.io.atomic import atomic_write_parquet
-    from rlhf_core.scoring import Throughput
-
     rollout_path = run.rollout(iteration)
     with timed(TABLE_READ):
         table = pq.read_table(rollout_path)
         rows = table.to_pylist()
     _check_rollout(rows, rollout_path)
-    prompts = _prompt_lookup(run.train_prompts, rows)
+    prompts = _prompt_lookup(run.train_prompts, rows, cfg.data.reward_fn_key)
     if models.reward_model is not None:
-        rewards, extras = _reward_model_scores(cfg, models.reward_model, rows, prompts)
+        rewards, extras = _reward_model_scores(cfg, models, rows, prompts)
     else:
         rewards, extras = _rule_rewards(cfg, rows, prompts, rollout_path)
     meter = Throughput()
@@ -103,7 +127,7 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
         scored = scored.append_column(name, pa.array(column, type=SCORED.field(name).type))
     out = run.scored(iteration)
     atomic_write_parquet(out, scored, schema=SCORED)
-    metrics = _metrics(cfg, rows, rewards, old, ref, meter, rule_based=models.reward_model is None)
+    metrics = score_metrics(cfg, rows, rewards, old, ref, meter, rule_based=models.reward_model is None)
     summary = _summary(rows, metrics, meter, ref_reused, out)
     return StageResult(stage="score", iteration=iteration, outputs={"scored": str(out)},
                        rows={"scored": len(rows)}, metrics=metrics, summary=summary)
@@ -130,19 +154,26 @@ def _check_rollout(rows: list[dict], path: Path) -> None:
             raise DataError(f"{_where(path, i, row)}: empty prompt_token_ids; rerun preprocess and rollout")
 
 
-def _prompt_lookup(prompts_path: Path, rows: list[dict]) -> dict[str, dict]:
-    """prompt_id → {"prompt": chat messages, "extra_info": dict} for the prompts the rollout used."""
-    from rlhf_core.io.tables import rows_with_ids
-
+def _prompt_lookup(prompts_path: Path, rows: list[dict], reward_fn_key: str) -> dict[str, dict]:
+    """prompt_id → {"prompt": chat messages, "extra_info": verl's dict, and the reward_fn_key
+    column when the prompts table has it} for the prompts the rollout used."""
     used = {r["prompt_id"] for r in rows}
-    lookup = {r["prompt_id"]: r for r in rows_with_ids(prompts_path, "prompt_id", used,
-                                                        ["prompt_id", "prompt", "extra_info"])}
-    missing = sorted({r["prompt_id"] for r in rows} - set(lookup))
+    names = pq.read_schema(prompts_path).names
+    columns = [c for c in dict.fromkeys(("prompt_id", "prompt", "extra_info", reward_fn_key)) if c in names]
+    lookup = {r["prompt_id"]: r for r in rows_with_ids(prompts_path, "prompt_id", used, columns)}
+    missing = sorted(used - set(lookup))
     if missing:
         raise DataError(f"{len(missing)} rollout prompt_id(s) are not in {prompts_path} (first: "
                         f"{missing[0]!r}); the prompts were re-preprocessed after the rollout: rerun the "
                         "rollout stage")
     return lookup
+
+
+def row_value(row: dict, prompt: dict, key: str) -> Any:
+    """A column of the response's row, else of its prompt's row (KeyError when neither has it)."""
+    if key in row:
+        return row[key]
+    return prompt[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,17 +183,22 @@ def _prompt_lookup(prompts_path: Path, rows: list[dict]) -> dict[str, dict]:
 
 def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
                   path: Path) -> tuple[list[float], list[str]]:
-    from tqdm.auto import tqdm
-
-    from rlhf_core.rewards import get_reward_fn, normalize_result
-
+    """One compute_score call per response (verl's naive reward manager), routed by the row's
+    data.reward_fn_key column, with the row's verl extra_info."""
     reward_fn = get_reward_fn(cfg)
+    key = cfg.data.reward_fn_key
     rewards, extras = [], []
     for i, row in enumerate(tqdm(rows, desc="rewards", unit="resp", leave=False, disable=bar_disabled())):
-        extra_info = prompts[row["prompt_id"]]["extra_info"]
+        prompt = prompts[row["prompt_id"]]
         where = _where(path, i, row)
         try:
-            result = reward_fn(row["data_source"], row["response_text"], row["ground_truth"], extra_info)
+            source = row_value(row, prompt, key)
+        except KeyError:
+            raise ConfigError(f"data.reward_fn_key={key!r}: {where} has no column {key!r} (nor has its prompt); "
+                              "name a column of the prompt files (verl's default: data_source)") from None
+        try:
+            result = reward_fn(source, row["response_text"], row["ground_truth"],
+                               row_value(row, prompt, "extra_info"))
         except RLHFError as exc:
             raise type(exc)(f"{where}: {exc}") from None
         except Exception as exc:  # a bug in the user's function: keep its traceback, add the row
@@ -174,20 +210,29 @@ def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
     return rewards, extras
 
 
-def _reward_model_scores(cfg: RLHFConfig, path: Path, rows: list[dict],
+def _world_size() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def _reward_model_scores(cfg: RLHFConfig, models: ModelPaths, rows: list[dict],
                          prompts: dict[str, dict]) -> tuple[list[float], list[str]]:
-    import json
-
-    from rlhf_core.rewards.reward_model import load_reward_model, score_conversations
-    from rlhf_core.scoring import scoring_device, scoring_dtype
-    from rlhf_core.scoring.models import release
-
+    """verl's reward-model scoring: the RM reads the actor's own token ids when
+    reward_model.model.input_tokenizer is null (its tokenizer must then be the actor's), else each
+    response decoded with input_tokenizer and re-rendered with the RM's chat template, cut to
+    reward_model.max_length tokens (null = max_prompt_length + max_response_length)."""
     device = scoring_device(cfg.trainer.device)
     with timed(MODEL_LOAD):
-        rm = load_reward_model(path, device, scoring_dtype(device))
-    messages = [prompts[r["prompt_id"]]["prompt"] for r in rows]
-    scores = score_conversations(rm, messages, [r["response_text"] for r in rows],
-                                 micro_batch_size=cfg.reward_model.micro_batch_size)
+        rm = load_reward_model(models.reward_model, device, scoring_dtype(device))
+    if models.rm_input_tokenizer is None:
+        check_same_vocabulary(rm, load_tokenizer(models.actor, shared=True), models.actor)
+        sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
+    else:
+        source = load_tokenizer(models.rm_input_tokenizer, shared=True)
+        max_length = cfg.reward_model.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+        sequences = [rerendered_ids(rm, prompts[r["prompt_id"]]["prompt"], r["response_token_ids"], source, max_length)
+                     for r in rows]
+    batching = micro_batching(cfg, "reward_model", update_world_size(cfg, _world_size()))
+    scores = score_sequences(rm, sequences, batching, budget_key="critic.forward_max_token_len_per_gpu")
     alive = weakref.ref(rm)
     del rm
     release(alive, device)
@@ -199,27 +244,48 @@ def _reward_model_scores(cfg: RLHFConfig, path: Path, rows: list[dict],
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class PassPlan:
+    """How one scoring pass cuts its forwards."""
+
+    batching: MicroBatching
+    packed: bool
+    budget_key: str
+
+
+def pass_plans(cfg: RLHFConfig, world_size: int = 1) -> dict[str, PassPlan]:
+    """verl's budgets for the three passes: old log-probs (rollout.log_prob_*), reference log-probs
+    (ref.log_prob_*), critic values (critic.forward_*); packing from use_remove_padding."""
+    packed = cfg.actor_rollout_ref.model.use_remove_padding
+    return {
+        "actor": PassPlan(micro_batching(cfg, "rollout", world_size), packed,
+                          "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+        "reference": PassPlan(micro_batching(cfg, "ref", world_size), packed,
+                              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
+        "critic": PassPlan(critic_value_batching(cfg, world_size), critic_use_remove_padding(cfg),
+                           "critic.forward_max_token_len_per_gpu"),
+    }
+
+
 def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
     """(old log-probs, ref log-probs, values, whether ref reused the actor's), each a list of lists."""
-    from rlhf_core.scoring import (
-        compute_token_logprobs, compute_token_values, load_causal_lm, load_critic, same_weights,
-        scoring_device, scoring_dtype,
-    )
-    from rlhf_core.scoring.models import release
-
     device = scoring_device(cfg.trainer.device)
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
-    rollout = cfg.actor_rollout_ref.rollout
+    temperature = cfg.actor_rollout_ref.rollout.temperature
+    plans = pass_plans(cfg, update_world_size(cfg, _world_size()))
     sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
     prompt_lengths = [len(r["prompt_token_ids"]) for r in rows]
-    common = dict(sequences=sequences, prompt_lengths=prompt_lengths,
-                  budget=rollout.log_prob_max_token_len_per_gpu, throughput=meter)
+
+    def common(role: str) -> dict:
+        plan = plans[role]
+        return dict(sequences=sequences, prompt_lengths=prompt_lengths, budget=plan.batching,
+                    packed=plan.packed, budget_key=plan.budget_key, throughput=meter)
 
     def logprobs(path: Path, role: str) -> list[list[float]]:
         # shared: the actor the rollout just sampled from, the reference the guard uses too
         model = load_causal_lm(path, device, dtype, role=role, shared=True)
-        out = compute_token_logprobs(model, temperature=rollout.temperature, pad_id=_pad_id(model),
-                                     desc=f"{role} log-probs", **common)
+        out = compute_token_logprobs(model, temperature=temperature, pad_id=_pad_id(model),
+                                     desc=f"{role} log-probs", **common(role))
         alive = weakref.ref(model)
         del model
         release(alive, device)
@@ -229,7 +295,7 @@ def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
     ref_reused = same_weights(models.actor, models.reference)
     ref = [list(x) for x in old] if ref_reused else logprobs(models.reference, "reference")
     critic = load_critic(models.critic, device, dtype)
-    values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common)
+    values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common("critic"))
     values = [t.tolist() for t in values]
     alive = weakref.ref(critic)  # the critic changes every iteration: not worth caching
     del critic
@@ -256,10 +322,19 @@ def _check_lengths(rows: list[dict], columns: dict[str, list[list[float]]]) -> N
 # ---------------------------------------------------------------------------------------------
 
 
-def _metrics(cfg: RLHFConfig, rows, rewards, old, ref, meter, rule_based: bool) -> dict[str, float]:
+def sequence_score_metrics(rewards: list[float], lengths: list[int]) -> dict[str, float]:
+    """verl's critic/score/{mean,max,min}: over the responses that are not empty (verl leaves
+    aborted, zero-length responses out); over all when every response is empty."""
+    kept = [r for r, n in zip(rewards, lengths) if n > 0] or list(rewards)
+    return {"critic/score/mean": statistics.fmean(kept), "critic/score/max": max(kept),
+            "critic/score/min": min(kept)}
+
+
+def score_metrics(cfg: RLHFConfig, rows, rewards, old, ref, meter, rule_based: bool) -> dict[str, float]:
     lengths = [r["response_length"] for r in rows]
     tokens = max(1, sum(lengths))
     metrics = {
+        **sequence_score_metrics(rewards, lengths),
         "reward/mean": statistics.fmean(rewards),
         "reward/std": statistics.pstdev(rewards),
         "response_length/mean": statistics.fmean(lengths),

@@ -77,5 +77,46 @@ def test_conversations_use_the_rm_chat_template_and_keep_input_order(rm):
 def test_missing_reward_model_dir_is_a_clear_error(tmp_path):
     from rlhf_core.errors import CheckpointError
 
-    with pytest.raises(CheckpointError, match="reward_model.model_path"):
+    with pytest.raises(CheckpointError, match="reward_model.model.path"):
         load_reward_model(tmp_path)
+
+
+def test_rerendering_decodes_drops_eos_and_uses_the_rm_template(rm):
+    from rlhf_core.rewards.reward_model import decoded_response, rerendered_ids
+
+    tok = rm.tokenizer
+    response_ids = tok("It is 4. #### 4", add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+    assert tok.eos_token in tok.decode(response_ids) and decoded_response(tok, response_ids) == "It is 4. #### 4"
+    messages = [{"role": "user", "content": "What is 2 + 2?"}]
+    full = rerendered_ids(rm, messages, response_ids, tok, max_length=10_000)
+    assert full == conversation_ids(rm, messages, "It is 4. #### 4")
+    assert rerendered_ids(rm, messages, response_ids, tok, max_length=7) == full[:7]  # verl keeps the first tokens
+
+
+def test_the_actors_ids_need_the_actors_vocabulary(rm, rm_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    from rlhf_core.config import ConfigError
+    from rlhf_core.rewards.reward_model import check_same_vocabulary
+
+    check_same_vocabulary(rm, AutoTokenizer.from_pretrained(rm_dir), rm_dir)
+    other = AutoTokenizer.from_pretrained(rm_dir)
+    other.add_tokens(["<other_token>"])
+    with pytest.raises(ConfigError, match="reward_model.model.input_tokenizer"):
+        check_same_vocabulary(rm, other, tmp_path)
+
+
+def test_dynamic_and_fixed_batches_give_the_same_scores_in_input_order(rm):
+    from rlhf_core.config.resolve import MicroBatching
+    from rlhf_core.data.packing import PackingBudgetError
+    from rlhf_core.rewards.reward_model import score_sequences
+
+    rng = random.Random(2)
+    vocab = rm.model.config.vocab_size
+    batch = [[rng.randrange(3, vocab) for _ in range(rng.randint(2, 30))] for _ in range(9)]
+    fixed = score_sequences(rm, batch, MicroBatching(False, 0, 4), progress=False)
+    dynamic = score_sequences(rm, batch, MicroBatching(True, 40, 1), progress=False)
+    assert fixed == pytest.approx(dynamic, abs=1e-5)
+    assert fixed == pytest.approx(score_token_batch(rm, batch).tolist(), abs=1e-5)
+    with pytest.raises(PackingBudgetError, match="critic.forward_max_token_len_per_gpu"):
+        score_sequences(rm, batch, MicroBatching(True, 5, 1), progress=False)

@@ -7,6 +7,8 @@ import random
 import pytest
 import torch
 
+from rlhf_core.config.resolve import MicroBatching
+from rlhf_core.data.packing import PackingBudgetError
 from rlhf_core.scoring import (
     Throughput,
     compute_token_logprobs,
@@ -97,6 +99,41 @@ def test_micro_batches_respect_budget_and_cover_every_sequence(batch):
         assert sum(lengths[i] for row in mb for i in row) <= 100
         for row in mb:  # a row is at most row_tokens wide unless one sequence alone is longer
             assert len(row) == 1 or sum(lengths[i] for i in row) <= max(50, max(lengths))
+
+
+FIXED_5 = MicroBatching(use_dynamic_bsz=False, token_budget=10, micro_batch_size=5)
+
+
+def test_without_dynamic_batching_forwards_take_micro_batch_size_sequences_in_order(batch):
+    lengths = [len(s) for s in batch[0]]
+    padded = plan_micro_batches(lengths, FIXED_5, packed=False)
+    assert padded == [[[0], [1], [2], [3], [4]], [[5], [6], [7], [8], [9]], [[10], [11]]]
+    packed = plan_micro_batches(lengths, FIXED_5, row_tokens=50)
+    assert [sorted(i for row in mb for i in row) for mb in packed] == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9], [10, 11]]
+    assert any(len(row) > 1 for mb in packed for row in mb)  # the token budget plays no part: 10 < every length
+    dynamic = MicroBatching(use_dynamic_bsz=True, token_budget=100, micro_batch_size=5)
+    assert plan_micro_batches(lengths, dynamic, row_tokens=50) == plan_micro_batches(lengths, 100, row_tokens=50)
+
+
+@pytest.mark.parametrize("batching,packed", [(FIXED_5, True), (FIXED_5, False),
+                                             (MicroBatching(True, 120, 1), False)])
+def test_every_layout_gives_the_unpacked_numbers(actor, critic, batch, batching, packed):
+    seqs, prompts = batch
+    meter = Throughput()
+    lps = compute_token_logprobs(actor, seqs, prompts, batching, temperature=0.7, packed=packed, throughput=meter,
+                                 progress=False)
+    values = compute_token_values(critic, seqs, prompts, batching, packed=packed, progress=False)
+    for seq, p, lp, v in zip(seqs, prompts, lps, values):
+        torch.testing.assert_close(lp, unpacked_logprobs(actor, seq, p, 0.7), atol=1e-5, rtol=0)
+        torch.testing.assert_close(v, unpacked_values(critic, seq, p), atol=1e-5, rtol=0)
+    if not batching.use_dynamic_bsz:
+        assert meter.passes["log-probs"] == 3  # 12 sequences, 5 per forward
+
+
+def test_a_sequence_over_the_budget_names_the_roles_key(actor):
+    with pytest.raises(PackingBudgetError, match="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"):
+        compute_token_logprobs(actor, [[5, 6, 7, 8]], [2], MicroBatching(True, 3, 1),
+                               budget_key="actor_rollout_ref.ref.log_prob_max_token_len_per_gpu", progress=False)
 
 
 def test_throughput_counts_every_token(actor, batch):

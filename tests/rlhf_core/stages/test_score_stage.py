@@ -133,7 +133,7 @@ def test_different_reference_and_reward_model(tmp_path, repo_root, tiny_model_di
     run = RunDir(tmp_path / "run")
     write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 4), n_samples=2)
     cfg = demo_config(tiny_model_dir, f"actor_rollout_ref.ref.model_path={ref_dir}", "reward_model.enable=true",
-                      f"reward_model.model_path={rm_dir}", "reward_model.micro_batch_size=3")
+                      f"reward_model.model.path={rm_dir}", "reward_model.micro_batch_size_per_gpu=3")
     result = run_score(cfg, run, 1)
     rows = pq.read_table(run.scored(1)).to_pylist()
     assert all(r["old_log_probs"] != r["ref_log_probs"] for r in rows)
@@ -181,3 +181,76 @@ def test_unknown_data_source_names_the_row(tmp_path, repo_root, tiny_model_dir, 
                      data_source="my/data")
     with pytest.raises(DataError, match=r"row 0 \(prompt_id='p0'.*no reward function for data_source 'my/data'"):
         run_score(demo_config(tiny_model_dir), run, 1)
+
+
+def test_verl_score_metrics_and_routing_by_reward_fn_key_with_extra_info(tmp_path, repo_root, tiny_model_dir,
+                                                                         tokenizer):
+    """data.reward_fn_key picks the routing column; the function gets verl's keywords and extra_info."""
+    reward = tmp_path / "reward.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': float(data_source == 'math') + extra_info['index'], 'index': extra_info['index'],\n"
+        "            'num_turns': extra_info['num_turns']}\n")
+    run = RunDir(tmp_path / "run")
+    write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 3), n_samples=2)
+    cfg = demo_config(tiny_model_dir, "data.reward_fn_key=ability", f"custom_reward_function.path={reward}")
+    result = run_score(cfg, run, 1)
+    rows = pq.read_table(run.scored(1)).to_pylist()
+    assert [r["reward"] for r in rows] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]  # routed on ability='math', + index
+    assert json.loads(rows[2]["reward_extra"]) == {"index": 1, "num_turns": None}
+    m = result.metrics
+    assert (m["critic/score/mean"], m["critic/score/max"], m["critic/score/min"]) == (2.0, 3.0, 1.0)
+    assert m["reward/mean"] == 2.0 and "reward/accuracy" not in m
+
+    missing = demo_config(tiny_model_dir, "data.reward_fn_key=no_such_column")
+    from rlhf_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match="data.reward_fn_key='no_such_column'"):
+        run_score(missing, run, 1, force=True)
+
+
+def test_fixed_micro_batches_and_padded_rows_give_the_same_table(tmp_path, repo_root, tiny_model_dir, tokenizer):
+    """use_dynamic_bsz=false: log_prob_micro_batch_size_per_gpu sequences per forward (verl), and
+    use_remove_padding=false lays them out padded; neither changes a number."""
+    run = RunDir(tmp_path / "run")
+    write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 5), n_samples=2)
+    run_score(demo_config(tiny_model_dir), run, 1)
+    packed = pq.read_table(run.scored(1)).to_pylist()
+    fixed = demo_config(tiny_model_dir, "actor_rollout_ref.actor.use_dynamic_bsz=false",
+                        "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=4",
+                        "critic.forward_micro_batch_size_per_gpu=3", "actor_rollout_ref.model.use_remove_padding=false")
+    result = run_score(fixed, run, 1)
+    assert any("actor log-probs (3 micro-batches)" in line and "critic values (4 micro-batches)" in line
+               for line in result.summary)  # 10 responses: 4 + 4 + 2, and 3 + 3 + 3 + 1
+    for a, b in zip(packed, pq.read_table(run.scored(1)).to_pylist()):
+        for col in ("old_log_probs", "ref_log_probs", "values"):
+            torch.testing.assert_close(torch.tensor(a[col]), torch.tensor(b[col]), atol=1e-5, rtol=0)
+
+
+def test_reward_model_with_an_input_tokenizer_rerenders_and_truncates(tmp_path, repo_root, tiny_model_dir, tokenizer):
+    """reward_model.model.input_tokenizer set: responses decoded and re-rendered in the RM's chat
+    template, cut to reward_model.max_length tokens, micro_batch_size_per_gpu per forward."""
+    from transformers import AutoModelForSequenceClassification
+
+    from rlhf_core.rewards.reward_model import load_reward_model, rerendered_ids, score_token_batch
+
+    rm_dir = tmp_path / "rm"
+    torch.manual_seed(5)
+    rm = AutoModelForSequenceClassification.from_pretrained(tiny_model_dir, num_labels=1)
+    rm.config.pad_token_id = tokenizer.pad_token_id
+    rm.save_pretrained(rm_dir)
+    tokenizer.save_pretrained(rm_dir)
+    run = RunDir(tmp_path / "run")
+    write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 3), n_samples=2)
+    cfg = demo_config(tiny_model_dir, "reward_model.enable=true", f"reward_model.model.path={rm_dir}",
+                      f"reward_model.model.input_tokenizer={tiny_model_dir}", "reward_model.max_length=40",
+                      "reward_model.micro_batch_size_per_gpu=4")
+    run_score(cfg, run, 1)
+    rows = pq.read_table(run.scored(1)).to_pylist()
+    model = load_reward_model(rm_dir)
+    prompts = {r["prompt_id"]: r for r in pq.read_table(run.train_prompts).to_pylist()}
+    ids = [rerendered_ids(model, prompts[r["prompt_id"]]["prompt"], r["response_token_ids"], tokenizer, 40)
+           for r in rows]
+    assert all(len(x) == 40 for x in ids)  # every conversation here is longer: truncated
+    direct = score_token_batch(model, ids).tolist()
+    assert [r["reward"] for r in rows] == pytest.approx(direct, abs=1e-5)
