@@ -16,11 +16,19 @@ Micro-batch / data-parallel convention (the one place it is written down)
 
 Given them, each call returns its *share*: ``local_sum / global_count``. Summing the returned
 values over every micro-batch and every rank therefore yields exactly the full-batch loss, for
-every mode. The trainer must then *sum* gradients over micro-batches (plain accumulation, no
-``1/grad_accum`` scaling) and, because DDP/FSDP/DeepSpeed *average* gradients over ranks,
-multiply the loss by ``dp_size`` before ``backward``. (verl folds that ``dp_size`` factor into
+every mode (``seq-mean-token-sum-norm`` divides by a constant, so its shares need no count). The
+trainer must then *sum* gradients over micro-batches (plain accumulation, no ``1/grad_accum``
+scaling) and, because DDP/FSDP/DeepSpeed *average* gradients over ranks, multiply the loss by
+``dp_size`` before ``backward``. (verl's newer engine folds that ``dp_size`` factor into
 ``agg_loss``; we keep parallelism out of this module so it stays a pure function of its inputs.)
-Without global counts the result is the plain local mean, as if the micro-batch were the batch.
+Without global counts the result is the plain local value, as if the micro-batch were the batch.
+
+How this relates to verl's ``agg_loss`` (verl/trainer/ppo/core_algos.py): with the micro-batch
+being the whole mini-batch on one rank, every mode returns verl's value. verl's default (legacy)
+actor instead aggregates each micro-batch on its own and weights it by its share of the
+mini-batch's sequences; for ``token-mean`` that is a sequence-weighted mean of micro-batch token
+means, and for ``seq-mean-token-sum-norm`` a value that grows with the micro-batch size, so its
+gradient depends on how sequences are cut into micro-batches. Here it never does.
 """
 
 from __future__ import annotations
@@ -115,27 +123,30 @@ def _seq_share(seq_losses: torch.Tensor, valid: torch.Tensor, global_num_seqs: O
 
 
 @register_agg_mode("token-mean")
-def _token_mean(loss_mat, valid, *, global_num_tokens=None, global_num_seqs=None, seq_norm_scale=None):
+def _token_mean(loss_mat, valid, *, global_num_tokens=None, global_num_seqs=None, loss_scale_factor=None):
     denominator = valid.sum() if global_num_tokens is None else global_num_tokens
     return masked_sum(loss_mat, valid) / _at_least_one(denominator)
 
 
 @register_agg_mode("seq-mean-token-sum")
-def _seq_mean_token_sum(loss_mat, valid, *, global_num_tokens=None, global_num_seqs=None, seq_norm_scale=None):
+def _seq_mean_token_sum(loss_mat, valid, *, global_num_tokens=None, global_num_seqs=None, loss_scale_factor=None):
     return _seq_share(masked_sum(loss_mat, valid, dim=-1), valid, global_num_seqs)
 
 
 @register_agg_mode("seq-mean-token-mean")
-def _seq_mean_token_mean(loss_mat, valid, *, global_num_tokens=None, global_num_seqs=None, seq_norm_scale=None):
+def _seq_mean_token_mean(loss_mat, valid, *, global_num_tokens=None, global_num_seqs=None, loss_scale_factor=None):
     return _seq_share(masked_mean(loss_mat, valid, dim=-1), valid, global_num_seqs)
 
 
 @register_agg_mode("seq-mean-token-sum-norm")
-def _seq_mean_token_sum_norm(loss_mat, valid, *, global_num_tokens=None, global_num_seqs=None, seq_norm_scale=None):
-    # Dr. GRPO: a constant normaliser (default: the padded response length T) instead of each
-    # row's own length, so long and short responses are not re-weighted against each other.
-    scale = loss_mat.shape[-1] if seq_norm_scale is None else seq_norm_scale
-    return _seq_share(masked_sum(loss_mat, valid, dim=-1) / scale, valid, global_num_seqs)
+def _seq_mean_token_sum_norm(loss_mat, valid, *, global_num_tokens=None, global_num_seqs=None,
+                             loss_scale_factor=None):
+    # Dr. GRPO as verl implements it: every token sum over one constant (the configured response
+    # length), and no mean over sequences ("turns off seq-dim averaging", verl's docs/algo/grpo.md),
+    # so long and short responses are not re-weighted against each other. Being a plain sum, a
+    # micro-batch's share is its own value: no global count enters.
+    scale = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
+    return masked_sum(loss_mat, valid) / scale
 
 
 def agg_loss(
@@ -145,7 +156,7 @@ def agg_loss(
     loss_agg_mode: str,
     global_num_tokens: Optional[Count] = None,
     global_num_seqs: Optional[Count] = None,
-    seq_norm_scale: Optional[Count] = None,
+    loss_scale_factor: Optional[Count] = None,
 ) -> torch.Tensor:
     """Aggregate a (B, T) per-token loss into a 0-dim tensor.
 
@@ -154,8 +165,8 @@ def agg_loss(
     * ``token-mean``: ``sum_it l_it m_it / N``, N = ``global_num_tokens`` or ``sum n_i``;
     * ``seq-mean-token-sum``: ``sum_{i in S} (sum_t l_it m_it) / M``;
     * ``seq-mean-token-mean``: ``sum_{i in S} (sum_t l_it m_it / n_i) / M``;
-    * ``seq-mean-token-sum-norm``: ``sum_{i in S} (sum_t l_it m_it / c) / M``,
-      c = ``seq_norm_scale`` or T;
+    * ``seq-mean-token-sum-norm``: ``sum_i sum_t l_it m_it / c``, c = ``loss_scale_factor`` or T
+      (verl's name and fall-back; the trainer passes a constant, never a micro-batch's own T);
 
     with M = ``global_num_seqs`` or ``|S|``. See the module docstring for how the global
     counts make micro-batch results sum to the full-batch value. An all-masked input gives 0.
@@ -166,7 +177,7 @@ def agg_loss(
         _valid(loss_mask),
         global_num_tokens=global_num_tokens,
         global_num_seqs=global_num_seqs,
-        seq_norm_scale=seq_norm_scale,
+        loss_scale_factor=loss_scale_factor,
     )
     return loss.to(loss_mat.dtype)
 

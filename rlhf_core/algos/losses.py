@@ -30,7 +30,7 @@ def compute_policy_loss(
     loss_agg_mode: str = "token-mean",
     global_num_tokens: Optional[Count] = None,
     global_num_seqs: Optional[Count] = None,
-    seq_norm_scale: Optional[Count] = None,
+    loss_scale_factor: Optional[Count] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate with dual clip (Ye et al. 2020, https://arxiv.org/abs/1912.09729).
 
@@ -66,7 +66,7 @@ def compute_policy_loss(
         loss_agg_mode=loss_agg_mode,
         global_num_tokens=global_num_tokens,
         global_num_seqs=global_num_seqs,
-        seq_norm_scale=seq_norm_scale,
+        loss_scale_factor=loss_scale_factor,
     )
     with torch.no_grad():
         metrics = {
@@ -87,7 +87,7 @@ def compute_value_loss(
     loss_agg_mode: str = "token-mean",
     global_num_tokens: Optional[Count] = None,
     global_num_seqs: Optional[Count] = None,
-    seq_norm_scale: Optional[Count] = None,
+    loss_scale_factor: Optional[Count] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: ``0.5 * agg(max((v - R)^2, (clip(v, v_old - eps, v_old + eps) - R)^2))``.
 
@@ -108,7 +108,7 @@ def compute_value_loss(
         loss_agg_mode=loss_agg_mode,
         global_num_tokens=global_num_tokens,
         global_num_seqs=global_num_seqs,
-        seq_norm_scale=seq_norm_scale,
+        loss_scale_factor=loss_scale_factor,
     )
     with torch.no_grad():
         metrics = {"vf_clipfrac": masked_mean((loss_clipped > loss_unclipped).float(), response_mask)}

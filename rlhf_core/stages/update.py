@@ -7,7 +7,8 @@ PPO trains the actor and the critic with DeepSpeed (ZeRO stage, offload and dtyp
 last-good checkpoint (weights and optimizer state) or the initial models. It writes a checkpoint but
 does not move ``last_good.json``: the KL guard decides whether this iteration is kept.
 
-With ``--nproc N`` (trainer.nproc) > 1 the stage starts N data-parallel ranks with torchrun
+The number of processes is ``config.resolve.update_world_size`` (trainer.nproc, else
+trainer.n_gpus_per_node × nnodes on GPUs, else 1). With N > 1 the stage starts N data-parallel ranks with torchrun
 (gloo on CPU, nccl on CUDA; OMP_NUM_THREADS = cores // N each), waits, and reports; the result matches
 one process on the same batch up to floating-point summation order.
 """
@@ -22,14 +23,25 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core.config import RLHFConfig
+from rlhf_core.config import RLHFConfig, resolve
+from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io import timing
 from rlhf_core.io.rundir import RunDir
 from rlhf_core.stages.base import StageResult, execute_stage
 
 CONFIG_SECTIONS = ("actor_rollout_ref.model.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.temperature",
-                   "critic.", "data.use_sequence_packing", "trainer.seed", "trainer.nproc", "trainer.device")
+                   "actor_rollout_ref.rollout.n", "critic.", "data.max_response_length", "data.train_batch_size",
+                   "trainer.seed", "trainer.nproc", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.device",
+                   "trainer.critic_warmup")
+STEP_SECTIONS = ("trainer.total_iterations", "trainer.total_training_steps", "trainer.total_epochs")
+"""The run's length enters the update only through a cosine or ratio warm-up lr schedule."""
+
+
+def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
+    from rlhf_core.training.update import schedule_needs_total_steps
+
+    return CONFIG_SECTIONS + (STEP_SECTIONS if schedule_needs_total_steps(cfg) else ())
 
 STAGE_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy",
                  "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "perf/tokens_per_s", "perf/peak_rss_gb")
@@ -103,7 +115,7 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
 
         from rlhf_core.training.update import read_update_metrics, train_update
 
-        nproc = cfg.trainer.nproc
+        nproc = resolve.update_world_size(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
         launched = time.perf_counter()
         with timing.opaque():  # the trainer times its own I/O: counted below from its metrics
             if nproc > 1:
@@ -122,4 +134,4 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
                      f"process(es): {shown}", f"checkpoint: {run.checkpoint(iteration)}"])
 
     return execute_stage(stage="update", cfg=cfg, run=run, iteration=iteration, inputs=_inputs(cfg, run, iteration),
-                         config_sections=CONFIG_SECTIONS, body=body, force=force)
+                         config_sections=config_sections(cfg), body=body, force=force)

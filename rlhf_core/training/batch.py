@@ -3,6 +3,10 @@
 Indices everywhere refer to rows of the iteration's table (``PPOData``). A mini-batch (one optimizer
 step) is a list of row indices; its micro-batches (one forward/backward each) are lists of packed
 rows, each a list of row indices. Shapes: B sequences in a micro-batch, T = their longest response.
+
+Mini-batches follow verl: ``ppo_mini_batch_size`` counts prompts, so a step trains on prompts × n
+sequences (``config.resolve.mini_batch_sequences``), cut as consecutive chunks of the batch with a
+prompt's n responses side by side, so without shuffle they share a mini-batch as in verl's split.
 """
 
 from __future__ import annotations
@@ -27,7 +31,8 @@ one-sequence rows pay (measured on the tiny model against TRL's padded batches: 
 the update 2.4x slower than unpacked). A micro-batch in which no two sequences share a row needs no
 mask at all (``rlhf_core.models.packed``)."""
 
-BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+BUDGET_KEYS = {"actor": "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+               "critic": "critic.ppo_max_token_len_per_gpu"}
 
 
 @dataclass
@@ -38,6 +43,8 @@ class PPOData:
     response_ids: list[list[int]]
     per_token: dict[str, list[np.ndarray]]
     """column name → N float32 arrays, array i of length len(response_ids[i])."""
+    groups: Optional[list[str]] = None
+    """prompt_id of each row: a prompt's responses form one group (None: every row its own)."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -51,6 +58,16 @@ class PPOData:
     def response_lengths(self) -> list[int]:
         return [len(r) for r in self.response_ids]
 
+    def grouped_order(self) -> list[int]:
+        """Row indices with each prompt's responses side by side, prompts in order of first
+        appearance, rows of a prompt in table order (the identity when they already are)."""
+        if self.groups is None:
+            return list(range(len(self)))
+        by_prompt: dict[str, list[int]] = {}
+        for i, g in enumerate(self.groups):
+            by_prompt.setdefault(g, []).append(i)
+        return [i for rows in by_prompt.values() for i in rows]
+
     def sequence(self, i: int) -> list[int]:
         return self.prompt_ids[i] + self.response_ids[i]
 
@@ -63,7 +80,7 @@ def read_advantages(path: str | Path) -> PPOData:
     path = Path(path)
     if not path.is_file():
         raise DataError(f"{path} not found: run the gae stage for this iteration first")
-    columns = ["prompt_token_ids", "response_token_ids", "response_length", *PER_TOKEN_COLUMNS]
+    columns = ["prompt_id", "prompt_token_ids", "response_token_ids", "response_length", *PER_TOKEN_COLUMNS]
     try:
         table = pq.read_table(path, columns=columns)
     except (KeyError, ValueError) as exc:  # pyarrow names the missing column
@@ -80,16 +97,19 @@ def read_advantages(path: str | Path) -> PPOData:
                 raise DataError(f"{path} row {i}: column {c} has {len(per_token[c][i])} entries, "
                                 f"response_length is {n}; rerun the gae stage")
     return PPOData(prompt_ids=[list(p) for p in data["prompt_token_ids"]],
-                   response_ids=[list(r) for r in data["response_token_ids"]], per_token=per_token)
+                   response_ids=[list(r) for r in data["response_token_ids"]], per_token=per_token,
+                   groups=[str(g) for g in data["prompt_id"]])
 
 
-def mini_batches(n: int, size: int, *, shuffle: bool, seed: int, epoch: int) -> list[list[int]]:
-    """Consecutive chunks of ``size`` row indices (the last may be shorter), after a shuffle seeded
-    by (seed, epoch) when ``shuffle``: every rank and every rerun sees the same order."""
-    order = list(range(n))
+def mini_batches(order: Sequence[int], size: int, *, shuffle: bool, seed: str | int, epoch: int) -> list[list[int]]:
+    """Consecutive chunks of ``size`` row indices of ``order`` (the last may be shorter), after a
+    shuffle of the sequences seeded by (seed, epoch) when ``shuffle``: every rank and every rerun
+    sees the same order. Without shuffle, ``order`` = ``PPOData.grouped_order()`` and ``size`` a
+    multiple of rollout.n keep every prompt's responses in one mini-batch."""
+    order = list(order)
     if shuffle:
         random.Random(f"{seed}:{epoch}").shuffle(order)
-    return [order[s:s + size] for s in range(0, n, size)]
+    return [order[s:s + size] for s in range(0, len(order), size)]
 
 
 @dataclass(frozen=True)
@@ -100,7 +120,10 @@ class MicroBatchPlan:
     micro_batch_size: int
     """ppo_micro_batch_size_per_gpu: sequences per micro-batch without it."""
     pack_rows: bool = True
-    """Several sequences per row (block-diagonal mask); False = one padded sequence per row."""
+    """Several sequences per row (block-diagonal mask): model.use_remove_padding; False = one padded
+    sequence per row."""
+    budget_key: str = BUDGET_KEYS["actor"]
+    """The config key of ``token_budget``, for error messages."""
 
 
 def check_budget(data: PPOData, plan: MicroBatchPlan, source: str | Path) -> None:
@@ -111,7 +134,7 @@ def check_budget(data: PPOData, plan: MicroBatchPlan, source: str | Path) -> Non
     row = max(range(len(lengths)), key=lengths.__getitem__)
     if lengths[row] > plan.token_budget:
         raise DataError(f"{source} row {row}: prompt + response = {lengths[row]} tokens does not fit one micro-batch; "
-                        f"raise {BUDGET_KEY} (now {plan.token_budget}) to at least {lengths[row]}")
+                        f"raise {plan.budget_key} (now {plan.token_budget}) to at least {lengths[row]}")
 
 
 def split_mini_batch(lengths: Sequence[int], rows: Sequence[int], plan: MicroBatchPlan,
@@ -128,7 +151,7 @@ def split_mini_batch(lengths: Sequence[int], rows: Sequence[int], plan: MicroBat
 
     local_lengths = [lengths[i] for i in rows]
     if plan.use_dynamic_bsz:
-        bins = micro_batches_by_budget(local_lengths, plan.token_budget, world_size, rank, budget_key=BUDGET_KEY)
+        bins = micro_batches_by_budget(local_lengths, plan.token_budget, world_size, rank, budget_key=plan.budget_key)
     else:
         share = list(range(rank, len(rows), world_size))
         bins = [[share[k] for k in b] for b in fixed_micro_batches(len(share), plan.micro_batch_size)]

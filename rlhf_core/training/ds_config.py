@@ -99,16 +99,17 @@ def read_raw_config(path: str | Path, key: str) -> dict:
     if bad:
         raise ConfigError(
             f"{p}: keys {bad} are set by the PPO loop (micro-batches by token budget, one optimizer step "
-            f"per mini-batch, client AdamW with our warm-up); remove them and use "
+            f"per mini-batch, client AdamW with verl's lr schedule); remove them and use "
             f"actor_rollout_ref.actor.ppo_mini_batch_size / optim.* instead")
     return raw
 
 
-def build_ds_config(ds: DeepSpeedConfig, *, max_grad_norm: float, device: str, world_size: int = 1,
+def build_ds_config(ds: DeepSpeedConfig, *, grad_clip: float, device: str, world_size: int = 1,
                     key: str = "actor_rollout_ref.actor.deepspeed_config") -> dict[str, Any]:
     """The DeepSpeed config for one engine (``key`` names its section in error messages).
 
-    ``max_grad_norm`` becomes ``gradient_clipping``; the raw JSON at ``ds.config_path`` (if any) is
+    ``grad_clip`` (verl's actor.grad_clip / critic.grad_clip: the total-norm clip of each mini-batch
+    gradient) becomes ``gradient_clipping``; the raw JSON at ``ds.config_path`` (if any) is
     merged last, so its keys win.
     """
     dtype = resolve_dtype(ds.dtype, device)
@@ -116,7 +117,7 @@ def build_ds_config(ds: DeepSpeedConfig, *, max_grad_norm: float, device: str, w
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         "train_batch_size": world_size,
-        "gradient_clipping": float(max_grad_norm),
+        "gradient_clipping": float(grad_clip),
         "zero_optimization": _zero_section(ds, key, dtype),
         "bf16": {"enabled": dtype == "bf16"},
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 16},
@@ -134,10 +135,10 @@ def actor_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
     """The actor's config: verl's FSDP offload flags folded in (``effective_deepspeed``)."""
     from rlhf_core.config import effective_deepspeed
 
-    return build_ds_config(effective_deepspeed(cfg), max_grad_norm=cfg.actor_rollout_ref.actor.max_grad_norm,
+    return build_ds_config(effective_deepspeed(cfg), grad_clip=cfg.actor_rollout_ref.actor.grad_clip,
                            device=device, world_size=world_size)
 
 
 def critic_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
-    return build_ds_config(cfg.critic.deepspeed_config, max_grad_norm=cfg.critic.max_grad_norm, device=device,
+    return build_ds_config(cfg.critic.deepspeed_config, grad_clip=cfg.critic.grad_clip, device=device,
                            world_size=world_size, key="critic.deepspeed_config")

@@ -1,4 +1,4 @@
-"""Actor and critic as DeepSpeed engines: model loading (LoRA included), client AdamW, warm-up, step.
+"""Actor and critic as DeepSpeed engines: model loading (LoRA included), client AdamW, LR schedule, step.
 
 The actor is a causal LM; the critic the same backbone family with a one-output token-classification
 head (``AutoModelForTokenClassification``, num_labels=1, as verl does). Dropout is switched off in
@@ -90,24 +90,47 @@ def load_critic_model(path: str | Path, dtype: torch.dtype, *, gradient_checkpoi
     return _prepare(model, gradient_checkpointing)
 
 
-def warmup_factor(warmup_steps: int) -> Callable[[int], float]:
-    """LR multiplier after ``step`` optimizer steps: linear from 1/warmup to 1 over ``warmup_steps``."""
+def lr_schedule(kind: str, warmup_steps: int, total_steps: int, min_lr_ratio: float = 0.0,
+                num_cycles: float = 0.5) -> Callable[[int], float]:
+    """The LR multiplier at training step ``step`` (0-based: iteration k trains at step k - 1), as
+    verl's ``get_constant_schedule_with_warmup`` / ``get_cosine_schedule_with_warmup`` compute it:
+
+        warm-up (step < W):  step / max(1, W)        (so the first step trains at lr 0 when W > 0)
+        constant:            1
+        cosine:              max(m, (1 + m)/2 + (1 - m)/2 · cos(2π · num_cycles · p)),
+                             p = (step - W) / max(1, total_steps - W),  m = min_lr_ratio
+    """
+    if kind not in ("constant", "cosine"):
+        raise ValueError(f"unknown lr schedule {kind!r}; valid: ['constant', 'cosine']")
+
     def factor(step: int) -> float:
-        return 1.0 if warmup_steps <= 0 else min(1.0, (step + 1) / warmup_steps)
+        if step < warmup_steps:
+            return float(step) / float(max(1, warmup_steps))
+        if kind == "constant":
+            return 1.0
+        progress = float(step - warmup_steps) / float(max(1, total_steps - warmup_steps))
+        wave = math.cos(math.pi * float(num_cycles) * 2.0 * progress)
+        return max(min_lr_ratio, (1 + min_lr_ratio) * 0.5 + (1 - min_lr_ratio) * 0.5 * wave)
 
     return factor
 
 
 @dataclass
 class TrainEngine:
-    """One trained model: the DeepSpeed engine, the client optimizer it steps, the LR schedule."""
+    """One trained model: the DeepSpeed engine, the client optimizer it steps, the LR schedule.
+
+    The schedule moves once per training step (iteration), as verl steps its scheduler once per
+    update call: every optimizer step of one iteration uses the same lr, ``base · schedule(step)``
+    with ``schedule_step`` = the training steps this role has already been updated in."""
 
     role: str  # "actor" | "critic"
     engine: Any  # deepspeed.DeepSpeedEngine
-    scheduler: torch.optim.lr_scheduler.LambdaLR
-    lr_factor: Callable[[int], float]
+    schedule: Callable[[int], float]
+    base_lrs: list[float]
+    """optim.lr per parameter group, from the current config (a retry with a smaller lr takes effect)."""
     dtype: str  # "fp32" | "bf16" | "fp16"
     lora: Optional[LoraSettings] = None
+    schedule_step: int = 0
 
     @property
     def module(self) -> torch.nn.Module:
@@ -130,20 +153,31 @@ class TrainEngine:
     def lr(self) -> float:
         return float(self.base_optimizer.param_groups[0]["lr"])
 
+    def set_schedule_step(self, step: int) -> None:
+        """Put the schedule at training step ``step`` (the lr of every following optimizer step)."""
+        self.schedule_step = int(step)
+        for group, base in zip(self.base_optimizer.param_groups, self.base_lrs):
+            group["lr"] = base * self.schedule(self.schedule_step)
 
-def build_engine(role: str, model: torch.nn.Module, optim: OptimConfig, ds_config: dict,
-                 dtype: str) -> TrainEngine:
-    """``deepspeed.initialize`` with a client AdamW over the trainable parameters and a LambdaLR
-    linear warm-up (both plain torch: no JIT-compiled DeepSpeed ops)."""
+    def finish_training_step(self) -> None:
+        """The role's update of this iteration is done: the next iteration trains at the next lr."""
+        self.set_schedule_step(self.schedule_step + 1)
+
+
+def build_engine(role: str, model: torch.nn.Module, optim: OptimConfig, ds_config: dict, dtype: str,
+                 schedule: Callable[[int], float]) -> TrainEngine:
+    """``deepspeed.initialize`` with a client AdamW over the trainable parameters (plain torch: no
+    JIT-compiled DeepSpeed op). No scheduler is handed to DeepSpeed, which would step it once per
+    optimizer step; ``TrainEngine`` moves the lr once per training step instead."""
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
-    factor = warmup_factor(optim.lr_warmup_steps)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
-    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler,
-                                           config=ds_config)
-    return TrainEngine(role=role, engine=engine, scheduler=scheduler, lr_factor=factor, dtype=dtype)
+    engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
+    te = TrainEngine(role=role, engine=engine, schedule=schedule,
+                     base_lrs=[optim.lr] * len(optimizer.param_groups), dtype=dtype)
+    te.set_schedule_step(0)
+    return te
 
 
 @dataclass

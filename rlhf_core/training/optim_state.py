@@ -6,7 +6,8 @@ are saved by parameter name — gathered from the ZeRO partitions with DeepSpeed
 ``safe_get_full_optimizer_state`` (stages 1-3, a collective call), or read from the torch optimizer
 directly at stage 0 — plus the fp32 master weights when training in bf16/fp16. The file does not
 depend on the ZeRO stage or the world size it was written under, so a run may change either between
-iterations. The step count, LR-schedule position and engine counters go to JSON.
+iterations. The step count, LR-schedule position (training steps, not optimizer steps: the lr moves
+once per iteration) and engine counters go to JSON.
 
 Restoring needs the optimizer's state tensors to exist, and torch AdamW creates them lazily at its
 first step. ``prime_optimizer`` therefore takes one step with zero gradients at learning rate 0
@@ -65,7 +66,7 @@ def gather_optimizer_state(te: TrainEngine) -> dict[str, torch.Tensor]:
 def counters(te: TrainEngine) -> dict[str, Any]:
     """JSON-able position of the optimizer: Adam step, schedule step, engine counters."""
     e = te.engine
-    return {"adam_step": adam_step_count(te), "schedule_step": int(te.scheduler.last_epoch),
+    return {"adam_step": adam_step_count(te), "lr_schedule_step": te.schedule_step,
             "global_steps": int(e.global_steps), "global_samples": int(e.global_samples),
             "skipped_steps": int(e.skipped_steps), "zero_stage": te.zero_stage, "dtype": te.dtype}
 
@@ -139,12 +140,9 @@ def restore_optimizer_state(te: TrainEngine, tensors: dict[str, torch.Tensor], m
 
 
 def _restore_schedule(te: TrainEngine, meta: dict[str, Any]) -> None:
-    step = int(meta.get("schedule_step", 0))
-    te.scheduler.last_epoch = step
-    te.scheduler._step_count = step + 1  # noqa: SLF001 - keeps torch's "step before optimizer" check quiet
-    for group, base in zip(te.base_optimizer.param_groups, te.scheduler.base_lrs):
-        group["lr"] = base * te.lr_factor(step)
-    te.scheduler._last_lr = [g["lr"] for g in te.base_optimizer.param_groups]  # noqa: SLF001
+    # A checkpoint from before the lr moved per training step has no lr_schedule_step; its
+    # schedule_step counted optimizer steps, which is not a position on this schedule: start at 0.
+    te.set_schedule_step(int(meta.get("lr_schedule_step", 0)))
     e = te.engine
     e.global_steps = int(meta.get("global_steps", 0))
     e.global_samples = int(meta.get("global_samples", 0))

@@ -4,15 +4,18 @@ Gradient accumulation is exact: every micro-batch's loss is its *share* of the m
 (``rlhf_core.algos`` aggregation with the mini-batch's global token and sequence counts), gradients
 are summed over micro-batches, and — because DeepSpeed averages gradients over data-parallel ranks —
 each loss is multiplied by the world size. The accumulated gradient is then the gradient of the
-full-mini-batch loss whatever the micro-batching or the number of ranks.
+full-mini-batch loss (verl's ``agg_loss`` over the whole mini-batch) whatever the micro-batching,
+the packing or the number of ranks.
 
     actor loss  = policy loss − entropy_coeff · entropy + kl_loss_coef · KL(actor‖ref)   (use_kl_loss)
     critic loss = clipped value loss
 
-Metrics per optimizer step: the mini-batch's loss values (``actor/pg_loss``, ``actor/kl_loss``,
-``critic/vf_loss``), token means over the mini-batch (``actor/pg_clipfrac``, ``actor/ppo_kl``,
-``actor/entropy``, ...), the pre-clip gradient norm and the learning rate. ``aggregate`` turns the
-per-step list into per-iteration values.
+Metrics, under verl's names (dp_actor / dp_critic): per optimizer step the mini-batch's losses
+(``actor/pg_loss``, ``actor/kl_loss`` — 0 without use_kl_loss, as verl — ``critic/vf_loss``), its
+aggregated entropy (``actor/entropy``), its token means (``actor/pg_clipfrac``, ``actor/ppo_kl``,
+``actor/pg_clipfrac_lower``, ``critic/vf_clipfrac``, ``critic/vpred_mean``), ``actor/kl_coef`` with
+use_kl_loss, the pre-clip gradient norm and the learning rate. ``aggregate`` reduces the steps of
+an iteration as verl reduces them (see ``SUMMED_OVER_STEPS``).
 """
 
 from __future__ import annotations
@@ -43,13 +46,16 @@ class ActorLoss:
     clip_ratio_high: float = 0.2
     clip_ratio_c: float = 3.0
     loss_agg_mode: str = "token-mean"
-    policy_loss: str = "vanilla"
+    loss_mode: str = "vanilla"
+    """The POLICY_LOSSES registry name (actor.policy_loss.loss_mode)."""
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
-    kl_loss_type: str = "k1+"
+    kl_loss_type: str = "low_var_kl"
     temperature: float = 1.0
     """The rollout temperature: old log-probs were computed at it, so the ratio must be too."""
+    loss_scale_factor: Optional[float] = None
+    """seq-mean-token-sum-norm's constant divisor (``config.resolve.loss_scale_factor``)."""
 
     def __call__(self, engine, mb: MicroBatch, n_tok: int, n_seq: int):
         from rlhf_core.algos import agg_loss, get_policy_loss_fn, kl_penalty
@@ -57,31 +63,37 @@ class ActorLoss:
         log_prob, entropy = actor_forward(engine, mb, self.temperature, entropy_grad=self.entropy_coeff != 0)
         t = {k: v.to(log_prob.device) for k, v in mb.tensors.items()}
         mask = mb.response_mask.to(log_prob.device)
-        counts = dict(loss_agg_mode=self.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq)
-        pg_loss, pg = get_policy_loss_fn(self.policy_loss)(
+        counts = dict(loss_agg_mode=self.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
+                      loss_scale_factor=self.loss_scale_factor)
+        pg_loss, pg = get_policy_loss_fn(self.loss_mode)(
             old_log_prob=t["old_log_probs"], log_prob=log_prob, advantages=t["advantages"], response_mask=mask,
             clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
             clip_ratio_c=self.clip_ratio_c, **counts)
-        kl = kl_penalty(logprob=log_prob, ref_logprob=t["ref_log_probs"], kind=self.kl_loss_type)
-        kl_loss = agg_loss(loss_mat=kl, loss_mask=mask, **counts)
         ent_loss = agg_loss(loss_mat=entropy, loss_mask=mask, **counts)
-        loss = pg_loss
+        loss, kl_loss = pg_loss, torch.zeros((), device=log_prob.device)
         if self.entropy_coeff != 0:
             loss = loss - self.entropy_coeff * ent_loss
         if self.use_kl_loss:
+            kl = kl_penalty(logprob=log_prob, ref_logprob=t["ref_log_probs"], kind=self.kl_loss_type)
+            kl_loss = agg_loss(loss_mat=kl, loss_mask=mask, **counts)
             loss = loss + self.kl_loss_coef * kl_loss
-        ntok = mask.sum()
-        sums = {"actor/pg_loss": pg_loss, "actor/kl_loss": kl_loss,
-                "actor/entropy": torch.where(mask, entropy, 0.0).sum() / max(n_tok, 1)}
+        share = mask.sum() / max(n_tok, 1)  # token means of this micro-batch → its share of the mini-batch's
+        sums = {"actor/pg_loss": pg_loss, "actor/kl_loss": kl_loss, "actor/entropy": ent_loss}
         for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-            sums[f"actor/{k}"] = pg[k] * ntok / max(n_tok, 1)
+            sums[f"actor/{k}"] = pg[k] * share
         return loss, {k: v.detach().float() for k, v in sums.items()}
+
+    def step_metrics(self) -> dict[str, float]:
+        """Per-step constants verl logs beside the losses."""
+        return {"actor/kl_coef": self.kl_loss_coef} if self.use_kl_loss else {}
 
 
 @dataclass(frozen=True)
 class CriticLoss:
     cliprange_value: float = 0.5
     loss_agg_mode: str = "token-mean"
+    loss_scale_factor: Optional[float] = None
+    """seq-mean-token-sum-norm's constant divisor (``config.resolve.critic_loss_scale_factor``)."""
 
     def __call__(self, engine, mb: MicroBatch, n_tok: int, n_seq: int):
         from rlhf_core.algos import compute_value_loss
@@ -91,11 +103,15 @@ class CriticLoss:
         mask = mb.response_mask.to(vpreds.device)
         vf_loss, m = compute_value_loss(vpreds=vpreds, values=t["values"], returns=t["returns"], response_mask=mask,
                                         cliprange_value=self.cliprange_value, loss_agg_mode=self.loss_agg_mode,
-                                        global_num_tokens=n_tok, global_num_seqs=n_seq)
-        ntok = mask.sum()
-        sums = {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": m["vf_clipfrac"] * ntok / max(n_tok, 1),
+                                        global_num_tokens=n_tok, global_num_seqs=n_seq,
+                                        loss_scale_factor=self.loss_scale_factor)
+        share = mask.sum() / max(n_tok, 1)
+        sums = {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": m["vf_clipfrac"] * share,
                 "critic/vpred_mean": torch.where(mask, vpreds, 0.0).sum() / max(n_tok, 1)}
         return vf_loss, {k: v.detach().float() for k, v in sums.items()}
+
+    def step_metrics(self) -> dict[str, float]:
+        return {}
 
 
 @dataclass
@@ -129,6 +145,7 @@ def train_step(te: TrainEngine, data: PPOData, rows: list[int], plan: MicroBatch
     keys = sorted(sums)
     reduced = all_reduce(torch.stack([sums[k] for k in keys])) if keys else torch.zeros(0)
     metrics = {k: float(v) for k, v in zip(keys, reduced)}
+    metrics.update(getattr(loss_fn, "step_metrics", dict)())
     metrics.update({f"{te.role}/grad_norm": outcome.grad_norm, f"{te.role}/lr": outcome.lr,
                     f"{te.role}/step_applied": float(outcome.applied), f"{te.role}/micro_batches": len(layouts)})
     return StepResult(metrics=metrics, tokens=tokens)
@@ -136,9 +153,15 @@ def train_step(te: TrainEngine, data: PPOData, rows: list[int], plan: MicroBatch
 
 @dataclass
 class RoleSchedule:
+    """How one role trains in an iteration (its own budgets, as verl's critic.* keys allow)."""
+
     te: TrainEngine
     loss_fn: MicroLoss
     epochs: int
+    plan: MicroBatchPlan
+    mini_batch_size: int
+    """Sequences per optimizer step, all ranks together: ppo_mini_batch_size × rollout.n."""
+    shuffle: bool
 
 
 @dataclass
@@ -153,25 +176,26 @@ class PPOOutcome:
     """Wall seconds of the whole update loop (less than the sum of ``seconds`` when roles overlap)."""
 
 
-def _train_role(role: RoleSchedule, data: PPOData, plan: MicroBatchPlan, mini_batch_size: int, shuffle: bool,
-                seed: str, dist: DistInfo, pad_id: int, bar) -> tuple[list[dict[str, float]], int, float]:
-    """All epochs of one role: (per-step metrics, tokens trained on, wall seconds)."""
+def _train_role(role: RoleSchedule, data: PPOData, seed: str, dist: DistInfo, pad_id: int,
+                bar) -> tuple[list[dict[str, float]], int, float]:
+    """All epochs of one role, then one step of its LR schedule: (per-step metrics, tokens, seconds)."""
     name, started = role.te.role, time.perf_counter()
     steps: list[dict[str, float]] = []
     tokens = 0
+    order = data.grouped_order()
     for epoch in range(role.epochs):
-        for rows in mini_batches(len(data), mini_batch_size, shuffle=shuffle, seed=seed, epoch=epoch):
-            result = train_step(role.te, data, rows, plan, role.loss_fn, dist, pad_id)
+        for rows in mini_batches(order, role.mini_batch_size, shuffle=role.shuffle, seed=seed, epoch=epoch):
+            result = train_step(role.te, data, rows, role.plan, role.loss_fn, dist, pad_id)
             steps.append({"epoch": epoch, "step": len(steps), **result.metrics})
             fault_point(f"update:after_step:{name}:{len(steps)}")  # kill tests: weights moved, nothing saved
             tokens += result.tokens
             bar.update(1)
+    role.te.finish_training_step()
     return steps, tokens, time.perf_counter() - started
 
 
-def run_ppo(roles: list[RoleSchedule], data: PPOData, *, plan: MicroBatchPlan, mini_batch_size: int,
-            shuffle: bool, seed: str, dist: DistInfo, pad_id: int, progress: Optional[bool] = None,
-            concurrent: bool = False) -> PPOOutcome:
+def run_ppo(roles: list[RoleSchedule], data: PPOData, *, seed: str, dist: DistInfo, pad_id: int,
+            progress: Optional[bool] = None, concurrent: bool = False) -> PPOOutcome:
     """Train each role (critic, then actor, or both at once) for its epochs over ``data``; every rank
     returns the same (all-reduced) metrics. The mini-batch order depends only on ``seed`` and the epoch.
 
@@ -189,11 +213,11 @@ def run_ppo(roles: list[RoleSchedule], data: PPOData, *, plan: MicroBatchPlan, m
         raise ValueError("concurrent roles need a single process: collectives from two threads could "
                          "pair up differently on each rank")
     outcome = PPOOutcome()
-    total = sum(r.epochs * math.ceil(len(data) / mini_batch_size) for r in roles)
+    total = sum(r.epochs * math.ceil(len(data) / r.mini_batch_size) for r in roles)
     started = time.perf_counter()
     with tqdm(total=total, desc="ppo update", unit="step", leave=False,
               disable=bar_disabled(progress) or not dist.is_main) as bar:
-        args = (data, plan, mini_batch_size, shuffle, seed, dist, pad_id, bar)
+        args = (data, seed, dist, pad_id, bar)
         if concurrent and len(roles) > 1:
             with ThreadPoolExecutor(max_workers=len(roles), thread_name_prefix="ppo-role") as pool:
                 futures = [pool.submit(_train_role, role, *args) for role in roles]
@@ -208,9 +232,16 @@ def run_ppo(roles: list[RoleSchedule], data: PPOData, *, plan: MicroBatchPlan, m
     return outcome
 
 
+SUMMED_OVER_STEPS = ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss")
+"""verl's dp_actor / dp_critic add every optimizer step's loss into one number per update (since
+verl #4711), so with several mini-batches or epochs these are sums over the steps; every other
+per-step metric is averaged (verl averages the values it appends per micro-batch or step)."""
+
+
 def aggregate(outcome: PPOOutcome) -> dict[str, float]:
-    """Per-iteration metrics: each per-step metric averaged over the role's steps (grad norms over
-    applied steps only), step and skipped-step counts, and throughput.
+    """Per-iteration metrics: ``SUMMED_OVER_STEPS`` summed over the role's steps, every other per-step
+    metric averaged (grad norms over applied steps only: a skipped step's norm is inf/nan and is
+    counted in ``<role>/skipped_steps`` instead), step counts, and throughput.
 
     ``perf/<role>_tokens_per_s``: sequence tokens (prompt + response, all ranks) through that model's
     forward and backward per second. ``perf/tokens_per_s``: the iteration's tokens times the actor's
@@ -227,7 +258,7 @@ def aggregate(outcome: PPOOutcome) -> dict[str, float]:
             pool = applied if k.endswith("/grad_norm") else steps
             values = [s[k] for s in pool if k in s and math.isfinite(s[k])]
             if values:
-                out[k] = sum(values) / len(values)
+                out[k] = sum(values) if k in SUMMED_OVER_STEPS else sum(values) / len(values)
     world_tokens = all_reduce(torch.tensor([float(outcome.tokens.get(r, 0)) for r in outcome.steps],
                                             dtype=torch.float64))
     for (role, tokens) in zip(outcome.steps, world_tokens.tolist()):

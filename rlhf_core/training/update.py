@@ -2,8 +2,13 @@
 
 ``train_update`` is what every rank runs (in the stage's own process for one rank, under torchrun
 for several). It starts from the last-good iteration — its actor, critic and optimizer state, so
-iteration k+1 continues the AdamW moments and the warm-up of iteration k — or from the initial
+iteration k+1 continues the AdamW moments and the lr schedule of iteration k — or from the initial
 models before any commit. Rank 0 writes ``iter_K/checkpoint/`` and ``iter_K/metrics.json``.
+
+As verl's trainer: the critic trains first, then the actor unless the step is a critic warm-up step
+(``config.resolve.actor_updates``; the actor's weights, optimizer state and lr position are then
+saved unchanged); each role has its own mini-batch, micro-batch, epoch and shuffle settings; and
+each role's lr schedule moves one step per iteration it trained in.
 """
 
 from __future__ import annotations
@@ -17,13 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
+import pyarrow.parquet as pq
 import torch
 
-from rlhf_core.config import RLHFConfig
+from rlhf_core.config import RLHFConfig, resolve
+from rlhf_core.config.errors import ConfigError
+from rlhf_core.config.schema import OptimConfig
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.rundir import RunDir
-from rlhf_core.training.batch import MicroBatchPlan
-from rlhf_core.training.engines import LoraSettings, TrainEngine
+from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan
+from rlhf_core.training.engines import LoraSettings, TrainEngine, lr_schedule
+from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule
 
 
 @dataclass(frozen=True)
@@ -65,26 +74,66 @@ def resolve_sources(cfg: RLHFConfig, run: RunDir, iteration: int) -> UpdateSourc
                          tokenizer=resolve_model_path(tok) if tok else actor, resume=ckpt)
 
 
-def micro_batch_plan(cfg: RLHFConfig) -> MicroBatchPlan:
+def micro_batch_plan(cfg: RLHFConfig, role: str = "actor", world_size: int = 1) -> MicroBatchPlan:
+    """``role``'s micro-batching (``config.resolve.micro_batching``): verl's use_dynamic_bsz, token
+    budget and per-GPU size for the actor or the critic; packed rows follow use_remove_padding."""
+    mb = resolve.micro_batching(cfg, role, world_size)
+    packed = (cfg.actor_rollout_ref.model.use_remove_padding if role == "actor"
+              else resolve.critic_use_remove_padding(cfg))
+    return MicroBatchPlan(use_dynamic_bsz=mb.use_dynamic_bsz, token_budget=mb.token_budget,
+                          micro_batch_size=mb.micro_batch_size, pack_rows=packed, budget_key=BUDGET_KEYS[role])
+
+
+def actor_loss_from_config(cfg: RLHFConfig) -> ActorLoss:
     a = cfg.actor_rollout_ref.actor
-    return MicroBatchPlan(use_dynamic_bsz=a.use_dynamic_bsz, token_budget=a.ppo_max_token_len_per_gpu,
-                          micro_batch_size=a.ppo_micro_batch_size_per_gpu, pack_rows=cfg.data.use_sequence_packing)
-
-
-def actor_loss_from_config(cfg: RLHFConfig):
-    from rlhf_core.training.ppo import ActorLoss
-
-    a = cfg.actor_rollout_ref.actor
+    low, high = resolve.clip_ratios(cfg)
     return ActorLoss(
-        clip_ratio_low=a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low,
-        clip_ratio_high=a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high,
-        clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode, policy_loss=a.policy_loss,
-        entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss, kl_loss_coef=a.kl_loss_coef,
-        kl_loss_type=a.kl_loss_type, temperature=cfg.actor_rollout_ref.rollout.temperature)
+        clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
+        loss_mode=a.policy_loss.loss_mode, entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, temperature=cfg.actor_rollout_ref.rollout.temperature,
+        loss_scale_factor=resolve.loss_scale_factor(cfg))
 
 
-def build_engines(cfg: RLHFConfig, sources: UpdateSources, device: str, world_size: int
-                  ) -> tuple[TrainEngine, TrainEngine]:
+def critic_loss_from_config(cfg: RLHFConfig) -> CriticLoss:
+    return CriticLoss(cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=resolve.critic_loss_agg_mode(cfg),
+                      loss_scale_factor=resolve.critic_loss_scale_factor(cfg))
+
+
+def _needs_total_steps(optim: OptimConfig) -> bool:
+    return resolve.scheduler_type(optim) == "cosine" or (optim.lr_warmup_steps < 0 and optim.lr_warmup_steps_ratio > 0)
+
+
+def schedule_needs_total_steps(cfg: RLHFConfig) -> bool:
+    """Whether an lr schedule depends on the run's length (cosine decay, or a warm-up ratio)."""
+    return any(_needs_total_steps(o) for o in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim))
+
+
+def training_steps(cfg: RLHFConfig, run: Optional[RunDir]) -> int:
+    """The run's training steps, for the lr schedules: trainer.total_iterations (the flow fills it in
+    when the run starts), else derived from the run's prompts/train.parquet as verl derives it
+    (``config.resolve.total_iterations``). 0 when no schedule needs it."""
+    if cfg.trainer.total_iterations is not None:
+        return cfg.trainer.total_iterations
+    if not schedule_needs_total_steps(cfg):
+        return 0
+    if cfg.trainer.total_training_steps is not None:
+        return resolve.total_iterations(cfg, 0)
+    if run is None or not run.train_prompts.is_file():
+        raise ConfigError("the lr schedule (cosine, or lr_warmup_steps_ratio) needs the run's training steps: set "
+                          "trainer.total_iterations (or trainer.total_training_steps), or run preprocess so "
+                          "prompts/train.parquet can be counted")
+    return resolve.total_iterations(cfg, pq.ParquetFile(run.train_prompts).metadata.num_rows)
+
+
+def lr_schedule_for(optim: OptimConfig, total_steps: int):
+    """verl's schedule of one optimizer config (``engines.lr_schedule``)."""
+    return lr_schedule(resolve.scheduler_type(optim), resolve.warmup_steps(optim, total_steps), total_steps,
+                       optim.min_lr_ratio, optim.num_cycles)
+
+
+def build_engines(cfg: RLHFConfig, sources: UpdateSources, device: str, world_size: int,
+                  total_steps: int = 0) -> tuple[TrainEngine, TrainEngine]:
+    """The actor and critic engines; ``total_steps`` = the run's training steps (``training_steps``)."""
     from rlhf_core.config import effective_deepspeed
     from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_dtype, torch_dtype
     from rlhf_core.training.engines import build_engine, load_actor_model, load_critic_model
@@ -95,13 +144,14 @@ def build_engines(cfg: RLHFConfig, sources: UpdateSources, device: str, world_si
     critic_dtype = resolve_dtype(cfg.critic.deepspeed_config.dtype, device)
     actor_model = load_actor_model(sources.actor, torch_dtype(actor_dtype), lora=lora, adapter_path=sources.adapter,
                                    gradient_checkpointing=m.enable_gradient_checkpointing, seed=cfg.trainer.seed)
-    actor = build_engine("actor", actor_model, cfg.actor_rollout_ref.actor.optim,
-                         actor_ds_config(cfg, device, world_size), actor_dtype)
+    a_optim, c_optim = cfg.actor_rollout_ref.actor.optim, cfg.critic.optim
+    actor = build_engine("actor", actor_model, a_optim, actor_ds_config(cfg, device, world_size), actor_dtype,
+                         lr_schedule_for(a_optim, total_steps))
     actor.lora = lora
     critic_model = load_critic_model(sources.critic, torch_dtype(critic_dtype),
-                                     gradient_checkpointing=m.enable_gradient_checkpointing)
-    critic = build_engine("critic", critic_model, cfg.critic.optim, critic_ds_config(cfg, device, world_size),
-                          critic_dtype)
+                                     gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing)
+    critic = build_engine("critic", critic_model, c_optim, critic_ds_config(cfg, device, world_size), critic_dtype,
+                          lr_schedule_for(c_optim, total_steps))
     return actor, critic
 
 
@@ -200,6 +250,22 @@ def _trainer_state(cfg: RLHFConfig, run: RunDir, iteration: int, sources: Update
     }
 
 
+def role_schedules(cfg: RLHFConfig, actor: TrainEngine, critic: TrainEngine, iteration: int,
+                   world_size: int) -> list[RoleSchedule]:
+    """What trains this iteration, critic first (verl's order): each role with its own budgets,
+    mini-batch (prompts × rollout.n sequences), epochs and shuffle; the actor only when
+    ``resolve.actor_updates`` (verl's critic_warmup)."""
+    a = cfg.actor_rollout_ref.actor
+    roles = [RoleSchedule(critic, critic_loss_from_config(cfg), resolve.critic_epochs(cfg),
+                          micro_batch_plan(cfg, "critic", world_size), resolve.mini_batch_sequences(cfg, "critic"),
+                          resolve.critic_shuffle(cfg))]
+    if resolve.actor_updates(cfg, iteration):
+        roles.append(RoleSchedule(actor, actor_loss_from_config(cfg), a.ppo_epochs,
+                                  micro_batch_plan(cfg, "actor", world_size), resolve.mini_batch_sequences(cfg, "actor"),
+                                  a.shuffle))
+    return roles
+
+
 def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Optional[bool] = None) -> dict[str, Any]:
     """Run the PPO update of ``iteration`` on this rank; returns the per-iteration metrics (the same
     on every rank). Writes ``run.checkpoint(iteration)`` and ``run.metrics(iteration)`` (rank 0)."""
@@ -208,32 +274,30 @@ def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Opti
     from rlhf_core.training.checkpoint import save_checkpoint
     from rlhf_core.training.distributed import all_reduce, init_distributed
     from rlhf_core.training.ds_config import resolve_device
-    from rlhf_core.training.ppo import CriticLoss, RoleSchedule, aggregate, run_ppo
+    from rlhf_core.training.ppo import aggregate, run_ppo
 
     reset_peak_rss()
     started = time.perf_counter()
     device = resolve_device(cfg.trainer.device)
+    total_steps = training_steps(cfg, run)
     dist = init_distributed(device)
     data = read_advantages(run.advantages(iteration))
-    plan = micro_batch_plan(cfg)
-    check_budget(data, plan, run.advantages(iteration))
+    for role in ("critic", "actor"):
+        check_budget(data, micro_batch_plan(cfg, role, dist.world_size), run.advantages(iteration))
     sources = resolve_sources(cfg, run, iteration)
     pad_id = _pad_id(sources.actor)
-    actor, critic = build_engines(cfg, sources, device, dist.world_size)
-    a = cfg.actor_rollout_ref.actor
-    roles = [RoleSchedule(critic, CriticLoss(cfg.critic.cliprange_value, cfg.critic.loss_agg_mode),
-                          cfg.critic.ppo_epochs or a.ppo_epochs),
-             RoleSchedule(actor, actor_loss_from_config(cfg), a.ppo_epochs)]
+    actor, critic = build_engines(cfg, sources, device, dist.world_size, total_steps)
     num_params = sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters())  # ZeRO-3: full size
     with cpu_threads(device, num_params, dist.world_size) as threads:
         if sources.resume is not None:
             resume_optimizers(sources.resume, [actor, critic], pad_id)
+        roles = role_schedules(cfg, actor, critic, iteration, dist.world_size)
         setup_seconds = time.perf_counter() - started
         concurrent = concurrent_roles(cfg.trainer.concurrent_critic_actor, device, threads, dist.world_size)
-        outcome = run_ppo(roles, data, plan=plan, mini_batch_size=a.ppo_mini_batch_size,
-                          shuffle=a.shuffle, seed=f"{cfg.trainer.seed}:{iteration}", dist=dist, pad_id=pad_id,
+        outcome = run_ppo(roles, data, seed=f"{cfg.trainer.seed}:{iteration}", dist=dist, pad_id=pad_id,
                           progress=progress, concurrent=concurrent)
         metrics = aggregate(outcome)
+        metrics["actor/updated"] = float(resolve.actor_updates(cfg, iteration))  # 0: a critic warm-up step
         metrics["perf/peak_rss_gb"] = float(all_reduce(torch.tensor(peak_rss_gb()), op="max"))
         metrics["perf/world_size"] = float(dist.world_size)
         metrics["perf/threads_per_rank"] = float(threads)

@@ -1,4 +1,5 @@
-"""Masked statistics, whitening and loss aggregation (incl. micro-batch / global-count shares)."""
+"""Masked statistics, whitening and loss aggregation (incl. micro-batch / global-count shares), and
+the aggregation against a transcription of verl's ``agg_loss`` and of how verl's trainers scale it."""
 
 from __future__ import annotations
 
@@ -40,8 +41,8 @@ def _naive_agg(loss, mask, mode, scale=None):
         per_row = [r.sum() for r in alive]
     elif mode == "seq-mean-token-mean":
         per_row = [r.mean() for r in alive]
-    else:
-        per_row = [r.sum() / (loss.shape[-1] if scale is None else scale) for r in alive]
+    else:  # no mean over sequences: verl's "turns off seq-dim averaging"
+        return torch.stack([r.sum() / (loss.shape[-1] if scale is None else scale) for r in alive]).sum()
     return torch.stack(per_row).mean()
 
 
@@ -98,9 +99,9 @@ def test_whiten_normalises_valid_tokens_and_ignores_masked(masks, seed, batch, l
 )
 def test_agg_modes_match_their_definitions_and_ignore_masked_values(masks, seed, batch, length, mode, scale):
     gen, loss, mask = _case(seed, batch, length, masks)
-    got = agg_loss(loss_mat=loss, loss_mask=mask, loss_agg_mode=mode, seq_norm_scale=scale)
+    got = agg_loss(loss_mat=loss, loss_mask=mask, loss_agg_mode=mode, loss_scale_factor=scale)
     torch.testing.assert_close(got, _naive_agg(loss, mask, mode, scale))
-    junk = agg_loss(loss_mat=masks.scramble(loss, mask, gen), loss_mask=mask, loss_agg_mode=mode, seq_norm_scale=scale)
+    junk = agg_loss(loss_mat=masks.scramble(loss, mask, gen), loss_mask=mask, loss_agg_mode=mode, loss_scale_factor=scale)
     assert torch.equal(junk, got)
 
 
@@ -152,3 +153,98 @@ def test_unknown_mode_lists_valid_modes():
     assert all(mode in str(info.value) for mode in MODES)
     with pytest.raises(ValueError, match="seq-mean-token-mean"):
         get_agg_fn("mean")
+
+
+# ---------------------------------------------------------------------------------------------
+# against verl (verl/trainer/ppo/core_algos.py agg_loss; verl/workers/actor/dp_actor.py)
+# ---------------------------------------------------------------------------------------------
+
+
+def _verl_agg(loss, mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None):
+    """verl's agg_loss, written out from its formulas (float mask, sums of loss * mask, 1e-8 guard)."""
+    m = mask.to(loss.dtype)
+    if mode == "token-mean":
+        n = m.sum() if batch_num_tokens is None else batch_num_tokens
+        return (loss * m).sum() / n * dp_size
+    if mode == "seq-mean-token-sum-norm":
+        c = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
+        return (loss * m).sum(-1).sum() / c
+    counts = m.sum(-1)
+    per_row = (loss * m).sum(-1) if mode == "seq-mean-token-sum" else (loss * m).sum(-1) / (counts + 1e-8)
+    alive = (counts > 0).to(loss.dtype)
+    b = alive.sum() if global_batch_size is None else global_batch_size
+    return (per_row * alive).sum() / b * dp_size
+
+
+def _gapped_case(masks, seed, batch, length):
+    """float64 losses with gapped/random masks and at least one counted token in every row (verl's
+    token-mean is 0/0 on an all-masked batch; its seq modes then divide by a nominal batch size)."""
+    gen, loss, mask = _case(seed, batch, length, masks)
+    mask[:, 0] |= ~mask.any(-1)
+    return gen, loss.requires_grad_(True), mask
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 8), length=st.integers(1, 30),
+       mode=st.sampled_from(MODES), scale=st.one_of(st.none(), st.floats(0.5, 600.0)))
+def test_agg_loss_is_verls_on_a_whole_mini_batch(masks, seed, batch, length, mode, scale):
+    _, loss, mask = _gapped_case(masks, seed, batch, length)
+    ours = agg_loss(loss_mat=loss, loss_mask=mask, loss_agg_mode=mode, loss_scale_factor=scale)
+    verl = _verl_agg(loss, mask, mode, loss_scale_factor=scale)
+    (g_ours,), (g_verl,) = torch.autograd.grad(ours, loss), torch.autograd.grad(verl, loss)
+    torch.testing.assert_close(ours, verl, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g_ours, g_verl, rtol=1e-6, atol=1e-6)
+
+
+def _split(gen, batch, dp, parts):
+    """Rank → its micro-batches (index tensors): a shuffled mini-batch dealt to dp ranks, each cut
+    into up to ``parts`` contiguous micro-batches (some ranks may hold none)."""
+    order = torch.randperm(batch, generator=gen)
+    out = []
+    for r in range(dp):
+        share = order[r::dp]
+        cuts = sorted(torch.randint(0, len(share) + 1, (parts - 1,), generator=gen).tolist())
+        out.append([share[a:b] for a, b in zip([0] + cuts, cuts + [len(share)]) if b > a])
+    return out
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(1, 12), length=st.integers(1, 30),
+       mode=st.sampled_from(MODES), dp=st.integers(1, 3), parts=st.integers(1, 4))
+def test_micro_batch_shares_give_verls_mini_batch_gradient_on_any_split(masks, seed, batch, length, mode, dp,
+                                                                         parts):
+    """The trainer's recipe (shares with global counts, gradients summed over micro-batches, loss
+    × dp_size, averaged over ranks as DDP/DeepSpeed do) gives the loss and gradient of verl's
+    agg_loss over the whole mini-batch, for every mode and any cut into ranks and micro-batches.
+    verl's newer engine (global batch_num_tokens / global_batch_size) does the same for all modes but
+    seq-mean-token-sum-norm, where it omits dp_size and so divides by the world size."""
+    gen, loss, mask = _gapped_case(masks, seed, batch, length)
+    c = float(length + 3)
+    n_tok, n_seq = global_counts(mask)
+    shares = [agg_loss(loss_mat=loss[i], loss_mask=mask[i], loss_agg_mode=mode, global_num_tokens=n_tok,
+                       global_num_seqs=n_seq, loss_scale_factor=c) * dp
+              for rank in _split(gen, batch, dp, parts) for i in rank]
+    ours = torch.stack(shares).sum() / dp
+    full = _verl_agg(loss, mask, mode, loss_scale_factor=c)
+    (g_ours,), (g_full,) = torch.autograd.grad(ours, loss), torch.autograd.grad(full, loss)
+    torch.testing.assert_close(ours, full, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(g_ours, g_full, rtol=1e-6, atol=1e-6)
+    if mode != "seq-mean-token-sum-norm":  # verl's new engine: the same numbers
+        engine = sum(_verl_agg(loss[i], mask[i], mode, dp_size=dp, batch_num_tokens=n_tok, global_batch_size=batch,
+                               loss_scale_factor=c) for rank in _split(gen, batch, dp, parts) for i in rank) / dp
+        torch.testing.assert_close(engine, full, rtol=1e-6, atol=1e-6)
+
+
+@SETTINGS
+@given(seed=st.integers(0, 2**31 - 1), batch=st.integers(2, 12), length=st.integers(2, 30),
+       mode=st.sampled_from(["seq-mean-token-sum", "seq-mean-token-mean"]), parts=st.integers(1, 4))
+def test_verls_micro_batch_share_weighting_agrees_for_the_seq_mean_modes(masks, seed, batch, length, mode, parts):
+    """verl's default actor (dp_actor) aggregates each micro-batch alone and scales it by its share of
+    the mini-batch's sequences (micro size / mini size). For the seq-mean modes that is exactly the
+    whole mini-batch's value, i.e. ours; for token-mean and seq-mean-token-sum-norm it is not (it
+    depends on the cut), which is why the update uses global counts instead."""
+    gen, loss, mask = _gapped_case(masks, seed, batch, length)
+    (micro,) = _split(gen, batch, 1, parts)
+    legacy = sum(_verl_agg(loss[i], mask[i], mode) * (len(i) / batch) for i in micro)
+    torch.testing.assert_close(legacy, agg_loss(loss_mat=loss, loss_mask=mask, loss_agg_mode=mode),
+                               rtol=1e-6, atol=1e-6)

@@ -1,5 +1,5 @@
 """Run by torchrun from test_multirank_resume.py (not collected): on every rank, for each ZeRO
-stage given, three steps straight vs two steps + checkpoint + fresh engines + resume + one step.
+stage given, three iterations straight vs two + checkpoint + fresh engines + resume + one more.
 Rank 0 writes {stage: {"actor": max |difference|, "critic": ...}} to the output JSON."""
 
 from __future__ import annotations
@@ -36,9 +36,11 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stages: lis
         return build_engines(cfg, UpdateSources(Path(actor), None, Path(critic), Path(model_dir), None), "cpu",
                              dist.world_size)
 
-    def step(actor, critic, rows):
+    def step(actor, critic, rows):  # one iteration: the lr schedule moves after it
         train_step(critic, data, rows, plan, CriticLoss(), dist, 0)
         train_step(actor, data, rows, plan, ActorLoss(entropy_coeff=0.01), dist, 0)
+        actor.finish_training_step()
+        critic.finish_training_step()
 
     def params(te):
         ps = list(te.module.named_parameters())

@@ -31,11 +31,49 @@ def test_read_advantages_names_the_row_and_column_that_disagree_with_response_le
 
 
 def test_mini_batches_cover_every_row_once_and_reshuffle_per_epoch():
-    a, b = (mini_batches(50, 16, shuffle=True, seed="1:3", epoch=e) for e in (0, 1))
+    a, b = (mini_batches(range(50), 16, shuffle=True, seed="1:3", epoch=e) for e in (0, 1))
     assert [len(m) for m in a] == [16, 16, 16, 2]
     assert sorted(sum(a, [])) == list(range(50)) and a != b
-    assert a == mini_batches(50, 16, shuffle=True, seed="1:3", epoch=0)
-    assert mini_batches(5, 2, shuffle=False, seed=0, epoch=0) == [[0, 1], [2, 3], [4]]
+    assert a == mini_batches(range(50), 16, shuffle=True, seed="1:3", epoch=0)
+    assert mini_batches(range(5), 2, shuffle=False, seed=0, epoch=0) == [[0, 1], [2, 3], [4]]
+
+
+def test_without_shuffle_a_prompts_responses_share_one_mini_batch(ppo_data):
+    """ppo_mini_batch_size counts prompts: 2 prompts × n=3 responses per step, even when the table
+    interleaves the prompts' rows (an offline rollout may)."""
+    import dataclasses
+
+    from rlhf_core.config import load_config, resolve
+
+    groups = [f"p{i % 4}" for i in range(12)]  # rows 0, 4, 8 are p0's responses, ...
+    data = dataclasses.replace(ppo_data, groups=groups)
+    cfg = load_config(None, ["actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=3",
+                             "critic.ppo_mini_batch_size=1"])
+    size = resolve.mini_batch_sequences(cfg, "actor")
+    batches = mini_batches(data.grouped_order(), size, shuffle=False, seed=0, epoch=0)
+    assert batches == [[0, 4, 8, 1, 5, 9], [2, 6, 10, 3, 7, 11]]
+    assert all(len({groups[i] for i in b}) == 2 for b in batches)
+    critic = mini_batches(data.grouped_order(), resolve.mini_batch_sequences(cfg, "critic"), shuffle=False,
+                          seed=0, epoch=0)
+    assert [len(b) for b in critic] == [3] * 4 and all(len({groups[i] for i in b}) == 1 for b in critic)
+    assert dataclasses.replace(ppo_data, groups=None).grouped_order() == list(range(12))
+
+
+def test_each_role_plans_its_micro_batches_from_its_own_keys():
+    from rlhf_core.config import load_config
+    from rlhf_core.training.update import micro_batch_plan
+
+    cfg = load_config(None, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2000", "critic.use_dynamic_bsz=false",
+                             "critic.ppo_micro_batch_size_per_gpu=3", "critic.model.use_remove_padding=false"])
+    actor, critic = micro_batch_plan(cfg, "actor"), micro_batch_plan(cfg, "critic")
+    assert (actor.use_dynamic_bsz, actor.token_budget, actor.pack_rows) == (True, 2000, True)
+    assert (critic.use_dynamic_bsz, critic.micro_batch_size, critic.pack_rows) == (False, 3, False)
+    assert critic.budget_key == "critic.ppo_max_token_len_per_gpu"
+    # verl's deprecated global micro-batch size is divided over the ranks
+    old = load_config(None, ["actor_rollout_ref.actor.ppo_micro_batch_size=8"])
+    assert micro_batch_plan(old, "actor", world_size=4).micro_batch_size == 2
+    assert micro_batch_plan(old, "critic", world_size=4).micro_batch_size == 8  # resolve's default, not the actor's
 
 
 @pytest.mark.parametrize("plan", [
@@ -113,4 +151,7 @@ def test_a_sequence_longer_than_the_token_budget_is_refused_naming_its_row(ppo_d
     check_budget(ppo_data, MicroBatchPlan(True, longest, 1), "adv.parquet")
     with pytest.raises(DataError, match=rf"adv.parquet row {row}: .* at least {longest}"):
         check_budget(ppo_data, MicroBatchPlan(True, longest - 1, 1), "adv.parquet")
+    with pytest.raises(DataError, match=r"raise critic.ppo_max_token_len_per_gpu"):
+        check_budget(ppo_data, MicroBatchPlan(True, longest - 1, 1, budget_key="critic.ppo_max_token_len_per_gpu"),
+                     "adv.parquet")
     check_budget(ppo_data, MicroBatchPlan(False, 1, 4), "adv.parquet")  # fixed-size micro-batches: no budget

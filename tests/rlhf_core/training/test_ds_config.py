@@ -12,7 +12,8 @@ from rlhf_core.training.ds_config import actor_ds_config, build_ds_config, criti
 
 
 def test_defaults_let_the_ppo_loop_own_accumulation_and_use_a_client_optimizer():
-    cfg = load_config(None, ["actor_rollout_ref.actor.max_grad_norm=0.7"])
+    cfg = load_config(None, ["actor_rollout_ref.actor.grad_clip=0.7", "critic.grad_clip=0.3"])
+    assert critic_ds_config(cfg, "cpu", world_size=1)["gradient_clipping"] == 0.3
     ds = actor_ds_config(cfg, "cpu", world_size=2)
     assert ds["gradient_accumulation_steps"] == 1 and ds["train_micro_batch_size_per_gpu"] == 1
     assert ds["train_batch_size"] == 2
@@ -26,7 +27,7 @@ def test_defaults_let_the_ppo_loop_own_accumulation_and_use_a_client_optimizer()
                                                  ("fp16", "cuda", "fp16"), ("bf16", "cpu", "bf16")])
 def test_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda(dtype, device, want):
     assert resolve_dtype(dtype, device) == want
-    ds = build_ds_config(DeepSpeedConfig(dtype=dtype), max_grad_norm=1.0, device=device)
+    ds = build_ds_config(DeepSpeedConfig(dtype=dtype), grad_clip=1.0, device=device)
     assert ds["bf16"]["enabled"] == (want == "bf16") and ds["fp16"]["enabled"] == (want == "fp16")
     # mixed precision trains at ZeRO >= 1, where the fp32 master weights are visible per parameter
     assert ds["zero_optimization"]["stage"] == (0 if want == "fp32" else 1)

@@ -15,6 +15,12 @@ from rlhf_core.training.ppo import ActorLoss, aggregate, train_step
 pytestmark = pytest.mark.deepspeed
 
 ACTOR_LOSS = ActorLoss(entropy_coeff=0.01, use_kl_loss=True, kl_loss_coef=0.5, kl_loss_type="k3+")
+LOSSES = {  # Dr. GRPO's constant divisor: the gradient must not depend on the micro-batch's own width
+    "token-mean": ACTOR_LOSS,
+    "seq-mean-token-sum-norm": dataclasses.replace(ACTOR_LOSS, loss_agg_mode="seq-mean-token-sum-norm",
+                                                   loss_scale_factor=32.0),
+    "seq-mean-token-mean": dataclasses.replace(ACTOR_LOSS, loss_agg_mode="seq-mean-token-mean"),
+}
 
 
 def _with_noisy_ref(data: PPOData, seed: int = 1) -> PPOData:
@@ -28,7 +34,7 @@ def _with_noisy_ref(data: PPOData, seed: int = 1) -> PPOData:
 
 def _reference_actor_grads(model_dir, data: PPOData, rows: list[int], loss: ActorLoss):
     """Plain torch: each sequence through the HF model on its own (no packing, no DeepSpeed), the
-    whole mini-batch in one (B, T) loss, one backward. Returns ({name: grad}, total norm)."""
+    whole mini-batch in one (B, T) loss, one backward. Returns ({name: grad}, total norm, policy loss)."""
     from transformers import AutoModelForCausalLM
 
     from rlhf_core.algos import agg_loss, compute_policy_loss, entropy_from_logits, kl_penalty
@@ -45,7 +51,7 @@ def _reference_actor_grads(model_dir, data: PPOData, rows: list[int], loss: Acto
         lps[b, :n] = torch.log_softmax(logits, -1).gather(-1, seq[0, P:, None]).squeeze(-1)
         ents[b, :n] = entropy_from_logits(logits)
     t, mask = mb.tensors, mb.response_mask
-    mode = dict(loss_agg_mode=loss.loss_agg_mode)
+    mode = dict(loss_agg_mode=loss.loss_agg_mode, loss_scale_factor=loss.loss_scale_factor)
     pg, _ = compute_policy_loss(old_log_prob=t["old_log_probs"], log_prob=lps, advantages=t["advantages"],
                                 response_mask=mask, clip_ratio_low=loss.clip_ratio_low,
                                 clip_ratio_high=loss.clip_ratio_high, clip_ratio_c=loss.clip_ratio_c, **mode)
@@ -54,7 +60,7 @@ def _reference_actor_grads(model_dir, data: PPOData, rows: list[int], loss: Acto
     total = pg - loss.entropy_coeff * agg_loss(loss_mat=ents, loss_mask=mask, **mode) + loss.kl_loss_coef * kl
     total.backward()
     grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-    return grads, float(torch.nn.utils.get_total_norm(list(grads.values())))
+    return grads, float(torch.nn.utils.get_total_norm(list(grads.values()))), float(pg)
 
 
 def _max_rel_diff(a: dict, b: dict) -> float:
@@ -72,29 +78,33 @@ PLANS = {
 }
 
 
-@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("stage, mode", [(0, "token-mean"), (2, "token-mean"), (3, "token-mean"),
+                                         (0, "seq-mean-token-sum-norm"), (2, "seq-mean-token-mean")])
 def test_accumulated_gradient_equals_full_batch_gradient_and_clip_is_applied(
-        stage, make_engines, ppo_data, tiny_model_dir, dist):
-    """Whatever the micro-batching, the gradient after the last backward equals the plain-torch
-    full-batch gradient; the reported norm is that gradient's pre-clip norm; and the optimizer
-    received the clipped gradient (AdamW's first moment after one step is (1 - β1)·g_clipped)."""
+        stage, mode, make_engines, ppo_data, tiny_model_dir, dist):
+    """Whatever the micro-batching and packing, the gradient after the last backward equals the
+    plain-torch full-batch gradient (one (B, T) loss, one backward); the reported norm is that
+    gradient's pre-clip norm; the logged losses are the full batch's; and the optimizer received
+    the gradient clipped at actor.grad_clip (AdamW's first moment after one step is (1 - β1)·g_clipped)."""
     from rlhf_core.training.engines import full_gradients
     from rlhf_core.training.optim_state import gather_optimizer_state
 
     data = _with_noisy_ref(ppo_data)
     rows = [0, 3, 4, 7, 8, 9, 11]
     assert max(data.lengths[i] for i in rows) <= 28
-    ref_grads, ref_norm = _reference_actor_grads(tiny_model_dir, data, rows, ACTOR_LOSS)
+    loss = LOSSES[mode]
+    ref_grads, ref_norm, ref_pg = _reference_actor_grads(tiny_model_dir, data, rows, loss)
     max_norm = ref_norm / 4
     # lr 1e-30 (config rules want > 0): AdamW moves no weight, so every plan sees the same parameters
     _, actor, _ = make_engines(stage, "actor_rollout_ref.actor.optim.lr=1e-30",
                                "actor_rollout_ref.actor.optim.weight_decay=0",
-                               f"actor_rollout_ref.actor.max_grad_norm={max_norm}")
+                               f"actor_rollout_ref.actor.grad_clip={max_norm}")
     for i, (name, plan) in enumerate(PLANS.items()):
         captured = {}
-        result = train_step(actor, data, rows, plan, ACTOR_LOSS, dist, pad_id=0,
+        result = train_step(actor, data, rows, plan, loss, dist, pad_id=0,
                             on_gradients=lambda te: captured.update(full_gradients(te)))
         assert _max_rel_diff(captured, ref_grads) < 1e-5, name
+        assert result.metrics["actor/pg_loss"] == pytest.approx(ref_pg, rel=1e-5, abs=1e-7), name
         assert result.metrics["actor/grad_norm"] == pytest.approx(ref_norm, rel=1e-5), name
         assert result.metrics["actor/step_applied"] == 1.0
         if i == 0:
