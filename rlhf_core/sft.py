@@ -221,8 +221,9 @@ def train_sft(model, tokenizer, data: SFTData, settings, max_new_tokens: int,
 # ---------------------------------------------------------------------------------------------
 
 # data settings that change which prompts are trained on or how they are tokenized
-_DATA_KEYS = ("adapter", "prompt_key", "answer_key", "id_key", "instruction", "system_prompt", "val_fraction",
-              "max_val_samples", "max_prompt_length", "max_response_length", "dedup", "seed", "data_source")
+_DATA_KEYS = ("adapter", "prompt_key", "question_key", "answer_key", "id_key", "instruction", "system_prompt",
+              "val_fraction", "max_val_samples", "train_max_samples", "val_max_samples", "max_prompt_length",
+              "max_response_length", "filter_overlong_prompts", "truncation", "dedup", "seed", "data_source")
 
 
 def warm_start_key(cfg) -> dict:
