@@ -205,28 +205,54 @@ def estimate_advantages(batch: ScoredBatch, rewards: torch.Tensor,
     return torch.where(batch.response_mask, advantages, zero), torch.where(batch.response_mask, returns, zero)
 
 
-def _valid_stats(prefix: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
-    selected = values[mask]
+def _stats(prefix: str, selected: torch.Tensor) -> dict[str, float]:
+    """{prefix}/mean, /max, /min of a 1-D tensor, reduced in its own dtype as verl's
+    compute_data_metrics does (torch.mean / max / min); 0 for an empty tensor."""
     if selected.numel() == 0:
         return {f"{prefix}/mean": 0.0, f"{prefix}/max": 0.0, f"{prefix}/min": 0.0}
-    return {f"{prefix}/mean": float(selected.double().mean()), f"{prefix}/max": float(selected.max()),
-            f"{prefix}/min": float(selected.min())}
+    return {f"{prefix}/mean": float(torch.mean(selected)), f"{prefix}/max": float(torch.max(selected)),
+            f"{prefix}/min": float(torch.min(selected))}
+
+
+def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
+    """verl's critic/vf_explained_var over valid tokens: 1 − Var(R − V) / (Var(R) + 1e-5), with
+    torch.var's unbiased (n − 1) variance; 0 when fewer than two tokens."""
+    if returns.numel() < 2:
+        return 0.0
+    return float(1.0 - torch.var(returns - values) / (torch.var(returns) + 1e-5))
 
 
 def advantage_metrics(batch: ScoredBatch, rewards: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
-                      *, kl_coef: float, kl_mean: float) -> dict[str, float]:
-    """kl/in_reward_mean, kl/coef, reward/score_mean, reward/token_level_mean (per-response sum, mean),
-    advantages/{mean,max,min}, returns/{mean,max,min}, critic/values_mean: over valid tokens."""
+                      *, kl_coef: float, kl_mean: float, kl_in_reward: bool = False) -> dict[str, float]:
+    """verl's names (compute_data_metrics' reductions): critic/rewards/{mean,max,min} over the
+    per-response sums of token-level rewards (empty responses left out, as verl leaves out aborted
+    ones), critic/{advantages,returns,values}/{mean,max,min} and critic/vf_explained_var over
+    valid tokens; with the KL in the reward, actor/reward_kl_penalty (the measured KL fed to the
+    controller) and actor/reward_kl_penalty_coeff (the coefficient used).
+
+    Ours, kept as aliases: kl/in_reward_mean, kl/coef, reward/score_mean (mean sequence score),
+    reward/token_level_mean (mean over all responses of the per-response sum),
+    advantages/*, returns/*, critic/values_mean."""
     mask = batch.response_mask
+    sums = torch.where(mask, rewards, 0.0).sum(-1)  # (B,)
+    alive = mask.any(-1)
+    valid_returns, valid_values = returns[mask], batch.values[mask]
     metrics = {
+        **_stats("critic/rewards", sums[alive] if bool(alive.any()) else sums),
+        **_stats("critic/advantages", advantages[mask]),
+        **_stats("critic/returns", valid_returns),
+        **_stats("critic/values", valid_values),
+        "critic/vf_explained_var": explained_variance(valid_returns, valid_values),
         "kl/in_reward_mean": kl_mean,
         "kl/coef": float(kl_coef),
         "reward/score_mean": float(batch.scores.double().mean()),
-        "reward/token_level_mean": float(torch.where(mask, rewards, 0.0).double().sum(-1).mean()),
-        **_valid_stats("advantages", advantages, mask),
-        **_valid_stats("returns", returns, mask),
-        "critic/values_mean": float(masked_mean(batch.values.double(), mask)),
+        "reward/token_level_mean": float(sums.double().mean()),
     }
+    if kl_in_reward:
+        metrics.update({"actor/reward_kl_penalty": kl_mean, "actor/reward_kl_penalty_coeff": float(kl_coef)})
+    for name in ("advantages", "returns"):
+        metrics.update({f"{name}/{s}": metrics[f"critic/{name}/{s}"] for s in ("mean", "max", "min")})
+    metrics["critic/values_mean"] = metrics["critic/values/mean"]
     assert all(math.isfinite(v) for v in metrics.values()), metrics  # inputs were checked finite
     return metrics
 
@@ -245,5 +271,6 @@ def compute_advantages(table: pa.Table, *, kl_coef: float, settings: AdvantageSe
     out = table.select(SCORED.names)
     for (name, _), tensor in zip(ADVANTAGES_EXTRA, (rewards, advantages, returns)):
         out = out.append_column(name, unpad(tensor, batch.lengths))
-    metrics = advantage_metrics(batch, rewards, advantages, returns, kl_coef=coef, kl_mean=kl_mean)
+    metrics = advantage_metrics(batch, rewards, advantages, returns, kl_coef=coef, kl_mean=kl_mean,
+                                kl_in_reward=settings.use_kl_in_reward)
     return AdvantageOutput(table=out, metrics=metrics, kl_mean=kl_mean, num_responses=table.num_rows)

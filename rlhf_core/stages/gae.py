@@ -17,6 +17,11 @@ table and leaves the same state: the controller never steps twice for one iterat
 a KL-guard rollback edits that snapshot (a raised coefficient), which this stage then uses.
 A stored state gives the coefficient; ``target_kl`` and ``horizon`` come from the current config.
 
+Metrics (``advantages.advantage_metrics``): verl's ``critic/rewards|advantages|returns|values/{mean,max,min}``
+and ``critic/vf_explained_var`` with verl's reductions, ``actor/reward_kl_penalty`` and
+``actor/reward_kl_penalty_coeff`` when the KL is in the reward; ours (``advantages/*``, ``returns/*``,
+``kl/coef``, ``kl/coef_next``, ...) as before.
+
 Inspect it with DuckDB:  SELECT avg(list_sum(token_level_rewards)) FROM 'RUN/iter_1/advantages.parquet'
 """
 
@@ -25,10 +30,15 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Optional
 
+import pyarrow.parquet as pq
+
+from rlhf_core.advantages import AdvantageSettings, compute_advantages
+from rlhf_core.algos import make_kl_controller
 from rlhf_core.config import ConfigError, RLHFConfig
+from rlhf_core.data.schemas import ADVANTAGES
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.guard import kl_snapshot_path
-from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.io.rundir import RunDir
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, execute_stage
@@ -85,8 +95,6 @@ def kl_state_before(run: RunDir, k: int) -> Optional[dict]:
 
 def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path):
     """The controller of ``algorithm.kl_ctrl`` starting at ``state["value"]`` (else at kl_coef)."""
-    from rlhf_core.algos import make_kl_controller
-
     ctrl = cfg.algorithm.kl_ctrl
     coef = ctrl.kl_coef
     if state is not None:
@@ -123,12 +131,6 @@ def persist_kl_controller(run: RunDir, k: int, controller) -> Optional[int]:
 
 
 def _gae(cfg: RLHFConfig, run: RunDir, k: int) -> StageResult:
-    import pyarrow.parquet as pq
-
-    from rlhf_core.advantages import AdvantageSettings, compute_advantages
-    from rlhf_core.data.schemas import ADVANTAGES
-    from rlhf_core.io.atomic import atomic_write_parquet
-
     settings = AdvantageSettings.from_algorithm(cfg.algorithm)
     controller = None
     if settings.use_kl_in_reward:

@@ -162,3 +162,52 @@ def test_unknown_estimator_and_missing_columns_are_clear_errors():
         scored_batch(table.drop_columns(["values"]), "t")
     with pytest.raises(DataError, match="no rows"):
         scored_batch(table.slice(0, 0), "t")
+
+
+def verl_data_metrics(table: pa.Table) -> dict[str, float]:
+    """A transcription of the reductions of verl's compute_data_metrics (metric_utils.py) on the
+    right-padded (B, T) tensors of an advantages table: per-response sums over non-empty responses;
+    token statistics over masked_select of the valid tokens; unbiased variances."""
+    rows = table.to_pylist()
+    width = max(1, max(r["response_length"] for r in rows))
+
+    def padded(name):
+        return torch.tensor([r[name] + [0.0] * (width - len(r[name])) for r in rows], dtype=torch.float32)
+
+    mask = torch.tensor([[t < r["response_length"] for t in range(width)] for r in rows])
+    rewards, adv, ret, val = padded("token_level_rewards"), padded("advantages"), padded("returns"), padded("values")
+    seq_reward = rewards.sum(-1)[torch.tensor([r["response_length"] > 0 for r in rows])]
+    out = {"critic/rewards/mean": torch.mean(seq_reward), "critic/rewards/max": torch.max(seq_reward),
+           "critic/rewards/min": torch.min(seq_reward)}
+    for name, tensor in (("advantages", adv), ("returns", ret), ("values", val)):
+        valid = torch.masked_select(tensor, mask)
+        out.update({f"critic/{name}/mean": torch.mean(valid), f"critic/{name}/max": torch.max(valid),
+                    f"critic/{name}/min": torch.min(valid)})
+    valid_ret, valid_val = torch.masked_select(ret, mask), torch.masked_select(val, mask)
+    out["critic/vf_explained_var"] = 1.0 - torch.var(valid_ret - valid_val) / (torch.var(valid_ret) + 1e-5)
+    return {k: float(v) for k, v in out.items()}
+
+
+@pytest.mark.parametrize("settings", [AdvantageSettings(), NO_WHITEN, AdvantageSettings(use_kl_in_reward=False)])
+def test_verl_metric_names_match_verls_reductions(settings):
+    table = scored_table(random_responses(7, [6, 0, 11, 3, 1, 9]))
+    out = compute_advantages(table, kl_coef=0.05, settings=settings)
+    expected = verl_data_metrics(out.table)
+    for name, value in expected.items():
+        assert out.metrics[name] == pytest.approx(value, abs=1e-6), name
+    # ours stay as aliases of the same numbers
+    assert out.metrics["advantages/mean"] == out.metrics["critic/advantages/mean"]
+    assert out.metrics["returns/max"] == out.metrics["critic/returns/max"]
+    assert out.metrics["critic/values_mean"] == out.metrics["critic/values/mean"]
+
+
+def test_kl_penalty_metrics_only_when_the_kl_is_in_the_reward():
+    """verl's apply_kl_penalty: the batch mean of each response's token-mean KL, and the coefficient used."""
+    responses = random_responses(8, [4, 7, 2])
+    table = scored_table(responses)
+    with_kl = compute_advantages(table, kl_coef=0.05, settings=AdvantageSettings(use_kl_in_reward=True)).metrics
+    per_response = [np.mean(np.array(r["old"]) - np.array(r["ref"])) for r in responses]  # kl_penalty "kl" = k1
+    assert with_kl["actor/reward_kl_penalty"] == pytest.approx(float(np.mean(per_response)), abs=1e-6)
+    assert with_kl["actor/reward_kl_penalty_coeff"] == pytest.approx(0.05)
+    without = compute_advantages(table, kl_coef=0.05, settings=AdvantageSettings(use_kl_in_reward=False)).metrics
+    assert "actor/reward_kl_penalty" not in without and "actor/reward_kl_penalty_coeff" not in without

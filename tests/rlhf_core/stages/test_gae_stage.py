@@ -22,7 +22,7 @@ from rlhf_core.io.rundir import RunDir
 from rlhf_core.stages.gae import run_gae
 
 DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
-ADAPTIVE = ["algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.target_kl=0.05",
+ADAPTIVE = ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive", "algorithm.kl_ctrl.kl_coef=0.1", "algorithm.kl_ctrl.target_kl=0.05",
             "algorithm.kl_ctrl.horizon=40"]
 
 
@@ -67,6 +67,10 @@ def test_schema_lengths_and_hand_computed_advantages_without_kl(tmp_path):
             assert row["advantages"] == pytest.approx([src["reward"] - v for v in src["values"]], abs=1e-6)
     assert not run.kl_ctrl_path.exists() and not guard.kl_snapshot_path(run, 1).exists()  # controller untouched
     assert result.metrics["kl/coef"] == 0.0 and "kl/coef_next" not in result.metrics
+    assert "actor/reward_kl_penalty" not in result.metrics  # verl logs it only with the KL in the reward
+    sums = [src["reward"] for src in scored if src["response_length"]]  # token rewards = score: sums = scores
+    assert result.metrics["critic/rewards/mean"] == pytest.approx(np.mean(sums))
+    assert (result.metrics["critic/rewards/max"], result.metrics["critic/rewards/min"]) == (max(sums), min(sums))
     assert result.rows == {"advantages": 5, "tokens": 17}
     assert any("KL not in the reward" in line for line in result.summary)
     assert read_manifest(run, 1)["gae"]["status"] == "done"
@@ -90,6 +94,7 @@ def test_adaptive_controller_steps_once_per_iteration_and_reruns_are_identical(t
     assert state == {"type": "adaptive", "value": pytest.approx(0.1 * (1 + 0.2 * 5 / 40)), "target_kl": 0.05,
                      "horizon": 40.0}
     assert first.metrics["kl/coef"] == 0.1 and first.metrics["kl/coef_next"] == pytest.approx(state["value"])
+    assert first.metrics["actor/reward_kl_penalty"] == kl and first.metrics["actor/reward_kl_penalty_coeff"] == 0.1
     assert json.loads(guard.kl_snapshot_path(run, 1).read_text()) == {"state": None}
 
     assert run_gae(cfg, run, 1).skipped  # unchanged inputs: nothing reruns, nothing steps
@@ -110,7 +115,7 @@ def test_adaptive_controller_steps_once_per_iteration_and_reruns_are_identical(t
 
 def test_fixed_controller_never_moves(tmp_path):
     run = RunDir(tmp_path / "run")
-    cfg = config("algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0.02")
+    cfg = config("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=fixed", "algorithm.kl_ctrl.kl_coef=0.02")
     for k in (1, 2):
         write_scored(run, k, seed=k)
         result = run_gae(cfg, run, k)
@@ -161,7 +166,7 @@ def test_clear_errors(tmp_path):
     write_scored(run, 1)
     run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.3}')
     with pytest.raises(ConfigError, match="algorithm.kl_ctrl.type=fixed"):
-        run_gae(config("algorithm.kl_ctrl.type=adaptive"), run, 1)
+        run_gae(config("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"), run, 1)
     assert not run.advantages(1).exists()
 
 
