@@ -25,6 +25,7 @@ def _config(model_dir, *overrides):
     from rlhf_core.config import load_config
 
     return load_config(None, [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+                              "actor_rollout_ref.actor.use_dynamic_bsz=true",
                               "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64", "data.max_prompt_length=32",
                               "data.max_response_length=32", "actor_rollout_ref.actor.optim.lr=1e-4",
                               "actor_rollout_ref.actor.use_kl_loss=true", *overrides])
@@ -83,8 +84,11 @@ def test_second_iteration_continues_the_first_iterations_optimizer(tiny_model_di
     second = run_update(cfg, run, 2)
 
     state = json.loads((run.checkpoint(2) / "deepspeed" / "actor_state.json").read_text())
-    assert state["adam_step"] == 4 and state["schedule_step"] == 4
-    assert second.metrics["actor/lr"] > first.metrics["actor/lr"]  # the warm-up went on
+    assert state["adam_step"] == 4 and state["lr_schedule_step"] == 2  # 2 optimizer steps per training step
+    # verl's warm-up: iteration k trains every optimizer step at lr · (k - 1) / warm-up steps
+    assert first.metrics["actor/lr"] == 0.0 and second.metrics["actor/lr"] == pytest.approx(1e-5)
+    steps = json.loads(run.metrics(2).read_text())["steps"]
+    assert [s["actor/lr"] for s in steps["actor"]] == [pytest.approx(1e-5)] * 2
     trainer = json.loads((run.checkpoint(2) / "trainer_state.json").read_text())
     assert trainer["sources"]["resumed_from"] == str(run.checkpoint(1))
     assert trainer["sources"]["actor"] == str(run.checkpoint(1) / "actor")
@@ -157,3 +161,40 @@ def test_concurrent_critic_and_actor_equal_one_after_the_other(stage, tiny_model
     for sub in ("actor", "critic"):
         w1, w2 = (_weights(results[s].checkpoint(1) / sub) for s in ("never", "always"))
         assert w1.keys() == w2.keys() and all(torch.equal(w1[k], w2[k]) for k in w1), sub
+
+
+def test_critic_warmup_trains_only_the_critic_until_verls_step(tiny_model_dir, tmp_path):
+    """trainer.critic_warmup=2: verl updates the actor when critic_warmup <= global_steps, so step 1
+    trains the critic alone (the actor's weights, optimizer state and lr position are saved as they
+    were) and step 2 trains both."""
+    from rlhf_core.io.pointers import write_last_good
+    from rlhf_core.stages.update import run_update
+
+    run = RunDir(tmp_path / "run")
+    cfg = _config(tiny_model_dir, "trainer.critic_warmup=2")
+    _write_advantages(run, 1, tiny_model_dir)
+    first = run_update(cfg, run, 1).metrics
+    assert first["actor/updated"] == 0.0 and "actor/pg_loss" not in first and first["critic/num_steps"] == 2
+    before, after = _weights(tiny_model_dir), _weights(run.checkpoint(1) / "actor")
+    assert all(torch.equal(before[k], after[k]) for k in after)
+    actor_state = json.loads((run.checkpoint(1) / "deepspeed" / "actor_state.json").read_text())
+    critic_state = json.loads((run.checkpoint(1) / "deepspeed" / "critic_state.json").read_text())
+    assert (actor_state["adam_step"], actor_state["lr_schedule_step"]) == (0, 0)
+    assert (critic_state["adam_step"], critic_state["lr_schedule_step"]) == (2, 1)
+    write_last_good(run, 1)
+    _write_advantages(run, 2, tiny_model_dir, seed=1)
+    second = run_update(cfg, run, 2).metrics
+    assert second["actor/updated"] == 1.0 and second["actor/num_steps"] == 2
+    assert second["actor/pg_loss"] == pytest.approx(sum(
+        s["actor/pg_loss"] for s in json.loads(run.metrics(2).read_text())["steps"]["actor"]))  # verl sums steps
+
+
+def test_a_schedule_that_needs_the_run_length_refuses_without_it(tiny_model_dir, tmp_path):
+    from rlhf_core.config import ConfigError
+    from rlhf_core.stages.update import run_update
+
+    run = RunDir(tmp_path / "run")
+    _write_advantages(run, 1, tiny_model_dir)
+    cfg = _config(tiny_model_dir, "critic.optim.lr_scheduler_type=cosine")
+    with pytest.raises(ConfigError, match="trainer.total_iterations"):
+        run_update(cfg, run, 1)
