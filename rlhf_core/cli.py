@@ -18,8 +18,10 @@ MLFLOW_TRACKING_URI is set).
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Optional, Sequence
@@ -137,6 +139,40 @@ def _quiet_console() -> None:
         os.environ.setdefault(key, value)
 
 
+def _user_error_names() -> set[str]:
+    from rlhf_core.errors import RLHFError
+
+    names, todo = set(), [RLHFError]
+    while todo:
+        cls = todo.pop()
+        names.add(cls.__name__)
+        todo.extend(cls.__subclasses__())
+    return names | {"KeyboardInterrupt"}
+
+
+class _NoUserErrorTracebacks(logging.Filter):
+    """On the console only: drop Prefect's report of a run that failed on a user error (or Ctrl-C),
+    traceback included; the CLI prints that error as one line (the Prefect UI keeps the full log)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and record.exc_info[1] is not None:
+            return type(record.exc_info[1]).__name__ not in _user_error_names()
+        if record.levelno >= logging.ERROR and record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
+            text = record.getMessage()
+            return not any(f"{name}:" in text or f"{name}(" in text for name in _user_error_names())
+        return True
+
+
+def _quiet_user_errors() -> None:
+    """Install ``_NoUserErrorTracebacks`` on Prefect's console handlers (configured when Prefect loads)."""
+    from prefect.logging.handlers import PrefectConsoleHandler
+
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler, PrefectConsoleHandler) and not any(
+                isinstance(f, _NoUserErrorTracebacks) for f in handler.filters):
+            handler.addFilter(_NoUserErrorTracebacks())
+
+
 def _print_result(result: dict) -> None:
     status = "skipped (up to date)" if result["skipped"] else f"done in {result['seconds']:.1f}s"
     where = f" iteration {result['iteration']}" if result.get("iteration") is not None else ""
@@ -148,9 +184,15 @@ def _print_result(result: dict) -> None:
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
-    from rlhf_core.config import flatten, load_config, to_yaml
+    """The resolved config, after the same checks `rlhf run` makes before any work (keys, values,
+    paths), so an error shows here first."""
+    from rlhf_core.config import flatten, to_yaml
+    from rlhf_core.inputs import check_inputs
+    from rlhf_core.pipeline import note_loggers, resolve_run_config
 
-    cfg = load_config(args.preset, args.overrides)
+    cfg = resolve_run_config(None, args.preset, args.overrides)
+    check_inputs(cfg)
+    note_loggers(cfg)
     if args.flat:
         for key, value in flatten(cfg).items():
             print(f"{key}={value}")
@@ -181,6 +223,8 @@ def cmd_stage(args: argparse.Namespace) -> int:
         _prefect_env()
         from flows.stage import StageParams, rlhf_stage
 
+        _quiet_user_errors()
+
         result = rlhf_stage(StageParams(stage=args.stage, run_dir=str(args.run_dir.resolve()),
                                         iteration=getattr(args, "iteration", None), config=args.preset,
                                         overrides=overrides, force=args.force))
@@ -192,16 +236,20 @@ def cmd_run(args: argparse.Namespace) -> int:
     from rlhf_core.pipeline import plan_run
 
     # fail on a bad preset, override or path here, before a Prefect server is started for nothing
-    plan_run(preset=None if args.resume else args.preset, overrides=list(args.overrides),
-             iterations=args.iterations, run_name=args.run_name, resume=args.resume)
+    plan = plan_run(preset=None if args.resume else args.preset, overrides=list(args.overrides),
+                    iterations=args.iterations, run_name=args.run_name, resume=args.resume)
+    _RUN_DIR[0] = plan.run.root  # for the resume hint after Ctrl-C
     if not getattr(args, "verbose", False):
         _quiet_console()
     _prefect_env()
     from flows.pipeline import PipelineParams, rlhf_pipeline
 
+    _quiet_user_errors()
+    # the flow plans again: give it the directory planned here (a default name is a timestamp)
     params = PipelineParams(config=args.preset if args.preset or args.resume else None,
                             overrides=list(args.overrides), iterations=args.iterations,
-                            run_name=args.run_name, resume=str(args.resume.resolve()) if args.resume else None)
+                            run_name=None if args.resume else plan.run.root.name,
+                            resume=str(args.resume.resolve()) if args.resume else None)
     summary = rlhf_pipeline(params)
     print(f"run directory: {summary['run_dir']}")
     last_good = summary.get("last_good")
@@ -221,9 +269,12 @@ def where_to_look(summary: dict) -> str:
     from tasks.tracking import run_url, tracking_uri
 
     run_dir = summary["run_dir"]
-    uri = tracking_uri()
-    mlflow = run_url(summary["mlflow_run_id"]) or (
-        f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000)")
+    if summary.get("mlflow_run_id"):
+        uri = tracking_uri()
+        mlflow = f"run {summary['mlflow_run_id']}: " + (run_url(summary["mlflow_run_id"]) or (
+            f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000)"))
+    else:
+        mlflow = "not tracked (trainer.logger has no mlflow)"
     api = os.environ.get("PREFECT_API_URL")
     prefect = (f"{api.removesuffix('/api')}/runs (flow rlhf-pipeline)" if api else
                "this run used a temporary Prefect server, now stopped; `make services-up` starts a "
@@ -232,7 +283,7 @@ def where_to_look(summary: dict) -> str:
         "where to look:",
         f"  run directory   {run_dir}   (rlhf status {run_dir}; rlhf query {run_dir} \"select * from metrics_wide\")",
         f"  learning curve  {Path(run_dir) / 'plots' / 'learning_curve.png'}",
-        f"  MLflow          run {summary['mlflow_run_id']}: {mlflow}",
+        f"  MLflow          {mlflow}",
         f"  Prefect UI      {prefect}",
     ]
     return "\n".join(lines)
@@ -311,7 +362,60 @@ def cmd_services(args: argparse.Namespace) -> int:
     return services_main([args.action, *args.options]) or 0
 
 
+_RUN_DIR: list[Optional[Path]] = [None]
+"""The run directory `rlhf run` planned (set before its flow starts), for the resume hint."""
+
+
+class _OneLine(logging.Formatter):
+    """A note or warning as one line: 'rlhf: <message>' (no level or logger name)."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"rlhf: {record.getMessage()}"
+
+
+def _console_logging(verbose: bool) -> tuple[logging.Logger, logging.Handler, bool]:
+    """Print the 'rlhf' loggers' warnings (config notes, alerts outside a flow) on stderr, one line
+    each, and not again through the root logger's handlers (Prefect configures one)."""
+    log = logging.getLogger("rlhf")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_OneLine())
+    handler.setLevel(logging.INFO if verbose else logging.WARNING)
+    log.addHandler(handler)
+    if log.level == logging.NOTSET or log.level > handler.level:
+        log.setLevel(handler.level)
+    propagate, log.propagate = log.propagate, False
+    return log, handler, propagate
+
+
+def _interrupted(command: str) -> str:
+    """The line printed after Ctrl-C: what to run to continue, when there is a run to continue."""
+    run_dir = _RUN_DIR[0]
+    if command in ("run", "demo") and run_dir is not None and (run_dir / "config.yaml").is_file():
+        return f"rlhf: interrupted; continue with: rlhf run --resume {run_dir}"
+    return "rlhf: interrupted" + ("; no run directory was written yet" if command in ("run", "demo") else "")
+
+
+EXIT_GRACE_SECONDS = 10.0
+"""After Ctrl-C, how long the interpreter's exit hooks may run (they stop a temporary Prefect
+server and flush its events) before the process leaves anyway: when the same Ctrl-C killed that
+server, its event client would otherwise retry for many minutes."""
+
+
+def _exit_soon(code: int) -> None:
+    """Let the normal exit run, but leave with ``code`` after EXIT_GRACE_SECONDS whatever hangs."""
+    def leave() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    timer = threading.Timer(EXIT_GRACE_SECONDS, leave)
+    timer.daemon = True
+    timer.start()
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """The `rlhf` entry point. User errors (RLHFError, ConfigError, a missing file) print one line
+    and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130."""
     from rlhf_core.errors import RLHFError
 
     args = build_parser().parse_args(argv)
@@ -320,12 +424,21 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "status": cmd_status, "query": cmd_query, "export": cmd_export, "model": cmd_build_tiny,
         "services": cmd_services,
     }
+    log, handler, propagate = _console_logging(getattr(args, "verbose", False))
     try:
         return handlers[args.command](args) or 0
     except (RLHFError, FileNotFoundError) as exc:
         # user errors: one clear line, no traceback
         print(f"rlhf: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 3 if type(exc).__name__ == "KLGuardHalt" else 2
+    except KeyboardInterrupt:
+        print(_interrupted(args.command), file=sys.stderr, flush=True)
+        if argv is None:  # the console script
+            _exit_soon(130)
+        return 130
+    finally:
+        log.removeHandler(handler)
+        log.propagate = propagate
 
 
 if __name__ == "__main__":

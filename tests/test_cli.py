@@ -94,3 +94,61 @@ def test_a_run_ends_by_saying_where_to_look(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
     assert "Prefect UI      http://127.0.0.1:4200/runs" in where_to_look({"run_dir": "r", "mlflow_run_id": "x"})
+
+
+# ---------------------------------------------------------------------------------------------
+# through the real entry point (a subprocess): user errors are one line, before any work
+# ---------------------------------------------------------------------------------------------
+
+
+def _rlhf(tmp_path, *args: str, timeout: float = 120):
+    """Run the installed `rlhf` console script with a private state directory."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["RLHF_HOME"] = str(tmp_path / "home")
+    exe = shutil.which("rlhf", path=str(Path(sys.executable).parent)) or "rlhf"
+    return subprocess.run([exe, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=timeout)
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+def test_run_with_an_unknown_key_fails_before_any_work(tmp_path):
+    out = _rlhf(tmp_path, "run", "trainer.total_epochz=3", f"trainer.runs_root={tmp_path / 'runs'}")
+    assert out.returncode == 2
+    line = _one_error_line(out.stderr)
+    assert "unknown config key 'trainer.total_epochz'" in line and "trainer.total_epochs" in line
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "home" / "prefect").exists()
+
+
+def test_verl_quickstart_with_missing_data_fails_before_any_work_and_config_show_agrees(tmp_path, verl_quickstart):
+    overrides = verl_quickstart(train=str(tmp_path / "gsm8k" / "train.parquet"),
+                                val=str(tmp_path / "gsm8k" / "test.parquet"), model="tiny")
+    run = _rlhf(tmp_path, "run", *overrides, f"trainer.runs_root={tmp_path / 'runs'}")
+    assert run.returncode == 2
+    line = _one_error_line(run.stderr)
+    assert "data.train_files" in line and "data.val_files" in line and "train.parquet" in line
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "home" / "prefect").exists()
+    show = _rlhf(tmp_path, "config", "show", *overrides)
+    assert show.returncode == 2 and _one_error_line(show.stderr) == line
+
+
+def test_config_notes_print_once_each_as_one_line(tmp_path):
+    out = _rlhf(tmp_path, "config", "show", "--flat", "trainer.logger=[console,wandb]",
+                "actor_rollout_ref.actor.max_grad_norm=0.5")  # a renamed verl key: its note too
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in out.stderr.splitlines() if line.strip()]
+    assert all(line.startswith("rlhf: config: ") for line in notes), notes
+    assert sum("wandb not available here" in line for line in notes) == 1
+    assert sum("max_grad_norm is read as" in line for line in notes) == 1
+    assert "WARNING" not in out.stderr
+    assert "trainer.logger=['console', 'wandb']" in out.stdout
