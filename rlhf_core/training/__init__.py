@@ -2,7 +2,7 @@
 
     ds_config     our config → DeepSpeed config dict (ZeRO stage, offload, dtype, clipping)
     distributed   process group for one process or one torchrun rank
-    engines       actor / critic models (LoRA), client AdamW + warm-up, the optimizer step
+    engines       actor / critic models (LoRA), client AdamW, verl's lr schedule, the optimizer step
     batch         advantages table → mini-batches → token-budget micro-batches → tensors
     forward       packed forward with gradients → (B, T) log-probs, entropy, values
     ppo           the loop: losses with global token counts, accumulation, metrics

@@ -121,7 +121,7 @@ class TrainEngine:
 
     The schedule moves once per training step (iteration), as verl steps its scheduler once per
     update call: every optimizer step of one iteration uses the same lr, ``base · schedule(step)``
-    with ``schedule_step`` = the training steps this role has already been updated in."""
+    with ``lr_schedule_step`` = the training steps this role has already been updated in."""
 
     role: str  # "actor" | "critic"
     engine: Any  # deepspeed.DeepSpeedEngine
@@ -130,7 +130,7 @@ class TrainEngine:
     """optim.lr per parameter group, from the current config (a retry with a smaller lr takes effect)."""
     dtype: str  # "fp32" | "bf16" | "fp16"
     lora: Optional[LoraSettings] = None
-    schedule_step: int = 0
+    lr_schedule_step: int = 0
 
     @property
     def module(self) -> torch.nn.Module:
@@ -153,15 +153,15 @@ class TrainEngine:
     def lr(self) -> float:
         return float(self.base_optimizer.param_groups[0]["lr"])
 
-    def set_schedule_step(self, step: int) -> None:
+    def set_lr_schedule_step(self, step: int) -> None:
         """Put the schedule at training step ``step`` (the lr of every following optimizer step)."""
-        self.schedule_step = int(step)
+        self.lr_schedule_step = int(step)
         for group, base in zip(self.base_optimizer.param_groups, self.base_lrs):
-            group["lr"] = base * self.schedule(self.schedule_step)
+            group["lr"] = base * self.schedule(self.lr_schedule_step)
 
     def finish_training_step(self) -> None:
         """The role's update of this iteration is done: the next iteration trains at the next lr."""
-        self.set_schedule_step(self.schedule_step + 1)
+        self.set_lr_schedule_step(self.lr_schedule_step + 1)
 
 
 def build_engine(role: str, model: torch.nn.Module, optim: OptimConfig, ds_config: dict, dtype: str,
@@ -176,7 +176,7 @@ def build_engine(role: str, model: torch.nn.Module, optim: OptimConfig, ds_confi
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     te = TrainEngine(role=role, engine=engine, schedule=schedule,
                      base_lrs=[optim.lr] * len(optimizer.param_groups), dtype=dtype)
-    te.set_schedule_step(0)
+    te.set_lr_schedule_step(0)
     return te
 
 

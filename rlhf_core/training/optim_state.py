@@ -66,7 +66,7 @@ def gather_optimizer_state(te: TrainEngine) -> dict[str, torch.Tensor]:
 def counters(te: TrainEngine) -> dict[str, Any]:
     """JSON-able position of the optimizer: Adam step, schedule step, engine counters."""
     e = te.engine
-    return {"adam_step": adam_step_count(te), "lr_schedule_step": te.schedule_step,
+    return {"adam_step": adam_step_count(te), "lr_schedule_step": te.lr_schedule_step,
             "global_steps": int(e.global_steps), "global_samples": int(e.global_samples),
             "skipped_steps": int(e.skipped_steps), "zero_stage": te.zero_stage, "dtype": te.dtype}
 
@@ -142,7 +142,7 @@ def restore_optimizer_state(te: TrainEngine, tensors: dict[str, torch.Tensor], m
 def _restore_schedule(te: TrainEngine, meta: dict[str, Any]) -> None:
     # A checkpoint from before the lr moved per training step has no lr_schedule_step; its
     # schedule_step counted optimizer steps, which is not a position on this schedule: start at 0.
-    te.set_schedule_step(int(meta.get("lr_schedule_step", 0)))
+    te.set_lr_schedule_step(int(meta.get("lr_schedule_step", 0)))
     e = te.engine
     e.global_steps = int(meta.get("global_steps", 0))
     e.global_samples = int(meta.get("global_samples", 0))
