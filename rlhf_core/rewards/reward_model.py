@@ -36,8 +36,9 @@ from rlhf_core.scoring.logprobs import micro_batch_indices
 @dataclass
 class RewardModel:
     model: torch.nn.Module  # AutoModelForSequenceClassification, num_labels = 1, eval mode
-    tokenizer: object  # its tokenizer (chat template required)
+    tokenizer: object  # its tokenizer (a chat template is needed only to re-render conversations)
     device: torch.device
+    path: Optional[Path] = None
 
 
 def load_reward_model(path: str | Path, device: str | torch.device = "cpu",
@@ -52,18 +53,19 @@ def load_reward_model(path: str | Path, device: str | torch.device = "cpu",
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
                                                                attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(path)
-    if getattr(tokenizer, "chat_template", None) is None:
-        raise CheckpointError(f"reward model tokenizer at {path} has no chat template; add one to its "
-                              "tokenizer_config.json (the conversation is formatted with it)")
     if model.config.num_labels != 1:
         raise CheckpointError(f"reward model at {path} has {model.config.num_labels} labels; a reward "
                               "model must output one score")
     device = torch.device(device)
-    return RewardModel(model=model.to(device).eval(), tokenizer=tokenizer, device=device)
+    return RewardModel(model=model.to(device).eval(), tokenizer=tokenizer, device=device, path=path)
 
 
 def conversation_ids(rm: RewardModel, messages: Sequence[dict], response_text: str) -> list[int]:
     """Token ids of prompt messages + the response as an assistant turn, in the RM's template."""
+    if getattr(rm.tokenizer, "chat_template", None) is None:
+        raise CheckpointError(f"the reward model's tokenizer ({rm.path}) has no chat template, so a conversation "
+                              "cannot be re-rendered for it; add one to its tokenizer_config.json, or set "
+                              "reward_model.model.input_tokenizer=null if it tokenizes as the actor does")
     chat = [{"role": m["role"], "content": m["content"]} for m in messages]
     chat.append({"role": "assistant", "content": response_text})
     text = rm.tokenizer.apply_chat_template(chat, add_generation_prompt=False, tokenize=False)
