@@ -67,6 +67,9 @@ def as_micro_batching(batching: Batching) -> MicroBatching:
     """A plain token budget means dynamic batching by that budget."""
     if isinstance(batching, MicroBatching):
         return batching
+    if batching is None:  # an Optional budget key read raw: its fall-back lives in config.resolve
+        raise TypeError("no token budget given (None): pass config.resolve.micro_batching(cfg, role) or "
+                        "critic_value_batching(cfg), which apply verl's fall-backs for unset budgets")
     return MicroBatching(use_dynamic_bsz=True, token_budget=int(batching), micro_batch_size=1)
 
 
