@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 import threading
 import time
@@ -387,6 +388,26 @@ def _console_logging(verbose: bool) -> tuple[logging.Logger, logging.Handler, bo
     return log, handler, propagate
 
 
+_SAID_INTERRUPTED = [False]
+
+
+def _on_ctrl_c(command: str) -> None:
+    """From now on Ctrl-C (SIGINT) says at once how to resume, silences what the dying run would
+    print after it (Prefect retrying a server the same Ctrl-C killed, tracebacks), and leaves with
+    status 130 within EXIT_GRACE_SECONDS; a second Ctrl-C leaves at once."""
+
+    def handler(signum, frame) -> None:
+        print(_interrupted(command), file=sys.stderr, flush=True)
+        _SAID_INTERRUPTED[0] = True
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stderr.fileno())
+        _exit_soon(130)
+        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, handler)
+
+
 def _interrupted(command: str) -> str:
     """The line printed after Ctrl-C: what to run to continue, when there is a run to continue."""
     run_dir = _RUN_DIR[0]
@@ -425,6 +446,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "services": cmd_services,
     }
     log, handler, propagate = _console_logging(getattr(args, "verbose", False))
+    if argv is None and args.command in ("run", "demo"):  # the console script, on a long-running command
+        _on_ctrl_c(args.command)
     try:
         return handlers[args.command](args) or 0
     except (RLHFError, FileNotFoundError) as exc:
@@ -432,13 +455,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"rlhf: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 3 if type(exc).__name__ == "KLGuardHalt" else 2
     except KeyboardInterrupt:
-        print(_interrupted(args.command), file=sys.stderr, flush=True)
+        if not _SAID_INTERRUPTED[0]:
+            print(_interrupted(args.command), file=sys.stderr, flush=True)
         if argv is None:  # the console script
             _exit_soon(130)
         return 130
     finally:
         log.removeHandler(handler)
         log.propagate = propagate
+        if argv is None:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import time
 from pathlib import Path
 from typing import Any, Optional
@@ -160,13 +161,24 @@ def log_config(run_id: str, cfg: RLHFConfig) -> None:
         c.log_batch(run_id, tags=changed)
 
 
+_NOT_IN_MLFLOW_NAMES = re.compile(r"[^/\w.\- :]")
+
+
+def mlflow_key(name: str) -> str:
+    """A metric name as MLflow accepts it, spelled as verl's MLflow logger spells it: '@' → '_at_'
+    (val-core/openai/gsm8k/reward/mean@1 → .../mean_at_1), repeated slashes → one, any other
+    character MLflow refuses → '_'. The run directory keeps the original names."""
+    return _NOT_IN_MLFLOW_NAMES.sub("_", re.sub(r"/+", "/", name.replace("@", "_at_")))
+
+
 @timed(MLFLOW)
 def log_metrics(run_id: str, metrics: dict[str, float], step: Optional[int]) -> int:
-    """One log_batch of every finite numeric metric at ``step``. Returns how many were logged."""
+    """One log_batch of every finite numeric metric at ``step`` (names: ``mlflow_key``). Returns
+    how many were logged."""
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    batch = [Metric(key, float(v), now, step or 0) for key, v in sorted(metrics.items())
+    batch = [Metric(mlflow_key(key), float(v), now, step or 0) for key, v in sorted(metrics.items())
              if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
     for i in range(0, len(batch), 1000):  # log_batch takes up to 1000 metrics
         client().log_batch(run_id, metrics=batch[i:i + 1000])
@@ -193,7 +205,7 @@ def finish(run_id: str, status: str = "FINISHED") -> None:
 
 def metric_history(run_id: str, key: str) -> list[tuple[int, float]]:
     """[(step, value)] of one metric, for tests and reports."""
-    return [(m.step, m.value) for m in client().get_metric_history(run_id, key)]
+    return [(m.step, m.value) for m in client().get_metric_history(run_id, mlflow_key(key))]
 
 
 @timed(MLFLOW)

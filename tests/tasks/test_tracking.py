@@ -88,3 +88,14 @@ def test_backfill_logs_committed_iterations_missing_from_mlflow_once(run):
     assert tracking.metric_history(run_id, "kl/mean") == [(1, 0.01), (2, 0.02)]  # the alias, as finish logs it
     assert [s for s, _ in tracking.metric_history(run_id, "perf/stage_seconds/guard")] == [2]
     assert backfill_metrics(cfg, run, run_id) == []  # nothing logged twice
+
+
+def test_verl_metric_names_reach_mlflow_spelled_as_verls_mlflow_logger_spells_them(run):
+    """MLflow refuses '@': verl's own MLflow adapter writes mean@1 as mean_at_1; so do we."""
+    assert tracking.mlflow_key("val-core/openai/gsm8k/reward/mean@4") == "val-core/openai/gsm8k/reward/mean_at_4"
+    assert tracking.mlflow_key("val-aux/a//b/best@2/std") == "val-aux/a/b/best_at_2/std"
+    run_id = tracking.start_pipeline_run(run, load_config(None, ["trainer.experiment_name=unit"]))
+    tracking.log_metrics(run_id, {"val-core/openai/gsm8k/reward/mean@1": 0.25, "timing_s/gen": 1.5}, step=0)
+    assert set(tracking.client().get_run(run_id).data.metrics) == {"val-core/openai/gsm8k/reward/mean_at_1",
+                                                                   "timing_s/gen"}
+    assert tracking.metric_history(run_id, "val-core/openai/gsm8k/reward/mean@1") == [(0, 0.25)]
