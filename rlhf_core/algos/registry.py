@@ -93,7 +93,7 @@ def register_kl_estimator(name: str) -> Callable[[Callable[..., Any]], Callable[
 
 def register_agg_mode(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Register ``fn(loss_mat, valid_bool_mask, *, global_num_tokens, global_num_seqs,
-    seq_norm_scale) -> 0-dim tensor`` (see ``aggregation`` for the global-count convention)."""
+    loss_scale_factor) -> 0-dim tensor`` (see ``aggregation`` for the global-count convention)."""
     return AGG_MODES.register(name)
 
 

@@ -486,7 +486,8 @@ class TrainerConfig:
     max_ckpt_to_keep: int = 2
     """Save-point checkpoints kept (oldest pruned first); the last-good one is always kept."""
     critic_warmup: int = 0
-    """verl: train only the critic for the first N steps (the actor is not updated)."""
+    """verl: the actor trains from step N on (verl's `critic_warmup <= global_steps`, steps 1-based), so
+    steps 1 .. N-1 train only the critic."""
     n_gpus_per_node: Optional[int] = None
     """verl: devices (processes) of the update per node; null = every visible GPU (1 process on CPU).
     verl's default is 8. More than the machine has falls back (CPU) or is refused (GPU), saying so."""
