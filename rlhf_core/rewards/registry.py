@@ -12,8 +12,10 @@ result must hold ``"score"``; its other keys are kept (as JSON) in the scored ta
 1. built in, as verl's ``default_compute_score``: ``openai/gsm8k`` → the GSM8K rule
    (``rewards.gsm8k``, verl's), and our ``gsm8k`` and ``arith`` (the embedded demo) → the same rule,
    configured by ``custom_reward_function.gsm8k_method`` / ``format_score`` / ``score`` (defaults
-   verl's: strict, 0, 1). verl's other built-in sources (MATH, DAPO, PRIME, code, geometry3k,
-   search-R1: ``VERL_SOURCES_NOT_BUILT_IN``) are not built in here: their error says so;
+   verl's: strict, 0, 1); ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval`` and
+   ``HuggingFaceH4/MATH-500`` → verl's MATH rule (``rewards.hendrycks_math``). verl's other built-in
+   sources (DAPO, PRIME, code, geometry3k, search-R1: ``VERL_SOURCES_NOT_BUILT_IN``) are not built
+   in here: their error says so;
 2. ``@register_reward("my/source")`` on a function in code imported before scoring;
 3. ``custom_reward_function.path`` (``pkg.module:function``, ``pkg.module`` + ``name``, or a ``.py``
    file + ``name``): as in verl, that one function then scores every row, whatever its data source.
@@ -37,7 +39,7 @@ from typing import Any, Callable, Optional, Union
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.errors import DataError
 from rlhf_core.paths import resolve_path
-from rlhf_core.rewards import gsm8k
+from rlhf_core.rewards import gsm8k, hendrycks_math
 
 RewardFn = Callable[..., Union[float, dict]]
 """compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"""
@@ -45,9 +47,10 @@ RewardFn = Callable[..., Union[float, dict]]
 GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "arith")
 """verl routes 'openai/gsm8k' to its GSM8K rule; 'gsm8k' and 'arith' (the demo) are ours."""
 
+MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
+"""verl routes these to its MATH rule (math_reward.py); so do we."""
+
 VERL_SOURCES_NOT_BUILT_IN = {
-    **dict.fromkeys(("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"),
-                    "math_reward"),
     **dict.fromkeys(("math_dapo", "math", "math_dapo_reasoning", "aime*"), "math_dapo"),
     **dict.fromkeys(("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
                      "numina_cn_k12", "numina_olympiads"), "prime_math"),
@@ -77,7 +80,7 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
 
 def registered_sources() -> list[str]:
     """Every data_source that has a route (built-in and registered)."""
-    return sorted(set(GSM8K_SOURCES) | set(_REGISTERED))
+    return sorted(set(GSM8K_SOURCES) | set(MATH_SOURCES) | set(_REGISTERED))
 
 
 def _gsm8k_route(cfg: RLHFConfig) -> RewardFn:
@@ -90,8 +93,13 @@ def _gsm8k_route(cfg: RLHFConfig) -> RewardFn:
     return score_gsm8k
 
 
+def _score_math(data_source, solution_str, ground_truth, extra_info=None):
+    return hendrycks_math.compute_score(solution_str, ground_truth)
+
+
 def _routes(cfg: RLHFConfig) -> dict[str, RewardFn]:
     routes = {source: _gsm8k_route(cfg) for source in GSM8K_SOURCES}
+    routes.update(dict.fromkeys(MATH_SOURCES, _score_math))
     routes.update(_REGISTERED)  # a registered function overrides a built-in of the same name
     return routes
 

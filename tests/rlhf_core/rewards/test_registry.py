@@ -36,7 +36,15 @@ def test_verl_routes_only_openai_gsm8k_to_the_gsm8k_rule_and_we_add_two_names():
     assert fn("openai/gsm8k", "#### 72\n#### 5", "5") == 1.0  # verl's rule: the last marker
 
 
-@pytest.mark.parametrize("source,module", [("lighteval/MATH", "math_reward"), ("aime2024", "math_dapo"),
+@pytest.mark.parametrize("source", ["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"])
+def test_verls_math_sources_route_to_the_math_rule(source):
+    fn = get_reward_fn(load_config(None, []))
+    assert fn(source, "so the answer is $\\boxed{\\dfrac12}$", "\\frac{1}{2}") == 1.0
+    assert fn(source, "so the answer is 1/2", "\\frac{1}{2}") == 0.0  # no box
+    assert source in registered_sources()
+
+
+@pytest.mark.parametrize("source,module", [("aime2024", "math_dapo"),
                                            ("numina_cn_k12", "prime_math"), ("taco", "prime_code"),
                                            ("hiyouga/geometry3k", "geo3k"), ("searchR1_nq", "search_r1")])
 def test_verl_sources_not_built_in_say_which_verl_scorer_they_need(source, module):
