@@ -13,9 +13,10 @@ result must hold ``"score"``; its other keys are kept (as JSON) in the scored ta
    (``rewards.gsm8k``, verl's), and our ``gsm8k`` and ``arith`` (the embedded demo) → the same rule,
    configured by ``custom_reward_function.gsm8k_method`` / ``format_score`` / ``score`` (defaults
    verl's: strict, 0, 1); ``lighteval/MATH``, ``DigitalLearningGmbH/MATH-lighteval`` and
-   ``HuggingFaceH4/MATH-500`` → verl's MATH rule (``rewards.hendrycks_math``). verl's other built-in
-   sources (DAPO, PRIME, code, geometry3k, search-R1: ``VERL_SOURCES_NOT_BUILT_IN``) are not built
-   in here: their error says so;
+   ``HuggingFaceH4/MATH-500`` → verl's MATH rule (``rewards.hendrycks_math``); ``math_dapo``,
+   ``math``, ``math_dapo_reasoning`` and ``aime*`` → verl's DAPO rule (``rewards.dapo_math``).
+   verl's other built-in sources (PRIME, code, geometry3k, search-R1: ``VERL_SOURCES_NOT_BUILT_IN``)
+   are not built in here: their error says so;
 2. ``@register_reward("my/source")`` on a function in code imported before scoring;
 3. ``custom_reward_function.path`` (``pkg.module:function``, ``pkg.module`` + ``name``, or a ``.py``
    file + ``name``): as in verl, that one function then scores every row, whatever its data source.
@@ -34,12 +35,12 @@ import json
 import math
 import sys
 from pathlib import Path
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Union
 
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.errors import DataError
 from rlhf_core.paths import resolve_path
-from rlhf_core.rewards import gsm8k, hendrycks_math
+from rlhf_core.rewards import dapo_math, gsm8k, hendrycks_math
 
 RewardFn = Callable[..., Union[float, dict]]
 """compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"""
@@ -50,8 +51,11 @@ GSM8K_SOURCES = ("openai/gsm8k", "gsm8k", "arith")
 MATH_SOURCES = ("lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500")
 """verl routes these to its MATH rule (math_reward.py); so do we."""
 
+DAPO_SOURCES = ("math_dapo", "math", "math_dapo_reasoning")
+DAPO_PREFIX = "aime"
+"""verl routes these, and every data source starting with 'aime', to its DAPO rule; so do we."""
+
 VERL_SOURCES_NOT_BUILT_IN = {
-    **dict.fromkeys(("math_dapo", "math", "math_dapo_reasoning", "aime*"), "math_dapo"),
     **dict.fromkeys(("numina_aops_forum", "numina_synthetic_math", "numina_amc_aime", "numina_synthetic_amc",
                      "numina_cn_k12", "numina_olympiads"), "prime_math"),
     **dict.fromkeys(("codecontests", "apps", "codeforces", "taco"), "prime_code / sandbox_fusion"),
@@ -59,8 +63,9 @@ VERL_SOURCES_NOT_BUILT_IN = {
     **dict.fromkeys(("searchR1_nq", "searchR1_triviaqa", "searchR1_popqa", "searchR1_hotpotqa",
                      "searchR1_2wikimultihopqa", "searchR1_musique", "searchR1_bamboogle"), "search_r1_like_qa_em"),
 }
-"""data_source → the verl.utils.reward_score module verl's default_compute_score scores it with;
-not built in here (a trailing '*' is a prefix, as verl's ``startswith("aime")``)."""
+"""data_source → the verl.utils.reward_score module verl's default_compute_score scores it with,
+not built in here: PRIME's math grader (sympy-based) and code sandbox, geometry3k (mathruler), and
+search-R1 (its ground truth is a dict of targets, and its rollouts call a search tool)."""
 
 _REGISTERED: dict[str, RewardFn] = {}
 
@@ -80,7 +85,8 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
 
 def registered_sources() -> list[str]:
     """Every data_source that has a route (built-in and registered)."""
-    return sorted(set(GSM8K_SOURCES) | set(MATH_SOURCES) | set(_REGISTERED))
+    built_in = {*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, DAPO_PREFIX + "*"}
+    return sorted(built_in | set(_REGISTERED))
 
 
 def _gsm8k_route(cfg: RLHFConfig) -> RewardFn:
@@ -97,23 +103,20 @@ def _score_math(data_source, solution_str, ground_truth, extra_info=None):
     return hendrycks_math.compute_score(solution_str, ground_truth)
 
 
+def _score_dapo(data_source, solution_str, ground_truth, extra_info=None):
+    return dapo_math.compute_score(solution_str, ground_truth)
+
+
 def _routes(cfg: RLHFConfig) -> dict[str, RewardFn]:
     routes = {source: _gsm8k_route(cfg) for source in GSM8K_SOURCES}
     routes.update(dict.fromkeys(MATH_SOURCES, _score_math))
+    routes.update(dict.fromkeys(DAPO_SOURCES, _score_dapo))
     routes.update(_REGISTERED)  # a registered function overrides a built-in of the same name
     return routes
 
 
-def verl_scorer(data_source: str) -> Optional[str]:
-    """The verl reward module for a data source we do not build in (None: verl has none either)."""
-    for source, module in VERL_SOURCES_NOT_BUILT_IN.items():
-        if data_source == source or (source.endswith("*") and str(data_source).startswith(source[:-1])):
-            return module
-    return None
-
-
 def _unrouted(data_source, routes: dict[str, RewardFn]) -> DataError:
-    module = verl_scorer(data_source)
+    module = VERL_SOURCES_NOT_BUILT_IN.get(data_source)
     known = (f"verl scores it with verl.utils.reward_score.{module}, which is not built in here; "
              if module else "")
     return DataError(
@@ -126,6 +129,8 @@ def _unrouted(data_source, routes: dict[str, RewardFn]) -> DataError:
 
 def _route(routes: dict[str, RewardFn], data_source, solution_str, ground_truth, extra_info=None):
     fn = routes.get(data_source)
+    if fn is None and str(data_source).startswith(DAPO_PREFIX):
+        fn = _score_dapo
     if fn is None:
         raise _unrouted(data_source, routes)
     return fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)

@@ -44,8 +44,14 @@ def test_verls_math_sources_route_to_the_math_rule(source):
     assert source in registered_sources()
 
 
-@pytest.mark.parametrize("source,module", [("aime2024", "math_dapo"),
-                                           ("numina_cn_k12", "prime_math"), ("taco", "prime_code"),
+@pytest.mark.parametrize("source", ["math_dapo", "math", "math_dapo_reasoning", "aime2024", "aime"])
+def test_verls_dapo_sources_route_to_the_dapo_rule(source):
+    fn = get_reward_fn(load_config(None, []))
+    assert fn(source, "so... Answer: $1,000$", "1000") == {"score": 1.0, "acc": True, "pred": "1000"}
+    assert fn(source, "no final line", "7") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
+
+
+@pytest.mark.parametrize("source,module", [("numina_cn_k12", "prime_math"), ("taco", "prime_code"),
                                            ("hiyouga/geometry3k", "geo3k"), ("searchR1_nq", "search_r1")])
 def test_verl_sources_not_built_in_say_which_verl_scorer_they_need(source, module):
     fn = get_reward_fn(load_config(None, []))
