@@ -210,7 +210,7 @@ def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
     return rewards, extras
 
 
-def _world_size() -> int:
+def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
@@ -231,7 +231,7 @@ def _reward_model_scores(cfg: RLHFConfig, models: ModelPaths, rows: list[dict],
         max_length = cfg.reward_model.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
         sequences = [rerendered_ids(rm, prompts[r["prompt_id"]]["prompt"], r["response_token_ids"], source, max_length)
                      for r in rows]
-    batching = micro_batching(cfg, "reward_model", update_world_size(cfg, _world_size()))
+    batching = micro_batching(cfg, "reward_model", update_world_size(cfg, _cuda_devices()))
     scores = score_sequences(rm, sequences, batching, budget_key="critic.forward_max_token_len_per_gpu")
     alive = weakref.ref(rm)
     del rm
@@ -272,7 +272,7 @@ def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
     device = scoring_device(cfg.trainer.device)
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
     temperature = cfg.actor_rollout_ref.rollout.temperature
-    plans = pass_plans(cfg, update_world_size(cfg, _world_size()))
+    plans = pass_plans(cfg, update_world_size(cfg, _cuda_devices()))
     sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
     prompt_lengths = [len(r["prompt_token_ids"]) for r in rows]
 
