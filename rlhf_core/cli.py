@@ -270,6 +270,7 @@ def where_to_look(summary: dict) -> str:
     from tasks.tracking import run_url, tracking_uri
 
     run_dir = summary["run_dir"]
+    curve = Path(run_dir) / "plots" / "learning_curve.png"
     if summary.get("mlflow_run_id"):
         uri = tracking_uri()
         mlflow = f"run {summary['mlflow_run_id']}: " + (run_url(summary["mlflow_run_id"]) or (
@@ -283,7 +284,7 @@ def where_to_look(summary: dict) -> str:
     lines = [
         "where to look:",
         f"  run directory   {run_dir}   (rlhf status {run_dir}; rlhf query {run_dir} \"select * from metrics_wide\")",
-        f"  learning curve  {Path(run_dir) / 'plots' / 'learning_curve.png'}",
+        f"  learning curve  {curve if curve.is_file() else 'none (no iteration ran)'}",
         f"  MLflow          {mlflow}",
         f"  Prefect UI      {prefect}",
     ]
