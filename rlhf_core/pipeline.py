@@ -14,7 +14,7 @@ the update's learning-rate schedule all read that one number.
 
 Schedule (verl's ``RayPPOTrainer.fit``): trainer.val_before_train validates the initial policy
 (step 0) and trainer.val_only stops after it; test_freq / save_freq act every N steps and at the
-last step, and -1 (or 0) means never.
+last step, and -1 means never.
 
 Checkpoint retention: every iteration's update writes iter_k/checkpoint; after the guard commits
 an iteration, only the last-good checkpoint and the last ``trainer.max_ckpt_to_keep`` checkpoints of
