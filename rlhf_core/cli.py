@@ -138,6 +138,10 @@ def _quiet_console() -> None:
     for key, value in {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "TQDM_DISABLE": "1",
                        "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}.items():
         os.environ.setdefault(key, value)
+    from rlhf_core.config.machine import cuda_devices  # torch is loaded already (the config was fitted)
+
+    if cuda_devices() == 0:  # DeepSpeed warns on the console each time it has to detect the CPU itself
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _user_error_names() -> set[str]:
@@ -364,6 +368,19 @@ def cmd_services(args: argparse.Namespace) -> int:
     return services_main([args.action, *args.options]) or 0
 
 
+def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
+    """argparse, plus key=value overrides anywhere on the line (``rlhf run --iterations 2 a.b=1``):
+    argparse alone takes positionals only before the first option."""
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    stray = [e for e in extra if e.startswith("-") or "=" not in e]
+    if stray or (extra and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or extra)}")
+    if extra:
+        args.overrides = [*args.overrides, *extra]
+    return args
+
+
 _RUN_DIR: list[Optional[Path]] = [None]
 """The run directory `rlhf run` planned (set before its flow starts), for the resume hint."""
 
@@ -440,7 +457,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130."""
     from rlhf_core.errors import RLHFError
 
-    args = build_parser().parse_args(argv)
+    args = parse_args(argv)
     handlers = {
         "config": cmd_config_show, "stage": cmd_stage, "run": cmd_run, "demo": cmd_demo,
         "status": cmd_status, "query": cmd_query, "export": cmd_export, "model": cmd_build_tiny,

@@ -152,3 +152,14 @@ def test_config_notes_print_once_each_as_one_line(tmp_path):
     assert sum("max_grad_norm is read as" in line for line in notes) == 1
     assert "WARNING" not in out.stderr
     assert "trainer.logger=['console', 'wandb']" in out.stdout
+
+
+def test_overrides_may_follow_options():
+    from rlhf_core.cli import parse_args
+
+    args = parse_args(["run", "a.b=1", "--iterations", "2", "trainer.val_before_train=false"])
+    assert args.overrides == ["a.b=1", "trainer.val_before_train=false"] and args.iterations == 2
+    with pytest.raises(SystemExit):
+        parse_args(["run", "--iterations", "2", "--bogus"])
+    with pytest.raises(SystemExit):
+        parse_args(["status", "r", "a.b=1"])  # status takes no overrides
