@@ -86,6 +86,9 @@ def test_a_run_ends_by_saying_where_to_look(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert "learning curve  none" in where_to_look({"run_dir": str(tmp_path / "run"), "mlflow_run_id": None})
+    (tmp_path / "run" / "plots").mkdir(parents=True)
+    (tmp_path / "run" / "plots" / "learning_curve.png").write_bytes(b"png")
     text = where_to_look({"run_dir": str(tmp_path / "run"), "mlflow_run_id": "abc123"})
     assert f"run directory   {tmp_path / 'run'}" in text
     assert str(tmp_path / "run" / "plots" / "learning_curve.png") in text
@@ -94,6 +97,7 @@ def test_a_run_ends_by_saying_where_to_look(tmp_path, monkeypatch):
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
     assert "Prefect UI      http://127.0.0.1:4200/runs" in where_to_look({"run_dir": "r", "mlflow_run_id": "x"})
+    assert "not tracked (trainer.logger has no mlflow)" in where_to_look({"run_dir": "r", "mlflow_run_id": None})
 
 
 # ---------------------------------------------------------------------------------------------
