@@ -28,8 +28,9 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from rlhf_core.config import RLHFConfig
+from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.io.manifest import read_manifest
 from rlhf_core.io.pointers import actor_path
@@ -38,7 +39,7 @@ from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.rewards import get_reward_fn, normalize_result
 from rlhf_core.rollout.base import SamplingParams, derive_seed
 from rlhf_core.rollout.generate import (
-    generate_responses, read_prompt_rows, sampling_from_config, val_sampling_from_config,
+    PROMPT_COLUMNS, generate_responses, read_prompt_rows, sampling_from_config, val_sampling_from_config,
 )
 from rlhf_core.stages.base import StageResult, execute_stage
 
@@ -55,7 +56,7 @@ VALIDATION = pa.schema([
     ("correct", pa.bool_()),
 ])
 
-VALIDATION_SECTIONS = ("data.max_response_length", "actor_rollout_ref.rollout.val_kwargs.",
+VALIDATION_SECTIONS = ("data.max_response_length", "data.reward_fn_key", "actor_rollout_ref.rollout.val_kwargs.",
                        "actor_rollout_ref.rollout.seed", "actor_rollout_ref.rollout.name",
                        "custom_reward_function.")
 CORRECT_AT = 1.0
@@ -81,7 +82,7 @@ def sample_val_responses(cfg: RLHFConfig, run: RunDir, actor_dir: Path, limit: O
     defaults to one response per prompt at the training rollout's settings (the guard's on-policy
     check); validation passes its val_kwargs sampling."""
     with timed(TABLE_READ):
-        rows = read_prompt_rows(run.val_prompts)
+        rows = read_prompt_rows(run.val_prompts, columns=_val_columns(cfg, run))
     rows = rows[:limit] if limit else rows
     seed = derive_seed(cfg.actor_rollout_ref.rollout.seed, seed_offset)
     sampling = sampling or replace(sampling_from_config(cfg, seed=seed), n=1)
@@ -89,15 +90,28 @@ def sample_val_responses(cfg: RLHFConfig, run: RunDir, actor_dir: Path, limit: O
     return rows, samples
 
 
+def _val_columns(cfg: RLHFConfig, run: RunDir) -> list[str]:
+    """What generation and the reward function read: the prompt columns, verl's extra_info and the
+    data.reward_fn_key column, those the table has."""
+    names = set(pq.read_schema(run.val_prompts).names) if run.val_prompts.is_file() else set(PROMPT_COLUMNS)
+    wanted = dict.fromkeys((*PROMPT_COLUMNS, "extra_info", cfg.data.reward_fn_key))
+    return [c for c in wanted if c in names or c in PROMPT_COLUMNS]
+
+
 def score_samples(cfg: RLHFConfig, rows: list[dict], samples: list) -> tuple[list[float], list[dict]]:
-    """(score, the reward function's extra values) per sample."""
-    reward_fn = get_reward_fn(cfg)
+    """(score, the reward function's extra values) per sample, with the call the score stage makes
+    (routed by the data.reward_fn_key column, verl's extra_info passed), as verl's val reward does."""
+    reward_fn, key = get_reward_fn(cfg), cfg.data.reward_fn_key
     scores, extras = [], []
     for s in samples:
         row = rows[s.prompt_index]
+        where = f"validation prompt {row['prompt_id']}"
+        if key not in row:
+            raise ConfigError(f"data.reward_fn_key={key!r}: {where} has no column {key!r}; name a column of the "
+                              "prompt files (verl's default: data_source)")
         truth = (row.get("reward_model") or {}).get("ground_truth")
-        result = reward_fn(row.get("data_source"), s.text, truth, None)
-        score, extra = normalize_result(result, where=f"validation prompt {row['prompt_id']}")
+        result = reward_fn(row[key], s.text, truth, row.get("extra_info"))
+        score, extra = normalize_result(result, where=where)
         scores.append(score)
         extras.append(json.loads(extra))
     return scores, extras

@@ -101,3 +101,18 @@ def test_sampled_validation_follows_val_kwargs(val_run):
     _, rows = _validate(run, overrides, 2, *sampled)
     texts = [r["response_text"] for r in rows]
     assert len(rows) == 12 and len(set(texts)) > 4  # 3 draws per prompt at temperature 1 differ
+
+
+def test_rewards_are_routed_by_the_reward_fn_key_column(val_run, tmp_path):
+    """As in the score stage (verl's reward manager): compute_score gets the data.reward_fn_key column."""
+    from rlhf_core.config import ConfigError
+
+    run, overrides = val_run
+    seen = tmp_path / "seen.txt"
+    fn = tmp_path / "my_reward.py"
+    fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                  f"    open({str(seen)!r}, 'a').write(str(data_source) + '\\n')\n    return 1.0\n")
+    result, _ = _validate(run, overrides, 3, "data.reward_fn_key=ability", f"custom_reward_function.path={fn}")
+    assert set(seen.read_text().split()) == {"math"} and result.metrics["val/accuracy"] == 1.0
+    with pytest.raises(ConfigError, match="data.reward_fn_key='nope'"):
+        _validate(run, overrides, 4, "data.reward_fn_key=nope")
