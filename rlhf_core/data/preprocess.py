@@ -1,11 +1,16 @@
 """Raw prompt rows → the prompts tables (train, validation) and the rejects table.
 
-    rows ─ adapter ─► examples ─ dedup ─► unique ─ chat template + tokenize ─► length filter
-         ─► prompt ids ─► train / validation split (+ validation cap) ─► Arrow tables
+    rows ─ adapter (per file with 'auto') ─► examples ─ dedup ─► unique ─ chat template + tokenize
+         ─► length rule ─► prompt ids ─► train / validation split ─► sample caps ─► Arrow tables
 
 Every input row ends in exactly one place: a train row, a validation row, or a reject with its
-reason (malformed, empty, wrong type, no answer, duplicate, too long, over the validation cap);
+reason (malformed, empty, wrong type, no answer, duplicate, too long, over a cap);
 ``preprocess_rows`` checks that accepted + rejected = rows in before it returns.
+
+The length rule is verl's: a prompt over data.max_prompt_length tokens is dropped when
+data.filter_overlong_prompts (here: rejected with its length), else data.truncation decides —
+'error' stops with one line naming the row, 'left' / 'right' / 'middle' cut its tokens
+(``truncate_prompt``) and the prompts table says how many (prompt_tokens_cut).
 
 The split is decided by hashing (data.seed, prompt_id), so it does not depend on the order of the
 input rows: the same prompts land on the same side however the files are shuffled. DuckDB does the
@@ -21,14 +26,19 @@ import math
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Any, Iterable, Iterator, Optional, Sequence
 
 import pyarrow as pa
 
+from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.schema import DataConfig, ModelConfig
-from rlhf_core.data.adapters import PromptExample, RowRejected, get_adapter
+from rlhf_core.data.adapters import (
+    AUTO, PromptExample, RowRejected, get_adapter, matching_layout, unknown_layout_error,
+)
 from rlhf_core.data.readers import RawRow, read_rows
-from rlhf_core.data.schemas import PROMPTS, REJECTS
+from rlhf_core.data.schemas import PROMPTS, REJECTS, encode_extra_info
+from rlhf_core.errors import DataError
+from rlhf_core.paths import resolve_model_path
 
 TOKENIZE_BATCH = 512
 """Prompts per batched chat-template + tokenizer call (fast tokenizers parallelise inside a batch)."""
@@ -45,6 +55,7 @@ class _Candidate:
     dedup_key: str = ""
     prompt_text: str = ""
     token_ids: list[int] = field(default_factory=list)
+    tokens_cut: int = 0
     prompt_id: str = ""
 
 
@@ -72,6 +83,10 @@ class PreprocessResult:
     """prompt_length min / mean / p50 / p95 / max over accepted prompts (empty when none)."""
     id_source: str = ""
     """Where prompt_id came from: "source ids" or "content hashes"."""
+    layouts: dict[str, str] = field(default_factory=dict)
+    """source file → the adapter its rows went through (what 'auto' picked)."""
+    truncated: int = 0
+    """Accepted prompts whose tokens data.truncation cut to data.max_prompt_length."""
 
     @property
     def rows(self) -> dict[str, int]:
@@ -80,11 +95,14 @@ class PreprocessResult:
 
     def summary_lines(self) -> list[str]:
         lines = [f"files read: {len(self.files)}"]
-        lines += [f"  {path}: {n} rows" for path, n in self.files.items()]
+        lines += [f"  {path}: {n} rows" + (f" ({self.layouts[path]} layout)" if path in self.layouts else "")
+                  for path, n in self.files.items()]
         lines.append(f"rows in: {self.rows_in} = train {self.train.num_rows} + val {self.val.num_rows} "
                      f"+ rejected {self.rejects.num_rows}")
         if self.reject_counts:
             lines.append("rejected by reason: " + ", ".join(f"{k} {n}" for k, n in self.reject_counts.items()))
+        if self.truncated:
+            lines.append(f"prompts truncated to data.max_prompt_length: {self.truncated} (column prompt_tokens_cut)")
         if self.id_source:
             lines.append(f"prompt_id from {self.id_source}")
         s = self.length_stats
@@ -101,10 +119,7 @@ class PreprocessResult:
 
 def load_tokenizer(model: ModelConfig):
     """The tokenizer of ``model.tokenizer_path`` or else ``model.path`` ('tiny' builds the local one)."""
-    from transformers import AutoTokenizer
-
-    from rlhf_core.config.loader import ConfigError
-    from rlhf_core.paths import resolve_model_path
+    from transformers import AutoTokenizer  # heavy: only the stages that tokenize pay for it
 
     path = resolve_model_path(model.tokenizer_path or model.path)
     tokenizer = AutoTokenizer.from_pretrained(str(path))
@@ -138,20 +153,60 @@ def tokenize_prompts(tokenizer, conversations: Sequence[list[dict[str, str]]], p
 # steps
 # ---------------------------------------------------------------------------------------------
 
+Tagged = tuple[str, RawRow]  # (group "train" | "val", row)
 
-def _adapt(rows: Iterable[tuple[str, RawRow]], data: DataConfig) -> tuple[list[_Candidate], list[_Reject], int]:
-    """Run the adapter over (group, row) pairs; returns (candidates, rejects, rows seen)."""
-    adapter = get_adapter(data.adapter)
+
+def _resolve_layouts(stream: Iterable[Tagged], data: DataConfig, layouts: dict[str, str]
+                     ) -> Iterator[tuple[str, RawRow, str]]:
+    """(group, row, adapter name) for every row. With data.adapter=auto each file gets the layout of
+    its first record that fits one (rows before it wait in a buffer, usually none); a file none of
+    whose records fits raises the one ``unknown_layout_error``. ``layouts`` records the choice."""
+    if data.adapter != AUTO:
+        get_adapter(data.adapter)  # an unknown name fails before any row is read
+        for group, row in stream:
+            layouts.setdefault(row.source_file, data.adapter)
+            yield group, row, data.adapter
+        return
+    pending: list[Tagged] = []
+
+    def flush_unmatched() -> None:
+        columns = list(dict.fromkeys(k for _, r in pending if r.record is not None for k in r.record))
+        if columns:  # decodable rows and no layout: the file is in a shape we cannot read
+            raise unknown_layout_error(pending[0][1].source_file, columns, data)
+
+    for group, row in stream:
+        if pending and pending[0][1].source_file != row.source_file:
+            flush_unmatched()
+            yield from ((g, r, AUTO) for g, r in pending)  # undecodable rows only: rejected as such
+            pending = []
+        layout = layouts.get(row.source_file)
+        if layout is None and row.record is not None:
+            layout = matching_layout(row.record, data)
+            if layout is not None:
+                layouts[row.source_file] = layout
+                yield from ((g, r, layout) for g, r in pending)
+                pending = []
+        if layout is None:
+            pending.append((group, row))
+        else:
+            yield group, row, layout
+    flush_unmatched()
+    yield from ((g, r, AUTO) for g, r in pending)
+
+
+def _adapt(rows: Iterable[tuple[str, RawRow, str]], data: DataConfig
+           ) -> tuple[list[_Candidate], list[_Reject], int]:
+    """Run each row's adapter over (group, row, adapter) triples; returns (candidates, rejects, rows seen)."""
     candidates: list[_Candidate] = []
     rejects: list[_Reject] = []
     rows_seen = 0
-    for seq, (group, row) in enumerate(rows):
+    for seq, (group, row, layout) in enumerate(rows):
         rows_seen = seq + 1
         if row.record is None:
             rejects.append(_Reject(seq, row, row.error_kind or "unreadable row", row.error or "unreadable row"))
             continue
         try:
-            example = adapter(row.record, data)
+            example = get_adapter(layout)(row.record, data)
         except RowRejected as exc:
             rejects.append(_Reject(seq, row, exc.kind, exc.reason))
             continue
@@ -192,16 +247,56 @@ def _drop_duplicates(candidates: list[_Candidate]) -> tuple[list[_Candidate], li
     return kept, rejects
 
 
-def _drop_too_long(candidates: list[_Candidate], max_len: int) -> tuple[list[_Candidate], list[_Reject]]:
-    kept, rejects = [], []
-    for c in candidates:
-        n = len(c.token_ids)
-        if n > max_len:
-            rejects.append(_Reject(c.seq, c.row, "prompt too long",
-                                   f"prompt too long ({n} > {max_len} tokens, data.max_prompt_length)"))
-        else:
-            kept.append(c)
-    return kept, rejects
+TRUNCATION_MODES = ("error", "left", "right", "middle")
+
+
+def truncate_prompt(token_ids: Sequence[int], max_len: int, mode: str) -> list[int]:
+    """verl's prompt truncation (RLHFDataset / torch_functional.postprocess_data) of one prompt:
+    'left' keeps the last max_len tokens, 'right' the first max_len, 'middle' the first max_len // 2
+    and the last max_len - max_len // 2. A prompt within max_len comes back unchanged."""
+    ids = list(token_ids)
+    if len(ids) <= max_len:
+        return ids
+    if mode == "left":
+        return ids[len(ids) - max_len:]
+    if mode == "right":
+        return ids[:max_len]
+    if mode == "middle":
+        head = max_len // 2
+        return ids[:head] + ids[len(ids) - (max_len - head):]
+    raise ConfigError(f"data.truncation={mode!r} cannot cut a prompt; valid: {', '.join(TRUNCATION_MODES)}")
+
+
+def _overlong_error(c: _Candidate, n_over: int, data: DataConfig) -> DataError:
+    more = f" ({n_over} prompts are over the limit)" if n_over > 1 else ""
+    return DataError(
+        f"{c.row.source_file} row {c.row.source_row}: prompt is {len(c.token_ids)} tokens (chat template "
+        f"applied), over data.max_prompt_length={data.max_prompt_length}{more}; set "
+        f"data.filter_overlong_prompts=true to skip such rows or data.truncation=left|right|middle to cut them")
+
+
+def _apply_length_rule(candidates: list[_Candidate], data: DataConfig, tokenizer: Any
+                       ) -> tuple[list[_Candidate], list[_Reject]]:
+    """Prompts over data.max_prompt_length: rejected (filter_overlong_prompts), an error
+    (truncation=error), or cut (left / right / middle; prompt_text is then the cut tokens' text)."""
+    max_len = data.max_prompt_length
+    over = [c for c in candidates if len(c.token_ids) > max_len]
+    if not over:
+        return candidates, []
+    if data.filter_overlong_prompts:
+        rejects = [_Reject(c.seq, c.row, "prompt too long",
+                           f"prompt too long ({len(c.token_ids)} > {max_len} tokens, data.max_prompt_length)")
+                   for c in over]
+        dropped = {id(c) for c in over}
+        return [c for c in candidates if id(c) not in dropped], rejects
+    if data.truncation == "error":
+        raise _overlong_error(over[0], len(over), data)
+    for c in over:
+        cut = truncate_prompt(c.token_ids, max_len, data.truncation)
+        c.tokens_cut = len(c.token_ids) - len(cut)
+        c.token_ids = cut
+        c.prompt_text = tokenizer.decode(cut, skip_special_tokens=False)
+    return candidates, []
 
 
 def content_prompt_id(data_source: str, messages: list[dict[str, str]]) -> str:
@@ -210,7 +305,7 @@ def content_prompt_id(data_source: str, messages: list[dict[str, str]]) -> str:
     return hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
 
 
-def _assign_prompt_ids(candidates: list[_Candidate], data_source: str) -> str:
+def _assign_prompt_ids(candidates: list[_Candidate]) -> str:
     """The source's ids when every row has one and none repeats, else content hashes (a repeated
     prompt, kept when dedup is off, gets '-1', '-2', … so ids stay unique). Returns which was used."""
     source_ids = [c.example.source_id for c in candidates]
@@ -220,7 +315,7 @@ def _assign_prompt_ids(candidates: list[_Candidate], data_source: str) -> str:
         return "source ids"
     seen: dict[str, int] = {}
     for c in candidates:
-        pid = content_prompt_id(data_source, c.example.messages)
+        pid = content_prompt_id(c.example.data_source, c.example.messages)
         k = seen.get(pid, 0)
         seen[pid] = k + 1
         c.prompt_id = pid if k == 0 else f"{pid}-{k}"
@@ -231,37 +326,67 @@ def _split_key(seed: int, prompt_id: str) -> str:
     return hashlib.sha256(f"{seed}\x00{prompt_id}".encode("utf-8")).hexdigest()
 
 
+def validation_cap(data: DataConfig) -> tuple[int, str]:
+    """(most validation prompts, the key that sets it): data.max_val_samples, or data.val_max_samples
+    when that is set (> 0, as in verl) and smaller."""
+    if 0 < data.val_max_samples < data.max_val_samples:
+        return data.val_max_samples, "data.val_max_samples"
+    return data.max_val_samples, "data.max_val_samples"
+
+
 def _validation_size(n: int, data: DataConfig) -> int:
-    """val_fraction of n (rounded half up), capped by max_val_samples, leaving at least one train row."""
+    """val_fraction of n (rounded half up), capped by validation_cap, leaving at least one train row."""
     wanted = math.floor(data.val_fraction * n + 0.5)
-    return max(0, min(wanted, data.max_val_samples, n - 1))
+    return max(0, min(wanted, validation_cap(data)[0], n - 1))
+
+
+def _ranks(candidates: list[_Candidate], seed: int) -> tuple[dict[int, int], dict[int, int]]:
+    """Per file group: (rank by a hash of (seed, prompt_id), rank in input order), 1-based."""
+    table = pa.table({"i": list(range(len(candidates))), "grp": [c.group for c in candidates],
+                      "split_key": [_split_key(seed, c.prompt_id) for c in candidates]})
+    ranked = _sql_rows(
+        "SELECT i, row_number() OVER (PARTITION BY grp ORDER BY split_key, i), "
+        "row_number() OVER (PARTITION BY grp ORDER BY i) FROM candidates", "candidates", table)
+    return {i: h for i, h, _ in ranked}, {i: o for i, _, o in ranked}
 
 
 def _assign_splits(candidates: list[_Candidate], data: DataConfig, separate_val: bool
                    ) -> tuple[list[_Candidate], list[_Candidate], list[_Reject]]:
-    """(train, val, over-cap rejects). Each file group is ranked by a hash of (seed, prompt_id), so
-    membership does not depend on input order. Without validation files the first
-    ``_validation_size`` of the train ranking become validation; with them, validation rows past
-    data.max_val_samples are rejected (named, not silently dropped)."""
+    """(train, val, over-cap rejects).
+
+    Without validation files the first ``_validation_size`` of the train group's hash ranking become
+    validation, so membership does not depend on input order. With them, validation keeps
+    ``validation_cap`` prompts (hash-ranked when data.shuffle, else the first in input order, as
+    verl's max_samples) and the rest are rejected, named. Then data.train_max_samples caps train
+    the same way (> 0; verl's -1 = all)."""
     if not candidates:
         return [], [], []
-    table = pa.table({"i": list(range(len(candidates))), "grp": [c.group for c in candidates],
-                      "split_key": [_split_key(data.seed, c.prompt_id) for c in candidates]})
-    ranked = _sql_rows(
-        "SELECT i, row_number() OVER (PARTITION BY grp ORDER BY split_key, i) AS rank FROM candidates",
-        "candidates", table)
-    rank = dict(ranked)
+    hashed, ordered = _ranks(candidates, data.seed)
+    chosen = hashed if data.shuffle else ordered
+    cap, cap_key = validation_cap(data)
+    n_val = cap if separate_val else _validation_size(len(candidates), data)
     train, val, rejects = [], [], []
-    n_val = data.max_val_samples if separate_val else _validation_size(len(candidates), data)
     for i, c in enumerate(candidates):
-        if c.group == "train" and (separate_val or rank[i] > n_val):
+        if c.group == "train" and (separate_val or hashed[i] > n_val):
             train.append(c)
-        elif rank[i] <= n_val:
+        elif (chosen if separate_val else hashed)[i] <= n_val:
             val.append(c)
         else:
-            rejects.append(_Reject(c.seq, c.row, "over validation cap",
-                                   f"over validation cap (data.max_val_samples={data.max_val_samples})"))
-    return train, val, rejects
+            rejects.append(_Reject(c.seq, c.row, "over validation cap", f"over validation cap ({cap_key}={cap})"))
+    train, over_train = _cap_train(train, {id(c): chosen[i] for i, c in enumerate(candidates)}, data)
+    return train, val, rejects + over_train
+
+
+def _cap_train(train: list[_Candidate], rank: dict[int, int], data: DataConfig
+               ) -> tuple[list[_Candidate], list[_Reject]]:
+    """At most data.train_max_samples train prompts (the best-ranked; input order kept)."""
+    cap = data.train_max_samples
+    if cap <= 0 or len(train) <= cap:
+        return train, []
+    keep = {id(c) for c in sorted(train, key=lambda c: rank[id(c)])[:cap]}
+    reason = f"over train cap (data.train_max_samples={cap})"
+    return ([c for c in train if id(c) in keep],
+            [_Reject(c.seq, c.row, "over train cap", reason) for c in train if id(c) not in keep])
 
 
 def prompt_length_stats(lengths: Sequence[int]) -> dict[str, float]:
@@ -279,17 +404,25 @@ def prompt_length_stats(lengths: Sequence[int]) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------------
 
 
-def _prompts_table(candidates: list[_Candidate], split: str, data: DataConfig) -> pa.Table:
+def _extra_info(ex: PromptExample, split: str, index: int) -> str:
+    """verl rows: their extra_info untouched. Ours: verl's GSM8K script's keys (split, index, answer,
+    question), split and index being this table's."""
+    info = {"split": split, "index": index, **ex.extra_info} if ex.own_extra_info else ex.extra_info
+    return encode_extra_info(info)
+
+
+def _prompts_table(candidates: list[_Candidate], split: str) -> pa.Table:
     rows = []
     for index, c in enumerate(candidates):
         ex = c.example
         rows.append({
-            "prompt_id": c.prompt_id, "data_source": data.data_source, "prompt": ex.messages,
-            "ability": data.ability, "reward_model": {"style": "rule", "ground_truth": ex.ground_truth},
-            "extra_info": {"split": split, "index": index, "question": ex.question, "answer": ex.answer,
-                           "source_file": c.row.source_file, "source_row": c.row.source_row},
+            "prompt_id": c.prompt_id, "data_source": ex.data_source, "reward_source": ex.reward_source,
+            "prompt": ex.messages, "ability": ex.ability,
+            "reward_model": {"style": ex.style, "ground_truth": ex.ground_truth},
+            "extra_info": _extra_info(ex, split, index),
+            "source_file": c.row.source_file, "source_row": c.row.source_row,
             "prompt_text": c.prompt_text, "prompt_token_ids": c.token_ids,
-            "prompt_length": len(c.token_ids),
+            "prompt_length": len(c.token_ids), "prompt_tokens_cut": c.tokens_cut,
         })
     return pa.Table.from_pylist(rows, schema=PROMPTS)
 
@@ -310,39 +443,41 @@ def preprocess_rows(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[Ra
     """Raw rows → train / validation prompts tables (schema PROMPTS) and rejects (schema REJECTS).
 
     ``val_rows`` None holds out a validation split of the train rows (data.val_fraction, capped at
-    data.max_val_samples); given, it is the validation set (capped the same way).
+    ``validation_cap``); given, it is the validation set (capped the same way). Raises
+    ``DataError`` for a file that fits no layout (adapter 'auto') and for an overlong prompt with
+    data.truncation=error and data.filter_overlong_prompts off.
     """
     files: dict[str, int] = {}
+    layouts: dict[str, str] = {}
 
-    def tagged(group: str, rows: Iterable[RawRow]):
+    def tagged(group: str, rows: Iterable[RawRow]) -> Iterator[Tagged]:
         for row in rows:
             files[row.source_file] = files.get(row.source_file, 0) + 1
             yield group, row
 
     stream = itertools.chain(tagged("train", train_rows), tagged("val", val_rows or []))
-    candidates, rejects, rows_in = _adapt(stream, data)
+    candidates, rejects, rows_in = _adapt(_resolve_layouts(stream, data, layouts), data)
     if data.dedup:
         candidates, duplicates = _drop_duplicates(candidates)
         rejects += duplicates
     texts, ids = tokenize_prompts(tokenizer, [c.example.messages for c in candidates], progress=progress)
     for c, text, token_ids in zip(candidates, texts, ids):
         c.prompt_text, c.token_ids = text, list(token_ids)
-    candidates, too_long = _drop_too_long(candidates, data.max_prompt_length)
+    candidates, too_long = _apply_length_rule(candidates, data, tokenizer)
     rejects += too_long
-    id_source = _assign_prompt_ids(candidates, data.data_source)
+    id_source = _assign_prompt_ids(candidates)
     train, val, over_cap = _assign_splits(candidates, data, separate_val=val_rows is not None)
     rejects += over_cap
     if len(train) + len(val) + len(rejects) != rows_in:  # the promise: no row is ever lost
         raise AssertionError(f"row accounting broken: train {len(train)} + val {len(val)} + rejected "
                              f"{len(rejects)} != rows in {rows_in}")
-    result = PreprocessResult(
-        train=_prompts_table(train, "train", data), val=_prompts_table(val, "val", data),
+    return PreprocessResult(
+        train=_prompts_table(train, "train"), val=_prompts_table(val, "val"),
         rejects=_rejects_table(rejects), rows_in=rows_in, files=files,
         reject_counts=dict(Counter(r.kind for r in rejects).most_common()),
         length_stats=prompt_length_stats([len(c.token_ids) for c in train + val]),
-        id_source=id_source,
+        id_source=id_source, layouts=layouts, truncated=sum(c.tokens_cut > 0 for c in train + val),
     )
-    return result
 
 
 def preprocess_files(train_files: Sequence[str | Path], val_files: Sequence[str | Path], data: DataConfig,

@@ -48,6 +48,11 @@ def truncate(text: str, limit: int = RAW_MAX_CHARS) -> str:
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
+def one_line(exc: BaseException) -> str:
+    """A library's error text on one line (pyarrow's can span several), so our error stays one line."""
+    return " ".join(str(exc).split())
+
+
 def record_text(record: Any) -> str:
     """A record as one line of JSON (non-JSON values such as dates as strings), truncated."""
     return truncate(json.dumps(record, ensure_ascii=False, default=str))
@@ -159,7 +164,7 @@ def read_csv(path: Path) -> Iterator[RawRow]:
     except StopIteration:  # an empty file: no rows
         return
     except csv.Error as exc:  # the header swallowed the file (e.g. an open quote): nothing is readable
-        raise DataError(f"{path}: cannot read the CSV header ({exc}); fix the first line") from None
+        raise DataError(f"{path}: cannot read the CSV header ({one_line(exc)}); fix the first line") from None
     header = [h.strip().lstrip("\ufeff") for h in header]
     _check_csv_header(path, header)
     row = 0
@@ -204,7 +209,8 @@ def _parquet_batches(path: Path, parquet, batch_rows: int) -> Iterator[Any]:
         except StopIteration:
             return
         except Exception as exc:  # pyarrow raises OSError / ArrowInvalid / ArrowException for damage
-            raise DataError(f"{path}: cannot read Parquet data ({exc}); check or regenerate the file") from None
+            raise DataError(f"{path}: cannot read Parquet data ({one_line(exc)}); check or regenerate the "
+                            f"file") from None
         yield batch
 
 
@@ -216,7 +222,7 @@ def read_parquet(path: Path, batch_rows: int = 4096) -> Iterator[RawRow]:
     try:
         parquet = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a damaged or foreign file
-        raise DataError(f"{path}: cannot open as Parquet ({exc}); check the file or its extension") from None
+        raise DataError(f"{path}: cannot open as Parquet ({one_line(exc)}); check the file or its extension") from None
     names = parquet.schema_arrow.names
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:  # rows as dicts would keep only the last of them, silently

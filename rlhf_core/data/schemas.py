@@ -3,9 +3,17 @@
 Rows of the iteration tables are identified by (prompt_id, sample_index). Per-token list columns
 (log-probs, values, rewards, advantages, returns) have exactly ``response_length`` entries, aligned
 with ``response_token_ids``: entry t belongs to response token t.
+
+``extra_info`` is verl's free-form per-row dict (any keys, any nesting). A declared struct cannot
+hold keys that differ from file to file, so it is stored as JSON text (``encode_extra_info``) in the
+prompts table and carried unchanged into rollout / scored / advantages; DuckDB reads it with
+``extra_info->>'$.index'`` or ``json_extract(extra_info, '$.split')``.
 """
 
 from __future__ import annotations
+
+import json
+from typing import Any, Optional
 
 import pyarrow as pa
 
@@ -14,19 +22,30 @@ CHAT_MESSAGE = pa.struct([("role", pa.string()), ("content", pa.string())])
 # prompts/train.parquet and prompts/val.parquet — verl's columns plus the tokenized prompt
 PROMPTS = pa.schema([
     ("prompt_id", pa.string()),          # stable id: the source's id column, else a content hash
-    ("data_source", pa.string()),        # routes the reward function (verl convention)
+    ("data_source", pa.string()),        # verl's data_source column
+    ("reward_source", pa.string()),      # value of the data.reward_fn_key column: routes the reward function
     ("prompt", pa.list_(CHAT_MESSAGE)),  # chat messages, verl's `prompt` column
     ("ability", pa.string()),
     ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-    ("extra_info", pa.struct([
-        ("split", pa.string()), ("index", pa.int64()),
-        ("question", pa.string()), ("answer", pa.string()),
-        ("source_file", pa.string()), ("source_row", pa.int64()),
-    ])),
-    ("prompt_text", pa.string()),        # chat template applied, generation prompt opened
+    ("extra_info", pa.string()),         # JSON object text: verl's extra_info, every key kept
+    ("source_file", pa.string()),        # where the row came from
+    ("source_row", pa.int64()),          # 0-based row (line) number in source_file
+    ("prompt_text", pa.string()),        # chat template applied, generation prompt opened (cut when truncated)
     ("prompt_token_ids", pa.list_(pa.int32())),
     ("prompt_length", pa.int32()),
+    ("prompt_tokens_cut", pa.int32()),   # tokens removed by data.truncation (0 = the whole prompt)
 ])
+
+
+def encode_extra_info(info: Optional[dict[str, Any]]) -> str:
+    """extra_info as the JSON text stored in the tables (None → "{}"); keys keep their order."""
+    return json.dumps(info or {}, ensure_ascii=False, default=str)
+
+
+def decode_extra_info(text: Optional[str]) -> dict[str, Any]:
+    """The dict a reward function receives (verl passes extra_info as a dict); null → {}."""
+    return json.loads(text) if text else {}
+
 
 # prompts/rejects.parquet — nothing is dropped silently
 REJECTS = pa.schema([
@@ -62,6 +81,8 @@ ROLLOUT = pa.schema([
     ("finish_reason", pa.string()),      # "stop" (EOS) | "length" (hit max_response_length) | "offline"
     ("engine", pa.string()),             # "hf" | "vllm" | "offline"
     ("sampling_seed", pa.int64()),
+    ("reward_source", pa.string()),      # the prompt's reward_source (data.reward_fn_key's value)
+    ("extra_info", pa.string()),         # the prompt's extra_info JSON, for reward functions and queries
 ])
 
 # iter_K/scored.parquet = rollout columns + these

@@ -13,17 +13,18 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.data.preprocess import PreprocessResult, load_tokenizer, preprocess_files
+from rlhf_core.data.schemas import PROMPTS, REJECTS
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.io.rundir import RunDir
+from rlhf_core.paths import resolve_path
 from rlhf_core.stages.base import StageResult, execute_stage
 
 CONFIG_SECTIONS = ("data.", "actor_rollout_ref.model.")
 
 
 def _resolve_files(paths: list[str], key: str) -> list[Path]:
-    from rlhf_core.paths import resolve_path
-
     resolved = [resolve_path(p) for p in paths]
     missing = [str(p) for p, r in zip(paths, resolved) if not r.is_file()]
     if missing:
@@ -39,9 +40,6 @@ def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None
     val_files = _resolve_files(cfg.data.val_files, "data.val_files")
 
     def body() -> StageResult:
-        from rlhf_core.data.preprocess import load_tokenizer, preprocess_files
-        from rlhf_core.data.schemas import PROMPTS, REJECTS
-
         tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
         result = preprocess_files(train_files, val_files, cfg.data, tokenizer)
         # rejects first: when nothing was accepted they are what the user needs to read
@@ -54,8 +52,7 @@ def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None
             )
         atomic_write_parquet(run.train_prompts, result.train, schema=PROMPTS)
         atomic_write_parquet(run.val_prompts, result.val, schema=PROMPTS)
-        metrics = {f"data/prompt_length_{k}": v for k, v in result.length_stats.items()}
-        metrics["data/reject_fraction"] = result.rejects.num_rows / max(1, result.rows_in)
+        metrics = _metrics(result)
         summary = result.summary_lines() + [f"wrote {run.train_prompts.parent}/{{train,val,rejects}}.parquet"]
         return StageResult(
             stage="preprocess", iteration=None,
@@ -65,3 +62,11 @@ def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None
 
     return execute_stage(stage="preprocess", cfg=cfg, run=run, iteration=None, inputs=train_files + val_files,
                          config_sections=CONFIG_SECTIONS, body=body, force=force)
+
+
+def _metrics(result: PreprocessResult) -> dict[str, float]:
+    """Recorded in the manifest: prompt lengths, the rejected share, how many prompts were cut."""
+    metrics = {f"data/prompt_length_{k}": v for k, v in result.length_stats.items()}
+    metrics["data/reject_fraction"] = result.rejects.num_rows / max(1, result.rows_in)
+    metrics["data/prompts_truncated"] = float(result.truncated)
+    return metrics

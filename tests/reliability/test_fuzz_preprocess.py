@@ -10,12 +10,17 @@ surrogate escapes, non-object JSON, blank), wrong-typed and missing fields (numb
 null, booleans where strings are expected), empty and whitespace-only strings, duplicate ids and
 duplicate prompts, CSV with repeated or missing columns, quotes and stray bytes, Parquet files whose
 schemas differ from file to file (a column a string in one file, a list or a struct in the next;
-strings holding invalid UTF-8), damaged Parquet files, and 1 MB strings.
+strings holding invalid UTF-8), damaged Parquet files, 1 MB strings, and verl-layout rows (chat
+messages, reward_model, extra_info with any keys) whose every field may be missing or wrong.
+
+A ``DataError`` may also be one of the two whole-run rules: adapter 'auto' meeting a file of no
+known layout, and an overlong prompt under data.truncation=error; both must name the file.
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import io
 import json
 import tempfile
@@ -32,7 +37,7 @@ from rlhf_core.config import load_config
 from rlhf_core.config.schema import DataConfig
 from rlhf_core.data.preprocess import preprocess_files
 from rlhf_core.data.readers import RAW_MAX_CHARS
-from rlhf_core.data.schemas import PROMPTS, REJECTS
+from rlhf_core.data.schemas import PROMPTS, REJECTS, decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.io.rundir import RunDir
@@ -87,6 +92,46 @@ def records(draw) -> dict:
     return record
 
 
+def extra_infos() -> st.SearchStrategy:
+    """verl's free-form extra_info: any keys, nested values, or something that is not a dict."""
+    leaves = st.one_of(st.none(), st.booleans(), st.integers(-9, 9), st.text(max_size=6))
+    nested = st.recursive(leaves, lambda kids: st.one_of(st.lists(kids, max_size=3),
+                                                         st.dictionaries(st.text(max_size=4), kids, max_size=3)),
+                          max_leaves=6)
+    return st.one_of(st.dictionaries(st.text(max_size=8), nested, max_size=4),
+                     st.fixed_dictionaries({"split": st.just("train"), "index": st.integers(0, 99)}), wrong_types())
+
+
+def messages() -> st.SearchStrategy:
+    good = st.fixed_dictionaries({"role": st.sampled_from(["user", "system", "assistant"]),
+                                  "content": st.one_of(st.sampled_from(QUESTIONS), text_values())})
+    odd = st.one_of(wrong_types(), st.fixed_dictionaries({"role": st.just("user"), "content": wrong_types()}),
+                    st.fixed_dictionaries({"role": st.just("user"), "content": st.just("x"),
+                                           "name": st.text(max_size=3)}))
+    return st.one_of(st.lists(good, min_size=1, max_size=3), st.lists(st.one_of(good, odd), max_size=3),
+                     text_values(), wrong_types())
+
+
+@st.composite
+def verl_records(draw) -> dict:
+    """A verl-layout row: each of its fields mostly right, else of a drawn shape, or absent."""
+    truth = st.one_of(answers().map(lambda a: a.split("#### ")[1]), st.integers(), text_values(), wrong_types())
+    good_prompt = st.sampled_from(QUESTIONS).map(lambda q: [{"role": "user", "content": q}])
+    number = answers().map(lambda a: a.split("#### ")[1])
+    good_truth = st.fixed_dictionaries({"style": st.just("rule"), "ground_truth": number})
+    fields = {"data_source": (st.just("openai/gsm8k"), st.one_of(text_values(), wrong_types())),
+              "prompt": (good_prompt, messages()), "ability": (st.just("math"), wrong_types()),
+              "reward_model": (good_truth, st.one_of(st.fixed_dictionaries({"ground_truth": truth}), wrong_types())),
+              "extra_info": (st.fixed_dictionaries({"split": st.just("train"), "index": st.integers(0, 99)}),
+                             extra_infos())}
+    record = {}
+    for key, (good, odd) in fields.items():
+        choice = draw(st.sampled_from(["good", "good", "good", "good", "odd", "absent"]))
+        if choice != "absent":
+            record[key] = draw(good if choice == "good" else odd)
+    return record
+
+
 def corrupt(draw, data: bytes) -> bytes:
     """Insert a hostile byte sequence, or cut the bytes short, at a drawn position."""
     at = draw(st.integers(0, len(data)))
@@ -107,7 +152,7 @@ def jsonl_lines(draw) -> bytes:
         return draw(st.sampled_from([b"", b" ", b"\t", b"\r"]))
     if kind == "garbage":
         return draw(st.binary(max_size=40)).replace(b"\n", b"")
-    line = json.dumps(draw(records()), ensure_ascii=draw(st.booleans())).encode()
+    line = json.dumps(draw(st.one_of(records(), verl_records())), ensure_ascii=draw(st.booleans())).encode()
     if kind == "surrogate":  # valid JSON, but a lone UTF-16 surrogate escape is no Unicode text
         quotes = [i for i, byte in enumerate(line) if byte == ord('"')]
         if quotes:
@@ -192,10 +237,18 @@ def parquet_tables(draw) -> pa.Table:
 
 @st.composite
 def data_configs(draw) -> DataConfig:
-    return DataConfig(adapter=draw(st.sampled_from(["gsm8k", "generic"])), dedup=draw(st.booleans()),
+    return DataConfig(adapter=draw(st.sampled_from(["gsm8k", "generic", "verl", "auto"])), dedup=draw(st.booleans()),
                       val_fraction=draw(st.sampled_from([0.0, 0.1, 0.5])),
                       max_val_samples=draw(st.sampled_from([1, 256])),
-                      max_prompt_length=draw(st.sampled_from([78, 256])), id_key=draw(st.sampled_from(["id", ""])))
+                      max_prompt_length=draw(st.sampled_from([78, 256])), id_key=draw(st.sampled_from(["id", ""])),
+                      filter_overlong_prompts=draw(st.sampled_from([True, True, False])),
+                      truncation=draw(st.sampled_from(["error", "left", "right", "middle"])),
+                      train_max_samples=draw(st.sampled_from([-1, -1, 2])),
+                      val_max_samples=draw(st.sampled_from([-1, 1])), shuffle=draw(st.booleans()))
+
+
+RUN_RULES = ("data.adapter=auto cannot tell the layout", "over data.max_prompt_length")
+"""The DataErrors that stop a whole run by design (see the module docstring)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -220,18 +273,23 @@ def jsonl_row_count(data: bytes) -> int:
 def check_preprocess(train: list[Path], val: list[Path], expected: dict[Path, int | None], data: DataConfig,
                      tokenizer, out_dir: Path):
     """Run the real core; assert the row accounting and that the tables write as the stage writes them.
-    Returns the result, or None after a DataError that names one of the files."""
+    Returns the result, or the DataError (which names one of the files)."""
     try:
         result = preprocess_files(train, val, data, tokenizer, progress=False)
     except DataError as exc:
         assert any(str(p) in str(exc) for p in train + val), f"DataError does not name the file: {exc}"
+        assert "\n" not in str(exc), f"DataError is not one line: {exc}"
+        if "over data.max_prompt_length" in str(exc):
+            assert data.truncation == "error" and not data.filter_overlong_prompts, exc
+        if "cannot tell the layout" in str(exc):
+            assert data.adapter == "auto", exc
         note("DataError" + str(exc).split(":", 1)[-1][:40])
-        return None
+        return exc
     note("accepted some" if result.train.num_rows + result.val.num_rows else "accepted none")
     note("rejected some" if result.rejects.num_rows else "rejected none")
     accepted = result.train.to_pylist() + result.val.to_pylist()
     rejects = result.rejects.to_pylist()
-    places = [(r["extra_info"]["source_file"], r["extra_info"]["source_row"]) for r in accepted]
+    places = [(r["source_file"], r["source_row"]) for r in accepted]
     places += [(r["source_file"], r["source_row"]) for r in rejects]
     assert len(places) == result.rows_in, "accepted + rejected != rows in"
     # every input row of every file is in exactly one place
@@ -244,7 +302,13 @@ def check_preprocess(train: list[Path], val: list[Path], expected: dict[Path, in
         assert r["raw"] is not None and len(r["raw"]) <= RAW_MAX_CHARS
     for r in accepted:
         assert r["prompt_length"] == len(r["prompt_token_ids"]) <= data.max_prompt_length
-        assert r["reward_model"]["ground_truth"].strip()
+        assert r["prompt_tokens_cut"] == 0 or (r["prompt_length"] == data.max_prompt_length
+                                               and data.truncation != "error" and not data.filter_overlong_prompts)
+        assert r["reward_model"]["ground_truth"].strip() and r["reward_source"]
+        assert isinstance(decode_extra_info(r["extra_info"]), dict)
+        assert all(m["role"] is not None and m["content"] is not None for m in r["prompt"])
+    if data.train_max_samples > 0:
+        assert result.train.num_rows <= data.train_max_samples
     assert len({r["prompt_id"] for r in accepted}) == len(accepted), "prompt ids must be unique"
     # the tables must survive the stage's writer (e.g. no unencodable text in them)
     for name, table, schema in (("train", result.train, PROMPTS), ("val", result.val, PROMPTS),
@@ -313,8 +377,10 @@ def test_fuzz_parquet_mixed_schemas(tokenizer, tables, data, with_val, damage, w
         train, val = split_train_val(with_val, paths)
         result = check_preprocess(train, val, expected, data, tokenizer, tmp)
         repeated = any(len(set(t.column_names)) < t.num_columns for t in tables)
-        assert result is not None or damage or repeated, "only a damaged or ambiguous file may stop preprocessing"
-        note(f"damage={damage}: {'DataError' if result is None else 'read'}")
+        stopped = isinstance(result, DataError)
+        assert not stopped or damage or repeated or any(rule in str(result) for rule in RUN_RULES), (
+            f"only a damaged or ambiguous file, or a run rule, may stop preprocessing: {result}")
+        note(f"damage={damage}: {'DataError' if stopped else 'read'}")
 
 
 @FUZZ
@@ -330,6 +396,40 @@ def test_fuzz_mixed_formats_in_one_run(tokenizer, jsonl, csv_file, table, data):
         check_preprocess(list(expected), [], expected, data, tokenizer, tmp)
 
 
+def verl_parquet_table(rows: list[dict]) -> pa.Table:
+    """The rows as Parquet columns; a column whose values no single Arrow type holds is written as
+    JSON text (a prompt column of strings, say), as a tool flattening mixed data would."""
+    names = list(dict.fromkeys(k for r in rows for k in r))
+    columns = {}
+    for name in names:
+        values = [r.get(name) for r in rows]
+        try:
+            columns[name] = pa.array(values)
+            pq.write_table(pa.table({name: columns[name]}), io.BytesIO())  # e.g. a struct with no fields cannot
+        except (pa.ArrowException, OverflowError, ValueError, TypeError):
+            columns[name] = pa.array([None if v is None else json.dumps(v) for v in values], pa.string())
+    return pa.table(columns) if columns else pa.table({"other": pa.array([0] * len(rows))})
+
+
+@FUZZ
+@given(tables=st.lists(st.lists(verl_records(), max_size=6), min_size=1, max_size=3),
+       data=data_configs().flatmap(lambda d: st.sampled_from(["verl", "auto"]).map(
+           lambda adapter: dataclasses.replace(d, adapter=adapter))), with_val=st.booleans())
+def test_fuzz_verl_parquet(tokenizer, tables, data, with_val):
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        paths = []
+        for i, rows in enumerate(tables):
+            pq.write_table(verl_parquet_table(rows), tmp / f"v{i}.parquet")
+            paths.append(tmp / f"v{i}.parquet")
+        train, val = split_train_val(with_val, paths)
+        result = check_preprocess(train, val, {p: len(r) for p, r in zip(paths, tables)}, data, tokenizer, tmp)
+        if isinstance(result, DataError):
+            assert any(rule in str(result) for rule in RUN_RULES), result
+        else:
+            note(f"verl rows accepted: {result.train.num_rows + result.val.num_rows > 0}")
+
+
 @settings(max_examples=15, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(blob=jsonl_files())
@@ -339,13 +439,17 @@ def test_fuzz_through_the_stage(tiny_model_dir, blob):
     with tempfile.TemporaryDirectory() as tmp:
         raw = Path(tmp) / "raw.jsonl"
         raw.write_bytes(blob)
-        cfg = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir}"])
+        cfg = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir}"])  # every data default
         cfg.data.train_files = [str(raw)]
         run = RunDir(Path(tmp) / "run")
         try:
             result = run_preprocess(cfg, run, force=True)
         except DataError as exc:
-            assert str(raw) in str(exc) and str(run.rejects) in str(exc)
+            assert str(raw) in str(exc)
+            if any(rule in str(exc) for rule in RUN_RULES):  # stopped before writing anything
+                assert not run.rejects.exists()
+                return
+            assert str(run.rejects) in str(exc)
             assert pq.read_table(run.rejects).num_rows == jsonl_row_count(blob)
             return
         on_disk = sum(pq.read_table(p).num_rows for p in (run.train_prompts, run.val_prompts, run.rejects))
@@ -374,7 +478,14 @@ def test_one_megabyte_strings(tmp_path, tokenizer, fmt, field):
         path.write_text(buf.getvalue())
     else:
         pq.write_table(pa.Table.from_pylist(rows), path)
-    result = check_preprocess([path], [], {path: 2}, DataConfig(val_fraction=0.0), tokenizer, tmp_path)
+    if field == "question":  # verl's default (truncation=error, no filter) stops on it, naming the row
+        stopped = check_preprocess([path], [], {path: 2}, DataConfig(val_fraction=0.0), tokenizer, tmp_path)
+        assert isinstance(stopped, DataError) and f"{path} row 1: prompt is" in str(stopped)
+        cut = check_preprocess([path], [], {path: 2}, DataConfig(val_fraction=0.0, truncation="middle"), tokenizer,
+                               tmp_path)
+        assert cut.truncated == 1 and cut.train.column("prompt_length").to_pylist()[1] == 512
+    result = check_preprocess([path], [], {path: 2}, DataConfig(val_fraction=0.0, filter_overlong_prompts=True),
+                              tokenizer, tmp_path)
     reasons = {r["source_row"]: r["reason"] for r in result.rejects.to_pylist()}
     if field == "question":
         assert reasons == {1: reasons[1]} and reasons[1].startswith("prompt too long")
@@ -426,8 +537,8 @@ def test_integer_over_python_digit_limit_is_a_reject_not_a_crash(tmp_path, token
     path = tmp_path / "in.jsonl"
     path.write_bytes(b'{"question": "What is 7 times 6?", "answer": "#### 42"}\n'
                      b'{"question": "Big?", "answer": ' + b"9" * 5000 + b"}\n")
-    result = check_preprocess([path], [], {path: 2}, DataConfig(val_fraction=0.0, adapter="generic"), tokenizer,
-                              tmp_path)
+    data = DataConfig(val_fraction=0.0, adapter="generic", prompt_key="question")
+    result = check_preprocess([path], [], {path: 2}, data, tokenizer, tmp_path)
     assert result.rejects.column("reason").to_pylist()[0].startswith("malformed JSON: Exceeds the limit")
 
 

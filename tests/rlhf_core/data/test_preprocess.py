@@ -63,7 +63,7 @@ def test_every_bad_row_is_rejected_with_reason_and_row(tmp_path, tokenizer):
     ]
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    result = run([path], DataConfig(max_prompt_length=128, val_fraction=0.0), tokenizer)
+    result = run([path], DataConfig(max_prompt_length=128, filter_overlong_prompts=True, val_fraction=0.0), tokenizer)
     reasons = rejects_by_row(result)
     assert sorted(reasons) == [1, 2, 3, 4, 5, 6, 7, 8]
     assert reasons[1].startswith("malformed JSON")
@@ -75,7 +75,7 @@ def test_every_bad_row_is_rejected_with_reason_and_row(tmp_path, tokenizer):
     assert reasons[7] == "duplicate of row 0"
     assert reasons[8].startswith("not a JSON object")
     assert result.rows == {"input": 10, "train": 2, "val": 0, "rejected": 8}
-    assert [r["extra_info"]["source_row"] for r in result.train.to_pylist()] == [0, 9]
+    assert [r["source_row"] for r in result.train.to_pylist()] == [0, 9]
     raw = {r["source_row"]: r["raw"] for r in result.rejects.to_pylist()}
     assert raw[1] == '{"question": "Ava has' and "\ufffd" in raw[2]
     assert result.reject_counts["duplicate"] == 1 and sum(result.reject_counts.values()) == 8
@@ -91,13 +91,17 @@ def test_tokenized_columns_equal_the_tokenizer_and_lengths_respect_the_limit(tmp
         assert row["prompt_token_ids"] == tokenizer(expected_text, add_special_tokens=False)["input_ids"]
         assert row["prompt_length"] == len(row["prompt_token_ids"])
         assert row["prompt"][0] == {"role": "system", "content": "You are a careful solver."}
-        assert row["reward_model"] == {"style": "rule", "ground_truth": row["extra_info"]["answer"].split("#### ")[1]}
+        info = json.loads(row["extra_info"])
+        assert row["reward_model"] == {"style": "rule", "ground_truth": info["answer"].split("#### ")[1]}
+        assert list(info) == ["split", "index", "answer", "question"]  # verl's GSM8K script's keys, in its order
+        assert row["reward_source"] == row["data_source"] and row["prompt_tokens_cut"] == 0
         assert row["ability"] == "math" and row["data_source"] == "openai/gsm8k"
     # a limit one token below the shortest prompt rejects everything, each with its exact length
     shortest = min(r["prompt_length"] for r in rows)
-    tight = run([path], DataConfig(system_prompt=data.system_prompt, max_prompt_length=shortest - 1), tokenizer)
+    tight = run([path], DataConfig(system_prompt=data.system_prompt, max_prompt_length=shortest - 1,
+                                   filter_overlong_prompts=True), tokenizer)
     assert tight.train.num_rows == 0 and tight.rejects.num_rows == 20
-    lengths = {r["extra_info"]["source_row"]: r["prompt_length"] for r in rows}
+    lengths = {r["source_row"]: r["prompt_length"] for r in rows}
     for row, reason in rejects_by_row(tight).items():
         assert reason.startswith(f"prompt too long ({lengths[row]} > {shortest - 1} tokens")
 
@@ -115,7 +119,8 @@ def test_csv_and_mixed_schema_parquet_files(tmp_path, tokenizer):
     assert result.files == {str(a): 1, str(b): 2, str(c): 1}
     assert rejects_by_row(result) == {1: "missing answer: 'answer' is null"}
     assert result.rejects.column("source_file").to_pylist() == [str(b)]
-    origin = [(r["extra_info"]["source_file"], r["extra_info"]["source_row"]) for r in result.train.to_pylist()]
+    origin = [(r["source_file"], r["source_row"]) for r in result.train.to_pylist()]
+    assert result.layouts == {str(a): "gsm8k", str(b): "gsm8k", str(c): "gsm8k"}  # adapter 'auto'
     assert origin == [(str(a), 0), (str(b), 0), (str(c), 0)]
     assert result.train.column("reward_model").to_pylist()[2]["ground_truth"] == "5"
     # not every row has an id, so ids are content hashes
@@ -160,7 +165,7 @@ def test_split_is_seeded_sized_and_independent_of_row_order(tmp_path, tokenizer)
     assert len(val_capped) == 7 and capped.train.num_rows == 193  # held back rows go to train, not lost
     assert set(first.train.column("prompt_id").to_pylist()).isdisjoint(val_a)
     for table, split in ((first.train, "train"), (first.val, "val")):
-        extra = table.column("extra_info").to_pylist()
+        extra = [json.loads(e) for e in table.column("extra_info").to_pylist()]
         assert [e["split"] for e in extra] == [split] * table.num_rows
         assert [e["index"] for e in extra] == list(range(table.num_rows))
 
@@ -171,7 +176,7 @@ def test_validation_files_are_capped_and_the_rest_rejected(tmp_path, tokenizer):
     result = run([train], DataConfig(max_val_samples=4), tokenizer, val_files=[val])
     assert result.rows == {"input": 16, "train": 10, "val": 4, "rejected": 2}
     assert set(result.rejects.column("reason").to_pylist()) == {"over validation cap (data.max_val_samples=4)"}
-    assert set(result.val.column("extra_info").combine_chunks().field("source_file").to_pylist()) == {val}
+    assert set(result.val.column("source_file").to_pylist()) == {val}
 
 
 def test_ids_from_source_when_unique_else_hashes_and_dedup_off_keeps_ids_unique(tmp_path, tokenizer):

@@ -44,7 +44,7 @@ def test_gsm8k_every_row_accounted_for_with_numeric_truths(gsm8k_run, gsm8k_trai
     train, val, rejects = (pq.read_table(p) for p in (run.train_prompts, run.val_prompts, run.rejects))
     assert (train.num_rows, val.num_rows, rejects.num_rows) == (rows["train"], rows["val"], rows["rejected"])
     # every row is somewhere exactly once: accepted source rows and rejected source rows partition 0..N-1
-    accepted = [e["source_row"] for e in train.column("extra_info").to_pylist() + val.column("extra_info").to_pylist()]
+    accepted = train.column("source_row").to_pylist() + val.column("source_row").to_pylist()
     assert sorted(accepted + rejects.column("source_row").to_pylist()) == list(range(GSM8K_ROWS))
     assert all(r.startswith("prompt too long") for r in rejects.column("reason").to_pylist())
     assert max(train.column("prompt_length").to_pylist()) <= cfg.data.max_prompt_length
@@ -52,14 +52,16 @@ def test_gsm8k_every_row_accounted_for_with_numeric_truths(gsm8k_run, gsm8k_trai
     for record in train.to_pylist()[:: 97]:
         truth = record["reward_model"]["ground_truth"]
         assert NUMBER.fullmatch(truth), truth
-        raw = json.loads(source[record["extra_info"]["source_row"]])
+        raw = json.loads(source[record["source_row"]])
         assert truth == raw["answer"].rsplit("####", 1)[1].strip().replace(",", "")
-        assert record["extra_info"]["question"] == raw["question"]
+        assert json.loads(record["extra_info"])["question"] == raw["question"]
     assert all(NUMBER.fullmatch(t["ground_truth"]) for t in train.column("reward_model").to_pylist())
     assert len(set(train.column("prompt_id").to_pylist() + val.column("prompt_id").to_pylist())) == (
         rows["train"] + rows["val"])
     assert any(line.startswith("prompt length (tokens): min") for line in result.summary)
     assert result.metrics["data/prompt_length_max"] <= cfg.data.max_prompt_length
+    assert result.metrics["data/prompts_truncated"] == 0
+    assert any(line.endswith("rows (gsm8k layout)") for line in result.summary)  # what adapter 'auto' picked
 
 
 def _cli(args: list[str]) -> subprocess.CompletedProcess:
@@ -125,6 +127,23 @@ def test_nothing_accepted_is_an_error_that_points_at_the_rejects(tmp_path, tiny_
         run_preprocess(cfg, run)
     assert pq.read_table(run.rejects).num_rows == 2
     assert not run.train_prompts.exists()
+
+
+def test_overlong_prompt_stops_the_stage_unless_filtered_or_cut(tmp_path, tiny_model_dir):
+    """verl's defaults (filter_overlong_prompts=false, truncation=error) stop on the first overlong
+    row with one line; truncation=left cuts it and the manifest counts the cut prompts."""
+    rows = [{"question": "Sam has 2 pens and gets 3 more. How many?", "answer": "#### 5"},
+            {"question": "pens " * 300 + "How many?", "answer": "#### 1"}]
+    run = RunDir(tmp_path / "run")
+    cfg = _small_cfg(tmp_path, tiny_model_dir, rows, "data.val_fraction=0.0", "data.max_prompt_length=128")
+    with pytest.raises(DataError, match=r"raw\.jsonl row 1: prompt is \d+ tokens .*data\.filter_overlong_prompts=true"):
+        run_preprocess(cfg, run)
+    cut = run_preprocess(apply_overrides(cfg, ["data.truncation=left"]), run)
+    assert cut.rows == {"input": 2, "train": 2, "val": 0, "rejected": 0}
+    assert read_manifest(run, None)["preprocess"]["metrics"]["data/prompts_truncated"] == 1
+    assert pq.read_table(run.train_prompts).column("prompt_tokens_cut").to_pylist()[0] == 0
+    filtered = run_preprocess(apply_overrides(cfg, ["data.filter_overlong_prompts=true"]), run)
+    assert filtered.rows == {"input": 2, "train": 1, "val": 0, "rejected": 1}
 
 
 def test_missing_file_names_the_key_and_the_file(tmp_path, tiny_model_dir):
