@@ -2,20 +2,23 @@
 
     rlhf stage pack --run-dir RUN [-c PRESET] [actor_rollout_ref.rollout.generation_batch_tokens=8192 ...]
 
-1. Order: the train prompts sorted by prompt_id (so the input file order does not matter), then
-   shuffled with ``data.seed`` (one epoch; iteration k uses slot (k - 1) % num_slots, so later epochs
-   replay the same order).
-2. Slots: consecutive runs of ``data.train_batch_size`` prompts, one per iteration. A last partial
-   slot is kept as its own (smaller) slot when at least half full; otherwise its prompts join the
-   slot before it (so no prompt is dropped and no iteration trains on a tiny batch). With fewer
-   prompts than half a batch there is one slot holding all of them.
-3. Generation batches: each slot is cut by ``plan_generation_batches`` so that
+1. Epochs, as verl's dataloader (drop_last): each epoch's order is cut into
+   len(prompts) // ``data.train_batch_size`` slots of exactly that many prompts, one per
+   iteration; the last partial batch sits that epoch out. With data.shuffle (verl's default) every
+   epoch has its own seeded order (prompts sorted by prompt_id first, so the input file order does
+   not matter), and epochs are planned until every prompt has been in a slot (at most
+   ``MAX_PLANNED_EPOCHS``); iteration k uses slot (k - 1) % num_slots, so later epochs cycle through
+   the planned ones. With data.shuffle=false one epoch in the prompts table's own order (the input
+   files' order), the same every epoch, as verl's sequential sampler. Fewer prompts than one batch:
+   one slot holding all of them (verl refuses to start).
+2. Generation batches: each slot is cut by ``plan_generation_batches`` so that
    ``prompts × rollout.n × (longest prompt + data.max_response_length)`` fits
    ``rollout.generation_batch_tokens`` — fewest batches first, then least left padding.
-4. Summary: packing efficiency of the generation batches against random batches of the same count,
-   and an estimate for the training micro-batches at ``actor.ppo_max_token_len_per_gpu`` (every
-   response taken at its maximum length, the worst case the budget must hold) against fixed
-   micro-batches of ``actor.ppo_micro_batch_size_per_gpu`` padded to their longest.
+3. Summary (over the first planned epoch): packing efficiency of the generation batches against
+   random batches of the same count, and an estimate for the training micro-batches at
+   ``actor.ppo_max_token_len_per_gpu`` (every response taken at its maximum length, the worst case
+   the budget must hold) against fixed micro-batches of ``actor.ppo_micro_batch_size_per_gpu``
+   (``resolve.micro_batching``) padded to their longest.
 
 The stage reruns only when the train prompts or one of ``CONFIG_KEYS`` changed: rerunning it marks
 every iteration stale, so unrelated settings (learning rate, temperature) must not trigger it.
@@ -28,19 +31,27 @@ from dataclasses import dataclass
 from typing import Optional
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.resolve import micro_batching, mini_batch_sequences
+from rlhf_core.data.packing import (
+    PackingBudgetError, fixed_micro_batches, micro_batches_by_budget, padded_batches_efficiency,
+    plan_generation_batches,
+)
+from rlhf_core.data.schemas import GENERATION_BATCHES
 from rlhf_core.errors import DataError
+from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.io.rundir import RunDir
 from rlhf_core.stages.base import StageResult, execute_stage
 
 # Dotted prefixes of exactly the keys this stage reads. (Prefix matching also catches rollout.name
 # through rollout.n: switching engines reruns packing, which is harmless.)
 CONFIG_KEYS = (
-    "data.seed", "data.train_batch_size", "data.max_response_length",
+    "data.seed", "data.shuffle", "data.train_batch_size", "data.max_response_length",
     "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.generation_batch_tokens",
     "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.actor.ppo_mini_batch_size",
-    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu", "actor_rollout_ref.actor.use_dynamic_bsz",
+    "actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.actor.use_dynamic_bsz",
 )
 GEN_BUDGET_KEY = "actor_rollout_ref.rollout.generation_batch_tokens"
 TRAIN_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
@@ -51,24 +62,48 @@ TRAIN_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 # ---------------------------------------------------------------------------------------------
 
 
-def epoch_order(prompt_ids: list[str], seed: int, epoch: int = 0) -> list[int]:
+def epoch_order(prompt_ids: list[str], seed: int, epoch: int = 0, shuffle: bool = True) -> list[int]:
     """Indices into ``prompt_ids`` in this epoch's order: sorted by id, then a seeded shuffle, so
-    the order depends on the set of prompts and the seed only."""
+    the order depends on the set of prompts and the seed only; ``shuffle`` False keeps the given order."""
+    if not shuffle:
+        return list(range(len(prompt_ids)))
     order = sorted(range(len(prompt_ids)), key=lambda i: prompt_ids[i])
     random.Random(f"pack:{seed}:{epoch}").shuffle(order)
     return order
 
 
+MAX_PLANNED_EPOCHS = 16
+"""With data.shuffle, epochs are planned until every prompt has been in a slot; a prompt left out of
+e epochs in a row has probability (remainder / prompts)^e, so this bound is reached only by absurd
+batch sizes, never by a real data set."""
+
+
 def cut_slots(order: list[int], batch_size: int) -> list[list[int]]:
-    """Consecutive slots of ``batch_size``; the remainder is its own slot when at least half full,
-    else it joins the previous slot (see the module docstring)."""
+    """One epoch's slots: consecutive full batches of ``batch_size`` (the remainder is left out, as
+    verl's drop_last), or one slot of everything when there is less than one batch."""
     if batch_size < 1:
         raise DataError(f"data.train_batch_size must be >= 1, got {batch_size}")
-    slots = [order[s:s + batch_size] for s in range(0, len(order), batch_size)]
-    if len(slots) >= 2 and 2 * len(slots[-1]) < batch_size:
-        tail = slots.pop()
-        slots[-1] = slots[-1] + tail
-    return slots
+    if len(order) < batch_size:
+        return [order] if order else []
+    return [order[s:s + batch_size] for s in range(0, len(order) - batch_size + 1, batch_size)]
+
+
+def plan_epochs(prompt_ids: list[str], batch_size: int, seed: int, shuffle: bool) -> tuple[list[list[int]], int]:
+    """(slots of every planned epoch, epoch-major; slots per epoch). See the module docstring."""
+    if not shuffle:
+        slots = cut_slots(epoch_order(prompt_ids, seed, shuffle=False), batch_size)
+        return slots, len(slots)
+    slots: list[list[int]] = []
+    seen: set[int] = set()
+    per_epoch = 0
+    for epoch in range(MAX_PLANNED_EPOCHS):
+        epoch_slots = cut_slots(epoch_order(prompt_ids, seed, epoch), batch_size)
+        per_epoch = len(epoch_slots)
+        slots += epoch_slots
+        seen.update(i for slot in epoch_slots for i in slot)
+        if len(seen) == len(prompt_ids):
+            break
+    return slots, per_epoch
 
 
 @dataclass
@@ -80,8 +115,6 @@ class SlotPlan:
 
 def plan_slots(lengths: list[int], slots: list[list[int]], max_response_length: int, n: int,
                budget: int) -> list[SlotPlan]:
-    from rlhf_core.data.packing import PackingBudgetError, plan_generation_batches
-
     plans = []
     for s, members in enumerate(slots):
         try:
@@ -104,8 +137,6 @@ def plan_slots(lengths: list[int], slots: list[list[int]], max_response_length: 
 def generation_stats(lengths: list[int], plans: list[SlotPlan], max_response_length: int, n: int,
                      budget: int, seed: int) -> dict[str, float]:
     """Left-padding efficiency of the planned batches vs random batches of the same count."""
-    from rlhf_core.data.packing import padded_batches_efficiency
-
     ours, random_batches, kv_used = [], [], 0
     rng = random.Random(f"pack-baseline:{seed}")
     for plan in plans:
@@ -134,13 +165,12 @@ def training_stats(lengths: list[int], plans: list[SlotPlan], cfg: RLHFConfig, s
     mini-batch: budget packing (use_dynamic_bsz) vs fixed micro-batches padded to their longest
     (use_dynamic_bsz=False, sequences in shuffled order). With use_dynamic_bsz off and a budget
     smaller than the longest sequence, the budget what-if is left out rather than failing."""
-    from rlhf_core.data.packing import fixed_micro_batches, micro_batches_by_budget
-
-    actor, n = cfg.actor_rollout_ref.actor, cfg.actor_rollout_ref.rollout.n
-    budget, fixed = actor.ppo_max_token_len_per_gpu, actor.ppo_micro_batch_size_per_gpu
-    mini = actor.ppo_mini_batch_size * n  # sequences per optimizer step
+    n = cfg.actor_rollout_ref.rollout.n
+    batching = micro_batching(cfg, "actor")
+    budget, fixed = batching.token_budget, batching.micro_batch_size
+    mini = mini_batch_sequences(cfg, "actor")  # sequences per optimizer step
     longest = max(lengths, default=0) + cfg.data.max_response_length
-    with_budget = actor.use_dynamic_bsz or longest <= budget
+    with_budget = batching.use_dynamic_bsz or longest <= budget
     rng = random.Random(f"pack-baseline:{seed}")
     real = bins_count = padded = fixed_count = fixed_padded = 0
     for plan in plans:
@@ -172,8 +202,6 @@ def training_stats(lengths: list[int], plans: list[SlotPlan], cfg: RLHFConfig, s
 
 def read_prompt_lengths(run: RunDir) -> tuple[list[str], list[int]]:
     """(prompt ids, prompt lengths) of the run's train prompts; errors name the file and the fix."""
-    import pyarrow.parquet as pq
-
     path = run.train_prompts
     names = set(pq.read_schema(path).names)
     missing = {"prompt_id", "prompt_length"} - names
@@ -193,8 +221,6 @@ def read_prompt_lengths(run: RunDir) -> tuple[list[str], list[int]]:
 
 
 def batches_table(ids: list[str], lengths: list[int], plans: list[SlotPlan]) -> pa.Table:
-    from rlhf_core.data.schemas import GENERATION_BATCHES
-
     rows = [{"slot": p.slot, "batch_id": b, "prompt_ids": [ids[i] for i in batch], "num_prompts": len(batch),
              "prompt_tokens": sum(lengths[i] for i in batch),
              "padded_tokens": len(batch) * max(lengths[i] for i in batch)}
@@ -206,7 +232,7 @@ def _summary_lines(num_prompts: int, plans: list[SlotPlan], metrics: dict[str, f
     m = metrics
     sizes = sorted({len(p.prompts) for p in plans})
     return [
-        f"pack: {num_prompts} prompts → {len(plans)} slots of {'/'.join(map(str, sizes))} prompts "
+        f"pack: {num_prompts} prompts → {len(plans)} slots per epoch of {'/'.join(map(str, sizes))} prompts "
         f"→ {int(m['pack/generation_batches'])} generation batches "
         f"({m['pack/generation_prompts_per_batch']:.1f} prompts each, "
         f"budget {cfg.actor_rollout_ref.rollout.generation_batch_tokens} tokens)",
@@ -217,10 +243,17 @@ def _summary_lines(num_prompts: int, plans: list[SlotPlan], metrics: dict[str, f
     ]
 
 
+def _epochs_line(num_prompts: int, epochs: int, first_epoch: list[SlotPlan], cfg: RLHFConfig) -> str:
+    used = sum(len(p.prompts) for p in first_epoch)
+    order = "a seeded order per epoch" if cfg.data.shuffle else "the prompts table's order (data.shuffle=false)"
+    return (f"epochs: {len(first_epoch)} iterations each, {num_prompts - used} prompts sit each epoch out "
+            f"(verl's drop_last); {epochs} epoch(s) planned, {order}")
+
+
 def _training_line(m: dict[str, float], cfg: RLHFConfig) -> str:
     actor = cfg.actor_rollout_ref.actor
     fixed = (f"{int(m['pack/train_fixed_micro_batches'])} fixed micro-batches of "
-             f"{actor.ppo_micro_batch_size_per_gpu} padded to their longest: "
+             f"{micro_batching(cfg, 'actor').micro_batch_size} padded to their longest: "
              f"{m['pack/train_fixed_pad_efficiency']:.1%}")
     if "pack/train_micro_batches" not in m:
         return (f"training (every response at max length): {fixed}; no budget estimate (use_dynamic_bsz off and "
@@ -237,31 +270,33 @@ def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, forc
         raise DataError(f"{run.train_prompts} not found; run `rlhf stage preprocess --run-dir {run.root}` first")
 
     def body() -> StageResult:
-        from rlhf_core.data.schemas import GENERATION_BATCHES
-        from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
-
         data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
         ids, lengths = read_prompt_lengths(run)
-        slots = cut_slots(epoch_order(ids, data.seed), data.train_batch_size)
+        slots, per_epoch = plan_epochs(ids, data.train_batch_size, data.seed, data.shuffle)
         plans = plan_slots(lengths, slots, data.max_response_length, rollout.n, rollout.generation_batch_tokens)
-        placed = sorted(i for p in plans for b in p.batches for i in b)
-        assert placed == list(range(len(ids))), "every prompt must be in exactly one generation batch"
-        metrics = generation_stats(lengths, plans, data.max_response_length, rollout.n,
+        for p in plans:
+            assert sorted(i for b in p.batches for i in b) == sorted(p.prompts), "a slot's prompts, each batched once"
+        first_epoch = plans[:per_epoch]
+        metrics = generation_stats(lengths, first_epoch, data.max_response_length, rollout.n,
                                    rollout.generation_batch_tokens, data.seed)
-        metrics.update(training_stats(lengths, plans, cfg, data.seed))
+        metrics.update(training_stats(lengths, first_epoch, cfg, data.seed))
         table = batches_table(ids, lengths, plans)
         atomic_write_parquet(run.generation_batches, table, schema=GENERATION_BATCHES)
         summary_path = run.pack_dir / "summary.json"
-        lines = _summary_lines(len(ids), plans, metrics, cfg)
+        epochs = len(plans) // max(per_epoch, 1)
+        lines = [*_summary_lines(len(ids), first_epoch, metrics, cfg), _epochs_line(len(ids), epochs, first_epoch, cfg)]
         atomic_write_json(summary_path, {
-            "prompts": len(ids), "slots": len(plans), "generation_batches": table.num_rows,
+            "prompts": len(ids), "slots_per_epoch": per_epoch, "epochs_planned": epochs, "slots_planned": len(plans),
+            "generation_batches": table.num_rows,
             "slot_sizes": [len(p.prompts) for p in plans], "batches_per_slot": [len(p.batches) for p in plans],
             "config": {key: _config_value(cfg, key) for key in CONFIG_KEYS}, "metrics": metrics, "summary": lines,
         })
         return StageResult(
             stage="pack", iteration=None,
             outputs={"generation_batches": str(run.generation_batches), "summary": str(summary_path)},
-            rows={"prompts": len(ids), "slots": len(plans), "generation_batches": table.num_rows},
+            # "slots" = iterations per epoch (pipeline.steps_per_epoch reads it)
+            rows={"prompts": len(ids), "slots": per_epoch, "epochs_planned": epochs,
+                  "generation_batches": table.num_rows},
             metrics=metrics, summary=lines + [f"wrote {run.generation_batches} and {summary_path}"],
         )
 
