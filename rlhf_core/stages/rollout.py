@@ -8,12 +8,18 @@ Sources (``actor_rollout_ref.rollout.name``):
 - ``offline``: import ``rollout.offline_path`` (see ``rlhf_core.rollout.offline``); rejected rows go
   to ``iter_k/rollout_rejects.parquet``.
 
+Each row carries its prompt's ``reward_source`` (the data.reward_fn_key value the score stage
+routes the reward function on) and ``extra_info`` (JSON), so later tables and queries need no join.
+Length metrics use verl's names: ``response_length/{mean,max,min,clip_ratio}`` and
+``prompt_length/{mean,max,min,clip_ratio}`` (clip_ratio: share at the data.max_* budget).
+
     rlhf stage rollout --run-dir runs/demo --iteration 1
 """
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Sequence
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -97,6 +103,8 @@ def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path
     out = atomic_write_parquet(run.rollout(iteration), rollout_table(prompt_rows, samples, iteration, engine),
                                schema=ROLLOUT)
     metrics = rollout_metrics(samples, stats)
+    for key, value in length_metrics(cfg, prompt_rows, samples).items():
+        metrics.setdefault(key, value)  # the engine's own response_length/* stay as they are
     summary = [
         f"{len(prompt_rows)} prompts (slot {slot} of {num_slots}, {stats.batches} generation batches) "
         f"× n={sampling.n} → {len(samples)} responses with {engine} from {model_dir}",
@@ -131,6 +139,8 @@ def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
     rejects = atomic_write_parquet(rollout_rejects_path(run, iteration), imported.rejects_table(), schema=REJECTS)
     metrics = rollout_metrics(imported.samples, GenerationStats())
     metrics = {k: v for k, v in metrics.items() if not k.startswith("perf/")}  # nothing was generated
+    for key, value in length_metrics(cfg, prompt_rows, imported.samples).items():
+        metrics.setdefault(key, value)  # the engine's own response_length/* stay as they are
     metrics["rollout/offline_rejected"] = float(len(imported.rejects))
     prompts = len({s.prompt_index for s in imported.samples})
     summary = [f"imported {len(imported.samples)} responses for {prompts} prompts from {offline_file}",
@@ -142,3 +152,20 @@ def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
                        outputs={"rollout": str(out), "rollout_rejects": str(rejects)},
                        rows={"prompts": prompts, "responses": len(imported.samples),
                              "rejected": len(imported.rejects)}, metrics=metrics, summary=summary)
+
+
+def length_metrics(cfg: RLHFConfig, prompt_rows: Sequence[dict], samples: Sequence) -> dict[str, float]:
+    """verl's length metrics over one rollout's responses (each response counts its prompt once):
+    prompt_length/{mean,max,min,clip_ratio}, response_length/{mean,max,min,clip_ratio}; clip_ratio
+    = share of lengths equal to data.max_prompt_length / data.max_response_length."""
+    prompt = [len(prompt_rows[s.prompt_index]["prompt_token_ids"]) for s in samples]
+    response = [len(s.token_ids) for s in samples]
+    return {**_stats("prompt_length", prompt, cfg.data.max_prompt_length),
+            **_stats("response_length", response, cfg.data.max_response_length)}
+
+
+def _stats(name: str, lengths: list[int], budget: int) -> dict[str, float]:
+    values = lengths or [0]
+    clipped = sum(n == budget for n in lengths) / max(len(lengths), 1)
+    return {f"{name}/mean": sum(values) / len(values), f"{name}/max": float(max(values)),
+            f"{name}/min": float(min(values)), f"{name}/clip_ratio": clipped}

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
+import duckdb
 import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.config import load_config, to_yaml
-from rlhf_core.data.schemas import REJECTS, ROLLOUT
+from rlhf_core.data.schemas import REJECTS, ROLLOUT, decode_extra_info
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.manifest import read_manifest
 from rlhf_core.io.rundir import RunDir, write_config
@@ -24,7 +25,8 @@ def small_config(raw_file, model_dir, *extra):
         f"data.train_files=[{raw_file}]", "data.val_fraction=0.0", "data.data_source=arith",
         "data.train_batch_size=6", "data.max_response_length=12", "data.max_prompt_length=128",
         f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.n=2",
-        "actor_rollout_ref.rollout.generation_batch_tokens=1024", "trainer.device=cpu", *extra])
+        "actor_rollout_ref.rollout.generation_batch_tokens=1024", "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+        "trainer.device=cpu", *extra])
 
 
 @pytest.fixture
@@ -62,9 +64,16 @@ def test_rollout_writes_the_declared_table_for_the_iterations_slot(run_setup):
         assert r["ground_truth"] == p["reward_model"]["ground_truth"]
         assert r["response_length"] == len(r["response_token_ids"]) <= 12
         assert r["finish_reason"] in ("stop", "length") and r["engine"] == "hf" and r["iteration"] == 1
+        assert r["reward_source"] == "arith" and r["extra_info"] == p["extra_info"]
     assert result.rows == {"prompts": 6, "responses": 12}
     assert result.metrics["perf/rollout_tokens_per_s"] > 0
-    assert result.metrics["response_length/mean"] == sum(r["response_length"] for r in rows) / 12
+    m = result.metrics
+    assert m["response_length/mean"] == sum(r["response_length"] for r in rows) / 12
+    assert m["response_length/clip_ratio"] == sum(r["response_length"] == 12 for r in rows) / 12
+    assert m["prompt_length/mean"] == sum(len(r["prompt_token_ids"]) for r in rows) / 12
+    assert m["prompt_length/max"] == max(len(r["prompt_token_ids"]) for r in rows)
+    assert m["prompt_length/clip_ratio"] == 0  # every prompt is well under data.max_prompt_length
+    assert m["prompt_length/min"] <= m["prompt_length/mean"] <= m["prompt_length/max"]
     assert any("tokens/s" in line for line in result.summary)
     assert read_manifest(run, 1)["rollout"]["status"] == "done"
 
@@ -99,7 +108,7 @@ def test_offline_import_through_the_stage(run_setup, tmp_path, tiny_model_dir):
     logged = tmp_path / "logged.jsonl"
     logged.write_text("".join(json.dumps(r) + "\n" for r in [
         {"prompt_id": prompts[0]["prompt_id"], "response": "#### 2"},
-        {"prompt": prompts[1]["extra_info"]["question"], "response": "#### 37"},
+        {"prompt": decode_extra_info(prompts[1]["extra_info"])["question"], "response": "#### 37"},
         {"prompt_id": "elsewhere-17", "response": "#### 1"},
     ]))
     offline_cfg = small_config(raw, tiny_model_dir, "actor_rollout_ref.rollout.name=offline",
@@ -114,6 +123,38 @@ def test_offline_import_through_the_stage(run_setup, tmp_path, tiny_model_dir):
     assert rejects.column("reason").to_pylist() == ["row 2: prompt_id 'elsewhere-17' not in prompts/train.parquet"]
     assert result.rows == {"prompts": 2, "responses": 2, "rejected": 1}
     assert run_rollout(offline_cfg, run, 1).skipped
+
+
+def test_verl_rows_carry_extra_info_and_reward_source_into_the_rollout_table(tmp_path, tiny_model_dir):
+    """A verl-layout Parquet with its own extra_info keys and data.reward_fn_key pointing at another
+    column: both reach iter_1/rollout.parquet, and extra_info is queryable there with DuckDB."""
+    import pandas as pd
+
+    instruction = 'Let\'s think step by step and output the final answer after "####".'
+    rows = [{"data_source": "openai/gsm8k", "task": f"family-{i % 2}",
+             "prompt": [{"role": "user", "content": f"Sam has {i} and gets {i + 1}. How many? {instruction}"}],
+             "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i + 1)},
+             "extra_info": {"split": "train", "index": i, "difficulty": "easy" if i < 3 else "hard"}}
+            for i in range(6)]
+    raw = tmp_path / "train.parquet"
+    pd.DataFrame(rows).to_parquet(raw)
+    cfg = small_config(raw, tiny_model_dir, "data.reward_fn_key=task")
+    run = RunDir(tmp_path / "run")
+    write_config(run, to_yaml(cfg))
+    run_preprocess(cfg, run)
+    run_pack(cfg, run)
+    run_rollout(cfg, run, 1)
+    table = pq.read_table(run.rollout(1))
+    assert table.schema.equals(ROLLOUT) and table.num_rows == 12
+    by_index = {decode_extra_info(r["extra_info"])["index"]: r for r in table.to_pylist()}
+    assert sorted(by_index) == list(range(6))
+    for i, r in by_index.items():
+        assert r["reward_source"] == f"family-{i % 2}" and r["data_source"] == "openai/gsm8k"
+        assert r["ground_truth"] == str(2 * i + 1)
+    con = duckdb.connect()
+    hard = con.execute(f"SELECT count(*), count(DISTINCT prompt_id) FROM '{run.rollout(1)}' "
+                       f"WHERE extra_info->>'$.difficulty' = 'hard'").fetchone()
+    assert hard == (6, 3)  # 3 hard prompts × n=2
 
 
 def test_missing_inputs_and_iteration_are_clear_errors(tmp_path, tiny_model_dir, repo_root):
