@@ -37,12 +37,13 @@ def load_lengths(data: Path) -> tuple[list[int], list[int]]:
     reference answer + EOS, cut at max_response_length as generation would cut it."""
     from rlhf_core.config import load_config
     from rlhf_core.data.preprocess import load_tokenizer, preprocess_files
+    from rlhf_core.data.schemas import decode_extra_info
 
     cfg = load_config(REPO / "configs" / "gsm8k.yaml", [f"data.train_files=[{data}]", "data.val_fraction=0.0"])
     tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
     result = preprocess_files([data], [], cfg.data, tokenizer, progress=False)
     prompts = result.train.column("prompt_length").to_pylist()
-    answers = [row["answer"] for row in result.train.column("extra_info").to_pylist()]
+    answers = [decode_extra_info(text)["answer"] for text in result.train.column("extra_info").to_pylist()]
     encoded = tokenizer(answers, add_special_tokens=False)["input_ids"]
     return prompts, [min(len(ids) + 1, MAX_RESPONSE) for ids in encoded]
 

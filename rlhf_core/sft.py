@@ -30,6 +30,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from rlhf_core.data.schemas import decode_extra_info
+
 SFT_FORMAT_VERSION = 1
 """Bumped when the training procedure changes, so old cached warm starts are not reused."""
 
@@ -123,7 +125,7 @@ def build_sft_data(train_rows: Sequence[dict], tokenizer, dev_size: int, prose_f
     for i, row in enumerate(train_rows):
         if i in dev_index:
             continue
-        answer = row["extra_info"]["answer"]
+        answer = decode_extra_info(row["extra_info"])["answer"]
         target = restyle_answer(answer, rng) if rng.random() < prose_fraction else answer
         prose += target != answer
         answer_ids = tokenizer(target, add_special_tokens=False)["input_ids"]

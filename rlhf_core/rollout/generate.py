@@ -24,7 +24,8 @@ from rlhf_core.rollout.base import (
 )
 from rlhf_core.progress import bar_disabled
 
-PROMPT_COLUMNS = ("prompt_id", "data_source", "reward_model", "prompt_token_ids", "prompt_length")
+PROMPT_COLUMNS = ("prompt_id", "data_source", "reward_source", "reward_model", "extra_info", "prompt_token_ids",
+                  "prompt_length")
 
 
 def read_prompt_rows(path: str | Path, columns: Optional[Sequence[str]] = PROMPT_COLUMNS) -> list[dict[str, Any]]:
@@ -194,4 +195,6 @@ def rollout_table(prompt_rows: Sequence[Mapping[str, Any]], samples: Sequence[Ge
         columns["finish_reason"].append(s.finish_reason)
         columns["engine"].append(engine)
         columns["sampling_seed"].append(s.seed if s.seed is not None else -1)
+        columns["reward_source"].append(row.get("reward_source") or row.get("data_source"))
+        columns["extra_info"].append(row.get("extra_info") or "{}")
     return pa.table(columns, schema=ROLLOUT)

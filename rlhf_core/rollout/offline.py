@@ -31,7 +31,7 @@ from typing import Any, Iterator, Mapping, Optional, Sequence
 import pyarrow as pa
 
 from rlhf_core.data.readers import RawRow, read_jsonl, read_parquet
-from rlhf_core.data.schemas import REJECTS
+from rlhf_core.data.schemas import REJECTS, decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.rollout.base import FINISH_OFFLINE, GeneratedSample
 
@@ -107,7 +107,7 @@ class _PromptIndex:
 def _prompt_texts(row: Mapping[str, Any]) -> list[str]:
     texts = [row.get("prompt_text") or ""]
     texts += [m["content"] for m in (row.get("prompt") or []) if m.get("role") == "user"]
-    texts.append((row.get("extra_info") or {}).get("question") or "")
+    texts.append(decode_extra_info(row.get("extra_info")).get("question") or "")
     return [t for t in texts if t]
 
 

@@ -170,8 +170,9 @@ def _prompt_lookup(prompts_path: Path, rows: list[dict], reward_fn_key: str) -> 
 
 
 def row_value(row: dict, prompt: dict, key: str) -> Any:
-    """A column of the response's row, else of its prompt's row (KeyError when neither has it)."""
-    if key in row:
+    """A column of the response's row, else of its prompt's row (KeyError when neither has it); a
+    null in the response's row (a table written before the column existed) defers to the prompt."""
+    if row.get(key) is not None or key not in prompt:
         return row[key]
     return prompt[key]
 

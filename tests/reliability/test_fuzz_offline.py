@@ -24,7 +24,7 @@ from hypothesis import HealthCheck, currently_in_test_context, event, given, set
 from hypothesis import strategies as st
 
 from rlhf_core.config import load_config
-from rlhf_core.data.schemas import REJECTS, ROLLOUT
+from rlhf_core.data.schemas import REJECTS, ROLLOUT, decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.io.rundir import RunDir
@@ -84,7 +84,7 @@ class PromptRef:
         if self.form == "id":
             return row["prompt_id"]
         if self.form == "text":
-            return row["extra_info"]["question"]
+            return decode_extra_info(row["extra_info"])["question"]
         return list(row["prompt"])  # chat messages
 
 

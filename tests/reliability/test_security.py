@@ -410,8 +410,9 @@ def _score_run(tmp_path: Path, tiny_model_dir: Path, tokenizer, run_name: str, *
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     prompt = dict(prompt_id="p0", data_source="arith", prompt=messages, ability="math",
                   reward_model={"style": "rule", "ground_truth": "7"},
-                  extra_info={"split": "train", "index": 0, "question": "What is 3 + 4?", "answer": "#### 7",
-                              "source_file": "test", "source_row": 0},
+                  extra_info=json.dumps({"split": "train", "index": 0, "question": "What is 3 + 4?",
+                                         "answer": "#### 7"}),
+                  source_file="test", source_row=0,
                   prompt_text=text, prompt_token_ids=ids, prompt_length=len(ids))
     rollout = []
     for j, response in enumerate(["3 + 4 = 7\n#### 7", "#### 8"]):

@@ -26,8 +26,8 @@ KL = {1: {"p0": 0.01, "p1": 0.02, "p2": 0.00}, 2: {"p0": 0.02, "p1": 0.30, "p2":
 def _prompts_table(split):
     rows = [{"prompt_id": p, "data_source": "arith", "prompt": [{"role": "user", "content": f"q {p}"}],
              "ability": "math", "reward_model": {"style": "rule", "ground_truth": "1"},
-             "extra_info": {"split": split, "index": i, "question": f"q {p}", "answer": "#### 1",
-                            "source_file": "x.jsonl", "source_row": i},
+             "extra_info": json.dumps({"split": split, "index": i, "question": f"q {p}", "answer": "#### 1"}),
+             "reward_source": "arith", "source_file": "x.jsonl", "source_row": i,
              "prompt_text": f"q {p}", "prompt_token_ids": [1, 2, 3], "prompt_length": 3}
             for i, p in enumerate(PROMPTS if split == "train" else ["v0"])]
     return pa.Table.from_pylist(rows, schema=schemas.PROMPTS)
@@ -40,6 +40,7 @@ def _scored_rows(k):
         rows.append({"prompt_id": p, "sample_index": 0, "iteration": k, "data_source": "arith", "ground_truth": "1",
                      "prompt_token_ids": [1, 2, 3], "response_text": f"answer {p}", "response_token_ids": [4, 5],
                      "response_length": 2, "finish_reason": "stop", "engine": "hf", "sampling_seed": 7,
+                     "reward_source": "arith", "extra_info": json.dumps({"question": f"q {p}"}),
                      "reward": REWARD[k][p], "reward_extra": "{}", "old_log_probs": old,
                      "ref_log_probs": [o - KL[k][p] for o in old], "values": [0.1, 0.2],
                      "token_level_rewards": [0.0, REWARD[k][p]], "advantages": [0.5, 0.5], "returns": [1.0, 1.0]})

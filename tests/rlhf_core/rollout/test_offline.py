@@ -11,7 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from rlhf_core.config.schema import DataConfig
-from rlhf_core.data.schemas import REJECTS
+from rlhf_core.data.schemas import REJECTS, decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.rollout.base import FINISH_OFFLINE
 from rlhf_core.rollout.offline import import_offline
@@ -81,7 +81,7 @@ def test_matches_prompts_by_text_in_every_form(tmp_path, prompt_rows, tokenizer)
     row = prompt_rows[2]
     user = next(m["content"] for m in row["prompt"] if m["role"] == "user")
     src = _write_jsonl(tmp_path / "logged.jsonl", [
-        {"prompt": row["extra_info"]["question"], "response": "a"},  # the raw question
+        {"prompt": decode_extra_info(row["extra_info"])["question"], "response": "a"},  # the raw question
         {"prompt": user, "response": "b"},                            # the user message as sent
         {"prompt": row["prompt_text"], "response": "c"},              # the templated prompt
         {"prompt": [{"role": "user", "content": user}], "response": "d"},  # chat messages

@@ -218,8 +218,8 @@ def write_prompts_and_rollout(run: RunDir, tokenizer, questions) -> None:
         answer = q["answer"].rsplit("####", 1)[1].strip()
         prompts.append(dict(prompt_id=f"p{i}", data_source="arith", prompt=messages, ability="math",
                             reward_model={"style": "rule", "ground_truth": answer},
-                            extra_info={"split": "train", "index": i, "question": q["question"], "answer": q["answer"],
-                                        "source_file": "test", "source_row": i},
+                            extra_info=json.dumps({"split": "train", "index": i, "question": q["question"],
+                                                   "answer": q["answer"]}), source_file="test", source_row=i,
                             prompt_text=text, prompt_token_ids=ids, prompt_length=len(ids)))
         for j, response in enumerate([f"so #### {answer}", f"#### {answer}9"]):
             response_ids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]

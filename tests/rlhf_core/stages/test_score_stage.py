@@ -39,8 +39,8 @@ def write_run_inputs(run: RunDir, tokenizer, questions, data_source="arith", n_s
         prompt_rows.append(dict(
             prompt_id=f"p{i}", data_source=data_source, prompt=messages, ability="math",
             reward_model={"style": "rule", "ground_truth": answer},
-            extra_info={"split": "train", "index": i, "question": q["question"], "answer": q["answer"],
-                        "source_file": "test", "source_row": i},
+            extra_info=json.dumps({"split": "train", "index": i, "question": q["question"], "answer": q["answer"]}),
+            source_file="test", source_row=i,
             prompt_text=text, prompt_token_ids=ids, prompt_length=len(ids)))
         for j in range(n_samples):
             template, reward = RESPONSES[j % len(RESPONSES)]
