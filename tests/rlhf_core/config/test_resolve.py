@@ -22,6 +22,8 @@ def verl_total_training_steps(num_prompts: int, train_batch_size: int, total_epo
                               total_training_steps: int | None) -> int:
     """verl's trainer: len(dataloader) (drop_last=True) × epochs, unless total_training_steps is set."""
     steps = (num_prompts // train_batch_size) * total_epochs
+    if num_prompts < train_batch_size:  # verl refuses to start on an empty dataloader; one small step here
+        steps = total_epochs
     return total_training_steps if total_training_steps is not None else steps
 
 
@@ -48,7 +50,7 @@ def test_training_steps_as_verl_derives_them(prompts, batch, epochs, steps):
         overrides.append(f"trainer.total_training_steps={steps}")
     cfg = load_config(None, overrides)
     assert total_iterations(cfg, prompts) == verl_total_training_steps(prompts, batch, epochs, steps)
-    assert steps_per_epoch(cfg, prompts) == prompts // batch
+    assert steps_per_epoch(cfg, prompts) == max(1, prompts // batch)
     assert total_iterations(load_config(None, overrides + ["trainer.total_iterations=4"]), prompts) == 4
 
 
