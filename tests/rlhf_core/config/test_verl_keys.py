@@ -119,10 +119,17 @@ def test_ppo_mini_batch_counts_prompts_and_fits_the_batch():
         load_config(None, ["data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=32"])
 
 
-def test_cli_config_show_prints_notes_as_single_lines(verl_quickstart):
-    out = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "config", "show", "--flat",
-                          *verl_quickstart(train="t.parquet", val="v.parquet", model="tiny")],
-                         capture_output=True, text=True)
+def test_cli_config_show_prints_notes_as_single_lines(verl_quickstart, tmp_path):
+    train, val = tmp_path / "train.parquet", tmp_path / "test.parquet"
+    args = [sys.executable, "-m", "rlhf_core.cli", "config", "show", "--flat",
+            *verl_quickstart(train=str(train), val=str(val), model="tiny")]
+    missing = subprocess.run(args, capture_output=True, text=True)
+    assert missing.returncode == 2 and "Traceback" not in missing.stderr
+    assert f"data.train_files: file(s) not found: {train}" in missing.stderr  # the run's checks, before any work
+    train.touch(), val.touch()
+    out = subprocess.run(args, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "Traceback" not in out.stderr
     assert "actor_rollout_ref.rollout.name=hf" in out.stdout.splitlines()
+    notes = [line for line in out.stderr.splitlines() if "vllm needs a CUDA GPU" in line]
+    assert len(notes) == 1, out.stderr
