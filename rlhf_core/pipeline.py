@@ -148,20 +148,18 @@ def resolve_iterations(plan: RunPlan) -> RLHFConfig:
 def fill_total_iterations(cfg: RLHFConfig, run: RunDir) -> RLHFConfig:
     """``cfg`` with trainer.total_iterations filled in from the run's preprocessed prompts (verl:
     total_training_steps, else total_epochs × (train prompts // data.train_batch_size)) and saved in
-    config.yaml; unchanged when already set or before preprocess. Zero steps is refused unless
-    the run only validates (trainer.val_only)."""
+    config.yaml; unchanged when already set or before preprocess. Zero steps (no prompt) is refused
+    unless the run only validates (trainer.val_only)."""
     t = cfg.trainer
     if t.total_iterations is not None or not run.train_prompts.is_file():
         return cfg
     prompts = train_prompt_count(run)
     total = resolve.total_iterations(cfg, prompts)
-    if total < 1 and not stops_after_validation(cfg):
-        raise ConfigError(
-            f"data.train_batch_size={cfg.data.train_batch_size} is more than the {prompts} training prompts, so an "
-            f"epoch has no training step (verl drops the last partial batch); lower data.train_batch_size or set "
-            f"trainer.total_training_steps")
     how = ("trainer.total_training_steps" if t.total_training_steps is not None else
-           f"{t.total_epochs} epochs × ({prompts} prompts // data.train_batch_size={cfg.data.train_batch_size})")
+           f"{t.total_epochs} epochs × {resolve.steps_per_epoch(cfg, prompts)} steps of data.train_batch_size="
+           f"{cfg.data.train_batch_size} over {prompts} prompts")
+    if total < 1 and not stops_after_validation(cfg):
+        raise ConfigError(f"no training step to run ({how}); set trainer.total_training_steps or add prompts")
     say_once(f"config: training steps: {max(total, 0)} ({how})")
     cfg = apply_overrides(cfg, [f"trainer.total_iterations={max(total, 1)}"])
     save_config(run, cfg)

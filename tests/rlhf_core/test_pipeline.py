@@ -67,14 +67,11 @@ def test_training_steps_are_derived_after_preprocess_and_saved(tmp_path, overrid
         assert pipeline.resolve_iterations(again).trainer.total_iterations == steps
 
 
-def test_no_training_step_is_a_clear_error_unless_only_validating(tmp_path):
-    from rlhf_core.config import ConfigError
-
-    plan = pipeline.plan_run(None, [f"trainer.runs_root={tmp_path}"], run_name="a")  # train_batch_size 1024
+def test_fewer_prompts_than_a_batch_make_one_step_per_epoch_and_val_only_runs_none(tmp_path):
+    plan = pipeline.plan_run(None, [f"trainer.runs_root={tmp_path}", "trainer.total_epochs=3"], run_name="a")
     pipeline.open_run(plan)
-    _train_prompts(plan.run, 10)
-    with pytest.raises(ConfigError, match="more than the 10 training prompts"):
-        pipeline.resolve_iterations(plan)
+    _train_prompts(plan.run, 10)  # data.train_batch_size is verl's 1024
+    assert pipeline.resolve_iterations(plan).trainer.total_iterations == 3  # one smaller step per epoch
     only = pipeline.plan_run(None, [f"trainer.runs_root={tmp_path}", "trainer.val_only=true"], run_name="b")
     pipeline.open_run(only)
     _train_prompts(only.run, 10)
