@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any, Callable, Union
 
 from rlhf_core.config import ConfigError, RLHFConfig
+from rlhf_core.data.schemas import decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.paths import resolve_path
 from rlhf_core.rewards import dapo_math, gsm8k, hendrycks_math
@@ -138,9 +139,10 @@ def _route(routes: dict[str, RewardFn], data_source, solution_str, ground_truth,
 
 def verl_extra_info(extra_info: Any) -> dict:
     """The ``extra_info`` dict verl's naive reward manager passes: the row's extra_info (a dict, or
-    its JSON text; absent = {}) plus ``num_turns`` (None: one turn) and ``rollout_reward_scores`` ({})."""
+    the JSON text the tables store; absent = {}) plus ``num_turns`` (None: one turn) and
+    ``rollout_reward_scores`` ({})."""
     if isinstance(extra_info, str):
-        extra_info = json.loads(extra_info) if extra_info.strip() else {}
+        extra_info = decode_extra_info(extra_info.strip())
     info = dict(extra_info or {})
     info["num_turns"] = None
     info["rollout_reward_scores"] = {}

@@ -155,11 +155,12 @@ def _check_rollout(rows: list[dict], path: Path) -> None:
 
 
 def _prompt_lookup(prompts_path: Path, rows: list[dict], reward_fn_key: str) -> dict[str, dict]:
-    """prompt_id → {"prompt": chat messages, "extra_info": verl's dict, and the reward_fn_key
+    """prompt_id → {"prompt": chat messages, "extra_info", "reward_source", and the reward_fn_key
     column when the prompts table has it} for the prompts the rollout used."""
     used = {r["prompt_id"] for r in rows}
     names = pq.read_schema(prompts_path).names
-    columns = [c for c in dict.fromkeys(("prompt_id", "prompt", "extra_info", reward_fn_key)) if c in names]
+    wanted = ("prompt_id", "prompt", "extra_info", "reward_source", reward_fn_key)
+    columns = [c for c in dict.fromkeys(wanted) if c in names]
     lookup = {r["prompt_id"]: r for r in rows_with_ids(prompts_path, "prompt_id", used, columns)}
     missing = sorted(used - set(lookup))
     if missing:
@@ -175,6 +176,15 @@ def row_value(row: dict, prompt: dict, key: str) -> Any:
     if row.get(key) is not None or key not in prompt:
         return row[key]
     return prompt[key]
+
+
+def routing_value(row: dict, prompt: dict, key: str) -> Any:
+    """The value that picks the row's reward function: ``reward_source`` (data.reward_fn_key's
+    value, written by preprocess and carried by the rollout), else the ``key`` column itself."""
+    for source in (row, prompt):
+        if source.get("reward_source") is not None:
+            return source["reward_source"]
+    return row_value(row, prompt, key)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,7 +203,7 @@ def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
         prompt = prompts[row["prompt_id"]]
         where = _where(path, i, row)
         try:
-            source = row_value(row, prompt, key)
+            source = routing_value(row, prompt, key)
         except KeyError:
             raise ConfigError(f"data.reward_fn_key={key!r}: {where} has no column {key!r} (nor has its prompt); "
                               "name a column of the prompt files (verl's default: data_source)") from None

@@ -27,9 +27,13 @@ def load_questions(path, n):
     return [json.loads(line) for line in path.read_text().splitlines()[:n]]
 
 
-def write_run_inputs(run: RunDir, tokenizer, questions, data_source="arith", n_samples=3, iteration=1):
+def write_run_inputs(run: RunDir, tokenizer, questions, data_source="arith", n_samples=3, iteration=1,
+                     reward_source=None, carried=True):
     """A prompts table and an iteration's rollout table, built directly with the declared schemas.
-    Sample j of every prompt gets RESPONSES[j]; returns the expected rewards in row order."""
+    Sample j of every prompt gets RESPONSES[j]; returns the expected rewards in row order.
+    ``reward_source`` (default: data_source) is what preprocess writes for data.reward_fn_key;
+    ``carried=False`` leaves it and extra_info null in the rollout (a table from before those columns)."""
+    reward_source = reward_source or data_source
     prompt_rows, rollout_rows, expected = [], [], []
     for i, q in enumerate(questions):
         messages = [{"role": "user", "content": q["question"]}]
@@ -37,7 +41,7 @@ def write_run_inputs(run: RunDir, tokenizer, questions, data_source="arith", n_s
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         answer = q["answer"].rsplit("####", 1)[1].strip()
         prompt_rows.append(dict(
-            prompt_id=f"p{i}", data_source=data_source, prompt=messages, ability="math",
+            prompt_id=f"p{i}", data_source=data_source, reward_source=reward_source, prompt=messages, ability="math",
             reward_model={"style": "rule", "ground_truth": answer},
             extra_info=json.dumps({"split": "train", "index": i, "question": q["question"], "answer": q["answer"]}),
             source_file="test", source_row=i,
@@ -50,7 +54,8 @@ def write_run_inputs(run: RunDir, tokenizer, questions, data_source="arith", n_s
                 prompt_id=f"p{i}", sample_index=j, iteration=iteration, data_source=data_source,
                 ground_truth=answer, prompt_token_ids=ids, response_text=response,
                 response_token_ids=response_ids, response_length=len(response_ids), finish_reason="stop",
-                engine="offline", sampling_seed=0))
+                engine="offline", sampling_seed=0,
+                **({"reward_source": reward_source, "extra_info": prompt_rows[-1]["extra_info"]} if carried else {})))
             expected.append(reward)
     atomic_write_parquet(run.train_prompts, pa.Table.from_pylist(prompt_rows, schema=PROMPTS), schema=PROMPTS)
     atomic_write_parquet(run.rollout(iteration), pa.Table.from_pylist(rollout_rows, schema=ROLLOUT), schema=ROLLOUT)
@@ -185,28 +190,42 @@ def test_unknown_data_source_names_the_row(tmp_path, repo_root, tiny_model_dir, 
 
 def test_verl_score_metrics_and_routing_by_reward_fn_key_with_extra_info(tmp_path, repo_root, tiny_model_dir,
                                                                          tokenizer):
-    """data.reward_fn_key picks the routing column; the function gets verl's keywords and extra_info."""
+    """The reward routes on reward_source (preprocess's value of data.reward_fn_key's column); the
+    function gets verl's keywords and the row's extra_info as a dict."""
     reward = tmp_path / "reward.py"
     reward.write_text(
         "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return {'score': float(data_source == 'math') + extra_info['index'], 'index': extra_info['index'],\n"
         "            'num_turns': extra_info['num_turns']}\n")
     run = RunDir(tmp_path / "run")
-    write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 3), n_samples=2)
+    questions = load_questions(repo_root / "data/arith/train.jsonl", 3)
+    # data_source 'arith', but reward_source 'math' (as preprocess writes it for data.reward_fn_key=ability)
+    write_run_inputs(run, tokenizer, questions, n_samples=2, reward_source="math")
     cfg = demo_config(tiny_model_dir, "data.reward_fn_key=ability", f"custom_reward_function.path={reward}")
     result = run_score(cfg, run, 1)
     rows = pq.read_table(run.scored(1)).to_pylist()
-    assert [r["reward"] for r in rows] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]  # routed on ability='math', + index
+    assert [r["reward"] for r in rows] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]  # routed on 'math', + index
     assert json.loads(rows[2]["reward_extra"]) == {"index": 1, "num_turns": None}
     m = result.metrics
     assert (m["critic/score/mean"], m["critic/score/max"], m["critic/score/min"]) == (2.0, 3.0, 1.0)
     assert m["reward/mean"] == 2.0 and "reward/accuracy" not in m
 
-    missing = demo_config(tiny_model_dir, "data.reward_fn_key=no_such_column")
+    # tables without reward_source / extra_info (written before those columns): the key column itself
+    write_run_inputs(run, tokenizer, questions, n_samples=2, carried=False)
+    prompts = pq.read_table(run.train_prompts)
+    prompts = prompts.set_column(prompts.schema.get_field_index("reward_source"), "reward_source",
+                                 pa.nulls(prompts.num_rows, pa.string()))
+    atomic_write_parquet(run.train_prompts, prompts, schema=PROMPTS)
+    run_score(cfg, run, 1, force=True)  # the prompts' ability column ('math'), extra_info from the prompts
+    assert [r["reward"] for r in pq.read_table(run.scored(1)).to_pylist()] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
+    run_score(demo_config(tiny_model_dir, f"custom_reward_function.path={reward}"), run, 1, force=True)
+    assert [r["reward"] for r in pq.read_table(run.scored(1)).to_pylist()] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
+
     from rlhf_core.config import ConfigError
 
     with pytest.raises(ConfigError, match="data.reward_fn_key='no_such_column'"):
-        run_score(missing, run, 1, force=True)
+        run_score(demo_config(tiny_model_dir, "data.reward_fn_key=no_such_column",
+                              f"custom_reward_function.path={reward}"), run, 1, force=True)
 
 
 def test_fixed_micro_batches_and_padded_rows_give_the_same_table(tmp_path, repo_root, tiny_model_dir, tokenizer):
