@@ -1,4 +1,4 @@
-"""Rewards: verl-compatible rule-based reward functions routed by data_source, and reward models."""
+"""Rewards: verl-compatible rule-based reward functions routed by data.reward_fn_key, and reward models."""
 
 from rlhf_core.rewards.registry import (
     GSM8K_SOURCES,
@@ -7,7 +7,8 @@ from rlhf_core.rewards.registry import (
     normalize_result,
     register_reward,
     registered_sources,
+    routing_value,
 )
 
 __all__ = ["GSM8K_SOURCES", "get_reward_fn", "load_user_function", "normalize_result", "register_reward",
-           "registered_sources"]
+           "registered_sources", "routing_value"]

@@ -137,6 +137,21 @@ def _route(routes: dict[str, RewardFn], data_source, solution_str, ground_truth,
     return fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)
 
 
+def routing_value(*rows: dict, key: str, where: str) -> Any:
+    """The value that picks a row's reward function: ``reward_source`` (preprocess's value of the
+    data.reward_fn_key column, carried into every table) of the first of ``rows`` that holds one,
+    else the ``key`` column itself (tables written before reward_source existed). ``rows``: the
+    response's row, then its prompt's; ``where`` names the row in the error."""
+    for row in rows:
+        if row.get("reward_source") is not None:
+            return row["reward_source"]
+    for row in rows:
+        if row.get(key) is not None:
+            return row[key]
+    raise ConfigError(f"data.reward_fn_key={key!r}: {where} has no value in column {key!r}; name a column of "
+                      "the prompt files (verl's default: data_source)")
+
+
 def verl_extra_info(extra_info: Any) -> dict:
     """The ``extra_info`` dict verl's naive reward manager passes: the row's extra_info (a dict, or
     the JSON text the tables store; absent = {}) plus ``num_turns`` (None: one turn) and

@@ -35,7 +35,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.config import ConfigError, RLHFConfig
+from rlhf_core.config import RLHFConfig
 from rlhf_core.config.resolve import (
     MicroBatching, critic_use_remove_padding, critic_value_batching, micro_batching, update_world_size,
 )
@@ -48,7 +48,7 @@ from rlhf_core.io.tables import rows_with_ids
 from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
-from rlhf_core.rewards import get_reward_fn, normalize_result
+from rlhf_core.rewards import get_reward_fn, normalize_result, routing_value
 from rlhf_core.rewards.reward_model import (
     check_same_vocabulary, load_reward_model, rerendered_ids, score_sequences,
 )
@@ -178,15 +178,6 @@ def row_value(row: dict, prompt: dict, key: str) -> Any:
     return prompt[key]
 
 
-def routing_value(row: dict, prompt: dict, key: str) -> Any:
-    """The value that picks the row's reward function: ``reward_source`` (data.reward_fn_key's
-    value, written by preprocess and carried by the rollout), else the ``key`` column itself."""
-    for source in (row, prompt):
-        if source.get("reward_source") is not None:
-            return source["reward_source"]
-    return row_value(row, prompt, key)
-
-
 # ---------------------------------------------------------------------------------------------
 # rewards
 # ---------------------------------------------------------------------------------------------
@@ -202,11 +193,7 @@ def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
     for i, row in enumerate(tqdm(rows, desc="rewards", unit="resp", leave=False, disable=bar_disabled())):
         prompt = prompts[row["prompt_id"]]
         where = _where(path, i, row)
-        try:
-            source = routing_value(row, prompt, key)
-        except KeyError:
-            raise ConfigError(f"data.reward_fn_key={key!r}: {where} has no column {key!r} (nor has its prompt); "
-                              "name a column of the prompt files (verl's default: data_source)") from None
+        source = routing_value(row, prompt, key=key, where=where)
         try:
             result = reward_fn(source, row["response_text"], row["ground_truth"],
                                row_value(row, prompt, "extra_info"))

@@ -167,3 +167,14 @@ def test_normalize_result():
         normalize_result(float("nan"), "row 1")
     with pytest.raises(DataError, match="return a number"):
         normalize_result("high", "row 2")
+
+
+def test_routing_value_prefers_reward_source_then_the_key_column():
+    from rlhf_core.rewards import routing_value
+
+    row, prompt = {"reward_source": None, "data_source": "arith"}, {"reward_source": "math", "ability": "x"}
+    assert routing_value(row, prompt, key="ability", where="r") == "math"  # the prompt's reward_source
+    assert routing_value({"reward_source": "a"}, prompt, key="ability", where="r") == "a"
+    assert routing_value(row, {"ability": "x"}, key="ability", where="r") == "x"  # older tables: the column
+    with pytest.raises(ConfigError, match="data.reward_fn_key='nope': row 3 has no value"):
+        routing_value(row, {}, key="nope", where="row 3")
