@@ -36,9 +36,7 @@ def _preset(tmp: Path, model_dir: Path) -> Path:
     (tmp / "prompts-b.jsonl").write_text("\n".join(lines[200:400]) + "\n")
     preset = {
         "data": {"train_files": [str(tmp / "prompts-a.jsonl")], "adapter": "gsm8k", "data_source": "arith",
-                 "max_prompt_length": 128, "max_response_length": 12, "train_batch_size": 4, "max_val_samples": 4,
-                 # TODO(data): drop once the gsm8k adapter reads data.question_key (as tests/flows/conftest.py)
-                 "prompt_key": "question"},
+                 "max_prompt_length": 128, "max_response_length": 12, "train_batch_size": 4, "max_val_samples": 4},
         "actor_rollout_ref": {"model": {"path": str(model_dir)},
                               "actor": {"ppo_mini_batch_size": 4, "ppo_max_token_len_per_gpu": 1024,
                                         "ppo_micro_batch_size_per_gpu": 4},

@@ -46,10 +46,7 @@ def _tiny(tiny_model_dir: Path, runs_root: Path, *extra: str) -> list[str]:
         "actor_rollout_ref.actor.ppo_mini_batch_size=4", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
         "actor_rollout_ref.rollout.generation_batch_tokens=2048",
         "trainer.test_freq=2", "trainer.save_freq=1", "trainer.max_ckpt_to_keep=5", "trainer.device=cpu",
-        "trainer.export_min_val_score=0.0", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4",
-        # TODO(data): remove once the gsm8k adapter reads data.question_key (it reads data.prompt_key,
-        # now verl's chat column, at 906f6bd); harmless after that
-        "data.prompt_key=question", *extra,
+        "trainer.export_min_val_score=0.0", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", *extra,
     ]
 
 
