@@ -30,13 +30,14 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_core.config import ConfigError, RLHFConfig
+from rlhf_core.config import RLHFConfig
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.io.manifest import read_manifest
 from rlhf_core.io.pointers import actor_path
 from rlhf_core.io.rundir import RunDir
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.rewards import get_reward_fn, normalize_result
+from rlhf_core.rewards.registry import routing_value
 from rlhf_core.rollout.base import SamplingParams, derive_seed
 from rlhf_core.rollout.generate import (
     PROMPT_COLUMNS, generate_responses, read_prompt_rows, sampling_from_config, val_sampling_from_config,
@@ -91,26 +92,23 @@ def sample_val_responses(cfg: RLHFConfig, run: RunDir, actor_dir: Path, limit: O
 
 
 def _val_columns(cfg: RLHFConfig, run: RunDir) -> list[str]:
-    """What generation and the reward function read: the prompt columns, verl's extra_info and the
-    data.reward_fn_key column, those the table has."""
+    """What generation and the reward function read: the prompt columns, the routing value
+    (reward_source, else the data.reward_fn_key column) and verl's extra_info, those the table has."""
     names = set(pq.read_schema(run.val_prompts).names) if run.val_prompts.is_file() else set(PROMPT_COLUMNS)
-    wanted = dict.fromkeys((*PROMPT_COLUMNS, "extra_info", cfg.data.reward_fn_key))
+    wanted = dict.fromkeys((*PROMPT_COLUMNS, "reward_source", "extra_info", cfg.data.reward_fn_key))
     return [c for c in wanted if c in names or c in PROMPT_COLUMNS]
 
 
 def score_samples(cfg: RLHFConfig, rows: list[dict], samples: list) -> tuple[list[float], list[dict]]:
     """(score, the reward function's extra values) per sample, with the call the score stage makes
-    (routed by the data.reward_fn_key column, verl's extra_info passed), as verl's val reward does."""
+    (routed by ``routing_value``, verl's extra_info passed), as verl's val reward does."""
     reward_fn, key = get_reward_fn(cfg), cfg.data.reward_fn_key
     scores, extras = [], []
     for s in samples:
         row = rows[s.prompt_index]
         where = f"validation prompt {row['prompt_id']}"
-        if key not in row:
-            raise ConfigError(f"data.reward_fn_key={key!r}: {where} has no column {key!r}; name a column of the "
-                              "prompt files (verl's default: data_source)")
         truth = (row.get("reward_model") or {}).get("ground_truth")
-        result = reward_fn(row[key], s.text, truth, row.get("extra_info"))
+        result = reward_fn(routing_value(row, key=key, where=where), s.text, truth, row.get("extra_info"))
         score, extra = normalize_result(result, where=where)
         scores.append(score)
         extras.append(json.loads(extra))
