@@ -15,6 +15,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
+# the checkout holding data/ (computed here rather than asked of rlhf_core.paths, which imports this
+# module to build the tiny model on first use)
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
+
 PAD, EOS, IM_START, IM_END = "<|endoftext|>", "<|im_end|>", "<|im_start|>", "<|im_end|>"
 SPECIAL_TOKENS = [PAD, IM_START, IM_END]
 
@@ -43,9 +47,7 @@ class TinyModelSpec:
 
 def default_corpus() -> list[str]:
     """Texts the tokenizer learns merges from: the embedded arithmetic problems."""
-    from rlhf_core.paths import project_root
-
-    path = project_root() / "data" / "arith" / "train.jsonl"
+    path = PROJECT_ROOT / "data" / "arith" / "train.jsonl"
     texts = []
     if path.is_file():
         for line in path.read_text().splitlines():
