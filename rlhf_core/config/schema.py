@@ -400,7 +400,8 @@ class RewardModelConfig:
     micro_batch_size_per_gpu: Optional[int] = 16
     """verl: sequences per reward-model forward. verl's default is null (required when enabled)."""
     max_length: Optional[int] = None
-    """verl: truncate prompt + response to this many tokens before scoring (null = no limit)."""
+    """verl: when responses are re-rendered (model.input_tokenizer set), keep the first max_length
+    tokens of the reward model's conversation (null = max_prompt_length + max_response_length)."""
     use_dynamic_bsz: Optional[bool] = None
     """verl: null = critic.use_dynamic_bsz."""
     reward_manager: Literal["naive"] = "naive"
