@@ -217,6 +217,8 @@ def normalise(tree: dict) -> dict:
         if ignored is not None and dotted not in _schema_keys():
             say_once(f"config: {dotted} has no effect here ({verl_keys.NO_EFFECT[ignored]})")
             continue
+        if dotted not in _schema_keys():
+            raise _unknown_key_error(dotted)  # the whole key, not only its first unknown part
         _set_dotted(out, dotted, value)
     return out
 
