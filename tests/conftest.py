@@ -83,3 +83,20 @@ def verl_quickstart():
         return [line.format(**paths) for line in VERL_QUICKSTART]
 
     return fill
+
+
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture(autouse=True)
+def _no_rendezvous_leak():
+    """An in-process update fills in the rendezvous variables of a world of one and keeps its process
+    group (and the TCP store on MASTER_PORT) for the session. A later test's `rlhf` subprocess would
+    inherit them and fail to bind that port; each test leaves the environment as it found it."""
+    before = {key: os.environ.get(key) for key in _RENDEZVOUS}
+    yield
+    for key, value in before.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value

@@ -205,6 +205,9 @@ def _adapt(rows: Iterable[tuple[str, RawRow, str]], data: DataConfig
         if row.record is None:
             rejects.append(_Reject(seq, row, row.error_kind or "unreadable row", row.error or "unreadable row"))
             continue
+        if layout == AUTO:  # a decodable record with no fields: nothing to tell a layout by
+            rejects.append(_Reject(seq, row, "empty row", "empty row: no fields to read a prompt from"))
+            continue
         try:
             example = get_adapter(layout)(row.record, data)
         except RowRejected as exc:
