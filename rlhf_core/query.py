@@ -100,6 +100,8 @@ def metrics_wide_table(run: RunDir) -> pa.Table:
             names.append(row["name"])
     columns = {"iteration": pa.array(sorted(by_iter), pa.int32())}
     for name in sorted(names):
+        if name == "iteration":  # the key column already; the metric of that name would overwrite it
+            continue
         columns[name] = pa.array([by_iter[k].get(name) for k in sorted(by_iter)], pa.float64())
     return pa.table(columns) if by_iter else pa.table({"iteration": pa.array([], pa.int32())})
 

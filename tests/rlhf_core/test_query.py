@@ -61,7 +61,7 @@ def run(tmp_path):
                              schema=schemas.SCORED)
         atomic_write_parquet(run.advantages(k), pa.Table.from_pylist(rows), schema=schemas.ADVANTAGES)
         atomic_write_json(run.metrics(k), {"reward/mean": sum(REWARD[k].values()) / 3, "kl/mean": 0.01 * k,
-                                           "actor/pg_clipfrac": 0.2})
+                                           "actor/pg_clipfrac": 0.2, "iteration": float(k)})
         for stage in ("rollout", "score", "gae", "update", "guard"):
             record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h", seconds=1.0,
                          metrics={"x": 1.0})
