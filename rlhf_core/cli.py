@@ -452,12 +452,27 @@ def _exit_soon(code: int) -> None:
     timer.start()
 
 
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def _drop_inherited_world_of_one() -> None:
+    """A process that ran a one-process update keeps its process group, and the TCP store on
+    MASTER_PORT, with the rendezvous variables set; an `rlhf` started from it would inherit them and
+    fail to bind that port. The command line never runs inside a launcher's world of one, so those
+    inherited variables are dropped (an in-process update fills in its own)."""
+    if os.environ.get("WORLD_SIZE") == "1":
+        for key in _RENDEZVOUS:
+            os.environ.pop(key, None)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The `rlhf` entry point. User errors (RLHFError, ConfigError, a missing file) print one line
     and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130."""
     from rlhf_core.errors import RLHFError
 
     args = parse_args(argv)
+    if argv is None:
+        _drop_inherited_world_of_one()
     handlers = {
         "config": cmd_config_show, "stage": cmd_stage, "run": cmd_run, "demo": cmd_demo,
         "status": cmd_status, "query": cmd_query, "export": cmd_export, "model": cmd_build_tiny,

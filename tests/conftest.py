@@ -85,28 +85,3 @@ def verl_quickstart():
     return fill
 
 
-
-_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
-_RENDEZVOUS_AT_START = {key: os.environ.get(key) for key in _RENDEZVOUS}
-
-
-def _forget_rendezvous() -> None:
-    """An in-process update fills in the rendezvous variables of a world of one and keeps its process
-    group, with its TCP store on MASTER_PORT, for the rest of the session. An `rlhf` subprocess started
-    later would inherit that port and fail to bind it, so every module and test starts without them
-    (the next in-process update fills them in again)."""
-    for key, value in _RENDEZVOUS_AT_START.items():
-        if value is None:
-            os.environ.pop(key, None)
-        else:
-            os.environ[key] = value
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _module_without_rendezvous():
-    _forget_rendezvous()  # autouse: set up before the module's own module-scoped fixtures
-
-
-@pytest.fixture(autouse=True)
-def _test_without_rendezvous():
-    _forget_rendezvous()
