@@ -134,11 +134,6 @@ def rederive_steps(overrides: Sequence[str]) -> list[str]:
     return list(overrides)
 
 
-def train_prompt_count(run: RunDir) -> int:
-    """Rows of prompts/train.parquet (from its footer: nothing is read but the metadata)."""
-    return pq.ParquetFile(run.train_prompts).metadata.num_rows
-
-
 def resolve_iterations(plan: RunPlan) -> RLHFConfig:
     """After preprocess: ``fill_total_iterations`` for the plan's run (``plan.cfg`` updated)."""
     plan.cfg = fill_total_iterations(plan.cfg, plan.run)
@@ -153,7 +148,7 @@ def fill_total_iterations(cfg: RLHFConfig, run: RunDir) -> RLHFConfig:
     t = cfg.trainer
     if t.total_iterations is not None or not run.train_prompts.is_file():
         return cfg
-    prompts = train_prompt_count(run)
+    prompts = run.train_prompt_count()
     total = resolve.total_iterations(cfg, prompts)
     how = ("trainer.total_training_steps" if t.total_training_steps is not None else
            f"{t.total_epochs} epochs × {resolve.steps_per_epoch(cfg, prompts)} steps of data.train_batch_size="
@@ -341,7 +336,7 @@ def steps_per_epoch(cfg: RLHFConfig, run: RunDir) -> int:
     slots = (read_manifest(run, None).get("pack", {}).get("rows") or {}).get("slots")
     if slots:
         return int(slots)
-    return max(1, resolve.steps_per_epoch(cfg, train_prompt_count(run))) if run.train_prompts.is_file() else 1
+    return max(1, resolve.steps_per_epoch(cfg, run.train_prompt_count())) if run.train_prompts.is_file() else 1
 
 
 def iteration_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:

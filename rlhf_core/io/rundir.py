@@ -30,6 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
+import pyarrow.parquet as pq
+
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json
 
@@ -64,6 +66,10 @@ class RunDir:
     @property
     def train_prompts(self) -> Path:
         return self.prompts_dir / "train.parquet"
+
+    def train_prompt_count(self) -> int:
+        """Rows of prompts/train.parquet, from its footer (nothing but the metadata is read)."""
+        return pq.ParquetFile(self.train_prompts).metadata.num_rows
 
     @property
     def val_prompts(self) -> Path:

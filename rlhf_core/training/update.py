@@ -22,7 +22,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
-import pyarrow.parquet as pq
 import torch
 
 from rlhf_core.config import RLHFConfig, resolve
@@ -122,7 +121,7 @@ def training_steps(cfg: RLHFConfig, run: Optional[RunDir]) -> int:
         raise ConfigError("the lr schedule (cosine, or lr_warmup_steps_ratio) needs the run's training steps: set "
                           "trainer.total_iterations (or trainer.total_training_steps), or run preprocess so "
                           "prompts/train.parquet can be counted")
-    return resolve.total_iterations(cfg, pq.ParquetFile(run.train_prompts).metadata.num_rows)
+    return resolve.total_iterations(cfg, run.train_prompt_count())
 
 
 def lr_schedule_for(optim: OptimConfig, total_steps: int):
