@@ -5,7 +5,7 @@ weights + gradients + Adam's two moments = 4 × parameters × 4 bytes (fp32), fo
 
 Each shape (hidden × layers; Qwen2 layout with the tiny model's 512-token vocabulary, 4 heads, 2 KV heads,
 intermediate ≈ 2.75 × hidden) is built with ``rlhf_core.models.tiny.build_tiny_model`` and trained by
-``rlhf_core.training.update.train_update`` (the body of ``rlhf stage update``) in a fresh process on a
+``rlhf_core.training.rank_update.train_update`` (the body of ``rlhf stage update``) in a fresh process on a
 synthetic advantages table of ``--sequences`` rows (prompts 80-110 tokens, responses 32: the demo's shapes).
 
 Columns: params (actor / critic), ``state GB`` = 16 bytes × (actor + critic parameters), ``base GB`` =
@@ -53,10 +53,10 @@ def worker(hidden: int, layers: int, sequences: int, zero: int, out: Path) -> No
     from rlhf_core.config import load_config
     from rlhf_core.data.schemas import ADVANTAGES
     from rlhf_core.io.atomic import atomic_write_parquet
-    from rlhf_core.io.rundir import RunDir
+    from rlhf_core.run.layout import RunDir
     from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
     from rlhf_core.training.synthetic import synthetic_advantages
-    from rlhf_core.training.update import train_update
+    from rlhf_core.training.rank_update import train_update
 
     home = Path(os.environ["RLHF_HOME"])
     model_dir = home / f"model_{hidden}x{layers}"

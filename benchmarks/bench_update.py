@@ -50,10 +50,11 @@ def worker(stage: int, sequences: int, epochs: int, seed: int, out: Path) -> Non
     from rlhf_core.config import load_config
     from rlhf_core.data.schemas import ADVANTAGES
     from rlhf_core.io.atomic import atomic_write_parquet
-    from rlhf_core.io.rundir import RunDir
-    from rlhf_core.io.pointers import ensure_initial_critic, initial_actor_path
+    from rlhf_core.run.layout import RunDir
+    from rlhf_core.run.models import initial_actor_path
+    from rlhf_core.stages.init_critic import run_init_critic as ensure_initial_critic
     from rlhf_core.training.synthetic import synthetic_advantages
-    from rlhf_core.training.update import train_update
+    from rlhf_core.training.rank_update import train_update
 
     # the demo's SFT warm start changes the weights, not the update's cost: skip it here
     cfg = load_config(str(REPO / "configs/demo.yaml"), [

@@ -20,7 +20,7 @@ What is measured:
          grad-enabled forward → last optimizer step). One AdamW over policy+value (TRL's design).
   ours — the same prompts and the very responses TRL generated, as an advantages table
          (``rlhf_core.training.synthetic.synthetic_advantages``: old/ref log-probs scored by the model =
-         our scoring phase), then ``rlhf_core.training.update.train_update`` (what ``rlhf stage update``
+         our scoring phase), then ``rlhf_core.training.rank_update.train_update`` (what ``rlhf stage update``
          runs: critic and actor through DeepSpeed ZeRO on CPU, packed micro-batches) with the same
          epochs and mini-batch size. Phases: scoring, setup (engines), update loop, checkpoint.
   update tokens/s = real (non-pad) prompt+response tokens × epochs / training-phase seconds, for both.
@@ -123,9 +123,9 @@ def ours_worker(spec: dict, out: Path) -> None:
     from rlhf_core.config import load_config
     from rlhf_core.data.schemas import ADVANTAGES
     from rlhf_core.io.atomic import atomic_write_parquet
-    from rlhf_core.io.rundir import RunDir
+    from rlhf_core.run.layout import RunDir
     from rlhf_core.training.synthetic import synthetic_advantages
-    from rlhf_core.training.update import train_update
+    from rlhf_core.training.rank_update import train_update
 
     pairs = list(zip(spec["prompts"], spec["responses"]))
     run = RunDir(out.parent / "ours_run")

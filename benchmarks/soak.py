@@ -78,10 +78,11 @@ def poison_advantages(run, k: int) -> None:
 
 
 def run_iteration(cfg, run, k: int, fault: dict) -> None:
-    from rlhf_core.guard import begin_iteration, commit_iteration, discard_checkpoint, read_verdict
-    from rlhf_core.guard import rollback_iteration, run_guard
-    from rlhf_core.pipeline import prune_checkpoints
-    from rlhf_core.stages import get_stage
+    from rlhf_core.run.lifecycle import begin_iteration, commit_iteration, discard_checkpoint, read_verdict
+    from rlhf_core.run.lifecycle import rollback_iteration
+    from rlhf_core.stages.guard import run_guard
+    from rlhf_core.run.lifecycle import prune_checkpoints
+    from rlhf_core.stages.registry import get_stage
 
     if fault.get("point"):  # armed only now, so earlier iterations of this worker are not hit
         os.environ["RLHF_FAULT"] = fault["point"]
@@ -104,9 +105,9 @@ def run_iteration(cfg, run, k: int, fault: dict) -> None:
 
 
 def worker(run_dir: Path, until: int, fault: dict) -> None:
-    from rlhf_core.io.rundir import RunLock
-    from rlhf_core.pipeline import open_run, plan_run
-    from rlhf_core.stages import get_stage
+    from rlhf_core.run.lock import RunLock
+    from rlhf_core.run.plan import open_run, plan_run
+    from rlhf_core.stages.registry import get_stage
 
     plan = plan_run(resume=run_dir)
     with RunLock(plan.run):
@@ -159,7 +160,7 @@ def corrupt_checkpoint(run, k: int, rng: random.Random) -> str:
 def iteration_seconds(run, k: int, default: float = 2.0) -> float:
     """Seconds iteration ``k``'s stage bodies took (the sum of their manifest ``seconds``: a kill and
     its recovery in between do not count), or ``default`` before the first iteration."""
-    from rlhf_core.io.manifest import read_manifest
+    from rlhf_core.run.manifest import read_manifest
 
     seconds = [float(r["seconds"]) for r in read_manifest(run, k).values() if r.get("seconds")] if k > 0 else []
     return sum(seconds) if seconds else default
@@ -174,7 +175,7 @@ def schedule(iterations: int, rng: random.Random) -> list[str]:
 
 def soak(iterations: int, seed: int, work: Path) -> dict:
     from rlhf_core.config import load_config, to_yaml
-    from rlhf_core.io.rundir import RunDir, write_config
+    from rlhf_core.run.layout import RunDir, write_config
     from rlhf_core.paths import resolve_model_path
 
     rng = random.Random(seed)
@@ -240,7 +241,7 @@ def _recover(run, k: int, was_killed: bool) -> int:
 
 
 def _committed(run, k: int) -> bool:
-    from rlhf_core.io.pointers import read_last_good
+    from rlhf_core.run.lifecycle import read_last_good
 
     record = read_last_good(run)
     return bool(record and record["iteration"] >= k)
@@ -257,8 +258,8 @@ def data_lost(run, cfg, iterations: int) -> dict[str, list[str]]:
     import pyarrow.parquet as pq
 
     from rlhf_core.io.atomic import TMP_MARK
-    from rlhf_core.io.manifest import read_manifest
-    from rlhf_core.io.pointers import read_last_good
+    from rlhf_core.run.manifest import read_manifest
+    from rlhf_core.run.lifecycle import read_last_good
     from rlhf_core.training.checkpoint import verify_checkpoint
 
     lost: dict[str, list[str]] = {"iterations": [], "unreadable": [], "rows": [], "reasons": [], "temporaries": [],

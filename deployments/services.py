@@ -384,7 +384,7 @@ def start_worker(api_url: str, pool: str, timeout: float) -> Service:
 
 
 def tracking_store() -> tuple[Optional[str], Optional[str]]:
-    """(backend store URI, artifact root) of the project's tracking store, as tasks.tracking
+    """(backend store URI, artifact root) of the project's tracking store, as tasks.mlflow_tracking
     resolves it; (None, None) when MLFLOW_TRACKING_URI names a server (it has its own UI)."""
     uri = os.environ.get("MLFLOW_TRACKING_URI")
     if uri and not uri.startswith("sqlite:"):

@@ -1,18 +1,17 @@
 """The pipeline flow: preprocess and pack once, then N iterations of
 
-    rollout → score → gae → [ update → kl-guard ] → (validate) → finish-iteration
+    rollout → score → gae → update → kl-guard → settle → (validate) → finish-iteration
 
-where the bracket is one Prefect transaction: when the guard's verdict is "rollback" the flow
-rolls the transaction back, whose hooks discard the new checkpoint and restore the KL controller
-(tasks.stages); otherwise it commits, whose hook moves last_good. After a rollback,
-``trainer.on_kl_breach`` decides: retry the iteration (smaller learning rate, larger KL coefficient,
+where settle acts on the guard's verdict (``rlhf_core.run.lifecycle.settle``): commit moves
+last_good.json (one atomic rename); rollback discards the new checkpoint and restores the KL
+controller. After a rollback, ``trainer.on_kl_breach`` decides: retry the iteration (smaller learning rate, larger KL coefficient,
 at most ``trainer.max_rollbacks`` times) or halt the flow run with a message saying how to go on.
 The flow holds the run directory's lock; it contains wiring only (decisions live in rlhf_core).
 
 Reporting is per iteration, not per stage: the stage tasks run with report=False and
 finish-iteration emits one MLflow batch and one markdown artifact for the whole iteration. Its
 views (MLflow batch, learning curve, Prefect artifacts) are published by a background reporter
-(tasks.reporter) while the next iteration runs; the reporter is drained before the flow returns or
+(tasks.background_publisher) while the next iteration runs; the reporter is drained before the flow returns or
 fails, and committed iterations whose batch is not in MLflow are logged from the run directory
 (at the end, and on resume after a crash).
 
@@ -22,30 +21,29 @@ fails, and committed iterations whose batch is not in MLflow are logged from the
 
 from __future__ import annotations
 
+import gc
 import itertools
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from prefect import flow
-from prefect.transactions import transaction
 
 from rlhf_core.config import RLHFConfig, apply_overrides
-from rlhf_core.guard import KLGuardHalt, check_committed
-from rlhf_core.io.rundir import RunDir, RunLock
-from rlhf_core.pipeline import (
-    RunPlan, format_iteration_header, format_iteration_row, initial_validation_due, logs_to, open_run, plan_run,
-    resolve_iterations, settle_heap, validate_due,
-)
-from tasks import reporting, tracking
-from tasks.guard import handle_breach_task
+from rlhf_core.run.lifecycle import KLGuardHalt
+from rlhf_core.run.lock import RunLock
+from rlhf_core.run.plan import RunPlan, logs_to, open_run, plan_run, resolve_iterations
+from rlhf_core.run.report import format_iteration_header, format_iteration_row
+from rlhf_core.run.schedule import initial_validation_due, validate_due
+from tasks import mlflow_tracking, prefect_artifacts
+from tasks.breach import handle_breach_task
 from tasks.iteration import (
     backfill_tracking_task, begin_iteration_task, finish_iteration_task, finish_tracking_task, publish_iteration,
     start_tracking_task,
 )
-from tasks.reporter import Reporter
+from tasks.background_publisher import Reporter
 from tasks.stages import (
-    ITERATION_KEY, export_task, gae_task, guard_task, pack_task, preprocess_task, rollout_task, score_task, update_task,
-    validate_task, warm_start_task,
+    export_task, gae_task, guard_task, init_critic_task, pack_task, preprocess_task, rollout_task, score_task,
+    settle_task, update_task, validate_task, warm_start_task,
 )
 
 
@@ -120,10 +118,10 @@ def close_interrupted(mlflow_run_id: Optional[str]) -> None:
     if mlflow_run_id is None:
         return
     try:
-        tracking.set_tags(mlflow_run_id, {"halt_reason": "interrupted (Ctrl-C)"})
-        tracking.finish(mlflow_run_id, "KILLED")
+        mlflow_tracking.set_tags(mlflow_run_id, {"halt_reason": "interrupted (Ctrl-C)"})
+        mlflow_tracking.finish(mlflow_run_id, "KILLED")
     except Exception as exc:  # a second failure must not hide the interrupt
-        reporting.logger().warning("could not mark MLflow run %s as killed: %s", mlflow_run_id, exc)
+        prefect_artifacts.logger().warning("could not mark MLflow run %s as killed: %s", mlflow_run_id, exc)
 
 
 def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
@@ -131,6 +129,7 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
     loop; prints one table row per iteration when trainer.logger has console."""
     run_dir = str(plan.run.root)
     warm_start_task(plan.cfg, run_dir)
+    init_critic_task(plan.cfg, run_dir)
     preprocess_task(plan.cfg, run_dir, mlflow_run_id=mlflow_run_id)
     cfg = resolve_iterations(plan)  # verl's total steps need the train prompt count: saved in config.yaml
     pack_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
@@ -141,7 +140,7 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
         return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
                 "export": None}
     settle_heap()  # every module is imported by now: keep the GC from rescanning them each iteration
-    reporter = Reporter(reporting.logger())
+    reporter = Reporter(prefect_artifacts.logger())
     try:
         cfg, metrics = iterate(plan, cfg, mlflow_run_id, reporter)
     finally:  # every queued view is published (or its failure logged) before the flow returns or fails
@@ -151,6 +150,15 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
     exported = export_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
     return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
             "export": exported}
+
+
+def settle_heap() -> None:
+    """Collect once, then move every object alive now (imported modules, Prefect, MLflow, torch and
+    transformers state) out of the garbage collector's view (``gc.freeze``). They live for the whole
+    process anyway; afterwards each automatic full collection scans only what the iterations
+    allocate instead of the whole heap (0.2-0.5 s per collection in a flow process without it)."""
+    gc.collect()
+    gc.freeze()
 
 
 def validate_before_training(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str]) -> dict:
@@ -171,7 +179,7 @@ def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], report
 
     run_dir, total = str(plan.run.root), cfg.trainer.total_iterations
     console = logs_to(cfg, "console")
-    progress = reporting.progress_start(plan.run, total, done=plan.first_iteration - 1)
+    progress = prefect_artifacts.progress_start(plan.run, total, done=plan.first_iteration - 1)
     metrics: dict = {}
     shown: set[str] = set()  # alert kinds already in the table (every one stays in the flow log)
     with tqdm(total=total, initial=plan.first_iteration - 1, desc="iterations", unit="it", disable=not console,
@@ -212,16 +220,9 @@ def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional
         begin_iteration_task(run_dir, k)
         results = [rollout_task(cfg, run_dir, k, **quiet), score_task(cfg, run_dir, k, **quiet),
                    gae_task(cfg, run_dir, k, **quiet)]
-        with transaction() as txn:
-            txn.set(ITERATION_KEY, {"run_dir": run_dir, "iteration": k, "attempt": attempt,
-                                    "policy": cfg.trainer.on_kl_breach})
-            results.append(update_task(cfg, run_dir, k, **quiet))
-            results.append(guard_task(cfg, run_dir, k, **quiet))
-            decision = results[-1]["verdict"]["decision"]
-            if decision == "rollback":
-                txn.rollback()
-        if decision == "commit":
-            check_committed(RunDir(run_dir), k)
+        results.append(update_task(cfg, run_dir, k, **quiet))
+        results.append(guard_task(cfg, run_dir, k, **quiet))
+        if settle_task(run_dir, k, cfg.trainer.on_kl_breach, attempt) == "commit":
             return cfg, results
         outcome = handle_breach_task(cfg, run_dir, k, attempt, mlflow_run_id=mlflow_run_id, stage_results=results)
         if outcome["action"] == "halt":

@@ -9,7 +9,7 @@
     record-retrain   → RUN/retrain.json + MLflow tags: which export and which data bytes it started from
 
 The reference policy defaults to the actor's initial model, so each retrain's KL is measured
-against the model it started from. Wiring only: the decisions live in rlhf_core.retrain.
+against the model it started from. Wiring only: the decisions live in rlhf_core.run.retrain_inputs.
 
     rlhf_retrain(RetrainParams(base_model="last-exported", iterations=4))       (Python)
 """
@@ -26,12 +26,11 @@ from prefect.cache_policies import NO_CACHE
 from flows.pipeline import PipelineParams, dotted_overrides, rlhf_pipeline
 from rlhf_core.config import apply_overrides, load_config, valid_keys
 from rlhf_core.io.atomic import atomic_write_json
-from rlhf_core.io.rundir import RunDir, RunLock
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lock import RunLock
 from rlhf_core.paths import resolve_path
-from rlhf_core.retrain import (
-    LAST_EXPORTED, SNAPSHOTS_DIR, check_inputs, resolve_base_model, retrain_run_name, runs_root_of, snapshot_files,
-)
-from tasks import reporting, tracking
+from rlhf_core.run.retrain_inputs import LAST_EXPORTED, SNAPSHOTS_DIR, check_inputs, resolve_base_model, retrain_run_name, runs_root_of, snapshot_files
+from tasks import mlflow_tracking, prefect_artifacts
 
 WARM_START_KEY = "actor_rollout_ref.model.warm_start.enable"
 
@@ -94,7 +93,7 @@ def prepare_retrain_task(params: RetrainParams, flow_run_id: Optional[str] = Non
               "snapshot": {"dir": str(snapshot_dir), "train": train, "val": val}, "overrides": overrides,
               "flow_run_id": flow_run_id}
     atomic_write_json(snapshot_dir / "retrain.json", record)
-    reporting.logger().info("retrain %s: base model %s; %d prompt file(s) snapshotted to %s", run_name, base,
+    prefect_artifacts.logger().info("retrain %s: base model %s; %d prompt file(s) snapshotted to %s", run_name, base,
                             len(train) + len(val), snapshot_dir)
     return record
 
@@ -108,7 +107,7 @@ def record_retrain_task(run_dir: str, mlflow_run_id: Optional[str], record: dict
     if mlflow_run_id is None:  # trainer.logger without mlflow
         return
     train_hashes = ",".join(e["sha256"][:12] for e in record["snapshot"]["train"])
-    tracking.set_tags(mlflow_run_id, {"rlhf.retrain.base_model": record["base_model"],
+    mlflow_tracking.set_tags(mlflow_run_id, {"rlhf.retrain.base_model": record["base_model"],
                                       "rlhf.retrain.base_model_spec": record["base_model_spec"],
                                       "rlhf.retrain.snapshot": record["snapshot"]["dir"],
                                       "rlhf.retrain.train_sha256": train_hashes})

@@ -15,17 +15,17 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from rlhf_core.guard import commit_iteration, discard_checkpoint, rollback_count, rollback_iteration
-from rlhf_core.io.manifest import read_manifest, set_status
-from rlhf_core.io.pointers import read_last_good
-from rlhf_core.io.rundir import RunDir, RunLock
-from rlhf_core.pipeline import fill_total_iterations, logs_to, resolve_run_config, save_config
-from rlhf_core.stages import STAGES
-from tasks import reporting
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import last_good_iteration, rollback_count, settle
+from rlhf_core.run.lock import RunLock
+from rlhf_core.run.plan import fill_total_iterations, logs_to, resolve_run_config, save_config
+from rlhf_core.stages.registry import STAGES
+from tasks import prefect_artifacts
 from tasks.iteration import finish_iteration_task, finish_tracking_task, start_tracking_task
 from tasks.stages import STAGE_TASKS
 
-StageName = Literal["preprocess", "pack", "rollout", "score", "gae", "update", "guard", "validate"]
+StageName = Literal["warm_start", "init_critic", "preprocess", "pack", "rollout", "score", "gae", "update", "guard",
+                    "validate"]
 
 
 class StageParams(BaseModel):
@@ -33,7 +33,8 @@ class StageParams(BaseModel):
 
     stage: StageName = Field(description="The stage to (re)run")
     run_dir: str = Field(description="The run directory (created for setup stages if absent)")
-    iteration: Optional[int] = Field(None, ge=1, description="Iteration K (per-iteration stages only)")
+    iteration: Optional[int] = Field(None, ge=0, description="Iteration K (per-iteration stages only; validate "
+                                     "takes 0 = the initial policy)")
     config: Optional[str] = Field(None, description="YAML preset; default: the run's saved config.yaml")
     overrides: list[str] = Field(default_factory=list, description="Dotted key=value overrides")
     force: bool = Field(False, description="Rerun even when inputs and config are unchanged")
@@ -43,6 +44,8 @@ class StageParams(BaseModel):
         per_iteration = STAGES[self.stage].per_iteration
         if per_iteration and self.iteration is None:
             raise ValueError(f"stage {self.stage!r} runs per iteration: give iteration=K")
+        if per_iteration and self.iteration == 0 and self.stage != "validate":
+            raise ValueError(f"stage {self.stage!r} needs iteration K >= 1 (only validate takes 0, the initial policy)")
         if not per_iteration and self.iteration is not None:
             raise ValueError(f"stage {self.stage!r} is a setup stage: it takes no iteration")
         return self
@@ -58,26 +61,19 @@ def _stage_run_name() -> str:
 
 @task(name="apply-guard-verdict", task_run_name="apply-verdict-iter{iteration}", cache_policy=NO_CACHE,
       persist_result=False)
-def apply_verdict_task(run_dir: str, iteration: int, decision: str, was_committed: bool) -> str:
-    """Act on a rerun guard's verdict (no transaction: this flow has no update to undo). An
-    iteration at or before last-good is only re-measured: rolling back past last-good by hand would
-    orphan the iterations built on it."""
+def apply_verdict_task(run_dir: str, iteration: int) -> str:
+    """Act on a rerun guard's verdict (``lifecycle.settle``). An iteration at or before last-good is
+    only re-measured: rolling back past last-good by hand would orphan the iterations built on it."""
     run = RunDir(run_dir)
-    log = reporting.logger()
-    last_good = read_last_good(run)
-    if last_good and last_good["iteration"] >= iteration:
-        if was_committed:
-            set_status(run, iteration, "guard", "done", committed=True)
-        log.warning("iteration %d is at or before last-good (%d): verdict %r recorded, nothing moved",
-                    iteration, last_good["iteration"], decision)
+    last_good = last_good_iteration(run)
+    if last_good >= iteration:
+        prefect_artifacts.logger().warning("iteration %d is at or before last-good (%d): verdict recorded, nothing "
+                                           "moved", iteration, last_good)
         return "recorded"
-    if decision == "commit":
-        commit_iteration(run, iteration)
-        return "committed"
-    discard_checkpoint(run, iteration)
-    rollback_iteration(run, iteration, policy="stage-rerun", attempt=rollback_count(run, iteration) + 1)
-    log.warning("iteration %d rolled back by the guard rerun", iteration)
-    return "rolled_back"
+    done = settle(run, iteration, policy="stage-rerun", attempt=rollback_count(run, iteration) + 1)
+    if done == "rollback":
+        prefect_artifacts.logger().warning("iteration %d rolled back by the guard rerun", iteration)
+    return {"commit": "committed", "rollback": "rolled_back"}[done]
 
 
 @flow(name="rlhf-stage", flow_run_name=_stage_run_name, persist_result=False)
@@ -91,16 +87,13 @@ def rlhf_stage(params: StageParams) -> dict:
         mlflow_run_id = (start_tracking_task(cfg, str(run.root), stage=params.stage, iteration=params.iteration)
                          if logs_to(cfg, "mlflow") else None)
         try:
-            was_committed = bool(params.iteration and read_manifest(run, params.iteration).get("guard", {})
-                                 .get("committed"))
             stage_task = STAGE_TASKS[params.stage]
             args = (cfg, str(run.root)) + ((params.iteration,) if params.iteration is not None else ())
             result = stage_task(*args, force=params.force, mlflow_run_id=mlflow_run_id)
             if params.stage == "preprocess":
                 fill_total_iterations(cfg, run)
             if params.stage == "guard":
-                result["action"] = apply_verdict_task(str(run.root), params.iteration, result["verdict"]["decision"],
-                                                      was_committed)
+                result["action"] = apply_verdict_task(str(run.root), params.iteration)
             if params.iteration is not None:
                 finish_iteration_task(cfg, str(run.root), params.iteration, mlflow_run_id=mlflow_run_id, prune=False)
         except Exception as exc:

@@ -10,12 +10,13 @@ from prefect import task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.guard import begin_iteration
 from rlhf_core.io import timing
-from rlhf_core.io.manifest import read_manifest
-from rlhf_core.io.rundir import RunDir
-from rlhf_core.pipeline import alerts, curve_due, iteration_metrics, prune_checkpoints, stage_reports
-from tasks import reporting, tracking
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import begin_iteration, committed_iterations, prune_checkpoints
+from rlhf_core.run.manifest import read_manifest
+from rlhf_core.run.report import alerts, iteration_metrics, stage_reports
+from rlhf_core.run.schedule import curve_due
+from tasks import mlflow_tracking, prefect_artifacts
 from tasks.stages import IO_RETRIES
 
 NO_RESULTS = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -30,10 +31,10 @@ def start_tracking_task(cfg: RLHFConfig, run_dir: str, stage: Optional[str] = No
     run = RunDir(run_dir)
     flow_run_id = str(flow_run.id) if flow_run.id else None
     if stage is None:
-        run_id = tracking.start_pipeline_run(run, cfg, flow_run_id)
+        run_id = mlflow_tracking.start_pipeline_run(run, cfg, flow_run_id)
     else:
-        run_id = tracking.start_stage_run(run, cfg, stage, iteration, flow_run_id)
-    reporting.logger().info("MLflow run %s in %s", run_id, tracking.tracking_uri())
+        run_id = mlflow_tracking.start_stage_run(run, cfg, stage, iteration, flow_run_id)
+    prefect_artifacts.logger().info("MLflow run %s in %s", run_id, mlflow_tracking.tracking_uri())
     return run_id
 
 
@@ -43,8 +44,8 @@ def finish_tracking_task(mlflow_run_id: Optional[str], status: str = "FINISHED",
     if mlflow_run_id is None:
         return
     if reason:
-        tracking.set_tags(mlflow_run_id, {"halt_reason": reason})
-    tracking.finish(mlflow_run_id, status)
+        mlflow_tracking.set_tags(mlflow_run_id, {"halt_reason": reason})
+    mlflow_tracking.finish(mlflow_run_id, status)
 
 
 @task(name="begin-iteration", task_run_name="begin-iter{iteration}", **NO_RESULTS)
@@ -117,7 +118,7 @@ def _finish_iteration(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_
                       progress_id: Any, prune: bool, stage_results: Optional[list[dict]], publish: bool) -> dict:
     run = RunDir(run_dir)
     k = iteration
-    log = reporting.logger()
+    log = prefect_artifacts.logger()
     metrics = iteration_metrics(cfg, run, k)
     warnings = alerts(cfg, metrics)
     for line in warnings:  # a KL breach is a warning; the clip-fraction signal is information
@@ -127,8 +128,8 @@ def _finish_iteration(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_
         run_dir=run_dir, iteration=k, total=cfg.trainer.total_iterations, mlflow_run_id=mlflow_run_id,
         batch=iteration_batch(metrics, run, k) if stage_results is not None else derived_only(metrics, run, k),
         stages_text=(stages_markdown(k, stage_results) if stage_results else None),
-        rows=reporting.metrics_rows(run), alerts=warnings, progress_id=progress_id,
-        curve=(reporting.curve_snapshot(run, cfg.trainer.kl_rollback_threshold) if curve_due(cfg, run, k) else None))
+        rows=prefect_artifacts.metrics_rows(run), alerts=warnings, progress_id=progress_id,
+        curve=(prefect_artifacts.curve_snapshot(run, cfg.trainer.kl_rollback_threshold) if curve_due(cfg, run, k) else None))
     pruned = prune_checkpoints(cfg, run) if prune else []
     if pruned:
         log.info("pruned checkpoints of iterations %s (kept: last-good and the last %d save points)",
@@ -140,7 +141,7 @@ def _finish_iteration(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_
 
 def stages_markdown(k: int, stage_results: list[dict]) -> str:
     """One markdown document of an iteration's stages (what each stage task publishes on its own)."""
-    return "\n\n".join([f"## Iteration {k}"] + [reporting.stage_markdown(r) for r in stage_results])
+    return "\n\n".join([f"## Iteration {k}"] + [prefect_artifacts.stage_markdown(r) for r in stage_results])
 
 
 def publish_iteration(report: IterationReport) -> None:
@@ -148,18 +149,18 @@ def publish_iteration(report: IterationReport) -> None:
     nothing the next iteration writes (the report carries its snapshot)."""
     run, k = RunDir(report.run_dir), report.iteration
     if report.mlflow_run_id:
-        tracking.log_metrics(report.mlflow_run_id, report.batch, step=k)
+        mlflow_tracking.log_metrics(report.mlflow_run_id, report.batch, step=k)
     if report.stages_text:
-        reporting.markdown(report.stages_text, description=f"stages of iteration {k}")
-    reporting.table(report.rows, key=reporting.artifact_key(run, "metrics"), description="per-iteration metrics")
+        prefect_artifacts.markdown(report.stages_text, description=f"stages of iteration {k}")
+    prefect_artifacts.table(report.rows, key=prefect_artifacts.artifact_key(run, "metrics"), description="per-iteration metrics")
     if report.curve is not None:
-        png = reporting.plot_learning_curve(run, run.root / "plots" / "learning_curve.png", **report.curve)
+        png = prefect_artifacts.plot_learning_curve(run, run.learning_curve, **report.curve)
         if report.mlflow_run_id:
-            tracking.log_artifact(report.mlflow_run_id, png, "plots")
-        url = tracking.run_url(report.mlflow_run_id) if report.mlflow_run_id else None
-        reporting.markdown(reporting.report_markdown(run, png, report.alerts, url, rows=report.rows),
-                           key=reporting.artifact_key(run, "report"), description=f"run report after iteration {k}")
-    reporting.progress_update(report.progress_id, k, report.total)
+            mlflow_tracking.log_artifact(report.mlflow_run_id, png, "plots")
+        url = mlflow_tracking.run_url(report.mlflow_run_id) if report.mlflow_run_id else None
+        prefect_artifacts.markdown(prefect_artifacts.report_markdown(run, png, report.alerts, url, rows=report.rows),
+                           key=prefect_artifacts.artifact_key(run, "report"), description=f"run report after iteration {k}")
+    prefect_artifacts.progress_update(report.progress_id, k, report.total)
 
 
 @task(name="backfill-tracking", **NO_RESULTS, **IO_RETRIES)
@@ -171,13 +172,11 @@ def backfill_tracking_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: str) ->
 
 
 def backfill_metrics(cfg: RLHFConfig, run: RunDir, mlflow_run_id: str) -> list[int]:
-    from rlhf_core.guard import committed_iterations
-
-    logged = {step for step, _ in tracking.metric_history(mlflow_run_id, DONE_MARK)}
+    logged = {step for step, _ in mlflow_tracking.metric_history(mlflow_run_id, DONE_MARK)}
     missing = [k for k in committed_iterations(run) if k not in logged]
     for k in missing:
-        tracking.log_metrics(mlflow_run_id, iteration_batch(iteration_metrics(cfg, run, k), run, k), step=k)
+        mlflow_tracking.log_metrics(mlflow_run_id, iteration_batch(iteration_metrics(cfg, run, k), run, k), step=k)
     if missing:
-        reporting.logger().warning("MLflow was missing the metrics of committed iterations %s: logged them from "
+        prefect_artifacts.logger().warning("MLflow was missing the metrics of committed iterations %s: logged them from "
                                    "the run directory", missing)
     return missing

@@ -3,8 +3,8 @@
 Each task resolves the run directory, calls ``run_<stage>(cfg, run, iteration, force)``, logs the
 stage's metrics to MLflow (one batch, step = iteration) and publishes a markdown artifact with the
 stage's summary — unless called with ``report=False``: the pipeline flow reports a whole iteration
-at once (one MLflow batch, one markdown artifact: tasks.iteration), single-stage reruns per stage. Tasks take and return small things: the config, paths, a result dict (never
-tensors). Prefect's result caching is off: whether a stage reruns is decided by the run's manifest
+at once (one MLflow batch, one markdown artifact: tasks.iteration), single-stage reruns per stage.
+Tasks take and return small things: the config, paths, a result dict (never tensors). Prefect's result caching is off: whether a stage reruns is decided by the run's manifest
 (same input hashes and config hash → skipped), which also survives a crash and a CLI rerun.
 
 Retries only where the failure can be a transient I/O error (``OSError`` other than a missing file
@@ -21,10 +21,10 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.io import timing
-from rlhf_core.io.rundir import RunDir
-from rlhf_core.pipeline import mark_skipped
-from rlhf_core.stages import get_stage
-from tasks import reporting, tracking
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.manifest import mark_skipped
+from rlhf_core.stages.registry import get_stage
+from tasks import mlflow_tracking, prefect_artifacts
 
 NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
 
@@ -48,8 +48,6 @@ def new_metrics(run: RunDir, iteration: Optional[int], stage: str, metrics: dict
                 seconds: float) -> dict[str, float]:
     """The stage's metrics minus names another stage of the same iteration already reported (e.g.
     response_length/mean from both rollout and score): one point per metric and step in MLflow."""
-    from rlhf_core.io.manifest import read_manifest
-
     taken = set()
     for other, rec in read_manifest(run, iteration).items():
         if other != stage and rec.get("status") in ("done", "stale"):
@@ -70,11 +68,11 @@ def _execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int]
              mlflow_run_id: Optional[str], report: bool) -> dict[str, Any]:
     run = RunDir(run_dir)
     result = get_stage(stage).load()(cfg, run, iteration, force=force)
-    log = reporting.logger()
+    log = prefect_artifacts.logger()
     if result.skipped:
         mark_skipped(run, iteration, stage)
     elif mlflow_run_id and report:
-        tracking.log_metrics(mlflow_run_id, new_metrics(run, iteration, stage, result.metrics, result.seconds),
+        mlflow_tracking.log_metrics(mlflow_run_id, new_metrics(run, iteration, stage, result.metrics, result.seconds),
                              step=iteration)
     where = f" iteration {iteration}" if iteration is not None else ""
     log.info("[%s%s] %s", stage, where, "skipped (up to date)" if result.skipped else f"done in {result.seconds:.1f}s")
@@ -82,21 +80,20 @@ def _execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int]
         log.info("  %s", line)
     out = result.to_dict()
     if report:
-        reporting.markdown(reporting.stage_markdown(out), description=f"{stage}{where}")
+        prefect_artifacts.markdown(prefect_artifacts.stage_markdown(out), description=f"{stage}{where}")
     return out
 
 
 @task(name="warm-start", **NO_RESULTS)
-def warm_start_task(cfg: RLHFConfig, run_dir: str) -> Optional[str]:
-    """Supervised warm start of the initial policy (cached by content; trained once, reused after),
-    when actor_rollout_ref.model.warm_start.enable. Returns the model directory, or None."""
-    from rlhf_core.io.pointers import initial_actor_path
+def warm_start_task(cfg: RLHFConfig, run_dir: str, force: bool = False, mlflow_run_id: Optional[str] = None) -> dict:
+    """The initial policy: the tiny model built, the SFT warm start trained when enabled (both cached)."""
+    return execute("warm_start", cfg, run_dir, None, force, mlflow_run_id, report=False)
 
-    if not cfg.actor_rollout_ref.model.warm_start.enable:
-        return None
-    path = initial_actor_path(cfg)
-    reporting.logger().info("initial policy: warm-started model %s", path)
-    return str(path)
+
+@task(name="init-critic", **NO_RESULTS, **IO_RETRIES)
+def init_critic_task(cfg: RLHFConfig, run_dir: str, force: bool = False, mlflow_run_id: Optional[str] = None) -> dict:
+    """The initial critic → models/critic_init/ (once per run)."""
+    return execute("init_critic", cfg, run_dir, None, force, mlflow_run_id, report=False)
 
 
 @task(name="preprocess", **NO_RESULTS, **IO_RETRIES)
@@ -143,8 +140,8 @@ def update_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = Fal
 def guard_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
                mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
     """Measure KL(actor‖ref) of the new actor → the verdict (commit / rollback) in iter_K/guard.json.
-    Acting on it is left to the transaction hooks (tasks.guard)."""
-    from rlhf_core.guard import read_verdict
+    Acting on it is left to the transaction hooks (tasks.breach)."""
+    from rlhf_core.run.lifecycle import read_verdict
 
     out = execute("guard", cfg, run_dir, iteration, force, mlflow_run_id, report)
     out["verdict"] = read_verdict(RunDir(run_dir), iteration)
@@ -162,69 +159,32 @@ def validate_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = F
 def export_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: Optional[str] = None) -> dict:
     """Merge LoRA (if any) and save the last-good actor in Hugging Face format, when the latest
     validation accuracy clears trainer.export_min_val_score; a refusal is reported, not raised."""
-    from rlhf_core.export import ExportRefused, export_actor
-
     run = RunDir(run_dir)
-    log = reporting.logger()
+    log = prefect_artifacts.logger()
     try:
         path = export_actor(cfg, run)
     except ExportRefused as exc:
         log.warning("export refused: %s", exc)
-        reporting.markdown(f"### export refused\n\n{exc}", key=reporting.artifact_key(run, "export"))
+        prefect_artifacts.markdown(f"### export refused\n\n{exc}", key=prefect_artifacts.artifact_key(run, "export"))
         if mlflow_run_id:
-            tracking.set_tags(mlflow_run_id, {"export": "refused", "export.reason": str(exc)})
+            mlflow_tracking.set_tags(mlflow_run_id, {"export": "refused", "export.reason": str(exc)})
         return {"exported": False, "reason": str(exc)}
     log.info("exported the actor to %s", path)
-    reporting.markdown(f"### exported\n\nHugging Face actor: `{path}`", key=reporting.artifact_key(run, "export"))
+    prefect_artifacts.markdown(f"### exported\n\nHugging Face actor: `{path}`", key=prefect_artifacts.artifact_key(run, "export"))
     if mlflow_run_id:
-        tracking.set_tags(mlflow_run_id, {"export": str(path)})
+        mlflow_tracking.set_tags(mlflow_run_id, {"export": str(path)})
     return {"exported": True, "path": str(path)}
 
 
+@task(name="settle", task_run_name="settle-iter{iteration}", **NO_RESULTS)
+def settle_task(run_dir: str, iteration: int, policy: str, attempt: int) -> str:
+    """Act on iteration K's verdict: commit (last_good.json moves, one atomic rename) or roll back
+    (the checkpoint discarded, the KL controller restored). Never retried: it decides a commit."""
+    with timing.span("task:settle"):
+        return settle(RunDir(run_dir), iteration, policy=policy, attempt=attempt)
+
+
 STAGE_TASKS = {
-    "preprocess": preprocess_task, "pack": pack_task, "rollout": rollout_task, "score": score_task,
+    "warm_start": warm_start_task, "init_critic": init_critic_task, "preprocess": preprocess_task, "pack": pack_task, "rollout": rollout_task, "score": score_task,
     "gae": gae_task, "update": update_task, "guard": guard_task, "validate": validate_task,
 }
-
-
-# ---------------------------------------------------------------------------------------------
-# transaction hooks. The pipeline flow opens a transaction around update + guard and sets
-# ITERATION_KEY = {"run_dir", "iteration", "policy", "attempt"} on it; the hooks read it back (a
-# child transaction falls back to its parent's values). Outside that transaction (a single-stage
-# rerun, where Prefect wraps each task in a transaction of its own) the hooks do nothing.
-# ---------------------------------------------------------------------------------------------
-
-ITERATION_KEY = "rlhf_iteration"
-
-
-def _iteration(txn) -> Optional[dict]:
-    return txn.get(ITERATION_KEY, None)
-
-
-@update_task.on_rollback
-def discard_new_checkpoint(txn) -> None:
-    """Rolled back: the iteration's checkpoint must not survive (last-good stays where it was)."""
-    from rlhf_core.guard import discard_checkpoint
-
-    if it := _iteration(txn):
-        discard_checkpoint(RunDir(it["run_dir"]), int(it["iteration"]))
-
-
-@guard_task.on_commit
-def move_last_good(txn) -> None:
-    """Committed: last_good.json → this iteration's checkpoint (atomic)."""
-    from rlhf_core.guard import commit_iteration
-
-    if it := _iteration(txn):
-        commit_iteration(RunDir(it["run_dir"]), int(it["iteration"]))
-
-
-@guard_task.on_rollback
-def restore_last_good_state(txn) -> None:
-    """Rolled back: KL controller back to its pre-iteration state, gae/update/guard marked
-    rolled_back, the event appended (the actor, critic and optimizer already are last-good's)."""
-    from rlhf_core.guard import rollback_iteration
-
-    if it := _iteration(txn):
-        rollback_iteration(RunDir(it["run_dir"]), int(it["iteration"]), policy=str(it["policy"]),
-                           attempt=int(it["attempt"]))

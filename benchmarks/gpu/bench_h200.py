@@ -122,8 +122,8 @@ def update(model_dir: Path, home: Path, table, args, device: str) -> dict:
     from rlhf_core.config import load_config
     from rlhf_core.data.schemas import ADVANTAGES
     from rlhf_core.io.atomic import atomic_write_parquet
-    from rlhf_core.io.rundir import RunDir
-    from rlhf_core.training.update import train_update
+    from rlhf_core.run.layout import RunDir
+    from rlhf_core.training.rank_update import train_update
 
     run = RunDir(home / "run")
     atomic_write_parquet(run.advantages(1), table, ADVANTAGES)

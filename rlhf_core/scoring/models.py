@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import gc
 import hashlib
+import json
 import weakref
 from pathlib import Path
 from typing import Optional
 
 import torch
+from peft import PeftModel
+from transformers import AutoModelForCausalLM
 
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.timing import HASHING, MEMORY_RELEASE, MODEL_LOAD, timed
@@ -139,3 +142,24 @@ def same_weights(a: str | Path, b: str | Path) -> bool:
     log-probs computed under one are exactly those of the other."""
     fa = weights_fingerprint(a)
     return fa is not None and fa == weights_fingerprint(b)
+
+
+def is_lora_dir(path: Path) -> bool:
+    return (Path(path) / "adapter_config.json").is_file()
+
+
+def load_merged_actor(path: str | Path, device=None, dtype=None):
+    """The actor as a plain causal LM in eval mode: a full model directory as is, a peft adapter
+    directory merged into its base (``base_model_name_or_path`` in adapter_config.json)."""
+    path = Path(path)
+    device = device or torch.device("cpu")
+    dtype = dtype or torch.float32
+    if not is_lora_dir(path):
+        return load_causal_lm(path, device, dtype, role="actor")
+    base_path = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
+    if not base_path or not Path(base_path).is_dir():
+        raise CheckpointError(f"{path}/adapter_config.json names base model {base_path!r}, which is not a "
+                              "local directory; restore the base model there or edit base_model_name_or_path")
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, attn_implementation="sdpa")
+    merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+    return merged.to(device).eval()

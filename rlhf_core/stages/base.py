@@ -14,8 +14,8 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from rlhf_core.config import RLHFConfig, config_hash
-from rlhf_core.io.manifest import hash_paths, is_up_to_date, mark_downstream_stale, read_manifest, record_stage
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.manifest import hash_paths, is_up_to_date, mark_downstream_stale, read_manifest, record_stage
+from rlhf_core.run.layout import RunDir
 from rlhf_core.io import timing
 
 

@@ -7,11 +7,11 @@ With ``algorithm.use_kl_in_reward`` the token rewards carry the KL penalty ``−
 takes one step with the iteration's measured KL and B = number of responses
 (``algorithm.kl_ctrl``: fixed, or the adaptive controller of Ziegler et al. 2019). GAE
 (``algorithm.gamma``, ``algorithm.lam``) and the whitening (``algorithm.norm_adv``) are in
-``rlhf_core.advantages``.
+``rlhf_core.training.advantages``.
 
 KL controller state (``RunDir.kl_ctrl_path`` = kl_ctrl.json, the controller's ``state_dict()``):
 iteration K always starts from the state recorded before K in ``iter_K/kl_ctrl_before.json``
-(``guard.kl_snapshot_path``; taken here when the flow's begin-iteration has not taken it). So a
+(``run.lifecycle.take_kl_snapshot``; taken here when the flow's begin-iteration has not taken it). So a
 rerun of K (forced, after a crash, after a rollback) uses the same coefficient, writes the same
 table and leaves the same state: the controller never steps twice for one iteration. A retry after
 a KL-guard rollback edits that snapshot (a raised coefficient), which this stage then uses.
@@ -32,14 +32,14 @@ from typing import Optional
 
 import pyarrow.parquet as pq
 
-from rlhf_core.advantages import AdvantageSettings, compute_advantages
+from rlhf_core.training.advantages import AdvantageSettings, compute_advantages
 from rlhf_core.algos import make_kl_controller
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.data.schemas import ADVANTAGES
 from rlhf_core.errors import DataError, RLHFError
-from rlhf_core.guard import kl_snapshot_path
-from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.io.atomic import atomic_write_parquet
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import kl_state_before, persist_kl_controller, take_kl_snapshot
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, execute_stage
 
@@ -58,7 +58,7 @@ def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force
     if cfg.algorithm.use_kl_in_reward:
         # Before hashing the inputs: the snapshot is an input, and the first run must hash what a rerun will.
         take_kl_snapshot(run, iteration)
-    snapshot = kl_snapshot_path(run, iteration)
+    snapshot = run.kl_snapshot(iteration)
     inputs = [scored] + ([snapshot] if snapshot.is_file() else [])
 
     def body() -> StageResult:
@@ -66,31 +66,6 @@ def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force
 
     return execute_stage(stage="gae", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
                          config_sections=CONFIG_SECTIONS, body=body, force=force)
-
-
-# ---------------------------------------------------------------------------------------------
-# KL controller state
-# ---------------------------------------------------------------------------------------------
-
-
-def take_kl_snapshot(run: RunDir, k: int) -> bool:
-    """Record kl_ctrl.json as it is now as the state before iteration ``k``, unless already recorded
-    (same format as ``guard.begin_iteration``: {"state": <state_dict or null>}). Returns whether taken."""
-    snapshot = kl_snapshot_path(run, k)
-    if snapshot.is_file():
-        return False
-    atomic_write_json(snapshot, {"state": run.read_json(run.kl_ctrl_path)})
-    return True
-
-
-def kl_state_before(run: RunDir, k: int) -> Optional[dict]:
-    """The controller state iteration ``k`` starts from (None: a fresh controller from the config)."""
-    snapshot = kl_snapshot_path(run, k)
-    record = run.read_json(snapshot)
-    if not isinstance(record, dict) or "state" not in record:
-        raise DataError(f"{snapshot} is not a KL controller snapshot (expected {{\"state\": ...}}); delete it to "
-                        f"start iteration {k} from {run.kl_ctrl_path}")
-    return record["state"]
 
 
 def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path):
@@ -110,21 +85,6 @@ def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path):
     return make_kl_controller(ctrl.type, coef, ctrl.target_kl, ctrl.horizon)
 
 
-def later_started_iteration(run: RunDir, k: int) -> Optional[int]:
-    """The first iteration after ``k`` that already took its KL snapshot (started from kl_ctrl.json)."""
-    return next((j for j in run.iterations() if j > k and kl_snapshot_path(run, j).is_file()), None)
-
-
-def persist_kl_controller(run: RunDir, k: int, controller) -> Optional[int]:
-    """Write the stepped controller to kl_ctrl.json, unless a later iteration already started from
-    the file (a rerun of an old iteration must not rewind the run's controller). Returns that
-    later iteration, or None when written."""
-    later = later_started_iteration(run, k)
-    if later is None:
-        atomic_write_json(run.kl_ctrl_path, controller.state_dict())
-    return later
-
-
 # ---------------------------------------------------------------------------------------------
 # body
 # ---------------------------------------------------------------------------------------------
@@ -134,7 +94,7 @@ def _gae(cfg: RLHFConfig, run: RunDir, k: int) -> StageResult:
     settings = AdvantageSettings.from_algorithm(cfg.algorithm)
     controller = None
     if settings.use_kl_in_reward:
-        controller = kl_controller_for(cfg, kl_state_before(run, k), kl_snapshot_path(run, k))
+        controller = kl_controller_for(cfg, kl_state_before(run, k), run.kl_snapshot(k))
     used = controller.value if controller is not None else 0.0
     with timed(TABLE_READ):
         scored = pq.read_table(run.scored(k))
@@ -147,7 +107,7 @@ def _gae(cfg: RLHFConfig, run: RunDir, k: int) -> StageResult:
     if controller is not None:
         controller.update(current_kl=out.kl_mean, n_steps=out.num_responses)
         metrics["kl/coef_next"] = controller.value
-        later = persist_kl_controller(run, k, controller)
+        later = persist_kl_controller(run, k, controller.state_dict())
         kl_lines = [f"KL in reward: {settings.kl_penalty} estimator, coefficient {used:.6g} "
                     f"({cfg.algorithm.kl_ctrl.type}); measured KL {out.kl_mean:.5f} per token → next "
                     f"coefficient {controller.value:.6g}"]

@@ -42,7 +42,7 @@ from rlhf_core.data.packing import (
 from rlhf_core.data.schemas import GENERATION_BATCHES
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.base import StageResult, execute_stage
 
 # Dotted prefixes of exactly the keys this stage reads. (Prefix matching also catches rollout.name

@@ -17,7 +17,7 @@ from rlhf_core.data.preprocess import PreprocessResult, load_tokenizer, preproce
 from rlhf_core.data.schemas import PROMPTS, REJECTS
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.layout import RunDir
 from rlhf_core.paths import resolve_path
 from rlhf_core.stages.base import StageResult, execute_stage
 

@@ -28,8 +28,8 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.data.schemas import REJECTS, ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.io.pointers import actor_path
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.models import actor_path
+from rlhf_core.run.layout import RunDir
 from rlhf_core.io.tables import rows_with_ids
 from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.rollout.generate import (

@@ -42,8 +42,8 @@ from rlhf_core.config.resolve import (
 from rlhf_core.data.schemas import SCORED
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.io.pointers import actor_path, critic_path, reference_path
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.models import actor_path, critic_path, reference_path
+from rlhf_core.run.layout import RunDir
 from rlhf_core.io.tables import rows_with_ids
 from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.paths import resolve_model_path

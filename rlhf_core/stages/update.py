@@ -27,7 +27,7 @@ from rlhf_core.config import RLHFConfig, resolve
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io import timing
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.base import StageResult, execute_stage
 
 CONFIG_SECTIONS = ("actor_rollout_ref.model.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.temperature",
@@ -39,7 +39,7 @@ STEP_SECTIONS = ("trainer.total_iterations", "trainer.total_training_steps", "tr
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    from rlhf_core.training.update import schedule_needs_total_steps
+    from rlhf_core.training.rank_update import schedule_needs_total_steps
 
     return CONFIG_SECTIONS + (STEP_SECTIONS if schedule_needs_total_steps(cfg) else ())
 
@@ -48,7 +48,7 @@ STAGE_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl
 
 
 def _inputs(cfg: RLHFConfig, run: RunDir, iteration: int) -> list[Path]:
-    from rlhf_core.training.update import resolve_sources
+    from rlhf_core.training.rank_update import resolve_sources
 
     sources = resolve_sources(cfg, run, iteration)
     paths = [run.advantages(iteration), sources.actor, sources.critic]
@@ -113,7 +113,7 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
     def body() -> StageResult:
         import pyarrow.parquet as pq
 
-        from rlhf_core.training.update import read_update_metrics, train_update
+        from rlhf_core.training.rank_update import read_update_metrics, train_update
 
         nproc = resolve.update_world_size(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
         launched = time.perf_counter()

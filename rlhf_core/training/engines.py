@@ -235,6 +235,6 @@ def reference_logprobs(actor: torch.nn.Module, forward: Callable[[torch.nn.Modul
     the reference is then a separate frozen model (``reference_path``)."""
     if not hasattr(actor, "disable_adapter"):
         raise TypeError("reference_logprobs needs a LoRA (peft) actor; load the reference model from "
-                        "rlhf_core.io.pointers.reference_path otherwise")
+                        "rlhf_core.run.models.reference_path otherwise")
     with torch.no_grad(), actor.disable_adapter():
         return forward(actor)

@@ -20,8 +20,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from rlhf_core.config import config_from_dict
     from rlhf_core.config.loader import read_preset
     from rlhf_core.errors import RLHFError
-    from rlhf_core.io.rundir import RunDir
-    from rlhf_core.training.update import train_update
+    from rlhf_core.run.layout import RunDir
+    from rlhf_core.training.rank_update import train_update
 
     parser = argparse.ArgumentParser(prog="rlhf_core.training.launch")
     parser.add_argument("--run-dir", type=Path, required=True)

@@ -11,10 +11,10 @@ import pytest
 
 from flows.pipeline import PipelineParams, rlhf_pipeline
 from rlhf_core.config import flatten
-from rlhf_core.io.rundir import RunDir
-from rlhf_core.pipeline import resolve_run_config
-from rlhf_core.query import read_iteration_metrics, status_table
-from tasks import tracking
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.plan import resolve_run_config
+from rlhf_core.run.query import read_iteration_metrics, status_table
+from tasks import mlflow_tracking
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 
@@ -58,15 +58,15 @@ def test_two_iterations_complete_with_their_records(two_iterations, shared_home,
     assert (run.root / "export" / "actor" / "config.json").is_file()
 
     run_id = two_iterations.summary["mlflow_run_id"]
-    mlrun = tracking.client().get_run(run_id)
+    mlrun = mlflow_tracking.client().get_run(run_id)
     assert mlrun.info.status == "FINISHED" and mlrun.info.run_name == "two"
     cfg = resolve_run_config(run.root, None, [])
     assert set(flatten(cfg)) <= set(mlrun.data.params)
     for key in EVERY_ITERATION:
-        assert [step for step, _ in tracking.metric_history(run_id, key)] == [1, 2], key
+        assert [step for step, _ in mlflow_tracking.metric_history(run_id, key)] == [1, 2], key
     # step 0 is the initial policy's baseline, then every trainer.test_freq iterations and the last
-    assert [step for step, _ in tracking.metric_history(run_id, "val/accuracy")] == [0, 2]
-    assert [a.path for a in tracking.client().list_artifacts(run_id, "plots")] == ["plots/learning_curve.png"]
+    assert [step for step, _ in mlflow_tracking.metric_history(run_id, "val/accuracy")] == [0, 2]
+    assert [a.path for a in mlflow_tracking.client().list_artifacts(run_id, "plots")] == ["plots/learning_curve.png"]
 
     assert {"two-metrics", "two-report", "two-progress", "two-export"} <= _prefect_artifact_keys("two-%")
     # published by the background reporter, still attached to the flow run; one stage summary per iteration
@@ -94,7 +94,7 @@ def _artifacts_of(flow_run_id) -> list:
 
 
 def test_cli_rerun_of_score_reproduces_the_table(two_iterations, shared_home, monkeypatch, capsys):
-    from rlhf_core.cli import main
+    from rlhf_cli.main import main
 
     monkeypatch.setenv("RLHF_HOME", str(shared_home))
     run = two_iterations.run
@@ -108,15 +108,15 @@ def test_cli_rerun_of_score_reproduces_the_table(two_iterations, shared_home, mo
     rows = {r["iteration"]: r for r in status_table(run)}
     assert [rows[1][s] for s in ("score", "gae", "update")] == ["done", "stale", "stale"]
     assert rows[2]["rollout"] == "stale"
-    nested = tracking.child_runs(two_iterations.summary["mlflow_run_id"])
+    nested = mlflow_tracking.child_runs(two_iterations.summary["mlflow_run_id"])
     assert {r.info.run_name for r in nested} == {"score-iter1"}
 
 
 def test_guard_rerun_on_a_committed_iteration_only_records_its_verdict(two_iterations, shared_home, monkeypatch,
                                                                         capsys):
-    from rlhf_core.cli import main
-    from rlhf_core.guard import read_verdict
-    from rlhf_core.io.pointers import read_last_good
+    from rlhf_cli.main import main
+    from rlhf_core.run.lifecycle import read_verdict
+    from rlhf_core.run.lifecycle import read_last_good
 
     monkeypatch.setenv("RLHF_HOME", str(shared_home))
     run = two_iterations.run

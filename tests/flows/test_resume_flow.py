@@ -11,10 +11,10 @@ import sys
 import pytest
 
 from flows.pipeline import PipelineParams, rlhf_pipeline
-from rlhf_core.io.pointers import read_last_good
-from rlhf_core.io.rundir import RunDir
-from rlhf_core.query import status_table
-from tasks import tracking
+from rlhf_core.run.lifecycle import read_last_good
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.query import status_table
+from tasks import mlflow_tracking
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 
@@ -36,7 +36,7 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
     env = {k: v for k, v in os.environ.items()  # this test process already holds a torch.distributed port
            if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env.update(PREFECT_API_URL=prefect_server, RLHF_FAULT="before_rename:guard.json")
-    proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "run", "--resume", str(run.root), "--iterations", "2"],
+    proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "--resume", str(run.root), "--iterations", "2"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert read_last_good(run)["iteration"] == 1
@@ -60,7 +60,7 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
     assert run.read_json(run.kl_ctrl_path) == run.read_json(run.checkpoint(2) / "trainer_state.json")["kl_ctrl"]
     # one MLflow run, each iteration's metrics logged once
     for key in ("reward/mean", "kl/mean", "actor/pg_loss"):
-        assert [s for s, _ in tracking.metric_history(first["mlflow_run_id"], key)] == [1, 2], key
+        assert [s for s, _ in mlflow_tracking.metric_history(first["mlflow_run_id"], key)] == [1, 2], key
 
 
 def _row(run, iteration):

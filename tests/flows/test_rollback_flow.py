@@ -9,11 +9,11 @@ import hashlib
 import pytest
 
 from flows.pipeline import PipelineParams, rlhf_pipeline
-from rlhf_core.guard import KLGuardHalt, kl_snapshot_path
-from rlhf_core.io.pointers import read_last_good
-from rlhf_core.io.rundir import RunDir
-from rlhf_core.query import status_table
-from tasks import tracking
+from rlhf_core.run.lifecycle import KLGuardHalt
+from rlhf_core.run.lifecycle import read_last_good
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.query import status_table
+from tasks import mlflow_tracking
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 
@@ -49,11 +49,11 @@ def test_kl_breach_rolls_back_then_halts_or_retries(prefect_server, demo_preset,
     assert f"rlhf run --resume {run.root}" in message
     assert read_last_good(run)["iteration"] == 1 and not run.checkpoint(2).exists()
     assert tree_digest(run.checkpoint(1)) == last_good_files
-    assert run.read_json(run.kl_ctrl_path) == run.read_json(kl_snapshot_path(run, 2))["state"]
+    assert run.read_json(run.kl_ctrl_path) == run.read_json(run.kl_snapshot(2))["state"]
     kinds = [(e["kind"], e["iteration"]) for e in run.events()]
     assert ("rollback", 2) in kinds and ("halt", 2) in kinds
     assert _row(run, 2)["update"] == "rolled_back"
-    mlrun = tracking.client().get_run(run_id)
+    mlrun = mlflow_tracking.client().get_run(run_id)
     assert mlrun.info.status == "FAILED" and mlrun.data.tags["rollback"] == "true"
     assert "rollback.iter_2.attempt_1" in mlrun.data.tags
 
@@ -65,8 +65,8 @@ def test_kl_breach_rolls_back_then_halts_or_retries(prefect_server, demo_preset,
     kinds = [e["kind"] for e in run.events() if e["iteration"] == 2]
     assert [kinds.count(k) for k in ("rollback", "halt", "retry", "commit")] == [2, 1, 1, 1]
     assert _row(run, 2)["guard"] == "committed" and _row(run, 2)["rollbacks"] == 2
-    assert tracking.client().get_run(run_id).info.status == "FINISHED"
-    assert [s for s, v in tracking.metric_history(run_id, "guard/rollback")] == [2, 2]
+    assert mlflow_tracking.client().get_run(run_id).info.status == "FINISHED"
+    assert [s for s, v in mlflow_tracking.metric_history(run_id, "guard/rollback")] == [2, 2]
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["kl-kl-rollback"])))
     assert artifacts and "retry" in artifacts[0].data

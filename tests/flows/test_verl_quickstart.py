@@ -61,7 +61,7 @@ def quickstart_run(prefect_server, verl_files, verl_quickstart, tiny_model_dir, 
     work = tmp_path_factory.mktemp("qs")
     overrides = verl_quickstart(train=str(train), val=str(test), model=str(tiny_model_dir))
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "RLHF_HOME": str(work / ".rlhf")}
-    cmd = [sys.executable, "-m", "rlhf_core.cli", "run", *overrides, "trainer.total_training_steps=1",
+    cmd = [sys.executable, "-m", "rlhf_cli.main", "run", *overrides, "trainer.total_training_steps=1",
            f"trainer.runs_root={work / 'runs'}", "--run-name", "quickstart"]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=1500)
     return proc, work / "runs" / "quickstart"

@@ -22,11 +22,11 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.layout import RunDir
 
 HOLD = """
 import sys, time
-from rlhf_core.io.rundir import RunDir, RunLock
+from rlhf_core.run.layout import RunDir, RunLock
 RunLock(RunDir(sys.argv[1])).acquire()
 print("held", flush=True)
 time.sleep(600)
@@ -36,7 +36,7 @@ TIMEOUT = 300  # a hang guard only: refusing "at once" means without waiting for
 
 def rlhf_command() -> list[str]:
     script = Path(sys.executable).parent / "rlhf"
-    return [str(script)] if script.is_file() else [sys.executable, "-m", "rlhf_core.cli"]
+    return [str(script)] if script.is_file() else [sys.executable, "-m", "rlhf_cli.main"]
 
 
 def preprocess_args(run_dir: Path, raw: Path, model: Path) -> list[str]:

@@ -19,10 +19,10 @@ import pytest
 from rlhf_core.config import load_config, to_yaml
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
-from rlhf_core.io.manifest import read_manifest, write_manifest
-from rlhf_core.io.pointers import read_last_good, verified_last_good, write_last_good
-from rlhf_core.io.rundir import RunDir, write_config
-from rlhf_core.pipeline import open_run, plan_run, resume_point
+from rlhf_core.run.manifest import read_manifest, write_manifest
+from rlhf_core.run.lifecycle import commit_iteration as write_last_good, read_last_good, verified_last_good
+from rlhf_core.run.layout import RunDir, write_config
+from rlhf_core.run.plan import open_run, plan_run, resume_point
 from rlhf_core.training.checkpoint import verify_checkpoint
 from rlhf_core.training.checkpoint import write_manifest as write_checkpoint_manifest
 

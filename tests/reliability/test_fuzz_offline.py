@@ -27,7 +27,7 @@ from rlhf_core.config import load_config
 from rlhf_core.data.schemas import REJECTS, ROLLOUT, decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.layout import RunDir
 from rlhf_core.rollout.generate import rollout_table
 from rlhf_core.rollout.offline import RAW_LIMIT, import_offline
 from rlhf_core.stages.rollout import rollout_rejects_path, run_rollout

@@ -40,7 +40,7 @@ from rlhf_core.data.readers import RAW_MAX_CHARS
 from rlhf_core.data.schemas import PROMPTS, REJECTS, decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.preprocess import run_preprocess
 
 FUZZ = settings(max_examples=50, deadline=None, derandomize=False,

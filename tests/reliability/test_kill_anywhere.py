@@ -24,8 +24,9 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.io.atomic import TMP_MARK, clean_temporaries
-from rlhf_core.io.manifest import read_manifest
-from rlhf_core.io.rundir import RunDir, RunLock
+from rlhf_core.run.manifest import read_manifest
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lock import RunLock
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
@@ -52,8 +53,8 @@ def tiny_overrides(model_dir: Path, runs_root: Path) -> list[str]:
 def run_stage_here(run: RunDir, stage: str, k: int | None = None) -> None:
     """Run one stage in this process from the run's saved config, holding the run lock (which clears
     the stale lock a killed process left)."""
-    from rlhf_core.pipeline import resolve_run_config
-    from rlhf_core.stages import get_stage
+    from rlhf_core.run.plan import resolve_run_config
+    from rlhf_core.stages.registry import get_stage
 
     cfg = resolve_run_config(run.root, None, [])
     with RunLock(run):
@@ -61,7 +62,7 @@ def run_stage_here(run: RunDir, stage: str, k: int | None = None) -> None:
 
 
 def stage_command(run: RunDir, stage: str) -> list[str]:
-    cmd = [sys.executable, "-m", "rlhf_core.cli", "stage", stage, "--local", "--run-dir", str(run.root)]
+    cmd = [sys.executable, "-m", "rlhf_cli.main", "stage", stage, "--local", "--run-dir", str(run.root)]
     return cmd + (["--iteration", "1"] if stage in PER_ITERATION else [])
 
 
@@ -88,7 +89,7 @@ class Reference:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory, tiny_model_dir) -> Reference:
     from rlhf_core.config import load_config, to_yaml
-    from rlhf_core.io.rundir import write_config
+    from rlhf_core.run.layout import write_config
 
     base = tmp_path_factory.mktemp("kill_ref")
     with pytest.MonkeyPatch.context() as mp:
@@ -240,15 +241,15 @@ def test_commit_killed_before_last_good_moves_then_rerun(reference, tmp_path):
     """The guard's commit dies before last_good.json is renamed: the pointer still names the
     previous state (none), and committing again finishes the job once."""
     run = copy_run(reference.after["guard"], tmp_path / "run")
-    script = ("import sys; from rlhf_core.guard import commit_iteration; from rlhf_core.io.rundir import RunDir; "
+    script = ("import sys; from rlhf_core.stages.guard import commit_iteration; from rlhf_core.run.layout import RunDir; "
               "commit_iteration(RunDir(sys.argv[1]), 1)")
     proc = subprocess.run([sys.executable, "-c", script, str(run.root)], cwd=REPO, capture_output=True, text=True,
                           env=clean_env(RLHF_FAULT="before_rename:last_good.json"), timeout=300)
     assert proc.returncode == 137, proc.stderr[-2000:]
     assert not run.last_good_path.exists()
     assert_everything_readable(run.root)
-    from rlhf_core.guard import commit_iteration
-    from rlhf_core.io.pointers import read_last_good, verified_last_good
+    from rlhf_core.run.lifecycle import commit_iteration
+    from rlhf_core.run.lifecycle import read_last_good, verified_last_good
 
     commit_iteration(run, 1)
     assert read_last_good(run)["iteration"] == 1 and verified_last_good(run)["iteration"] == 1

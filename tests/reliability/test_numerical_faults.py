@@ -17,8 +17,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhf_core.guard import decide, halt_message, nonfinite_update, read_verdict, rollback_iteration
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.lifecycle import halt_message, nonfinite_update, read_verdict, rollback_iteration
+from rlhf_core.stages.guard import decide
+from rlhf_core.run.layout import RunDir
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
@@ -57,8 +58,8 @@ def test_some_steps_applied_or_no_record_is_no_breach(rec):
 def scored_run(tmp_path_factory, tiny_model_dir) -> Path:
     """A tiny run after gae of iteration 1 (4 prompts, one PPO mini-batch: one actor step)."""
     from rlhf_core.config import load_config, to_yaml
-    from rlhf_core.io.rundir import write_config
-    from rlhf_core.stages import get_stage
+    from rlhf_core.run.layout import write_config
+    from rlhf_core.stages.registry import get_stage
 
     base = tmp_path_factory.mktemp("nan_run")
     overrides = [f"actor_rollout_ref.model.path={tiny_model_dir}", f"trainer.runs_root={base}",
@@ -98,8 +99,8 @@ def poison_advantages(run: RunDir, rows: list[int]) -> None:
 def test_nan_advantages_skip_the_step_and_the_guard_rolls_back(scored_run, tmp_path, tiny_model_dir):
     from safetensors.torch import load_file
 
-    from rlhf_core.guard import run_guard
-    from rlhf_core.pipeline import resolve_run_config
+    from rlhf_core.stages.guard import run_guard
+    from rlhf_core.run.plan import resolve_run_config
     from rlhf_core.stages.update import run_update
 
     run = RunDir(shutil.copytree(scored_run, tmp_path / "run"))

@@ -401,7 +401,7 @@ def _score_run(tmp_path: Path, tiny_model_dir: Path, tokenizer, run_name: str, *
     from rlhf_core.config import load_config
     from rlhf_core.data.schemas import PROMPTS, ROLLOUT
     from rlhf_core.io.atomic import atomic_write_parquet
-    from rlhf_core.io.rundir import RunDir
+    from rlhf_core.run.layout import RunDir
     from rlhf_core.stages.score import run_score
 
     run = RunDir(tmp_path / run_name)

@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_core.config import ConfigError, load_config
-from rlhf_core.inputs import check_inputs
+from rlhf_core.config.inputs import check_inputs
 from rlhf_core.paths import (
     ModelNotFoundError, cached_snapshot, hf_hub_cache, is_hub_id, locate_model, resolve_model_path,
 )

@@ -113,11 +113,11 @@ def test_valid_keys_cover_sections():
 
 
 def test_cli_config_show(repo_root):
-    out = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "config", "show", "--flat",
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "config", "show", "--flat",
                           "-c", str(repo_root / "configs" / "demo.yaml"), "algorithm.kl_ctrl.kl_coef=0.002"],
                          capture_output=True, text=True, check=True).stdout
     assert "algorithm.kl_ctrl.kl_coef=0.002" in out.splitlines()
-    bad = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "config", "show", "algorithm.kl_ctrl.kl_coeff=1"],
+    bad = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "config", "show", "algorithm.kl_ctrl.kl_coeff=1"],
                          capture_output=True, text=True)
     assert bad.returncode == 2
     assert "unknown config key 'algorithm.kl_ctrl.kl_coeff'" in bad.stderr

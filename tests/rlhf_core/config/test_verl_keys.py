@@ -121,7 +121,7 @@ def test_ppo_mini_batch_counts_prompts_and_fits_the_batch():
 
 def test_cli_config_show_prints_notes_as_single_lines(verl_quickstart, tmp_path):
     train, val = tmp_path / "train.parquet", tmp_path / "test.parquet"
-    args = [sys.executable, "-m", "rlhf_core.cli", "config", "show", "--flat",
+    args = [sys.executable, "-m", "rlhf_cli.main", "config", "show", "--flat",
             *verl_quickstart(train=str(train), val=str(val), model="tiny")]
     missing = subprocess.run(args, capture_output=True, text=True)
     assert missing.returncode == 2 and "Traceback" not in missing.stderr

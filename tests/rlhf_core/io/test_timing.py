@@ -9,8 +9,8 @@ import pyarrow as pa
 from rlhf_core.config import load_config
 from rlhf_core.io import timing
 from rlhf_core.io.atomic import atomic_dir, atomic_write_json, atomic_write_parquet, atomic_write_text
-from rlhf_core.io.manifest import read_manifest
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.manifest import read_manifest
+from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.base import StageResult, execute_stage
 
 

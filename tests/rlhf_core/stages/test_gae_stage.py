@@ -12,13 +12,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from rlhf_core import guard
+from rlhf_core.run import lifecycle
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.data.schemas import ADVANTAGES, PROMPTS, ROLLOUT, SCORED
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.io.manifest import read_manifest
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.manifest import read_manifest
+from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.gae import run_gae
 
 DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
@@ -65,7 +65,7 @@ def test_schema_lengths_and_hand_computed_advantages_without_kl(tmp_path):
             assert row["token_level_rewards"] == [0.0] * (n - 1) + [src["reward"]]
             assert row["returns"] == pytest.approx([src["reward"]] * n, abs=1e-6)
             assert row["advantages"] == pytest.approx([src["reward"] - v for v in src["values"]], abs=1e-6)
-    assert not run.kl_ctrl_path.exists() and not guard.kl_snapshot_path(run, 1).exists()  # controller untouched
+    assert not run.kl_ctrl_path.exists() and not run.kl_snapshot(1).exists()  # controller untouched
     assert result.metrics["kl/coef"] == 0.0 and "kl/coef_next" not in result.metrics
     assert "actor/reward_kl_penalty" not in result.metrics  # verl logs it only with the KL in the reward
     sums = [src["reward"] for src in scored if src["response_length"]]  # token rewards = score: sums = scores
@@ -95,7 +95,7 @@ def test_adaptive_controller_steps_once_per_iteration_and_reruns_are_identical(t
                      "horizon": 40.0}
     assert first.metrics["kl/coef"] == 0.1 and first.metrics["kl/coef_next"] == pytest.approx(state["value"])
     assert first.metrics["actor/reward_kl_penalty"] == kl and first.metrics["actor/reward_kl_penalty_coeff"] == 0.1
-    assert json.loads(guard.kl_snapshot_path(run, 1).read_text()) == {"state": None}
+    assert json.loads(run.kl_snapshot(1).read_text()) == {"state": None}
 
     assert run_gae(cfg, run, 1).skipped  # unchanged inputs: nothing reruns, nothing steps
     again = run_gae(cfg, run, 1, force=True)
@@ -146,14 +146,14 @@ def test_guard_snapshot_rollback_and_retry_contract(tmp_path):
     run.kl_ctrl_path.write_text(json.dumps(start))
     write_scored(run, 3)
     cfg = config(*ADAPTIVE, "trainer.retry_kl_coef_multiplier=2.0")
-    assert guard.begin_iteration(run, 3)["snapshot"] == "taken"
+    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "taken"
     assert run_gae(cfg, run, 3).metrics["kl/coef"] == 0.2  # the stored value, not algorithm.kl_ctrl.kl_coef
     assert json.loads(run.kl_ctrl_path.read_text())["value"] == pytest.approx(0.2 * 1.025)
 
-    guard.rollback_iteration(run, 3, policy="retry", attempt=1)
+    lifecycle.rollback_iteration(run, 3, policy="retry", attempt=1)
     assert json.loads(run.kl_ctrl_path.read_text()) == start
-    guard.retry_overrides(cfg, run, 3)  # kl_ctrl.json and the snapshot now hold 0.4
-    assert guard.begin_iteration(run, 3)["snapshot"] == "kept"
+    lifecycle.retry_overrides(cfg, run, 3)  # kl_ctrl.json and the snapshot now hold 0.4
+    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "kept"
     retried = run_gae(cfg, run, 3)
     assert not retried.skipped and retried.metrics["kl/coef"] == pytest.approx(0.4)
     assert json.loads(run.kl_ctrl_path.read_text())["value"] == pytest.approx(0.4 * 1.025)
@@ -171,7 +171,7 @@ def test_clear_errors(tmp_path):
 
 
 def test_gae_from_the_cli(tmp_path, capsys):
-    from rlhf_core.cli import main
+    from rlhf_cli.main import main
 
     run = RunDir(tmp_path / "run")
     write_scored(run, 1)

@@ -16,7 +16,7 @@ from rlhf_core.data.packing import PackingBudgetError
 from rlhf_core.data.schemas import PROMPTS
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.pack import MAX_PLANNED_EPOCHS, cut_slots, epoch_order, plan_epochs, run_pack
 
 BASE = [

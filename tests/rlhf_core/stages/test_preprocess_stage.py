@@ -15,8 +15,8 @@ import pytest
 
 from rlhf_core.config import apply_overrides, load_config
 from rlhf_core.errors import DataError
-from rlhf_core.io.manifest import read_manifest
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.manifest import read_manifest
+from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.preprocess import run_preprocess
 
 GSM8K_ROWS = 7473
@@ -66,7 +66,7 @@ def test_gsm8k_every_row_accounted_for_with_numeric_truths(gsm8k_run, gsm8k_trai
 
 def _cli(args: list[str]) -> subprocess.CompletedProcess:
     rlhf = Path(sys.executable).with_name("rlhf")
-    command = [str(rlhf)] if rlhf.is_file() else [sys.executable, "-m", "rlhf_core.cli"]
+    command = [str(rlhf)] if rlhf.is_file() else [sys.executable, "-m", "rlhf_cli.main"]
     return subprocess.run(command + args, capture_output=True, text=True, env=dict(os.environ), timeout=300)
 
 

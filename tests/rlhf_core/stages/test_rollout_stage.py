@@ -12,8 +12,8 @@ import pytest
 from rlhf_core.config import load_config, to_yaml
 from rlhf_core.data.schemas import REJECTS, ROLLOUT, decode_extra_info
 from rlhf_core.errors import DataError, RLHFError
-from rlhf_core.io.manifest import read_manifest
-from rlhf_core.io.rundir import RunDir, write_config
+from rlhf_core.run.manifest import read_manifest
+from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.stages.pack import run_pack
 from rlhf_core.stages.preprocess import run_preprocess
 from rlhf_core.stages.rollout import rollout_rejects_path, run_rollout
@@ -166,7 +166,7 @@ def test_missing_inputs_and_iteration_are_clear_errors(tmp_path, tiny_model_dir,
 
 
 def test_rollout_from_the_cli(run_setup, capsys):
-    from rlhf_core.cli import main
+    from rlhf_cli.main import main
 
     _, run, _ = run_setup
     assert main(["stage", "rollout", "--local", "--run-dir", str(run.root), "--iteration", "1"]) == 0

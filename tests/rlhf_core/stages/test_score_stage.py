@@ -14,7 +14,7 @@ from rlhf_core.config import load_config
 from rlhf_core.data.schemas import PROMPTS, ROLLOUT, SCORED
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.score import run_score
 
 DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
@@ -149,7 +149,7 @@ def test_different_reference_and_reward_model(tmp_path, repo_root, tiny_model_di
 
 
 def test_score_from_the_cli_on_gsm8k_prompts(tmp_path, gsm8k_train, tiny_model_dir, tokenizer, capsys):
-    from rlhf_core.cli import main
+    from rlhf_cli.main import main
 
     run = RunDir(tmp_path / "run")
     expected = write_run_inputs(run, tokenizer, load_questions(gsm8k_train, 4), data_source="openai/gsm8k")

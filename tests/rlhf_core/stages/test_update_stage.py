@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.io.rundir import RunDir
+from rlhf_core.run.layout import RunDir
 
 pytestmark = pytest.mark.deepspeed
 
@@ -45,7 +45,7 @@ def _weights(directory) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("stage", [0, 2, 3])
 def test_update_trains_at_every_zero_stage_and_writes_a_verified_checkpoint(stage, tiny_model_dir, tmp_path):
-    from rlhf_core.io.pointers import read_last_good
+    from rlhf_core.run.lifecycle import read_last_good
     from rlhf_core.stages.update import run_update
     from rlhf_core.training.checkpoint import verify_checkpoint
 
@@ -72,7 +72,7 @@ def test_update_trains_at_every_zero_stage_and_writes_a_verified_checkpoint(stag
 
 
 def test_second_iteration_continues_the_first_iterations_optimizer(tiny_model_dir, tmp_path):
-    from rlhf_core.io.pointers import write_last_good
+    from rlhf_core.run.lifecycle import commit_iteration as write_last_good
     from rlhf_core.stages.update import run_update
 
     run = RunDir(tmp_path / "run")
@@ -108,7 +108,7 @@ def test_two_processes_match_one_process(tiny_model_dir, tmp_path):
     by at most 0.02·lr and fewer than 0.1% of them by more than 1e-3·lr: AdamW's early steps are
     about lr·g/|g|, so rounding noise only shows where |g| is itself at rounding level."""
     from rlhf_core.config import to_yaml
-    from rlhf_core.io.rundir import write_config
+    from rlhf_core.run.layout import write_config
     from rlhf_core.stages.update import run_update
 
     lr = 1e-4
@@ -121,7 +121,7 @@ def test_two_processes_match_one_process(tiny_model_dir, tmp_path):
         _write_advantages(run, 1, tiny_model_dir)
         write_config(run, to_yaml(cfg))
     run_update(cfg, runs[1], 1)
-    proc = subprocess.run([sys.executable, "-m", "rlhf_core.cli", "stage", "update", "--run-dir", str(runs[2].root),
+    proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "stage", "update", "--run-dir", str(runs[2].root),
                            "--iteration", "1", "--nproc", "2", "--local"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "2 process(es)" in proc.stdout
@@ -167,7 +167,7 @@ def test_critic_warmup_trains_only_the_critic_until_verls_step(tiny_model_dir, t
     """trainer.critic_warmup=2: verl updates the actor when critic_warmup <= global_steps, so step 1
     trains the critic alone (the actor's weights, optimizer state and lr position are saved as they
     were) and step 2 trains both."""
-    from rlhf_core.io.pointers import write_last_good
+    from rlhf_core.run.lifecycle import commit_iteration as write_last_good
     from rlhf_core.stages.update import run_update
 
     run = RunDir(tmp_path / "run")

@@ -74,7 +74,7 @@ def _config(model_dir: Path, stage: int, overrides: list[str]):
 @pytest.fixture
 def make_engines(tiny_model_dir, critic_init_dir, dist):
     """``make_engines(stage, *overrides, actor_dir=None, critic_dir=None) -> (cfg, actor, critic)``."""
-    from rlhf_core.training.update import UpdateSources, build_engines
+    from rlhf_core.training.rank_update import UpdateSources, build_engines
 
     def make(stage: int, *overrides: str, actor_dir: Path | None = None, critic_dir: Path | None = None):
         actor_dir = actor_dir or tiny_model_dir

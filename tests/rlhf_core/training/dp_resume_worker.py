@@ -20,7 +20,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stages: lis
     from rlhf_core.training.checkpoint import save_checkpoint
     from rlhf_core.training.distributed import init_distributed
     from rlhf_core.training.ppo import ActorLoss, CriticLoss, train_step
-    from rlhf_core.training.update import UpdateSources, build_engines, resume_optimizers
+    from rlhf_core.training.rank_update import UpdateSources, build_engines, resume_optimizers
 
     torch.set_num_threads(1)
     dist = init_distributed("cpu")

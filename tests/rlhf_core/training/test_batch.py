@@ -61,7 +61,7 @@ def test_without_shuffle_a_prompts_responses_share_one_mini_batch(ppo_data):
 
 def test_each_role_plans_its_micro_batches_from_its_own_keys():
     from rlhf_core.config import load_config
-    from rlhf_core.training.update import micro_batch_plan
+    from rlhf_core.training.rank_update import micro_batch_plan
 
     cfg = load_config(None, ["actor_rollout_ref.actor.use_dynamic_bsz=true",
                              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=2000", "critic.use_dynamic_bsz=false",

@@ -42,7 +42,7 @@ def test_resume_from_checkpoint_reproduces_the_next_step_exactly(stage, dtype, m
     """Three iterations straight == two, checkpoint, fresh engines from it, one more (bit for bit):
     the lr-schedule position (training steps), AdamW moments and step count of both actor and critic
     carry over, and in bf16 the fp32 master weights too (the HF export is rounded to bf16)."""
-    from rlhf_core.training.update import resume_optimizers
+    from rlhf_core.training.rank_update import resume_optimizers
 
     overrides = (*OVERRIDES, f"actor_rollout_ref.actor.deepspeed_config.dtype={dtype}",
                  f"critic.deepspeed_config.dtype={dtype}")
@@ -101,7 +101,7 @@ def test_damaged_checkpoint_file_is_named(saved_checkpoint, damage, words):
 
 
 def test_resume_refuses_a_corrupt_checkpoint_before_loading(saved_checkpoint, make_engines):
-    from rlhf_core.training.update import resume_optimizers
+    from rlhf_core.training.rank_update import resume_optimizers
 
     f = saved_checkpoint / "deepspeed" / "critic_optim.safetensors"
     f.write_bytes(f.read_bytes()[:-1] + b"\x00")

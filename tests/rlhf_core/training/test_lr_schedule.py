@@ -11,7 +11,7 @@ import torch
 
 from rlhf_core.config import load_config, resolve
 from rlhf_core.training.engines import lr_schedule
-from rlhf_core.training.update import lr_schedule_for
+from rlhf_core.training.rank_update import lr_schedule_for
 
 
 def _verl_lambda(kind, warmup, total, min_lr_ratio, num_cycles):

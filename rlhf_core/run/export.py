@@ -1,0 +1,80 @@
+"""Export the trained actor in Hugging Face format, gated on its latest validation score.
+
+    rlhf export RUN            → RUN/export/actor/  (config.json, *.safetensors, tokenizer files)
+
+Only the last-good actor is exported (the one the KL guard committed), and only when the latest
+validation accuracy is at least ``trainer.export_min_val_score``; otherwise ``ExportRefused`` names
+the score. A LoRA actor (a peft adapter directory) is merged into its base model first, so the
+export loads with plain ``AutoModelForCausalLM.from_pretrained``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Optional
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.errors import CheckpointError, RLHFError
+from rlhf_core.io.atomic import atomic_dir, atomic_write_json
+from rlhf_core.run.lifecycle import read_last_good
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.query import read_iteration_metrics
+from rlhf_core.scoring.models import is_lora_dir, load_merged_actor
+
+VAL_METRIC = "val/accuracy"
+
+
+class ExportRefused(RLHFError):
+    """The model did not meet the export bar (or has no validation score yet)."""
+
+
+def latest_val_score(run: RunDir) -> Optional[tuple[int, float]]:
+    """(iteration, val/accuracy) of the latest iteration that validated, or None."""
+    for k in reversed(run.iterations()):
+        metrics = read_iteration_metrics(run, k)
+        if VAL_METRIC in metrics:
+            return k, float(metrics[VAL_METRIC])
+    return None
+
+
+def check_export_allowed(cfg: RLHFConfig, run: RunDir) -> tuple[int, float]:
+    """(iteration, score) when the latest validation score clears the bar, else ExportRefused."""
+    bar = cfg.trainer.export_min_val_score
+    latest = latest_val_score(run)
+    if latest is None:
+        raise ExportRefused(f"refusing to export {run.root}: no validation score yet (val/accuracy is written "
+                            f"every trainer.test_freq iterations and after the last one)")
+    k, score = latest
+    if score < bar:
+        raise ExportRefused(f"refusing to export {run.root}: latest validation accuracy {score:.4f} (iteration {k}) "
+                            f"is below trainer.export_min_val_score={bar}; train longer, or lower the bar with "
+                            f"`rlhf export {run.root} trainer.export_min_val_score=<value>`")
+    return k, score
+
+
+def export_actor(cfg: RLHFConfig, run: RunDir, out: Optional[Path] = None) -> Path:
+    """Merge (if LoRA) and save the last-good actor + tokenizer to ``out`` (default RUN/export/actor),
+    atomically, with export.json recording where it came from. Returns ``out``."""
+    from transformers import AutoTokenizer
+
+    val_iteration, score = check_export_allowed(cfg, run)
+    record = read_last_good(run)
+    if record is None:
+        raise ExportRefused(f"refusing to export {run.root}: no iteration has been committed (last_good.json "
+                            "is absent)")
+    source = run.root / record["checkpoint"] / "actor"
+    if not source.is_dir():
+        raise CheckpointError(f"last-good actor {source} is missing; rerun the run with --resume")
+    out = Path(out) if out else run.root / "export" / "actor"
+    model = load_merged_actor(source)
+    tokenizer = AutoTokenizer.from_pretrained(source)
+    with atomic_dir(out) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        atomic_write_json(tmp / "export.json", {
+            "source_checkpoint": str(source), "iteration": record["iteration"], "merged_lora": is_lora_dir(source),
+            "val_accuracy": score, "val_iteration": val_iteration,
+            "export_min_val_score": cfg.trainer.export_min_val_score, "time": time.time()})
+    run.append_event("export", record["iteration"], path=str(out), val_accuracy=score)
+    return out

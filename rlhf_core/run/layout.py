@@ -1,0 +1,215 @@
+"""The run directory: the only module that spells a file or folder name of a run.
+
+    runs/<name>/
+      config.yaml                 resolved config of the run (what `rlhf config show` prints)
+      run.lock                    held by the process writing the run (pid, host, start time)
+      manifest.json               setup stages (preprocess, pack): status, hashes, rows, timings
+      prompts/train.parquet       preprocessed prompts (verl columns + tokenized prompt)
+      prompts/val.parquet         held-out validation prompts
+      prompts/rejects.parquet     rows that were not accepted, each with its reason
+      pack/generation_batches.parquet   token-budget generation batches over the train prompts
+      pack/summary.json           packing statistics
+      kl_ctrl.json                KL controller state (survives resume)
+      last_good.json              the commit log: every committed iteration, in order; the last one is
+                                  last-good (the only record of "committed": run.lifecycle)
+      events.jsonl                rollbacks, skips, alerts
+      models/critic_init/         the initial critic (stage init_critic)
+      iter_<k>/manifest.json      per-iteration stages (rollout, score, gae, update, guard, validate)
+      iter_<k>/kl_ctrl_before.json  KL controller state before the iteration (restored by a rollback)
+      iter_<k>/rollout.parquet    responses (rollout_rejects.parquet: offline rows not accepted)
+      iter_<k>/scored.parquet     rewards, old/ref log-probs, values
+      iter_<k>/advantages.parquet token rewards (KL penalty), advantages, returns
+      iter_<k>/checkpoint/        actor (HF safetensors), critic, DeepSpeed state, manifest
+      iter_<k>/metrics.json       the update's metrics
+      iter_<k>/guard.json         the KL guard's verdict
+      iter_<k>/validation.parquet validation responses and scores
+      iter_<k>/iteration_metrics.json  everything the iteration reports (run.report)
+      plots/learning_curve.png    the learning curve
+      export/actor/               the exported actor (run.export)
+
+Small JSON state is read through ``read_json``, which turns a damaged file into one
+``StateFileError`` line naming the file (the caller decides the fallback).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow.parquet as pq
+
+from rlhf_core.errors import RLHFError
+from rlhf_core.io.atomic import atomic_write_text
+
+
+class StateFileError(RLHFError):
+    """A small state file of a run is unreadable (not JSON, or not the shape it must have)."""
+
+
+@dataclass(frozen=True)
+class RunDir:
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root).resolve())
+
+    # setup ---------------------------------------------------------------------------------
+    @property
+    def config_path(self) -> Path:
+        return self.root / "config.yaml"
+
+    @property
+    def lock_path(self) -> Path:
+        return self.root / "run.lock"
+
+    @property
+    def prompts_dir(self) -> Path:
+        return self.root / "prompts"
+
+    @property
+    def train_prompts(self) -> Path:
+        return self.prompts_dir / "train.parquet"
+
+    def train_prompt_count(self) -> int:
+        """Rows of prompts/train.parquet, from its footer (nothing but the metadata is read)."""
+        return pq.ParquetFile(self.train_prompts).metadata.num_rows
+
+    @property
+    def val_prompts(self) -> Path:
+        return self.prompts_dir / "val.parquet"
+
+    @property
+    def rejects(self) -> Path:
+        return self.prompts_dir / "rejects.parquet"
+
+    @property
+    def pack_dir(self) -> Path:
+        return self.root / "pack"
+
+    @property
+    def generation_batches(self) -> Path:
+        return self.pack_dir / "generation_batches.parquet"
+
+    @property
+    def kl_ctrl_path(self) -> Path:
+        return self.root / "kl_ctrl.json"
+
+    @property
+    def last_good_path(self) -> Path:
+        return self.root / "last_good.json"
+
+    @property
+    def events_path(self) -> Path:
+        return self.root / "events.jsonl"
+
+    @property
+    def models_dir(self) -> Path:
+        """Initial models the run starts from (e.g. the built tiny model)."""
+        return self.root / "models"
+
+    @property
+    def critic_init(self) -> Path:
+        return self.models_dir / "critic_init"
+
+    @property
+    def plots_dir(self) -> Path:
+        return self.root / "plots"
+
+    @property
+    def learning_curve(self) -> Path:
+        return self.plots_dir / "learning_curve.png"
+
+    @property
+    def export_dir(self) -> Path:
+        return self.root / "export"
+
+    # per iteration ----------------------------------------------------------------------------
+    def iter_dir(self, k: int) -> Path:
+        return self.root / f"iter_{k}"
+
+    def rollout(self, k: int) -> Path:
+        return self.iter_dir(k) / "rollout.parquet"
+
+    def scored(self, k: int) -> Path:
+        return self.iter_dir(k) / "scored.parquet"
+
+    def advantages(self, k: int) -> Path:
+        return self.iter_dir(k) / "advantages.parquet"
+
+    def checkpoint(self, k: int) -> Path:
+        return self.iter_dir(k) / "checkpoint"
+
+    def metrics(self, k: int) -> Path:
+        """The update's metrics (written by rank 0)."""
+        return self.iter_dir(k) / "metrics.json"
+
+    def rollout_rejects(self, k: int) -> Path:
+        return self.iter_dir(k) / "rollout_rejects.parquet"
+
+    def verdict(self, k: int) -> Path:
+        return self.iter_dir(k) / "guard.json"
+
+    def kl_snapshot(self, k: int) -> Path:
+        return self.iter_dir(k) / "kl_ctrl_before.json"
+
+    def validation(self, k: int) -> Path:
+        return self.iter_dir(k) / "validation.parquet"
+
+    def iteration_metrics(self, k: int) -> Path:
+        return self.iter_dir(k) / "iteration_metrics.json"
+
+    def update_config(self, k: int) -> Path:
+        """The config the update's ranks read (written by the parent before launching them)."""
+        return self.iter_dir(k) / ".update_config.yaml"
+
+    ITERATION_FILES = {"rollout": "rollout.parquet", "scored": "scored.parquet",
+                       "advantages": "advantages.parquet"}
+    """The per-iteration tables by DuckDB view name."""
+
+    def manifest_path(self, k: Optional[int]) -> Path:
+        return self.root / "manifest.json" if k is None else self.iter_dir(k) / "manifest.json"
+
+    def iterations(self) -> list[int]:
+        """Iteration numbers present on disk, ascending."""
+        found = []
+        for p in self.root.glob("iter_*"):
+            suffix = p.name[len("iter_"):]
+            if p.is_dir() and suffix.isdigit():
+                found.append(int(suffix))
+        return sorted(found)
+
+    # small state ------------------------------------------------------------------------------
+    def read_json(self, path: Path, default: Any = None) -> Any:
+        """The JSON in ``path`` (``default`` when absent); a damaged file raises ``StateFileError``."""
+        if not path.is_file():
+            return default
+        try:
+            return json.loads(path.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise StateFileError(f"{path} is damaged (not JSON: {exc})") from None
+
+    def append_event(self, kind: str, iteration: Optional[int] = None, **fields: Any) -> dict:
+        """Append one event line (rollback, alert, skipped step). Appends of one short line are
+        atomic enough on POSIX; readers skip a torn last line."""
+        event = {"time": time.time(), "kind": kind, "iteration": iteration, **fields}
+        self.root.mkdir(parents=True, exist_ok=True)
+        with open(self.events_path, "a") as fh:
+            fh.write(json.dumps(event, default=str) + "\n")
+        return event
+
+    def events(self) -> list[dict]:
+        out = []
+        if self.events_path.is_file():
+            for line in self.events_path.read_text().splitlines():
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:
+                    continue
+        return out
+
+
+def write_config(run: RunDir, cfg_yaml: str) -> None:
+    atomic_write_text(run.config_path, cfg_yaml)

@@ -1,0 +1,117 @@
+"""Per-scope manifests: what each stage read, wrote and measured.
+
+A manifest (``manifest.json`` at the run root for setup stages, ``iter_<k>/manifest.json`` per
+iteration) maps stage name → record::
+
+    {"status": "done" | "stale" | "rolled_back" | "failed",
+     "inputs": {relpath: sha256}, "outputs": {relpath: sha256}, "config_hash": str,
+     "rows": {name: int}, "metrics": {name: float}, "seconds": float,
+     "io_seconds": float, "io": {kind: float},
+     "started_at": float, "finished_at": float}
+
+``seconds`` is the stage body's wall time; ``io_seconds`` the part of it spent loading models,
+writing checkpoints and tables, hashing, releasing memory (``rlhf_core.io.timing``), by kind in ``io``.
+
+A stage is up to date when its record is ``done``, its recorded input hashes and config hash match
+the current ones, and its outputs still hash to what was recorded.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.io.hashing import sha256_tree
+from rlhf_core.run.layout import RunDir
+from rlhf_core.stages.registry import ITERATION_STAGES, SETUP_STAGES
+from rlhf_core.io.timing import MANIFEST, timed
+
+
+def read_manifest(run: RunDir, iteration: Optional[int]) -> dict[str, Any]:
+    with timed(MANIFEST):
+        return run.read_json(run.manifest_path(iteration), default={}) or {}
+
+
+def write_manifest(run: RunDir, iteration: Optional[int], manifest: dict[str, Any]) -> None:
+    with timed(MANIFEST):
+        atomic_write_json(run.manifest_path(iteration), manifest)
+
+
+def hash_paths(run: RunDir, paths: list[Path]) -> dict[str, str]:
+    """{path relative to the run (or absolute when outside it): sha256}; a missing path raises."""
+    out = {}
+    for p in paths:
+        p = Path(p).resolve()
+        if not p.exists():
+            raise FileNotFoundError(f"stage input {p} does not exist: run the stage that produces it first")
+        key = str(p.relative_to(run.root)) if p.is_relative_to(run.root) else str(p)
+        out[key] = sha256_tree(p)
+    return out
+
+
+def is_up_to_date(run: RunDir, iteration: Optional[int], stage: str, inputs: dict[str, str],
+                  cfg_hash: str) -> bool:
+    record = read_manifest(run, iteration).get(stage)
+    if not record or record.get("status") != "done":
+        return False
+    if record.get("inputs") != inputs or record.get("config_hash") != cfg_hash:
+        return False
+    for rel, digest in record.get("outputs", {}).items():
+        path = Path(rel) if Path(rel).is_absolute() else run.root / rel
+        if not path.exists() or sha256_tree(path) != digest:
+            return False
+    return True
+
+
+def record_stage(run: RunDir, iteration: Optional[int], stage: str, **record: Any) -> dict:
+    manifest = read_manifest(run, iteration)
+    record.setdefault("finished_at", time.time())
+    manifest[stage] = record
+    write_manifest(run, iteration, manifest)
+    return record
+
+
+def set_status(run: RunDir, iteration: Optional[int], stage: str, status: str, **extra: Any) -> None:
+    manifest = read_manifest(run, iteration)
+    if stage in manifest:
+        manifest[stage].update(status=status, **extra)
+        write_manifest(run, iteration, manifest)
+
+
+def mark_downstream_stale(run: RunDir, iteration: Optional[int], stage: str) -> list[str]:
+    """After ``stage`` reran, everything computed from its old outputs is stale: the later stages of
+    the same scope and every stage of later iterations. Returns what was marked."""
+    marked = []
+    if iteration is None:
+        order, scope_iters = SETUP_STAGES, run.iterations()
+    else:
+        order, scope_iters = ITERATION_STAGES, [k for k in run.iterations() if k > iteration]
+    later = order[order.index(stage) + 1:] if stage in order else ()
+    manifest = read_manifest(run, iteration)
+    for name in later:
+        if manifest.get(name, {}).get("status") == "done":
+            manifest[name]["status"] = "stale"
+            marked.append(name if iteration is None else f"iter_{iteration}/{name}")
+    if marked:
+        write_manifest(run, iteration, manifest)
+    for k in scope_iters:
+        m = read_manifest(run, k)
+        changed = False
+        for name, rec in m.items():
+            if rec.get("status") == "done":
+                rec["status"] = "stale"
+                marked.append(f"iter_{k}/{name}")
+                changed = True
+        if changed:
+            write_manifest(run, k, m)
+    return marked
+
+
+def mark_skipped(run: RunDir, k: Optional[int], stage: str) -> None:
+    """Note that the last invocation of ``stage`` reused its outputs (shown as 'skipped')."""
+    manifest = read_manifest(run, k)
+    if stage in manifest:
+        manifest[stage]["skipped_at"] = time.time()
+        write_manifest(run, k, manifest)

@@ -1,0 +1,185 @@
+"""Run planning: which run directory and config, which iterations are left, how many steps.
+
+The Prefect flow (flows/pipeline.py) only wires tasks; the decisions it needs live here and in
+``run.schedule`` (what is due when), ``run.lifecycle`` (commit, roll back, resume) and
+``run.report`` (what an iteration reports), as plain functions that tests call without Prefect:
+
+    plan = plan_run(preset="configs/demo.yaml", overrides=[...], run_name="demo"); open_run(plan)
+    (preprocess) cfg = resolve_iterations(plan)
+    for k in plan.iterations(): ...
+
+Training steps are derived as verl derives them (``config.resolve.total_iterations``): the count
+of training prompts is known only after preprocess, so ``resolve_iterations`` fills
+trainer.total_iterations in then and saves it in the run's config.yaml; a resume, a stage rerun and
+the update's learning-rate schedule all read that one number.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from rlhf_core.config import ConfigError, RLHFConfig, apply_overrides, config_from_dict, load_config, to_yaml
+from rlhf_core.config import resolve
+from rlhf_core.config.inputs import check_inputs
+from rlhf_core.config.loader import parse_override, read_preset
+from rlhf_core.config.notes import say_once
+from rlhf_core.config.validate import LOGGERS_HERE
+from rlhf_core.errors import RLHFError
+from rlhf_core.paths import resolve_path
+from rlhf_core.run.layout import RunDir, StateFileError, write_config
+from rlhf_core.run.lifecycle import last_good_iteration, prepare_resume
+from rlhf_core.run.schedule import stops_after_validation
+
+
+@dataclass
+class RunPlan:
+    cfg: RLHFConfig
+    run: RunDir
+    first_iteration: int
+    """The next iteration to run: 1 for a new run, last-good + 1 on resume."""
+    resumed: bool
+
+    @property
+    def last_iteration(self) -> int:
+        total = self.cfg.trainer.total_iterations
+        if total is None:  # a bug in the caller, not user input
+            raise AssertionError("trainer.total_iterations is known only after preprocess: call resolve_iterations")
+        return total
+
+    def iterations(self) -> range:
+        """The training steps still to run (none after trainer.val_only)."""
+        if stops_after_validation(self.cfg):
+            return range(self.first_iteration, self.first_iteration)
+        return range(self.first_iteration, self.last_iteration + 1)
+
+
+def resolve_run_config(run_dir: Optional[Path], preset: Optional[str], overrides: Sequence[str]) -> RLHFConfig:
+    """A run's config: its saved config.yaml (+ overrides) when no preset is given, else the preset
+    (+ overrides)."""
+    saved = Path(run_dir) / "config.yaml" if run_dir else None
+    if preset is None and saved is not None and saved.is_file():
+        return apply_overrides(config_from_dict(read_preset(saved)), overrides)
+    return load_config(resolve_path(preset) if preset else None, overrides)
+
+
+def new_run_dir(cfg: RLHFConfig, run_name: Optional[str]) -> Path:
+    """runs_root/<run_name or a timestamp>; refuses a non-empty existing directory."""
+    root = Path(cfg.trainer.runs_root).expanduser().resolve()
+    # a random suffix: two runs started in the same second (pool concurrency > 1) never collide
+    path = root / (run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
+    if path.exists() and any(path.iterdir()):
+        raise RLHFError(f"run directory {path} already exists; pick another run name or resume it with "
+                        f"`rlhf run --resume {path}`")
+    return path
+
+
+def resume_point(run: RunDir) -> int:
+    """The first iteration not yet committed: last-good + 1 (1 when nothing was committed; also
+    while the commit log is damaged, which ``open_run`` repairs before it asks again)."""
+    try:
+        return last_good_iteration(run) + 1
+    except StateFileError:
+        return 1
+
+
+def plan_run(preset: Optional[str] = None, overrides: Sequence[str] = (), iterations: Optional[int] = None,
+             run_name: Optional[str] = None, resume: Optional[str | Path] = None) -> RunPlan:
+    """Resolve the config and the run directory and say where to start; writes nothing.
+
+    ``resume`` names an existing run directory: its saved config (plus ``overrides``) is used and the
+    run continues after its last committed iteration. ``iterations`` overrides
+    trainer.total_iterations. Call ``open_run`` once the run directory is locked.
+    """
+    overrides = list(overrides) + ([f"trainer.total_iterations={iterations}"] if iterations else [])
+    if resume:
+        overrides = rederive_steps(overrides)
+        run = RunDir(resume)
+        if not run.config_path.is_file():
+            raise RLHFError(f"cannot resume {run.root}: it has no config.yaml (is it a run directory?)")
+        cfg = resolve_run_config(run.root, preset, overrides)
+        note_loggers(cfg)
+        return RunPlan(cfg=cfg, run=run, first_iteration=resume_point(run), resumed=True)
+    cfg = resolve_run_config(None, preset, overrides)
+    check_inputs(cfg)  # a missing data/model path fails before a run directory or MLflow run exists
+    note_loggers(cfg)
+    return RunPlan(cfg=cfg, run=RunDir(new_run_dir(cfg, run_name)), first_iteration=1, resumed=False)
+
+
+STEP_KEYS = ("trainer.total_epochs", "trainer.total_training_steps")
+
+
+def rederive_steps(overrides: Sequence[str]) -> list[str]:
+    """A resume's overrides: when they change total_epochs or total_training_steps but not
+    total_iterations, the saved total_iterations (filled in when the run started) is dropped so the
+    new setting is derived again instead of being ignored."""
+    keys = {parse_override(o)[0] for o in overrides}
+    if keys & set(STEP_KEYS) and "trainer.total_iterations" not in keys:
+        return [*overrides, "trainer.total_iterations=null"]
+    return list(overrides)
+
+
+def resolve_iterations(plan: RunPlan) -> RLHFConfig:
+    """After preprocess: ``fill_total_iterations`` for the plan's run (``plan.cfg`` updated)."""
+    plan.cfg = fill_total_iterations(plan.cfg, plan.run)
+    return plan.cfg
+
+
+def fill_total_iterations(cfg: RLHFConfig, run: RunDir) -> RLHFConfig:
+    """``cfg`` with trainer.total_iterations filled in from the run's preprocessed prompts (verl:
+    total_training_steps, else total_epochs × (train prompts // data.train_batch_size)) and saved in
+    config.yaml; unchanged when already set or before preprocess. Zero steps (no prompt) is refused
+    unless the run only validates (trainer.val_only)."""
+    t = cfg.trainer
+    if t.total_iterations is not None or not run.train_prompts.is_file():
+        return cfg
+    prompts = run.train_prompt_count()
+    total = resolve.total_iterations(cfg, prompts)
+    how = ("trainer.total_training_steps" if t.total_training_steps is not None else
+           f"{t.total_epochs} epochs × {resolve.steps_per_epoch(cfg, prompts)} steps of data.train_batch_size="
+           f"{cfg.data.train_batch_size} over {prompts} prompts")
+    if total < 1 and not stops_after_validation(cfg):
+        raise ConfigError(f"no training step to run ({how}); set trainer.total_training_steps or add prompts")
+    say_once(f"config: training steps: {max(total, 0)} ({how})")
+    cfg = apply_overrides(cfg, [f"trainer.total_iterations={max(total, 1)}"])
+    save_config(run, cfg)
+    return cfg
+
+
+def open_run(plan: RunPlan) -> None:
+    """Save the run's config (a resume's overrides included) and note a resume in the event log."""
+    plan.run.root.mkdir(parents=True, exist_ok=True)
+    if plan.resumed:
+        repaired = prepare_resume(plan.run)  # temporaries, a lost commit log, a damaged last-good checkpoint
+        plan.first_iteration = resume_point(plan.run)
+        plan.run.append_event("resume", plan.first_iteration, **repaired)
+    write_config(plan.run, to_yaml(plan.cfg))
+
+
+def save_config(run: RunDir, cfg: RLHFConfig) -> None:
+    """Persist a changed config (e.g. a retry's smaller learning rate) so a resume continues with it."""
+    write_config(run, to_yaml(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# loggers
+# ---------------------------------------------------------------------------------------------
+
+
+def note_loggers(cfg: RLHFConfig) -> None:
+    """Say once which trainer.logger entries this machine cannot serve (not an error, as a verl
+    config names wandb by default)."""
+    elsewhere = [name for name in cfg.trainer.logger if name not in LOGGERS_HERE]
+    if elsewhere:
+        here = [name for name in cfg.trainer.logger if name in LOGGERS_HERE]
+        say_once(f"config: trainer.logger {', '.join(elsewhere)} not available here (no such service); metrics go "
+                 f"to {', '.join(here) or 'the run directory only'} (trainer.logger=console,mlflow for both)")
+
+
+def logs_to(cfg: RLHFConfig, backend: str) -> bool:
+    """Whether trainer.logger lists ``backend``: 'console' = the per-iteration table, 'mlflow' = an
+    MLflow run (none is created without it)."""
+    return backend in cfg.trainer.logger

@@ -1,0 +1,294 @@
+"""DuckDB over a whole run directory, and the per-iteration status table.
+
+``connect(run)`` opens an in-memory DuckDB with one view per table of the run, spanning every
+iteration (each row carries its ``iteration``):
+
+    prompts             prompts/train.parquet + val.parquet, with a ``split`` column
+    rejects             prompts/rejects.parquet (source_file, source_row, reason, raw)
+    generation_batches  pack/generation_batches.parquet
+    rollouts            iter_*/rollout.parquet
+    scored              iter_*/scored.parquet (rollout columns + reward, old/ref log-probs, values)
+    advantages          iter_*/advantages.parquet (scored columns + token rewards, advantages, returns)
+    response_kl         one row per scored response: iteration, prompt_id, sample_index, reward,
+                        response_length, kl = token-mean of old_log_probs − ref_log_probs
+    validation          iter_*/validation.parquet: the sampled validation responses, reward, correct
+    metrics             iter_*/iteration_metrics.json (every stage's metrics), long: iteration, name, value
+    metrics_wide        the same, one row per iteration, one column per metric ("reward/mean", …)
+    stages              every manifest record: iteration (NULL = setup), stage, status, seconds, …
+    events              events.jsonl: time, kind, iteration, details (JSON of the other fields)
+
+    rlhf query runs/demo "SELECT iteration, avg(reward) FROM scored GROUP BY 1 ORDER BY 1"
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Optional
+
+import pyarrow as pa
+
+from rlhf_core.data import schemas
+from rlhf_core.run.layout import RunDir, StateFileError
+from rlhf_core.run.lifecycle import commit_log_problem, committed_iterations, read_last_good
+from rlhf_core.run.manifest import read_manifest
+from rlhf_core.stages.registry import ITERATION_STAGES, SETUP_STAGES
+from rlhf_core.stages.validate import VALIDATION
+
+PARQUET_VIEWS = {
+    "rollouts": ("rollout.parquet", schemas.ROLLOUT),
+    "scored": ("scored.parquet", schemas.SCORED),
+    "advantages": ("advantages.parquet", schemas.ADVANTAGES),
+}
+
+VIEW_NAMES = ("prompts", "rejects", "generation_batches", *PARQUET_VIEWS, "validation", "response_kl", "metrics",
+              "metrics_wide", "stages", "events")
+
+
+def _files_view(con, name: str, files: list[Path], schema: pa.Schema, extra_select: str = "") -> None:
+    """A view over ``files`` (schemas unioned by name), or an empty table of ``schema`` when none."""
+    if not files:
+        con.register(f"_{name}_empty", schema.empty_table())
+        con.execute(f"CREATE VIEW {name} AS SELECT *{extra_select} FROM _{name}_empty")
+        return
+    listed = ", ".join("'" + str(f).replace("'", "''") + "'" for f in files)
+    con.execute(f"CREATE VIEW {name} AS SELECT *{extra_select} FROM read_parquet([{listed}], union_by_name=true)")
+
+
+def _prompts_view(con, run: RunDir) -> None:
+    parts = [(p, split) for p, split in ((run.train_prompts, "train"), (run.val_prompts, "val")) if p.is_file()]
+    if not parts:
+        con.register("_prompts_empty", schemas.PROMPTS.append(pa.field("split", pa.string())).empty_table())
+        con.execute("CREATE VIEW prompts AS SELECT * FROM _prompts_empty")
+        return
+    union = " UNION ALL BY NAME ".join(
+        f"SELECT *, '{split}' AS split FROM read_parquet('{p}')" for p, split in parts)
+    con.execute(f"CREATE VIEW prompts AS {union}")
+
+
+def read_iteration_metrics(run: RunDir, k: int) -> dict[str, Any]:
+    """The merged metrics of iteration ``k``; before it closed, whatever the update stage wrote.
+    Iteration 0 is the initial policy's validation (the baseline later accuracies are read against)."""
+    merged = run.read_json(run.iteration_metrics(k))
+    if merged is not None:
+        return merged
+    if k == 0:
+        return dict(read_manifest(run, 0).get("validate", {}).get("metrics") or {})
+    return run.read_json(run.metrics(k)) or {}
+
+
+def metrics_table(run: RunDir) -> pa.Table:
+    rows = []
+    for k in run.iterations():
+        for name, value in read_iteration_metrics(run, k).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool):
+                rows.append({"iteration": k, "name": name, "value": float(value)})
+    return pa.Table.from_pylist(rows, schema=pa.schema([("iteration", pa.int32()), ("name", pa.string()),
+                                                         ("value", pa.float64())]))
+
+
+def metrics_wide_table(run: RunDir) -> pa.Table:
+    by_iter: dict[int, dict[str, float]] = {}
+    names: list[str] = []
+    for row in metrics_table(run).to_pylist():
+        by_iter.setdefault(row["iteration"], {})[row["name"]] = row["value"]
+        if row["name"] not in names:
+            names.append(row["name"])
+    columns = {"iteration": pa.array(sorted(by_iter), pa.int32())}
+    for name in sorted(names):
+        if name == "iteration":  # the key column already; the metric of that name would overwrite it
+            continue
+        columns[name] = pa.array([by_iter[k].get(name) for k in sorted(by_iter)], pa.float64())
+    return pa.table(columns) if by_iter else pa.table({"iteration": pa.array([], pa.int32())})
+
+
+def stages_table(run: RunDir) -> pa.Table:
+    rows = []
+    committed = set(_committed_or_none(run))
+    for k in [None, *run.iterations()]:
+        for stage, rec in read_manifest(run, k).items():
+            rows.append({"iteration": k, "stage": stage, "status": rec.get("status"),
+                         "seconds": rec.get("seconds"), "config_hash": rec.get("config_hash"),
+                         "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
+                         "skipped_at": rec.get("skipped_at"), "committed": (k in committed) if stage == "guard" else None,
+                         "metrics": json.dumps(rec.get("metrics", {}), sort_keys=True)})
+    schema = pa.schema([("iteration", pa.int32()), ("stage", pa.string()), ("status", pa.string()),
+                        ("seconds", pa.float64()), ("config_hash", pa.string()), ("started_at", pa.float64()),
+                        ("finished_at", pa.float64()), ("skipped_at", pa.float64()), ("committed", pa.bool_()),
+                        ("metrics", pa.string())])
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def events_table(run: RunDir) -> pa.Table:
+    rows = [{"time": e.get("time"), "kind": e.get("kind"), "iteration": e.get("iteration"),
+             "details": json.dumps({k: v for k, v in e.items() if k not in ("time", "kind", "iteration")},
+                                   sort_keys=True, default=str)} for e in run.events()]
+    schema = pa.schema([("time", pa.float64()), ("kind", pa.string()), ("iteration", pa.int32()),
+                        ("details", pa.string())])
+    return pa.Table.from_pylist(rows, schema=schema)
+
+
+def connect(run: RunDir | str | Path):
+    """In-memory DuckDB connection with every view of the module docstring registered."""
+    import duckdb
+
+    run = run if isinstance(run, RunDir) else RunDir(run)
+    con = duckdb.connect()
+    _prompts_view(con, run)
+    _files_view(con, "rejects", [run.rejects] if run.rejects.is_file() else [], schemas.REJECTS)
+    _files_view(con, "generation_batches", [run.generation_batches] if run.generation_batches.is_file() else [],
+                schemas.GENERATION_BATCHES)
+    for view, (filename, schema) in PARQUET_VIEWS.items():
+        files = [run.iter_dir(k) / filename for k in run.iterations() if (run.iter_dir(k) / filename).is_file()]
+        _files_view(con, view, files, schema)
+    _files_view(con, "validation", [run.validation(k) for k in run.iterations()
+                                    if run.validation(k).is_file()], VALIDATION)
+    con.execute("""CREATE VIEW response_kl AS
+        SELECT iteration, prompt_id, sample_index, reward, response_length,
+               CASE WHEN len(old_log_probs) = 0 THEN NULL
+                    ELSE list_sum(old_log_probs) / len(old_log_probs)
+                       - list_sum(ref_log_probs) / len(ref_log_probs) END AS kl
+        FROM scored""")
+    for name, table in (("metrics", metrics_table(run)), ("metrics_wide", metrics_wide_table(run)),
+                        ("stages", stages_table(run)), ("events", events_table(run))):
+        con.register(f"_{name}", table)
+        con.execute(f"CREATE VIEW {name} AS SELECT * FROM _{name}")
+    return con
+
+
+def query(run: RunDir | str | Path, sql: str) -> pa.Table:
+    """Run ``sql`` against the run's views; returns an Arrow table."""
+    con = connect(run)
+    try:
+        return con.sql(sql).to_arrow_table()
+    finally:
+        con.close()
+
+
+def format_table(table: pa.Table, max_rows: int = 50, max_width: int = 40) -> str:
+    """Plain fixed-width rendering for the terminal."""
+    names = table.column_names
+    rows = table.slice(0, max_rows).to_pylist()
+
+    def cell(v: Any) -> str:
+        if isinstance(v, float):
+            text = f"{v:.6g}"
+        else:
+            text = "NULL" if v is None else str(v)
+        return text if len(text) <= max_width else text[: max_width - 1] + "…"
+
+    cells = [[cell(r[n]) for n in names] for r in rows]
+    widths = [max([len(n)] + [len(c[i]) for c in cells]) for i, n in enumerate(names)]
+    lines = ["  ".join(n.ljust(w) for n, w in zip(names, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in cells]
+    if table.num_rows > max_rows:
+        lines.append(f"... {table.num_rows - max_rows} more rows")
+    lines.append(f"({table.num_rows} row{'s' if table.num_rows != 1 else ''})")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# status
+# ---------------------------------------------------------------------------------------------
+
+
+def stage_state(record: Optional[dict]) -> str:
+    """done | skipped | stale | rolled_back | failed | - (never ran). ``skipped`` = the last
+    invocation found the stage up to date and reused its outputs."""
+    if not record:
+        return "-"
+    status = record.get("status", "?")
+    if status == "done" and (record.get("skipped_at") or 0) > (record.get("finished_at") or 0):
+        return "skipped"
+    return status
+
+
+def _committed_or_none(run: RunDir) -> list[int]:
+    """The commit log's iterations; [] while it is damaged (``status_problems`` says so)."""
+    try:
+        return committed_iterations(run)
+    except StateFileError:
+        return []
+
+
+def status_table(run: RunDir | str | Path) -> list[dict[str, Any]]:
+    """One dict per iteration: each stage's state, key metrics, rollbacks, checkpoint presence."""
+    run = run if isinstance(run, RunDir) else RunDir(run)
+    committed = _committed_or_none(run)
+    rollbacks: dict[int, int] = {}
+    for e in run.events():
+        if e.get("kind") == "rollback" and e.get("iteration") is not None:
+            rollbacks[e["iteration"]] = rollbacks.get(e["iteration"], 0) + 1
+    rows = []
+    for k in run.iterations():
+        manifest = read_manifest(run, k)
+        metrics = _metrics_or_empty(run, k)
+        row: dict[str, Any] = {"iteration": k}
+        for stage in ITERATION_STAGES + ("validate",):
+            row[stage] = stage_state(manifest.get(stage))
+        if k in committed:
+            row["guard"] = "committed"
+        row["reward"] = metrics.get("reward/mean")
+        row["kl"] = metrics.get("kl/mean")
+        row["val_acc"] = metrics.get("val/accuracy")
+        row["rollbacks"] = rollbacks.get(k, 0)
+        row["checkpoint"] = (run.checkpoint(k) / "actor").is_dir()
+        row["last_good"] = bool(committed and committed[-1] == k)
+        rows.append(row)
+    return rows
+
+
+def format_status(run: RunDir | str | Path) -> str:
+    run = run if isinstance(run, RunDir) else RunDir(run)
+    setup = read_manifest(run, None)
+    lines = [f"run: {run.root}",
+             "setup: " + ", ".join(f"{s} {stage_state(setup.get(s))}" for s in SETUP_STAGES)]
+    rows = status_table(run)
+    if rows:
+        table = pa.Table.from_pylist([
+            {**{k: v for k, v in r.items() if k not in ("checkpoint", "last_good")},
+             "ckpt": ("last-good" if r["last_good"] else "kept") if r["checkpoint"] else "-"}
+            for r in rows])
+        lines.append(format_table(table, max_rows=10_000).rsplit("\n", 1)[0])
+    else:
+        lines.append("no iterations yet")
+    problems = status_problems(run)
+    if problems:
+        lines += [f"problem: {line}" for line in problems]
+    else:
+        last_good = read_last_good(run)
+        lines.append(f"last-good: iteration {last_good['iteration']} ({last_good['checkpoint']})" if last_good
+                     else "last-good: none (the next iteration starts from the initial model)")
+    return "\n".join(lines)
+
+
+def _metrics_or_empty(run: RunDir, k: int) -> dict[str, Any]:
+    try:
+        return read_iteration_metrics(run, k)
+    except StateFileError:
+        return {}
+
+
+def status_problems(run: RunDir) -> list[str]:
+    """What `rlhf status` must say is wrong with the run's state files (one line each): the commit
+    log, the KL controller state, iteration manifests that are missing or damaged."""
+    problems = []
+    log = commit_log_problem(run)
+    if log:
+        problems.append(log)
+    try:
+        run.read_json(run.kl_ctrl_path)
+    except StateFileError as exc:
+        problems.append(f"{exc}; a resume falls back to the last-good checkpoint's KL controller state")
+    for k in run.iterations():
+        try:
+            manifest = run.read_json(run.manifest_path(k))
+        except StateFileError as exc:
+            problems.append(f"{exc}; `rlhf stage <stage> --run-dir {run.root} --iteration {k} --force` rebuilds "
+                            "that iteration's records")
+            continue
+        if manifest is None and any(run.iter_dir(k).iterdir()):
+            problems.append(f"{run.manifest_path(k)} is missing: iteration {k}'s stages have no record (its files "
+                            f"are there); rerun them with `rlhf stage <stage> --run-dir {run.root} --iteration {k}`")
+    return problems

@@ -1,0 +1,170 @@
+"""What an iteration reports, decided in one place: its metrics (every stage's, both names of each
+verl/ours pair, verl's timing_s/*, totals), which stage reports which name, the alerts, and the
+console row. The Prefect layer publishes these (MLflow batch, artifacts); it decides nothing."""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Sequence
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.config import resolve
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.manifest import read_manifest
+from rlhf_core.stages.registry import ITERATION_STAGES, REPORT_ORDER
+
+
+ALIASES = {
+    "guard/kl_mean": "kl/mean",  # the guarded KL(actor‖ref) after the update
+    "critic/score/mean": "reward/mean",  # verl's name ↔ ours: the mean sequence score (reward before KL)
+}
+"""Pairs of names for one quantity: each side is filled in from the other when a stage reports
+only one (verl's names for verl's dashboards, ours for the CLI table and the learning curve)."""
+
+TIMING = {
+    "timing_s/gen": ("perf/stage_seconds/rollout",),
+    "timing_s/reward": ("perf/score_seconds/reward",),
+    "timing_s/old_log_prob": ("perf/score_seconds/old_log_prob", "perf/stage_seconds/score"),
+    "timing_s/ref": ("perf/score_seconds/ref",),
+    "timing_s/values": ("perf/score_seconds/values",),
+    "timing_s/adv": ("perf/stage_seconds/gae",),
+    "timing_s/update_critic": ("perf/critic_update_seconds",),
+    "timing_s/update_actor": ("perf/actor_update_seconds", "perf/stage_seconds/update"),
+    "timing_s/save_checkpoint": ("perf/checkpoint_seconds",),
+    "timing_s/testing": ("perf/stage_seconds/validate",),
+    "timing_s/step": ("perf/iteration_seconds",),
+}
+"""verl's step timers from our stage timings: the first name present wins. Approximations: one
+stage (score) computes the rewards, old and reference log-probs and values, so without per-model
+seconds from it timing_s/old_log_prob carries the whole stage and timing_s/ref, /values, /reward
+are absent; likewise timing_s/update_actor is the whole update stage (critic and actor, with the
+checkpoint save) unless the update reports perf/actor_update_seconds. timing_s/gen includes the
+rollout's model load; timing_s/step is every stage of the iteration (the KL guard included)."""
+
+
+def with_aliases(metrics: dict[str, float]) -> dict[str, float]:
+    """``metrics`` plus the other name of every ALIASES pair one side of which is present."""
+    out = dict(metrics)
+    for a, b in ALIASES.items():
+        if a in out:
+            out.setdefault(b, out[a])
+        elif b in out:
+            out[a] = out[b]
+    return out
+
+
+def timing_metrics(metrics: dict[str, float]) -> dict[str, float]:
+    """verl's timing_s/* names from an iteration's metrics (``TIMING``)."""
+    out = {}
+    for name, sources in TIMING.items():
+        found = next((metrics[s] for s in sources if s in metrics), None)
+        if found is not None:
+            out[name] = float(found)
+    return out
+
+
+def steps_per_epoch(cfg: RLHFConfig, run: RunDir) -> int:
+    """Iterations per pass over the training prompts as this run orders them: the pack stage's slot
+    count (verl's train prompts // data.train_batch_size when the pack stage has not run)."""
+    slots = (read_manifest(run, None).get("pack", {}).get("rows") or {}).get("slots")
+    if slots:
+        return int(slots)
+    return max(1, resolve.steps_per_epoch(cfg, run.train_prompt_count())) if run.train_prompts.is_file() else 1
+
+
+def iteration_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
+    """Every stage metric of iteration ``k`` (manifest records, both names of each ALIASES pair),
+    plus perf/stage_seconds/<stage>, perf/iteration_seconds, perf/iteration_tokens_per_s, verl's
+    timing_s/* (``TIMING``), training/global_step and training/epoch (0-based, as verl counts);
+    written to iter_k/iteration_metrics.json and returned."""
+    manifest = read_manifest(run, k)
+    out: dict[str, float] = {}
+    seconds = 0.0
+    for stage, rec in manifest.items():
+        if rec.get("status") not in ("done", "stale"):
+            continue
+        for name, value in (rec.get("metrics") or {}).items():
+            if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+                out[name] = float(value)
+        if rec.get("seconds") is not None:
+            out[f"perf/stage_seconds/{stage}"] = float(rec["seconds"])
+            seconds += float(rec["seconds"]) if stage in ITERATION_STAGES or stage == "validate" else 0.0
+    out = with_aliases(out)
+    out["perf/iteration_seconds"] = seconds
+    tokens = iteration_tokens(run, k)
+    if tokens and seconds > 0:
+        out["perf/iteration_tokens_per_s"] = tokens / seconds
+    out.update(timing_metrics(out))
+    out["training/global_step"] = float(k)
+    out["training/epoch"] = float((k - 1) // steps_per_epoch(cfg, run)) if k >= 1 else 0.0
+    out["iteration"] = float(k)
+    atomic_write_json(run.iteration_metrics(k), out)
+    return out
+
+
+def stage_reports(manifest: dict, statuses: Sequence[str] = ("done", "stale")) -> dict[str, dict[str, float]]:
+    """What each stage of an iteration reports to MLflow, in run order: its metrics minus the names
+    an earlier stage already reported (one point per metric and step; e.g. response_length/mean
+    from rollout, not again from score), plus perf/stage_seconds/<stage>. Only records whose status
+    is in ``statuses`` count, as reporters and as earlier stages."""
+    taken: set[str] = set()
+    out: dict[str, dict[str, float]] = {}
+    for stage in REPORT_ORDER:
+        rec = manifest.get(stage)
+        if not rec or rec.get("status") not in statuses:
+            continue
+        metrics = rec.get("metrics") or {}
+        mine = {name: value for name, value in metrics.items() if name not in taken}
+        taken |= set(metrics)
+        if rec.get("seconds") is not None:
+            mine[f"perf/stage_seconds/{stage}"] = float(rec["seconds"])
+        out[stage] = mine
+    return out
+
+
+def iteration_tokens(run: RunDir, k: int) -> int:
+    """Prompt + response tokens of iteration ``k``'s rollout (0 when absent)."""
+    if not run.rollout(k).is_file():
+        return 0
+    table = pq.read_table(run.rollout(k), columns=["prompt_token_ids", "response_length"])
+    prompt = pc.sum(pc.list_value_length(table.column("prompt_token_ids"))).as_py() or 0
+    response = pc.sum(table.column("response_length")).as_py() or 0
+    return int(prompt + response)
+
+
+ROW_COLUMNS = (("iter", "iteration", "{:>4.0f}"), ("reward", "reward/mean", "{:>7.3f}"),
+               ("acc", "val/accuracy", "{:>6.3f}"), ("kl", "kl/mean", "{:>8.4f}"),
+               ("clipfrac", "actor/pg_clipfrac", "{:>8.3f}"), ("grad_norm", "actor/grad_norm", "{:>9.3f}"),
+               ("seconds", "perf/iteration_seconds", "{:>7.1f}"))
+
+
+def format_iteration_header() -> str:
+    widths = [len(fmt.format(0.0)) for _, _, fmt in ROW_COLUMNS]
+    return " ".join(title.rjust(w) for (title, _, _), w in zip(ROW_COLUMNS, widths))
+
+
+def format_iteration_row(metrics: dict[str, float], note: str = "") -> str:
+    """One line of the CLI's per-iteration table ('-' where a metric is absent)."""
+    cells = []
+    for _, key, fmt in ROW_COLUMNS:
+        value = metrics.get(key)
+        width = len(fmt.format(0.0))
+        cells.append(fmt.format(value) if isinstance(value, (int, float)) else "-".rjust(width))
+    return " ".join(cells) + (f"  {note}" if note else "")
+
+
+def alerts(cfg: RLHFConfig, metrics: dict[str, float]) -> list[str]:
+    """Lines worth a warning: KL above the rollback threshold, clip fraction below 0.1 (the policy
+    barely moves any more: a convergence signal)."""
+    out = []
+    kl = metrics.get("kl/mean")
+    if kl is not None and kl > cfg.trainer.kl_rollback_threshold:
+        out.append(f"KL {kl:.4f} above trainer.kl_rollback_threshold={cfg.trainer.kl_rollback_threshold}")
+    clipfrac = metrics.get("actor/pg_clipfrac")
+    if clipfrac is not None and clipfrac < 0.1:
+        out.append(f"actor/pg_clipfrac {clipfrac:.3f} < 0.1: updates are small (a convergence signal)")
+    return out

@@ -1,0 +1,102 @@
+"""KL(actor ‖ reference) over the whole vocabulary at every response position: what the KL guard
+measures (on the iteration's responses and, optionally, on fresh validation samples)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import torch
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.config.resolve import micro_batching
+from rlhf_core.io.timing import MODEL_LOAD, timed
+from rlhf_core.models.packed import pack_rows, packed_forward, response_positions
+from rlhf_core.scoring.logprobs import plan_micro_batches
+from rlhf_core.scoring.models import is_lora_dir, load_causal_lm, load_merged_actor, scoring_device, scoring_dtype
+
+
+def response_kl(token_kls: list, sampled_k1: Optional[list] = None) -> dict[str, float]:
+    """Summaries of per-response token KL lists (each (n_i,)).
+
+    kl_mean          Σ_i Σ_t kl_it / Σ_i n_i     per-token mean: the guarded quantity
+    kl_seq_mean      mean_i mean_t kl_it         sequence-mean of token-means (rows with ≥ 1 token)
+    kl_max           largest single-token KL
+    kl_k1_sampled    per-token mean of log p_new(y_t) − log p_ref(y_t) on the sampled tokens
+    """
+    total, count, seq_means, peak = 0.0, 0, [], 0.0
+    for kl in token_kls:
+        kl = [float(x) for x in kl]
+        if not kl:
+            continue
+        total += sum(kl)
+        count += len(kl)
+        seq_means.append(sum(kl) / len(kl))
+        peak = max(peak, max(kl))
+    out = {"kl_mean": total / count if count else 0.0,
+           "kl_seq_mean": sum(seq_means) / len(seq_means) if seq_means else 0.0,
+           "kl_max": peak, "num_tokens": count, "num_responses": len(seq_means)}
+    if sampled_k1 is not None:
+        flat = [float(x) for row in sampled_k1 for x in row]
+        out["kl_k1_sampled"] = sum(flat) / len(flat) if flat else 0.0
+    return out
+
+
+def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], *, budget: int,
+             temperature: float, pad_id: int = 0) -> tuple[list, list]:
+    """Exact KL(actor ‖ ref) at every response position, summed over the whole vocabulary:
+
+        kl_t = Σ_v p_a(v | s_<t) · (log p_a(v | s_<t) − log p_ref(v | s_<t)),   p = softmax(logits / T)
+
+    Returns (per-sequence (n_i,) KL tensors, per-sequence (n_i,) actor log-probs of the sampled
+    tokens). Unlike the one-sample estimate log p_a(y_t) − log p_ref(y_t), this is exact for each
+    visited context and never negative, so it measures the new policy's drift even though the
+    responses were sampled from the previous policy. Both models see the same packed micro-batches
+    (block-diagonal mask), one no-grad forward each.
+    """
+    kls: list = [None] * len(sequences)
+    sampled: list = [None] * len(sequences)
+    with torch.no_grad():
+        for micro in plan_micro_batches([len(s) for s in sequences], budget):
+            packed = pack_rows(micro, sequences, pad_id)
+            rows, cols, owners = response_positions(packed, prompt_lengths)
+            if not owners:
+                continue
+            # the LM heads run on the response positions only: (N, V) each
+            la = torch.log_softmax(packed_forward(actor, packed, positions=(rows, cols)).float() / temperature, dim=-1)
+            lr = torch.log_softmax(packed_forward(ref, packed, positions=(rows, cols)).float() / temperature, dim=-1)
+            kl = (la.exp() * (la - lr)).sum(-1).clamp_min(0.0).cpu()  # clamp: rounding only
+            labels = packed.input_ids[rows, cols + 1].to(la.device)
+            picked = la.gather(-1, labels[:, None]).squeeze(-1).cpu()
+            offset = 0
+            for i, n in owners:
+                kls[i], sampled[i] = kl[offset:offset + n], picked[offset:offset + n]
+                offset += n
+            del la, lr
+    return kls, sampled
+
+
+def actor_ref_kl(cfg: RLHFConfig, actor_dir: Path, ref_dir: Path, sequences: list[list[int]],
+                 prompt_lengths: list[int]) -> tuple[list, list]:
+    """``token_kl`` of the actor in ``actor_dir`` against the reference policy in ``ref_dir``, on
+    the scoring device and dtype, with the rollout's temperature and scoring token budget."""
+    rollout = cfg.actor_rollout_ref.rollout
+    device = scoring_device(cfg.trainer.device)
+    dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
+    actor = load_actor_for_kl(actor_dir, device, dtype)
+    ref = load_causal_lm(ref_dir, device, dtype, role="reference", shared=True)
+    pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
+    # packed like the scoring stage's reference forward: the reference role's token budget (verl's
+    # ref.log_prob_max_token_len_per_gpu, which falls back to the actor's)
+    budget = micro_batching(cfg, "ref").token_budget
+    return token_kl(actor, ref, sequences, prompt_lengths, budget=budget, temperature=rollout.temperature,
+                    pad_id=pad_id)
+
+
+def load_actor_for_kl(actor_dir: Path, device, dtype):
+    """The trained actor for KL measurement: shared from ``scoring.cache`` (the next rollout samples
+    from it when committed), except a LoRA adapter, which ``load_merged_actor`` merges into its base."""
+    if is_lora_dir(actor_dir):
+        with timed(MODEL_LOAD):
+            return load_merged_actor(actor_dir, device=device, dtype=dtype)
+    return load_causal_lm(actor_dir, device, dtype, role="actor", shared=True)

@@ -1,0 +1,114 @@
+"""The KL guard: after each update, keep the new policy only if it stayed close to the reference.
+
+    measure   KL(actor_new ‖ ref) per response token, averaged over every response token of the
+              iteration (per-token mean: the unit of verl's ``kl/mean`` and ``target_kl``). Each
+              token's KL is exact over the vocabulary at that position (``token_kl``), at the
+              rollout temperature; the sampled-token estimate log p_new − log p_ref (ref log-probs
+              from scored.parquet) is reported beside it as ``kl_k1_sampled``.
+    decide    breach ⇔ KL > trainer.kl_rollback_threshold (at the threshold still commits).
+              An update whose every actor step was skipped, or a non-finite KL, is a rollback too.
+
+The stage writes the verdict (iter_k/guard.json) and nothing else: acting on it (commit, or roll
+back) is ``rlhf_core.run.lifecycle.settle``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import pyarrow.parquet as pq
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.errors import CheckpointError
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.io.timing import TABLE_READ, timed
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import nonfinite_update
+from rlhf_core.run.models import reference_path
+from rlhf_core.scoring.policy_kl import actor_ref_kl, response_kl
+from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
+
+GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts",
+                  "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.log_prob",
+                  "actor_rollout_ref.model", "actor_rollout_ref.ref", "trainer.device")
+
+
+def _load_scored_sequences(path: Path) -> tuple[list[list[int]], list[int], list[list[float]]]:
+    with timed(TABLE_READ):
+        table = pq.read_table(path, columns=["prompt_token_ids", "response_token_ids", "ref_log_probs"])
+    prompts = table.column("prompt_token_ids").to_pylist()
+    responses = table.column("response_token_ids").to_pylist()
+    refs = table.column("ref_log_probs").to_pylist()
+    keep = [i for i, r in enumerate(responses) if r]  # an empty response has no token to score
+    return ([prompts[i] + responses[i] for i in keep], [len(prompts[i]) for i in keep],
+            [refs[i] for i in keep])
+
+
+def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] = None) -> dict[str, float]:
+    """KL(new actor ‖ ref) over iteration ``k``'s scored responses (see ``token_kl``, ``response_kl``).
+
+    ``actor_dir`` defaults to the iteration's freshly trained actor (iter_k/checkpoint/actor).
+    """
+    actor_dir = Path(actor_dir) if actor_dir else run.checkpoint(k) / "actor"
+    if not actor_dir.is_dir():
+        raise CheckpointError(f"no trained actor at {actor_dir}: run `rlhf stage update --run-dir {run.root} "
+                              f"--iteration {k}` before the guard")
+    sequences, prompt_lengths, ref_log_probs = _load_scored_sequences(run.scored(k))
+    kls, sampled = actor_ref_kl(cfg, actor_dir, reference_path(cfg), sequences, prompt_lengths)
+    k1 = [[a - b for a, b in zip(new.tolist(), old)] for new, old in zip(sampled, ref_log_probs)]
+    return response_kl(kls, k1)
+
+
+def decide(kl: float, threshold: float) -> str:
+    """"commit" when KL is at or under the threshold, else "rollback"."""
+    return "commit" if kl <= threshold else "rollback"
+
+
+def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
+    """Measure iteration ``iteration``'s KL and write the verdict (iter_k/guard.json).
+
+    This stage only decides; ``commit_iteration`` / ``rollback_iteration`` act on the verdict (the
+    flow runs them as transaction hooks).
+    """
+    if iteration is None:
+        raise ValueError("the guard stage needs an iteration")
+    k = iteration
+    threshold = cfg.trainer.kl_rollback_threshold
+
+    def body() -> StageResult:
+        kl = measure_kl(cfg, run, k)
+        verdict = {"iteration": k, "threshold": threshold, **kl}
+        val = measure_val_kl(cfg, run, k)
+        verdict.update(val)
+        guarded = max(kl["kl_mean"], val.get("val_kl_mean", float("-inf")))
+        verdict["decision"] = decide(guarded, threshold)
+        nonfinite = nonfinite_update(run.read_json(run.metrics(k)) or {}, guarded)
+        if nonfinite:
+            verdict.update(decision="rollback", reason=f"non-finite update: {nonfinite}")
+        atomic_write_json(run.verdict(k), verdict)
+        metrics = {f"guard/{key}": float(v) for key, v in verdict.items() if key.startswith(("kl_", "val_kl_"))}
+        metrics["guard/breach"] = float(verdict["decision"] == "rollback")
+        metrics["guard/nonfinite_update"] = float(nonfinite is not None)
+        metrics["guard/threshold"] = float(threshold)
+        line = (f"KL(actor‖ref) per-token mean {kl['kl_mean']:.4f} "
+                f"{'>' if guarded > threshold else '<='} threshold {threshold:g} → {verdict['decision']}"
+                + (f" ({verdict['reason']})" if "reason" in verdict else ""))
+        return StageResult(stage="guard", iteration=k, outputs={"verdict": str(run.verdict(k))},
+                           rows={"responses": int(kl["num_responses"]), "tokens": int(kl["num_tokens"])}, metrics=metrics,
+                           summary=[line])
+
+    return execute_stage(stage="guard", cfg=cfg, run=run, iteration=k,
+                         inputs=[run.scored(k), run.checkpoint(k) / "actor"],
+                         config_sections=GUARD_SECTIONS, body=body, force=force)
+
+
+def measure_val_kl(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
+    """On-policy KL on validation prompts (trainer.kl_guard_val_prompts > 0): responses sampled from
+    the new actor, scored under it and under the reference. {} when switched off or no val set."""
+    n = cfg.trainer.kl_guard_val_prompts
+    if n <= 0 or not run.val_prompts.is_file():
+        return {}
+    samples = sample_val_responses(cfg, run, run.checkpoint(k) / "actor", limit=n, seed_offset=k)
+    return val_kl_from_samples(cfg, samples, run.checkpoint(k) / "actor")

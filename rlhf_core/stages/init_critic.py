@@ -1,0 +1,47 @@
+"""Stage `init_critic`: the critic before training, built once per run so that scoring and the
+first update start from the same value head.
+
+    rlhf stage init_critic --run-dir RUN
+
+models/critic_init/ = the backbone (critic.model.path, else the actor's initial model) with a fresh
+one-output token-classification head, seeded by trainer.seed (Hugging Face format).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from transformers import AutoModelForTokenClassification, AutoTokenizer
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.io.atomic import atomic_dir
+from rlhf_core.io.timing import CHECKPOINT_WRITE, MODEL_LOAD, timed
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.models import critic_backbone
+from rlhf_core.stages.base import StageResult, execute_stage
+
+CONFIG_SECTIONS = ("critic.model.", "actor_rollout_ref.model.", "trainer.seed")
+
+
+def run_init_critic(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None,
+                    force: bool = False) -> StageResult:
+    out = run.critic_init
+
+    def body() -> StageResult:
+        backbone = critic_backbone(cfg)
+        torch.manual_seed(cfg.trainer.seed)
+        with timed(MODEL_LOAD):
+            model = AutoModelForTokenClassification.from_pretrained(backbone, num_labels=1, dtype=torch.float32)
+        with timed(CHECKPOINT_WRITE), atomic_dir(out) as tmp:
+            model.save_pretrained(tmp, safe_serialization=True)
+            AutoTokenizer.from_pretrained(backbone).save_pretrained(tmp)
+        params = sum(p.numel() for p in model.parameters())
+        return StageResult(stage="init_critic", outputs={"critic_init": str(out)}, rows={"parameters": params},
+                           summary=[f"initial critic on {backbone} ({params / 1e6:.1f} M parameters) → {out}"])
+
+    if (out / "config.json").is_file() and not force:  # built once per run: its weights are the run's critic start
+        return StageResult(stage="init_critic", outputs={"critic_init": str(out)}, skipped=True,
+                           summary=[f"initial critic {out} already built"])
+    return execute_stage(stage="init_critic", cfg=cfg, run=run, iteration=None, inputs=[],
+                         config_sections=CONFIG_SECTIONS, body=body, force=force)

@@ -1,0 +1,71 @@
+"""The stages and their one order: name → "module:function", imported when the stage runs (so
+`rlhf --help` stays fast and a stage's heavy dependencies load only when that stage runs).
+
+Every stage function has the contract
+    run_<stage>(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, force: bool = False) -> StageResult
+Setup stages take iteration=None; iteration stages need it. A stage reads only its declared inputs,
+writes only its outputs and never decides a commit (``rlhf_core.run.lifecycle`` does).
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable
+
+from rlhf_core.errors import RLHFError
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    name: str
+    target: str  # "module:function"
+    per_iteration: bool
+    help: str
+
+    def load(self) -> Callable:
+        module, _, fn = self.target.partition(":")
+        return getattr(importlib.import_module(module), fn)
+
+
+STAGES: dict[str, StageSpec] = {
+    s.name: s
+    for s in [
+        StageSpec("warm_start", "rlhf_core.stages.warm_start:run_warm_start", False,
+                  "the initial policy: builds the tiny model, runs the SFT warm start when enabled"),
+        StageSpec("init_critic", "rlhf_core.stages.init_critic:run_init_critic", False,
+                  "the initial critic: the backbone with a fresh value head → models/critic_init/"),
+        StageSpec("preprocess", "rlhf_core.stages.preprocess:run_preprocess", False,
+                  "raw prompts (JSONL/Parquet/CSV) → prompts/train.parquet, val.parquet, rejects.parquet"),
+        StageSpec("pack", "rlhf_core.stages.pack:run_pack", False,
+                  "token-budget bin packing of prompts into generation batches"),
+        StageSpec("rollout", "rlhf_core.stages.rollout:run_rollout", True,
+                  "generate responses (hf / vllm) or import offline ones → iter_K/rollout.parquet"),
+        StageSpec("score", "rlhf_core.stages.score:run_score", True,
+                  "rewards + old/ref log-probs + values → iter_K/scored.parquet"),
+        StageSpec("gae", "rlhf_core.stages.gae:run_gae", True,
+                  "KL-in-reward penalty + GAE advantages → iter_K/advantages.parquet"),
+        StageSpec("update", "rlhf_core.stages.update:run_update", True,
+                  "PPO update of actor and critic with DeepSpeed → iter_K/checkpoint/"),
+        StageSpec("guard", "rlhf_core.stages.guard:run_guard", True,
+                  "KL(actor‖ref) of the new actor vs the threshold → the verdict iter_K/guard.json"),
+        StageSpec("validate", "rlhf_core.stages.validate:run_validate", True,
+                  "sampled accuracy of iteration K's actor on the validation prompts → iter_K/validation.parquet"),
+    ]
+}
+"""Every stage, in the order a run runs them."""
+
+SETUP_STAGES = tuple(name for name, spec in STAGES.items() if not spec.per_iteration)
+ITERATION_STAGES = ("rollout", "score", "gae", "update", "guard")
+"""The stages of one training iteration, in order (validate follows when due, outside the commit)."""
+REPORT_ORDER = ITERATION_STAGES + ("validate",)
+"""The order an iteration's stages report in: a metric two stages report is reported by the first."""
+ROLLED_BACK_STAGES = ("gae", "update", "guard")
+"""Stages whose outputs a rollback invalidates. Rollout and score stay valid: they were computed
+from the last-good actor, which the rollback keeps, so a retry reuses them."""
+
+
+def get_stage(name: str) -> StageSpec:
+    if name not in STAGES:
+        raise RLHFError(f"unknown stage {name!r}; valid stages: {', '.join(STAGES)}")
+    return STAGES[name]

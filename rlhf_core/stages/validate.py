@@ -1,0 +1,231 @@
+"""Validation: how the current actor scores on the held-out prompts, under verl's names.
+
+    val/accuracy                         share of responses whose score is >= 1 (ours)
+    val-core/<data_source>/reward/mean@n mean over prompts of the mean score of its n responses (verl)
+
+Decoding follows ``actor_rollout_ref.rollout.val_kwargs`` as in verl: greedy unless do_sample is
+true with a temperature above 0, ``n`` responses per prompt (identical when greedy), a fixed seed,
+so two validations differ only by the weights. Responses and scores go to
+iter_k/validation.parquet (the DuckDB view ``validation``). The KL guard's optional on-policy check
+on validation prompts (``trainer.kl_guard_val_prompts``) samples them at the training rollout's
+settings instead (``sample_val_responses``).
+
+verl's statistics (``verl.trainer.ppo.metric_utils.process_validation_metrics``), per data source
+and per score variable (``reward``, plus every numeric key a reward function returns in its dict):
+mean@n and std@n over each prompt's n responses, and for k = 2, 4, 8, ... < n and k = n, the mean
+and standard deviation over 1,000 bootstrap draws of k responses (with replacement) of their best
+(best@k) and worst (worst@k) score; each is averaged over prompts. The core variable is ``acc``
+when present, else ``reward``; its mean@n and best@n/* are ``val-core``, everything else ``val-aux``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.io.atomic import atomic_write_parquet
+from rlhf_core.run.manifest import read_manifest
+from rlhf_core.run.models import actor_path
+from rlhf_core.run.layout import RunDir
+from rlhf_core.io.timing import TABLE_READ, timed
+from rlhf_core.rewards import get_reward_fn, normalize_result
+from rlhf_core.rewards.registry import routing_value
+from rlhf_core.rollout.base import SamplingParams, derive_seed
+from rlhf_core.rollout.generate import (
+    PROMPT_COLUMNS, generate_responses, read_prompt_rows, sampling_from_config, val_sampling_from_config,
+)
+from rlhf_core.stages.base import StageResult, execute_stage
+
+VALIDATION = pa.schema([
+    ("iteration", pa.int32()),
+    ("prompt_id", pa.string()),
+    ("sample_index", pa.int32()),
+    ("data_source", pa.string()),
+    ("ground_truth", pa.string()),
+    ("response_text", pa.string()),
+    ("response_length", pa.int32()),
+    ("finish_reason", pa.string()),
+    ("reward", pa.float32()),
+    ("correct", pa.bool_()),
+])
+
+VALIDATION_SECTIONS = ("data.max_response_length", "data.reward_fn_key", "actor_rollout_ref.rollout.val_kwargs.",
+                       "actor_rollout_ref.rollout.seed", "actor_rollout_ref.rollout.name",
+                       "custom_reward_function.")
+CORRECT_AT = 1.0
+"""A response counts as correct when its reward is at least this (the rule-based score of a right answer)."""
+
+
+def validation_actor(cfg: RLHFConfig, run: RunDir, k: int) -> Path:
+    """The actor validated after step ``k``: the policy as it was after k (the latest commit at or
+    before k; the initial model for k = 0), whatever was committed since. A rolled-back iteration
+    validates the policy that survived it."""
+    ckpt = policy_after(run, k)
+    return ckpt / "actor" if ckpt else initial_actor_path(cfg)
+
+
+def sample_val_responses(cfg: RLHFConfig, run: RunDir, actor_dir: Path, limit: Optional[int] = None,
+                         seed_offset: Any = "validation", sampling: Optional[SamplingParams] = None
+                         ) -> tuple[list[dict], list]:
+    """(prompt rows, GeneratedSamples) on the first ``limit`` validation prompts. ``sampling``
+    defaults to one response per prompt at the training rollout's settings (the guard's on-policy
+    check); validation passes its val_kwargs sampling."""
+    with timed(TABLE_READ):
+        rows = read_prompt_rows(run.val_prompts, columns=_val_columns(cfg, run))
+    rows = rows[:limit] if limit else rows
+    seed = derive_seed(cfg.actor_rollout_ref.rollout.seed, seed_offset)
+    sampling = sampling or replace(sampling_from_config(cfg, seed=seed), n=1)
+    samples, _ = generate_responses(cfg, actor_dir, rows, replace(sampling, seed=seed), desc="validation")
+    return rows, samples
+
+
+def _val_columns(cfg: RLHFConfig, run: RunDir) -> list[str]:
+    """What generation and the reward function read: the prompt columns, the routing value
+    (reward_source, else the data.reward_fn_key column) and verl's extra_info, those the table has."""
+    names = set(pq.read_schema(run.val_prompts).names) if run.val_prompts.is_file() else set(PROMPT_COLUMNS)
+    wanted = dict.fromkeys((*PROMPT_COLUMNS, "reward_source", "extra_info", cfg.data.reward_fn_key))
+    return [c for c in wanted if c in names or c in PROMPT_COLUMNS]
+
+
+def score_samples(cfg: RLHFConfig, rows: list[dict], samples: list) -> tuple[list[float], list[dict]]:
+    """(score, the reward function's extra values) per sample, with the call the score stage makes
+    (routed by ``routing_value``, verl's extra_info passed), as verl's val reward does."""
+    reward_fn, key = get_reward_fn(cfg), cfg.data.reward_fn_key
+    scores, extras = [], []
+    for s in samples:
+        row = rows[s.prompt_index]
+        where = f"validation prompt {row['prompt_id']}"
+        truth = (row.get("reward_model") or {}).get("ground_truth")
+        result = reward_fn(routing_value(row, key=key, where=where), s.text, truth, row.get("extra_info"))
+        score, extra = normalize_result(result, where=where)
+        scores.append(score)
+        extras.append(json.loads(extra))
+    return scores, extras
+
+
+def score_variables(scores: Sequence[float], extras: Sequence[dict]) -> dict[str, list[float]]:
+    """verl's per-sample variables: ``reward`` (the score) plus every key that is numeric in every
+    sample's extra dict (e.g. ``acc``)."""
+    variables = {"reward": [float(x) for x in scores]}
+    keys = set.intersection(*(set(e) for e in extras)) if extras else set()
+    for key in sorted(keys - {"reward"}):
+        values = [e[key] for e in extras]
+        if all(isinstance(v, (int, float)) for v in values):
+            variables[key] = [float(v) for v in values]
+    return variables
+
+
+def _bootstrap_sizes(n: int) -> list[int]:
+    """verl's subset sizes for best@k / worst@k: 2, 4, 8, ... below n, then n (none for n = 1)."""
+    if n <= 1:
+        return []
+    sizes, k = [], 2
+    while k < n:
+        sizes.append(k)
+        k *= 2
+    return sizes + [n]
+
+
+def prompt_statistics(values: np.ndarray, rng: np.random.Generator, n_bootstrap: int = 1000) -> dict[str, float]:
+    """mean@n, std@n, best@k/{mean,std}, worst@k/{mean,std} of one prompt's n scores, shape (n,).
+    best@k: each of ``n_bootstrap`` draws takes k of the n scores with replacement and keeps the max."""
+    n = len(values)
+    out = {f"mean@{n}": float(values.mean())}
+    if n > 1:
+        out[f"std@{n}"] = float(values.std())
+    for k in _bootstrap_sizes(n):
+        draws = values[rng.integers(0, n, size=(n_bootstrap, k))]  # (n_bootstrap, k)
+        best, worst = draws.max(axis=1), draws.min(axis=1)  # (n_bootstrap,) each
+        out.update({f"best@{k}/mean": float(best.mean()), f"best@{k}/std": float(best.std()),
+                    f"worst@{k}/mean": float(worst.mean()), f"worst@{k}/std": float(worst.std())})
+    return out
+
+
+def _section(var: str, core_var: str, name: str, n_max: int) -> str:
+    """verl's split: the core variable's mean / maj / best at the largest n is val-core, the rest val-aux."""
+    core = var == core_var and name.startswith(("mean", "maj", "best")) and f"@{n_max}" in name
+    return "val-core" if core else "val-aux"
+
+
+def validation_metrics(data_sources: Sequence[str], prompt_ids: Sequence[str], variables: dict[str, Sequence[float]],
+                       seed: int = 42, n_bootstrap: int = 1000) -> dict[str, float]:
+    """verl's validation metrics, ``val-core|val-aux/<data_source>/<variable>/<statistic>``: each
+    prompt's statistics (``prompt_statistics``) averaged over the data source's prompts. Inputs are
+    per sample (a prompt's n responses share its prompt id)."""
+    rng = np.random.default_rng(seed)
+    groups: dict[str, dict[str, list[int]]] = defaultdict(lambda: defaultdict(list))
+    for i, (source, pid) in enumerate(zip(data_sources, prompt_ids)):
+        groups[source][pid].append(i)
+    out: dict[str, float] = {}
+    core_var = "acc" if "acc" in variables else "reward"
+    for source, prompts in groups.items():
+        for var, values in variables.items():
+            column = np.asarray(values, dtype=np.float64)
+            per_prompt: dict[str, list[float]] = defaultdict(list)
+            for indices in prompts.values():
+                for name, value in prompt_statistics(column[indices], rng, n_bootstrap).items():
+                    per_prompt[name].append(value)
+            n_max = max(int(name.split("@")[-1].split("/")[0]) for name in per_prompt)
+            for name, vals in per_prompt.items():
+                out[f"{_section(var, core_var, name, n_max)}/{source}/{var}/{name}"] = float(np.mean(vals))
+    return out
+
+
+def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
+    """Decode the validation prompts with the actor after ``iteration`` (val_kwargs sampling); write
+    iter_k/validation.parquet; metrics under our names and verl's."""
+    if iteration is None:
+        raise ValueError("the validate stage needs an iteration (the actor after that iteration is validated)")
+    k = iteration
+    actor = validation_actor(cfg, run, k)
+
+    def body() -> StageResult:
+        sampling = val_sampling_from_config(cfg, seed=0)  # seed set from rollout.seed by sample_val_responses
+        rows, samples = sample_val_responses(cfg, run, actor, sampling=sampling)
+        scores, extras = score_samples(cfg, rows, samples)
+        table = pa.Table.from_pylist([{
+            "iteration": k, "prompt_id": rows[s.prompt_index]["prompt_id"], "sample_index": s.sample_index,
+            "data_source": rows[s.prompt_index].get("data_source"),
+            "ground_truth": (rows[s.prompt_index].get("reward_model") or {}).get("ground_truth"),
+            "response_text": s.text, "response_length": len(s.token_ids), "finish_reason": s.finish_reason,
+            "reward": score, "correct": score >= CORRECT_AT} for s, score in zip(samples, scores)], schema=VALIDATION)
+        out = atomic_write_parquet(run.validation(k), table, schema=VALIDATION)
+        metrics = _our_metrics(rows, samples, scores)
+        metrics.update(validation_metrics([rows[s.prompt_index].get("data_source") or "unknown" for s in samples],
+                                          [rows[s.prompt_index]["prompt_id"] for s in samples],
+                                          score_variables(scores, extras)))
+        how = "greedy" if sampling.greedy else f"sampled at temperature {sampling.temperature:g}"
+        return StageResult(stage="validate", iteration=k, outputs={"validation": str(out)},
+                           rows={"validation": len(scores)}, metrics=metrics,
+                           summary=[f"val/accuracy {metrics['val/accuracy']:.3f} on {len(rows)} prompts × "
+                                    f"{sampling.n} ({how}; actor {actor})"])
+
+    return execute_stage(stage="validate", cfg=cfg, run=run, iteration=k, inputs=[run.val_prompts, actor],
+                         config_sections=VALIDATION_SECTIONS, body=body, force=force)
+
+
+def _our_metrics(rows: list[dict], samples: list, scores: list[float]) -> dict[str, float]:
+    n = max(len(scores), 1)
+    return {"val/accuracy": sum(x >= CORRECT_AT for x in scores) / n, "val/reward_mean": sum(scores) / n,
+            "val/response_length_mean": sum(len(s.token_ids) for s in samples) / n,
+            "val/num_prompts": float(len(rows)), "val/num_responses": float(len(scores))}
+
+
+def val_kl_from_samples(cfg: RLHFConfig, samples: tuple[list[dict], list], actor_dir: Path) -> dict[str, float]:
+    """On-policy KL(actor ‖ ref) on responses the actor itself sampled for validation prompts:
+    {"val_kl_mean", "val_kl_tokens"} (per-token mean of the exact per-position KL, ``scoring.policy_kl.token_kl``)."""
+    rows, generated = samples
+    keep = [s for s in generated if s.token_ids]
+    sequences = [list(rows[s.prompt_index]["prompt_token_ids"]) + list(s.token_ids) for s in keep]
+    prompt_lengths = [len(rows[s.prompt_index]["prompt_token_ids"]) for s in keep]
+    kls, _ = actor_ref_kl(cfg, actor_dir, reference_path(cfg), sequences, prompt_lengths)
+    kl = response_kl(kls)
+    return {"val_kl_mean": kl["kl_mean"], "val_kl_tokens": float(kl["num_tokens"])}

@@ -1,0 +1,85 @@
+"""What follows a KL breach: record it everywhere, then retry the iteration or halt the run.
+
+The rollback itself already happened (``tasks.stages.settle_task``); this task records the event (MLflow tag and metrics, a Prefect artifact,
+a warning in the flow log) and applies ``trainer.on_kl_breach``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from prefect import task
+from prefect.cache_policies import NO_CACHE
+
+from rlhf_core.config import RLHFConfig, apply_overrides
+from rlhf_core.io import timing
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import halt_message, read_verdict, retry_overrides
+from rlhf_core.run.manifest import read_manifest
+from rlhf_core.run.plan import save_config
+from rlhf_core.run.report import stage_reports
+from tasks import mlflow_tracking, prefect_artifacts
+
+
+@task(name="kl-breach", task_run_name="kl-breach-iter{iteration}", cache_policy=NO_CACHE, persist_result=False)
+def handle_breach_task(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
+                       mlflow_run_id: Optional[str] = None, stage_results: Optional[list[dict]] = None) -> dict:
+    """Returns {"action": "retry", "overrides": [...], "changes": {...}} or {"action": "halt", "message"}.
+
+    ``stage_results``: the attempt's stage tasks ran with report=False (pipeline flow); the metrics
+    of its rolled-back stages then go into this task's MLflow batch and their summaries into its
+    artifact (the stages that stay committed-to-be, rollout and score, report with the iteration)."""
+    with timing.span("task:kl-breach"):
+        return _handle_breach(cfg, run_dir, iteration, attempt, mlflow_run_id, stage_results)
+
+
+def rolled_back_metrics(run: RunDir, k: int, attempt: int) -> dict[str, float]:
+    """What the stages rolled back by ``attempt`` report (as they would have on their own)."""
+    manifest = read_manifest(run, k)
+    reports = stage_reports(manifest, statuses=("done", "stale", "rolled_back"))
+    out: dict[str, float] = {}
+    for stage, reported in reports.items():
+        rec = manifest[stage]
+        if rec.get("status") == "rolled_back" and rec.get("rollback_attempt") == attempt:
+            out.update(reported)
+    return out
+
+
+def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
+                   mlflow_run_id: Optional[str], stage_results: Optional[list[dict]]) -> dict:
+    run = RunDir(run_dir)
+    k = iteration
+    verdict = read_verdict(run, k) or {}
+    t = cfg.trainer
+    log = prefect_artifacts.logger()
+    if str(verdict.get("reason", "")).startswith("non-finite update"):
+        alert = f"iteration {k}: {verdict['reason']} — rolled back (attempt {attempt})"
+    else:
+        alert = (f"KL alert: iteration {k} KL(actor‖ref) {verdict.get('kl_mean', float('nan')):.4f} > "
+                 f"threshold {t.kl_rollback_threshold} — rolled back (attempt {attempt})")
+    log.warning(alert)
+    if mlflow_run_id:
+        mlflow_tracking.set_tags(mlflow_run_id, {f"rollback.iter_{k}.attempt_{attempt}": alert, "rollback": "true"})
+        batch = rolled_back_metrics(run, k, attempt) if stage_results is not None else {}
+        batch.update({"guard/rollback": 1.0, "guard/rollback_kl": verdict.get("kl_mean", 0.0),
+                      "guard/rollback_attempt": float(attempt)})
+        mlflow_tracking.log_metrics(mlflow_run_id, batch, step=k)
+    if t.on_kl_breach == "retry" and attempt <= t.max_rollbacks:
+        overrides, changes = retry_overrides(cfg, run, k)
+        save_config(run, apply_overrides(cfg, overrides))
+        run.append_event("retry", k, attempt=attempt, changes=changes)
+        text = ", ".join(f"{key} {old:.3g} → {new:.3g}" for key, (old, new) in changes.items()) or "no change"
+        log.warning("retrying iteration %d (%d of at most %d): %s", k, attempt, t.max_rollbacks, text)
+        outcome = {"action": "retry", "overrides": overrides, "changes": changes}
+    else:
+        reason = ("trainer.on_kl_breach=halt" if t.on_kl_breach == "halt"
+                  else f"trainer.max_rollbacks={t.max_rollbacks} retries used")
+        outcome = {"action": "halt", "message": halt_message(run, k, reason)}
+        run.append_event("halt", k, reason=reason)
+    prefect_artifacts.markdown(
+        f"## KL rollback — iteration {k}, attempt {attempt}\n\n{alert}\n\n"
+        f"- decision: **{outcome['action']}**\n"
+        + (f"- changes: {outcome['changes']}\n" if outcome["action"] == "retry" else f"- {outcome['message']}\n")
+        + "".join(f"\n{prefect_artifacts.stage_markdown(r)}\n" for r in stage_results or []),
+        key=prefect_artifacts.artifact_key(run, "kl-rollback"), description=f"KL rollback at iteration {k}")
+    return outcome

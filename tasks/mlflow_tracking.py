@@ -1,0 +1,233 @@
+"""MLflow tracking for runs and stage reruns.
+
+Where: ``MLFLOW_TRACKING_URI`` when set; else an embedded SQLite store inside the project's state
+directory (``$RLHF_HOME/mlflow/mlflow.db``, artifacts under ``$RLHF_HOME/mlflow/artifacts``), so no
+server is needed. Browse it with
+
+    mlflow ui --host 127.0.0.1 --backend-store-uri sqlite:///$RLHF_HOME/mlflow/mlflow.db
+
+One MLflow run per pipeline flow run, named after the run directory and recorded in
+``RUN/tracking.json``; a resumed run continues the same MLflow run, and ``rlhf stage`` reruns attach
+to it as nested runs. Parameters are the flattened config. Metrics are logged with one ``log_batch``
+per call (one SQLite transaction; separate ``log_metric`` calls cost ~20 ms each).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+from rlhf_core.config import RLHFConfig, flatten
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.run.layout import RunDir
+from rlhf_core.io.timing import timed
+from rlhf_core.paths import state_dir
+from rlhf_core.security import redact, redact_value
+
+MLFLOW = "mlflow"
+"""``io.timing`` kind of the per-iteration MLflow calls (the orchestration-overhead benchmark sums it)."""
+MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
+MAX_PARAM_LENGTH = 6000
+
+
+def tracking_uri() -> str:
+    """MLFLOW_TRACKING_URI when set, else the embedded SQLite store under the state directory."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    path = state_dir() / "mlflow" / "mlflow.db"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return f"sqlite:///{path}"
+
+
+def artifact_root() -> Optional[str]:
+    """Explicit artifact location for the embedded store (None: the tracking server decides)."""
+    if os.environ.get("MLFLOW_TRACKING_URI"):
+        return None
+    path = state_dir() / "mlflow" / "artifacts"
+    path.mkdir(parents=True, exist_ok=True)
+    return path.as_uri()
+
+
+_CLIENTS: dict[str, Any] = {}
+
+
+def client():
+    """One MlflowClient per tracking URI (the SQLite engine is created once)."""
+    os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    from mlflow.tracking import MlflowClient
+
+    uri = tracking_uri()
+    if uri not in _CLIENTS:
+        _CLIENTS[uri] = MlflowClient(tracking_uri=uri)
+    return _CLIENTS[uri]
+
+
+def experiment_id(name: str) -> str:
+    c = client()
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    try:
+        return c.create_experiment(name, artifact_location=artifact_root())
+    except Exception:  # created meanwhile by another process
+        exp = c.get_experiment_by_name(name)
+        if exp is None:
+            raise
+        return exp.experiment_id
+
+
+def _record_path(run: RunDir) -> Path:
+    return run.root / "tracking.json"
+
+
+def read_record(run: RunDir) -> Optional[dict]:
+    """{"tracking_uri", "experiment_id", "run_id"} of the run's MLflow run, when it has one in the
+    current tracking store."""
+    record = run.read_json(_record_path(run))
+    if not record or record.get("tracking_uri") != tracking_uri():
+        return None
+    try:
+        client().get_run(record["run_id"])
+    except Exception:  # deleted, or a store that was wiped
+        return None
+    return record
+
+
+def start_pipeline_run(run: RunDir, cfg: RLHFConfig, flow_run_id: Optional[str] = None) -> str:
+    """The MLflow run of this run directory: reopened when it exists (resume), else created with the
+    flattened config as parameters. Returns its run id."""
+    from mlflow.entities import RunStatus
+
+    c = client()
+    record = read_record(run)
+    if record:
+        run_id = record["run_id"]
+        c.update_run(run_id, status=RunStatus.to_string(RunStatus.RUNNING))
+        log_config(run_id, cfg)
+    else:
+        exp = experiment_id(cfg.trainer.experiment_name)
+        mlrun = c.create_run(exp, run_name=run.root.name, tags={"rlhf.run_dir": str(run.root),
+                                                                  "rlhf.project": cfg.trainer.project_name})
+        run_id = mlrun.info.run_id
+        log_config(run_id, cfg)
+        atomic_write_json(_record_path(run), {"tracking_uri": tracking_uri(), "experiment_id": exp, "run_id": run_id})
+    if flow_run_id:
+        set_tags(run_id, {"prefect.flow_run_id": flow_run_id})
+    return run_id
+
+
+def start_stage_run(run: RunDir, cfg: RLHFConfig, stage: str, iteration: Optional[int],
+                    flow_run_id: Optional[str] = None) -> str:
+    """A nested MLflow run for one `rlhf stage` rerun, under the run directory's pipeline run (a
+    top-level run when the directory has none yet)."""
+    record = read_record(run)
+    name = f"{stage}" + (f"-iter{iteration}" if iteration is not None else "")
+    tags = {"rlhf.run_dir": str(run.root), "rlhf.stage": stage, "rlhf.rerun": "true"}
+    if record:
+        tags["mlflow.parentRunId"] = record["run_id"]
+        exp = record["experiment_id"]
+    else:
+        exp = experiment_id(cfg.trainer.experiment_name)
+    if flow_run_id:
+        tags["prefect.flow_run_id"] = flow_run_id
+    run_id = client().create_run(exp, run_name=name, tags=tags).info.run_id
+    log_config(run_id, cfg)
+    return run_id
+
+
+def log_config(run_id: str, cfg: RLHFConfig) -> None:
+    """Parameters = the flattened config. MLflow parameters cannot change, so a value that differs
+    from the logged one (a resume with overrides, a retry's smaller learning rate) becomes a
+    ``config_change/<key>`` tag instead."""
+    from mlflow.entities import Param, RunTag
+
+    c = client()
+    logged = c.get_run(run_id).data.params
+    new, changed = [], []
+    for key, value in redact(flatten(cfg)).items():  # never a token or password in MLflow params
+        text = str(value)[:MAX_PARAM_LENGTH]
+        if key not in logged:
+            new.append(Param(key, text))
+        elif logged[key] != text:
+            changed.append(RunTag(f"config_change/{key}", f"{logged[key]} -> {text}"))
+    for i in range(0, len(new), MAX_PARAMS_PER_BATCH):
+        c.log_batch(run_id, params=new[i:i + MAX_PARAMS_PER_BATCH])
+    if changed:
+        c.log_batch(run_id, tags=changed)
+
+
+_NOT_IN_MLFLOW_NAMES = re.compile(r"[^/\w.\- :]")
+
+
+def mlflow_key(name: str) -> str:
+    """A metric name as MLflow accepts it, spelled as verl's MLflow logger spells it: '@' → '_at_'
+    (val-core/openai/gsm8k/reward/mean@1 → .../mean_at_1), repeated slashes → one, any other
+    character MLflow refuses → '_'. The run directory keeps the original names."""
+    return _NOT_IN_MLFLOW_NAMES.sub("_", re.sub(r"/+", "/", name.replace("@", "_at_")))
+
+
+@timed(MLFLOW)
+def log_metrics(run_id: str, metrics: dict[str, float], step: Optional[int]) -> int:
+    """One log_batch of every finite numeric metric at ``step`` (names: ``mlflow_key``). Returns
+    how many were logged."""
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    batch = [Metric(mlflow_key(key), float(v), now, step or 0) for key, v in sorted(metrics.items())
+             if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(float(v))]
+    for i in range(0, len(batch), 1000):  # log_batch takes up to 1000 metrics
+        client().log_batch(run_id, metrics=batch[i:i + 1000])
+    return len(batch)
+
+
+@timed(MLFLOW)
+def set_tags(run_id: str, tags: dict[str, Any]) -> None:
+    from mlflow.entities import RunTag
+
+    client().log_batch(run_id, tags=[RunTag(k, str(redact_value(v))[:5000]) for k, v in tags.items()])
+
+
+@timed(MLFLOW)
+def log_artifact(run_id: str, path: Path, artifact_path: Optional[str] = None) -> None:
+    client().log_artifact(run_id, str(path), artifact_path)
+
+
+@timed(MLFLOW)
+def finish(run_id: str, status: str = "FINISHED") -> None:
+    """status: FINISHED | FAILED | KILLED."""
+    client().set_terminated(run_id, status=status)
+
+
+def metric_history(run_id: str, key: str) -> list[tuple[int, float]]:
+    """[(step, value)] of one metric, for tests and reports."""
+    return [(m.step, m.value) for m in client().get_metric_history(run_id, mlflow_key(key))]
+
+
+@timed(MLFLOW)
+def run_url(run_id: str) -> Optional[str]:
+    """A browsable address when the tracking store is a server."""
+    uri = tracking_uri()
+    if uri.startswith("http"):
+        record = client().get_run(run_id)
+        return f"{uri.rstrip('/')}/#/experiments/{record.info.experiment_id}/runs/{run_id}"
+    return None
+
+
+def params_of(run_id: str) -> dict[str, str]:
+    return dict(client().get_run(run_id).data.params)
+
+
+def tags_of(run_id: str) -> dict[str, str]:
+    return dict(client().get_run(run_id).data.tags)
+
+
+def child_runs(run_id: str) -> list[Any]:
+    c = client()
+    parent = c.get_run(run_id)
+    return list(c.search_runs([parent.info.experiment_id], filter_string=f"tags.mlflow.parentRunId = '{run_id}'"))
+

@@ -1,0 +1,169 @@
+"""The CLI commands that need no Prefect server: status, query, export (refusal), argument errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_cli.main import build_parser, main
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.run.manifest import record_stage
+from rlhf_core.run.lifecycle import commit_iteration as write_last_good
+from rlhf_core.run.layout import RunDir
+
+
+@pytest.fixture
+def run(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.config_path.write_text("trainer:\n  export_min_val_score: 0.5\n")
+    for k in (1, 2):
+        for stage in ("rollout", "score", "gae", "update", "guard"):
+            record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h")
+        atomic_write_json(run.metrics(k), {"reward/mean": 0.1 * k, "kl/mean": 0.01, "val/accuracy": 0.125 * k})
+    record_stage(run, 1, "guard", status="done", inputs={}, outputs={}, config_hash="h", committed=True)
+    write_last_good(run, 1)
+    run.checkpoint(1).joinpath("actor").mkdir(parents=True)
+    return run
+
+
+def test_every_command_is_registered():
+    parser = build_parser()
+    for argv in (["run", "--resume", "x"], ["demo"], ["status", "r"], ["query", "r", "SELECT 1"], ["export", "r"],
+                 ["stage", "guard", "--run-dir", "r", "-k", "2"], ["stage", "validate", "--run-dir", "r", "-k", "1"]):
+        assert parser.parse_args(argv).command == argv[0]
+
+
+def test_status(run, capsys):
+    assert main(["status", str(run.root)]) == 0
+    out = capsys.readouterr().out
+    assert "last-good: iteration 1 (iter_1/checkpoint)" in out
+    assert "committed" in out and "setup: preprocess -, pack -" in out
+
+
+def test_query(run, capsys, tmp_path):
+    csv = tmp_path / "out.csv"
+    sql = "SELECT iteration, value FROM metrics WHERE name = 'val/accuracy' ORDER BY 1"
+    assert main(["query", str(run.root), sql, "--csv", str(csv)]) == 0
+    out = capsys.readouterr().out
+    assert "(2 rows)" in out and "0.25" in out
+    assert csv.read_text().splitlines()[0] == '"iteration","value"'
+
+
+def test_bad_sql_names_the_views(run, capsys):
+    assert main(["query", str(run.root), "SELECT * FROM nope"]) == 2
+    err = capsys.readouterr().err
+    assert "query failed" in err and "rollouts, scored" in err
+
+
+def test_export_refuses_with_the_score(run, capsys):
+    assert main(["export", str(run.root)]) == 2
+    err = capsys.readouterr().err
+    assert "latest validation accuracy 0.2500 (iteration 2)" in err and "export_min_val_score=0.5" in err
+    assert not (run.root / "export").exists()
+
+
+def test_not_a_run_directory(tmp_path, capsys):
+    assert main(["status", str(tmp_path)]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+
+
+def test_core_and_the_cli_module_import_neither_prefect_nor_mlflow():
+    """Layering: rlhf_core never imports prefect or mlflow; the CLI loads flows only inside the
+    commands that run them, so `rlhf status`/`query`/`--help` stay fast."""
+    import subprocess
+    import sys
+
+    code = ("import sys, rlhf_cli.main, rlhf_core.stages.guard, rlhf_core.run.query, rlhf_core.run.export, rlhf_core.run.plan, "
+            "rlhf_core.stages.validate; rlhf_cli.main.build_parser(); "
+            "print(sorted(m for m in ('prefect', 'mlflow', 'tasks', 'flows') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_a_run_ends_by_saying_where_to_look(tmp_path, monkeypatch):
+    from rlhf_cli.main import where_to_look
+
+    monkeypatch.setenv("RLHF_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("PREFECT_API_URL", raising=False)
+    assert "learning curve  none" in where_to_look({"run_dir": str(tmp_path / "run"), "mlflow_run_id": None})
+    (tmp_path / "run" / "plots").mkdir(parents=True)
+    (tmp_path / "run" / "plots" / "learning_curve.png").write_bytes(b"png")
+    text = where_to_look({"run_dir": str(tmp_path / "run"), "mlflow_run_id": "abc123"})
+    assert f"run directory   {tmp_path / 'run'}" in text
+    assert str(tmp_path / "run" / "plots" / "learning_curve.png") in text
+    assert f"--backend-store-uri sqlite:///{tmp_path / 'home' / 'mlflow' / 'mlflow.db'}" in text and "abc123" in text
+    assert "make services-up" in text  # the demo's temporary Prefect server is gone by now
+
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
+    assert "Prefect UI      http://127.0.0.1:4200/runs" in where_to_look({"run_dir": "r", "mlflow_run_id": "x"})
+    assert "not tracked (trainer.logger has no mlflow)" in where_to_look({"run_dir": "r", "mlflow_run_id": None})
+
+
+# ---------------------------------------------------------------------------------------------
+# through the real entry point (a subprocess): user errors are one line, before any work
+# ---------------------------------------------------------------------------------------------
+
+
+def _rlhf(tmp_path, *args: str, timeout: float = 120):
+    """Run the installed `rlhf` console script with a private state directory."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["RLHF_HOME"] = str(tmp_path / "home")
+    exe = shutil.which("rlhf", path=str(Path(sys.executable).parent)) or "rlhf"
+    return subprocess.run([exe, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=timeout)
+
+
+def _one_error_line(err: str) -> str:
+    lines = [line for line in err.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "Traceback" not in err, err
+    return errors[0]
+
+
+def test_run_with_an_unknown_key_fails_before_any_work(tmp_path):
+    out = _rlhf(tmp_path, "run", "trainer.total_epochz=3", f"trainer.runs_root={tmp_path / 'runs'}")
+    assert out.returncode == 2
+    line = _one_error_line(out.stderr)
+    assert "unknown config key 'trainer.total_epochz'" in line and "trainer.total_epochs" in line
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "home" / "prefect").exists()
+
+
+def test_verl_quickstart_with_missing_data_fails_before_any_work_and_config_show_agrees(tmp_path, verl_quickstart):
+    overrides = verl_quickstart(train=str(tmp_path / "gsm8k" / "train.parquet"),
+                                val=str(tmp_path / "gsm8k" / "test.parquet"), model="tiny")
+    run = _rlhf(tmp_path, "run", *overrides, f"trainer.runs_root={tmp_path / 'runs'}")
+    assert run.returncode == 2
+    line = _one_error_line(run.stderr)
+    assert "data.train_files" in line and "data.val_files" in line and "train.parquet" in line
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "home" / "prefect").exists()
+    show = _rlhf(tmp_path, "config", "show", *overrides)
+    assert show.returncode == 2 and _one_error_line(show.stderr) == line
+
+
+def test_config_notes_print_once_each_as_one_line(tmp_path):
+    out = _rlhf(tmp_path, "config", "show", "--flat", "trainer.logger=[console,wandb]",
+                "actor_rollout_ref.actor.max_grad_norm=0.5")  # a renamed verl key: its note too
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in out.stderr.splitlines() if line.strip()]
+    assert all(line.startswith("rlhf: config: ") for line in notes), notes
+    assert sum("wandb not available here" in line for line in notes) == 1
+    assert sum("max_grad_norm is read as" in line for line in notes) == 1
+    assert "WARNING" not in out.stderr
+    assert "trainer.logger=['console', 'wandb']" in out.stdout
+
+
+def test_overrides_may_follow_options():
+    from rlhf_cli.main import parse_args
+
+    args = parse_args(["run", "a.b=1", "--iterations", "2", "trainer.val_before_train=false"])
+    assert args.overrides == ["a.b=1", "trainer.val_before_train=false"] and args.iterations == 2
+    with pytest.raises(SystemExit):
+        parse_args(["run", "--iterations", "2", "--bogus"])
+    with pytest.raises(SystemExit):
+        parse_args(["status", "r", "a.b=1"])  # status takes no overrides

@@ -1,0 +1,71 @@
+"""Export: gated on the latest validation accuracy; a LoRA actor is merged into a plain HF model."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from rlhf_core.config import load_config
+from rlhf_core.run.export import ExportRefused, export_actor, latest_val_score
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.run.lifecycle import commit_iteration as write_last_good
+from rlhf_core.run.layout import RunDir
+
+
+def _run(tmp_path, val_scores):
+    run = RunDir(tmp_path / "run")
+    for k, score in enumerate(val_scores, start=1):
+        metrics = {"reward/mean": 0.1} if score is None else {"val/accuracy": score}
+        atomic_write_json(run.iter_dir(k) / "iteration_metrics.json", metrics)
+    return run
+
+
+def test_the_latest_validation_score_decides(tmp_path, tiny_model_dir):
+    cfg = load_config(None, ["trainer.export_min_val_score=0.5"])
+    run = _run(tmp_path, [0.9, 0.25, None])  # iteration 3 did not validate: iteration 2's score counts
+    assert latest_val_score(run) == (2, 0.25)
+    with pytest.raises(ExportRefused, match=r"0\.2500 \(iteration 2\) is below trainer.export_min_val_score=0.5"):
+        export_actor(cfg, run)
+    with pytest.raises(ExportRefused, match="no validation score yet"):
+        export_actor(cfg, _run(tmp_path / "b", [None]))
+
+
+def test_full_actor_export(tmp_path, tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    run = _run(tmp_path, [0.5])
+    shutil.copytree(tiny_model_dir, run.checkpoint(1) / "actor")
+    write_last_good(run, 1)
+    out = export_actor(load_config(None, ["trainer.export_min_val_score=0.5"]), run)
+    assert out == run.root / "export" / "actor"
+    model = AutoModelForCausalLM.from_pretrained(out)
+    ref = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
+    assert run.read_json(out / "export.json")["merged_lora"] is False
+    assert (out / "tokenizer_config.json").is_file()
+
+
+def test_lora_adapter_is_merged(tmp_path, tiny_model_dir):
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    run = _run(tmp_path, [1.0])
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    torch.manual_seed(0)
+    peft = get_peft_model(base, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", init_lora_weights=False))
+    adapter_dir = run.checkpoint(1) / "actor"
+    peft.save_pretrained(adapter_dir)
+    shutil.copy(tiny_model_dir / "tokenizer.json", adapter_dir)
+    shutil.copy(tiny_model_dir / "tokenizer_config.json", adapter_dir)
+    write_last_good(run, 1)
+    out = export_actor(load_config(None), run, tmp_path / "merged")
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter_dir).eval()
+    ids = torch.tensor([[5, 17, 42, 99, 7]])
+    with torch.no_grad():
+        torch.testing.assert_close(merged(ids).logits, reference(ids).logits, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(merged(ids).logits, AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits)
+    assert not (out / "adapter_config.json").exists()
+    assert run.read_json(out / "export.json")["merged_lora"] is True

@@ -1,0 +1,277 @@
+"""KL guard: exact per-token KL, the commit / rollback actions on a run directory, retry settings."""
+
+from __future__ import annotations
+
+import shutil
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from rlhf_core.run import lifecycle
+from rlhf_core.stages import guard
+from rlhf_core.scoring import policy_kl
+from rlhf_core.config import load_config
+from rlhf_core.errors import CheckpointError
+from rlhf_core.run.manifest import read_manifest, record_stage
+from rlhf_core.run.lifecycle import commit_iteration as write_last_good, read_last_good
+from rlhf_core.run.layout import RunDir
+
+
+def _cfg(model_dir, *extra):
+    return load_config(None, [f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.rollout.temperature=1.0",
+                              *extra])
+
+
+def _sequences(n=6, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    seqs, plens = [], []
+    for i in range(n):
+        p = int(torch.randint(3, 9, (1,), generator=g))
+        r = int(torch.randint(1, 7, (1,), generator=g))
+        seqs.append(torch.randint(3, 500, (p + r,), generator=g).tolist())
+        plens.append(p)
+    return seqs, plens
+
+
+def _load(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="sdpa").eval()
+
+
+def _perturbed_copy(src, dst, scale):
+    """A copy of the tiny model with every weight nudged by seeded noise of relative size ``scale``."""
+    model = _load(src)
+    g = torch.Generator().manual_seed(123)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale * (p.abs().mean() + 1e-3))
+    model.save_pretrained(dst, safe_serialization=True)
+    for f in src.glob("*token*"):
+        shutil.copy(f, dst / f.name)
+    return dst
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement
+# ---------------------------------------------------------------------------------------------
+
+
+def test_response_kl_is_a_per_token_mean_over_all_responses():
+    out = guard.response_kl([[0.1, 0.3], [], [0.2]], sampled_k1=[[1.0, -1.0], [], [0.5]])
+    assert out["kl_mean"] == pytest.approx(0.6 / 3)
+    assert out["kl_seq_mean"] == pytest.approx((0.2 + 0.2) / 2)  # the empty response is not a row
+    assert out["kl_max"] == pytest.approx(0.3)
+    assert out["num_tokens"] == 3 and out["num_responses"] == 2
+    assert out["kl_k1_sampled"] == pytest.approx(0.5 / 3)
+
+
+def test_token_kl_is_zero_for_identical_models(tiny_model_dir):
+    model = _load(tiny_model_dir)
+    seqs, plens = _sequences()
+    kls, _ = policy_kl.token_kl(model, model, seqs, plens, budget=64, temperature=1.0)
+    assert all(t.shape == (len(s) - p,) for t, s, p in zip(kls, seqs, plens))
+    assert max(float(t.abs().max()) for t in kls) == 0.0
+
+
+def test_token_kl_matches_an_unpacked_loop(tiny_model_dir, tmp_path):
+    actor = _load(_perturbed_copy(tiny_model_dir, tmp_path / "actor", scale=0.5))
+    ref = _load(tiny_model_dir)
+    seqs, plens = _sequences(seed=1)
+    temperature = 0.7
+    kls, sampled = policy_kl.token_kl(actor, ref, seqs, plens, budget=40, temperature=temperature)
+    for seq, p, kl, lp in zip(seqs, plens, kls, sampled):
+        ids = torch.tensor([seq])
+        with torch.no_grad():
+            la = torch.log_softmax(actor(ids).logits[0, p - 1:-1] / temperature, -1)
+            lr = torch.log_softmax(ref(ids).logits[0, p - 1:-1] / temperature, -1)
+        expected = (la.exp() * (la - lr)).sum(-1)
+        torch.testing.assert_close(kl, expected.clamp_min(0), atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(lp, la.gather(-1, ids[0, p:, None]).squeeze(-1), atol=1e-5, rtol=1e-4)
+    assert min(float(t.min()) for t in kls) >= 0.0
+    assert sum(float(t.sum()) for t in kls) > 0.0
+
+
+# ---------------------------------------------------------------------------------------------
+# a run directory with one scored iteration and a trained actor
+# ---------------------------------------------------------------------------------------------
+
+
+def _scored_run(tmp_path, tiny_model_dir, actor_scale):
+    """iter_1 with scored.parquet (ref log-probs from the tiny model) and a checkpoint whose actor is
+    the tiny model perturbed by ``actor_scale`` (0 = identical)."""
+    run = RunDir(tmp_path / "run")
+    seqs, plens = _sequences(n=8, seed=2)
+    ref = _load(tiny_model_dir)
+    from rlhf_core.scoring import compute_token_logprobs
+
+    ref_lp = compute_token_logprobs(ref, seqs, plens, budget=64, temperature=1.0)
+    table = pa.table({
+        "prompt_token_ids": [s[:p] for s, p in zip(seqs, plens)],
+        "response_token_ids": [s[p:] for s, p in zip(seqs, plens)],
+        "ref_log_probs": [t.tolist() for t in ref_lp],
+    })
+    run.iter_dir(1).mkdir(parents=True)
+    pq.write_table(table, run.scored(1))
+    actor_dir = run.checkpoint(1) / "actor"
+    actor_dir.parent.mkdir(parents=True)
+    if actor_scale:
+        _perturbed_copy(tiny_model_dir, actor_dir, actor_scale)
+    else:
+        shutil.copytree(tiny_model_dir, actor_dir)
+    (run.checkpoint(1) / "trainer_state.json").write_text("{}")
+    for stage in ("gae", "update"):
+        record_stage(run, 1, stage, status="done", inputs={}, outputs={}, config_hash="x", metrics={})
+    return run
+
+
+def test_guard_commits_an_unchanged_actor(tmp_path, tiny_model_dir):
+    run = _scored_run(tmp_path, tiny_model_dir, actor_scale=0.0)
+    cfg = _cfg(tiny_model_dir)
+    result = guard.run_guard(cfg, run, 1)
+    verdict = lifecycle.read_verdict(run, 1)
+    assert verdict["decision"] == "commit" and verdict["kl_mean"] == 0.0
+    assert result.metrics["guard/kl_mean"] == 0.0 and result.metrics["guard/breach"] == 0.0
+    lifecycle.commit_iteration(run, 1)
+    assert read_last_good(run)["iteration"] == 1
+    assert read_manifest(run, 1)["guard"]["committed"] is True
+    assert [e["kind"] for e in run.events()] == ["commit"]
+    lifecycle.commit_iteration(run, 1)  # idempotent: no second event
+    assert [e["kind"] for e in run.events()] == ["commit"]
+    assert guard.run_guard(cfg, run, 1).skipped  # same inputs and config
+
+
+def test_guard_rolls_back_a_drifted_actor(tmp_path, tiny_model_dir):
+    run = _scored_run(tmp_path, tiny_model_dir, actor_scale=2.0)
+    cfg = _cfg(tiny_model_dir, "trainer.kl_rollback_threshold=0.01")
+    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.001}')
+    lifecycle.begin_iteration(run, 1)
+    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.5}')  # as if gae had moved it
+    guard.run_guard(cfg, run, 1)
+    verdict = lifecycle.read_verdict(run, 1)
+    assert verdict["kl_mean"] > 0.01 and verdict["decision"] == "rollback"
+
+    assert lifecycle.discard_checkpoint(run, 1) is True
+    event = lifecycle.rollback_iteration(run, 1, policy="halt", attempt=1)
+    assert not run.checkpoint(1).exists()
+    assert not list(run.iter_dir(1).glob("checkpoint*"))  # no leftover of the rename either
+    assert run.read_json(run.kl_ctrl_path) == {"type": "fixed", "value": 0.001}
+    statuses = {s: r["status"] for s, r in read_manifest(run, 1).items()}
+    assert statuses == {"gae": "rolled_back", "update": "rolled_back", "guard": "rolled_back"}
+    assert event["kind"] == "rollback" and event["kl"] == pytest.approx(verdict["kl_mean"])
+    assert lifecycle.rollback_count(run, 1) == 1
+    assert "rlhf run --resume" in lifecycle.halt_message(run, 1, "trainer.on_kl_breach=halt")
+    assert lifecycle.discard_checkpoint(run, 1) is False  # idempotent
+
+
+def test_discard_refuses_the_last_good_checkpoint(tmp_path, tiny_model_dir):
+    run = _scored_run(tmp_path, tiny_model_dir, actor_scale=0.0)
+    write_last_good(run, 1)
+    with pytest.raises(CheckpointError, match="last-good"):
+        lifecycle.discard_checkpoint(run, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL controller snapshot and retries
+# ---------------------------------------------------------------------------------------------
+
+
+def test_begin_iteration_restores_the_controller_when_gae_did_not_finish(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.1, "target_kl": 0.02, "horizon": 100}')
+    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "taken"
+    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.2, "target_kl": 0.02, "horizon": 100}')
+    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "restored"  # a crash inside gae
+    assert run.read_json(run.kl_ctrl_path)["value"] == 0.1
+    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.2, "target_kl": 0.02, "horizon": 100}')
+    record_stage(run, 3, "gae", status="done", inputs={}, outputs={}, config_hash="x")
+    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "kept"  # gae finished: its update stands
+    assert run.read_json(run.kl_ctrl_path)["value"] == 0.2
+
+
+def test_restore_without_a_controller_state_removes_it(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    lifecycle.begin_iteration(run, 1)  # no kl_ctrl.json yet: iteration 1 starts from the config
+    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.3}')
+    assert lifecycle.restore_kl_controller(run, 1) is None
+    assert not run.kl_ctrl_path.exists()
+
+
+def test_retry_overrides_divide_lr_and_multiply_the_kl_coefficient(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.01}')
+    lifecycle.begin_iteration(run, 2)
+    cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-4", "trainer.retry_lr_divisor=10",
+                             "trainer.retry_kl_coef_multiplier=4"])
+    overrides, changes = lifecycle.retry_overrides(cfg, run, 2)
+    assert overrides == ["actor_rollout_ref.actor.optim.lr=1e-05"]
+    assert changes["kl_ctrl.value"] == (0.01, 0.04)
+    assert run.read_json(run.kl_ctrl_path)["value"] == 0.04
+    # a second rollback restores the raised coefficient, not the original one
+    assert lifecycle.restore_kl_controller(run, 2)["value"] == 0.04
+
+
+def test_retry_without_controller_state_overrides_the_config_coefficient(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    cfg = load_config(None, ["algorithm.kl_ctrl.kl_coef=0.002", "trainer.retry_lr_divisor=1",
+                             "trainer.retry_kl_coef_multiplier=3"])
+    overrides, changes = lifecycle.retry_overrides(cfg, run, 1)
+    assert overrides == ["algorithm.kl_ctrl.kl_coef=0.006"]
+    assert "actor_rollout_ref.actor.optim.lr" not in changes
+
+
+def test_checkpoint_before_is_the_one_an_iteration_started_from(tmp_path, tiny_model_dir):
+    from rlhf_core.run.lifecycle import checkpoint_before
+    from rlhf_core.run.models import actor_path
+
+    run = RunDir(tmp_path / "run")
+    cfg = _cfg(tiny_model_dir)
+    for k in (1, 2, 3):
+        run.checkpoint(k).joinpath("actor").mkdir(parents=True)
+        record_stage(run, k, "guard", status="done", inputs={}, outputs={}, config_hash="h", committed=k != 2)
+    write_last_good(run, 3)
+    assert checkpoint_before(run, 1) is None and actor_path(cfg, run, 1) == tiny_model_dir
+    assert checkpoint_before(run, 2) == run.checkpoint(1)
+    assert checkpoint_before(run, 3) == run.checkpoint(1)  # iteration 2 was rolled back
+    assert checkpoint_before(run, 4) == run.checkpoint(3) == actor_path(cfg, run).parent  # = last-good
+    shutil.rmtree(run.checkpoint(1))  # pruned
+    with pytest.raises(CheckpointError, match="pruned"):
+        checkpoint_before(run, 2)
+
+
+def _val_prompts(run, tokenizer_dir, n=3):
+    from transformers import AutoTokenizer
+
+    from rlhf_core.data import schemas
+    from rlhf_core.io.atomic import atomic_write_parquet
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    rows = []
+    for i in range(n):
+        text = tok.apply_chat_template([{"role": "user", "content": f"What is {i} + {i}?"}], tokenize=False,
+                                       add_generation_prompt=True)
+        ids = tok(text)["input_ids"]
+        rows.append({"prompt_id": f"v{i}", "data_source": "arith", "prompt": [{"role": "user", "content": text}],
+                     "ability": "math", "reward_model": {"style": "rule", "ground_truth": str(2 * i)},
+                     "extra_info": None, "prompt_text": text, "prompt_token_ids": ids, "prompt_length": len(ids)})
+    atomic_write_parquet(run.val_prompts, pa.Table.from_pylist(rows, schema=schemas.PROMPTS), schema=schemas.PROMPTS)
+
+
+def test_guard_on_validation_prompts_samples_from_the_new_actor(tmp_path, tiny_model_dir):
+    run = _scored_run(tmp_path, tiny_model_dir, actor_scale=2.0)
+    _val_prompts(run, tiny_model_dir)
+    off = _cfg(tiny_model_dir, "data.max_response_length=8")
+    assert guard.measure_val_kl(off, run, 1) == {}  # trainer.kl_guard_val_prompts=0: no generation
+    cfg = _cfg(tiny_model_dir, "data.max_response_length=8", "trainer.kl_guard_val_prompts=2",
+               "trainer.kl_rollback_threshold=1000", "trainer.device=cpu")
+    val = guard.measure_val_kl(cfg, run, 1)
+    assert val["val_kl_mean"] > 0 and 2 <= val["val_kl_tokens"] <= 16
+    guard.run_guard(cfg, run, 1)
+    verdict = lifecycle.read_verdict(run, 1)
+    assert verdict["val_kl_mean"] == pytest.approx(val["val_kl_mean"]) and verdict["decision"] == "commit"
