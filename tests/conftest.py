@@ -40,9 +40,14 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(autouse=True)
-def _isolated_state(tmp_path, monkeypatch):
-    """Each test gets its own RLHF_HOME so built models, MLflow stores and Prefect homes never leak."""
-    monkeypatch.setenv("RLHF_HOME", str(tmp_path / ".rlhf"))
+def _isolated_state(tmp_path, monkeypatch, tiny_model_dir):
+    """Each test gets its own RLHF_HOME so built models, MLflow stores and Prefect homes never leak.
+    The tiny model is already there (a link to the session's build), as after `rlhf build-tiny`:
+    lookups never build it, and rebuilding it for every test would cost seconds each."""
+    home = tmp_path.with_name(tmp_path.name + "-rlhf-home")  # beside tmp_path: tests list tmp_path's contents
+    (home / "models").mkdir(parents=True)
+    (home / "models" / "tiny").symlink_to(tiny_model_dir, target_is_directory=True)
+    monkeypatch.setenv("RLHF_HOME", str(home))
 
 
 # verl's GSM8K PPO quickstart (volcengine/verl docs/start/quickstart.rst), its 25 overrides verbatim

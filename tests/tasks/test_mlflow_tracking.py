@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 
 from rlhf_core.config import flatten, load_config
@@ -26,7 +29,7 @@ def run(tmp_path, shared_home, monkeypatch):
 def test_embedded_store_lives_in_the_state_directory(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     assert mlflow_tracking.tracking_uri() == f"sqlite:///{tmp_path / '.rlhf' / 'mlflow' / 'mlflow.db'}"
-    assert mlflow_tracking.artifact_root() == (tmp_path / ".rlhf" / "mlflow" / "artifacts").as_uri()
+    assert mlflow_tracking.artifact_root() == (Path(os.environ["RLHF_HOME"]) / "mlflow" / "artifacts").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert mlflow_tracking.tracking_uri() == "http://127.0.0.1:5000" and mlflow_tracking.artifact_root() is None
 
