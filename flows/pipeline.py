@@ -29,11 +29,12 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from prefect import flow
 
 from rlhf_core.config import RLHFConfig, apply_overrides
-from rlhf_core.run.lifecycle import KLGuardHalt
+from rlhf_core.errors import CheckpointError
+from rlhf_core.run.lifecycle import KLGuardHalt, committed_iterations
 from rlhf_core.run.lock import RunLock
 from rlhf_core.run.plan import RunPlan, logs_to, open_run, plan_run, resolve_iterations
-from rlhf_core.run.report import format_iteration_header, format_iteration_row
-from rlhf_core.run.schedule import initial_validation_due, validate_due
+from rlhf_core.run.report import format_iteration_header, format_iteration_row, iteration_metrics
+from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.breach import handle_breach_task
 from tasks.iteration import (
@@ -133,6 +134,8 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
     preprocess_task(plan.cfg, run_dir, mlflow_run_id=mlflow_run_id)
     cfg = resolve_iterations(plan)  # verl's total steps need the train prompt count: saved in config.yaml
     pack_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
+    if plan.resumed:
+        redo_missed_validations(plan, cfg, mlflow_run_id)
     metrics: dict = {}
     if initial_validation_due(cfg):  # the policy the run starts from, at its step (0 for a new run)
         metrics = validate_before_training(plan, cfg, mlflow_run_id)
@@ -159,6 +162,24 @@ def settle_heap() -> None:
     allocate instead of the whole heap (0.2-0.5 s per collection in a flow process without it)."""
     gc.collect()
     gc.freeze()
+
+
+def redo_missed_validations(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str]) -> list[int]:
+    """Validations a crash skipped (``schedule.missed_validations``), redone on the policy of their
+    step and logged at that step; one whose policy's checkpoint was pruned cannot be, and says so."""
+    run, redone = plan.run, []
+    for k in missed_validations(cfg, run, committed_iterations(run)):
+        try:
+            validate_task(cfg, str(run.root), k, mlflow_run_id=mlflow_run_id)
+        except CheckpointError as exc:
+            prefect_artifacts.logger().warning("validation of step %d was missed and cannot be redone: %s", k, exc)
+            continue
+        if k >= 1:
+            iteration_metrics(cfg, run, k)
+        redone.append(k)
+    if redone:
+        prefect_artifacts.logger().info("redid the validations a crash skipped: steps %s", redone)
+    return redone
 
 
 def validate_before_training(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str]) -> dict:

@@ -57,6 +57,7 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         fault_point(f"before_rename:{path.name}")
         os.replace(tmp, path)
         _fsync_dir(path.parent)
+        fault_point(f"after_rename:{path.name}")
     finally:
         if tmp.exists():
             tmp.unlink()

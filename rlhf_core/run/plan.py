@@ -31,7 +31,8 @@ from rlhf_core.config.validate import LOGGERS_HERE
 from rlhf_core.errors import RLHFError
 from rlhf_core.paths import resolve_path
 from rlhf_core.run.layout import RunDir, StateFileError, write_config
-from rlhf_core.run.lifecycle import last_good_iteration, prepare_resume
+from rlhf_core.run.lifecycle import committed_iterations, last_good_iteration, prepare_resume, prune_checkpoints
+from rlhf_core.run.report import iteration_metrics
 from rlhf_core.run.schedule import stops_after_validation
 
 
@@ -155,8 +156,20 @@ def open_run(plan: RunPlan) -> None:
     if plan.resumed:
         repaired = prepare_resume(plan.run)  # temporaries, a lost commit log, a damaged last-good checkpoint
         plan.first_iteration = resume_point(plan.run)
-        plan.run.append_event("resume", plan.first_iteration, **repaired)
+        plan.run.append_event("resume", plan.first_iteration, **repaired,
+                              closed=close_committed(plan.cfg, plan.run))
     write_config(plan.run, to_yaml(plan.cfg))
+
+
+def close_committed(cfg: RLHFConfig, run: RunDir) -> list[int]:
+    """What a commit implies, redone for every committed iteration a crash left without it (a kill
+    right after the commit's rename): its iteration metrics, then the checkpoint pruning. Returns
+    the iterations whose metrics were written."""
+    unreported = [k for k in committed_iterations(run) if not run.iteration_metrics(k).is_file()]
+    for k in unreported:
+        iteration_metrics(cfg, run, k)
+    prune_checkpoints(cfg, run)
+    return unreported
 
 
 def save_config(run: RunDir, cfg: RLHFConfig) -> None:

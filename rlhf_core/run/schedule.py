@@ -9,6 +9,7 @@ from typing import Optional
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.notes import say_once
 from rlhf_core.run.layout import RunDir
+from rlhf_core.run.manifest import read_manifest
 
 
 def _every(freq: int, k: int, total: Optional[int]) -> bool:
@@ -47,3 +48,12 @@ def save_due(cfg: RLHFConfig, k: int) -> bool:
     """Keep iteration ``k``'s checkpoint past the next commit: every trainer.save_freq steps and the
     last one (-1 = never: only the last-good checkpoint, which the KL guard needs, is kept)."""
     return _every(cfg.trainer.save_freq, k, cfg.trainer.total_iterations)
+
+
+def missed_validations(cfg: RLHFConfig, run: RunDir, committed: list[int]) -> list[int]:
+    """Steps whose validation was due but has no completed record (a crash came between the commit
+    and the validation): step 0 under val_before_train when anything ran, and every committed step
+    that validate_due. A resume redoes them, each on the policy as it was after its step."""
+    due = ([0] if initial_validation_due(cfg) and (committed or run.iterations()) else []) + \
+          [k for k in committed if validate_due(cfg, k)]
+    return [k for k in due if read_manifest(run, k).get("validate", {}).get("status") != "done"]
