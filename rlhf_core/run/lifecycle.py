@@ -495,7 +495,10 @@ def verified_last_good(run: RunDir) -> Optional[dict]:
 
 def _fall_back(run: RunDir, committed: list[int], good: int, errors: list[str]) -> dict:
     bad = committed[-1]
+    on_disk = set(run.iterations())
     for j in range(good + 1, bad + 1):  # undo the commits after ``good``: they rerun from its models
+        if j not in on_disk:
+            continue
         manifest = read_manifest(run, j)
         for stage in ROLLED_BACK_STAGES:
             if stage in manifest:
@@ -503,7 +506,7 @@ def _fall_back(run: RunDir, committed: list[int], good: int, errors: list[str]) 
         if "guard" in manifest:
             manifest["guard"]["checkpoint_corrupt"] = any(e.startswith(f"iteration {j}:") for e in errors)
         write_manifest(run, j, manifest)
-    restore_kl_controller(run, good + 1)
+    write_kl_state(run, _kl_state_after(run, good))
     record = _write_log(run, [k for k in committed if k <= good]) or {"iteration": 0, "checkpoint": None,
                                                                        "committed": []}
     target = f"the checkpoint of iteration {good}" if good else "the initial models (no checkpoint verifies)"
@@ -512,6 +515,19 @@ def _fall_back(run: RunDir, committed: list[int], good: int, errors: list[str]) 
     run.append_event("checkpoint_corrupt_fallback", good, corrupt_iteration=bad, errors=errors, message=message)
     print(f"rlhf: warning: {message}", file=sys.stderr)
     return {**record, "fell_back_from": bad, "message": message}
+
+
+def _kl_state_after(run: RunDir, good: int) -> Optional[dict]:
+    """The KL controller state the iteration after ``good`` starts from: its snapshot when it took
+    one, else the state saved in ``good``'s checkpoint (None: fresh, before any commit)."""
+    if run.kl_snapshot(good + 1).is_file():
+        return kl_state_before(run, good + 1)
+    if good == 0:
+        return None
+    try:
+        return (run.read_json(run.checkpoint(good) / "trainer_state.json") or {}).get("kl_ctrl")
+    except StateFileError:
+        return None
 
 
 def _warn(run: RunDir, kind: str, message: str) -> None:

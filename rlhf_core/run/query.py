@@ -106,7 +106,11 @@ def stages_table(run: RunDir) -> pa.Table:
     rows = []
     committed = set(_committed_or_none(run))
     for k in [None, *run.iterations()]:
-        for stage, rec in read_manifest(run, k).items():
+        try:
+            manifest = read_manifest(run, k)
+        except StateFileError:  # `rlhf status` names it; the query sees the other records
+            continue
+        for stage, rec in manifest.items():
             rows.append({"iteration": k, "stage": stage, "status": rec.get("status"),
                          "seconds": rec.get("seconds"), "config_hash": rec.get("config_hash"),
                          "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
@@ -222,7 +226,10 @@ def status_table(run: RunDir | str | Path) -> list[dict[str, Any]]:
             rollbacks[e["iteration"]] = rollbacks.get(e["iteration"], 0) + 1
     rows = []
     for k in run.iterations():
-        manifest = read_manifest(run, k)
+        try:
+            manifest = read_manifest(run, k)
+        except StateFileError:  # status_problems names it
+            manifest = {}
         metrics = _metrics_or_empty(run, k)
         row: dict[str, Any] = {"iteration": k}
         for stage in ITERATION_STAGES + ("validate",):
