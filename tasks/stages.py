@@ -22,7 +22,9 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import RLHFConfig
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.manifest import mark_skipped
+from rlhf_core.run.export import ExportRefused, export_actor
+from rlhf_core.run.lifecycle import read_verdict, settle
+from rlhf_core.run.manifest import mark_skipped, read_manifest
 from rlhf_core.stages.registry import get_stage
 from tasks import mlflow_tracking, prefect_artifacts
 
@@ -140,9 +142,7 @@ def update_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = Fal
 def guard_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
                mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
     """Measure KL(actor‖ref) of the new actor → the verdict (commit / rollback) in iter_K/guard.json.
-    Acting on it is left to the transaction hooks (tasks.breach)."""
-    from rlhf_core.run.lifecycle import read_verdict
-
+    Acting on it is ``settle_task``'s."""
     out = execute("guard", cfg, run_dir, iteration, force, mlflow_run_id, report)
     out["verdict"] = read_verdict(RunDir(run_dir), iteration)
     return out

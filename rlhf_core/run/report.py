@@ -5,7 +5,7 @@ console row. The Prefect layer publishes these (MLflow batch, artifacts); it dec
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from typing import Sequence
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq

@@ -32,9 +32,10 @@ import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.run.manifest import read_manifest
-from rlhf_core.run.models import actor_path
 from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import policy_after
+from rlhf_core.run.models import initial_actor_path, reference_path
+from rlhf_core.scoring.policy_kl import actor_ref_kl, response_kl
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.rewards import get_reward_fn, normalize_result
 from rlhf_core.rewards.registry import routing_value
