@@ -1,8 +1,9 @@
-"""One writer per run directory: a second one refuses naming the holder; stale locks are cleared."""
+"""One writer per run directory: a second one refuses naming the holder; a dead holder's lock is
+released by the kernel (the next writer proceeds and logs it); the lock is re-entrant in one process."""
 
 from __future__ import annotations
 
-import json
+import signal
 import socket
 import subprocess
 import sys
@@ -15,37 +16,67 @@ from rlhf_core.run.lock import RunLock, RunLockedError
 
 HOLD = """
 import sys, time
-from rlhf_core.run.layout import RunDir, RunLock
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lock import RunLock
 lock = RunLock(RunDir(sys.argv[1])).acquire()
 print("held", flush=True)
 time.sleep(60)
 """
 
+# another process's attempt: prints "acquired" or "locked" (a lock held here must refuse it)
+TRY = """
+import sys
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lock import RunLock, RunLockedError
+try:
+    RunLock(RunDir(sys.argv[1])).acquire().release()
+    print("acquired")
+except RunLockedError:
+    print("locked")
+"""
+
+
+def _hold(path) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD), str(path)],
+                            stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def _other_process_tries(path) -> str:
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(TRY), str(path)], capture_output=True,
+                          text=True, check=True, timeout=120).stdout.strip()
+
 
 def test_second_writer_refuses_naming_holder(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(HOLD), str(tmp_path)],
-                            stdout=subprocess.PIPE, text=True)
+    proc = _hold(tmp_path)
     try:
-        assert proc.stdout.readline().strip() == "held"
+        lock = RunLock(RunDir(tmp_path))
+        assert lock.is_locked()
         with pytest.raises(RunLockedError) as err:
-            RunLock(RunDir(tmp_path)).acquire()
-        assert f"pid {proc.pid}" in str(err.value)
-        assert "run.lock" in str(err.value)
+            lock.acquire()
+        assert f"pid {proc.pid} on {socket.gethostname()}" in str(err.value)
+        assert str(tmp_path.resolve()) in str(err.value)
+        assert not lock.held
     finally:
         proc.kill()
         proc.wait()
-    # the holder was SIGKILLed: its lock is stale and is cleared on the next acquire, with an event
-    lock = RunLock(RunDir(tmp_path)).acquire()
+
+
+def test_killed_holder_releases_the_lock_and_the_next_writer_logs_it(tmp_path):
+    proc = _hold(tmp_path)
+    proc.send_signal(signal.SIGKILL)  # no release runs: the kernel drops the flock with the process
+    proc.wait()
+    run = RunDir(tmp_path)
+    assert not RunLock(run).is_locked()
+    lock = RunLock(run).acquire()
     assert lock.held
-    assert any(e["kind"] == "stale_lock_cleared" for e in RunDir(tmp_path).events())
+    cleared = [e for e in run.events() if e["kind"] == "stale_lock_cleared"]
+    assert len(cleared) == 1 and cleared[0]["previous_holder"]["pid"] == proc.pid
     lock.release()
-    assert not (tmp_path / "run.lock").exists()
-
-
-def test_stale_lock_not_broken_when_asked(tmp_path):
-    (tmp_path / "run.lock").write_text(json.dumps({"pid": 999999999, "host": socket.gethostname(), "since": 0}))
-    with pytest.raises(RunLockedError):
-        RunLock(RunDir(tmp_path)).acquire(break_stale=False)
+    # a holder that released on purpose leaves no stale lock: the next acquire logs nothing
+    RunLock(run).acquire().release()
+    assert len([e for e in run.events() if e["kind"] == "stale_lock_cleared"]) == 1
 
 
 def test_reentrant_in_one_process(tmp_path):
@@ -53,5 +84,6 @@ def test_reentrant_in_one_process(tmp_path):
     with RunLock(run):
         with RunLock(run):
             pass
-        assert (tmp_path / "run.lock").exists(), "inner release must not drop the outer lock"
-    assert not (tmp_path / "run.lock").exists()
+        assert _other_process_tries(tmp_path) == "locked", "inner release must not drop the outer lock"
+    assert not RunLock(run).is_locked()
+    assert _other_process_tries(tmp_path) == "acquired"
