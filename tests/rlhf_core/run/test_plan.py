@@ -16,22 +16,26 @@ from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.manifest import read_manifest, record_stage
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
 from rlhf_core.run.layout import RunDir
+from rlhf_core.training.checkpoint import write_manifest as write_checkpoint_manifest
 
 
 def test_new_run_then_resume(tmp_path):
-    plan = plan.plan_run(None, [f"trainer.runs_root={tmp_path}"], iterations=3, run_name="a")
-    assert plan.run.root == tmp_path / "a" and list(plan.iterations()) == [1, 2, 3] and not plan.resumed
-    assert not plan.run.root.exists()  # planning writes nothing
-    plan.open_run(plan)
-    assert plan.run.config_path.is_file()
+    p = plan.plan_run(None, [f"trainer.runs_root={tmp_path}"], iterations=3, run_name="a")
+    assert p.run.root == tmp_path / "a" and list(p.iterations()) == [1, 2, 3] and not p.resumed
+    assert not p.run.root.exists()  # planning writes nothing
+    plan.open_run(p)
+    assert p.run.config_path.is_file()
     with pytest.raises(RLHFError, match="already exists"):
         plan.plan_run(None, [f"trainer.runs_root={tmp_path}"], run_name="a")
-    write_last_good(plan.run, 2)
-    resumed = plan.plan_run(None, ["trainer.test_freq=5"], resume=plan.run.root)
+    for k in (1, 2):  # a sealed checkpoint each, so the resume's last-good check passes
+        _fake_checkpoint(p.run, k)
+    write_last_good(p.run, 1)
+    write_last_good(p.run, 2)
+    resumed = plan.plan_run(None, ["trainer.test_freq=5"], resume=p.run.root)
     assert resumed.first_iteration == 3 and resumed.cfg.trainer.total_iterations == 3
     assert resumed.cfg.trainer.test_freq == 5
     plan.open_run(resumed)
-    assert plan.run.events()[-1]["kind"] == "resume"
+    assert p.run.events()[-1]["kind"] == "resume" and resumed.first_iteration == 3
     with pytest.raises(RLHFError, match="no config.yaml"):
         plan.plan_run(resume=tmp_path / "nothing")
 
@@ -42,6 +46,14 @@ def test_schedule():
     assert [k for k in range(1, 8) if schedule.save_due(cfg, k)] == [2, 4, 6, 7]
     never = load_config(None, ["trainer.total_iterations=7"])  # verl's defaults: test_freq = save_freq = -1
     assert not any(schedule.validate_due(never, k) or schedule.save_due(never, k) for k in range(1, 8))
+
+
+def _fake_checkpoint(run: RunDir, k: int) -> None:
+    """iter_k/checkpoint with an actor file and its sha256 manifest: what commit and resume check."""
+    actor = run.checkpoint(k) / "actor"
+    actor.mkdir(parents=True)
+    (actor / "model.safetensors").write_bytes(b"weights %d" % k)
+    write_checkpoint_manifest(run.checkpoint(k))
 
 
 def _train_prompts(run: RunDir, n: int) -> None:
@@ -55,26 +67,26 @@ def _train_prompts(run: RunDir, n: int) -> None:
     (["trainer.total_training_steps=5", "trainer.total_iterations=2"], 2),  # ours wins
 ])
 def test_training_steps_are_derived_after_preprocess_and_saved(tmp_path, overrides, expected):
-    plan = plan.plan_run(None, [f"trainer.runs_root={tmp_path}", "data.train_batch_size=4",
+    p = plan.plan_run(None, [f"trainer.runs_root={tmp_path}", "data.train_batch_size=4",
                                     "actor_rollout_ref.actor.ppo_mini_batch_size=4", *overrides], run_name="a")
-    plan.open_run(plan)
-    _train_prompts(plan.run, 10)
-    cfg = plan.resolve_iterations(plan)
-    assert cfg.trainer.total_iterations == expected and list(plan.iterations()) == list(range(1, expected + 1))
-    resumed = plan.plan_run(resume=plan.run.root)  # the saved number, not derived again
+    plan.open_run(p)
+    _train_prompts(p.run, 10)
+    cfg = plan.resolve_iterations(p)
+    assert cfg.trainer.total_iterations == expected and list(p.iterations()) == list(range(1, expected + 1))
+    resumed = plan.plan_run(resume=p.run.root)  # the saved number, not derived again
     assert resumed.cfg.trainer.total_iterations == expected
     if "trainer.total_iterations=2" not in overrides:  # a resume that changes the epochs derives it again
-        again = plan.plan_run(None, ["trainer.total_epochs=1"], resume=plan.run.root)
+        again = plan.plan_run(None, ["trainer.total_epochs=1"], resume=p.run.root)
         assert again.cfg.trainer.total_iterations is None
         steps = 5 if "trainer.total_training_steps=5" in overrides else 1 * (10 // 4)
         assert plan.resolve_iterations(again).trainer.total_iterations == steps
 
 
 def test_fewer_prompts_than_a_batch_make_one_step_per_epoch_and_val_only_runs_none(tmp_path):
-    plan = plan.plan_run(None, [f"trainer.runs_root={tmp_path}", "trainer.total_epochs=3"], run_name="a")
-    plan.open_run(plan)
-    _train_prompts(plan.run, 10)  # data.train_batch_size is verl's 1024
-    assert plan.resolve_iterations(plan).trainer.total_iterations == 3  # one smaller step per epoch
+    p = plan.plan_run(None, [f"trainer.runs_root={tmp_path}", "trainer.total_epochs=3"], run_name="a")
+    plan.open_run(p)
+    _train_prompts(p.run, 10)  # data.train_batch_size is verl's 1024
+    assert plan.resolve_iterations(p).trainer.total_iterations == 3  # one smaller step per epoch
     only = plan.plan_run(None, [f"trainer.runs_root={tmp_path}", "trainer.val_only=true"], run_name="b")
     plan.open_run(only)
     _train_prompts(only.run, 10)
@@ -112,8 +124,9 @@ def test_prune_keeps_last_good_and_the_last_save_points(tmp_path):
     for k in range(1, 8):
         run.checkpoint(k).joinpath("actor").mkdir(parents=True)
         record_stage(run, k, "update", status="done", inputs={}, outputs={}, config_hash="h")
-        record_stage(run, k, "guard", status="done", inputs={}, outputs={}, config_hash="h", committed=k <= 6)
-    write_last_good(run, 6)
+        record_stage(run, k, "guard", status="done", inputs={}, outputs={}, config_hash="h")
+    for k in range(1, 7):  # 1..6 committed, 7 not yet
+        write_last_good(run, k)
     assert lifecycle.prune_checkpoints(cfg, run) == [1, 2, 3, 5]
     assert [k for k in range(1, 8) if run.checkpoint(k).exists()] == [4, 6, 7]  # 7: not committed yet
     assert read_manifest(run, 2)["update"]["checkpoint_pruned"] is True
