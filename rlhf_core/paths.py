@@ -97,7 +97,7 @@ def _not_found(name: str) -> str:
 def locate_model(name: str) -> Path:
     """Where model ``name`` is, without building or writing anything: a local directory, else the
     cached snapshot of a hub id. 'tiny' gives the tiny model's directory, which may not exist yet
-    (``resolve_model_path`` builds it). Raises ``ModelNotFoundError`` with one line saying where it looked."""
+    (stage ``warm_start`` builds it). Raises ``ModelNotFoundError`` with one line saying where it looked."""
     if name == TINY:
         return state_dir() / "models" / TINY
     local = resolve_path(name)

@@ -11,6 +11,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.config.inputs import check_inputs
+from rlhf_core.run.layout import RunDir
+from rlhf_core.stages.warm_start import run_warm_start
 from rlhf_core.paths import (
     ModelNotFoundError, cached_snapshot, hf_hub_cache, is_hub_id, locate_model, resolve_model_path,
 )
@@ -100,9 +102,13 @@ def test_refs_main_pointing_at_a_missing_snapshot_is_missing(hf_home):
         locate_model("Org/Name")
 
 
-def test_tiny_is_built_by_resolve_but_only_located_by_locate(tmp_path):
+def test_tiny_is_only_looked_up_until_the_warm_start_stage_builds_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_HOME", str(tmp_path / "fresh-home"))  # no linked tiny model here
     where = locate_model("tiny")
+    with pytest.raises(ModelNotFoundError, match="rlhf build-tiny"):
+        resolve_model_path("tiny")
     assert not where.exists()  # a lookup builds nothing
+    run_warm_start(load_config(None), RunDir(tmp_path / "run"))
     assert resolve_model_path("tiny") == where and (where / "config.json").is_file()
 
 
