@@ -23,12 +23,14 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from rlhf_core.config import RLHFConfig, resolve
+from rlhf_core.config import RLHFConfig, resolve, to_yaml
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io import timing
+from rlhf_core.io.atomic import atomic_write_text
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.training.rank_update import read_update_metrics, resolve_sources, schedule_needs_total_steps, train_update
 
 CONFIG_SECTIONS = ("actor_rollout_ref.model.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.temperature",
                    "actor_rollout_ref.rollout.n", "critic.", "data.max_response_length", "data.train_batch_size",
@@ -39,17 +41,14 @@ STEP_SECTIONS = ("trainer.total_iterations", "trainer.total_training_steps", "tr
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    from rlhf_core.training.rank_update import schedule_needs_total_steps
-
     return CONFIG_SECTIONS + (STEP_SECTIONS if schedule_needs_total_steps(cfg) else ())
+
 
 STAGE_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy",
                  "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "perf/tokens_per_s", "perf/peak_rss_gb")
 
 
 def _inputs(cfg: RLHFConfig, run: RunDir, iteration: int) -> list[Path]:
-    from rlhf_core.training.rank_update import resolve_sources
-
     sources = resolve_sources(cfg, run, iteration)
     paths = [run.advantages(iteration), sources.actor, sources.critic]
     if sources.adapter is not None:
@@ -62,9 +61,6 @@ def _inputs(cfg: RLHFConfig, run: RunDir, iteration: int) -> list[Path]:
 def launch_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, nproc: int) -> None:
     """Run ``train_update`` on ``nproc`` ranks under torchrun and wait. The ranks' output is passed
     through to stderr; a rank's user error (``rlhf: error: ...``) becomes this stage's error."""
-    from rlhf_core.config import to_yaml
-    from rlhf_core.io.atomic import atomic_write_text
-
     config_file = run.iter_dir(iteration) / ".update_config.yaml"
     atomic_write_text(config_file, to_yaml(cfg))
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
@@ -112,8 +108,6 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
 
     def body() -> StageResult:
         import pyarrow.parquet as pq
-
-        from rlhf_core.training.rank_update import read_update_metrics, train_update
 
         nproc = resolve.update_world_size(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
         launched = time.perf_counter()

@@ -28,9 +28,11 @@ import numpy as np
 import torch
 
 from rlhf_core.errors import CheckpointError
+from rlhf_core.io.atomic import atomic_dir
 from rlhf_core.io.hashing import sha256_file
 from rlhf_core.training.distributed import DistInfo, barrier
 from rlhf_core.training.engines import TrainEngine
+from rlhf_core.training.optim_state import counters, gather_optimizer_state
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -105,6 +107,15 @@ def restore_rng(tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None
     np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
 
 
+def seed_rng(seed: int) -> None:
+    """The RNG an update starts from when no checkpoint precedes it: torch (CPU and every CUDA
+    device), python and numpy seeded from ``trainer.seed``, so its checkpoint's saved state never
+    depends on what the process did before (numpy and python seed themselves from the OS at start)."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
 # ---------------------------------------------------------------------------------------------
 # gathering full weights (collective under ZeRO-3)
 # ---------------------------------------------------------------------------------------------
@@ -164,9 +175,6 @@ def save_checkpoint(directory: str | Path, *, actor: TrainEngine, critic: TrainE
     """Write the checkpoint atomically (rank 0 writes; every rank must call: ZeRO gathers are
     collective). ``lora_base``: the frozen base model when the actor trains LoRA adapters."""
     from safetensors.torch import save_file
-
-    from rlhf_core.io.atomic import atomic_dir
-    from rlhf_core.training.optim_state import counters, gather_optimizer_state
 
     directory = Path(directory)
     gathered = {}

@@ -15,14 +15,14 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
+from rlhf_core.config import config_from_dict
+from rlhf_core.config.loader import read_preset
+from rlhf_core.errors import RLHFError
+from rlhf_core.run.layout import RunDir
+from rlhf_core.training.rank_update import train_update
+
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    from rlhf_core.config import config_from_dict
-    from rlhf_core.config.loader import read_preset
-    from rlhf_core.errors import RLHFError
-    from rlhf_core.run.layout import RunDir
-    from rlhf_core.training.rank_update import train_update
-
     parser = argparse.ArgumentParser(prog="rlhf_core.training.launch")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--iteration", type=int, required=True)

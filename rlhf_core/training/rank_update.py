@@ -24,14 +24,24 @@ from typing import Any, Iterator, Optional
 
 import torch
 
-from rlhf_core.config import RLHFConfig, resolve
+from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.schema import OptimConfig
 from rlhf_core.errors import CheckpointError
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.paths import resolve_model_path
 from rlhf_core.run.layout import RunDir
-from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan
-from rlhf_core.training.engines import LoraSettings, TrainEngine, lr_schedule
-from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule
+from rlhf_core.run.lifecycle import checkpoint_before
+from rlhf_core.run.models import actor_path, critic_path, initial_actor_path
+from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, check_budget, read_advantages
+from rlhf_core.training.checkpoint import (load_optimizer_files, load_rng, save_checkpoint, seed_rng,
+                                           verify_checkpoint)
+from rlhf_core.training.distributed import all_reduce, init_distributed
+from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device, resolve_dtype, torch_dtype
+from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_engine, load_actor_model, load_critic_model,
+                                        lr_schedule)
+from rlhf_core.training.optim_state import restore_optimizer_state
+from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule, aggregate, run_ppo
 
 
 @dataclass(frozen=True)
@@ -52,10 +62,6 @@ def resolve_sources(cfg: RLHFConfig, run: RunDir, iteration: int) -> UpdateSourc
     """The weights iteration ``iteration`` starts from — the checkpoint of the latest earlier
     committed iteration (``checkpoint_before``), else the initial models — the same ones its rollout
     and score used, also when an old iteration is rerun after later ones committed."""
-    from rlhf_core.run.lifecycle import checkpoint_before
-    from rlhf_core.run.models import actor_path, critic_path, initial_actor_path
-    from rlhf_core.paths import resolve_model_path
-
     ckpt = checkpoint_before(run, iteration)
     lora = LoraSettings.from_config(cfg.actor_rollout_ref.model)
     adapter = None
@@ -134,10 +140,6 @@ def lr_schedule_for(optim: OptimConfig, total_steps: int):
 def build_engines(cfg: RLHFConfig, sources: UpdateSources, device: str, world_size: int,
                   total_steps: int = 0) -> tuple[TrainEngine, TrainEngine]:
     """The actor and critic engines; ``total_steps`` = the run's training steps (``training_steps``)."""
-    from rlhf_core.config import effective_deepspeed
-    from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_dtype, torch_dtype
-    from rlhf_core.training.engines import build_engine, load_actor_model, load_critic_model
-
     m = cfg.actor_rollout_ref.model
     lora = LoraSettings.from_config(m)
     actor_dtype = resolve_dtype(effective_deepspeed(cfg).dtype, device)
@@ -165,9 +167,6 @@ def _zero_loss(te: TrainEngine, pad_id: int):
 
 def resume_optimizers(directory: Path, engines: list[TrainEngine], pad_id: int) -> None:
     """Continue the optimizer state saved in checkpoint ``directory`` (verified first)."""
-    from rlhf_core.training.checkpoint import load_optimizer_files, load_rng, verify_checkpoint
-    from rlhf_core.training.optim_state import restore_optimizer_state
-
     verify_checkpoint(directory)
     for te in engines:
         tensors, meta = load_optimizer_files(directory, te.role)
@@ -176,7 +175,17 @@ def resume_optimizers(directory: Path, engines: list[TrainEngine], pad_id: int) 
         except (KeyError, RuntimeError, AssertionError) as exc:
             raise CheckpointError(f"{directory}/deepspeed/{te.role}_optim.safetensors does not fit the {te.role} "
                                   f"being trained ({exc}); was the model or LoRA setting changed mid-run?") from None
-    load_rng(directory)
+
+
+def start_rng(cfg: RLHFConfig, sources: UpdateSources) -> None:
+    """Set the RNG this update trains with: the state saved in the checkpoint it starts from, else
+    ``trainer.seed``. Called on every path (fresh, resumed, retried, after a rollout and score that were
+    skipped or ran in this process), last before training, so what the process did before never reaches
+    this iteration's checkpoint or any later one."""
+    if sources.resume is not None:
+        load_rng(sources.resume)  # verified by resume_optimizers
+    else:
+        seed_rng(cfg.trainer.seed)
 
 
 SMALL_MODEL_PARAMS = 100_000_000
@@ -269,13 +278,6 @@ def role_schedules(cfg: RLHFConfig, actor: TrainEngine, critic: TrainEngine, ite
 def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Optional[bool] = None) -> dict[str, Any]:
     """Run the PPO update of ``iteration`` on this rank; returns the per-iteration metrics (the same
     on every rank). Writes ``run.checkpoint(iteration)`` and ``run.metrics(iteration)`` (rank 0)."""
-    from rlhf_core.io.atomic import atomic_write_json
-    from rlhf_core.training.batch import check_budget, read_advantages
-    from rlhf_core.training.checkpoint import save_checkpoint
-    from rlhf_core.training.distributed import all_reduce, init_distributed
-    from rlhf_core.training.ds_config import resolve_device
-    from rlhf_core.training.ppo import aggregate, run_ppo
-
     reset_peak_rss()
     started = time.perf_counter()
     device = resolve_device(cfg.trainer.device)
@@ -291,6 +293,7 @@ def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Opti
     with cpu_threads(device, num_params, dist.world_size) as threads:
         if sources.resume is not None:
             resume_optimizers(sources.resume, [actor, critic], pad_id)
+        start_rng(cfg, sources)
         roles = role_schedules(cfg, actor, critic, iteration, dist.world_size)
         setup_seconds = time.perf_counter() - started
         concurrent = concurrent_roles(cfg.trainer.concurrent_critic_actor, device, threads, dist.world_size)
