@@ -4,12 +4,17 @@ blocks it.
 The lock is a kernel lock (``flock``) on ``run.lock``, not the file's existence: the kernel drops
 it the instant its holder dies, however it dies (kill -9 included), so a lock is stale exactly when
 its holder is gone and nobody has to guess from a pid. The file carries the holder's pid, host and
-start time, written after the lock is taken, for the error a competitor prints. The file is never
-deleted while locked; a process that locked a path another process has since replaced (the holder
-removed it on release between our open and our lock) sees a different inode and tries again, so
-two holders can never lock two different files of the same name.
+start time, written after the lock is taken, for the error a competitor prints; a file still
+naming a holder when the next one locks it was left by a process that died holding it (the
+``stale_lock_cleared`` event). A holder removes the file on release while it still holds the lock;
+a process that opened the file before that removal and locks it afterwards sees that the path no
+longer names the file it locked (another inode, or none) and tries again, so two holders can
+never lock two different files of the same name.
 
-Re-entrant within one process (the flow holds it and calls stages that take it again).
+Re-entrant within one process (the flow holds it and calls stages that take it again). A forked
+child is another process: it inherits the holder's open lock file, and with it the kernel lock,
+so the child closes its copies at once (``_forget_inherited``); otherwise a helper the holder
+forked would keep the run locked after the holder died, and would count as the holder itself.
 """
 
 from __future__ import annotations
@@ -86,7 +91,7 @@ class RunLock:
         self._write_holder(fd)
         RunLock._held[self.run.root] = [fd, 1]
         self.held = True
-        if previous and not self._was_released(previous):
+        if previous:  # a clean release removes the file: this one's holder died holding it
             self.run.append_event("stale_lock_cleared", previous_holder=previous)
         return self
 
@@ -103,9 +108,8 @@ class RunLock:
         del RunLock._held[self.run.root]
         fd = held[0]
         try:
-            # released on purpose: say so in the file, so the next holder does not call it stale
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, json.dumps({"released": time.time(), "pid": os.getpid()}).encode(), 0)
+            if self._same_file(fd):  # removed while still locked: see the module docstring
+                os.unlink(self.run.lock_path)
         finally:
             os.close(fd)  # closing drops the kernel lock
 
@@ -121,10 +125,6 @@ class RunLock:
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(me).encode(), 0)
         os.fsync(fd)
-
-    @staticmethod
-    def _was_released(previous: dict) -> bool:
-        return "released" in previous
 
     def _locked_message(self) -> str:
         info = None
@@ -143,3 +143,17 @@ class RunLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+    @staticmethod
+    def _forget_inherited() -> None:
+        """In a forked child: close the inherited lock files (the parent keeps its locks; a flock
+        is dropped only when every copy of the open file is closed) and hold nothing."""
+        for fd, _depth in RunLock._held.values():
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        RunLock._held.clear()
+
+
+os.register_at_fork(after_in_child=RunLock._forget_inherited)
