@@ -120,9 +120,9 @@ def model_problem(name: str) -> Optional[str]:
 
 def resolve_model_path(path: str) -> Path:
     """The directory of model ``path`` (see ``locate_model``), which must hold a model. A lookup:
-    the tiny model is built by stage ``warm_start`` (``rlhf run`` runs it first) or `rlhf build-tiny`."""
+    the tiny model is built by stage ``warm_start`` (``rlhf run`` runs it first) or `rlhf model build-tiny`."""
     found = locate_model(path)
     if path == TINY and not (found / "config.json").is_file():
-        raise ModelNotFoundError(f"the tiny model is not built yet at {found}: run `rlhf build-tiny` (or any "
-                                 "`rlhf run`, whose warm_start stage builds it)")
+        raise ModelNotFoundError(f"the tiny model is not built yet at {found}: run `rlhf model build-tiny --out "
+                                 f"{found}` (or any `rlhf run`, whose warm_start stage builds it)")
     return found

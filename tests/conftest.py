@@ -42,7 +42,7 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 @pytest.fixture(autouse=True)
 def _isolated_state(tmp_path, monkeypatch, tiny_model_dir):
     """Each test gets its own RLHF_HOME so built models, MLflow stores and Prefect homes never leak.
-    The tiny model is already there (a link to the session's build), as after `rlhf build-tiny`:
+    The tiny model is already there (a link to the session's build), as after `rlhf model build-tiny`:
     lookups never build it, and rebuilding it for every test would cost seconds each."""
     home = tmp_path.with_name(tmp_path.name + "-rlhf-home")  # beside tmp_path: tests list tmp_path's contents
     (home / "models").mkdir(parents=True)

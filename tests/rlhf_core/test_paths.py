@@ -105,7 +105,7 @@ def test_refs_main_pointing_at_a_missing_snapshot_is_missing(hf_home):
 def test_tiny_is_only_looked_up_until_the_warm_start_stage_builds_it(tmp_path, monkeypatch):
     monkeypatch.setenv("RLHF_HOME", str(tmp_path / "fresh-home"))  # no linked tiny model here
     where = locate_model("tiny")
-    with pytest.raises(ModelNotFoundError, match="rlhf build-tiny"):
+    with pytest.raises(ModelNotFoundError, match=f"rlhf model build-tiny --out {where}"):
         resolve_model_path("tiny")
     assert not where.exists()  # a lookup builds nothing
     run_warm_start(load_config(None), RunDir(tmp_path / "run"))

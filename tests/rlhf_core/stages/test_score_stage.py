@@ -15,6 +15,7 @@ from rlhf_core.data.schemas import PROMPTS, ROLLOUT, SCORED
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.layout import RunDir
+from rlhf_core.stages.init_critic import run_init_critic
 from rlhf_core.stages.score import run_score
 
 DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
@@ -83,6 +84,7 @@ def test_score_stage_on_embedded_data(tmp_path, repo_root, tiny_model_dir, token
     run = RunDir(tmp_path / "run")
     expected = write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 8))
     cfg = demo_config(tiny_model_dir, "actor_rollout_ref.rollout.temperature=0.7")
+    run_init_critic(cfg, run)
     result = run_score(cfg, run, 1)
 
     table = pq.read_table(run.scored(1))
@@ -139,6 +141,7 @@ def test_different_reference_and_reward_model(tmp_path, repo_root, tiny_model_di
     write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 4), n_samples=2)
     cfg = demo_config(tiny_model_dir, f"actor_rollout_ref.ref.model_path={ref_dir}", "reward_model.enable=true",
                       f"reward_model.model.path={rm_dir}", "reward_model.micro_batch_size_per_gpu=3")
+    run_init_critic(cfg, run)
     result = run_score(cfg, run, 1)
     rows = pq.read_table(run.scored(1)).to_pylist()
     assert all(r["old_log_probs"] != r["ref_log_probs"] for r in rows)
@@ -156,6 +159,8 @@ def test_score_from_the_cli_on_gsm8k_prompts(tmp_path, gsm8k_train, tiny_model_d
     argv = ["stage", "score", "--local", "--run-dir", str(run.root), "--iteration", "1", "-c", str(DEMO),
             f"actor_rollout_ref.model.path={tiny_model_dir}", "custom_reward_function.gsm8k_method=flexible",
             "actor_rollout_ref.model.warm_start.enable=false"]
+    assert main(["stage", "init_critic", "--local", *argv[3:5], *argv[7:]]) == 0  # what `rlhf run` runs first
+    capsys.readouterr()
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "[score iteration 1] done" in out and "tokens/s" in out and "accuracy" in out
@@ -171,6 +176,7 @@ def test_missing_rollout_and_mismatched_lengths_are_clear_errors(tmp_path, repo_
     with pytest.raises(DataError, match="rlhf stage rollout"):
         run_score(cfg, run, 1)
     write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 1), n_samples=1)
+    run_init_critic(cfg, run)
     table = pq.read_table(run.rollout(1))
     bad = table.set_column(table.schema.get_field_index("response_length"), "response_length",
                            pa.array([99], pa.int32()))
@@ -184,6 +190,7 @@ def test_unknown_data_source_names_the_row(tmp_path, repo_root, tiny_model_dir, 
     run = RunDir(tmp_path / "run")
     write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 1), n_samples=1,
                      data_source="my/data")
+    run_init_critic(demo_config(tiny_model_dir), run)
     with pytest.raises(DataError, match=r"row 0 \(prompt_id='p0'.*no reward function for data_source 'my/data'"):
         run_score(demo_config(tiny_model_dir), run, 1)
 
@@ -202,6 +209,7 @@ def test_verl_score_metrics_and_routing_by_reward_fn_key_with_extra_info(tmp_pat
     # data_source 'arith', but reward_source 'math' (as preprocess writes it for data.reward_fn_key=ability)
     write_run_inputs(run, tokenizer, questions, n_samples=2, reward_source="math")
     cfg = demo_config(tiny_model_dir, "data.reward_fn_key=ability", f"custom_reward_function.path={reward}")
+    run_init_critic(cfg, run)
     result = run_score(cfg, run, 1)
     rows = pq.read_table(run.scored(1)).to_pylist()
     assert [r["reward"] for r in rows] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]  # routed on 'math', + index
@@ -233,6 +241,7 @@ def test_fixed_micro_batches_and_padded_rows_give_the_same_table(tmp_path, repo_
     use_remove_padding=false lays them out padded; neither changes a number."""
     run = RunDir(tmp_path / "run")
     write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 5), n_samples=2)
+    run_init_critic(demo_config(tiny_model_dir), run)
     run_score(demo_config(tiny_model_dir), run, 1)
     packed = pq.read_table(run.scored(1)).to_pylist()
     fixed = demo_config(tiny_model_dir, "actor_rollout_ref.actor.use_dynamic_bsz=false",
@@ -264,6 +273,7 @@ def test_reward_model_with_an_input_tokenizer_rerenders_and_truncates(tmp_path, 
     cfg = demo_config(tiny_model_dir, "reward_model.enable=true", f"reward_model.model.path={rm_dir}",
                       f"reward_model.model.input_tokenizer={tiny_model_dir}", "reward_model.max_length=40",
                       "reward_model.micro_batch_size_per_gpu=4")
+    run_init_critic(cfg, run)
     run_score(cfg, run, 1)
     rows = pq.read_table(run.scored(1)).to_pylist()
     model = load_reward_model(rm_dir)
