@@ -420,7 +420,7 @@ def _committed_by_verdicts(run: RunDir) -> list[int]:
     """Iterations whose guard record is done with a commit verdict and whose checkpoint is still on
     disk or was pruned after the commit, in order, up to the first gap (a commit needs its predecessor)."""
     out = []
-    for k in run.iterations():
+    for k in (k for k in run.iterations() if k >= 1):  # iter_0 holds only the initial validation
         guard = read_manifest(run, k).get("guard", {})
         try:
             verdict = read_verdict(run, k) or {}

@@ -34,6 +34,7 @@ from rlhf_core.run.layout import RunDir, StateFileError, write_config
 from rlhf_core.run.lifecycle import committed_iterations, last_good_iteration, prepare_resume, prune_checkpoints
 from rlhf_core.run.report import iteration_metrics
 from rlhf_core.run.schedule import stops_after_validation
+from rlhf_core.stages.base import refuse_out_of_date
 
 
 @dataclass
@@ -102,6 +103,7 @@ def plan_run(preset: Optional[str] = None, overrides: Sequence[str] = (), iterat
         if not run.config_path.is_file():
             raise RLHFError(f"cannot resume {run.root}: it has no config.yaml (is it a run directory?)")
         cfg = resolve_run_config(run.root, preset, overrides)
+        check_resumable(run)
         note_loggers(cfg)
         return RunPlan(cfg=cfg, run=run, first_iteration=resume_point(run), resumed=True)
     cfg = resolve_run_config(None, preset, overrides)
@@ -163,9 +165,14 @@ def open_run(plan: RunPlan) -> None:
 
 def close_committed(cfg: RLHFConfig, run: RunDir) -> list[int]:
     """What a commit implies, redone for every committed iteration a crash left without it (a kill
-    right after the commit's rename): its iteration metrics, then the checkpoint pruning. Returns
-    the iterations whose metrics were written."""
-    unreported = [k for k in committed_iterations(run) if not run.iteration_metrics(k).is_file()]
+    right after the commit's rename): its commit event, its iteration metrics, then the checkpoint
+    pruning. Returns the iterations whose metrics were written."""
+    committed = committed_iterations(run)
+    noted = {e.get("iteration") for e in run.events() if e.get("kind") == "commit"}
+    for k in committed:
+        if k not in noted:
+            run.append_event("commit", k, recovered=True)
+    unreported = [k for k in committed if not run.iteration_metrics(k).is_file()]
     for k in unreported:
         iteration_metrics(cfg, run, k)
     prune_checkpoints(cfg, run)
@@ -175,6 +182,34 @@ def close_committed(cfg: RLHFConfig, run: RunDir) -> list[int]:
 def save_config(run: RunDir, cfg: RLHFConfig) -> None:
     """Persist a changed config (e.g. a retry's smaller learning rate) so a resume continues with it."""
     write_config(run, to_yaml(cfg))
+
+
+# ---------------------------------------------------------------------------------------------
+# stage reruns: their overrides never become the run's config
+# ---------------------------------------------------------------------------------------------
+
+
+def stage_config(run: RunDir, preset: Optional[str], overrides: Sequence[str]) -> RLHFConfig:
+    """The config of one stage run (``rlhf stage``): the run's config.yaml (else ``preset``) plus
+    ``overrides``, with the training-step count filled in. config.yaml is written only for a new run
+    directory: a rerun's overrides stay out of it (the stage's manifest record lists them), so a
+    resume never trains with a value MLflow does not show."""
+    if not run.config_path.is_file():
+        cfg = resolve_run_config(None, preset, overrides)
+        run.root.mkdir(parents=True, exist_ok=True)
+        save_config(run, cfg)
+        return fill_total_iterations(cfg, run)
+    saved = fill_total_iterations(resolve_run_config(run.root, None, ()), run)  # saves only the run's own config
+    cfg = apply_overrides(saved, overrides) if preset is None else resolve_run_config(None, preset, overrides)
+    if cfg.trainer.total_iterations is None and saved.trainer.total_iterations is not None:
+        cfg = apply_overrides(cfg, [f"trainer.total_iterations={saved.trainer.total_iterations}"])
+    return cfg
+
+
+def check_resumable(run: RunDir) -> None:
+    """A resume continues from last-good: refuse while a stage at or before it is stale or was rerun
+    with overrides (``stages.base.out_of_date``), naming them and `rlhf rebuild`."""
+    refuse_out_of_date(run, resume_point(run) - 1, "resume")
 
 
 # ---------------------------------------------------------------------------------------------
