@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from rlhf_core.run.layout import RunDir
+from rlhf_core.stages.init_critic import run_init_critic
 
 pytestmark = pytest.mark.deepspeed
 
@@ -53,6 +54,7 @@ def test_update_trains_at_every_zero_stage_and_writes_a_verified_checkpoint(stag
     cfg = _config(tiny_model_dir, f"actor_rollout_ref.actor.deepspeed_config.zero_stage={stage}",
                   f"critic.deepspeed_config.zero_stage={stage}")
     _write_advantages(run, 1, tiny_model_dir)
+    run_init_critic(cfg, run)
     result = run_update(cfg, run, 1)
 
     ckpt = run.checkpoint(1)
@@ -78,6 +80,7 @@ def test_second_iteration_continues_the_first_iterations_optimizer(tiny_model_di
     run = RunDir(tmp_path / "run")
     cfg = _config(tiny_model_dir, "actor_rollout_ref.actor.optim.lr_warmup_steps=10")
     _write_advantages(run, 1, tiny_model_dir)
+    run_init_critic(cfg, run)
     first = run_update(cfg, run, 1)
     write_last_good(run, 1)
     _write_advantages(run, 2, run.checkpoint(1) / "actor", seed=1)
@@ -120,6 +123,7 @@ def test_two_processes_match_one_process(tiny_model_dir, tmp_path):
         cfg = _config(tiny_model_dir, *overrides)
         _write_advantages(run, 1, tiny_model_dir)
         write_config(run, to_yaml(cfg))
+        run_init_critic(cfg, run)  # seeded by trainer.seed: the same critic in both runs
     run_update(cfg, runs[1], 1)
     proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "stage", "update", "--run-dir", str(runs[2].root),
                            "--iteration", "1", "--nproc", "2", "--local"], capture_output=True, text=True, timeout=600)
@@ -153,6 +157,7 @@ def test_concurrent_critic_and_actor_equal_one_after_the_other(stage, tiny_model
                       f"actor_rollout_ref.actor.deepspeed_config.zero_stage={stage}",
                       f"critic.deepspeed_config.zero_stage={stage}")
         _write_advantages(run, 1, tiny_model_dir)
+        run_init_critic(cfg, run)
         metrics = run_update(cfg, run, 1).metrics
         assert metrics["perf/concurrent_critic_actor"] == float(setting == "always")
         results[setting] = run
@@ -173,6 +178,7 @@ def test_critic_warmup_trains_only_the_critic_until_verls_step(tiny_model_dir, t
     run = RunDir(tmp_path / "run")
     cfg = _config(tiny_model_dir, "trainer.critic_warmup=2")
     _write_advantages(run, 1, tiny_model_dir)
+    run_init_critic(cfg, run)
     first = run_update(cfg, run, 1).metrics
     assert first["actor/updated"] == 0.0 and "actor/pg_loss" not in first and first["critic/num_steps"] == 2
     before, after = _weights(tiny_model_dir), _weights(run.checkpoint(1) / "actor")
@@ -196,5 +202,6 @@ def test_a_schedule_that_needs_the_run_length_refuses_without_it(tiny_model_dir,
     run = RunDir(tmp_path / "run")
     _write_advantages(run, 1, tiny_model_dir)
     cfg = _config(tiny_model_dir, "critic.optim.lr_scheduler_type=cosine")
+    run_init_critic(cfg, run)
     with pytest.raises(ConfigError, match="trainer.total_iterations"):
         run_update(cfg, run, 1)
