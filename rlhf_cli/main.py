@@ -5,6 +5,7 @@
     rlhf run --resume RUN_DIR [key=value ...]           continue after the last committed iteration
     rlhf demo [key=value ...]                           the main job on the embedded defaults
     rlhf stage NAME --run-dir RUN [--iteration K] [-c PRESET] [key=value ...]   rerun one stage
+    rlhf rebuild RUN                                    rerun stale stages / override reruns with config.yaml
     rlhf status RUN                                     per-iteration stage table, last-good
     rlhf query RUN "SQL"                                DuckDB over the whole run (see rlhf_core.run.query)
     rlhf export RUN [key=value ...]                     save the last-good actor in HF format
@@ -81,6 +82,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--verbose", action="store_true", help="as for `rlhf run`")
     demo.add_argument("overrides", nargs="*", metavar="key=value")
 
+    rebuild = sub.add_parser("rebuild", help="rerun, with the run's config.yaml, every stage at or before last-good "
+                                             "that is stale or was rerun with overrides (a flow run per stage)")
+    rebuild.add_argument("run_dir", type=Path, metavar="RUN")
+
     status = sub.add_parser("status", help="per-iteration stage table and the last-good iteration")
     status.add_argument("run_dir", type=Path, metavar="RUN")
 
@@ -124,11 +129,52 @@ def resolve_run_config(run_dir: Optional[Path], preset: Optional[str], overrides
 
 
 def _prefect_env() -> None:
-    """Prefect keeps its database and results under the project's state directory."""
+    """Prefect keeps its database and results under the project's state directory; a temporary
+    server, when this command needs one, is bound to this process (``_bind_temporary_server``)."""
     from rlhf_core.paths import state_dir
 
     home = Path(os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect")))
     home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level itself
+    _bind_temporary_server()
+
+
+_SERVER_WATCHDOG = """
+import signal, sys, time
+import psutil
+
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for rlhf: it stops the server itself
+parent, server = int(sys.argv[1]), psutil.Process(int(sys.argv[2]))
+while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
+    if psutil.Process().ppid() != parent:  # rlhf is gone (reparented): it cannot stop the server any more
+        server.terminate()
+        try:
+            server.wait(5)
+        except psutil.TimeoutExpired:
+            server.kill()
+        break
+    time.sleep(0.25)
+"""
+"""Stops the temporary Prefect server once `rlhf` is gone, however it went; psutil's Process
+refuses to signal a PID that was reused meanwhile."""
+
+
+def _bind_temporary_server() -> None:
+    """Without PREFECT_API_URL, Prefect starts a temporary server as a child process on first use
+    and stops it at interpreter exit. A ``kill -9`` (or an ``os._exit``) skips that exit, and the
+    orphaned server kept listening for good. So the server is started here, before any flow, and a
+    tiny watchdog process stops it as soon as this process is gone. Nothing changes when
+    PREFECT_API_URL names a server (or ephemeral mode is off: Prefect reports that itself)."""
+    import subprocess
+
+    from prefect.server.api.server import SubprocessASGIServer
+    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+
+    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
+        return
+    server = SubprocessASGIServer()  # the instance Prefect's clients use (one per process)
+    server.start()
+    subprocess.Popen([sys.executable, "-c", _SERVER_WATCHDOG, str(os.getpid()), str(server.server_process.pid)],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
 
 
 def _quiet_console() -> None:
@@ -207,15 +253,14 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _stage_local(args: argparse.Namespace, overrides: list[str]) -> dict:
-    from rlhf_core.config import to_yaml
-    from rlhf_core.run.layout import RunDir, write_config
+    from rlhf_core.run.layout import RunDir
     from rlhf_core.run.lock import RunLock
+    from rlhf_core.run.plan import stage_config
     from rlhf_core.stages.registry import get_stage
 
-    cfg = resolve_run_config(args.run_dir, args.preset, overrides)
     run = RunDir(args.run_dir)
     with RunLock(run):
-        write_config(run, to_yaml(cfg))
+        cfg = stage_config(run, args.preset, overrides)  # a rerun's overrides stay out of config.yaml
         return get_stage(args.stage).load()(cfg, run, getattr(args, "iteration", None), force=args.force).to_dict()
 
 
@@ -302,6 +347,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ns = argparse.Namespace(preset=str(project_root() / "configs" / "demo.yaml"), overrides=args.overrides,
                             run_name=args.run_name, resume=None, iterations=None, verbose=args.verbose)
     return cmd_run(ns)
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    _require_run_dir(args.run_dir)
+    _prefect_env()
+    from flows.stage import rlhf_rebuild
+
+    _quiet_user_errors()
+    results = rlhf_rebuild(str(args.run_dir.resolve()))
+    for result in results:
+        _print_result(result)
+    print(f"rebuilt {len(results)} stage(s)" if results else "nothing to rebuild: every stage follows config.yaml")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -476,7 +534,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv is None:
         _drop_inherited_world_of_one()
     handlers = {
-        "config": cmd_config_show, "stage": cmd_stage, "run": cmd_run, "demo": cmd_demo,
+        "config": cmd_config_show, "stage": cmd_stage, "run": cmd_run, "demo": cmd_demo, "rebuild": cmd_rebuild,
         "status": cmd_status, "query": cmd_query, "export": cmd_export, "model": cmd_build_tiny,
         "services": cmd_services,
     }
