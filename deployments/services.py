@@ -36,6 +36,7 @@ from typing import Callable, Optional, Sequence
 
 from rlhf_core.errors import RLHFError
 from rlhf_core.paths import project_root, state_dir
+from tasks.prefect_runs import mark_crashed, unfinished
 
 HOST = "127.0.0.1"
 PREFECT_FILE = Path("deployments") / "prefect.yaml"
@@ -492,18 +493,15 @@ def mark_interrupted_runs(api_url: str, pool: str) -> list[str]:
     """Flow runs of ``pool`` still Pending/Running after their worker stopped: set them Crashed, so the
     UI does not show them running forever. Returns their names."""
     import httpx
+    from prefect.client.orchestration import SyncPrefectClient
 
-    query = {"flow_runs": {"state": {"type": {"any_": ["PENDING", "RUNNING", "CANCELLING"]}}},
-             "work_pools": {"name": {"any_": [pool]}}}
     try:
-        runs = api_call("POST", f"{api_url}/flow_runs/filter", json=query).json()
-        for run in runs:
-            api_call("POST", f"{api_url}/flow_runs/{run['id']}/set_state", json={"force": True, "state": {
-                "type": "CRASHED", "name": "Crashed",
-                "message": "stopped by `python -m deployments.services down` while running"}})
+        with SyncPrefectClient(api=api_url) as client:  # Prefect's client retries a busy server's 503
+            runs = mark_crashed(client, unfinished(pool=pool),
+                                "stopped by `python -m deployments.services down` while running")
     except httpx.HTTPError:
         return []
-    return [run["name"] for run in runs]
+    return [run.name for run in runs]
 
 
 def status_lines(state: Optional[State] = None) -> list[str]:

@@ -37,6 +37,7 @@ from rlhf_core.run.report import format_iteration_header, format_iteration_row, 
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.breach import handle_breach_task
+from tasks.prefect_runs import claim_run_directory
 from tasks.iteration import (
     backfill_tracking_task, begin_iteration_task, finish_iteration_task, finish_tracking_task, publish_iteration,
     start_tracking_task,
@@ -95,6 +96,7 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
                     iterations=params.iterations, run_name=params.run_name, resume=params.resume)
     with RunLock(plan.run):
         open_run(plan)
+        claim_run_directory(plan.run)  # an earlier flow run of this directory killed while Running: Crashed
         # an MLflow run only when trainer.logger names mlflow (None otherwise: nothing is tracked)
         mlflow_run_id = start_tracking_task(plan.cfg, str(plan.run.root)) if logs_to(plan.cfg, "mlflow") else None
         if plan.resumed and mlflow_run_id:  # a crash may have come between an iteration's commit and its report

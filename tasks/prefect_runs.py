@@ -1,0 +1,76 @@
+"""Flow runs whose process is gone: Prefect learns of a crash only from the process itself, so a
+flow run killed with SIGKILL (or with its machine) stays Running in the UI for good.
+
+Two callers mark such runs Crashed: ``rlhf_pipeline``, at the start of every run of a run
+directory (``claim_run_directory``), and ``python -m deployments.services down``, for the runs of a
+worker it stopped (``mark_crashed``).
+
+How a flow finds its predecessors: each flow run that writes a run directory records its id there
+(a ``flow_run`` event in events.jsonl) while holding the directory's lock. The next flow run takes
+that lock too, so every recorded flow run other than itself has ended; one still Pending or Running
+in Prefect died without saying so.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Iterable, Optional
+
+from prefect.client.orchestration import SyncPrefectClient, get_client
+from prefect.client.schemas.filters import (
+    FlowRunFilter, FlowRunFilterId, FlowRunFilterState, FlowRunFilterStateType, WorkPoolFilter, WorkPoolFilterName,
+)
+from prefect.client.schemas.objects import FlowRun, StateType
+from prefect.runtime import flow_run as current_flow_run
+from prefect.states import Crashed
+
+from rlhf_core.run.layout import RunDir
+
+FLOW_RUN_EVENT = "flow_run"
+"""events.jsonl kind: a flow run that wrote this run directory (flow_run_id, flow_run_name)."""
+UNFINISHED = (StateType.PENDING, StateType.RUNNING, StateType.CANCELLING)
+"""States only the flow run's own process moves on from."""
+
+log = logging.getLogger("rlhf.prefect_runs")
+
+
+def unfinished(flow_run_ids: Iterable[str] = (), pool: Optional[str] = None) -> dict:
+    """Filters for the flow runs still Pending/Running/Cancelling: among ``flow_run_ids``, or of the
+    work pool ``pool``. Returns the keyword arguments of ``read_flow_runs``."""
+    states = FlowRunFilterState(type=FlowRunFilterStateType(any_=list(UNFINISHED)))
+    if pool is not None:
+        return {"flow_run_filter": FlowRunFilter(state=states),
+                "work_pool_filter": WorkPoolFilter(name=WorkPoolFilterName(any_=[pool]))}
+    return {"flow_run_filter": FlowRunFilter(id=FlowRunFilterId(any_=list(flow_run_ids)), state=states)}
+
+
+def mark_crashed(client: SyncPrefectClient, filters: dict, message: str) -> list[FlowRun]:
+    """Set every flow run matching ``filters`` (see ``unfinished``) Crashed with ``message``;
+    returns them. Forced: the server would refuse a Running → Crashed move from anyone but the run."""
+    runs = client.read_flow_runs(**filters)
+    for run in runs:
+        client.set_flow_run_state(run.id, Crashed(message=message), force=True)
+    return runs
+
+
+def claim_run_directory(run: RunDir) -> list[str]:
+    """In a flow run holding ``run``'s lock: mark the earlier flow runs of this directory that are
+    still unfinished in Prefect Crashed (naming this run, which took over), then record this one.
+    Returns the names of the runs marked. Best effort: a Prefect error is logged, never raised (the
+    run directory, not Prefect, is the record of what ran)."""
+    me, name = current_flow_run.id, current_flow_run.name
+    if me is None:  # not in a flow run (e.g. a stage called directly): nothing to claim
+        return []
+    earlier = {e["flow_run_id"] for e in run.events() if e.get("kind") == FLOW_RUN_EVENT} - {me}
+    marked: list[FlowRun] = []
+    if earlier:
+        message = (f"its process is gone (it ended without reporting a final state); found by flow run "
+                   f"{name} ({me}), which continues {run.root}")
+        try:
+            with get_client(sync_client=True) as client:
+                marked = mark_crashed(client, unfinished(earlier), message)
+        except Exception as exc:  # the server's answer must not stop the run it is only reporting on
+            log.warning("could not mark the earlier flow runs of %s Crashed: %s", run.root, exc)
+    run.append_event(FLOW_RUN_EVENT, flow_run_id=me, flow_run_name=name,
+                     **({"marked_crashed": [r.name for r in marked]} if marked else {}))
+    return [r.name for r in marked]
