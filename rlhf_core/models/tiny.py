@@ -15,8 +15,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Optional
 
-# the checkout holding data/ (computed here rather than asked of rlhf_core.paths, which imports this
-# module to build the tiny model on first use)
+from rlhf_core.io.atomic import atomic_dir
+
+# the checkout holding data/ (the tiny model's tokenizer is trained on the embedded data)
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
 
 PAD, EOS, IM_START, IM_END = "<|endoftext|>", "<|im_end|>", "<|im_start|>", "<|im_end|>"
@@ -85,8 +86,6 @@ def build_tiny_model(out_dir: str | Path, spec: Optional[TinyModelSpec] = None,
     """
     import torch
     from transformers import AutoModelForCausalLM, Qwen2Config
-
-    from rlhf_core.io.atomic import atomic_dir
 
     spec = spec or TinyModelSpec()
     tokenizer = build_tokenizer(corpus if corpus is not None else default_corpus(), spec.vocab_size)

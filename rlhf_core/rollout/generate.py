@@ -22,6 +22,8 @@ from rlhf_core.errors import DataError
 from rlhf_core.rollout.base import (
     FINISH_STOP, GeneratedSample, GenerationStats, RolloutEngine, SamplingParams, derive_seed, get_engine,
 )
+from rlhf_core.data.packing import plan_generation_batches
+from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
 
 PROMPT_COLUMNS = ("prompt_id", "data_source", "reward_source", "reward_model", "extra_info", "prompt_token_ids",
@@ -76,7 +78,6 @@ def tokenizer_path_for(cfg: RLHFConfig, model_path: Path) -> Path:
     configured = cfg.actor_rollout_ref.model.tokenizer_path
     if (model_path / "tokenizer_config.json").is_file() or not configured:
         return model_path
-    from rlhf_core.paths import resolve_model_path
 
     return resolve_model_path(configured)
 
@@ -120,8 +121,6 @@ def _batch_plan(cfg: RLHFConfig, prompt_rows: Sequence[Mapping[str, Any]], sampl
                 batches: Optional[Sequence[Sequence[str]]], index_of: dict[str, int]) -> list[list[int]]:
     """Generation batches as lists of positions in ``prompt_rows``."""
     if batches is None:
-        from rlhf_core.data.packing import plan_generation_batches
-
         lengths = [len(row["prompt_token_ids"]) for row in prompt_rows]
         return [list(b) for b in plan_generation_batches(
             lengths, sampling.max_new_tokens, sampling.n, cfg.actor_rollout_ref.rollout.generation_batch_tokens,

@@ -13,6 +13,7 @@ from typing import Iterator, Optional
 
 from rlhf_core.errors import RLHFError
 from rlhf_core.rollout.base import GeneratedSample, SamplingParams, copies_of_greedy, eos_token_ids, trim_response
+from rlhf_core.scoring.models import load_causal_lm, load_tokenizer, release
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 SMALL_MODEL_PARAMS = 100_000_000  # below this, CPU decoding runs on one thread (see cpu_threads)
@@ -44,8 +45,6 @@ class HFEngine:
                  tokenizer_path: Optional[str | Path] = None, cpu_threads: int = 0):
         import torch
         from transformers import GenerationConfig
-
-        from rlhf_core.scoring.models import load_causal_lm, load_tokenizer
 
         self.device = resolve_device(device)
         if dtype == "auto":
@@ -94,8 +93,6 @@ class HFEngine:
         import weakref
 
         import torch
-
-        from rlhf_core.scoring.models import release
 
         if self.model is None:
             return

@@ -15,6 +15,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from rlhf_core.rewards.gsm8k import compute_score
+from rlhf_core.rollout.base import trim_response
+
 
 @dataclass
 class AccuracyResult:
@@ -31,8 +34,6 @@ class AccuracyResult:
 
 def score_responses(responses: Sequence[str], ground_truths: Sequence[str], method: str = "strict") -> list[float]:
     """GSM8K rule per response: 1.0 when its final answer equals the ground truth, else 0.0."""
-    from rlhf_core.rewards.gsm8k import compute_score
-
     if len(responses) != len(ground_truths):
         raise ValueError(f"{len(responses)} responses but {len(ground_truths)} ground truths")
     return [compute_score(r, t, method=method) for r, t in zip(responses, ground_truths)]
@@ -60,8 +61,6 @@ def sample_responses(model, tokenizer, prompt_token_ids: Sequence[Sequence[int]]
     prompts, seed) and the caller's random state is left untouched.
     """
     import torch
-
-    from rlhf_core.rollout.base import trim_response
 
     eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
     sampling = (dict(do_sample=False) if greedy else

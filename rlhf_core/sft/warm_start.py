@@ -30,7 +30,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from rlhf_core.data.preprocess import preprocess_files
 from rlhf_core.data.schemas import decode_extra_info
+from rlhf_core.errors import DataError
+from rlhf_core.io.atomic import atomic_dir
+from rlhf_core.io.hashing import sha256_file, sha256_tree
+from rlhf_core.paths import resolve_model_path, resolve_path, state_dir
+from rlhf_core.rollout.hf import SMALL_MODEL_PARAMS
+from rlhf_core.sft.evaluation import sample_responses, score_responses
 
 SFT_FORMAT_VERSION = 1
 """Bumped when the training procedure changes, so old cached warm starts are not reused."""
@@ -138,9 +145,6 @@ def build_sft_data(train_rows: Sequence[dict], tokenizer, dev_size: int, prose_f
 def load_train_rows(cfg, tokenizer) -> list[dict]:
     """The TRAIN split exactly as the preprocess stage makes it (same adapter, template, dedup,
     length filter and hash split), so validation prompts never reach the fine-tuning."""
-    from rlhf_core.data.preprocess import preprocess_files
-    from rlhf_core.paths import resolve_path
-
     data = cfg.data
     result = preprocess_files([resolve_path(p) for p in data.train_files],
                               [resolve_path(p) for p in data.val_files], data, tokenizer, progress=False)
@@ -175,8 +179,6 @@ def batch_order(num_examples: int, steps: int, batch_size: int, seed: int) -> li
 
 def dev_accuracy(model, tokenizer, data: SFTData, max_new_tokens: int, seed: int) -> dict[str, float]:
     """Strict and flexible sampled accuracy (temperature 1) on the dev prompts, same samples."""
-    from rlhf_core.sft.evaluation import sample_responses, score_responses
-
     texts, lengths, _ = sample_responses(model, tokenizer, data.dev_prompts, max_new_tokens, seed=seed)
     n = max(1, len(texts))
     strict = score_responses(texts, data.dev_truths, "strict")
@@ -231,9 +233,6 @@ _DATA_KEYS = ("adapter", "prompt_key", "question_key", "answer_key", "id_key", "
 def warm_start_key(cfg) -> dict:
     """Everything the warm-started weights depend on: base model files, data file contents, the
     data settings that shape the prompts, the SFT settings, the procedure version."""
-    from rlhf_core.io.hashing import sha256_file, sha256_tree
-    from rlhf_core.paths import resolve_model_path, resolve_path
-
     base = resolve_model_path(cfg.actor_rollout_ref.model.path)
     files = {"train": [sha256_file(resolve_path(p)) for p in cfg.data.train_files],
              "val": [sha256_file(resolve_path(p)) for p in cfg.data.val_files]}
@@ -245,8 +244,6 @@ def warm_start_key(cfg) -> dict:
 def warm_start_path(cfg, out_root: Optional[str | Path] = None) -> Path:
     """Where the warm start for ``cfg`` lives (exists or not): <root>/<base name>-sft-<hash16>."""
     import hashlib
-
-    from rlhf_core.paths import state_dir
 
     root = Path(out_root) if out_root is not None else state_dir() / "models"
     blob = json.dumps(warm_start_key(cfg), sort_keys=True, default=str)
@@ -269,9 +266,6 @@ def warm_start(cfg, out_root: Optional[str | Path] = None, progress: bool = True
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from rlhf_core.io.atomic import atomic_dir
-    from rlhf_core.paths import resolve_model_path
 
     out = warm_start_path(cfg, out_root)
     if is_complete(out):
@@ -307,8 +301,6 @@ def _single_thread_if_small(model) -> Iterator[None]:
     cache promises that the same key means the same weights). Larger models keep the caller's setting."""
     import torch
 
-    from rlhf_core.rollout.hf import SMALL_MODEL_PARAMS
-
     before = torch.get_num_threads()
     if sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS:
         torch.set_num_threads(1)
@@ -319,8 +311,6 @@ def _single_thread_if_small(model) -> Iterator[None]:
 
 
 def _check_data(data: SFTData, cfg) -> None:
-    from rlhf_core.errors import DataError
-
     if not data.examples:
         raise DataError(f"warm start: no training examples left from data.train_files={cfg.data.train_files} "
                         f"(after the validation split and {len(data.dev_prompts)} dev prompts); "

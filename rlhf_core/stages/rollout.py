@@ -28,23 +28,25 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.data.schemas import REJECTS, ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.run.models import actor_path
-from rlhf_core.run.layout import RunDir
 from rlhf_core.io.tables import rows_with_ids
 from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.models import actor_path
 from rlhf_core.rollout.generate import (
     PROMPT_COLUMNS, generate_responses, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
+    tokenizer_path_for,
 )
+from rlhf_core.paths import resolve_path
+from rlhf_core.rollout.base import GenerationStats
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
 from rlhf_core.stages.base import StageResult, execute_stage
 
 CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.")
-REJECTS_NAME = "rollout_rejects.parquet"
 
 
 def rollout_rejects_path(run: RunDir, iteration: int) -> Path:
     """Offline rows that were not imported, each with its reason (schema ``REJECTS``)."""
-    return run.iter_dir(iteration) / REJECTS_NAME
+    return run.rollout_rejects(iteration)
 
 
 def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, force: bool = False) -> StageResult:
@@ -56,8 +58,6 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
     r = cfg.actor_rollout_ref.rollout
     model_dir = actor_path(cfg, run, iteration)  # the actor this iteration started from (reruns too)
     if r.name == OFFLINE_ENGINE:
-        from rlhf_core.paths import resolve_path
-
         offline_file = resolve_path(r.offline_path or "")
         if not offline_file.is_file():
             raise DataError(f"actor_rollout_ref.rollout.offline_path={r.offline_path!r}: no such file")
@@ -122,9 +122,6 @@ def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path
 def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
                   offline_file: Path) -> StageResult:
     from transformers import AutoTokenizer
-
-    from rlhf_core.rollout.base import GenerationStats
-    from rlhf_core.rollout.generate import tokenizer_path_for
 
     with timed(TABLE_READ):
         prompt_rows = read_prompt_rows(run.train_prompts, columns=None)  # text columns: prompts matched by text

@@ -19,7 +19,9 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from rlhf_core.data.packing import fixed_micro_batches, micro_batches_by_budget, split_into_rows
 from rlhf_core.errors import DataError
+from rlhf_core.models.packed import pack_rows
 
 PER_TOKEN_COLUMNS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns")
 
@@ -147,8 +149,6 @@ def split_mini_batch(lengths: Sequence[int], rows: Sequence[int], plan: MicroBat
     Dynamic: ``micro_batches_by_budget`` (token-balanced shares across ranks). Fixed: rank r takes
     every world_size-th sequence, in chunks of ``micro_batch_size``.
     """
-    from rlhf_core.data.packing import fixed_micro_batches, micro_batches_by_budget, split_into_rows
-
     local_lengths = [lengths[i] for i in rows]
     if plan.use_dynamic_bsz:
         bins = micro_batches_by_budget(local_lengths, plan.token_budget, world_size, rank, budget_key=plan.budget_key)
@@ -196,8 +196,6 @@ def build_micro_batch(data: PPOData, layout: list[list[int]], pad_id: int,
                       filler_row: Optional[int] = None) -> MicroBatch:
     """Tensors for one micro-batch laid out as ``layout`` (rows of table indices). An empty layout
     becomes a filler: ``filler_row`` alone, weight 0."""
-    from rlhf_core.models.packed import pack_rows
-
     weight = 1.0
     if not layout:
         if filler_row is None:

@@ -24,8 +24,10 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlhf_core.config import effective_deepspeed
 from rlhf_core.config.loader import ConfigError
 from rlhf_core.config.schema import DeepSpeedConfig
+from rlhf_core.paths import resolve_path
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -84,8 +86,6 @@ def deep_merge(base: dict, override: dict) -> dict:
 
 def read_raw_config(path: str | Path, key: str) -> dict:
     """A user's DeepSpeed JSON; reserved keys (see ``RESERVED_KEYS``) are refused with the reason."""
-    from rlhf_core.paths import resolve_path
-
     p = resolve_path(path)
     if not p.is_file():
         raise ConfigError(f"{key}.config_path={str(path)!r}: file not found")
@@ -133,8 +133,6 @@ def build_ds_config(ds: DeepSpeedConfig, *, grad_clip: float, device: str, world
 
 def actor_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
     """The actor's config: verl's FSDP offload flags folded in (``effective_deepspeed``)."""
-    from rlhf_core.config import effective_deepspeed
-
     return build_ds_config(effective_deepspeed(cfg), grad_clip=cfg.actor_rollout_ref.actor.grad_clip,
                            device=device, world_size=world_size)
 

@@ -14,6 +14,7 @@ from typing import Optional
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
+from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
 from rlhf_core.models.packed import packed_forward, response_slices
 from rlhf_core.training.batch import MicroBatch
 
@@ -41,8 +42,6 @@ def actor_forward(model, mb: MicroBatch, temperature: float = 1.0, *, entropy: b
     ``entropy_grad``: keep the entropy in the autograd graph (only when it enters the loss).
     Positions past a response's end are 0.
     """
-    from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
-
     slices = _by_sequence(mb)
     rows = torch.cat([torch.full((b - a,), r, dtype=torch.long) for r, a, b in slices])
     cols = torch.cat([torch.arange(a, b) for _, a, b in slices])

@@ -28,13 +28,14 @@ from typing import Callable, Optional
 
 import torch
 
+from rlhf_core.algos import agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
+from rlhf_core.io.atomic import fault_point
+from rlhf_core.progress import bar_disabled
 from rlhf_core.training.batch import MicroBatch, MicroBatchPlan, PPOData, build_micro_batch, global_counts
 from rlhf_core.training.batch import mini_batches, split_mini_batch
-from rlhf_core.io.atomic import fault_point
 from rlhf_core.training.distributed import DistInfo, all_reduce
 from rlhf_core.training.engines import TrainEngine, optimizer_step
 from rlhf_core.training.forward import actor_forward, critic_forward
-from rlhf_core.progress import bar_disabled
 
 # a micro-batch loss: (engine, micro-batch, mini-batch tokens, mini-batch sequences) → (loss, sums)
 MicroLoss = Callable[[object, MicroBatch, int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
@@ -58,8 +59,6 @@ class ActorLoss:
     """seq-mean-token-sum-norm's constant divisor (``config.resolve.loss_scale_factor``)."""
 
     def __call__(self, engine, mb: MicroBatch, n_tok: int, n_seq: int):
-        from rlhf_core.algos import agg_loss, get_policy_loss_fn, kl_penalty
-
         log_prob, entropy = actor_forward(engine, mb, self.temperature, entropy_grad=self.entropy_coeff != 0)
         t = {k: v.to(log_prob.device) for k, v in mb.tensors.items()}
         mask = mb.response_mask.to(log_prob.device)
@@ -96,8 +95,6 @@ class CriticLoss:
     """seq-mean-token-sum-norm's constant divisor (``config.resolve.critic_loss_scale_factor``)."""
 
     def __call__(self, engine, mb: MicroBatch, n_tok: int, n_seq: int):
-        from rlhf_core.algos import compute_value_loss
-
         vpreds = critic_forward(engine, mb)
         t = {k: v.to(vpreds.device) for k, v in mb.tensors.items()}
         mask = mb.response_mask.to(vpreds.device)

@@ -11,6 +11,10 @@ from typing import Optional
 
 import numpy as np
 
+from rlhf_core.data.schemas import ADVANTAGES
+from rlhf_core.scoring.logprobs import compute_token_logprobs
+from rlhf_core.scoring.models import load_causal_lm
+
 
 def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, prompt_len: tuple[int, int] = (4, 12),
                          response_len: tuple[int, int] = (1, 16), iteration: int = 1, temperature: float = 1.0,
@@ -22,10 +26,6 @@ def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, p
     old_log_probs, as in iteration 1)."""
     import pyarrow as pa
     import torch
-
-    from rlhf_core.data.schemas import ADVANTAGES
-    from rlhf_core.scoring.logprobs import compute_token_logprobs
-    from rlhf_core.scoring.models import load_causal_lm
 
     rng = np.random.default_rng(seed)
     model = load_causal_lm(model_dir, torch.device("cpu"), torch.float32)
