@@ -17,10 +17,11 @@ from typing import Optional
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.io.atomic import atomic_dir, atomic_write_json
-from rlhf_core.run.lifecycle import read_last_good
+from rlhf_core.run.lifecycle import last_good_iteration, read_last_good
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.query import read_iteration_metrics
 from rlhf_core.scoring.models import is_lora_dir, load_merged_actor
+from rlhf_core.stages.base import StagesOutOfDate, refuse_out_of_date
 
 VAL_METRIC = "val/accuracy"
 
@@ -39,7 +40,13 @@ def latest_val_score(run: RunDir) -> Optional[tuple[int, float]]:
 
 
 def check_export_allowed(cfg: RLHFConfig, run: RunDir) -> tuple[int, float]:
-    """(iteration, score) when the latest validation score clears the bar, else ExportRefused."""
+    """(iteration, score) when the latest validation score clears the bar and no stage at or before
+    last-good is out of date (stale, or rerun with overrides: the score and the actor may not be what
+    config.yaml trains), else ExportRefused."""
+    try:
+        refuse_out_of_date(run, last_good_iteration(run), "export")
+    except StagesOutOfDate as exc:
+        raise ExportRefused(str(exc)) from None
     bar = cfg.trainer.export_min_val_score
     latest = latest_val_score(run)
     if latest is None:
@@ -66,7 +73,7 @@ def export_actor(cfg: RLHFConfig, run: RunDir, out: Optional[Path] = None) -> Pa
     source = run.root / record["checkpoint"] / "actor"
     if not source.is_dir():
         raise CheckpointError(f"last-good actor {source} is missing; rerun the run with --resume")
-    out = Path(out) if out else run.root / "export" / "actor"
+    out = Path(out) if out else run.exported_actor
     model = load_merged_actor(source)
     tokenizer = AutoTokenizer.from_pretrained(source)
     with atomic_dir(out) as tmp:

@@ -94,6 +94,10 @@ class RunDir:
         return self.pack_dir / "generation_batches.parquet"
 
     @property
+    def pack_summary(self) -> Path:
+        return self.pack_dir / "summary.json"
+
+    @property
     def kl_ctrl_path(self) -> Path:
         return self.root / "kl_ctrl.json"
 
@@ -125,6 +129,10 @@ class RunDir:
     @property
     def export_dir(self) -> Path:
         return self.root / "export"
+
+    @property
+    def exported_actor(self) -> Path:
+        return self.export_dir / "actor"
 
     # per iteration ----------------------------------------------------------------------------
     def iter_dir(self, k: int) -> Path:
@@ -165,9 +173,6 @@ class RunDir:
         """The config the update's ranks read (written by the parent before launching them)."""
         return self.iter_dir(k) / ".update_config.yaml"
 
-    ITERATION_FILES = {"rollout": "rollout.parquet", "scored": "scored.parquet",
-                       "advantages": "advantages.parquet"}
-    """The per-iteration tables by DuckDB view name."""
 
     def manifest_path(self, k: Optional[int]) -> Path:
         return self.root / "manifest.json" if k is None else self.iter_dir(k) / "manifest.json"

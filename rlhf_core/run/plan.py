@@ -62,7 +62,7 @@ class RunPlan:
 def resolve_run_config(run_dir: Optional[Path], preset: Optional[str], overrides: Sequence[str]) -> RLHFConfig:
     """A run's config: its saved config.yaml (+ overrides) when no preset is given, else the preset
     (+ overrides)."""
-    saved = Path(run_dir) / "config.yaml" if run_dir else None
+    saved = RunDir(run_dir).config_path if run_dir else None
     if preset is None and saved is not None and saved.is_file():
         return apply_overrides(config_from_dict(read_preset(saved)), overrides)
     return load_config(resolve_path(preset) if preset else None, overrides)

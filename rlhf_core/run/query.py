@@ -32,13 +32,14 @@ from rlhf_core.data import schemas
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lifecycle import commit_log_problem, committed_iterations, read_last_good
 from rlhf_core.run.manifest import read_manifest
+from rlhf_core.stages.base import out_of_date, stage_label
 from rlhf_core.stages.registry import ITERATION_STAGES, SETUP_STAGES
 from rlhf_core.stages.validate import VALIDATION
 
 PARQUET_VIEWS = {
-    "rollouts": ("rollout.parquet", schemas.ROLLOUT),
-    "scored": ("scored.parquet", schemas.SCORED),
-    "advantages": ("advantages.parquet", schemas.ADVANTAGES),
+    "rollouts": (RunDir.rollout, schemas.ROLLOUT),
+    "scored": (RunDir.scored, schemas.SCORED),
+    "advantages": (RunDir.advantages, schemas.ADVANTAGES),
 }
 
 VIEW_NAMES = ("prompts", "rejects", "generation_batches", *PARQUET_VIEWS, "validation", "response_kl", "metrics",
@@ -142,8 +143,8 @@ def connect(run: RunDir | str | Path):
     _files_view(con, "rejects", [run.rejects] if run.rejects.is_file() else [], schemas.REJECTS)
     _files_view(con, "generation_batches", [run.generation_batches] if run.generation_batches.is_file() else [],
                 schemas.GENERATION_BATCHES)
-    for view, (filename, schema) in PARQUET_VIEWS.items():
-        files = [run.iter_dir(k) / filename for k in run.iterations() if (run.iter_dir(k) / filename).is_file()]
+    for view, (path_of, schema) in PARQUET_VIEWS.items():
+        files = [path_of(run, k) for k in run.iterations() if path_of(run, k).is_file()]
         _files_view(con, view, files, schema)
     _files_view(con, "validation", [run.validation(k) for k in run.iterations()
                                     if run.validation(k).is_file()], VALIDATION)
@@ -267,7 +268,20 @@ def format_status(run: RunDir | str | Path) -> str:
         last_good = read_last_good(run)
         lines.append(f"last-good: iteration {last_good['iteration']} ({last_good['checkpoint']})" if last_good
                      else "last-good: none (the next iteration starts from the initial model)")
-    return "\n".join(lines)
+    return "\n".join(lines + rerun_lines(run))
+
+
+def rerun_lines(run: RunDir) -> list[str]:
+    """Stage reruns with overrides (one line each), and what a resume and an export refuse until
+    `rlhf rebuild` reruns it with config.yaml."""
+    lines = [f"{stage_label(k, stage)} {why}" for k, stage, why in out_of_date(run, max(run.iterations(), default=0))
+             if why != "stale"]
+    committed = _committed_or_none(run)
+    before = out_of_date(run, committed[-1]) if committed else []  # before a commit, a resume redoes it all
+    if before:
+        lines.append(f"out of date: {len(before)} stage(s) at or before last-good no longer follow config.yaml; resume "
+                     f"and export refuse until `rlhf rebuild {run.root}` reruns them")
+    return lines
 
 
 def _metrics_or_empty(run: RunDir, k: int) -> dict[str, Any]:

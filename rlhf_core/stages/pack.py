@@ -282,7 +282,7 @@ def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, forc
         metrics.update(training_stats(lengths, first_epoch, cfg, data.seed))
         table = batches_table(ids, lengths, plans)
         atomic_write_parquet(run.generation_batches, table, schema=GENERATION_BATCHES)
-        summary_path = run.pack_dir / "summary.json"
+        summary_path = run.pack_summary
         epochs = len(plans) // max(per_epoch, 1)
         lines = [*_summary_lines(len(ids), first_epoch, metrics, cfg), _epochs_line(len(ids), epochs, first_epoch, cfg)]
         atomic_write_json(summary_path, {

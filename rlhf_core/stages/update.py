@@ -61,7 +61,7 @@ def _inputs(cfg: RLHFConfig, run: RunDir, iteration: int) -> list[Path]:
 def launch_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, nproc: int) -> None:
     """Run ``train_update`` on ``nproc`` ranks under torchrun and wait. The ranks' output is passed
     through to stderr; a rank's user error (``rlhf: error: ...``) becomes this stage's error."""
-    config_file = run.iter_dir(iteration) / ".update_config.yaml"
+    config_file = run.update_config(iteration)
     atomic_write_text(config_file, to_yaml(cfg))
     env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
