@@ -160,7 +160,7 @@ def test_warm_start_reuses_the_cache(cfg, tmp_path, monkeypatch, one_thread):
     def must_not_train(*args, **kwargs):
         raise AssertionError("the cached warm start was retrained")
 
-    monkeypatch.setattr(sft, "train_sft", must_not_train)
+    monkeypatch.setattr(warm_start, "train_sft", must_not_train)
     assert warm_start.warm_start(cfg, out_root=root, progress=False) == path
     assert (path / "warm_start.json").stat().st_mtime_ns == stamp
     assert [p.name for p in root.iterdir()] == [path.name]  # nothing half-written left behind

@@ -189,6 +189,7 @@ def test_score_then_gae_on_the_tiny_model(tmp_path, repo_root, tiny_model_dir):
     KL is exactly 0, the token rewards are the scores alone, and the adaptive coefficient goes down."""
     from transformers import AutoTokenizer
 
+    from rlhf_core.stages.init_critic import run_init_critic
     from rlhf_core.stages.score import run_score
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -196,6 +197,7 @@ def test_score_then_gae_on_the_tiny_model(tmp_path, repo_root, tiny_model_dir):
     questions = [json.loads(line) for line in (repo_root / "data/arith/train.jsonl").read_text().splitlines()[:3]]
     write_prompts_and_rollout(run, tokenizer, questions)
     cfg = load_config(DEMO, [f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.model.warm_start.enable=false", *ADAPTIVE])
+    run_init_critic(cfg, run)
     run_score(cfg, run, 1)
     result = run_gae(cfg, run, 1)
     scored = pq.read_table(run.scored(1)).to_pylist()
