@@ -1,8 +1,10 @@
 """One stage as its own flow run: what `rlhf stage NAME --run-dir RUN [--iteration K]` runs.
 
 The stage reads the inputs already in the run directory, replaces its outputs atomically and marks
-the stages after it stale (rlhf_core.stages.base.execute_stage). Its MLflow run is nested under the
-run directory's pipeline run. A guard rerun acts on its verdict on disk: commit moves last_good; a
+the stages after it stale (rlhf_core.stages.base.execute_stage). Overrides apply to this stage run
+only: config.yaml is never changed by a rerun (the stage's manifest record lists them), and
+``rlhf_rebuild`` (`rlhf rebuild RUN`) reruns what they left out of date with config.yaml. Its MLflow
+run is nested under the run directory's pipeline run. A guard rerun acts on its verdict on disk: commit moves last_good; a
 breach discards the iteration's checkpoint and restores the KL controller (an iteration that is
 already committed is only re-measured, never rolled back by hand).
 """
@@ -16,9 +18,11 @@ from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.run.layout import RunDir
+from rlhf_core.errors import RLHFError
 from rlhf_core.run.lifecycle import last_good_iteration, rollback_count, settle
 from rlhf_core.run.lock import RunLock
-from rlhf_core.run.plan import fill_total_iterations, logs_to, resolve_run_config, save_config
+from rlhf_core.run.plan import logs_to, resume_point, stage_config
+from rlhf_core.stages.base import out_of_date, stage_label
 from rlhf_core.stages.registry import STAGES
 from tasks import prefect_artifacts
 from tasks.iteration import finish_iteration_task, finish_tracking_task, start_tracking_task
@@ -81,9 +85,8 @@ def rlhf_stage(params: StageParams) -> dict:
     """Rerun one stage on a run directory; returns the stage result."""
     run = RunDir(params.run_dir)
     with RunLock(run):
-        cfg = resolve_run_config(run.root, params.config, params.overrides)
-        save_config(run, cfg)
-        cfg = fill_total_iterations(cfg, run)  # the update's lr schedule needs verl's step count
+        # config.yaml is left as it is: the overrides are this stage run's only (its manifest record lists them)
+        cfg = stage_config(run, params.config, params.overrides)  # step count included (the update's lr schedule)
         mlflow_run_id = (start_tracking_task(cfg, str(run.root), stage=params.stage, iteration=params.iteration)
                          if logs_to(cfg, "mlflow") else None)
         try:
@@ -91,7 +94,7 @@ def rlhf_stage(params: StageParams) -> dict:
             args = (cfg, str(run.root)) + ((params.iteration,) if params.iteration is not None else ())
             result = stage_task(*args, force=params.force, mlflow_run_id=mlflow_run_id)
             if params.stage == "preprocess":
-                fill_total_iterations(cfg, run)
+                stage_config(run, params.config, params.overrides)  # fills config.yaml's step count from the prompts
             if params.stage == "guard":
                 result["action"] = apply_verdict_task(str(run.root), params.iteration)
             if params.iteration is not None:
@@ -101,3 +104,22 @@ def rlhf_stage(params: StageParams) -> dict:
             raise
         finish_tracking_task(mlflow_run_id)
     return result
+
+
+@flow(name="rlhf-rebuild", persist_result=False)
+def rlhf_rebuild(run_dir: str) -> list[dict]:
+    """Rerun, in run order and with the run's config.yaml, every stage at or before last-good that is
+    stale or was rerun with overrides (``stages.base.out_of_date``), each as an ``rlhf_stage`` flow
+    run, so that a resume or an export can build on the run again. Returns the stage results."""
+    run = RunDir(run_dir)
+    results: list[dict] = []
+    done: set[tuple] = set()
+    with RunLock(run):
+        while found := out_of_date(run, resume_point(run) - 1):
+            k, stage, _ = found[0]
+            if (k, stage) in done:  # rerun with config.yaml already: a second pass would not change it
+                raise RLHFError(f"rebuilding {run.root}: {stage_label(k, stage)} is still out of date after its "
+                                "rerun; see `rlhf status`")
+            done.add((k, stage))
+            results.append(rlhf_stage(StageParams(stage=stage, run_dir=str(run.root), iteration=k, force=True)))
+    return results

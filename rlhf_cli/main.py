@@ -5,6 +5,7 @@
     rlhf run --resume RUN_DIR [key=value ...]           continue after the last committed iteration
     rlhf demo [key=value ...]                           the main job on the embedded defaults
     rlhf stage NAME --run-dir RUN [--iteration K] [-c PRESET] [key=value ...]   rerun one stage
+    rlhf rebuild RUN                                    rerun stale stages / override reruns with config.yaml
     rlhf status RUN                                     per-iteration stage table, last-good
     rlhf query RUN "SQL"                                DuckDB over the whole run (see rlhf_core.run.query)
     rlhf export RUN [key=value ...]                     save the last-good actor in HF format
@@ -80,6 +81,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--run-name", help="run directory name (default: timestamp)")
     demo.add_argument("--verbose", action="store_true", help="as for `rlhf run`")
     demo.add_argument("overrides", nargs="*", metavar="key=value")
+
+    rebuild = sub.add_parser("rebuild", help="rerun, with the run's config.yaml, every stage at or before last-good "
+                                             "that is stale or was rerun with overrides (a flow run per stage)")
+    rebuild.add_argument("run_dir", type=Path, metavar="RUN")
 
     status = sub.add_parser("status", help="per-iteration stage table and the last-good iteration")
     status.add_argument("run_dir", type=Path, metavar="RUN")
@@ -248,15 +253,14 @@ def cmd_config_show(args: argparse.Namespace) -> int:
 
 
 def _stage_local(args: argparse.Namespace, overrides: list[str]) -> dict:
-    from rlhf_core.config import to_yaml
-    from rlhf_core.run.layout import RunDir, write_config
+    from rlhf_core.run.layout import RunDir
     from rlhf_core.run.lock import RunLock
+    from rlhf_core.run.plan import stage_config
     from rlhf_core.stages.registry import get_stage
 
-    cfg = resolve_run_config(args.run_dir, args.preset, overrides)
     run = RunDir(args.run_dir)
     with RunLock(run):
-        write_config(run, to_yaml(cfg))
+        cfg = stage_config(run, args.preset, overrides)  # a rerun's overrides stay out of config.yaml
         return get_stage(args.stage).load()(cfg, run, getattr(args, "iteration", None), force=args.force).to_dict()
 
 
@@ -343,6 +347,19 @@ def cmd_demo(args: argparse.Namespace) -> int:
     ns = argparse.Namespace(preset=str(project_root() / "configs" / "demo.yaml"), overrides=args.overrides,
                             run_name=args.run_name, resume=None, iterations=None, verbose=args.verbose)
     return cmd_run(ns)
+
+
+def cmd_rebuild(args: argparse.Namespace) -> int:
+    _require_run_dir(args.run_dir)
+    _prefect_env()
+    from flows.stage import rlhf_rebuild
+
+    _quiet_user_errors()
+    results = rlhf_rebuild(str(args.run_dir.resolve()))
+    for result in results:
+        _print_result(result)
+    print(f"rebuilt {len(results)} stage(s)" if results else "nothing to rebuild: every stage follows config.yaml")
+    return 0
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -517,7 +534,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if argv is None:
         _drop_inherited_world_of_one()
     handlers = {
-        "config": cmd_config_show, "stage": cmd_stage, "run": cmd_run, "demo": cmd_demo,
+        "config": cmd_config_show, "stage": cmd_stage, "run": cmd_run, "demo": cmd_demo, "rebuild": cmd_rebuild,
         "status": cmd_status, "query": cmd_query, "export": cmd_export, "model": cmd_build_tiny,
         "services": cmd_services,
     }

@@ -4,19 +4,30 @@
 skips an unchanged stage, timing, the manifest record, and marking downstream stages stale after a
 rerun. The body only computes and writes its outputs atomically; the loads and writes it wraps in
 ``rlhf_core.io.timing.timed`` are recorded as its ``io_seconds`` (the rest of ``seconds`` is compute).
+
+A stage run with a config that differs from the run's config.yaml (``rlhf stage gae ... algorithm.lam=0.9``)
+records the differing keys as ``"overrides"``: config.yaml stays what the run trains with, and
+``out_of_date`` lists such reruns and the stale stages after them, which a resume and an export refuse
+to build on until ``rlhf rebuild`` reruns them with config.yaml.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-from rlhf_core.config import RLHFConfig, config_hash
-from rlhf_core.run.manifest import hash_paths, is_up_to_date, mark_downstream_stale, read_manifest, record_stage
-from rlhf_core.run.layout import RunDir
+import yaml
+
+from rlhf_core.config import RLHFConfig, config_hash, flatten
+from rlhf_core.errors import RLHFError
 from rlhf_core.io import timing
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.manifest import (hash_paths, is_up_to_date, mark_downstream_stale, read_manifest, record_stage,
+                                    set_status)
+from rlhf_core.stages.registry import ITERATION_STAGES, REPORT_ORDER, SETUP_STAGES
 
 
 @dataclass
@@ -61,6 +72,7 @@ def execute_stage(
 
 def _execute(stage: str, cfg: RLHFConfig, run: RunDir, iteration: Optional[int], inputs: Iterable[Path],
              config_sections: Iterable[str], body: Callable[[], StageResult], force: bool) -> StageResult:
+    config_sections = tuple(config_sections)
     input_hashes = hash_paths(run, list(inputs))
     cfg_hash = config_hash(cfg, config_sections)
     if not force and is_up_to_date(run, iteration, stage, input_hashes, cfg_hash):
@@ -75,15 +87,104 @@ def _execute(stage: str, cfg: RLHFConfig, run: RunDir, iteration: Optional[int],
     result.seconds = time.time() - started
     result.io_seconds = min(sum(io_by_kind.values()), result.seconds)
     output_paths = [Path(p) for p in result.outputs.values()]
+    overrides = config_overrides(cfg, run, config_sections)
     record_stage(
         run, iteration, stage,
         status="done", inputs=input_hashes, outputs=hash_paths(run, output_paths),
         outputs_paths=result.outputs, config_hash=cfg_hash, rows=result.rows,
         metrics=result.metrics, seconds=result.seconds, io_seconds=result.io_seconds,
         io={kind: round(s, 6) for kind, s in sorted(io_by_kind.items())}, started_at=started,
+        **({"overrides": overrides} if overrides else {}),
     )
+    if overrides:
+        result.summary.append(f"with overrides {' '.join(overrides)} (config.yaml unchanged)")
     if previously_done:
-        stale = mark_downstream_stale(run, iteration, stage)
+        stale = mark_downstream_stale(run, iteration, stage) + _mark_validation_stale(run, iteration, stage)
         if stale:
             result.summary.append(f"marked stale: {', '.join(stale)}")
     return result
+
+
+def _mark_validation_stale(run: RunDir, iteration: Optional[int], stage: str) -> list[str]:
+    """A rerun up to and including the update changes iteration ``iteration``'s checkpoint, so its
+    validation (outside ITERATION_STAGES, which ``mark_downstream_stale`` follows) measured the old one."""
+    if iteration is None or stage not in ITERATION_STAGES[:ITERATION_STAGES.index("update") + 1]:
+        return []
+    if read_manifest(run, iteration).get("validate", {}).get("status") != "done":
+        return []
+    set_status(run, iteration, "validate", "stale")
+    return [f"iter_{iteration}/validate"]
+
+
+# ---------------------------------------------------------------------------------------------
+# stage reruns with overrides, and what they leave out of date
+# ---------------------------------------------------------------------------------------------
+
+
+def _plain(value: Any) -> Any:
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _show(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def config_overrides(cfg: RLHFConfig, run: RunDir, sections: Iterable[str]) -> list[str]:
+    """``key=value`` for each setting under ``sections`` (the keys the stage depends on) where ``cfg``
+    differs from the run's config.yaml: what a stage rerun was given on top of it. [] without a
+    config.yaml, and in a run's own flow (it saves its config, a resume's or a retry's changes
+    included, before any stage runs)."""
+    if not run.config_path.is_file():
+        return []
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # ~2 ms a stage; the pure-Python one is 10x that
+    saved = _flatten_tree(yaml.load(run.config_path.read_text(), Loader=loader) or {})
+    used = flatten(cfg)
+    prefixes = tuple(sections)
+    return [f"{key}={_show(used[key])}" for key in used
+            if key.startswith(prefixes) and key in saved and _plain(saved[key]) != _plain(used[key])]
+
+
+def _flatten_tree(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out.update(_flatten_tree(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+class StagesOutOfDate(RLHFError):
+    """Stages at or before last-good were rerun with overrides or are stale: what follows would be built on
+    outputs config.yaml did not produce."""
+
+
+def out_of_date(run: RunDir, through: int) -> list[tuple[Optional[int], str, str]]:
+    """``(iteration, stage, why)`` for every record of the setup and of iterations 0..``through`` that
+    is stale or ran with overrides, in the order a run runs them (setup first; None = setup)."""
+    found = []
+    for k in [None, *(k for k in run.iterations() if k <= through)]:
+        manifest = read_manifest(run, k)
+        for stage in (SETUP_STAGES if k is None else REPORT_ORDER):
+            record = manifest.get(stage) or {}
+            if record.get("status") == "stale":
+                found.append((k, stage, "stale"))
+            elif record.get("overrides"):
+                found.append((k, stage, f"rerun with overrides {' '.join(record['overrides'])}"))
+    return found
+
+
+def stage_label(iteration: Optional[int], stage: str) -> str:
+    return stage if iteration is None else f"iter_{iteration}/{stage}"
+
+
+def refuse_out_of_date(run: RunDir, through: int, doing: str) -> None:
+    """Raise ``StagesOutOfDate`` naming what ``out_of_date`` found and the command that rebuilds it.
+    Nothing to refuse before the first commit (``through`` 0): a resume then redoes every stage anyway."""
+    found = out_of_date(run, through) if through >= 1 else []
+    if not found:
+        return
+    shown = ", ".join(f"{stage_label(k, stage)} ({why})" for k, stage, why in found[:6])
+    more = f" and {len(found) - 6} more" if len(found) > 6 else ""
+    raise StagesOutOfDate(f"cannot {doing} {run.root}: {shown}{more} no longer follow its config.yaml; rerun them "
+                          f"with `rlhf rebuild {run.root}`")
