@@ -69,8 +69,8 @@ def decide(kl: float, threshold: float) -> str:
 def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
     """Measure iteration ``iteration``'s KL and write the verdict (iter_k/guard.json).
 
-    This stage only decides; ``commit_iteration`` / ``rollback_iteration`` act on the verdict (the
-    flow runs them as transaction hooks).
+    This stage only decides; ``lifecycle.settle`` acts on the verdict (commit, or roll back; the
+    flow runs it as its settle task).
     """
     if iteration is None:
         raise ValueError("the guard stage needs an iteration")

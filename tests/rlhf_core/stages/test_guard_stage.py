@@ -136,7 +136,8 @@ def test_guard_commits_an_unchanged_actor(tmp_path, tiny_model_dir):
     assert result.metrics["guard/kl_mean"] == 0.0 and result.metrics["guard/breach"] == 0.0
     lifecycle.commit_iteration(run, 1)
     assert read_last_good(run)["iteration"] == 1
-    assert read_manifest(run, 1)["guard"]["committed"] is True
+    assert lifecycle.committed_iterations(run) == [1]
+    assert "committed" not in read_manifest(run, 1)["guard"]  # the commit log is the only record of it
     assert [e["kind"] for e in run.events()] == ["commit"]
     lifecycle.commit_iteration(run, 1)  # idempotent: no second event
     assert [e["kind"] for e in run.events()] == ["commit"]
@@ -234,8 +235,9 @@ def test_checkpoint_before_is_the_one_an_iteration_started_from(tmp_path, tiny_m
     cfg = _cfg(tiny_model_dir)
     for k in (1, 2, 3):
         run.checkpoint(k).joinpath("actor").mkdir(parents=True)
-        record_stage(run, k, "guard", status="done", inputs={}, outputs={}, config_hash="h", committed=k != 2)
-    write_last_good(run, 3)
+        record_stage(run, k, "guard", status="done", inputs={}, outputs={}, config_hash="h")
+    write_last_good(run, 1)
+    write_last_good(run, 3)  # iteration 2 was rolled back: never committed
     assert checkpoint_before(run, 1) is None and actor_path(cfg, run, 1) == tiny_model_dir
     assert checkpoint_before(run, 2) == run.checkpoint(1)
     assert checkpoint_before(run, 3) == run.checkpoint(1)  # iteration 2 was rolled back
