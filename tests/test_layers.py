@@ -1,0 +1,141 @@
+"""The floor plan, checked: imports point one way (rlhf_core ← tasks ← flows ← deployments ←
+rlhf_cli), no import cycles, no project import hidden inside a function, and the run directory's
+file names spelled in one module (rlhf_core/run/layout.py).
+
+Read from the source with ``ast`` (every import, function-local ones included), so a cycle closed
+by a late import fails here as well as one at module top.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+LAYERS = ("rlhf_core", "tasks", "flows", "deployments", "rlhf_cli")
+"""Lowest first: a module may import its own layer and the layers before it."""
+ORCHESTRATION = ("prefect", "mlflow")
+"""Libraries only the Prefect layer and above may import (the library runs without them)."""
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for top in LAYERS:
+        for path in (REPO / top).rglob("*.py"):
+            name = ".".join(path.relative_to(REPO).with_suffix("").parts)
+            out[name.removesuffix(".__init__")] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _owner(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(path: Path) -> list[tuple[ast.AST, list[str], bool]]:
+    """(node, imported names, inside a function) for every import statement of ``path``."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    inner = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+             for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out.append((node, [a.name for a in node.names], id(node) in inner))
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.append((node, [node.module] + [f"{node.module}.{a.name}" for a in node.names], id(node) in inner))
+    return out
+
+
+def _edges() -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for module, path in MODULES.items():
+        for _, names, _ in _imports(path):
+            for target in {_owner(n) for n in names} - {None, module}:
+                if module.startswith(target + "."):
+                    continue  # `from pkg import sibling`: pkg is already being imported, not a cycle
+                edges.setdefault(module, set()).add(target)
+    return edges
+
+
+def test_imports_point_one_way():
+    wrong = []
+    for module, path in MODULES.items():
+        rank = LAYERS.index(module.split(".")[0])
+        for node, names, _ in _imports(path):
+            top = names[0].split(".")[0]
+            if top in LAYERS and LAYERS.index(top) > rank:
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno} ({module.split('.')[0]}) imports {names[0]}")
+            if rank == 0 and top in ORCHESTRATION:
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: the library imports {names[0]}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_no_import_cycles():
+    edges = _edges()
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in edges.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for module in MODULES:
+        if module not in index:
+            visit(module)
+    assert not cycles, "import cycles: " + "; ".join(" <-> ".join(c) for c in cycles)
+
+
+def test_no_project_import_inside_a_function():
+    """Only heavy optional libraries (vllm, deepspeed, flash-attn, ...) may be imported late; a project
+    module imported inside a function hides a cycle or a layering problem."""
+    late = [f"{path.relative_to(REPO)}:{node.lineno}: {names[0]}" for module, path in MODULES.items()
+            for node, names, inner in _imports(path) if inner and names[0].split(".")[0] in LAYERS]
+    assert not late, "\n".join(late)
+
+
+RUN_FILE_NAMES = re.compile(
+    r"""["'](?:last_good\.json|kl_ctrl\.json|kl_ctrl_before\.json|events\.jsonl|run\.lock|config\.yaml|"""
+    r"""rollout\.parquet|scored\.parquet|advantages\.parquet|guard\.json|validation\.parquet|"""
+    r"""iteration_metrics\.json|learning_curve\.png|generation_batches\.parquet|rejects\.parquet|"""
+    r"""rollout_rejects\.parquet|train\.parquet|val\.parquet|\.update_config\.yaml|iter_)["']""")
+
+
+@pytest.mark.parametrize("layer", LAYERS)
+def test_run_file_names_live_in_the_layout_module(layer):
+    layout = REPO / "rlhf_core" / "run" / "layout.py"
+    spelled = []
+    for path in sorted((REPO / layer).rglob("*.py")):
+        if path == layout:
+            continue
+        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            code = line.split("#", 1)[0]
+            if RUN_FILE_NAMES.search(code) and not code.lstrip().startswith(('"""', "'''")):
+                spelled.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
+    assert not spelled, "ask rlhf_core.run.layout.RunDir instead:\n" + "\n".join(spelled)
