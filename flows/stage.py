@@ -4,9 +4,9 @@ The stage reads the inputs already in the run directory, replaces its outputs at
 the stages after it stale (rlhf_core.stages.base.execute_stage). Overrides apply to this stage run
 only: config.yaml is never changed by a rerun (the stage's manifest record lists them), and
 ``rlhf_rebuild`` (`rlhf rebuild RUN`) reruns what they left out of date with config.yaml. Its MLflow
-run is nested under the run directory's pipeline run. A guard rerun acts on its verdict on disk: commit moves last_good; a
-breach discards the iteration's checkpoint and restores the KL controller (an iteration that is
-already committed is only re-measured, never rolled back by hand).
+run is nested under the run directory's pipeline run. A guard rerun acts on its verdict on disk:
+commit moves last_good; a breach discards the iteration's checkpoint and restores the KL controller
+(an iteration that is already committed is only re-measured, never rolled back by hand).
 """
 
 from __future__ import annotations

@@ -30,7 +30,8 @@ from rlhf_core.io import timing
 from rlhf_core.io.atomic import atomic_write_text
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.training.rank_update import read_update_metrics, resolve_sources, schedule_needs_total_steps, train_update
+from rlhf_core.training.rank_update import (read_update_metrics, resolve_sources, schedule_needs_total_steps,
+                                            train_update)
 
 CONFIG_SECTIONS = ("actor_rollout_ref.model.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.temperature",
                    "actor_rollout_ref.rollout.n", "critic.", "data.max_response_length", "data.train_batch_size",
