@@ -84,8 +84,8 @@ def test_kill_9_of_rlhf_run_takes_its_prefect_server_with_it(tmp_path, tiny_mode
                 break
             time.sleep(0.25)
         seconds = time.monotonic() - killed_at
-        print(f"\n[timing] server (pid {server.pid}, port {port}) and {len(tree)} processes under rlhf run "
-              f"gone {seconds:.1f} s after kill -9")
+        print(f"\n[timing] {seconds:.1f} s after kill -9: {len(survivors)} of the {len(tree)} processes under "
+              f"rlhf run alive (server pid {server.pid}), port {port} {'open' if _port_open(port) else 'closed'}")
         assert not survivors, f"still alive {GONE_WITHIN_S:.0f} s after kill -9 of rlhf run: " + \
             ", ".join(f"{p.pid} {' '.join(p.cmdline()[:4])}" for p in survivors)
         assert not _port_open(port), f"port {port} still listening {GONE_WITHIN_S:.0f} s after kill -9"
