@@ -15,9 +15,8 @@ from rlhf_core.config import RLHFConfig, apply_overrides
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import halt_message, read_verdict, retry_overrides
-from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.plan import save_config
-from rlhf_core.run.report import stage_reports
+from rlhf_core.run.report import iteration_numbers
 from tasks import mlflow_tracking, prefect_artifacts
 
 
@@ -31,18 +30,6 @@ def handle_breach_task(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: i
     artifact (the stages that stay committed-to-be, rollout and score, report with the iteration)."""
     with timing.span("task:kl-breach"):
         return _handle_breach(cfg, run_dir, iteration, attempt, mlflow_run_id, stage_results)
-
-
-def rolled_back_metrics(run: RunDir, k: int, attempt: int) -> dict[str, float]:
-    """What the stages rolled back by ``attempt`` report (as they would have on their own)."""
-    manifest = read_manifest(run, k)
-    reports = stage_reports(manifest, statuses=("done", "stale", "rolled_back"))
-    out: dict[str, float] = {}
-    for stage, reported in reports.items():
-        rec = manifest[stage]
-        if rec.get("status") == "rolled_back" and rec.get("rollback_attempt") == attempt:
-            out.update(reported)
-    return out
 
 
 def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
@@ -60,7 +47,7 @@ def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
     log.warning(alert)
     if mlflow_run_id:
         mlflow_tracking.set_tags(mlflow_run_id, {f"rollback.iter_{k}.attempt_{attempt}": alert, "rollback": "true"})
-        batch = rolled_back_metrics(run, k, attempt) if stage_results is not None else {}
+        batch = iteration_numbers(cfg, run, k).rolled_back.get(attempt, {}) if stage_results is not None else {}
         batch.update({"guard/rollback": 1.0, "guard/rollback_kl": verdict.get("kl_mean", 0.0),
                       "guard/rollback_attempt": float(attempt)})
         mlflow_tracking.log_metrics(mlflow_run_id, batch, step=k)

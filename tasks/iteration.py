@@ -13,8 +13,7 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import begin_iteration, committed_iterations, prune_checkpoints
-from rlhf_core.run.manifest import read_manifest
-from rlhf_core.run.report import alerts, iteration_metrics, stage_reports
+from rlhf_core.run.report import alerts, iteration_numbers, save_iteration_metrics
 from rlhf_core.run.schedule import curve_due
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.stages import IO_RETRIES
@@ -54,26 +53,6 @@ def begin_iteration_task(run_dir: str, iteration: int) -> dict:
     inside gae so a resumed gae does not update it twice)."""
     with timing.span("task:begin-iteration"):
         return begin_iteration(RunDir(run_dir), iteration)
-
-
-def derived_only(metrics: dict[str, float], run: RunDir, k: int) -> dict[str, float]:
-    """Metrics the stage tasks did not already log themselves (aliases and iteration totals)."""
-    logged = set()
-    for stage, rec in read_manifest(run, k).items():
-        logged |= set((rec.get("metrics") or {}).keys())
-        logged.add(f"perf/stage_seconds/{stage}")
-    return {key: v for key, v in metrics.items() if key not in logged}
-
-
-def iteration_batch(metrics: dict[str, float], run: RunDir, k: int) -> dict[str, float]:
-    """Everything iteration ``k`` reports to MLflow at step k, from the run directory alone: each
-    committed stage's metrics (``stage_reports``: the same names and values the stage tasks log
-    on a single-stage rerun) plus the derived ones. The pipeline flow logs it as one batch."""
-    batch: dict[str, float] = {}
-    for reported in stage_reports(read_manifest(run, k)).values():
-        batch.update(reported)
-    batch.update(derived_only(metrics, run, k))
-    return batch
 
 
 DONE_MARK = "perf/iteration_seconds"
@@ -119,14 +98,17 @@ def _finish_iteration(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_
     run = RunDir(run_dir)
     k = iteration
     log = prefect_artifacts.logger()
-    metrics = iteration_metrics(cfg, run, k)
+    numbers = iteration_numbers(cfg, run, k)
+    save_iteration_metrics(run, k, numbers.metrics)
+    metrics = numbers.metrics
     warnings = alerts(cfg, metrics)
     for line in warnings:  # a KL breach is a warning; the clip-fraction signal is information
         (log.warning if line.startswith("KL") else log.info)("alert (iteration %d): %s", k, line)
         run.append_event("alert", k, message=line)
     report = IterationReport(
         run_dir=run_dir, iteration=k, total=cfg.trainer.total_iterations, mlflow_run_id=mlflow_run_id,
-        batch=iteration_batch(metrics, run, k) if stage_results is not None else derived_only(metrics, run, k),
+        # the pipeline's stage tasks did not log their metrics; a single-stage rerun's did
+        batch=numbers.batch if stage_results is not None else numbers.derived,
         stages_text=(stages_markdown(k, stage_results) if stage_results else None),
         rows=prefect_artifacts.metrics_rows(run), alerts=warnings, progress_id=progress_id,
         curve=(prefect_artifacts.curve_snapshot(run, cfg.trainer.kl_rollback_threshold) if curve_due(cfg, run, k) else None))
@@ -175,7 +157,9 @@ def backfill_metrics(cfg: RLHFConfig, run: RunDir, mlflow_run_id: str) -> list[i
     logged = {step for step, _ in mlflow_tracking.metric_history(mlflow_run_id, DONE_MARK)}
     missing = [k for k in committed_iterations(run) if k not in logged]
     for k in missing:
-        mlflow_tracking.log_metrics(mlflow_run_id, iteration_batch(iteration_metrics(cfg, run, k), run, k), step=k)
+        numbers = iteration_numbers(cfg, run, k)
+        save_iteration_metrics(run, k, numbers.metrics)
+        mlflow_tracking.log_metrics(mlflow_run_id, numbers.batch, step=k)
     if missing:
         prefect_artifacts.logger().warning("MLflow was missing the metrics of committed iterations %s: logged them from "
                                    "the run directory", missing)

@@ -24,7 +24,8 @@ from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.export import ExportRefused, export_actor
 from rlhf_core.run.lifecycle import read_verdict, settle
-from rlhf_core.run.manifest import mark_skipped, read_manifest
+from rlhf_core.run.manifest import mark_skipped
+from rlhf_core.run.report import stage_numbers
 from rlhf_core.stages.registry import get_stage
 from tasks import mlflow_tracking, prefect_artifacts
 
@@ -46,19 +47,6 @@ IO_RETRIES = dict(retries=2, retry_delay_seconds=3, retry_condition_fn=transient
 NO_RESULTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
-def new_metrics(run: RunDir, iteration: Optional[int], stage: str, metrics: dict[str, float],
-                seconds: float) -> dict[str, float]:
-    """The stage's metrics minus names another stage of the same iteration already reported (e.g.
-    response_length/mean from both rollout and score): one point per metric and step in MLflow."""
-    taken = set()
-    for other, rec in read_manifest(run, iteration).items():
-        if other != stage and rec.get("status") in ("done", "stale"):
-            taken |= set(rec.get("metrics") or {})
-    out = {k: v for k, v in metrics.items() if k not in taken}
-    out[f"perf/stage_seconds/{stage}"] = seconds
-    return out
-
-
 def execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int], force: bool,
             mlflow_run_id: Optional[str], report: bool = True) -> dict[str, Any]:
     """Run one stage, log it, and report it (MLflow metrics, Prefect artifact) when ``report``."""
@@ -74,7 +62,7 @@ def _execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int]
     if result.skipped:
         mark_skipped(run, iteration, stage)
     elif mlflow_run_id and report:
-        mlflow_tracking.log_metrics(mlflow_run_id, new_metrics(run, iteration, stage, result.metrics, result.seconds),
+        mlflow_tracking.log_metrics(mlflow_run_id, stage_numbers(run, iteration, stage),
                              step=iteration)
     where = f" iteration {iteration}" if iteration is not None else ""
     log.info("[%s%s] %s", stage, where, "skipped (up to date)" if result.skipped else f"done in {result.seconds:.1f}s")

@@ -5,7 +5,8 @@ console row. The Prefect layer publishes these (MLflow batch, artifacts); it dec
 from __future__ import annotations
 
 import math
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Optional, Sequence
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -15,7 +16,7 @@ from rlhf_core.config import resolve
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.manifest import read_manifest
-from rlhf_core.stages.registry import ITERATION_STAGES, REPORT_ORDER
+from rlhf_core.stages.registry import ITERATION_STAGES, REPORT_ORDER, SETUP_STAGES
 
 
 ALIASES = {
@@ -77,10 +78,20 @@ def steps_per_epoch(cfg: RLHFConfig, run: RunDir) -> int:
 
 
 def iteration_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
+    """``collect_metrics`` of iteration ``k``, written to iter_k/iteration_metrics.json and returned."""
+    out = collect_metrics(cfg, run, k)
+    save_iteration_metrics(run, k, out)
+    return out
+
+
+def save_iteration_metrics(run: RunDir, k: int, metrics: dict[str, float]) -> None:
+    atomic_write_json(run.iteration_metrics(k), metrics)
+
+
+def collect_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
     """Every stage metric of iteration ``k`` (manifest records, both names of each ALIASES pair),
     plus perf/stage_seconds/<stage>, perf/iteration_seconds, perf/iteration_tokens_per_s, verl's
-    timing_s/* (``TIMING``), training/global_step and training/epoch (0-based, as verl counts);
-    written to iter_k/iteration_metrics.json and returned."""
+    timing_s/* (``TIMING``), training/global_step and training/epoch (0-based, as verl counts)."""
     manifest = read_manifest(run, k)
     out: dict[str, float] = {}
     seconds = 0.0
@@ -102,18 +113,22 @@ def iteration_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
     out["training/global_step"] = float(k)
     out["training/epoch"] = float((k - 1) // steps_per_epoch(cfg, run)) if k >= 1 else 0.0
     out["iteration"] = float(k)
-    atomic_write_json(run.iteration_metrics(k), out)
     return out
 
 
-def stage_reports(manifest: dict, statuses: Sequence[str] = ("done", "stale")) -> dict[str, dict[str, float]]:
-    """What each stage of an iteration reports to MLflow, in run order: its metrics minus the names
+REPORTED = ("done", "stale")
+"""Records whose metrics an iteration reports (a rolled-back attempt's are reported by the breach)."""
+
+
+def stage_reports(manifest: dict, statuses: Sequence[str] = REPORTED,
+                  order: Sequence[str] = REPORT_ORDER) -> dict[str, dict[str, float]]:
+    """What each stage of a scope reports to MLflow, in run order: its metrics minus the names
     an earlier stage already reported (one point per metric and step; e.g. response_length/mean
     from rollout, not again from score), plus perf/stage_seconds/<stage>. Only records whose status
     is in ``statuses`` count, as reporters and as earlier stages."""
     taken: set[str] = set()
     out: dict[str, dict[str, float]] = {}
-    for stage in REPORT_ORDER:
+    for stage in order:
         rec = manifest.get(stage)
         if not rec or rec.get("status") not in statuses:
             continue
@@ -134,6 +149,51 @@ def iteration_tokens(run: RunDir, k: int) -> int:
     prompt = pc.sum(pc.list_value_length(table.column("prompt_token_ids"))).as_py() or 0
     response = pc.sum(table.column("response_length")).as_py() or 0
     return int(prompt + response)
+
+
+@dataclass(frozen=True)
+class IterationNumbers:
+    """Everything iteration k reports, decided once by ``iteration_numbers``; a caller picks the
+    part it publishes and decides nothing."""
+
+    metrics: dict[str, float]
+    """All of it (iter_k/iteration_metrics.json): the CLI table, the learning curve, the export gate."""
+    stages: dict[str, dict[str, float]]
+    """What each committed (done / stale) stage reports (``stage_reports``)."""
+    derived: dict[str, float]
+    """Names no stage reports: the other name of each alias pair, totals, verl's timing_s/*, steps."""
+    rolled_back: dict[int, dict[str, float]]
+    """Per rollback attempt, what its rolled-back stages reported (logged with the breach)."""
+
+    @property
+    def batch(self) -> dict[str, float]:
+        """The iteration's MLflow batch at step k: every committed stage's names plus the derived ones."""
+        out: dict[str, float] = {}
+        for reported in self.stages.values():
+            out.update(reported)
+        return {**out, **self.derived}
+
+
+def iteration_numbers(cfg: RLHFConfig, run: RunDir, k: int) -> IterationNumbers:
+    """What iteration ``k`` reports, from its manifest alone (writes nothing)."""
+    manifest = read_manifest(run, k)
+    metrics = collect_metrics(cfg, run, k)
+    by_stage = [set(rec.get("metrics") or {}) | {f"perf/stage_seconds/{name}"} for name, rec in manifest.items()]
+    logged = set().union(*by_stage) if by_stage else set()
+    rolled_back: dict[int, dict[str, float]] = {}
+    for stage, reported in stage_reports(manifest, statuses=REPORTED + ("rolled_back",)).items():
+        rec = manifest[stage]
+        if rec.get("status") == "rolled_back":
+            rolled_back.setdefault(int(rec.get("rollback_attempt") or 0), {}).update(reported)
+    return IterationNumbers(metrics=metrics, stages=stage_reports(manifest),
+                            derived={name: v for name, v in metrics.items() if name not in logged},
+                            rolled_back=rolled_back)
+
+
+def stage_numbers(run: RunDir, iteration: Optional[int], stage: str) -> dict[str, float]:
+    """What one stage reports on its own (a single-stage rerun), by the same rule as the iteration's."""
+    order = REPORT_ORDER if iteration is not None else SETUP_STAGES
+    return stage_reports(read_manifest(run, iteration), order=order).get(stage, {})
 
 
 ROW_COLUMNS = (("iter", "iteration", "{:>4.0f}"), ("reward", "reward/mean", "{:>7.3f}"),
