@@ -143,16 +143,20 @@ import signal, sys, time
 import psutil
 
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for rlhf: it stops the server itself
-parent, server = int(sys.argv[1]), psutil.Process(int(sys.argv[2]))
-while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
-    if psutil.Process().ppid() != parent:  # rlhf is gone (reparented): it cannot stop the server any more
-        server.terminate()
-        try:
-            server.wait(5)
-        except psutil.TimeoutExpired:
-            server.kill()
-        break
-    time.sleep(0.25)
+parent = int(sys.argv[1])
+try:
+    server = psutil.Process(int(sys.argv[2]))
+    while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
+        if psutil.Process().ppid() != parent:  # rlhf is gone (reparented): it cannot stop the server any more
+            server.terminate()
+            try:
+                server.wait(5)
+            except psutil.TimeoutExpired:
+                server.kill()
+            break
+        time.sleep(0.25)
+except psutil.NoSuchProcess:  # the server is gone already
+    pass
 """
 """Stops the temporary Prefect server once `rlhf` is gone, however it went; psutil's Process
 refuses to signal a PID that was reused meanwhile."""
