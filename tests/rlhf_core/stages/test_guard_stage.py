@@ -1,4 +1,5 @@
-"""KL guard: exact per-token KL, the commit / rollback actions on a run directory, retry settings."""
+"""KL guard stage: exact per-token KL, the verdict it writes and what settling it does (the lifecycle
+itself: tests/rlhf_core/run/test_lifecycle.py)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,8 @@ from rlhf_core.run import lifecycle
 from rlhf_core.stages import guard
 from rlhf_core.scoring import policy_kl
 from rlhf_core.config import load_config
-from rlhf_core.errors import CheckpointError
 from rlhf_core.run.manifest import read_manifest, record_stage
-from rlhf_core.run.lifecycle import commit_iteration as write_last_good, read_last_good
+from rlhf_core.run.lifecycle import read_last_good
 from rlhf_core.run.layout import RunDir
 
 
@@ -60,7 +60,7 @@ def _perturbed_copy(src, dst, scale):
 
 
 def test_response_kl_is_a_per_token_mean_over_all_responses():
-    out = guard.response_kl([[0.1, 0.3], [], [0.2]], sampled_k1=[[1.0, -1.0], [], [0.5]])
+    out = policy_kl.response_kl([[0.1, 0.3], [], [0.2]], sampled_k1=[[1.0, -1.0], [], [0.5]])
     assert out["kl_mean"] == pytest.approx(0.6 / 3)
     assert out["kl_seq_mean"] == pytest.approx((0.2 + 0.2) / 2)  # the empty response is not a row
     assert out["kl_max"] == pytest.approx(0.3)
@@ -165,86 +165,6 @@ def test_guard_rolls_back_a_drifted_actor(tmp_path, tiny_model_dir):
     assert lifecycle.rollback_count(run, 1) == 1
     assert "rlhf run --resume" in lifecycle.halt_message(run, 1, "trainer.on_kl_breach=halt")
     assert lifecycle.discard_checkpoint(run, 1) is False  # idempotent
-
-
-def test_discard_refuses_the_last_good_checkpoint(tmp_path, tiny_model_dir):
-    run = _scored_run(tmp_path, tiny_model_dir, actor_scale=0.0)
-    write_last_good(run, 1)
-    with pytest.raises(CheckpointError, match="last-good"):
-        lifecycle.discard_checkpoint(run, 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# KL controller snapshot and retries
-# ---------------------------------------------------------------------------------------------
-
-
-def test_begin_iteration_restores_the_controller_when_gae_did_not_finish(tmp_path):
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.1, "target_kl": 0.02, "horizon": 100}')
-    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "taken"
-    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.2, "target_kl": 0.02, "horizon": 100}')
-    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "restored"  # a crash inside gae
-    assert run.read_json(run.kl_ctrl_path)["value"] == 0.1
-    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.2, "target_kl": 0.02, "horizon": 100}')
-    record_stage(run, 3, "gae", status="done", inputs={}, outputs={}, config_hash="x")
-    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "kept"  # gae finished: its update stands
-    assert run.read_json(run.kl_ctrl_path)["value"] == 0.2
-
-
-def test_restore_without_a_controller_state_removes_it(tmp_path):
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    lifecycle.begin_iteration(run, 1)  # no kl_ctrl.json yet: iteration 1 starts from the config
-    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.3}')
-    assert lifecycle.restore_kl_controller(run, 1) is None
-    assert not run.kl_ctrl_path.exists()
-
-
-def test_retry_overrides_divide_lr_and_multiply_the_kl_coefficient(tmp_path):
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.01}')
-    lifecycle.begin_iteration(run, 2)
-    cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-4", "trainer.retry_lr_divisor=10",
-                             "trainer.retry_kl_coef_multiplier=4"])
-    overrides, changes = lifecycle.retry_overrides(cfg, run, 2)
-    assert overrides == ["actor_rollout_ref.actor.optim.lr=1e-05"]
-    assert changes["kl_ctrl.value"] == (0.01, 0.04)
-    assert run.read_json(run.kl_ctrl_path)["value"] == 0.04
-    # a second rollback restores the raised coefficient, not the original one
-    assert lifecycle.restore_kl_controller(run, 2)["value"] == 0.04
-
-
-def test_retry_without_controller_state_overrides_the_config_coefficient(tmp_path):
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    cfg = load_config(None, ["algorithm.kl_ctrl.kl_coef=0.002", "trainer.retry_lr_divisor=1",
-                             "trainer.retry_kl_coef_multiplier=3"])
-    overrides, changes = lifecycle.retry_overrides(cfg, run, 1)
-    assert overrides == ["algorithm.kl_ctrl.kl_coef=0.006"]
-    assert "actor_rollout_ref.actor.optim.lr" not in changes
-
-
-def test_checkpoint_before_is_the_one_an_iteration_started_from(tmp_path, tiny_model_dir):
-    from rlhf_core.run.lifecycle import checkpoint_before
-    from rlhf_core.run.models import actor_path
-
-    run = RunDir(tmp_path / "run")
-    cfg = _cfg(tiny_model_dir)
-    for k in (1, 2, 3):
-        run.checkpoint(k).joinpath("actor").mkdir(parents=True)
-        record_stage(run, k, "guard", status="done", inputs={}, outputs={}, config_hash="h")
-    write_last_good(run, 1)
-    write_last_good(run, 3)  # iteration 2 was rolled back: never committed
-    assert checkpoint_before(run, 1) is None and actor_path(cfg, run, 1) == tiny_model_dir
-    assert checkpoint_before(run, 2) == run.checkpoint(1)
-    assert checkpoint_before(run, 3) == run.checkpoint(1)  # iteration 2 was rolled back
-    assert checkpoint_before(run, 4) == run.checkpoint(3) == actor_path(cfg, run).parent  # = last-good
-    shutil.rmtree(run.checkpoint(1))  # pruned
-    with pytest.raises(CheckpointError, match="pruned"):
-        checkpoint_before(run, 2)
 
 
 def _val_prompts(run, tokenizer_dir, n=3):

@@ -1,0 +1,180 @@
+"""The iteration lifecycle (rlhf_core.run.lifecycle): settle a verdict (commit moves the commit log;
+rollback discards the checkpoint and restores the KL controller), the KL controller snapshot,
+retry settings, and which checkpoint an iteration started from."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from rlhf_core.config import load_config
+from rlhf_core.errors import CheckpointError
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.run import lifecycle
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.manifest import read_manifest, record_stage
+from rlhf_core.run.models import actor_path
+
+
+def _trained_iteration(run: RunDir, k: int, decision: str) -> None:
+    """What gae, update and guard leave for iteration ``k``: their records, a checkpoint, a verdict."""
+    run.checkpoint(k).joinpath("actor").mkdir(parents=True)
+    for stage in ("gae", "update", "guard"):
+        record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h")
+    atomic_write_json(run.verdict(k), {"iteration": k, "kl_mean": 0.7 if decision == "rollback" else 0.01,
+                                       "threshold": 0.05, "decision": decision})
+
+
+# ---------------------------------------------------------------------------------------------
+# settle
+# ---------------------------------------------------------------------------------------------
+
+
+def test_settle_commit_moves_the_commit_log_once(tmp_path):
+    run = RunDir(tmp_path / "run")
+    _trained_iteration(run, 1, "commit")
+    assert lifecycle.settle(run, 1, policy="halt", attempt=1) == "commit"
+    record = lifecycle.read_last_good(run)
+    assert record["iteration"] == 1 and record["committed"] == [1]
+    assert record["checkpoint"] == "iter_1/checkpoint" and lifecycle.last_good_checkpoint(run) == run.checkpoint(1)
+    assert "committed" not in read_manifest(run, 1)["guard"]  # the commit log is its only record
+    assert lifecycle.settle(run, 1, policy="halt", attempt=1) == "commit"  # a rerun after a crash: no change
+    assert lifecycle.committed_iterations(run) == [1]
+    assert [e["kind"] for e in run.events()] == ["commit"]
+    _trained_iteration(run, 2, "commit")
+    lifecycle.settle(run, 2, policy="halt", attempt=1)
+    assert lifecycle.committed_iterations(run) == [1, 2] and lifecycle.last_good_iteration(run) == 2
+    assert run.events()[-1]["previous_last_good"] == 1
+
+
+def test_settle_rollback_discards_the_checkpoint_and_restores_the_kl_controller(tmp_path):
+    run = RunDir(tmp_path / "run")
+    _trained_iteration(run, 1, "commit")
+    lifecycle.settle(run, 1, policy="halt", attempt=1)
+    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.01, "target_kl": 0.02, "horizon": 100}')
+    lifecycle.begin_iteration(run, 2)
+    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.5, "target_kl": 0.02, "horizon": 100}')  # gae moved it
+    _trained_iteration(run, 2, "rollback")
+
+    assert lifecycle.settle(run, 2, policy="retry", attempt=1) == "rollback"
+    assert not run.checkpoint(2).exists() and not list(run.iter_dir(2).glob("checkpoint*"))
+    assert run.read_json(run.kl_ctrl_path)["value"] == 0.01
+    assert {s: (r["status"], r["rollback_attempt"]) for s, r in read_manifest(run, 2).items()} == {
+        s: ("rolled_back", 1) for s in ("gae", "update", "guard")}
+    assert lifecycle.committed_iterations(run) == [1] and run.checkpoint(1).is_dir()  # last-good untouched
+    event = run.events()[-1]
+    assert event["kind"] == "rollback" and event["last_good"] == 1 and event["kl"] == 0.7
+    assert event["policy"] == "retry" and lifecycle.rollback_count(run, 2) == 1
+    # settling again (a crash after the rollback) leaves the same state
+    lifecycle.settle(run, 2, policy="retry", attempt=1)
+    assert not run.checkpoint(2).exists() and run.read_json(run.kl_ctrl_path)["value"] == 0.01
+    assert lifecycle.committed_iterations(run) == [1]
+
+
+def test_settle_without_a_verdict_names_the_guard_stage(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.checkpoint(1).joinpath("actor").mkdir(parents=True)
+    with pytest.raises(CheckpointError, match="rlhf stage guard"):
+        lifecycle.settle(run, 1, policy="halt", attempt=1)
+    assert lifecycle.read_last_good(run) is None
+
+
+def test_a_committed_iteration_is_never_rolled_back_nor_an_older_one_committed(tmp_path):
+    run = RunDir(tmp_path / "run")
+    for k in (1, 2):
+        _trained_iteration(run, k, "commit")
+    lifecycle.commit_iteration(run, 2)
+    with pytest.raises(CheckpointError, match="already committed after it"):
+        lifecycle.commit_iteration(run, 1)
+    with pytest.raises(CheckpointError, match="never rolled back"):
+        lifecycle.rollback_iteration(run, 2, policy="halt", attempt=1)
+    assert run.checkpoint(2).is_dir()
+    shutil.rmtree(run.checkpoint(1))
+    with pytest.raises(CheckpointError, match="actor is missing"):
+        lifecycle.commit_iteration(run, 1)
+
+
+def test_discard_refuses_the_last_good_checkpoint(tmp_path):
+    run = RunDir(tmp_path / "run")
+    _trained_iteration(run, 1, "commit")
+    lifecycle.commit_iteration(run, 1)
+    with pytest.raises(CheckpointError, match="last-good"):
+        lifecycle.discard_checkpoint(run, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# KL controller snapshot and retries
+# ---------------------------------------------------------------------------------------------
+
+
+def test_begin_iteration_restores_the_controller_when_gae_did_not_finish(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.1, "target_kl": 0.02, "horizon": 100}')
+    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "taken"
+    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.2, "target_kl": 0.02, "horizon": 100}')
+    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "restored"  # a crash inside gae
+    assert run.read_json(run.kl_ctrl_path)["value"] == 0.1
+    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.2, "target_kl": 0.02, "horizon": 100}')
+    record_stage(run, 3, "gae", status="done", inputs={}, outputs={}, config_hash="x")
+    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "kept"  # gae finished: its update stands
+    assert run.read_json(run.kl_ctrl_path)["value"] == 0.2
+
+
+def test_restore_without_a_controller_state_removes_it(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    lifecycle.begin_iteration(run, 1)  # no kl_ctrl.json yet: iteration 1 starts from the config
+    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.3}')
+    assert lifecycle.restore_kl_controller(run, 1) is None
+    assert not run.kl_ctrl_path.exists()
+
+
+def test_retry_overrides_divide_lr_and_multiply_the_kl_coefficient(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.01}')
+    lifecycle.begin_iteration(run, 2)
+    cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-4", "trainer.retry_lr_divisor=10",
+                             "trainer.retry_kl_coef_multiplier=4"])
+    overrides, changes = lifecycle.retry_overrides(cfg, run, 2)
+    assert overrides == ["actor_rollout_ref.actor.optim.lr=1e-05"]
+    assert changes["kl_ctrl.value"] == (0.01, 0.04)
+    assert run.read_json(run.kl_ctrl_path)["value"] == 0.04
+    # a second rollback restores the raised coefficient, not the original one
+    assert lifecycle.restore_kl_controller(run, 2)["value"] == 0.04
+
+
+def test_retry_without_controller_state_overrides_the_config_coefficient(tmp_path):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    cfg = load_config(None, ["algorithm.kl_ctrl.kl_coef=0.002", "trainer.retry_lr_divisor=1",
+                             "trainer.retry_kl_coef_multiplier=3"])
+    overrides, changes = lifecycle.retry_overrides(cfg, run, 1)
+    assert overrides == ["algorithm.kl_ctrl.kl_coef=0.006"]
+    assert "actor_rollout_ref.actor.optim.lr" not in changes
+
+
+# ---------------------------------------------------------------------------------------------
+# which checkpoint an iteration started from / what validation after step k measures
+# ---------------------------------------------------------------------------------------------
+
+
+def test_checkpoint_before_is_the_one_an_iteration_started_from(tmp_path, tiny_model_dir):
+    run = RunDir(tmp_path / "run")
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir}"])
+    for k in (1, 2, 3):
+        run.checkpoint(k).joinpath("actor").mkdir(parents=True)
+    lifecycle.commit_iteration(run, 1)
+    lifecycle.commit_iteration(run, 3)  # iteration 2 was rolled back: never committed
+    assert lifecycle.checkpoint_before(run, 1) is None and actor_path(cfg, run, 1) == tiny_model_dir
+    assert lifecycle.checkpoint_before(run, 2) == run.checkpoint(1)
+    assert lifecycle.checkpoint_before(run, 3) == run.checkpoint(1)
+    assert lifecycle.checkpoint_before(run, 4) == run.checkpoint(3) == actor_path(cfg, run).parent  # = last-good
+    # validation after step k measures the policy as it was after k: the latest commit at or before k
+    assert [lifecycle.policy_after(run, k) for k in (0, 1, 2, 3)] == [
+        None, run.checkpoint(1), run.checkpoint(1), run.checkpoint(3)]
+    shutil.rmtree(run.checkpoint(1))  # pruned
+    with pytest.raises(CheckpointError, match="pruned"):
+        lifecycle.checkpoint_before(run, 2)
