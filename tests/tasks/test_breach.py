@@ -5,7 +5,6 @@ from __future__ import annotations
 import pytest
 
 from rlhf_core.config import load_config, to_yaml
-from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.manifest import record_stage
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
@@ -36,7 +35,7 @@ def test_retry_lowers_the_learning_rate_and_raises_the_kl_coefficient(tmp_path):
     assert run.read_json(run.kl_ctrl_path)["value"] == pytest.approx(0.02)
     saved = resolve_run_config(run.root, None, [])  # a resume continues with the smaller step
     assert saved.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-5)
-    assert [e["kind"] for e in run.events()] == ["retry"]
+    assert [e["kind"] for e in run.events()] == ["commit", "retry"]  # commit: iteration 1, by the setup
 
 
 def test_retries_are_bounded_then_the_run_halts(tmp_path):

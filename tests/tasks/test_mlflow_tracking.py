@@ -26,9 +26,9 @@ def run(tmp_path, shared_home, monkeypatch):
     return run
 
 
-def test_embedded_store_lives_in_the_state_directory(tmp_path, monkeypatch):
+def test_embedded_store_lives_in_the_state_directory(monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert mlflow_tracking.tracking_uri() == f"sqlite:///{tmp_path / '.rlhf' / 'mlflow' / 'mlflow.db'}"
+    assert mlflow_tracking.tracking_uri() == f"sqlite:///{Path(os.environ['RLHF_HOME']) / 'mlflow' / 'mlflow.db'}"
     assert mlflow_tracking.artifact_root() == (Path(os.environ["RLHF_HOME"]) / "mlflow" / "artifacts").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5000")
     assert mlflow_tracking.tracking_uri() == "http://127.0.0.1:5000" and mlflow_tracking.artifact_root() is None
@@ -73,6 +73,7 @@ def test_a_wiped_store_starts_a_new_run(run, tmp_path, monkeypatch):
 def test_backfill_logs_committed_iterations_missing_from_mlflow_once(run):
     """A crash between an iteration's commit and its (background) report: the run directory has the
     metrics, MLflow not; the next flow run logs them, the same batch the report would have sent."""
+    from rlhf_core.run.lifecycle import commit_iteration
     from rlhf_core.run.manifest import record_stage
     from tasks.iteration import backfill_metrics
 
@@ -82,7 +83,9 @@ def test_backfill_logs_committed_iterations_missing_from_mlflow_once(run):
         record_stage(run, k, "rollout", status="done", inputs={}, outputs={}, config_hash="h",
                      metrics={"response_length/mean": 8.0 + k}, seconds=1.0)
         record_stage(run, k, "guard", status="done", inputs={}, outputs={}, config_hash="h",
-                     metrics={"guard/kl_mean": 0.01 * k}, seconds=0.5, committed=True)
+                     metrics={"guard/kl_mean": 0.01 * k}, seconds=0.5)
+        run.checkpoint(k).joinpath("actor").mkdir(parents=True)
+        commit_iteration(run, k)
     record_stage(run, 3, "rollout", status="done", inputs={}, outputs={}, config_hash="h", metrics={}, seconds=1.0)
     mlflow_tracking.log_metrics(run_id, {"perf/iteration_seconds": 1.5, "kl/mean": 0.01}, step=1)  # 1 was reported
 
