@@ -3,9 +3,14 @@
 Names follow verl's dotted layout (``actor_rollout_ref.actor.clip_ratio``) so a verl user's overrides
 work unchanged, and a key that carries verl's name has verl's meaning and verl's default (docstrings
 start "verl:"); where a default differs, its docstring says why and docs/verl.md lists it. Keys of
-verl's that change nothing here are accepted and named once (``verl_keys.py``). Rules that a value
-must obey live in ``validate.py``; derived values (budgets that default to another key's) in
-``resolve.py``.
+verl's that change nothing here are accepted and named once (``verl_keys.py``). Each section's
+``check(key)`` holds the rules about its own fields, beside them, so a new key and its rule are
+written together; rules that compare two sections live in ``validate.py``, which walks the sections;
+derived values (budgets that default to another key's) in ``resolve.py``.
+
+Names of algorithms (advantage estimator, policy loss, KL estimator, aggregation mode, KL
+controller) are checked against their registries in ``rlhf_core.algos``, so a newly registered
+variant is valid at once and a typo fails at load with the valid names.
 
 FSDP → DeepSpeed mapping (the update stage always trains with DeepSpeed ZeRO):
     actor.strategy = fsdp | fsdp2        → accepted as aliases of ``deepspeed`` (ZeRO stage from
@@ -22,13 +27,54 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal, Optional
 
+from rlhf_core.algos.registry import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, KL_ESTIMATORS, POLICY_LOSSES, Registry
+from rlhf_core.algos import kl as _kl  # noqa: F401  (registers the KL estimators)
+from rlhf_core.algos import advantage as _advantage  # noqa: F401  (registers the estimators)
+from rlhf_core.algos import losses as _losses  # noqa: F401  (registers the policy losses)
+from rlhf_core.algos import controllers as _controllers  # noqa: F401  (registers the KL controllers)
+from rlhf_core.config.errors import ConfigError
+from rlhf_core.config.notes import say_once
+
+LOGGERS_HERE = ("console", "mlflow")
+LOGGERS_ELSEWHERE = ("wandb", "swanlab", "tensorboard", "vemlp_wandb", "clearml", "trackio", "file")
+
+
+def require(ok: bool, key: str, rule: str, value: object) -> None:
+    """Raise the one-line error every rule shares: ``<full.key>=<value>: <rule>``."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: {rule}")
+
+
+def require_registered(registry: Registry, key: str, value: str) -> None:
+    """``value`` must name an entry of ``registry`` (looked up at load, so runtime entries count)."""
+    require(value in registry, key, f"unknown {registry.kind}; valid: {', '.join(registry.names())}", value)
+
+
+def require_kl_estimator(key: str, value: str) -> None:
+    """A KL estimator name, or its straight-through variant (the name with a '+' suffix)."""
+    require(value.removesuffix("+") in KL_ESTIMATORS, key,
+            f"must be one of {', '.join(KL_ESTIMATORS.names())}, optionally with a '+' suffix", value)
+
+
+def _freq_ok(value: int) -> bool:
+    return value == -1 or value >= 1
+
+
+class Section:
+    """A config section. ``check(key)`` enforces the rules about its own fields (``key`` is the
+    section's dotted prefix); subsections are checked by the walk in ``validate.py``, not here."""
+
+    def check(self, key: str) -> None:
+        """No rules of its own."""
+
+
 # ---------------------------------------------------------------------------------------------
 # data
 # ---------------------------------------------------------------------------------------------
 
 
 @dataclass
-class DataConfig:
+class DataConfig(Section):
     train_files: list[str] = field(default_factory=lambda: ["data/arith/train.jsonl"])
     """Prompt files: verl's preprocessed Parquet, or raw JSONL / Parquet / CSV rows (data.adapter).
     The default is the embedded arithmetic set."""
@@ -83,6 +129,16 @@ class DataConfig:
     seed: int = 42
     """Seed for the train/validation split and the per-epoch prompt order."""
 
+    def check(self, key: str) -> None:
+        require(self.train_batch_size > 0, f"{key}.train_batch_size", "must be > 0", self.train_batch_size)
+        require(0 <= self.val_fraction < 1, f"{key}.val_fraction", "must be in [0, 1)", self.val_fraction)
+        require(self.max_val_samples >= 0, f"{key}.max_val_samples", "must be >= 0 (0 = no validation set)",
+                self.max_val_samples)
+        require(self.max_prompt_length > 0, f"{key}.max_prompt_length", "must be > 0", self.max_prompt_length)
+        require(self.max_response_length > 0, f"{key}.max_response_length", "must be > 0",
+                self.max_response_length)
+        require(len(self.train_files) > 0, f"{key}.train_files", "needs at least one file", self.train_files)
+
 
 # ---------------------------------------------------------------------------------------------
 # actor / rollout / reference
@@ -90,7 +146,7 @@ class DataConfig:
 
 
 @dataclass
-class WarmStartConfig:
+class WarmStartConfig(Section):
     """Supervised warm start (``rlhf_core.sft.warm_start``): fine-tune model.path on the train split's
     worked answers before PPO, so a model with no instruct checkpoint (the tiny one) starts from a
     real but weak policy. Cached under <state dir>/models by a hash of everything below + data + model."""
@@ -115,9 +171,20 @@ class WarmStartConfig:
     seed: int = 0
     """Seed of the data order, the prose endings and the dev sample."""
 
+    def check(self, key: str) -> None:
+        require(self.steps >= 1, f"{key}.steps", "must be >= 1", self.steps)
+        require(self.batch_size >= 1, f"{key}.batch_size", "must be >= 1", self.batch_size)
+        require(self.lr > 0, f"{key}.lr", "must be > 0", self.lr)
+        require(self.warmup_steps >= 1, f"{key}.warmup_steps", "must be >= 1", self.warmup_steps)
+        require(0 <= self.prose_answer_fraction <= 1, f"{key}.prose_answer_fraction", "must be in [0, 1]",
+                self.prose_answer_fraction)
+        require(self.eval_every >= 0, f"{key}.eval_every", "must be >= 0 (0 = evaluate only at the end)",
+                self.eval_every)
+        require(self.dev_size >= 1, f"{key}.dev_size", "must be >= 1", self.dev_size)
+
 
 @dataclass
-class ModelConfig:
+class ModelConfig(Section):
     path: str = "tiny"
     """A local Hugging Face model directory, a hub id resolved offline from the local Hugging Face
     cache (HF_HOME / HF_HUB_CACHE; nothing is downloaded), or 'tiny' for the locally built tiny model."""
@@ -140,9 +207,12 @@ class ModelConfig:
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Supervised warm start of the initial actor (the embedded demo enables it)."""
 
+    def check(self, key: str) -> None:
+        require(self.lora_rank >= 0, f"{key}.lora_rank", "must be >= 0", self.lora_rank)
+
 
 @dataclass
-class OptimConfig:
+class OptimConfig(Section):
     optimizer: Literal["AdamW"] = "AdamW"
     """verl: the optimizer class (AdamW, torch.optim's)."""
     lr: float = 1e-6
@@ -164,9 +234,17 @@ class OptimConfig:
     total_training_steps: int = -1
     """verl: filled in from trainer.* when the run starts (-1); a value here is ignored, as in verl."""
 
+    def check(self, key: str) -> None:
+        require(self.lr > 0, f"{key}.lr", "must be > 0", self.lr)
+        require(len(self.betas) == 2, f"{key}.betas", "needs exactly two values", self.betas)
+        require(0 <= self.lr_warmup_steps_ratio <= 1, f"{key}.lr_warmup_steps_ratio", "must be in [0, 1]",
+                self.lr_warmup_steps_ratio)
+        require(0 <= self.min_lr_ratio <= 1, f"{key}.min_lr_ratio", "must be in [0, 1]", self.min_lr_ratio)
+        require(self.num_cycles > 0, f"{key}.num_cycles", "must be > 0", self.num_cycles)
+
 
 @dataclass
-class FSDPConfig:
+class FSDPConfig(Section):
     """Accepted for verl compatibility; mapped to deepspeed_config (see the module docstring)."""
 
     param_offload: bool = False
@@ -176,7 +254,7 @@ class FSDPConfig:
 
 
 @dataclass
-class DeepSpeedConfig:
+class DeepSpeedConfig(Section):
     zero_stage: int = 0
     """ZeRO stage 0-3. 0 is fastest for one process on a CPU; use 2 or 3 on several GPUs. bf16/fp16 train
     at stage >= 1 (DeepSpeed's stage-0 mixed-precision optimizer hides the per-parameter state we save)."""
@@ -187,9 +265,12 @@ class DeepSpeedConfig:
     config_path: Optional[str] = None
     """A raw DeepSpeed JSON whose keys override the generated config."""
 
+    def check(self, key: str) -> None:
+        require(self.zero_stage in (0, 1, 2, 3), f"{key}.zero_stage", "must be 0, 1, 2 or 3", self.zero_stage)
+
 
 @dataclass
-class PolicyLossConfig:
+class PolicyLossConfig(Section):
     loss_mode: str = "vanilla"
     """verl: the policy-loss registry name (rlhf_core.algos.registry.POLICY_LOSSES)."""
     clip_cov_ratio: float = 0.0002
@@ -201,9 +282,12 @@ class PolicyLossConfig:
     ppo_kl_coef: float = 0.1
     """verl (kl_cov): coefficient of that penalty."""
 
+    def check(self, key: str) -> None:
+        require_registered(POLICY_LOSSES, f"{key}.loss_mode", self.loss_mode)
+
 
 @dataclass
-class ActorConfig:
+class ActorConfig(Section):
     strategy: Literal["deepspeed", "fsdp", "fsdp2"] = "deepspeed"
     """Training backend. fsdp/fsdp2 are accepted aliases that map to DeepSpeed ZeRO."""
     ppo_mini_batch_size: int = 256
@@ -249,9 +333,28 @@ class ActorConfig:
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
+    def check(self, key: str) -> None:
+        require(0 < self.clip_ratio < 1, f"{key}.clip_ratio", "must be in (0, 1)", self.clip_ratio)
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, name)
+            require(value is None or value >= 0, f"{key}.{name}", "must be >= 0 (or null to use clip_ratio)", value)
+        require(self.clip_ratio_c > 1, f"{key}.clip_ratio_c", "dual-clip bound must be > 1", self.clip_ratio_c)
+        if self.clip_ratio != 0.2 and self.clip_ratio_low is not None and self.clip_ratio_high is not None:
+            say_once(f"config: {key}.clip_ratio={self.clip_ratio} has no effect while clip_ratio_low/high are set "
+                     f"({self.clip_ratio_low}/{self.clip_ratio_high}, verl's defaults are 0.2); "
+                     "set them to null to follow it")
+        require(self.grad_clip > 0, f"{key}.grad_clip", "must be > 0", self.grad_clip)
+        require(self.ppo_mini_batch_size > 0, f"{key}.ppo_mini_batch_size", "must be > 0", self.ppo_mini_batch_size)
+        require(self.ppo_epochs >= 1, f"{key}.ppo_epochs", "must be >= 1", self.ppo_epochs)
+        require(self.kl_loss_coef >= 0, f"{key}.kl_loss_coef", "must be >= 0", self.kl_loss_coef)
+        require_kl_estimator(f"{key}.kl_loss_type", self.kl_loss_type)
+        require_registered(AGG_MODES, f"{key}.loss_agg_mode", self.loss_agg_mode)
+        require(self.loss_scale_factor is None or self.loss_scale_factor > 0, f"{key}.loss_scale_factor",
+                "must be > 0 (or null = data.max_response_length)", self.loss_scale_factor)
+
 
 @dataclass
-class SamplingConfig:
+class SamplingConfig(Section):
     """verl's rollout.val_kwargs: how validation decodes (greedy by default)."""
 
     top_k: int = -1
@@ -263,9 +366,15 @@ class SamplingConfig:
     do_sample: bool = False
     """verl: false = greedy, whatever the temperature."""
 
+    def check(self, key: str) -> None:
+        require(self.temperature >= 0, f"{key}.temperature", "must be >= 0 (0 = greedy)", self.temperature)
+        require(0 < self.top_p <= 1, f"{key}.top_p", "must be in (0, 1]", self.top_p)
+        require(self.top_k == -1 or self.top_k > 0, f"{key}.top_k", "must be -1 (off) or > 0", self.top_k)
+        require(self.n >= 1, f"{key}.n", "must be >= 1", self.n)
+
 
 @dataclass
-class RolloutConfig:
+class RolloutConfig(Section):
     name: Literal["hf", "vllm", "offline"] = "hf"
     """Engine: Hugging Face generate (CPU/GPU), vLLM (GPU; falls back to hf without CUDA, saying so),
     or imported offline trajectories."""
@@ -302,9 +411,23 @@ class RolloutConfig:
     (their per-token matmuls are too small to split; on shared cores extra threads spin-wait: tiny
     model 3,600 tokens/s on 1 thread vs 220 on 2 busy cores), else torch's default."""
 
+    def check(self, key: str) -> None:
+        require(self.temperature > 0 or not self.do_sample, f"{key}.temperature",
+                f"must be > 0 when sampling (set {key}.do_sample=false for greedy)", self.temperature)
+        require(0 < self.top_p <= 1, f"{key}.top_p", "must be in (0, 1]", self.top_p)
+        require(self.top_k == -1 or self.top_k > 0, f"{key}.top_k", "must be -1 (off) or > 0", self.top_k)
+        require(self.n >= 1, f"{key}.n", "must be >= 1", self.n)
+        require(0 < self.gpu_memory_utilization <= 1, f"{key}.gpu_memory_utilization", "must be in (0, 1]",
+                self.gpu_memory_utilization)
+        require(self.tensor_model_parallel_size >= 1, f"{key}.tensor_model_parallel_size", "must be >= 1",
+                self.tensor_model_parallel_size)
+        require(self.cpu_threads >= 0, f"{key}.cpu_threads", "must be >= 0 (0 = auto)", self.cpu_threads)
+        require(self.name != "offline" or bool(self.offline_path), f"{key}.offline_path",
+                f"must name a JSONL/Parquet file when {key}.name=offline", self.offline_path)
+
 
 @dataclass
-class RefConfig:
+class RefConfig(Section):
     model_path: Optional[str] = None
     """Reference policy; defaults to the actor's initial model (same forms as model.path)."""
     log_prob_micro_batch_size: Optional[int] = None
@@ -319,7 +442,7 @@ class RefConfig:
 
 
 @dataclass
-class ActorRolloutRefConfig:
+class ActorRolloutRefConfig(Section):
     model: ModelConfig = field(default_factory=ModelConfig)
     actor: ActorConfig = field(default_factory=ActorConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -332,7 +455,7 @@ class ActorRolloutRefConfig:
 
 
 @dataclass
-class CriticModelConfig:
+class CriticModelConfig(Section):
     path: Optional[str] = None
     """Backbone for the value model; defaults to the actor's initial model (new scalar head)."""
     tokenizer_path: Optional[str] = None
@@ -346,7 +469,7 @@ class CriticModelConfig:
 
 
 @dataclass
-class CriticConfig:
+class CriticConfig(Section):
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     strategy: Literal["deepspeed", "fsdp", "fsdp2"] = "deepspeed"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
@@ -377,9 +500,15 @@ class CriticConfig:
     """verl: the critic's gradient-norm clip."""
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
+    def check(self, key: str) -> None:
+        require(self.cliprange_value > 0, f"{key}.cliprange_value", "must be > 0", self.cliprange_value)
+        if self.loss_agg_mode is not None:
+            require_registered(AGG_MODES, f"{key}.loss_agg_mode", self.loss_agg_mode)
+        require(self.grad_clip > 0, f"{key}.grad_clip", "must be > 0", self.grad_clip)
+
 
 @dataclass
-class RewardModelModelConfig:
+class RewardModelModelConfig(Section):
     path: Optional[str] = None
     """verl: the sequence-classification reward model (local directory or hub id in the local cache)."""
     input_tokenizer: Optional[str] = None
@@ -390,7 +519,7 @@ class RewardModelModelConfig:
 
 
 @dataclass
-class RewardModelConfig:
+class RewardModelConfig(Section):
     enable: bool = False
     """verl: score with a sequence-classification reward model instead of the rule-based reward."""
     strategy: Literal["deepspeed", "fsdp", "fsdp2"] = "deepspeed"
@@ -407,9 +536,13 @@ class RewardModelConfig:
     reward_manager: Literal["naive"] = "naive"
     """verl: how rule-based rewards are applied; 'naive' (one compute_score call per response)."""
 
+    def check(self, key: str) -> None:
+        require(self.model.path is not None or not self.enable, f"{key}.model.path",
+                f"must be set when {key}.enable=true", self.model.path)
+
 
 @dataclass
-class CustomRewardConfig:
+class CustomRewardConfig(Section):
     path: Optional[str] = None
     """verl: a .py file (or 'pkg.module') holding compute_score(data_source, solution_str,
     ground_truth, extra_info); when set it scores every row."""
@@ -429,7 +562,7 @@ class CustomRewardConfig:
 
 
 @dataclass
-class KLCtrlConfig:
+class KLCtrlConfig(Section):
     type: Literal["fixed", "adaptive"] = "fixed"
     """verl: the in-reward KL coefficient's controller."""
     kl_coef: float = 0.001
@@ -439,9 +572,15 @@ class KLCtrlConfig:
     horizon: int = 10000
     """verl: the adaptive controller's horizon (samples)."""
 
+    def check(self, key: str) -> None:
+        require_registered(KL_CONTROLLERS, f"{key}.type", self.type)
+        require(self.kl_coef >= 0, f"{key}.kl_coef", "must be >= 0", self.kl_coef)
+        require(self.target_kl > 0, f"{key}.target_kl", "must be > 0", self.target_kl)
+        require(self.horizon > 0, f"{key}.horizon", "must be > 0", self.horizon)
+
 
 @dataclass
-class AlgorithmConfig:
+class AlgorithmConfig(Section):
     adv_estimator: str = "gae"
     """verl: the advantage-estimator registry name (rlhf_core.algos.registry.ADV_ESTIMATORS)."""
     gamma: float = 1.0
@@ -456,9 +595,15 @@ class AlgorithmConfig:
     """verl: KL estimator for the in-reward penalty."""
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
 
+    def check(self, key: str) -> None:
+        require(0 <= self.gamma <= 1, f"{key}.gamma", "must be in [0, 1]", self.gamma)
+        require(0 <= self.lam <= 1, f"{key}.lam", "must be in [0, 1]", self.lam)
+        require_registered(ADV_ESTIMATORS, f"{key}.adv_estimator", self.adv_estimator)
+        require_kl_estimator(f"{key}.kl_penalty", self.kl_penalty)
+
 
 @dataclass
-class TrainerConfig:
+class TrainerConfig(Section):
     project_name: str = "rlhf"
     """verl: the MLflow experiment is <project_name>/<experiment_name>."""
     experiment_name: str = "default"
@@ -527,9 +672,35 @@ class TrainerConfig:
     seed: int = 1
     """Global seed (model init, shuffles)."""
 
+    def check(self, key: str) -> None:
+        require(self.total_iterations is None or self.total_iterations >= 1, f"{key}.total_iterations",
+                "must be >= 1 (or null: derived from total_training_steps / total_epochs)", self.total_iterations)
+        require(self.total_training_steps is None or self.total_training_steps >= 1, f"{key}.total_training_steps",
+                "must be >= 1 (or null: total_epochs × steps per epoch)", self.total_training_steps)
+        require(self.total_epochs >= 1, f"{key}.total_epochs", "must be >= 1", self.total_epochs)
+        require(_freq_ok(self.test_freq), f"{key}.test_freq", "must be >= 1, or -1 for never", self.test_freq)
+        require(_freq_ok(self.save_freq), f"{key}.save_freq", "must be >= 1, or -1 for only the last-good checkpoint",
+                self.save_freq)
+        require(self.critic_warmup >= 0, f"{key}.critic_warmup", "must be >= 0", self.critic_warmup)
+        for name in self.logger:
+            require(name in LOGGERS_HERE + LOGGERS_ELSEWHERE, f"{key}.logger",
+                    f"unknown logger {name!r}; valid: {', '.join(LOGGERS_HERE + LOGGERS_ELSEWHERE)}", self.logger)
+        require(self.curve_freq >= 1, f"{key}.curve_freq", "must be >= 1", self.curve_freq)
+        require(self.kl_rollback_threshold > 0, f"{key}.kl_rollback_threshold", "must be > 0",
+                self.kl_rollback_threshold)
+        require(self.max_rollbacks >= 0, f"{key}.max_rollbacks", "must be >= 0", self.max_rollbacks)
+        require(self.retry_kl_coef_multiplier >= 1, f"{key}.retry_kl_coef_multiplier", "must be >= 1",
+                self.retry_kl_coef_multiplier)
+        require(self.retry_lr_divisor >= 1, f"{key}.retry_lr_divisor", "must be >= 1", self.retry_lr_divisor)
+        require(self.nproc is None or self.nproc >= 1, f"{key}.nproc",
+                "must be >= 1 (or null: n_gpus_per_node × nnodes)", self.nproc)
+        require(self.concurrent_critic_actor != "always" or (self.nproc or 1) == 1, f"{key}.concurrent_critic_actor",
+                f"'always' needs {key}.nproc=1 (two threads' collectives could pair up differently on each rank); "
+                "use 'auto' or 'never'", self.concurrent_critic_actor)
+
 
 @dataclass
-class RLHFConfig:
+class RLHFConfig(Section):
     data: DataConfig = field(default_factory=DataConfig)
     actor_rollout_ref: ActorRolloutRefConfig = field(default_factory=ActorRolloutRefConfig)
     critic: CriticConfig = field(default_factory=CriticConfig)
