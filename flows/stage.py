@@ -28,8 +28,7 @@ from tasks import prefect_artifacts
 from tasks.iteration import finish_iteration_task, finish_tracking_task, start_tracking_task
 from tasks.stages import STAGE_TASKS
 
-StageName = Literal["warm_start", "init_critic", "preprocess", "pack", "rollout", "score", "gae", "update", "guard",
-                    "validate"]
+StageName = Literal[tuple(STAGES)]  # the registry's names, in its order (the Run form's choices)
 
 
 class StageParams(BaseModel):

@@ -6,13 +6,13 @@ from rlhf_core.rollout.base import (
     SamplingParams, derive_seed, get_engine, trim_response,
 )
 from rlhf_core.rollout.generate import (
-    build_engine, generate_responses, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
+    build_rollout_engine, generate_responses, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
     val_sampling_from_config,
 )
 
 __all__ = [
     "ENGINES", "FINISH_LENGTH", "FINISH_OFFLINE", "FINISH_STOP", "GeneratedSample", "GenerationStats",
-    "RolloutEngine", "SamplingParams", "build_engine", "derive_seed",
+    "RolloutEngine", "SamplingParams", "build_rollout_engine", "derive_seed",
     "generate_responses", "get_engine", "read_prompt_rows", "rollout_metrics", "rollout_table",
     "sampling_from_config", "trim_response", "val_sampling_from_config",
 ]

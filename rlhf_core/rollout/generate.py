@@ -58,7 +58,7 @@ def val_sampling_from_config(cfg: RLHFConfig, *, seed: int) -> SamplingParams:
                           max_new_tokens=cfg.data.max_response_length, n=v.n, seed=seed, greedy=greedy)
 
 
-def build_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional[str] = None) -> RolloutEngine:
+def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional[str] = None) -> RolloutEngine:
     """The engine named by ``actor_rollout_ref.rollout.name`` (or ``name``), loaded on ``model_path``."""
     r = cfg.actor_rollout_ref.rollout
     name = name or r.name
@@ -105,7 +105,7 @@ def generate_responses(
     stats = GenerationStats()
     owned = engine is None
     started = time.perf_counter()
-    engine = engine or build_engine(cfg, model_path)
+    engine = engine or build_rollout_engine(cfg, model_path)
     stats.load_seconds = time.perf_counter() - started if owned else 0.0
     try:
         if engine.schedules_own_batches:

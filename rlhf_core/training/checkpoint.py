@@ -43,7 +43,7 @@ FORMAT_VERSION = 1
 # ---------------------------------------------------------------------------------------------
 
 
-def write_manifest(directory: Path) -> dict[str, Any]:
+def write_checksums(directory: Path) -> dict[str, Any]:
     files = {}
     for p in sorted(q for q in directory.rglob("*") if q.is_file() and q.name != MANIFEST):
         files[str(p.relative_to(directory))] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
@@ -196,7 +196,7 @@ def save_checkpoint(directory: str | Path, *, actor: TrainEngine, critic: TrainE
             save_file(rng_tensors, str(tmp / "rng.safetensors"))
             state = {**trainer_state, "rng": rng_json, "format": FORMAT_VERSION}
             (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-            write_manifest(tmp)
+            write_checksums(tmp)
     barrier()
     return directory
 

@@ -164,7 +164,7 @@ class TrainEngine:
         self.set_lr_schedule_step(self.lr_schedule_step + 1)
 
 
-def build_engine(role: str, model: torch.nn.Module, optim: OptimConfig, ds_config: dict, dtype: str,
+def build_train_engine(role: str, model: torch.nn.Module, optim: OptimConfig, ds_config: dict, dtype: str,
                  schedule: Callable[[int], float]) -> TrainEngine:
     """``deepspeed.initialize`` with a client AdamW over the trainable parameters (plain torch: no
     JIT-compiled DeepSpeed op). No scheduler is handed to DeepSpeed, which would step it once per

@@ -38,7 +38,7 @@ from rlhf_core.training.checkpoint import (load_optimizer_files, load_rng, save_
                                            verify_checkpoint)
 from rlhf_core.training.distributed import all_reduce, init_distributed
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device, resolve_dtype, torch_dtype
-from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_engine, load_actor_model, load_critic_model,
+from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, load_actor_model, load_critic_model,
                                         lr_schedule)
 from rlhf_core.training.optim_state import restore_optimizer_state
 from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule, aggregate, run_ppo
@@ -147,12 +147,12 @@ def build_engines(cfg: RLHFConfig, sources: UpdateSources, device: str, world_si
     actor_model = load_actor_model(sources.actor, torch_dtype(actor_dtype), lora=lora, adapter_path=sources.adapter,
                                    gradient_checkpointing=m.enable_gradient_checkpointing, seed=cfg.trainer.seed)
     a_optim, c_optim = cfg.actor_rollout_ref.actor.optim, cfg.critic.optim
-    actor = build_engine("actor", actor_model, a_optim, actor_ds_config(cfg, device, world_size), actor_dtype,
+    actor = build_train_engine("actor", actor_model, a_optim, actor_ds_config(cfg, device, world_size), actor_dtype,
                          lr_schedule_for(a_optim, total_steps))
     actor.lora = lora
     critic_model = load_critic_model(sources.critic, torch_dtype(critic_dtype),
                                      gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing)
-    critic = build_engine("critic", critic_model, c_optim, critic_ds_config(cfg, device, world_size), critic_dtype,
+    critic = build_train_engine("critic", critic_model, c_optim, critic_ds_config(cfg, device, world_size), critic_dtype,
                           lr_schedule_for(c_optim, total_steps))
     return actor, critic
 
