@@ -20,7 +20,9 @@ from rlhf_core.config import load_config, to_yaml
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.manifest import read_manifest, write_manifest
-from rlhf_core.run.lifecycle import commit_iteration as write_last_good, read_last_good, verified_last_good
+from rlhf_core.run.lifecycle import (
+    commit_iteration as write_last_good, committed_iterations, read_last_good, verified_last_good,
+)
 from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.run.plan import open_run, plan_run, resume_point
 from rlhf_core.training.checkpoint import verify_checkpoint
@@ -43,7 +45,7 @@ def committed_run(root, iterations: int = 3) -> RunDir:
         write_checkpoint_manifest(ckpt)
         atomic_write_json(run.iter_dir(k) / "kl_ctrl_before.json", {"state": {"type": "fixed", "value": k / 10}})
         write_manifest(run, k, {s: {"status": "done"} for s in ("rollout", "score", "gae", "update")}
-                       | {"guard": {"status": "done", "committed": True}})
+                       | {"guard": {"status": "done"}})
         write_last_good(run, k)
     atomic_write_json(run.kl_ctrl_path, {"type": "fixed", "value": (iterations + 1) / 10})
     return run
@@ -83,11 +85,10 @@ def test_resume_falls_back_to_the_previous_good_checkpoint(tmp_path, capsys, dam
     assert len(event) == 1 and event[0]["corrupt_iteration"] == 3
     assert "actor_optim.safetensors" in event[0]["errors"][0]
     manifest = read_manifest(run, 3)  # iteration 3 reruns from gae on; rollout/score stay valid
-    assert manifest["guard"]["committed"] is False and manifest["guard"]["checkpoint_corrupt"] is True
+    assert manifest["guard"]["checkpoint_corrupt"] is True and committed_iterations(run) == [1, 2]
     assert [manifest[s]["status"] for s in ("rollout", "score", "gae", "update", "guard")] == \
         ["done", "done", "stale", "stale", "stale"]
     assert run.read_json(run.kl_ctrl_path) == {"type": "fixed", "value": 0.3}  # the state before iteration 3
-    assert read_manifest(run, 2)["guard"]["committed"] is True
     # a second call finds the pointer on a good checkpoint and changes nothing
     assert verified_last_good(run)["iteration"] == 2
     assert sum(e["kind"] == "checkpoint_corrupt_fallback" for e in run.events()) == 1
@@ -98,13 +99,16 @@ def test_fallback_skips_every_damaged_checkpoint(tmp_path):
     flip_byte(run.checkpoint(3) / "actor" / "model.safetensors")
     truncate(run.checkpoint(2) / "critic" / "model.safetensors")
     assert verified_last_good(run)["iteration"] == 1
-    assert [read_manifest(run, k)["guard"]["committed"] for k in (1, 2, 3)] == [True, False, False]
+    assert committed_iterations(run) == [1]
     assert run.read_json(run.kl_ctrl_path)["value"] == 0.2
 
 
 def test_no_checkpoint_verifies_is_an_error_naming_each(tmp_path):
     run = committed_run(tmp_path / "run", iterations=3)
-    shutil.rmtree(run.checkpoint(1))  # pruned: the run cannot go back to the initial models
+    manifest = read_manifest(run, 1)  # pruned as prune_checkpoints prunes (flag first, then the directory):
+    manifest["update"]["checkpoint_pruned"] = True  # the run cannot go back to the initial models
+    write_manifest(run, 1, manifest)
+    shutil.rmtree(run.checkpoint(1))
     (run.checkpoint(3) / "manifest.json").unlink()
     flip_byte(run.checkpoint(2) / "actor" / "model.safetensors")
     with pytest.raises(CheckpointError, match="no committed checkpoint") as info:
