@@ -402,6 +402,7 @@ def _score_run(tmp_path: Path, tiny_model_dir: Path, tokenizer, run_name: str, *
     from rlhf_core.data.schemas import PROMPTS, ROLLOUT
     from rlhf_core.io.atomic import atomic_write_parquet
     from rlhf_core.run.layout import RunDir
+    from rlhf_core.stages.init_critic import run_init_critic
     from rlhf_core.stages.score import run_score
 
     run = RunDir(tmp_path / run_name)
@@ -423,6 +424,7 @@ def _score_run(tmp_path: Path, tiny_model_dir: Path, tokenizer, run_name: str, *
     atomic_write_parquet(run.train_prompts, pa.Table.from_pylist([prompt], schema=PROMPTS), schema=PROMPTS)
     atomic_write_parquet(run.rollout(1), pa.Table.from_pylist(rollout, schema=ROLLOUT), schema=ROLLOUT)
     cfg = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.device=cpu", *overrides])
+    run_init_critic(cfg, run)
     run_score(cfg, run, 1)
     return [r["reward"] for r in pq.read_table(run.scored(1)).to_pylist()]
 
