@@ -75,8 +75,8 @@ def scored_run(tmp_path_factory, tiny_model_dir) -> Path:
         run = RunDir(base / "run")
         run.root.mkdir()
         write_config(run, to_yaml(cfg))
-        for stage in ("preprocess", "pack", "rollout", "score", "gae"):
-            get_stage(stage).load()(cfg, run, 1 if stage not in ("preprocess", "pack") else None)
+        for stage in ("init_critic", "preprocess", "pack", "rollout", "score", "gae"):  # registry order
+            get_stage(stage).load()(cfg, run, 1 if stage in ("rollout", "score", "gae") else None)
     return run.root
 
 
