@@ -260,7 +260,7 @@ def data_lost(run, cfg, iterations: int) -> dict[str, list[str]]:
     from rlhf_core.io.atomic import TMP_MARK
     from rlhf_core.run.manifest import read_manifest
     from rlhf_core.run.lifecycle import read_last_good
-    from rlhf_core.training.checkpoint import verify_checkpoint
+    from rlhf_core.io.checksums import verify_checkpoint
 
     lost: dict[str, list[str]] = {"iterations": [], "unreadable": [], "rows": [], "reasons": [], "temporaries": [],
                                   "last_good": []}

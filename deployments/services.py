@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from rlhf_core.errors import RLHFError
+from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.paths import project_root, state_dir
 from tasks.prefect_runs import mark_crashed, unfinished
 
@@ -124,8 +125,6 @@ def read_state() -> Optional[State]:
 
 
 def write_state(state: State) -> None:
-    from rlhf_core.io.atomic import atomic_write_json
-
     atomic_write_json(state_path(), {**asdict(state), "services": {k: asdict(v) for k, v in state.services.items()}})
 
 

@@ -11,6 +11,12 @@
     rlhf export RUN [key=value ...]                     save the last-good actor in HF format
     rlhf model build-tiny --out DIR                     build the local tiny model + tokenizer
 
+    rlhf rebuild RUN                                    rerun the stages that no longer follow config.yaml
+    rlhf services up|down|status|register               local Prefect server, worker, MLflow UI
+
+Each command lives in the module named in ``COMMANDS`` and is imported when it runs: the commands
+that need neither Prefect nor MLflow (``rlhf_cli.inspection``, ``rlhf_cli.local``) start without
+loading them.
 `run`, `demo` and `stage` run as Prefect flow runs (a temporary local Prefect server starts when
 PREFECT_API_URL is not set) tracked in MLflow (an SQLite store under $RLHF_HOME unless
 MLFLOW_TRACKING_URI is set).
@@ -19,14 +25,19 @@ MLFLOW_TRACKING_URI is set).
 from __future__ import annotations
 
 import argparse
+import importlib
 import logging
 import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
+
+from rlhf_cli import session
+from rlhf_core.errors import RLHFError
+from rlhf_core.paths import state_dir
+from rlhf_core.stages.registry import STAGES
 
 # quiet, offline defaults for every entry point (a user's explicit setting wins)
 for _key, _value in {
@@ -36,6 +47,36 @@ for _key, _value in {
 }.items():
     os.environ.setdefault(_key, _value)
 
+COMMANDS = {
+    "config": "rlhf_cli.inspection:cmd_config_show", "status": "rlhf_cli.inspection:cmd_status",
+    "query": "rlhf_cli.inspection:cmd_query", "export": "rlhf_cli.local:cmd_export",
+    "model": "rlhf_cli.local:cmd_build_tiny",
+    "stage": "rlhf_cli.orchestrated:cmd_stage", "run": "rlhf_cli.orchestrated:cmd_run",
+    "demo": "rlhf_cli.orchestrated:cmd_demo", "rebuild": "rlhf_cli.orchestrated:cmd_rebuild",
+    "services": "rlhf_cli.orchestrated:cmd_services",
+}
+"""Command → "module:function"."""
+
+
+def command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
+    if args.command == "stage" and args.local:  # no Prefect, no MLflow
+        return getattr(importlib.import_module("rlhf_cli.local"), "cmd_stage_local")
+    module, _, name = COMMANDS[args.command].partition(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def prepare_environment(args: argparse.Namespace) -> None:
+    """What must be in the environment before Prefect is first imported: its home under the
+    project's state directory, and for `run` / `demo` a quiet console (the iteration table,
+    warnings and errors; the per-task INFO log stays in the Prefect UI, the inner progress bars go
+    away). A user's own setting wins."""
+    home = Path(os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect")))
+    home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level itself
+    if args.command in ("run", "demo") and not getattr(args, "verbose", False):
+        for key, value in {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "TQDM_DISABLE": "1",
+                           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}.items():
+            os.environ.setdefault(key, value)
+
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-c", "--config", dest="preset", help="YAML preset (e.g. configs/demo.yaml)")
@@ -44,8 +85,6 @@ def _add_config_args(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from rlhf_core.stages.registry import STAGES
-
     parser = argparse.ArgumentParser(prog="rlhf", description="Offline PPO RLHF as a staged, rerunnable DAG.")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -116,322 +155,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-# ---------------------------------------------------------------------------------------------
-# commands
-# ---------------------------------------------------------------------------------------------
-
-
-def resolve_run_config(run_dir: Optional[Path], preset: Optional[str], overrides: Sequence[str]):
-    """A run's config: its saved config.yaml (+ overrides) when no preset is given, else the preset."""
-    from rlhf_core.run.plan import resolve_run_config as resolve
-
-    return resolve(run_dir, preset, overrides)
-
-
-def _prefect_env() -> None:
-    """Prefect keeps its database and results under the project's state directory; a temporary
-    server, when this command needs one, is bound to this process (``_bind_temporary_server``)."""
-    from rlhf_core.paths import state_dir
-
-    home = Path(os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect")))
-    home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level itself
-    _bind_temporary_server()
-
-
-_SERVER_WATCHDOG = """
-import signal, sys, time
-import psutil
-
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for rlhf: it stops the server itself
-parent = int(sys.argv[1])
-try:
-    server = psutil.Process(int(sys.argv[2]))
-    while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
-        if psutil.Process().ppid() != parent:  # rlhf is gone (reparented): it cannot stop the server any more
-            server.terminate()
-            try:
-                server.wait(5)
-            except psutil.TimeoutExpired:
-                server.kill()
-            break
-        time.sleep(0.25)
-except psutil.NoSuchProcess:  # the server is gone already
-    pass
-"""
-"""Stops the temporary Prefect server once `rlhf` is gone, however it went; psutil's Process
-refuses to signal a PID that was reused meanwhile."""
-
-
-def _bind_temporary_server() -> None:
-    """Without PREFECT_API_URL, Prefect starts a temporary server as a child process on first use
-    and stops it at interpreter exit. A ``kill -9`` (or an ``os._exit``) skips that exit, and the
-    orphaned server kept listening for good. So the server is started here, before any flow, and a
-    tiny watchdog process stops it as soon as this process is gone. Nothing changes when
-    PREFECT_API_URL names a server (or ephemeral mode is off: Prefect reports that itself)."""
-    import subprocess
-
-    from prefect.server.api.server import SubprocessASGIServer
-    from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
-
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return
-    server = SubprocessASGIServer()  # the instance Prefect's clients use (one per process)
-    server.start()
-    subprocess.Popen([sys.executable, "-c", _SERVER_WATCHDOG, str(os.getpid()), str(server.server_process.pid)],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
-
-
-def _quiet_console() -> None:
-    """A run's console shows the iteration table, warnings and errors; the per-task INFO log stays
-    in the Prefect UI (only the console handler is raised) and the inner progress bars go away
-    (bars that matter pass disable=False explicitly). A user's own setting wins."""
-    for key, value in {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "TQDM_DISABLE": "1",
-                       "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}.items():
-        os.environ.setdefault(key, value)
-    from rlhf_core.config.machine import cuda_devices  # torch is loaded already (the config was fitted)
-
-    if cuda_devices() == 0:  # DeepSpeed warns on the console each time it has to detect the CPU itself
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-def _user_error_names() -> set[str]:
-    from rlhf_core.errors import RLHFError
-
-    names, todo = set(), [RLHFError]
-    while todo:
-        cls = todo.pop()
-        names.add(cls.__name__)
-        todo.extend(cls.__subclasses__())
-    return names | {"KeyboardInterrupt"}
-
-
-class _NoUserErrorTracebacks(logging.Filter):
-    """On the console only: drop Prefect's report of a run that failed on a user error (or Ctrl-C),
-    traceback included; the CLI prints that error as one line (the Prefect UI keeps the full log)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        if record.exc_info and record.exc_info[1] is not None:
-            return type(record.exc_info[1]).__name__ not in _user_error_names()
-        if record.levelno >= logging.ERROR and record.name.startswith(("prefect.flow_runs", "prefect.task_runs")):
-            text = record.getMessage()
-            return not any(f"{name}:" in text or f"{name}(" in text for name in _user_error_names())
-        return True
-
-
-def _quiet_user_errors() -> None:
-    """Install ``_NoUserErrorTracebacks`` on Prefect's console handlers (configured when Prefect loads)."""
-    from prefect.logging.handlers import PrefectConsoleHandler
-
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, PrefectConsoleHandler) and not any(
-                isinstance(f, _NoUserErrorTracebacks) for f in handler.filters):
-            handler.addFilter(_NoUserErrorTracebacks())
-
-
-def _print_result(result: dict) -> None:
-    status = "skipped (up to date)" if result["skipped"] else f"done in {result['seconds']:.1f}s"
-    where = f" iteration {result['iteration']}" if result.get("iteration") is not None else ""
-    print(f"[{result['stage']}{where}] {status}")
-    for line in result.get("summary", []):
-        print(f"  {line}")
-    if result.get("action"):
-        print(f"  guard verdict applied: {result['action']}")
-
-
-def cmd_config_show(args: argparse.Namespace) -> int:
-    """The resolved config, after the same checks `rlhf run` makes before any work (keys, values,
-    paths), so an error shows here first."""
-    from rlhf_core.config import flatten, to_yaml
-    from rlhf_core.config.inputs import check_inputs
-    from rlhf_core.run.plan import note_loggers, resolve_run_config
-
-    cfg = resolve_run_config(None, args.preset, args.overrides)
-    check_inputs(cfg)
-    note_loggers(cfg)
-    if args.flat:
-        for key, value in flatten(cfg).items():
-            print(f"{key}={value}")
-    else:
-        print(to_yaml(cfg), end="")
-    return 0
-
-
-def _stage_local(args: argparse.Namespace, overrides: list[str]) -> dict:
-    from rlhf_core.run.layout import RunDir
-    from rlhf_core.run.lock import RunLock
-    from rlhf_core.run.plan import stage_config
-    from rlhf_core.stages.registry import get_stage
-
-    run = RunDir(args.run_dir)
-    with RunLock(run):
-        cfg = stage_config(run, args.preset, overrides)  # a rerun's overrides stay out of config.yaml
-        return get_stage(args.stage).load()(cfg, run, getattr(args, "iteration", None), force=args.force).to_dict()
-
-
-def cmd_stage(args: argparse.Namespace) -> int:
-    overrides = list(args.overrides)
-    if getattr(args, "nproc", None):
-        overrides.append(f"trainer.nproc={args.nproc}")
-    if args.local:
-        result = _stage_local(args, overrides)
-    else:
-        _prefect_env()
-        from flows.stage import StageParams, rlhf_stage
-
-        _quiet_user_errors()
-
-        result = rlhf_stage(StageParams(stage=args.stage, run_dir=str(args.run_dir.resolve()),
-                                        iteration=getattr(args, "iteration", None), config=args.preset,
-                                        overrides=overrides, force=args.force))
-    _print_result(result)
-    return 0
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    from rlhf_core.run.plan import plan_run
-
-    # fail on a bad preset, override or path here, before a Prefect server is started for nothing
-    plan = plan_run(preset=None if args.resume else args.preset, overrides=list(args.overrides),
-                    iterations=args.iterations, run_name=args.run_name, resume=args.resume)
-    _RUN_DIR[0] = plan.run.root  # for the resume hint after Ctrl-C
-    if not getattr(args, "verbose", False):
-        _quiet_console()
-    _prefect_env()
-    from flows.pipeline import PipelineParams, rlhf_pipeline
-
-    _quiet_user_errors()
-    # the flow plans again: give it the directory planned here (a default name is a timestamp)
-    params = PipelineParams(config=args.preset if args.preset or args.resume else None,
-                            overrides=list(args.overrides), iterations=args.iterations,
-                            run_name=None if args.resume else plan.run.root.name,
-                            resume=str(args.resume.resolve()) if args.resume else None)
-    summary = rlhf_pipeline(params)
-    print(f"run directory: {summary['run_dir']}")
-    last_good = summary.get("last_good")
-    print(f"last-good: iteration {last_good['iteration']}" if last_good else "last-good: none")
-    exported = summary.get("export") or {}
-    if exported.get("exported"):
-        print(f"exported actor: {exported['path']}")
-    elif exported.get("reason"):
-        print(f"export: {exported['reason']}")
-    print(where_to_look(summary))
-    return 0
-
-
-def where_to_look(summary: dict) -> str:
-    """The closing block of ``rlhf run`` / ``rlhf demo``: the run directory, its learning curve,
-    MLflow and the Prefect UI, each with the command that opens it."""
-    from tasks.mlflow_tracking import run_url, tracking_uri
-
-    run_dir = summary["run_dir"]
-    curve = Path(run_dir) / "plots" / "learning_curve.png"
-    if summary.get("mlflow_run_id"):
-        uri = tracking_uri()
-        mlflow = f"run {summary['mlflow_run_id']}: " + (run_url(summary["mlflow_run_id"]) or (
-            f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000)"))
-    else:
-        mlflow = "not tracked (trainer.logger has no mlflow)"
-    api = os.environ.get("PREFECT_API_URL")
-    prefect = (f"{api.removesuffix('/api')}/runs (flow rlhf-pipeline)" if api else
-               "this run used a temporary Prefect server, now stopped; `make services-up` starts a "
-               "persistent one (http://127.0.0.1:4200) where later runs and the deployments appear")
-    lines = [
-        "where to look:",
-        f"  run directory   {run_dir}   (rlhf status {run_dir}; rlhf query {run_dir} \"select * from metrics_wide\")",
-        f"  learning curve  {curve if curve.is_file() else 'none (no iteration ran)'}",
-        f"  MLflow          {mlflow}",
-        f"  Prefect UI      {prefect}",
-    ]
-    return "\n".join(lines)
-
-
-def cmd_demo(args: argparse.Namespace) -> int:
-    from rlhf_core.paths import project_root
-
-    ns = argparse.Namespace(preset=str(project_root() / "configs" / "demo.yaml"), overrides=args.overrides,
-                            run_name=args.run_name, resume=None, iterations=None, verbose=args.verbose)
-    return cmd_run(ns)
-
-
-def cmd_rebuild(args: argparse.Namespace) -> int:
-    _require_run_dir(args.run_dir)
-    _prefect_env()
-    from flows.stage import rlhf_rebuild
-
-    _quiet_user_errors()
-    results = rlhf_rebuild(str(args.run_dir.resolve()))
-    for result in results:
-        _print_result(result)
-    print(f"rebuilt {len(results)} stage(s)" if results else "nothing to rebuild: every stage follows config.yaml")
-    return 0
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-    from rlhf_core.run.query import format_status
-
-    _require_run_dir(args.run_dir)
-    print(format_status(args.run_dir))
-    return 0
-
-
-def cmd_query(args: argparse.Namespace) -> int:
-    import duckdb
-
-    from rlhf_core.errors import RLHFError
-    from rlhf_core.run.query import format_table, query
-
-    _require_run_dir(args.run_dir)
-    try:
-        table = query(args.run_dir, args.sql)
-    except duckdb.Error as exc:
-        raise RLHFError(f"query failed: {exc}\n(views: prompts, rejects, generation_batches, rollouts, scored, "
-                        "advantages, response_kl, validation, metrics, metrics_wide, stages, events)") from None
-    print(format_table(table, max_rows=args.max_rows))
-    if args.csv:
-        import pyarrow.csv as pacsv
-
-        pacsv.write_csv(table, args.csv)
-        print(f"wrote {args.csv}")
-    return 0
-
-
-def cmd_export(args: argparse.Namespace) -> int:
-    from rlhf_core.run.export import export_actor
-    from rlhf_core.run.layout import RunDir
-    from rlhf_core.run.lock import RunLock
-
-    _require_run_dir(args.run_dir)
-    run = RunDir(args.run_dir)
-    cfg = resolve_run_config(run.root, None, args.overrides)
-    with RunLock(run):
-        path = export_actor(cfg, run, args.out)
-    print(f"exported the last-good actor to {path}")
-    return 0
-
-
-def _require_run_dir(path: Path) -> None:
-    from rlhf_core.errors import RLHFError
-
-    if not (Path(path) / "config.yaml").is_file():
-        raise RLHFError(f"{path} is not a run directory (no config.yaml); runs live under trainer.runs_root")
-
-
-def cmd_build_tiny(args: argparse.Namespace) -> int:
-    from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
-
-    spec = TinyModelSpec(hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-                         vocab_size=args.vocab_size, seed=args.seed)
-    path = build_tiny_model(args.out, spec)
-    print(f"tiny model + tokenizer written to {path}")
-    return 0
-
-
-def cmd_services(args: argparse.Namespace) -> int:
-    from deployments.services import main as services_main
-
-    return services_main([args.action, *args.options]) or 0
-
-
 def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     """argparse, plus key=value overrides anywhere on the line (``rlhf run --iterations 2 a.b=1``):
     argparse alone takes positionals only before the first option."""
@@ -443,10 +166,6 @@ def parse_args(argv: Optional[Sequence[str]]) -> argparse.Namespace:
     if extra:
         args.overrides = [*args.overrides, *extra]
     return args
-
-
-_RUN_DIR: list[Optional[Path]] = [None]
-"""The run directory `rlhf run` planned (set before its flow starts), for the resume hint."""
 
 
 class _OneLine(logging.Formatter):
@@ -470,9 +189,6 @@ def _console_logging(verbose: bool) -> tuple[logging.Logger, logging.Handler, bo
     return log, handler, propagate
 
 
-_SAID_INTERRUPTED = [False]
-
-
 def _on_ctrl_c(command: str) -> None:
     """From now on Ctrl-C (SIGINT) says at once how to resume, silences what the dying run would
     print after it (Prefect retrying a server the same Ctrl-C killed, tracebacks), and leaves with
@@ -480,7 +196,7 @@ def _on_ctrl_c(command: str) -> None:
 
     def handler(signum, frame) -> None:
         print(_interrupted(command), file=sys.stderr, flush=True)
-        _SAID_INTERRUPTED[0] = True
+        session.SAID_INTERRUPTED = True
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stderr.fileno())
         _exit_soon(130)
@@ -492,9 +208,9 @@ def _on_ctrl_c(command: str) -> None:
 
 def _interrupted(command: str) -> str:
     """The line printed after Ctrl-C: what to run to continue, when there is a run to continue."""
-    run_dir = _RUN_DIR[0]
-    if command in ("run", "demo") and run_dir is not None and (run_dir / "config.yaml").is_file():
-        return f"rlhf: interrupted; continue with: rlhf run --resume {run_dir}"
+    run_dir = session.RUN_DIR
+    if command in ("run", "demo") and run_dir is not None and run_dir.config_path.is_file():
+        return f"rlhf: interrupted; continue with: rlhf run --resume {run_dir.root}"
     return "rlhf: interrupted" + ("; no run directory was written yet" if command in ("run", "demo") else "")
 
 
@@ -532,27 +248,21 @@ def _drop_inherited_world_of_one() -> None:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The `rlhf` entry point. User errors (RLHFError, ConfigError, a missing file) print one line
     and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130."""
-    from rlhf_core.errors import RLHFError
-
     args = parse_args(argv)
     if argv is None:
         _drop_inherited_world_of_one()
-    handlers = {
-        "config": cmd_config_show, "stage": cmd_stage, "run": cmd_run, "demo": cmd_demo, "rebuild": cmd_rebuild,
-        "status": cmd_status, "query": cmd_query, "export": cmd_export, "model": cmd_build_tiny,
-        "services": cmd_services,
-    }
     log, handler, propagate = _console_logging(getattr(args, "verbose", False))
     if argv is None and args.command in ("run", "demo"):  # the console script, on a long-running command
         _on_ctrl_c(args.command)
     try:
-        return handlers[args.command](args) or 0
+        prepare_environment(args)
+        return command(args)(args) or 0
     except (RLHFError, FileNotFoundError) as exc:
         # user errors: one clear line, no traceback
         print(f"rlhf: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 3 if type(exc).__name__ == "KLGuardHalt" else 2
     except KeyboardInterrupt:
-        if not _SAID_INTERRUPTED[0]:
+        if not session.SAID_INTERRUPTED:
             print(_interrupted(args.command), file=sys.stderr, flush=True)
         if argv is None:  # the console script
             _exit_soon(130)

@@ -102,3 +102,17 @@ ADVANTAGES_EXTRA = [
     ("returns", pa.list_(pa.float32())),              # un-whitened advantages + values
 ]
 ADVANTAGES = pa.schema(list(SCORED) + [pa.field(n, t) for n, t in ADVANTAGES_EXTRA])
+
+VALIDATION = pa.schema([
+    ("iteration", pa.int32()),
+    ("prompt_id", pa.string()),
+    ("sample_index", pa.int32()),
+    ("data_source", pa.string()),
+    ("ground_truth", pa.string()),
+    ("response_text", pa.string()),
+    ("response_length", pa.int32()),
+    ("finish_reason", pa.string()),
+    ("reward", pa.float32()),
+    ("correct", pa.bool_()),
+])
+"""iter_k/validation.parquet: one row per validation response (stage validate)."""

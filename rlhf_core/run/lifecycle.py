@@ -41,7 +41,7 @@ from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.manifest import read_manifest, write_manifest
 from rlhf_core.run.schedule import save_due
 from rlhf_core.stages.registry import ROLLED_BACK_STAGES
-from rlhf_core.training.checkpoint import verify_checkpoint
+from rlhf_core.io.checksums import verify_checkpoint
 
 
 class KLGuardHalt(RLHFError):

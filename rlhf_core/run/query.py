@@ -34,7 +34,6 @@ from rlhf_core.run.lifecycle import commit_log_problem, committed_iterations, re
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.stages.base import out_of_date, stage_label
 from rlhf_core.stages.registry import ITERATION_STAGES, SETUP_STAGES
-from rlhf_core.stages.validate import VALIDATION
 
 PARQUET_VIEWS = {
     "rollouts": (RunDir.rollout, schemas.ROLLOUT),
@@ -147,7 +146,7 @@ def connect(run: RunDir | str | Path):
         files = [path_of(run, k) for k in run.iterations() if path_of(run, k).is_file()]
         _files_view(con, view, files, schema)
     _files_view(con, "validation", [run.validation(k) for k in run.iterations()
-                                    if run.validation(k).is_file()], VALIDATION)
+                                    if run.validation(k).is_file()], schemas.VALIDATION)
     con.execute("""CREATE VIEW response_kl AS
         SELECT iteration, prompt_id, sample_index, reward, response_length,
                CASE WHEN len(old_log_probs) = 0 THEN NULL

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.data.schemas import VALIDATION
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import policy_after
@@ -45,18 +46,6 @@ from rlhf_core.rollout.generate import (
 )
 from rlhf_core.stages.base import StageResult, execute_stage
 
-VALIDATION = pa.schema([
-    ("iteration", pa.int32()),
-    ("prompt_id", pa.string()),
-    ("sample_index", pa.int32()),
-    ("data_source", pa.string()),
-    ("ground_truth", pa.string()),
-    ("response_text", pa.string()),
-    ("response_length", pa.int32()),
-    ("finish_reason", pa.string()),
-    ("reward", pa.float32()),
-    ("correct", pa.bool_()),
-])
 
 VALIDATION_SECTIONS = ("data.max_response_length", "data.reward_fn_key", "actor_rollout_ref.rollout.val_kwargs.",
                        "actor_rollout_ref.rollout.seed", "actor_rollout_ref.rollout.name",

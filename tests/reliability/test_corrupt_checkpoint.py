@@ -25,8 +25,8 @@ from rlhf_core.run.lifecycle import (
 )
 from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.run.plan import open_run, plan_run, resume_point
-from rlhf_core.training.checkpoint import verify_checkpoint
-from rlhf_core.training.checkpoint import write_checksums as write_checkpoint_manifest
+from rlhf_core.io.checksums import verify_checkpoint
+from rlhf_core.io.checksums import write_checksums as write_checkpoint_manifest
 
 
 def committed_run(root, iterations: int = 3) -> RunDir:

@@ -26,15 +26,16 @@ import pytest
 from rlhf_core.io.atomic import TMP_MARK, clean_temporaries
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import commit_iteration, committed_iterations, read_last_good, verified_last_good
 from rlhf_core.run.lock import RunLock
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
 REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
-ORDER = ("preprocess", "pack", "rollout", "score", "gae", "update", "guard")
+ORDER = ("init_critic", "preprocess", "pack", "rollout", "score", "gae", "update", "guard")
 PER_ITERATION = {"rollout", "score", "gae", "update", "guard"}
-FAULT_OUTPUT = {"preprocess": "val.parquet", "pack": "generation_batches.parquet", "rollout": "rollout.parquet",
+FAULT_OUTPUT = {"init_critic": "critic_init", "preprocess": "val.parquet", "pack": "generation_batches.parquet", "rollout": "rollout.parquet",
                 "score": "scored.parquet", "gae": "advantages.parquet", "update": "checkpoint", "guard": "guard.json"}
 """The output whose rename each stage is killed before (preprocess: its last file, so rejects and
 train are already renamed and the stage is half done on disk)."""
@@ -73,7 +74,7 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def output_path(run: RunDir, stage: str) -> Path:
-    return {"preprocess": run.val_prompts, "pack": run.generation_batches, "rollout": run.rollout(1),
+    return {"init_critic": run.critic_init, "preprocess": run.val_prompts, "pack": run.generation_batches, "rollout": run.rollout(1),
             "score": run.scored(1), "gae": run.advantages(1), "update": run.checkpoint(1),
             "guard": run.iter_dir(1) / "guard.json"}[stage]
 
@@ -117,7 +118,7 @@ def copy_run(src: Path, dst: Path) -> RunDir:
 
 def assert_everything_readable(root: Path) -> None:
     """Every Parquet table and JSON file under a final name opens completely; checkpoints verify."""
-    from rlhf_core.training.checkpoint import verify_checkpoint
+    from rlhf_core.io.checksums import verify_checkpoint
 
     for p in root.rglob("*"):
         if TMP_MARK in str(p.relative_to(root)) or not p.is_file():
@@ -145,6 +146,12 @@ def assert_same_outputs(got: Path, want: Path, stage: str) -> None:
         for f in ("deepspeed/actor_optim.safetensors", "deepspeed/critic_optim.safetensors"):
             oa, ob = load_file(str(a.checkpoint(1) / f)), load_file(str(b.checkpoint(1) / f))
             assert all(oa[k].equal(ob[k]) for k in ob), f"{f} differs"
+        return
+    if stage == "init_critic":
+        from safetensors.torch import load_file
+
+        wa, wb = (load_file(str(r.critic_init / "model.safetensors")) for r in (a, b))
+        assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa), "initial critic weights differ"
         return
     if stage == "guard":
         va, vb = (json.loads(output_path(r, stage).read_text()) for r in (a, b))
@@ -238,20 +245,17 @@ def test_rollout_sigkilled_at_a_random_time(reference, tmp_path):
 
 
 def test_commit_killed_before_last_good_moves_then_rerun(reference, tmp_path):
-    """The guard's commit dies before last_good.json is renamed: the pointer still names the
-    previous state (none), and committing again finishes the job once."""
+    """The commit (lifecycle.commit_iteration) dies before last_good.json is renamed: the commit log
+    still says what it said before (nothing committed), and committing again finishes the job once."""
     run = copy_run(reference.after["guard"], tmp_path / "run")
-    script = ("import sys; from rlhf_core.stages.guard import commit_iteration; from rlhf_core.run.layout import RunDir; "
-              "commit_iteration(RunDir(sys.argv[1]), 1)")
+    script = ("import sys; from rlhf_core.run.lifecycle import commit_iteration; "
+              "from rlhf_core.run.layout import RunDir; commit_iteration(RunDir(sys.argv[1]), 1)")
     proc = subprocess.run([sys.executable, "-c", script, str(run.root)], cwd=REPO, capture_output=True, text=True,
                           env=clean_env(RLHF_FAULT="before_rename:last_good.json"), timeout=300)
     assert proc.returncode == 137, proc.stderr[-2000:]
     assert not run.last_good_path.exists()
     assert_everything_readable(run.root)
-    from rlhf_core.run.lifecycle import commit_iteration
-    from rlhf_core.run.lifecycle import read_last_good, verified_last_good
-
     commit_iteration(run, 1)
     assert read_last_good(run)["iteration"] == 1 and verified_last_good(run)["iteration"] == 1
-    assert read_manifest(run, 1)["guard"]["committed"] is True
+    assert committed_iterations(run) == [1]
     assert [e["kind"] for e in run.events()].count("commit") == 1

@@ -20,9 +20,8 @@ def run(tmp_path):
         for stage in ("rollout", "score", "gae", "update", "guard"):
             record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h")
         atomic_write_json(run.metrics(k), {"reward/mean": 0.1 * k, "kl/mean": 0.01, "val/accuracy": 0.125 * k})
-    record_stage(run, 1, "guard", status="done", inputs={}, outputs={}, config_hash="h", committed=True)
-    write_last_good(run, 1)
     run.checkpoint(1).joinpath("actor").mkdir(parents=True)
+    write_last_good(run, 1)
     return run
 
 
@@ -81,7 +80,7 @@ def test_core_and_the_cli_module_import_neither_prefect_nor_mlflow():
 
 
 def test_a_run_ends_by_saying_where_to_look(tmp_path, monkeypatch):
-    from rlhf_cli.main import where_to_look
+    from rlhf_cli.orchestrated import where_to_look
 
     monkeypatch.setenv("RLHF_HOME", str(tmp_path / "home"))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)

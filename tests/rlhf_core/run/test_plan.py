@@ -16,7 +16,7 @@ from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.manifest import read_manifest, record_stage
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
 from rlhf_core.run.layout import RunDir
-from rlhf_core.training.checkpoint import write_checksums as write_checkpoint_manifest
+from rlhf_core.io.checksums import write_checksums as write_checkpoint_manifest
 
 
 def test_new_run_then_resume(tmp_path):

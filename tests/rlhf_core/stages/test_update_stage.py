@@ -48,7 +48,7 @@ def _weights(directory) -> dict[str, torch.Tensor]:
 def test_update_trains_at_every_zero_stage_and_writes_a_verified_checkpoint(stage, tiny_model_dir, tmp_path):
     from rlhf_core.run.lifecycle import read_last_good
     from rlhf_core.stages.update import run_update
-    from rlhf_core.training.checkpoint import verify_checkpoint
+    from rlhf_core.io.checksums import verify_checkpoint
 
     run = RunDir(tmp_path / "run")
     cfg = _config(tiny_model_dir, f"actor_rollout_ref.actor.deepspeed_config.zero_stage={stage}",

@@ -78,7 +78,7 @@ def saved_checkpoint(make_engines, ppo_data, tiny_model_dir, tmp_path, dist):
     ("flip", "corrupt"), ("truncate", "truncated"), ("delete", "missing"), ("manifest", "manifest.json"),
 ])
 def test_damaged_checkpoint_file_is_named(saved_checkpoint, damage, words):
-    from rlhf_core.training.checkpoint import verify_checkpoint
+    from rlhf_core.io.checksums import verify_checkpoint
 
     manifest = verify_checkpoint(saved_checkpoint)
     assert {"actor/model.safetensors", "critic/model.safetensors", "deepspeed/actor_optim.safetensors",

@@ -1,0 +1,68 @@
+"""The commands that write a run directory (or a model) in this process, without Prefect or MLflow.
+
+    rlhf export RUN | model build-tiny | stage NAME --local
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from rlhf_cli.inspection import require_run_dir
+from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
+from rlhf_core.run.export import export_actor
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lock import RunLock
+from rlhf_core.run.plan import resolve_run_config, stage_config
+from rlhf_core.stages.registry import get_stage
+
+
+def print_result(result: dict) -> None:
+    status = "skipped (up to date)" if result["skipped"] else f"done in {result['seconds']:.1f}s"
+    where = f" iteration {result['iteration']}" if result.get("iteration") is not None else ""
+    print(f"[{result['stage']}{where}] {status}")
+    for line in result.get("summary", []):
+        print(f"  {line}")
+    if result.get("action"):
+        print(f"  guard verdict applied: {result['action']}")
+
+
+def stage_overrides(args: argparse.Namespace) -> list[str]:
+    """A stage command's overrides, `--nproc N` included (trainer.nproc)."""
+    overrides = list(args.overrides)
+    if getattr(args, "nproc", None):
+        overrides.append(f"trainer.nproc={args.nproc}")
+    return overrides
+
+
+def cmd_stage_local(args: argparse.Namespace) -> int:
+    """`rlhf stage NAME --local`: the stage in this process, without Prefect or MLflow."""
+    print_result(stage_local(args, stage_overrides(args)))
+    return 0
+
+
+def stage_local(args: argparse.Namespace, overrides: list[str]) -> dict:
+
+    run = RunDir(args.run_dir)
+    with RunLock(run):
+        cfg = stage_config(run, args.preset, overrides)  # a rerun's overrides stay out of config.yaml
+        return get_stage(args.stage).load()(cfg, run, getattr(args, "iteration", None), force=args.force).to_dict()
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+
+    require_run_dir(args.run_dir)
+    run = RunDir(args.run_dir)
+    cfg = resolve_run_config(run.root, None, args.overrides)
+    with RunLock(run):
+        path = export_actor(cfg, run, args.out)
+    print(f"exported the last-good actor to {path}")
+    return 0
+
+
+def cmd_build_tiny(args: argparse.Namespace) -> int:
+
+    spec = TinyModelSpec(hidden_size=args.hidden_size, num_hidden_layers=args.layers,
+                         vocab_size=args.vocab_size, seed=args.seed)
+    path = build_tiny_model(args.out, spec)
+    print(f"tiny model + tokenizer written to {path}")
+    return 0

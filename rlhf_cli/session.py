@@ -1,0 +1,11 @@
+"""What one `rlhf` invocation knows across its modules: the run directory `rlhf run` planned (for
+the resume hint after Ctrl-C) and whether that hint was printed already."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from rlhf_core.run.layout import RunDir
+
+RUN_DIR: Optional[RunDir] = None
+SAID_INTERRUPTED = False
