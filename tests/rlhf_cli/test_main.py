@@ -36,7 +36,7 @@ def test_status(run, capsys):
     assert main(["status", str(run.root)]) == 0
     out = capsys.readouterr().out
     assert "last-good: iteration 1 (iter_1/checkpoint)" in out
-    assert "committed" in out and "setup: preprocess -, pack -" in out
+    assert "committed" in out and "setup: warm_start -, init_critic -, preprocess -, pack -" in out
 
 
 def test_query(run, capsys, tmp_path):
