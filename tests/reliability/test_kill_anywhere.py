@@ -35,8 +35,9 @@ REPO = Path(__file__).resolve().parents[2]
 DEMO = REPO / "configs" / "demo.yaml"
 ORDER = ("init_critic", "preprocess", "pack", "rollout", "score", "gae", "update", "guard")
 PER_ITERATION = {"rollout", "score", "gae", "update", "guard"}
-FAULT_OUTPUT = {"init_critic": "critic_init", "preprocess": "val.parquet", "pack": "generation_batches.parquet", "rollout": "rollout.parquet",
-                "score": "scored.parquet", "gae": "advantages.parquet", "update": "checkpoint", "guard": "guard.json"}
+FAULT_OUTPUT = {"init_critic": "critic_init", "preprocess": "val.parquet", "pack": "generation_batches.parquet",
+                "rollout": "rollout.parquet", "score": "scored.parquet", "gae": "advantages.parquet",
+                "update": "checkpoint", "guard": "guard.json"}
 """The output whose rename each stage is killed before (preprocess: its last file, so rejects and
 train are already renamed and the stage is half done on disk)."""
 
@@ -74,8 +75,8 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def output_path(run: RunDir, stage: str) -> Path:
-    return {"init_critic": run.critic_init, "preprocess": run.val_prompts, "pack": run.generation_batches, "rollout": run.rollout(1),
-            "score": run.scored(1), "gae": run.advantages(1), "update": run.checkpoint(1),
+    return {"init_critic": run.critic_init, "preprocess": run.val_prompts, "pack": run.generation_batches,
+            "rollout": run.rollout(1), "score": run.scored(1), "gae": run.advantages(1), "update": run.checkpoint(1),
             "guard": run.iter_dir(1) / "guard.json"}[stage]
 
 
