@@ -33,23 +33,37 @@ import signal, sys, time
 import psutil
 
 signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for rlhf: it stops the server itself
-parent = int(sys.argv[1])
-try:
-    server = psutil.Process(int(sys.argv[2]))
-    while server.is_running() and server.status() != psutil.STATUS_ZOMBIE:
-        if psutil.Process().ppid() != parent:  # rlhf is gone (reparented): it cannot stop the server any more
-            server.terminate()
-            try:
-                server.wait(5)
-            except psutil.TimeoutExpired:
-                server.kill()
-            break
-        time.sleep(0.25)
-except psutil.NoSuchProcess:  # the server is gone already
-    pass
+parent = psutil.Process(int(sys.argv[1]))
+me = psutil.Process().pid
+SERVER_APP = "prefect.server.api.server:" + "create_app"
+servers = {}
+while True:
+    try:
+        if psutil.Process().ppid() != parent.pid or parent.status() == psutil.STATUS_ZOMBIE:
+            break  # rlhf is gone (we were reparented): it cannot stop its server any more
+        children = parent.children()
+    except psutil.NoSuchProcess:
+        break
+    for child in children:
+        try:
+            # uvicorn serving Prefect's app (not this watchdog, whose own source names it too)
+            if child.pid not in servers and child.pid != me and SERVER_APP in child.cmdline():
+                servers[child.pid] = child
+        except (psutil.NoSuchProcess, psutil.AccessDenied):  # a short-lived child, gone or a zombie
+            pass
+    time.sleep(0.25)
+for server in servers.values():
+    try:
+        server.terminate()
+        server.wait(5)
+    except psutil.TimeoutExpired:
+        server.kill()
+    except psutil.NoSuchProcess:  # stopped by rlhf itself on a normal exit
+        pass
 """
-"""Stops the temporary Prefect server once `rlhf` is gone, however it went; psutil's Process
-refuses to signal a PID that was reused meanwhile."""
+"""Stops the temporary Prefect server once `rlhf` is gone, however it went. It runs before the
+server starts and remembers every server child `rlhf` has, so a kill while the server is still
+starting up leaves nothing behind either; psutil refuses to signal a PID that was reused meanwhile."""
 
 
 def _bind_temporary_server() -> None:
@@ -61,10 +75,9 @@ def _bind_temporary_server() -> None:
 
     if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
         return
-    server = SubprocessASGIServer()  # the instance Prefect's clients use (one per process)
-    server.start()
-    subprocess.Popen([sys.executable, "-c", _SERVER_WATCHDOG, str(os.getpid()), str(server.server_process.pid)],
+    subprocess.Popen([sys.executable, "-c", _SERVER_WATCHDOG, str(os.getpid())],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
+    SubprocessASGIServer().start()  # the instance Prefect's clients use (one per process)
 
 
 def _quiet_deepspeed() -> None:

@@ -32,10 +32,10 @@ from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import checkpoint_before
+from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.run.models import actor_path, critic_path, initial_actor_path
 from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, check_budget, read_advantages
-from rlhf_core.training.checkpoint import (load_optimizer_files, load_rng, save_checkpoint, seed_rng,
-                                           verify_checkpoint)
+from rlhf_core.training.checkpoint import load_optimizer_files, load_rng, save_checkpoint, seed_rng
 from rlhf_core.training.distributed import all_reduce, init_distributed
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device, resolve_dtype, torch_dtype
 from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, load_actor_model, load_critic_model,

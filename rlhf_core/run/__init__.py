@@ -1,0 +1,1 @@
+"""The run as a whole: its directory layout, lock, manifests, lifecycle, schedule, plan and reports."""
