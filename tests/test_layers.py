@@ -139,3 +139,13 @@ def test_run_file_names_live_in_the_layout_module(layer):
             if RUN_FILE_NAMES.search(code) and not code.lstrip().startswith(('"""', "'''")):
                 spelled.append(f"{path.relative_to(REPO)}:{number}: {line.strip()}")
     assert not spelled, "ask rlhf_core.run.layout.RunDir instead:\n" + "\n".join(spelled)
+
+
+def test_every_source_folder_is_a_package_the_wheel_includes():
+    """A folder without __init__.py still imports from a checkout (a namespace package) but is left
+    out of the installed wheel, which ships only what setuptools finds."""
+    from setuptools import find_packages
+
+    found = set(find_packages(where=str(REPO), include=[f"{layer}*" for layer in LAYERS]))
+    folders = {".".join(p.parent.relative_to(REPO).parts) for layer in LAYERS for p in (REPO / layer).rglob("*.py")}
+    assert folders <= found, f"folders missing an __init__.py: {sorted(folders - found)}"
