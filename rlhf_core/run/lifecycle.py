@@ -464,21 +464,24 @@ def verified_last_good(run: RunDir) -> Optional[dict]:
     they started from g's models), the KL controller returns to its state before g+1, the commit
     log is cut after g (one atomic write), and a ``checkpoint_corrupt_fallback`` event and a stderr
     line say so. Each step is idempotent, so a crash in between is repaired by resuming again.
-    Raises ``CheckpointError`` naming every damaged file when no committed checkpoint verifies and
-    some were pruned; when none was pruned (every commit is damaged) the run falls back to the
-    initial models.
+    A missing last-good directory is damaged, never "pruned". Raises ``CheckpointError`` naming
+    every damaged file when no committed checkpoint verifies and some earlier ones are gone (pruned,
+    or deleted by hand); when every commit is there but damaged, the run falls back to the initial
+    models.
     """
     record = read_last_good(run)
     if not record:
         return record
     committed = list(record["committed"])
     errors: list[str] = []
+    unavailable = 0  # pruned, or deleted by hand: not damaged, but nothing to fall back to either
     for k in reversed(committed):
         ckpt = run.checkpoint(k)
         if not ckpt.is_dir():
-            if read_manifest(run, k).get("update", {}).get("checkpoint_pruned") and k != committed[-1]:
-                continue  # pruned on purpose after a later commit
-            errors.append(f"iteration {k}: {ckpt} is missing")
+            if k != committed[-1]:
+                unavailable += 1
+                continue
+            errors.append(f"iteration {k}: {ckpt} is missing")  # last-good itself: never "pruned"
             continue
         try:
             verify_checkpoint(ckpt)
@@ -486,11 +489,12 @@ def verified_last_good(run: RunDir) -> Optional[dict]:
             errors.append(f"iteration {k}: {exc}")
             continue
         return record if k == committed[-1] else _fall_back(run, committed, k, errors)
-    if len(errors) == len(committed):  # every commit tried, none pruned: start again from the initial models
+    if not unavailable:  # every commit tried and damaged: start again from the initial models
         return _fall_back(run, committed, 0, errors)
     raise CheckpointError(
         f"no committed checkpoint of {run.root} verifies:\n  " + "\n  ".join(errors or ["(none kept)"])
-        + "\nkeep more checkpoints (trainer.save_freq=1, trainer.max_ckpt_to_keep>=2) or start a new run")
+        + f"\n({unavailable} earlier commit(s) pruned or deleted); keep more checkpoints (trainer.save_freq=1, "
+        "trainer.max_ckpt_to_keep>=2) or start a new run")
 
 
 def _fall_back(run: RunDir, committed: list[int], good: int, errors: list[str]) -> dict:

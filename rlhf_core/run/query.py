@@ -248,7 +248,10 @@ def status_table(run: RunDir | str | Path) -> list[dict[str, Any]]:
 
 def format_status(run: RunDir | str | Path) -> str:
     run = run if isinstance(run, RunDir) else RunDir(run)
-    setup = read_manifest(run, None)
+    try:
+        setup = read_manifest(run, None)
+    except StateFileError:  # status_problems names it
+        setup = {}
     lines = [f"run: {run.root}",
              "setup: " + ", ".join(f"{s} {stage_state(setup.get(s))}" for s in SETUP_STAGES)]
     rows = status_table(run)
@@ -272,7 +275,15 @@ def format_status(run: RunDir | str | Path) -> str:
 
 def rerun_lines(run: RunDir) -> list[str]:
     """Stage reruns with overrides (one line each), and what a resume and an export refuse until
-    `rlhf rebuild` reruns it with config.yaml."""
+    `rlhf rebuild` reruns it with config.yaml (nothing while a manifest is damaged: the problem
+    lines name it)."""
+    try:
+        return _rerun_lines(run)
+    except StateFileError:
+        return []
+
+
+def _rerun_lines(run: RunDir) -> list[str]:
     lines = [f"{stage_label(k, stage)} {why}" for k, stage, why in out_of_date(run, max(run.iterations(), default=0))
              if why != "stale"]
     committed = _committed_or_none(run)
@@ -294,6 +305,10 @@ def status_problems(run: RunDir) -> list[str]:
     """What `rlhf status` must say is wrong with the run's state files (one line each): the commit
     log, the KL controller state, iteration manifests that are missing or damaged."""
     problems = []
+    try:
+        read_manifest(run, None)
+    except StateFileError as exc:
+        problems.append(f"{exc}; `rlhf stage <setup stage> --run-dir {run.root} --force` rebuilds its records")
     log = commit_log_problem(run)
     if log:
         problems.append(log)
