@@ -94,9 +94,10 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     logger), last_good, metrics, export}."""
     plan = plan_run(preset=None if params.resume else params.config, overrides=params.overrides,
                     iterations=params.iterations, run_name=params.run_name, resume=params.resume)
-    with RunLock(plan.run):
+    with RunLock(plan.run) as lock:
         open_run(plan)
-        claim_run_directory(plan.run)  # an earlier flow run of this directory killed while Running: Crashed
+        if lock.outermost:  # an earlier flow run of this directory killed while Running: Crashed
+            claim_run_directory(plan.run)
         # an MLflow run only when trainer.logger names mlflow (None otherwise: nothing is tracked)
         mlflow_run_id = start_tracking_task(plan.cfg, str(plan.run.root)) if logs_to(plan.cfg, "mlflow") else None
         if plan.resumed and mlflow_run_id:  # a crash may have come between an iteration's commit and its report

@@ -25,6 +25,7 @@ from rlhf_core.run.plan import logs_to, resume_point, stage_config
 from rlhf_core.stages.base import out_of_date, stage_label
 from rlhf_core.stages.registry import STAGES
 from tasks import prefect_artifacts
+from tasks.prefect_runs import claim_run_directory
 from tasks.iteration import finish_iteration_task, finish_tracking_task, start_tracking_task
 from tasks.stages import STAGE_TASKS
 
@@ -83,7 +84,9 @@ def apply_verdict_task(run_dir: str, iteration: int) -> str:
 def rlhf_stage(params: StageParams) -> dict:
     """Rerun one stage on a run directory; returns the stage result."""
     run = RunDir(params.run_dir)
-    with RunLock(run):
+    with RunLock(run) as lock:
+        if lock.outermost:  # not inside `rlhf rebuild`, which speaks for the run itself
+            claim_run_directory(run)
         # config.yaml is left as it is: the overrides are this stage run's only (its manifest record lists them)
         cfg = stage_config(run, params.config, params.overrides)  # step count included (the update's lr schedule)
         mlflow_run_id = (start_tracking_task(cfg, str(run.root), stage=params.stage, iteration=params.iteration)
@@ -113,7 +116,9 @@ def rlhf_rebuild(run_dir: str) -> list[dict]:
     run = RunDir(run_dir)
     results: list[dict] = []
     done: set[tuple] = set()
-    with RunLock(run):
+    with RunLock(run) as lock:
+        if lock.outermost:
+            claim_run_directory(run)
         while found := out_of_date(run, resume_point(run) - 1):
             k, stage, _ = found[0]
             if (k, stage) in done:  # rerun with config.yaml already: a second pass would not change it

@@ -43,6 +43,9 @@ class RunLock:
     def __init__(self, run: RunDir):
         self.run = run
         self.held = False
+        self.outermost = False
+        """Whether this acquire took the kernel lock (not a re-entry of this process's own hold):
+        only the outermost holder speaks for the run (e.g. marks earlier flow runs crashed)."""
 
     def holder(self) -> Optional[dict]:
         """Who wrote the lock file last (the holder while it is locked); None when unreadable."""
@@ -74,6 +77,7 @@ class RunLock:
             held[1] += 1
             self.held = True
             return self
+        self.outermost = True
         self.run.root.mkdir(parents=True, exist_ok=True)
         while True:
             fd = os.open(self.run.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
