@@ -3,9 +3,10 @@ the resume hint after Ctrl-C) and whether that hint was printed already."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from rlhf_core.run.layout import RunDir
+if TYPE_CHECKING:  # for the annotation only: `rlhf --help` should not load pyarrow
+    from rlhf_core.run.layout import RunDir
 
 RUN_DIR: Optional[RunDir] = None
 SAID_INTERRUPTED = False
