@@ -35,7 +35,10 @@ def _overrides(tiny_model_dir: Path, runs_root: Path) -> list[str]:
 
 
 def _worker(run: RunDir, first: int, last: int, until: str, overrides: list[str]) -> str:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    # an earlier in-process update of this test session holds MASTER_PORT: the worker binds its own
+    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
+                                                           "LOCAL_RANK")}
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run([sys.executable, str(WORKER), str(run.root), str(first), str(last), until, str(DEMO),
                            *overrides], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
