@@ -226,14 +226,17 @@ def restore_kl_controller(run: RunDir, k: int) -> Optional[dict]:
 
 
 def _kl_state_from_last_good(run: RunDir) -> Optional[dict]:
-    ckpt = last_good_checkpoint(run)
+    return _kl_state_in(run, last_good_checkpoint(run))
+
+
+def _kl_state_in(run: RunDir, ckpt: Optional[Path]) -> Optional[dict]:
+    """The KL controller state a checkpoint saved (None: no checkpoint, or none readable)."""
     if ckpt is None:
         return None
     try:
-        trainer_state = run.read_json(ckpt / "trainer_state.json") or {}
+        return (run.read_json(ckpt / "trainer_state.json") or {}).get("kl_ctrl")
     except StateFileError:
         return None
-    return trainer_state.get("kl_ctrl")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -526,12 +529,7 @@ def _kl_state_after(run: RunDir, good: int) -> Optional[dict]:
     one, else the state saved in ``good``'s checkpoint (None: fresh, before any commit)."""
     if run.kl_snapshot(good + 1).is_file():
         return kl_state_before(run, good + 1)
-    if good == 0:
-        return None
-    try:
-        return (run.read_json(run.checkpoint(good) / "trainer_state.json") or {}).get("kl_ctrl")
-    except StateFileError:
-        return None
+    return _kl_state_in(run, run.checkpoint(good) if good else None)
 
 
 def _warn(run: RunDir, kind: str, message: str) -> None:

@@ -25,7 +25,7 @@ from typing import Any, Optional
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.hashing import sha256_tree
 from rlhf_core.run.layout import RunDir
-from rlhf_core.stages.registry import ITERATION_STAGES, SETUP_STAGES
+from rlhf_core.stages.registry import DOWNSTREAM, SETUP_STAGES
 from rlhf_core.io.timing import MANIFEST, timed
 
 
@@ -81,14 +81,15 @@ def set_status(run: RunDir, iteration: Optional[int], stage: str, status: str, *
 
 
 def mark_downstream_stale(run: RunDir, iteration: Optional[int], stage: str) -> list[str]:
-    """After ``stage`` reran, everything computed from its old outputs is stale: the later stages of
-    the same scope and every stage of later iterations. Returns what was marked."""
+    """After ``stage`` reran, everything computed from its old outputs is stale: the later setup
+    stages, or the iteration's ``DOWNSTREAM`` stages, and every stage of later iterations. Returns
+    what was marked."""
     marked = []
     if iteration is None:
-        order, scope_iters = SETUP_STAGES, run.iterations()
+        later = SETUP_STAGES[SETUP_STAGES.index(stage) + 1:] if stage in SETUP_STAGES else ()
+        scope_iters = run.iterations()
     else:
-        order, scope_iters = ITERATION_STAGES, [k for k in run.iterations() if k > iteration]
-    later = order[order.index(stage) + 1:] if stage in order else ()
+        later, scope_iters = DOWNSTREAM.get(stage, ()), [k for k in run.iterations() if k > iteration]
     manifest = read_manifest(run, iteration)
     for name in later:
         if manifest.get(name, {}).get("status") == "done":

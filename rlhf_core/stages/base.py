@@ -19,20 +19,13 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
-import yaml
-
-try:  # the C loader where PyYAML has it: ~2 ms a stage; the pure-Python one is 10x that
-    from yaml import CSafeLoader as SafeLoader
-except ImportError:
-    from yaml import SafeLoader
-
 from rlhf_core.config import RLHFConfig, config_hash, flatten
+from rlhf_core.config.loader import flatten_tree, read_preset
 from rlhf_core.errors import RLHFError
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.manifest import (hash_paths, is_up_to_date, mark_downstream_stale, read_manifest, record_stage,
-                                    set_status)
-from rlhf_core.stages.registry import ITERATION_STAGES, REPORT_ORDER, SETUP_STAGES
+from rlhf_core.run.manifest import hash_paths, is_up_to_date, mark_downstream_stale, read_manifest, record_stage
+from rlhf_core.stages.registry import REPORT_ORDER, SETUP_STAGES
 
 
 @dataclass
@@ -104,21 +97,10 @@ def _execute(stage: str, cfg: RLHFConfig, run: RunDir, iteration: Optional[int],
     if overrides:
         result.summary.append(f"with overrides {' '.join(overrides)} (config.yaml unchanged)")
     if previously_done:
-        stale = mark_downstream_stale(run, iteration, stage) + _mark_validation_stale(run, iteration, stage)
+        stale = mark_downstream_stale(run, iteration, stage)
         if stale:
             result.summary.append(f"marked stale: {', '.join(stale)}")
     return result
-
-
-def _mark_validation_stale(run: RunDir, iteration: Optional[int], stage: str) -> list[str]:
-    """A rerun up to and including the update changes iteration ``iteration``'s checkpoint, so its
-    validation (outside ITERATION_STAGES, which ``mark_downstream_stale`` follows) measured the old one."""
-    if iteration is None or stage not in ITERATION_STAGES[:ITERATION_STAGES.index("update") + 1]:
-        return []
-    if read_manifest(run, iteration).get("validate", {}).get("status") != "done":
-        return []
-    set_status(run, iteration, "validate", "stale")
-    return [f"iter_{iteration}/validate"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,21 +123,11 @@ def config_overrides(cfg: RLHFConfig, run: RunDir, sections: Iterable[str]) -> l
     included, before any stage runs)."""
     if not run.config_path.is_file():
         return []
-    saved = _flatten_tree(yaml.load(run.config_path.read_text(), Loader=SafeLoader) or {})
+    saved = flatten_tree(read_preset(run.config_path))
     used = flatten(cfg)
     prefixes = tuple(sections)
     return [f"{key}={_show(used[key])}" for key in used
             if key.startswith(prefixes) and key in saved and _plain(saved[key]) != _plain(used[key])]
-
-
-def _flatten_tree(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, dict):
-            out.update(_flatten_tree(value, f"{prefix}{key}."))
-        else:
-            out[f"{prefix}{key}"] = value
-    return out
 
 
 class StagesOutOfDate(RLHFError):

@@ -60,6 +60,10 @@ ITERATION_STAGES = ("rollout", "score", "gae", "update", "guard")
 """The stages of one training iteration, in order (validate follows when due, outside the commit)."""
 REPORT_ORDER = ITERATION_STAGES + ("validate",)
 """The order an iteration's stages report in: a metric two stages report is reported by the first."""
+DOWNSTREAM = {name: ITERATION_STAGES[i + 1:] + (("validate",) if i <= ITERATION_STAGES.index("update") else ())
+              for i, name in enumerate(ITERATION_STAGES)} | {"validate": ()}
+"""Per stage of an iteration, the stages of the same iteration computed from its outputs, which a rerun
+makes stale: the later iteration stages, and validate up to the update (it measures the update's checkpoint)."""
 ROLLED_BACK_STAGES = ("gae", "update", "guard")
 """Stages whose outputs a rollback invalidates. Rollout and score stay valid: they were computed
 from the last-good actor, which the rollback keeps, so a retry reuses them."""
