@@ -39,6 +39,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@pytest.fixture(scope="session")
+def subprocess_env():
+    """``subprocess_env(**extra)``: this process's environment for a child process, without the
+    rendezvous variables an earlier in-process update left (the child binds its own port; the one
+    they name is still held here), plus ``extra``."""
+    def make(**extra: str) -> dict[str, str]:
+        return {**{k: v for k, v in os.environ.items() if k not in RENDEZVOUS}, **extra}
+
+    return make
+
+
 @pytest.fixture(autouse=True)
 def _isolated_state(tmp_path, monkeypatch, tiny_model_dir):
     """Each test gets its own RLHF_HOME so built models, MLflow stores and Prefect homes never leak.

@@ -3,7 +3,6 @@ Running. The resume of its run directory marks it Crashed, saying which flow run
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
 import sys
@@ -38,11 +37,10 @@ def _wait_for(path: Path, proc: subprocess.Popen, timeout: float) -> None:
         time.sleep(0.2)
 
 
-def test_resume_marks_the_killed_flow_run_crashed(prefect_server, demo_preset, tiny_overrides, tmp_path):
+def test_resume_marks_the_killed_flow_run_crashed(prefect_server, demo_preset, tiny_overrides, tmp_path,
+                                                  subprocess_env):
     runs = tmp_path / "runs"
-    env = {k: v for k, v in os.environ.items()  # this test process may hold a torch.distributed port
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env["PREFECT_API_URL"] = prefect_server
+    env = subprocess_env(PREFECT_API_URL=prefect_server)
     proc = subprocess.Popen([sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset, "--run-name", NAME,
                              "--iterations", "50", *tiny_overrides(runs, "trainer.logger=[console]")],
                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import hashlib
-import os
 import subprocess
 import sys
 
@@ -26,16 +25,14 @@ def digest(path) -> str:
                                    for p in sorted(path.rglob("*")) if p.is_file())).hexdigest()
 
 
-def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_overrides, tmp_path):
+def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_overrides, tmp_path, subprocess_env):
     first = rlhf_pipeline(PipelineParams(config=demo_preset, overrides=tiny_overrides(tmp_path / "runs"),
                                          iterations=1, run_name="crash"))
     run = RunDir(first["run_dir"])
 
     # a separate process continues to iteration 2 and dies (like SIGKILL) just before the guard's
     # verdict file is renamed into place
-    env = {k: v for k, v in os.environ.items()  # this test process already holds a torch.distributed port
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    env.update(PREFECT_API_URL=prefect_server, RLHF_FAULT="before_rename:guard.json")
+    env = subprocess_env(PREFECT_API_URL=prefect_server, RLHF_FAULT="before_rename:guard.json")
     proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "--resume", str(run.root), "--iterations", "2"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]

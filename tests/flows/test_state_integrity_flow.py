@@ -13,7 +13,6 @@ pipeline flow), on one tiny two-iteration run copied per case:
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -32,15 +31,15 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 CONSOLE_ONLY = "trainer.logger=[console]"
 
 
-def _env(prefect_server: str, **extra: str) -> dict:
-    env = {k: v for k, v in os.environ.items()  # this test process may hold a torch.distributed port
-           if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")}
-    return {**env, "PREFECT_API_URL": prefect_server, **extra}
+@pytest.fixture
+def rlhf(prefect_server, subprocess_env):
+    """``rlhf(*args, **env)``: the real command line in a child process, on the test Prefect server."""
+    def run(*args: str, **env: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "rlhf_cli.main", *args],
+                              env=subprocess_env(PREFECT_API_URL=prefect_server, **env),
+                              capture_output=True, text=True, timeout=900)
 
-
-def _rlhf(prefect_server: str, *args: str, **env: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "rlhf_cli.main", *args], env=_env(prefect_server, **env),
-                          capture_output=True, text=True, timeout=900)
+    return run
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +63,11 @@ def _copy(run: RunDir, tmp_path: Path) -> RunDir:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_a_kill_right_after_the_commit_loses_nothing(prefect_server, demo_preset, tiny_overrides, tmp_path):
+def test_a_kill_right_after_the_commit_loses_nothing(rlhf, demo_preset, tiny_overrides, tmp_path):
     """Killed the instant iteration 1's commit is renamed into place: iteration 1 is committed (it is
     never redone), and the resume writes its metrics and continues at 2 from its checkpoint."""
     overrides = tiny_overrides(tmp_path / "runs", CONSOLE_ONLY)
-    proc = _rlhf(prefect_server, "run", "-c", demo_preset, "--run-name", "killed", "--iterations", "2", *overrides,
+    proc = rlhf("run", "-c", demo_preset, "--run-name", "killed", "--iterations", "2", *overrides,
                  RLHF_FAULT="after_rename:last_good.json")
     assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
     run = RunDir(tmp_path / "runs" / "killed")
@@ -106,11 +105,11 @@ def test_a_resume_redoes_missed_validations_on_their_steps_policy(two_iterations
     assert run.read_json(run.iteration_metrics(2))["val/accuracy"] == before[2]["metrics"]["val/accuracy"]
 
 
-def test_validate_step_zero_scores_the_initial_policy(two_iterations, prefect_server, tmp_path):
+def test_validate_step_zero_scores_the_initial_policy(two_iterations, rlhf, tmp_path):
     run = _copy(two_iterations, tmp_path)
     initial = read_manifest(run, 0)["validate"]
     rows = pq.read_table(run.validation(0)).to_pylist()
-    proc = _rlhf(prefect_server, "stage", "validate", "--local", "--run-dir", str(run.root), "-k", "0", "--force")
+    proc = rlhf("stage", "validate", "--local", "--run-dir", str(run.root), "-k", "0", "--force")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     again = read_manifest(run, 0)["validate"]
     actor_inputs = [key for key in again["inputs"] if "checkpoint" in key]
@@ -124,20 +123,20 @@ def test_validate_step_zero_scores_the_initial_policy(two_iterations, prefect_se
 # ---------------------------------------------------------------------------------------------
 
 
-def _status(prefect_server: str, run: RunDir) -> subprocess.CompletedProcess:
-    proc = _rlhf(prefect_server, "status", str(run.root))
+def _status(rlhf, run: RunDir) -> subprocess.CompletedProcess:
+    proc = rlhf("status", str(run.root))
     assert "Traceback" not in proc.stderr, proc.stderr
     return proc
 
 
-def test_a_garbage_kl_controller_state_is_one_line_and_falls_back_to_the_checkpoint(two_iterations, prefect_server,
+def test_a_garbage_kl_controller_state_is_one_line_and_falls_back_to_the_checkpoint(two_iterations, rlhf,
                                                                                      tmp_path):
     run = _copy(two_iterations, tmp_path)
     saved = run.read_json(run.checkpoint(2) / "trainer_state.json")["kl_ctrl"]
     run.kl_ctrl_path.write_text("{not json")
-    proc = _status(prefect_server, run)
+    proc = _status(rlhf, run)
     assert proc.returncode == 0 and "kl_ctrl.json is damaged" in proc.stdout, proc.stdout
-    proc = _rlhf(prefect_server, "run", "--resume", str(run.root), "--iterations", "3")
+    proc = rlhf("run", "--resume", str(run.root), "--iterations", "3")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "using the last-good checkpoint's KL controller state" in proc.stderr
     assert "Traceback" not in proc.stderr
@@ -146,13 +145,13 @@ def test_a_garbage_kl_controller_state_is_one_line_and_falls_back_to_the_checkpo
 
 
 @pytest.mark.parametrize("damage", ["garbage", "deleted"])
-def test_a_lost_commit_log_is_rebuilt_from_the_verdicts(two_iterations, prefect_server, tmp_path, damage):
+def test_a_lost_commit_log_is_rebuilt_from_the_verdicts(two_iterations, rlhf, tmp_path, damage):
     run = _copy(two_iterations, tmp_path)
     if damage == "garbage":
         run.last_good_path.write_text("\x00\x01 not a commit log")
     else:
         run.last_good_path.unlink()
-    proc = _status(prefect_server, run)
+    proc = _status(rlhf, run)
     assert proc.returncode == 0 and "problem:" in proc.stdout and "last_good.json" in proc.stdout, proc.stdout
     rlhf_pipeline(PipelineParams(resume=str(run.root)))  # nothing left to train: iterations 1-2 stay as they are
     record = read_last_good(run)
@@ -184,12 +183,12 @@ def test_a_deleted_last_good_checkpoint_falls_back_to_the_previous_intact_one(tw
     assert done["last_good"]["iteration"] == 2 and (run.checkpoint(2) / "actor").is_dir()
 
 
-def test_a_deleted_iteration_manifest_is_shown_not_hidden(two_iterations, prefect_server, tmp_path):
+def test_a_deleted_iteration_manifest_is_shown_not_hidden(two_iterations, rlhf, tmp_path):
     run = _copy(two_iterations, tmp_path)
     run.manifest_path(1).unlink()
-    proc = _status(prefect_server, run)
+    proc = _status(rlhf, run)
     assert proc.returncode == 0
     assert f"{run.manifest_path(1)} is missing" in proc.stdout, proc.stdout
     run.manifest_path(2).write_text("][")
-    proc = _status(prefect_server, run)
+    proc = _status(rlhf, run)
     assert proc.returncode == 0 and "manifest.json is damaged" in proc.stdout, proc.stdout

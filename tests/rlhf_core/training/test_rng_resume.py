@@ -7,7 +7,6 @@ themselves from the OS at start, so nothing the process did before may reach a c
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +33,7 @@ def _overrides(tiny_model_dir: Path, runs_root: Path) -> list[str]:
             "trainer.max_ckpt_to_keep=5", "trainer.total_iterations=2"]
 
 
-def _worker(run: RunDir, first: int, last: int, until: str, overrides: list[str]) -> str:
-    # an earlier in-process update of this test session holds MASTER_PORT: the worker binds its own
-    env = {k: v for k, v in os.environ.items() if k not in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE",
-                                                           "LOCAL_RANK")}
-    env["OMP_NUM_THREADS"] = "1"
+def _worker(run: RunDir, first: int, last: int, until: str, overrides: list[str], env: dict[str, str]) -> str:
     proc = subprocess.run([sys.executable, str(WORKER), str(run.root), str(first), str(last), until, str(DEMO),
                            *overrides], env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -55,12 +50,13 @@ def _same_tensors(a: Path, b: Path) -> bool:
 
 
 def test_update_after_a_skipped_rollout_and_score_in_a_new_process_matches_the_uninterrupted_run(
-        tiny_model_dir, tmp_path):
+        tiny_model_dir, tmp_path, subprocess_env):
     overrides = _overrides(tiny_model_dir, tmp_path / "runs")
+    env = subprocess_env(OMP_NUM_THREADS="1")
     straight, resumed = RunDir(tmp_path / "straight"), RunDir(tmp_path / "resumed")
-    _worker(straight, 1, 2, "guard", overrides)
-    _worker(resumed, 1, 2, "score", overrides)  # iteration 1, then iteration 2's rollout and score
-    out = _worker(resumed, 2, 2, "guard", overrides)  # a new process: rollout and score found done on disk
+    _worker(straight, 1, 2, "guard", overrides, env)
+    _worker(resumed, 1, 2, "score", overrides, env)  # iteration 1, then iteration 2's rollout and score
+    out = _worker(resumed, 2, 2, "guard", overrides, env)  # a new process: rollout and score found done on disk
 
     assert "iteration 2 rollout: skipped" in out and "iteration 2 score: skipped" in out, out
     assert "iteration 2 update: ran" in out, out
