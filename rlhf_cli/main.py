@@ -195,15 +195,25 @@ def _on_ctrl_c(command: str) -> None:
     status 130 within EXIT_GRACE_SECONDS; a second Ctrl-C leaves at once."""
 
     def handler(signum, frame) -> None:
-        print(_interrupted(command), file=sys.stderr, flush=True)
+        # Straight to the file descriptor: the signal may land while the main thread is inside a
+        # write to sys.stderr (a progress bar), where a second buffered write raises "reentrant
+        # call" instead of printing, and the line would be lost.
         session.SAID_INTERRUPTED = True
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stderr.fileno())
-        _exit_soon(130)
         signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+        _say(_interrupted(command))
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, 2)
+        _exit_soon(130)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGINT, handler)
+
+
+def _say(line: str) -> None:
+    """Write one line to standard error without Python's buffered stream (safe inside a signal handler)."""
+    data = (line + "\n").encode()
+    while data:
+        data = data[os.write(2, data):]
 
 
 def _interrupted(command: str) -> str:
@@ -263,7 +273,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 3 if type(exc).__name__ == "KLGuardHalt" else 2
     except KeyboardInterrupt:
         if not session.SAID_INTERRUPTED:
-            print(_interrupted(args.command), file=sys.stderr, flush=True)
+            _say(_interrupted(args.command))
         if argv is None:  # the console script
             _exit_soon(130)
         return 130
