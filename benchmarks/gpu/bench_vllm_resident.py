@@ -1,0 +1,143 @@
+"""A resident vLLM engine against a cold start, at Qwen2.5-0.5B's shape (random weights) on one GPU.
+
+Today's rollout builds a new ``vllm.LLM`` for every rollout and every validation; the resident engine
+(``VLLMEngine(..., sleep_mode=True)``) is built once and, every iteration, sleeps through the update
+and takes the updated weights in memory. This prints, side by side: the cold start (building the
+engine), sleep, load_weights (which wakes weights, writes them, then wakes the KV cache), and a plain
+sleep → wake_up, the GPU memory in use before and after each sleep, and the ratio cold start /
+(sleep + load_weights). Each round also checks the engine: greedy tokens after sleep → wake_up equal
+those before; after loading perturbed weights they differ; loading the originals back restores them.
+
+    python benchmarks/gpu/bench_vllm_resident.py                  # on a GPU machine with vllm installed
+    python benchmarks/gpu/bench_vllm_resident.py --layers 4 --rounds 2 --out /tmp/vllm_resident.json
+
+The model: bench_h200.build_model (the tiny tokenizer + a Qwen2Config of Qwen2.5-0.5B's layer shape,
+bf16, seed 0), written locally, no hub. Its vocabulary is the real 151,936 tokens while the tokenizer
+knows 512, so the checks generate with ``detokenize=False`` straight on ``engine.llm``. The "updated
+actor" is the checkpoint's own tensors on the GPU (bf16, as a trainer holds them) plus Gaussian noise.
+Exits with status 2 and the reason when this machine has no CUDA GPU or no vllm.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+GiB = 1024 ** 3
+
+
+def greedy_tokens(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy token ids from ``engine.llm`` without detokenising (the model's ids exceed the tokenizer's)."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True, detokenize=False)
+    outputs = engine.llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
+    return [list(o.outputs[0].token_ids) for o in outputs]
+
+
+def actor_weights(model_dir: Path):
+    """The checkpoint's tensors on the GPU under their Hugging Face names (what a trainer would pass)."""
+    from safetensors.torch import load_file
+
+    weights = {}
+    for f in sorted(model_dir.glob("model*.safetensors")):
+        weights.update(load_file(str(f), device="cuda"))
+    return weights
+
+
+def timed(fn) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B has 24)")
+    parser.add_argument("--rounds", type=int, default=3, help="sleep → load_weights → generate rounds")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--prompts", type=int, default=8)
+    parser.add_argument("--new-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, help="also write the numbers here as JSON")
+    args = parser.parse_args()
+
+    from rlhf_core.rollout.vllm_engine import VLLMEngine, vllm_unavailable_reason
+
+    reason = vllm_unavailable_reason()
+    if reason:
+        print(f"bench_vllm_resident: cannot run here: {reason}", file=sys.stderr)
+        sys.exit(2)
+    import torch
+    import vllm
+
+    from bench_h200 import QWEN25_05B, build_model
+
+    model_dir = Path(tempfile.mkdtemp(prefix="rlhf-bench-vllm-")) / "qwen2.5-0.5b-shaped"
+    params = build_model(model_dir, dict(QWEN25_05B, num_hidden_layers=args.layers), "cpu")
+    g = torch.Generator().manual_seed(0)
+    prompts = torch.randint(0, 512, (args.prompts, 32), generator=g).tolist()
+
+    before_engine = VLLMEngine.gpu_memory_in_use()
+    started = time.perf_counter()
+    engine = VLLMEngine(model_dir, gpu_memory_utilization=args.gpu_memory_utilization,
+                        max_model_len=args.max_model_len, dtype="bf16", seed=0, sleep_mode=True)
+    cold = time.perf_counter() - started
+    numbers: dict = {"vllm": vllm.__version__, "params": params, "layers": args.layers,
+                     "gpu": torch.cuda.get_device_name(), "cold_start_seconds": cold,
+                     "engine_gpu_gib": (VLLMEngine.gpu_memory_in_use() - before_engine) / GiB, "rounds": []}
+    base = greedy_tokens(engine, prompts, args.new_tokens)
+    original = actor_weights(model_dir)
+    noise = torch.Generator(device="cuda").manual_seed(1)
+    perturbed = {n: (t.float() + 0.5 * t.float().std() * torch.randn(t.shape, generator=noise, device="cuda"))
+                 .to(t.dtype) for n, t in original.items()}
+
+    for r in range(args.rounds):
+        row: dict = {"in_use_awake_gib": VLLMEngine.gpu_memory_in_use() / GiB}
+        row["sleep_seconds"] = timed(engine.sleep)
+        row["in_use_asleep_gib"] = VLLMEngine.gpu_memory_in_use() / GiB
+        row["wake_up_seconds"] = timed(engine.wake_up)  # same weights back (the rollback-free path)
+        same = greedy_tokens(engine, prompts, args.new_tokens) == base
+        engine.sleep()
+        row["load_weights_seconds"] = timed(lambda: engine.load_weights(perturbed.items()))
+        changed = greedy_tokens(engine, prompts, args.new_tokens) != base
+        row["resleep_seconds"] = timed(engine.sleep)
+        row["load_original_seconds"] = timed(lambda: engine.load_weights(original.items()))
+        restored = greedy_tokens(engine, prompts, args.new_tokens) == base
+        row.update(freed_gib=row["in_use_awake_gib"] - row["in_use_asleep_gib"], wake_same_tokens=same,
+                   perturbed_tokens_differ=changed, original_tokens_restored=restored)
+        numbers["rounds"].append(row)
+        print(f"round {r}: in use {row['in_use_awake_gib']:.2f} GiB awake -> {row['in_use_asleep_gib']:.2f} GiB "
+              f"asleep (freed {row['freed_gib']:.2f}); sleep {row['sleep_seconds']:.2f} s, wake_up "
+              f"{row['wake_up_seconds']:.2f} s, load_weights {row['load_weights_seconds']:.2f} s; checks: "
+              f"wake same {same}, perturbed differ {changed}, restored {restored}", flush=True)
+
+    engine.close()
+    last = numbers["rounds"][-1]
+    resident = last["sleep_seconds"] + last["load_weights_seconds"]
+    numbers["cold_over_resident"] = cold / resident
+    print(json.dumps(numbers, indent=1))
+    print(f"\n{params / 1e6:.0f}M params, vLLM {vllm.__version__}: cold start {cold:.1f} s vs sleep + load_weights "
+          f"{resident:.2f} s ({numbers['cold_over_resident']:.0f}x); sleep frees {last['freed_gib']:.1f} of "
+          f"{last['in_use_awake_gib']:.1f} GiB in use")
+    if args.out:
+        args.out.write_text(json.dumps(numbers, indent=1))
+    ok = all(r["wake_same_tokens"] and r["perturbed_tokens_differ"] and r["original_tokens_restored"]
+             for r in numbers["rounds"])
+    sys.exit(0 if ok else 1)
+
+
+if __name__ == "__main__":
+    main()
