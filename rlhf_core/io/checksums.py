@@ -1,12 +1,16 @@
 """A directory's sha256 manifest (``manifest.json``: {"files": {relative path: {"sha256", "bytes"}}})
 and its check: how a checkpoint is sealed when written and verified before anything is loaded.
-Plain file hashing, no torch, so deciding which checkpoint is intact is cheap to import."""
+
+A checkpoint writer hashes its large files while writing them (``io.safetensors_stream``) and
+hands those digests to ``write_manifest``; only files it did not record (small ones that other
+libraries write, such as a tokenizer's) are read back and hashed here. Plain file hashing, no
+torch, so deciding which checkpoint is intact is cheap to import."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.hashing import sha256_file
@@ -15,13 +19,31 @@ MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
 
 
-def write_checksums(directory: Path) -> dict[str, Any]:
+def write_manifest(directory: Path, recorded: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """Seal ``directory``: manifest.json lists every file under it. ``recorded`` = {relative path:
+    {"sha256", "bytes"}} hashed while written (not read again; a size that disagrees with the file
+    on disk is a writer bug and raises); any other file is hashed here."""
     files = {}
     for p in sorted(q for q in directory.rglob("*") if q.is_file() and q.name != MANIFEST):
-        files[str(p.relative_to(directory))] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+        rel = p.relative_to(directory).as_posix()
+        size = p.stat().st_size
+        entry = recorded.get(rel)
+        if entry is None:
+            entry = {"sha256": sha256_file(p), "bytes": size}
+        elif int(entry["bytes"]) != size:
+            raise RuntimeError(f"{p}: {size} bytes on disk, {entry['bytes']} recorded while writing")
+        files[rel] = {"sha256": str(entry["sha256"]), "bytes": int(entry["bytes"])}
+    missing = sorted(set(recorded) - set(files))
+    if missing:
+        raise RuntimeError(f"{directory}: files recorded while writing are not there: {missing}")
     manifest = {"format": FORMAT_VERSION, "files": files}
     (directory / MANIFEST).write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
     return manifest
+
+
+def write_checksums(directory: Path) -> dict[str, Any]:
+    """Seal ``directory`` by reading and hashing every file (for writers that record nothing)."""
+    return write_manifest(directory, {})
 
 
 def verify_checkpoint(directory: str | Path) -> dict[str, Any]:

@@ -1,65 +1,68 @@
-"""The update's checkpoint: Hugging Face models for the next rollout, optimizer state for exact
-resume, a sha256 manifest, all written atomically (the directory appears complete or not at all).
+"""The durable checkpoint: Hugging Face models for the next rollout, each rank's own optimizer shard
+for exact resume, a sha256 manifest, all written atomically (the directory appears complete or
+not at all).
 
     checkpoint/
       actor/                      causal LM, safetensors + tokenizer (LoRA: adapters merged in)
       actor_adapter/              LoRA only: the peft adapter (what the next update trains on)
       critic/                     token-classification value model (1 label), safetensors + tokenizer
-      deepspeed/actor_optim.safetensors, actor_state.json    AdamW moments by parameter name, counters
-      deepspeed/critic_optim.safetensors, critic_state.json
+      deepspeed/actor_shard.rank{r}-of-{N}.safetensors   rank r's optimizer partition (train_state)
+      deepspeed/actor_shard.rank{r}-of-{N}.json          its layout + counters (Adam step, lr position)
+      deepspeed/critic_shard.rank{r}-of-{N}.{safetensors,json}
+      deepspeed/{actor,critic}_state.json                Adam step, lr position, counters (rank 0)
       rng.safetensors             torch RNG state(s)
       trainer_state.json          KL controller, python/numpy RNG, data position, run facts
       manifest.json               {"files": {relative path: {"sha256", "bytes"}}}
 
-Nothing here is read with pickle: safetensors and JSON only (see ``optim_state`` for why DeepSpeed's
-own checkpoint format is not used). ``verify_checkpoint`` checks every file against the manifest
-before anything is loaded and names the first missing, truncated or corrupt file.
+No rank gathers the optimizer state: each writes the partition it owns (``train_state``), so the
+host memory a save needs is this rank's shard plus one tensor in flight. Rank 0 writes the HF
+directories (for world > 1 under ZeRO-3 the weights alone are gathered: 1/4 of the state in fp32
+training, less in bf16). Every file of ours is hashed while it is written
+(``io.safetensors_stream``); the manifest is built from those digests, and only small files that
+other libraries write (tokenizer, config) are read back. With N ranks all write into one
+temporary directory and rank 0 renames it after a barrier.
+
+Checkpoints written before the sharded layout (``deepspeed/{role}_optim.safetensors`` + ``_state.json``,
+full tensors by parameter name) still load. Nothing here is read with pickle: safetensors and JSON
+only (see ``optim_state`` for why DeepSpeed's own format is not used). ``verify_checkpoint`` checks
+every file against the manifest before anything is loaded and names the first bad one.
+
+``BackgroundWriter`` (world size 1) writes a checkpoint from a ``train_state.capture`` in a daemon
+thread while training goes on.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import random
+import re
+import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import numpy as np
 import torch
 
+from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_dir
-from rlhf_core.io.checksums import FORMAT_VERSION, write_checksums
+from rlhf_core.io.checksums import FORMAT_VERSION, write_manifest
+from rlhf_core.io.safetensors_stream import write_hashed_json, write_safetensors
 from rlhf_core.training.distributed import DistInfo, barrier
 from rlhf_core.training.engines import TrainEngine
-from rlhf_core.training.optim_state import counters, gather_optimizer_state
+from rlhf_core.training.optim_state import SEP, prime_optimizer, restore_optimizer_state
+from rlhf_core.training.train_state import (TrainState, restore_optim, restore_rng, rng_state, role_views,
+                                            shard_weights)
 
+__all__ = ["BackgroundWriter", "full_state_dict", "load_optimizer_files", "load_optimizer_state", "load_rng",
+           "load_trainer_state", "restore_rng", "rng_state", "save_checkpoint", "seed_rng", "shard_name"]
 
-
-# ---------------------------------------------------------------------------------------------
-# RNG (no pickle: torch states as uint8 tensors, python/numpy states as JSON)
-# ---------------------------------------------------------------------------------------------
-
-
-def rng_state() -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    tensors = {"torch_cpu": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        for i, s in enumerate(torch.cuda.get_rng_state_all()):
-            tensors[f"torch_cuda_{i}"] = s
-    version, internal, gauss = random.getstate()
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
-    return tensors, {"python": [version, list(internal), gauss],
-                     "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)]}
-
-
-def restore_rng(tensors: dict[str, torch.Tensor], state: dict[str, Any]) -> None:
-    torch.set_rng_state(tensors["torch_cpu"])
-    cuda = [tensors[k] for k in sorted(tensors) if k.startswith("torch_cuda_")]
-    if cuda and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(cuda)
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    kind, keys, pos, has_gauss, cached = state["numpy"]
-    np.random.set_state((kind, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached))
+COUNTER_KEYS = ("adam_step", "lr_schedule_step", "global_steps", "global_samples", "skipped_steps", "zero_stage",
+                "dtype", "world_size")
+"""What deepspeed/{role}_state.json holds: the role's position, readable without the shard layout."""
+HF_METADATA = {"format": "pt"}  # transformers refuses a safetensors weight file without it
 
 
 def seed_rng(seed: int) -> None:
@@ -69,6 +72,14 @@ def seed_rng(seed: int) -> None:
     torch.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed)
+
+
+def shard_name(role: str, rank: int, world_size: int) -> str:
+    """File stem of rank ``rank``'s optimizer shard under deepspeed/ (+ .safetensors / .json)."""
+    return f"{role}_shard.rank{rank}-of-{world_size}"
+
+
+_SHARD_RE = re.compile(r"^(?P<role>\w+?)_shard\.rank(?P<rank>\d+)-of-(?P<world>\d+)\.json$")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,6 +103,115 @@ def full_state_dict(te: TrainEngine, dist: DistInfo) -> Optional[dict[str, torch
                 for k, v in module.state_dict().items()}
 
 
+def _untied(weights: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """One entry per tensor (the first name wins, as HF keeps embed_tokens and re-ties lm_head)."""
+    seen: set[int] = set()
+    out = {}
+    for k, v in weights.items():
+        if id(v) not in seen:
+            seen.add(id(v))
+            out[k] = v
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# what one checkpoint write needs, detached from the live engines
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class _RoleJob:
+    role: str
+    optim: dict[str, torch.Tensor]
+    meta: dict
+    weights: Optional[dict[str, torch.Tensor]] = None
+    """Rank 0: the HF state dict to write (tied aliases dropped); None elsewhere and with LoRA."""
+    config: Any = None
+    generation_config: Any = None
+    lora_adapter: Optional[dict[str, torch.Tensor]] = None
+    lora_config: Any = None
+    lora_dtype: Optional[torch.dtype] = None
+
+
+@dataclass
+class _Job:
+    roles: list[_RoleJob]
+    rng_tensors: dict[str, torch.Tensor]
+    rng_json: dict
+    trainer_state: dict
+    tokenizer_path: Path
+    lora_base: Optional[Path]
+
+
+def _hf_config(module: torch.nn.Module, dtype: torch.dtype):
+    """Copies of the module's config and generation config, as HF ``save_pretrained`` writes them."""
+    config = copy.deepcopy(module.config)
+    config.architectures = [type(module).__name__]
+    config.dtype = dtype
+    gen = None
+    if getattr(module, "can_generate", lambda: False)() and getattr(module, "generation_config", None) is not None:
+        gen = copy.deepcopy(module.generation_config)
+    return config, gen
+
+
+def _gather_partitions(params: dict[str, torch.Tensor], meta: dict, dist: DistInfo) -> Optional[dict]:
+    """A ZeRO-3 capture's full weights at rank 0 (None elsewhere): each partitioned tensor is
+    all-gathered in turn (collective, every rank in the same order), one parameter in flight."""
+    import torch.distributed as tdist
+
+    whole = {}
+    for key in meta["params"]:
+        part = params[key]
+        if key in meta["partitioned"]:
+            device = dist.device if dist.device != "cpu" else "cpu"
+            pieces = [torch.empty_like(part, device=device) for _ in range(dist.world_size)]
+            tdist.all_gather(pieces, part.to(device))
+            part = torch.cat(pieces).cpu() if dist.is_main else None
+        whole[key] = part
+    return shard_weights(whole, meta) if dist.is_main else None
+
+
+def _weights(te: TrainEngine, dist: DistInfo, state: Optional[TrainState], params, meta) -> Optional[dict]:
+    if not meta["partitioned"] or dist.world_size == 1:  # every rank holds the weights whole
+        return shard_weights(params, meta) if dist.is_main else None
+    if state is not None:
+        return _gather_partitions(params, meta, dist)
+    return full_state_dict(te, dist)  # live ZeRO-3 engines: DeepSpeed's gather
+
+
+def _role_job(te: TrainEngine, dist: DistInfo, state: Optional[TrainState]) -> _RoleJob:
+    """Every rank must call this for each role in the same order (a ZeRO-3 weight gather is
+    collective). From ``state`` when given, else from live views of the engine (no copies: the
+    writer streams them one tensor at a time)."""
+    if state is not None:
+        shard = state.roles[te.role]
+        params, optim, meta = shard.params, shard.optim, shard.meta
+    else:
+        params, optim, meta = role_views(te, dist.world_size)
+    weights = _weights(te, dist, state, params, meta)
+    job = _RoleJob(te.role, optim, meta)
+    if not dist.is_main:
+        return job
+    dtype = next(v.dtype for v in weights.values() if v.is_floating_point())
+    if te.lora is not None:
+        from peft import get_peft_model_state_dict
+
+        job.lora_adapter = get_peft_model_state_dict(te.module, state_dict=weights)
+        job.lora_config, job.lora_dtype = te.lora.peft_config(), dtype
+    else:
+        job.weights = _untied(weights)
+        job.config, job.generation_config = _hf_config(te.module, dtype)
+    return job
+
+
+def _make_job(actor: TrainEngine, critic: TrainEngine, dist: DistInfo, state: Optional[TrainState],
+              tokenizer_path: Path, trainer_state: dict, lora_base: Optional[Path]) -> _Job:
+    roles = [_role_job(te, dist, state) for te in (actor, critic)]  # collective calls in one fixed order
+    rng_tensors, rng_json = (state.rng_tensors, state.rng_json) if state is not None else rng_state()
+    return _Job(roles, rng_tensors, rng_json, dict(trainer_state), Path(tokenizer_path),
+                Path(lora_base) if lora_base is not None else None)
+
+
 # ---------------------------------------------------------------------------------------------
 # writing
 # ---------------------------------------------------------------------------------------------
@@ -103,57 +223,172 @@ def _save_tokenizer(src: Path, dst: Path) -> None:
     AutoTokenizer.from_pretrained(src).save_pretrained(dst)
 
 
-def _export_lora(te: TrainEngine, state: dict[str, torch.Tensor], base_path: Path, out: Path) -> None:
+def _write_lora(job: _RoleJob, base_path: Path, out: Path) -> None:
     """actor_adapter/ (peft format) and actor/ with the adapters merged, built on a fresh CPU copy of
     the base so the training weights are never merged and unmerged in place (which would round)."""
-    from peft import get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
+    from peft import get_peft_model, set_peft_model_state_dict
     from transformers import AutoModelForCausalLM
 
-    adapter = get_peft_model_state_dict(te.module, state_dict=state)
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=next(iter(state.values())).dtype)
-    peft_model = get_peft_model(base, te.lora.peft_config())
-    set_peft_model_state_dict(peft_model, adapter)
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=job.lora_dtype)
+    peft_model = get_peft_model(base, job.lora_config)
+    set_peft_model_state_dict(peft_model, job.lora_adapter)
     peft_model.save_pretrained(out / "actor_adapter", safe_serialization=True)
     peft_model.merge_and_unload().save_pretrained(out / "actor", safe_serialization=True)
 
 
-def _save_optimizer(te: TrainEngine, tensors: dict[str, torch.Tensor], meta: dict[str, Any], out: Path) -> None:
-    from safetensors.torch import save_file
+def _write_hf(job: _RoleJob, out: Path) -> dict[str, dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    job.config.save_pretrained(out)
+    if job.generation_config is not None:
+        job.generation_config.save_pretrained(out)
+    return {"model.safetensors": write_safetensors(out / "model.safetensors", job.weights, metadata=HF_METADATA)}
 
-    (out / "deepspeed").mkdir(exist_ok=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out / "deepspeed" / f"{te.role}_optim.safetensors"))
-    (out / "deepspeed" / f"{te.role}_state.json").write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+
+def _write_shard(tmp: Path, job: _RoleJob, rank: int, world_size: int) -> dict[str, dict]:
+    (tmp / "deepspeed").mkdir(exist_ok=True)
+    stem = shard_name(job.role, rank, world_size)
+    meta = {**job.meta, "rank": rank, "format": FORMAT_VERSION}
+    return {f"deepspeed/{stem}.safetensors": write_safetensors(tmp / "deepspeed" / f"{stem}.safetensors", job.optim),
+            f"deepspeed/{stem}.json": write_hashed_json(tmp / "deepspeed" / f"{stem}.json", meta)}
+
+
+def _write_main(tmp: Path, job: _Job) -> dict[str, dict]:
+    """Rank 0's files: HF directories, tokenizers, RNG, trainer state. Returns their digests."""
+    recorded: dict[str, dict] = {}
+    for r in job.roles:
+        if r.lora_adapter is not None:
+            _write_lora(r, job.lora_base, tmp)
+        else:
+            recorded.update({f"{r.role}/{k}": v for k, v in _write_hf(r, tmp / r.role).items()})
+        _save_tokenizer(job.tokenizer_path, tmp / r.role)
+        counters = {k: r.meta[k] for k in COUNTER_KEYS}
+        counters["shards"] = [shard_name(r.role, i, r.meta["world_size"]) for i in range(r.meta["world_size"])]
+        recorded[f"deepspeed/{r.role}_state.json"] = write_hashed_json(tmp / "deepspeed" / f"{r.role}_state.json",
+                                                                       counters)
+    recorded["rng.safetensors"] = write_safetensors(tmp / "rng.safetensors", job.rng_tensors)
+    trainer = {**job.trainer_state, "rng": job.rng_json, "format": FORMAT_VERSION}
+    recorded["trainer_state.json"] = write_hashed_json(tmp / "trainer_state.json", trainer)
+    return recorded
+
+
+def _hashes_sidecar(tmp: Path, rank: int) -> Path:
+    # how rank r hands rank 0 the digests of its shard files (removed before the manifest is sealed)
+    return tmp / "deepspeed" / f".digests.rank{rank}.json"
+
+
+def _write_rank(tmp: Path, job: _Job, dist: DistInfo) -> dict[str, dict]:
+    recorded: dict[str, dict] = {}
+    for r in job.roles:
+        recorded.update(_write_shard(tmp, r, dist.rank, dist.world_size))
+    if dist.is_main:
+        recorded.update(_write_main(tmp, job))
+    return recorded
+
+
+def _broadcast_path(path: Optional[Path]) -> Path:
+    """Rank 0's temporary directory, told to every rank (a byte tensor over the process group)."""
+    import torch.distributed as tdist
+
+    size = torch.zeros(1, dtype=torch.int64)
+    raw = str(path).encode() if path is not None else b""
+    size[0] = len(raw)
+    tdist.broadcast(size, src=0)
+    buf = torch.zeros(int(size[0]), dtype=torch.uint8)
+    if path is not None:
+        buf.copy_(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+    tdist.broadcast(buf, src=0)
+    return Path(bytes(buf.tolist()).decode())
+
+
+def _save_multi_rank(directory: Path, job: _Job, dist: DistInfo) -> None:
+    if dist.is_main:
+        with atomic_dir(directory) as tmp:
+            (tmp / "deepspeed").mkdir()  # before the other ranks learn the path and write into it
+            _broadcast_path(tmp)
+            recorded = _write_rank(tmp, job, dist)
+            barrier()  # every rank's shard and digests are in
+            for r in range(1, dist.world_size):
+                sidecar = _hashes_sidecar(tmp, r)
+                recorded.update(json.loads(sidecar.read_text()))
+                sidecar.unlink()
+            write_manifest(tmp, recorded)
+    else:
+        tmp = _broadcast_path(None)
+        recorded = _write_rank(tmp, job, dist)
+        _hashes_sidecar(tmp, dist.rank).write_text(json.dumps(recorded))
+        barrier()
 
 
 def save_checkpoint(directory: str | Path, *, actor: TrainEngine, critic: TrainEngine, tokenizer_path: Path,
-                    trainer_state: dict[str, Any], dist: DistInfo, lora_base: Optional[Path] = None) -> Path:
-    """Write the checkpoint atomically (rank 0 writes; every rank must call: ZeRO gathers are
-    collective). ``lora_base``: the frozen base model when the actor trains LoRA adapters."""
-    from safetensors.torch import save_file
-
+                    trainer_state: dict[str, Any], dist: DistInfo, lora_base: Optional[Path] = None,
+                    state: Optional[TrainState] = None) -> Path:
+    """Write the checkpoint atomically; every rank must call (each writes its own optimizer shard;
+    the ZeRO-3 weight gather is collective). ``state``: a ``train_state.capture`` taken earlier
+    (the engines may have trained on since), else the engines' current state is written, streamed
+    from the live tensors. ``lora_base``: the frozen base model when the actor trains LoRA adapters."""
     directory = Path(directory)
-    gathered = {}
-    for te in (actor, critic):  # gather everything first: collective calls in one fixed order
-        gathered[te.role] = (full_state_dict(te, dist), gather_optimizer_state(te), counters(te))
-    if dist.is_main:
-        with atomic_dir(directory) as tmp:
-            actor_state, _, _ = gathered["actor"]
-            if actor.lora is not None:
-                _export_lora(actor, actor_state, lora_base, tmp)
-            else:
-                actor.module.save_pretrained(tmp / "actor", state_dict=actor_state, safe_serialization=True)
-            critic.module.save_pretrained(tmp / "critic", state_dict=gathered["critic"][0], safe_serialization=True)
-            for sub in ("actor", "critic"):
-                _save_tokenizer(tokenizer_path, tmp / sub)
-            for te in (actor, critic):
-                _save_optimizer(te, gathered[te.role][1], gathered[te.role][2], tmp)
-            rng_tensors, rng_json = rng_state()
-            save_file(rng_tensors, str(tmp / "rng.safetensors"))
-            state = {**trainer_state, "rng": rng_json, "format": FORMAT_VERSION}
-            (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
-            write_checksums(tmp)
+    job = _make_job(actor, critic, dist, state, tokenizer_path, trainer_state, lora_base)
+    if dist.world_size == 1:
+        _write_atomically(directory, job, dist)
+    else:
+        _save_multi_rank(directory, job, dist)
     barrier()
     return directory
+
+
+def _write_atomically(directory: Path, job: _Job, dist: DistInfo) -> Path:
+    with atomic_dir(directory) as tmp:
+        write_manifest(tmp, _write_rank(tmp, job, dist))
+    return directory
+
+
+class BackgroundWriter:
+    """Writes checkpoints from captured state in a daemon thread (world size 1), so training goes
+    on meanwhile. At most one write is in flight: ``submit`` waits for the previous one (and
+    re-raises its error). ``on_done(directory)`` runs in the writer thread after the atomic rename."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def submit(self, directory: str | Path, state: TrainState, *, actor: TrainEngine, critic: TrainEngine,
+               tokenizer_path: Path, trainer_state: dict[str, Any],
+               on_done: Optional[Callable[[Path], None]] = None, lora_base: Optional[Path] = None) -> None:
+        """Start writing ``directory`` from ``state``. Everything read from the engines (configs,
+        LoRA adapter selection) is read before this returns; the thread touches only ``state``."""
+        if state.world_size != 1:
+            raise ValueError("BackgroundWriter writes world-size-1 states; with several ranks call "
+                             "save_checkpoint on every rank")
+        self.wait()
+        single = DistInfo(rank=0, world_size=1, local_rank=0, device="cpu")
+        job = _make_job(actor, critic, single, state, tokenizer_path, trainer_state, lora_base)
+        self._thread = threading.Thread(target=self._run, args=(Path(directory), job, single, on_done),
+                                        name="checkpoint-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self, directory: Path, job: _Job, dist: DistInfo, on_done) -> None:
+        try:
+            _write_atomically(directory, job, dist)
+            if on_done is not None:
+                on_done(directory)
+        except BaseException as exc:  # handed to the trainer by wait()
+            self._error = exc
+
+    @property
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is done; re-raise its error."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def close(self) -> None:
+        self.wait()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,12 +396,92 @@ def save_checkpoint(directory: str | Path, *, actor: TrainEngine, critic: TrainE
 # ---------------------------------------------------------------------------------------------
 
 
-def load_optimizer_files(directory: Path, role: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def _shard_metas(directory: Path, role: str) -> list[dict]:
+    """The role's shard metas, rank order; CheckpointError when any rank's shard is missing."""
+    found = {}
+    for p in (directory / "deepspeed").glob(f"{role}_shard.rank*-of-*.json"):
+        m = _SHARD_RE.match(p.name)
+        if m and m["role"] == role:
+            found[(int(m["rank"]), int(m["world"]))] = p
+    if not found:
+        raise CheckpointError(f"{directory / 'deepspeed'} holds no optimizer state for the {role} (neither "
+                              f"{role}_optim.safetensors nor {role}_shard.rank*-of-*.json); rerun the update "
+                              "stage that writes it or roll back to another checkpoint")
+    worlds = {w for _, w in found}
+    world = max(worlds)
+    missing = [shard_name(role, r, world) for r in range(world) if (r, world) not in found]
+    if len(worlds) > 1 or missing:
+        raise CheckpointError(f"{directory / 'deepspeed'}: the {role}'s optimizer shards are incomplete "
+                              f"(missing {missing or 'none'}, world sizes {sorted(worlds)}); rerun the update "
+                              "stage or roll back to another checkpoint")
+    return [json.loads(found[(r, world)].read_text()) for r in range(world)]
+
+
+def _load_shard(directory: Path, role: str, rank: int, world: int) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
-    tensors = load_file(str(directory / "deepspeed" / f"{role}_optim.safetensors"))
-    meta = json.loads((directory / "deepspeed" / f"{role}_state.json").read_text())
-    return tensors, meta
+    return load_file(str(directory / "deepspeed" / f"{shard_name(role, rank, world)}.safetensors"))
+
+
+def reassemble(directory: Path, role: str, metas: list[dict]) -> dict[str, torch.Tensor]:
+    """Full tensors by ``<name>::<key>`` from every rank's shard (the old gathered format's content)."""
+    full: dict[str, torch.Tensor] = {}
+    shapes = {}
+    for rank, meta in enumerate(metas):
+        tensors = _load_shard(directory, role, rank, len(metas))
+        for key, t in tensors.items():
+            name = key.rsplit(SEP, 1)[0]
+            offset, numel, full_numel, shape = meta["fragments"][name]
+            dest = full.setdefault(key, torch.zeros(full_numel, dtype=t.dtype))
+            shapes[key] = shape
+            valid = max(0, min(numel, full_numel - offset))  # ZeRO-3: the last partition is padded
+            dest[offset:offset + valid] = t[:valid]
+        del tensors
+    return {key: t.view(shapes[key]) for key, t in full.items()}
+
+
+def load_optimizer_files(directory: Path, role: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The role's optimizer state as full tensors by parameter name + counters, from either layout
+    (the sharded one is reassembled from every rank's file: for a changed world size or stage)."""
+    from safetensors.torch import load_file
+
+    old = directory / "deepspeed" / f"{role}_optim.safetensors"
+    if old.is_file():
+        tensors = load_file(str(old))
+        meta = json.loads((directory / "deepspeed" / f"{role}_state.json").read_text())
+        return tensors, meta
+    metas = _shard_metas(directory, role)
+    return reassemble(directory, role, metas), metas[0]
+
+
+def load_optimizer_state(directory: Path, te: TrainEngine, zero_loss: Callable[[], torch.Tensor]) -> None:
+    """Put checkpoint ``directory``'s optimizer state + counters into a freshly built engine (every
+    rank calls it; priming the optimizer is collective). Same world size, ZeRO stage and dtype as
+    saved: only this rank's shard is read. Otherwise the shards (or an old-format file) are
+    reassembled into full tensors and scattered into this engine's partitions."""
+    import torch.distributed as tdist
+
+    directory = Path(directory)
+    world = tdist.get_world_size() if tdist.is_initialized() else 1
+    rank = tdist.get_rank() if tdist.is_initialized() else 0
+    where = directory / "deepspeed"
+    try:
+        if not (where / f"{te.role}_optim.safetensors").is_file():
+            metas = _shard_metas(directory, te.role)
+            m = metas[0]
+            if (m["world_size"], m["zero_stage"], m["dtype"]) == (world, te.zero_stage, te.dtype):
+                own = metas[rank]
+                if own["has_state"]:
+                    prime_optimizer(te, zero_loss)
+                restore_optim(te, _load_shard(directory, te.role, rank, world), own)
+                return
+        tensors, meta = load_optimizer_files(directory, te.role)
+        restore_optimizer_state(te, tensors, meta, zero_loss)
+    except CheckpointError:
+        raise
+    except (KeyError, ValueError, RuntimeError, AssertionError) as exc:
+        raise CheckpointError(f"{where} does not fit the {te.role} being trained ({exc}); was the model or "
+                              "LoRA setting changed mid-run? Keep them for this run, or start a new run") from None
 
 
 def load_trainer_state(directory: Path) -> dict[str, Any]:

@@ -1,13 +1,16 @@
-"""Optimizer state for exact resume, saved as safetensors + JSON (no pickle anywhere).
+"""Optimizer state by parameter name, full tensors (no pickle anywhere): the layout any ZeRO stage
+and world size can be loaded from.
 
 DeepSpeed 0.19's own ``load_checkpoint`` reads its files with ``torch.load(weights_only=False)``,
-i.e. unpickles them, so we do not use it. Instead each trainable parameter's *full* AdamW moments
-are saved by parameter name — gathered from the ZeRO partitions with DeepSpeed's
-``safe_get_full_optimizer_state`` (stages 1-3, a collective call), or read from the torch optimizer
-directly at stage 0 — plus the fp32 master weights when training in bf16/fp16. The file does not
-depend on the ZeRO stage or the world size it was written under, so a run may change either between
-iterations. The step count, LR-schedule position (training steps, not optimizer steps: the lr moves
-once per iteration) and engine counters go to JSON.
+i.e. unpickles them, so we do not use it. Checkpoints keep each rank's own partition
+(``train_state``, ``checkpoint``); this module is the full-tensor path: ``gather_optimizer_state``
+collects each trainable parameter's *full* AdamW moments (``safe_get_full_optimizer_state``,
+stages 1-3, a collective; the torch optimizer directly at stage 0) plus the fp32 master weights in
+bf16/fp16, and ``restore_optimizer_state`` scatters such full tensors into any engine's partitions.
+It serves checkpoints written before the sharded layout ({role}_optim.safetensors) and sharded
+ones resumed under another world size or ZeRO stage (reassembled by ``checkpoint``). The step
+count, LR-schedule position (training steps, not optimizer steps: the lr moves once per
+iteration) and engine counters are JSON (``counters``).
 
 Restoring needs the optimizer's state tensors to exist, and torch AdamW creates them lazily at its
 first step. ``prime_optimizer`` therefore takes one step with zero gradients at learning rate 0
@@ -136,10 +139,11 @@ def restore_optimizer_state(te: TrainEngine, tensors: dict[str, torch.Tensor], m
                 _set_full(p, master, None)
         for state in te.base_optimizer.state.values():
             state["step"].fill_(float(meta["adam_step"]))
-    _restore_schedule(te, meta)
+    restore_counters(te, meta)
 
 
-def _restore_schedule(te: TrainEngine, meta: dict[str, Any]) -> None:
+def restore_counters(te: TrainEngine, meta: dict[str, Any]) -> None:
+    """The lr-schedule position and engine counters of ``counters`` (+ ``micro_steps`` when saved)."""
     # A checkpoint from before the lr moved per training step has no lr_schedule_step; its
     # schedule_step counted optimizer steps, which is not a position on this schedule: start at 0.
     te.set_lr_schedule_step(int(meta.get("lr_schedule_step", 0)))
@@ -147,3 +151,5 @@ def _restore_schedule(te: TrainEngine, meta: dict[str, Any]) -> None:
     e.global_steps = int(meta.get("global_steps", 0))
     e.global_samples = int(meta.get("global_samples", 0))
     e.skipped_steps = int(meta.get("skipped_steps", 0))
+    if "micro_steps" in meta:
+        e.micro_steps = int(meta["micro_steps"])
