@@ -1,12 +1,28 @@
-"""Orchestration overhead of the real pipeline flow: the share of each iteration's wall time spent
-outside stage compute. Goal (issue 8): <= 5 % on the demo.
+"""Time per iteration outside stage compute in the real pipeline flow, by source: the demo's
+orchestration overhead share (goal, issue 8: <= 5 %), and at a real model's layer shape the fixed cost
+of the design before issue 15 against the resident design (goal: >= 10x less, < 1 s an iteration at
+save_freq 10).
 
-    python benchmarks/bench_overhead.py [--iterations 5] [--keep DIR]
+    python benchmarks/bench_overhead.py [--iterations 5] [--keep DIR] [--json FILE] [override ...]
+    python benchmarks/bench_overhead.py --shape qwen2.5-0.5b --layers 8 --design both --save-freq 1 10 \
+        [--iterations 3] [--validate]
 
-Runs ``flows.pipeline.rlhf_pipeline`` on configs/demo.yaml (full demo batch: 64 prompts, 32-token
-responses; the demo's own validation, learning-curve and checkpoint schedule) without the SFT warm
-start, ``--iterations`` + 1 iterations, in a fresh RLHF_HOME (its own ephemeral Prefect server and
-SQLite MLflow store), in this process with ``rlhf_core.io.timing`` span logging on.
+Each measured run is a fresh process (its own temporary Prefect server, settings and heap) in a
+fresh RLHF_HOME. ``--design`` sets trainer.resident_models (legacy = false: every stage loads its
+models from disk, every iteration writes a full checkpoint; resident = true); ``both`` runs the two
+one after the other, for every ``--save-freq`` value, and ends with one comparison table and the
+ratio legacy/resident.
+
+``--shape`` (benchmarks/shapes.py): a Qwen2 model of that shape cut to ``--layers`` layers with random
+weights and the tiny tokenizer (qwen2.5-0.5b at 8 layers: 120 M parameters), built once under
+``--model-cache``; the batch is tiny (8 prompts × 16 response tokens, one PPO epoch, one mini-batch;
+validation off unless ``--validate``), so what is left is the fixed cost that grows with the
+parameter count.
+
+Runs ``flows.pipeline.rlhf_pipeline`` on configs/demo.yaml (without --shape: the full demo batch, 64
+prompts, 32-token responses, the demo's own validation, learning-curve and checkpoint schedule)
+without the SFT warm start, ``--iterations`` + 1 iterations, with its own SQLite MLflow store and
+``rlhf_core.io.timing`` span logging on.
 
 Definition, per iteration k:
   wall_k     = rollout.started_at(k+1) - rollout.started_at(k)   (everything the flow did for k:
@@ -37,10 +53,14 @@ import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Optional
+
+from shapes import SHAPES, build_shape_model, parameter_count
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -172,7 +192,7 @@ def startup(run_dir: Path, called: float, first_iteration: dict) -> dict:
             "pack → iteration 1 (incl. iteration-0 validation)": first_iteration["rollout"]["started_at"] - pack["finished_at"]}
 
 
-def print_report(rows: list[dict], ended: float, called: float, start_costs: dict, last: dict) -> None:
+def print_report(rows: list[dict], ended: float, called: float, start_costs: dict, tail_s: float) -> None:
     print(f"\nflow: {len(rows) + 1} iterations, {ended - called:.1f} s from call to return")
     print(f"{'iter':>4} {'wall s':>7} {'compute s':>9} " + " ".join(f"{s[:8]:>8}" for s in STAGES) + f" {'overhead':>8}")
     print(f"{'':>22}" + " ".join(f"{'(io)':>8}" for _ in STAGES))
@@ -202,37 +222,172 @@ def print_report(rows: list[dict], ended: float, called: float, start_costs: dic
     print("one-off start-up:")
     for name, sec in start_costs.items():
         print(f"  {name}: {sec:.2f} s")
+    print(f"  after the last stage → flow return (finish-iteration, export, MLflow close, final save): {tail_s:.2f} s")
+
+
+# ----------------------------------------------------------------------------- one measured flow run (worker)
+
+def measure(home: Path, iterations: int, overrides: list[str], keep: Optional[Path]) -> dict:
+    """Run the flow for ``iterations`` + 1 iterations in a fresh RLHF_HOME and account iterations 1..N."""
+    offline_env(home)
+    load_before = os.getloadavg()[0]
+    run_dir, called, ended, runs = run_flow(home, iterations + 1, overrides)
+    from rlhf_core.io import timing
+
+    spans = timing.spans()
+    manifests = {k: json.loads((run_dir / f"iter_{k}" / "manifest.json").read_text()) for k in range(1, iterations + 2)}
+    rows = [account(k, manifests[k], (manifests[k]["rollout"]["started_at"], manifests[k + 1]["rollout"]["started_at"]),
+                    runs, spans) for k in range(1, iterations + 1)]
+    last = manifests[iterations + 1]
     tail_end = max(last[s]["finished_at"] for s in STAGES if s in last)
-    print(f"  after the last stage → flow return (finish-iteration, export, MLflow close): {ended - tail_end:.2f} s")
+    if keep:
+        shutil.copytree(run_dir, keep, dirs_exist_ok=True)
+    return {"rows": rows, "called": called, "ended": ended, "start_costs": startup(run_dir, called, manifests[1]),
+            "tail_s": ended - tail_end, "load": [load_before, os.getloadavg()[0]]}
+
+
+# ----------------------------------------------------------------------------- designs side by side (driver)
+
+DESIGNS = {"legacy": "false", "resident": "true"}
+"""--design → trainer.resident_models (legacy: every stage loads from disk, a full checkpoint every iteration)."""
+COMPUTE_FREE = (("model_load", "model loads"), ("checkpoint_write", "ckpt writes"), ("update_setup", "update setup"),
+                ("hashing", "hashing"), (("table_read", "table_write", "json_write", "manifest"), "table/JSON I/O"),
+                (("memory_release", "gc_pause"), "memory release"), ("process_launch", "process launch"))
+"""The columns of the comparison: the stage bodies' I/O tallies by kind (rlhf_core.io.timing), grouped."""
+
+
+def shape_overrides(model_dir: Path, validate: bool) -> list[str]:
+    """The tiny batch of the shape benchmark (issue 15): 8 prompts × 16 response tokens, one PPO epoch on
+    one mini-batch; verl's default learning rates, so a random 120 M model's step stays far below the KL
+    guard's threshold (a rollback would add an attempt's work to the iteration); validation off."""
+    out = [f"actor_rollout_ref.model.path={model_dir}", "data.train_batch_size=8", "data.max_response_length=16",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=8", "actor_rollout_ref.actor.ppo_epochs=1",
+           "actor_rollout_ref.actor.optim.lr=1e-6", "critic.optim.lr=1e-5"]
+    if not validate:
+        out += ["trainer.test_freq=-1", "trainer.val_before_train=false"]
+    return out
+
+
+def io_by_column(row: dict) -> dict[str, float]:
+    """One iteration's compute-free stage time in the comparison's columns, plus orchestration (the rest
+    of wall − compute: Prefect, flow code, bookkeeping and reporting around the bodies)."""
+    body = {name[len("stage bodies: "):]: sec for name, sec in row["sources"].items() if name.startswith("stage bodies: ")}
+    labels = dict(BODY_IO)
+    out = {}
+    for kinds, column in COMPUTE_FREE:
+        kinds = (kinds,) if isinstance(kinds, str) else kinds
+        out[column] = sum(body.get(labels.get(k, k), 0.0) for k in kinds)
+    out["other I/O"] = sum(body.values()) - sum(out.values())  # a kind a stage tallies that is not listed here
+    out["orchestration"] = row["overhead"] - sum(body.values())
+    return out
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summarize(result: dict) -> dict:
+    """Means per iteration of one run: wall, compute, outside-compute seconds and share, by column."""
+    rows = result["rows"]
+    columns = [io_by_column(r) for r in rows]
+    steady = rows[1:] or rows
+    return {"wall": mean([r["wall"] for r in rows]), "compute": mean([r["compute"] for r in rows]),
+            "outside": mean([r["overhead"] for r in rows]),
+            "share": sum(r["overhead"] for r in rows) / sum(r["wall"] for r in rows),
+            "outside_steady": mean([r["overhead"] for r in steady]),
+            "columns": {c: mean([col[c] for col in columns]) for c in columns[0]}}
+
+
+def print_comparison(results: dict[tuple, dict]) -> None:
+    """One line per (save_freq, design), then legacy/resident per save_freq."""
+    print("\n=== time per iteration outside forward/backward/generate (mean over the measured iterations) ===")
+    first = summarize(next(iter(results.values())))
+    cols = list(first["columns"])
+    print(f"{'save_freq':>9} {'design':>8} {'wall s':>7} {'compute':>7} {'outside':>7} {'share':>6} {'it2+':>6} | "
+          + " ".join(f"{c[:13]:>13}" for c in cols) + " | load")
+    summaries = {key: summarize(r) for key, r in results.items()}
+    for (freq, design), sm in summaries.items():
+        load = results[(freq, design)]["load"]
+        print(f"{freq if freq is not None else 'preset':>9} {design:>8} {sm['wall']:>7.2f} {sm['compute']:>7.2f} "
+              f"{sm['outside']:>7.2f} {sm['share']:>6.1%} {sm['outside_steady']:>6.2f} | "
+              + " ".join(f"{sm['columns'][c]:>13.3f}" for c in cols) + f" | {load[0]:.1f}→{load[1]:.1f}")
+    for freq in dict.fromkeys(f for f, _ in summaries):
+        legacy, resident = summaries.get((freq, "legacy")), summaries.get((freq, "resident"))
+        if legacy and resident:
+            print(f"save_freq {freq if freq is not None else 'preset'}: legacy/resident outside-compute time "
+                  f"{legacy['outside'] / resident['outside']:.2f}x (goal >= 10x; it2+ "
+                  f"{legacy['outside_steady'] / resident['outside_steady']:.2f}x), wall "
+                  f"{legacy['wall'] / resident['wall']:.2f}x")
+    print("(outside = wall - compute: the stage bodies' I/O columns + orchestration; it2+ = from iteration 2 on; "
+          "load = 1-min load average at the run's start → end: the machine is shared, expect noise)")
+
+
+def run_worker(home: Path, iterations: int, overrides: list[str], keep: Optional[Path]) -> dict:
+    """``measure`` in a fresh process: its own Prefect server, settings, heap and model memory."""
+    with tempfile.TemporaryDirectory(prefix="rlhf-bench-overhead-io-") as tmp:
+        spec, out = Path(tmp) / "spec.json", Path(tmp) / "out.json"
+        spec.write_text(json.dumps({"home": str(home), "iterations": iterations, "overrides": overrides,
+                                    "keep": str(keep) if keep else None}))
+        proc = subprocess.run([sys.executable, __file__, "--worker", str(spec), str(out)])
+        if proc.returncode != 0:
+            sys.exit(f"error: the measured flow run failed (exit {proc.returncode}); its output is above")
+        return json.loads(out.read_text())
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--iterations", type=int, help="iterations measured (one more is run); default 5 on the "
+                        "demo (it validates and redraws its curve every 5th), 3 with --shape")
+    parser.add_argument("--shape", choices=sorted(SHAPES), help="a real model's layer shape, random weights, "
+                        "the tiny batch (benchmarks/shapes.py); default: the demo's tiny model and batch")
+    parser.add_argument("--layers", type=int, default=8, help="layers of the --shape model")
+    parser.add_argument("--validate", action="store_true", help="with --shape: keep the demo's validation")
+    parser.add_argument("--save-freq", type=int, nargs="+", help="trainer.save_freq values, one run each "
+                        "(default: the preset's)")
+    parser.add_argument("--design", choices=("legacy", "resident", "both"), default="resident",
+                        help="trainer.resident_models=false|true; both: one run each, side by side")
+    parser.add_argument("--model-cache", type=Path, default=REPO / ".rlhf" / "models" / "shapes",
+                        help="where --shape models are built once and reused")
+    parser.add_argument("--keep", type=Path, help="copy each run directory under here (<design>-sf<N>)")
+    parser.add_argument("--json", type=Path, help="write every run's per-iteration rows here")
+    parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("overrides", nargs="*", help="extra dotted config overrides")
+    return parser.parse_args()
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, default=5,
-                        help="iterations measured (one more is run); the demo validates and redraws its curve every 5th")
-    parser.add_argument("--keep", type=Path, help="copy the run directory here")
-    parser.add_argument("--json", type=Path, help="write the per-iteration rows here")
-    parser.add_argument("overrides", nargs="*", help="extra dotted config overrides")
-    args = parser.parse_args()
-    home = Path(tempfile.mkdtemp(prefix="rlhf-bench-overhead-"))
-    try:
-        offline_env(home)
-        run_dir, called, ended, runs = run_flow(home, args.iterations + 1, args.overrides)
-        from rlhf_core.io import timing
-
-        spans = timing.spans()
-        manifests = {k: json.loads((run_dir / f"iter_{k}" / "manifest.json").read_text())
-                     for k in range(1, args.iterations + 2)}
-        rows = [account(k, manifests[k], (manifests[k]["rollout"]["started_at"], manifests[k + 1]["rollout"]["started_at"]),
-                        runs, spans) for k in range(1, args.iterations + 1)]
-        start_costs = startup(run_dir, called, manifests[1])
-        if args.keep:
-            shutil.copytree(run_dir, args.keep, dirs_exist_ok=True)
-    finally:
-        shutil.rmtree(home, ignore_errors=True)
+    args = parse_args()
+    if args.worker:
+        spec = json.loads(args.worker[0].read_text())
+        result = measure(Path(spec["home"]), spec["iterations"], spec["overrides"],
+                         Path(spec["keep"]) if spec["keep"] else None)
+        args.worker[1].write_text(json.dumps(result))
+        return
+    base = list(args.overrides)
+    if args.shape:
+        model_dir = build_shape_model(args.model_cache, args.shape, args.layers)
+        print(f"model: {model_dir} ({parameter_count(model_dir) / 1e6:.1f} M parameters per model)")
+        base = shape_overrides(model_dir, args.validate) + base
+    iterations = args.iterations or (3 if args.shape else 5)
+    designs = ("legacy", "resident") if args.design == "both" else (args.design,)
+    results: dict[tuple, dict] = {}
+    for freq in args.save_freq or [None]:
+        for design in designs:
+            overrides = [*base, f"trainer.resident_models={DESIGNS[design]}"]
+            if freq is not None:
+                overrides.append(f"trainer.save_freq={freq}")
+            label = f"{design}-sf{freq if freq is not None else 'preset'}"
+            print(f"\n### {label}: {iterations} iterations measured ({iterations + 1} run)", flush=True)
+            home = Path(tempfile.mkdtemp(prefix="rlhf-bench-overhead-"))
+            try:
+                result = run_worker(home, iterations, overrides, args.keep / label if args.keep else None)
+            finally:
+                shutil.rmtree(home, ignore_errors=True)
+            results[(freq, design)] = result
+            print_report(result["rows"], result["ended"], result["called"], result["start_costs"], result["tail_s"])
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=1))
-    print_report(rows, ended, called, start_costs, manifests[args.iterations + 1])
+        args.json.write_text(json.dumps({f"{d}-sf{f}": r for (f, d), r in results.items()}, indent=1))
+    print_comparison(results)
 
 
 if __name__ == "__main__":

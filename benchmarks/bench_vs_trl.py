@@ -1,17 +1,38 @@
-"""PPO update throughput against TRL's PPOTrainer on the same tiny model, batch, lengths, epochs and
-mini-batches, on CPU, measured side by side in one run. Goal: ours ≥ 1.5× TRL's update tokens/s.
+"""Ours against TRL's PPOTrainer on CPU, measured side by side in one run, on the same tiny model and
+the same work. Goal: ours >= 1.5x TRL.
 
-    python benchmarks/bench_vs_trl.py [--batch 64] [--mini-batch 32] [--response-length 32] [--epochs 2]
-                                      [--hidden 64 --layers 2 --intermediate 176] [--trl-threads 1 0] [--token-budget 2048]
-                                      [--repeats 3]
-                                      [--venv /tmp/rlhf-bench-trl-venv]
+    # whole iterations (default): generation, scoring, update and every cost around them
+    python benchmarks/bench_vs_trl.py [--iterations 5] [--repeats 3] [--trl-threads 2]
+                                      [--batch 64] [--mini-batch 32] [--response-length 32] [--epochs 1]
+                                      [--ours-override trainer.resident_models=false]
+    # the PPO update alone (update tokens/s)
+    python benchmarks/bench_vs_trl.py --mode update [--batch 64] [--mini-batch 32] [--response-length 32]
+                                      [--epochs 2] [--hidden 64 --layers 2 --intermediate 176]
+                                      [--trl-threads 1 0] [--token-budget 2048] [--repeats 3]
+    [--venv /tmp/rlhf-bench-trl-venv]
 
 TRL runs in its own throwaway virtual environment (created on first use, reused after): torch==2.13.0
 (the local CPU wheel, installed first so nothing pulls a CUDA build), then trl==1.12.0 and
 transformers==5.24.0. In trl 1.12.0 the PPOTrainer lives in ``trl.experimental.ppo``. Without network
 the venv cannot be built: the script says so and exits 2.
 
-What is measured:
+What is measured, --mode iteration (whole iterations, the demo's shapes):
+  ours — ``flows.pipeline.rlhf_pipeline`` (the real flow: every stage task — rollout, score, gae, update,
+         KL guard — with its manifests, tables and checkpoints, MLflow, Prefect, the background
+         reporter) on configs/demo.yaml without the SFT warm start and without validation (TRL
+         validates nothing here either), ``--iterations`` + 1 iterations in a fresh process and
+         RLHF_HOME; iteration k's time = start of rollout k+1 − start of rollout k. Threads: its own
+         choice (the update trains critic and actor at once on 2 cores).
+  TRL  — ``PPOTrainer.train()`` over ``--iterations`` + 1 updates of ``--batch`` prompts of the same
+         prompt file (data/arith/demo.jsonl): generation (stopping at EOS, as ours), policy/ref log-probs,
+         values, reward model (a sequence-classification head on the same model; ours scores by rule),
+         GAE, the PPO epochs, its logging; update k's time = start of generation k+1 − start of
+         generation k; ``--trl-threads`` torch threads (default 2 = the machine).
+  Start-up (model loads, Prefect server, preprocessing) is excluded on both sides and printed apart.
+  Reported: seconds per iteration each (median over ``--repeats`` runs of each run's mean) and the
+  ratio TRL/ours (> 1: ours is faster).
+
+What is measured, --mode update:
   TRL  — one ``PPOTrainer.train()`` update of ``--batch`` prompts (the demo's arithmetic prompts in the
          tiny model's chat template), ``--response-length`` sampled tokens each (no stop token, so every
          response has exactly that length). Phases timed by wrapping the trainer module's functions:
@@ -28,8 +49,8 @@ Each side runs in a fresh process, one after the other, ``--repeats`` times inte
 reported. TRL runs at each ``--trl-threads`` setting (default: 1 thread, and torch's own choice = all
 cores); ours runs as the update stage would (1 thread per model under 100 M parameters, the critic and
 the actor at the same time when there are >= 2 cores: ``trainer.concurrent_critic_actor``), so the
-ratio against TRL at all cores compares both using the whole machine. Results and their analysis:
-docs/benchmarks.md §3.
+ratio against TRL at all cores compares both using the whole machine.
+Results and their analysis: docs/benchmarks.md §3.
 """
 
 from __future__ import annotations
@@ -115,6 +136,57 @@ def trl_worker(spec: dict, out: Path) -> None:
         "padded_tokens": int(query_responses.numel())}))
 
 
+def trl_iteration_worker(spec: dict, out: Path) -> None:
+    """Run ``iterations`` + 1 whole PPOTrainer updates (generation, reward/value/ref scoring, GAE, PPO
+    epochs, TRL's own logging and bookkeeping); write when each one's generation started."""
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
+
+    import trl
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as mod
+
+    torch.manual_seed(spec["seed"])
+    if spec.get("trl_threads"):
+        torch.set_num_threads(spec["trl_threads"])
+    model_dir = spec["model_dir"]
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    reward = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
+    for m in (reward, value):
+        m.config.pad_token_id = tok.pad_token_id
+    starts: list[float] = []
+    lengths: list[float] = []
+    real_generation = mod.batch_generation
+
+    def timed_generation(*args, **kwargs):
+        starts.append(time.time())
+        result = real_generation(*args, **kwargs)
+        lengths.append(float(result[0].shape[1] - args[1].shape[1]))  # sampled width (padded after a stop)
+        return result
+
+    mod.batch_generation = timed_generation
+    updates = spec["iterations"] + 1
+    args = PPOConfig(
+        output_dir=str(out.parent / "trl_out"), per_device_train_batch_size=spec["batch"], gradient_accumulation_steps=1,
+        num_mini_batches=spec["batch"] // spec["mini_batch"], num_ppo_epochs=spec["epochs"],
+        response_length=spec["response_length"], total_episodes=spec["batch"] * updates,
+        local_rollout_forward_batch_size=spec["batch"], num_sample_generations=0, use_cpu=True, report_to=[],
+        save_strategy="no", learning_rate=1e-5, seed=spec["seed"], stop_token="eos", logging_steps=1, bf16=False,
+        fp16=False)
+    trainer = PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=ref, reward_model=reward,
+                         train_dataset=Dataset.from_dict({"input_ids": spec["prompts"]}), value_model=value)
+    called = time.time()
+    trainer.train()
+    ended = time.time()
+    out.write_text(json.dumps({"trl_version": trl.__version__, "threads": torch.get_num_threads(),
+                               "walls": [b - a for a, b in zip(starts, starts[1:])], "startup_s": starts[0] - called,
+                               "last_s": ended - starts[-1], "response_width": lengths}))
+
+
 # ----------------------------------------------------------------------------- our side (project venv)
 
 def ours_worker(spec: dict, out: Path) -> None:
@@ -145,6 +217,30 @@ def ours_worker(spec: dict, out: Path) -> None:
     out.write_text(json.dumps(metrics))
 
 
+def ours_iteration_worker(spec: dict, out: Path) -> None:
+    """``iterations`` + 1 iterations of the real flow (flows.pipeline.rlhf_pipeline, every stage task,
+    manifests, checkpoints, MLflow, Prefect) in a fresh RLHF_HOME; write each iteration's wall time."""
+    sys.path.insert(0, str(REPO))
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from bench_overhead import offline_env, run_flow
+    from rlhf_core.run.layout import RunDir
+
+    home = out.parent / f"ours_home_{os.getpid()}"
+    home.mkdir()  # Prefect creates its database under PREFECT_HOME only when the parent exists
+    offline_env(home)
+    overrides = [f"actor_rollout_ref.model.path={spec['model_dir']}", "trainer.test_freq=-1",
+                 "trainer.val_before_train=false", f"data.train_batch_size={spec['batch']}",
+                 f"data.max_response_length={spec['response_length']}",
+                 f"actor_rollout_ref.actor.ppo_mini_batch_size={spec['mini_batch']}",
+                 f"actor_rollout_ref.actor.ppo_epochs={spec['epochs']}", *spec["ours_overrides"]]
+    run_dir, called, ended, _ = run_flow(home, spec["iterations"] + 1, overrides)
+    run = RunDir(run_dir)
+    starts = [run.read_json(run.manifest_path(k))["rollout"]["started_at"] for k in range(1, spec["iterations"] + 2)]
+    lengths = [run.read_json(run.iteration_metrics(k), {}).get("response_length/mean") for k in range(1, spec["iterations"] + 2)]
+    out.write_text(json.dumps({"walls": [b - a for a, b in zip(starts, starts[1:])], "startup_s": starts[0] - called,
+                               "last_s": ended - starts[-1], "response_length": lengths}))
+
+
 # ----------------------------------------------------------------------------- driver
 
 def ensure_trl_venv(venv: Path) -> Path:
@@ -167,11 +263,11 @@ def ensure_trl_venv(venv: Path) -> Path:
     return python
 
 
-def arith_prompts(model_dir: Path, n: int) -> list[list[int]]:
+def arith_prompts(model_dir: Path, n: int, source: str = "data/arith/train.jsonl") -> list[list[int]]:
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(model_dir)
-    rows = [json.loads(line) for line in (REPO / "data/arith/train.jsonl").read_text().splitlines()[:n]]
+    rows = [json.loads(line) for line in (REPO / source).read_text().splitlines()[:n]]
     return [tok(tok.apply_chat_template([{"role": "user", "content": r["question"]}], add_generation_prompt=True,
                                         tokenize=False), add_special_tokens=False)["input_ids"] for r in rows]
 
@@ -179,7 +275,7 @@ def arith_prompts(model_dir: Path, n: int) -> list[list[int]]:
 def run_worker(python: str, role: str, spec: dict, work: Path, env: dict) -> dict:
     spec_path, out = work / f"{role}_spec.json", work / f"{role}.json"
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([python, __file__, f"--{role}-worker", str(spec_path), str(out)], env=env,
+    proc = subprocess.run([python, __file__, "--worker", role, str(spec_path), str(out)], env=env,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"error: the {role} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
@@ -224,12 +320,46 @@ def report(spec: dict, trl_runs: dict[int, list[dict]], ours_runs: list[dict]) -
               f"ratio ours/TRL {ours_tps / tps:.2f}x (goal >= 1.5x)")
 
 
+def report_iterations(spec: dict, trl_runs: dict[int, list[dict]], ours_runs: list[dict]) -> None:
+    """Mean seconds per whole iteration of each side (per run, then the median over runs) and the ratio."""
+    def per_run(runs: list[dict], steady: bool) -> list[float]:
+        return [mean(r["walls"][1:] if steady and len(r["walls"]) > 1 else r["walls"]) for r in runs]
+
+    print(f"whole iterations: {spec['batch']} prompts, {spec['response_length']} response tokens at most, "
+          f"{spec['epochs']} PPO epoch(s), mini-batch {spec['mini_batch']}; {spec['iterations']} iterations measured "
+          f"per run ({spec['iterations'] + 1} run), {len(ours_runs)} run(s) per side, medians of the runs' means")
+    lengths = [x for r in ours_runs for x in r["response_length"] if x is not None]
+    ours, ours_steady = median(per_run(ours_runs, False)), median(per_run(ours_runs, True))
+    print(f"ours (flows.pipeline.rlhf_pipeline, {' '.join(spec['ours_overrides']) or 'demo config'}): "
+          f"{ours:.2f} s per iteration (runs: {_seconds(per_run(ours_runs, False))}; from iteration 2 on "
+          f"{ours_steady:.2f} s); mean response length {mean(lengths):.1f}; start-up before iteration 1 "
+          f"{median([r['startup_s'] for r in ours_runs]):.1f} s")
+    print(f"  iterations (s): {' | '.join(_seconds(r['walls']) for r in ours_runs)}")
+    for threads, runs in trl_runs.items():
+        trl, trl_steady = median(per_run(runs, False)), median(per_run(runs, True))
+        widths = [x for r in runs for x in r["response_width"]]
+        print(f"TRL {runs[0]['trl_version']} PPOTrainer.train, {runs[0]['threads']} thread(s): {trl:.2f} s per "
+              f"iteration (runs: {_seconds(per_run(runs, False))}; from iteration 2 on {trl_steady:.2f} s); "
+              f"generated width {mean(widths):.1f}; start-up {median([r['startup_s'] for r in runs]):.1f} s")
+        print(f"  iterations (s): {' | '.join(_seconds(r['walls']) for r in runs)}")
+        print(f"  ratio TRL/ours (ours' speed-up): {trl / ours:.2f}x (goal >= 1.5x; from iteration 2 on "
+              f"{trl_steady / ours_steady:.2f}x)")
+
+
+def mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mode", choices=("iteration", "update"), default="iteration",
+                        help="iteration: whole iterations, ours through the real flow; update: the PPO update alone")
+    parser.add_argument("--iterations", type=int, default=5, help="(iteration mode) iterations measured per run "
+                        "(one more is run: its start ends the last measured one)")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--mini-batch", type=int, default=32)
     parser.add_argument("--response-length", type=int, default=32)
-    parser.add_argument("--epochs", type=int, default=2)
+    parser.add_argument("--epochs", type=int, help="PPO epochs (default: 1 in iteration mode, as the demo; 2 in update mode)")
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--intermediate", type=int, default=176)
@@ -237,19 +367,22 @@ def main() -> None:
     parser.add_argument("--token-budget", type=int, default=2048, help="our micro-batch token budget (the demo's 2048)")
     parser.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
                         help="extra config override for our update (repeatable), e.g. data.use_sequence_packing=false")
-    parser.add_argument("--trl-threads", type=int, nargs="+", default=[1, 0],
-                        help="torch thread settings to run TRL at (0 = torch's own choice, all cores); each is "
-                             "reported with its own ratio. Ours picks its threads itself (1 per model under 100 M "
-                             "parameters, the critic and the actor at the same time on >= 2 cores)")
+    parser.add_argument("--trl-threads", type=int, nargs="+",
+                        help="torch thread settings to run TRL at (0 = torch's own choice, all cores; default: 2 in "
+                             "iteration mode, 1 and 0 in update mode); each is reported with its own ratio. Ours "
+                             "picks its threads itself (1 per model under 100 M parameters, the critic and the actor "
+                             "at the same time on >= 2 cores)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side (interleaved); medians are reported")
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "rlhf-bench-trl-venv")
-    parser.add_argument("--trl-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("--ours-worker", nargs=2, type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    for role, paths in (("trl", args.trl_worker), ("ours", args.ours_worker)):
-        if paths:
-            (trl_worker if role == "trl" else ours_worker)(json.loads(paths[0].read_text()), paths[1])
-            return
+    if args.worker:
+        role, spec_path, out = args.worker
+        WORKERS[role](json.loads(Path(spec_path).read_text()), Path(out))
+        return
+    iteration_mode = args.mode == "iteration"
+    args.epochs = args.epochs or (1 if iteration_mode else 2)
+    args.trl_threads = args.trl_threads or ([2] if iteration_mode else [1, 0])
 
     trl_python = ensure_trl_venv(args.venv)
     sys.path.insert(0, str(REPO))
@@ -262,20 +395,28 @@ def main() -> None:
         model_dir = work / "model"
         build_tiny_model(model_dir, TinyModelSpec(hidden_size=args.hidden, num_hidden_layers=args.layers,
                                                   intermediate_size=args.intermediate, seed=args.seed))
-        spec = {"model_dir": str(model_dir), "prompts": arith_prompts(model_dir, args.batch), "batch": args.batch,
+        # iteration mode: the demo's prompt file (what our flow samples from), one batch per iteration for TRL
+        prompts = (arith_prompts(model_dir, args.batch * (args.iterations + 1), "data/arith/demo.jsonl")
+                   if iteration_mode else arith_prompts(model_dir, args.batch))
+        spec = {"model_dir": str(model_dir), "prompts": prompts, "batch": args.batch, "iterations": args.iterations,
                 "mini_batch": args.mini_batch, "response_length": args.response_length, "epochs": args.epochs,
                 "seed": args.seed, "token_budget": args.token_budget, "ours_overrides": args.ours_override}
+        trl_role, ours_role = ("trl_iteration", "ours_iteration") if iteration_mode else ("trl", "ours")
         trl_runs: dict[int, list[dict]] = {t: [] for t in args.trl_threads}
         ours_runs: list[dict] = []
         for repeat in range(args.repeats):
             for threads in args.trl_threads:
-                result = run_worker(str(trl_python), "trl", {**spec, "trl_threads": threads}, work, env)
+                result = run_worker(str(trl_python), trl_role, {**spec, "trl_threads": threads}, work, env)
                 trl_runs[threads].append(result)
-                if "responses" not in spec:  # seeded: every TRL run samples the same responses
+                if not iteration_mode and "responses" not in spec:  # seeded: every TRL run samples the same responses
                     spec["prompts"], spec["responses"] = result["prompts"], result["responses"]
-            ours_runs.append(run_worker(sys.executable, "ours", spec, work, env))
-            print(f"run {repeat + 1}/{args.repeats} done", file=sys.stderr)
-    report(spec, trl_runs, ours_runs)
+            ours_runs.append(run_worker(sys.executable, ours_role, spec, work, env))
+            print(f"run {repeat + 1}/{args.repeats} done (load average {os.getloadavg()[0]:.1f})", file=sys.stderr)
+    (report_iterations if iteration_mode else report)(spec, trl_runs, ours_runs)
+
+
+WORKERS = {"trl": trl_worker, "ours": ours_worker, "trl_iteration": trl_iteration_worker,
+           "ours_iteration": ours_iteration_worker}
 
 
 if __name__ == "__main__":
