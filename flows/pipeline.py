@@ -35,6 +35,7 @@ from rlhf_core.run.lock import RunLock
 from rlhf_core.run.plan import RunPlan, logs_to, open_run, plan_run, resolve_iterations
 from rlhf_core.run.report import format_iteration_header, format_iteration_row, iteration_metrics
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
+from rlhf_core.training.resident import resident_models
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.breach import handle_breach_task
 from tasks.prefect_runs import claim_run_directory
@@ -148,7 +149,8 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
     settle_heap()  # every module is imported by now: keep the GC from rescanning them each iteration
     reporter = Reporter(prefect_artifacts.logger())
     try:
-        cfg, metrics = iterate(plan, cfg, mlflow_run_id, reporter)
+        with resident_models(cfg, plan.run):  # one load of actor and critic for all iterations
+            cfg, metrics = iterate(plan, cfg, mlflow_run_id, reporter)
     finally:  # every queued view is published (or its failure logged) before the flow returns or fails
         failed = reporter.close()
     if failed and mlflow_run_id:  # the batches a failed report did not log (a failed run catches up on resume)
@@ -246,7 +248,7 @@ def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional
                    gae_task(cfg, run_dir, k, **quiet)]
         results.append(update_task(cfg, run_dir, k, **quiet))
         results.append(guard_task(cfg, run_dir, k, **quiet))
-        if settle_task(run_dir, k, cfg.trainer.on_kl_breach, attempt) == "commit":
+        if settle_task(cfg, run_dir, k, cfg.trainer.on_kl_breach, attempt) == "commit":
             return cfg, results
         outcome = handle_breach_task(cfg, run_dir, k, attempt, mlflow_run_id=mlflow_run_id, stage_results=results)
         if outcome["action"] == "halt":

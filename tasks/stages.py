@@ -27,6 +27,7 @@ from rlhf_core.run.lifecycle import read_verdict, settle
 from rlhf_core.run.manifest import mark_skipped
 from rlhf_core.run.report import stage_numbers
 from rlhf_core.stages.registry import get_stage
+from rlhf_core.training.resident import settle_resident
 from tasks import mlflow_tracking, prefect_artifacts
 
 NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -165,11 +166,16 @@ def export_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: Optional[str] = No
 
 
 @task(name="settle", task_run_name="settle-iter{iteration}", **NO_RESULTS)
-def settle_task(run_dir: str, iteration: int, policy: str, attempt: int) -> str:
+def settle_task(cfg: RLHFConfig, run_dir: str, iteration: int, policy: str, attempt: int) -> str:
     """Act on iteration K's verdict: commit (last_good.json moves, one atomic rename) or roll back
-    (the checkpoint discarded, the KL controller restored). Never retried: it decides a commit."""
+    (the checkpoint discarded, the KL controller restored), then tell the resident trainer (a
+    commit may start a background save, a rollback puts its in-memory snapshot back). Never
+    retried: it decides a commit."""
     with timing.span("task:settle"):
-        return settle(RunDir(run_dir), iteration, policy=policy, attempt=attempt)
+        run = RunDir(run_dir)
+        outcome = settle(run, iteration, policy=policy, attempt=attempt)
+        settle_resident(cfg, run, iteration, outcome)
+        return outcome
 
 
 STAGE_TASKS = {

@@ -629,6 +629,13 @@ class TrainerConfig(Section):
     save_freq: int = -1
     """verl: keep a full checkpoint every N steps and after the last one (-1 = only the last-good
     checkpoint, which the KL guard always keeps for rollback)."""
+    resident_models: bool = True
+    """Our name: keep the actor, critic and reference loaded for the whole flow run (one update
+    process, no LoRA): each stage borrows them, the next rollout samples from the updated weights in
+    memory, a KL-guard rollback restores an in-memory snapshot, and a full checkpoint is written only
+    every save_freq iterations and at the end, off the critical path. false = every stage loads its
+    models from disk and every iteration writes a full checkpoint (the design before; the benchmark
+    compares the two)."""
     max_ckpt_to_keep: int = 2
     """Save-point checkpoints kept (oldest pruned first); the last-good one is always kept."""
     critic_warmup: int = 0

@@ -13,7 +13,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Optional, Any, Iterator
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -36,10 +36,14 @@ def _fsync_dir(directory: Path) -> None:
             os.close(fd)
 
 
-def fault_point(name: str) -> None:
+def fault_point(name: str, where: Optional[Path] = None) -> None:
     """Die here (SIGKILL-like, no cleanup) when RLHF_FAULT names this point: used by the
-    kill-anywhere tests to prove no partial output survives under its final name."""
-    if os.environ.get("RLHF_FAULT") == name:
+    kill-anywhere tests to prove no partial output survives under its final name. With ``where``
+    (the file), ``before_rename:iter_3/guard.json`` also matches: the same point in one iteration."""
+    wanted = os.environ.get("RLHF_FAULT")
+    if not wanted:
+        return
+    if wanted == name or (where is not None and wanted == f"{name.rsplit(':', 1)[0]}:{where.parent.name}/{where.name}"):
         os._exit(137)
 
 
@@ -54,10 +58,10 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
         if tmp.is_file():
             with open(tmp, "rb+") as fh:
                 os.fsync(fh.fileno())
-        fault_point(f"before_rename:{path.name}")
+        fault_point(f"before_rename:{path.name}", path)
         os.replace(tmp, path)
         _fsync_dir(path.parent)
-        fault_point(f"after_rename:{path.name}")
+        fault_point(f"after_rename:{path.name}", path)
     finally:
         if tmp.exists():
             tmp.unlink()
@@ -103,7 +107,7 @@ def _atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp.mkdir()
     try:
         yield tmp
-        fault_point(f"before_rename:{path.name}")
+        fault_point(f"before_rename:{path.name}", path)
         old = None
         if path.exists():
             old = path.with_name(f"{path.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}")

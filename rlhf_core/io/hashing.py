@@ -3,19 +3,31 @@
 from __future__ import annotations
 
 import hashlib
+import os
 from pathlib import Path
 
 from rlhf_core.io.timing import HASHING, timed
 
 _CHUNK = 1 << 20
+_known: dict[tuple, str] = {}
+"""sha256 by (path, size, mtime_ns, inode, ctime_ns): a file this process hashed and that nobody
+rewrote since is not read again. Every stage of a flow run names the initial model, the reference
+and the prompt tables among its inputs; without this each stage re-read them (a second per GB).
+Writers here replace files by rename (a new inode), and an in-place rewrite moves mtime/ctime."""
 
 
 def sha256_file(path: str | Path) -> str:
+    st = os.stat(path)
+    key = (os.path.realpath(path), st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+    known = _known.get(key)
+    if known is not None:
+        return known
     h = hashlib.sha256()
     with open(path, "rb") as fh:
         while chunk := fh.read(_CHUNK):
             h.update(chunk)
-    return h.hexdigest()
+    digest = _known[key] = h.hexdigest()
+    return digest
 
 
 def sha256_tree(path: str | Path) -> str:

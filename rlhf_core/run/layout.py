@@ -19,7 +19,10 @@
       iter_<k>/rollout.parquet    responses (rollout_rejects.parquet: offline rows not accepted)
       iter_<k>/scored.parquet     rewards, old/ref log-probs, values
       iter_<k>/advantages.parquet token rewards (KL penalty), advantages, returns
-      iter_<k>/checkpoint/        actor (HF safetensors), critic, DeepSpeed state, manifest
+      iter_<k>/checkpoint/        actor (HF safetensors), critic, DeepSpeed state, manifest: written every
+                                  trainer.save_freq iterations and at the end (each with resident models)
+      iter_<k>/state.json         the state the update produced: its lineage id, what it started from,
+                                  the config it trained with (how a crash or a rerun rebuilds it)
       iter_<k>/metrics.json       the update's metrics
       iter_<k>/guard.json         the KL guard's verdict
       iter_<k>/validation.parquet validation responses and scores
@@ -149,6 +152,20 @@ class RunDir:
 
     def checkpoint(self, k: int) -> Path:
         return self.iter_dir(k) / "checkpoint"
+
+    def state_record(self, k: int) -> Path:
+        """What iteration k's update produced and how to rebuild it (``training.resident``)."""
+        return self.iter_dir(k) / "state.json"
+
+    def checkpoint_iteration(self, path: str | Path) -> Optional[int]:
+        """k when ``path`` is iteration k's checkpoint directory or lies inside it, else None."""
+        path = Path(path).resolve()
+        for part in (path, *path.parents):
+            if part.name == "checkpoint" and part.parent.parent == self.root:
+                suffix = part.parent.name[len("iter_"):]
+                if part.parent.name.startswith("iter_") and suffix.isdigit():
+                    return int(suffix)
+        return None
 
     def metrics(self, k: int) -> Path:
         """The update's metrics (written by rank 0)."""

@@ -12,6 +12,14 @@ and the KL snapshots; stages and flows ask it, never decide a commit themselves.
                     newest intact commit), prune
     prune           committed checkpoints that are neither last-good nor kept save points
 
+Durable and replayable. With resident models (``trainer.resident_models``) most committed iterations
+have no checkpoint directory: the update keeps their state in memory and writes a full checkpoint
+every ``trainer.save_freq`` iterations and at the end. Such an iteration is *replayable*: its
+``iter_k/state.json`` (what it started from, the config it trained with) and its advantages table
+are on disk, so ``training.resident`` rebuilds its state bit for bit from the newest checkpoint
+before it. A commit needs the state to exist in one of the two forms; the commit log stays the one
+record of what is committed.
+
 "Committed" is stored once, in the commit log ``last_good.json``::
 
     {"iteration": k, "checkpoint": "iter_k/checkpoint", "time": t, "committed": [1, 2, ..., k]}
@@ -110,6 +118,26 @@ def last_good_checkpoint(run: RunDir) -> Optional[Path]:
     return run.root / record["checkpoint"] if record else None
 
 
+def is_replayable(run: RunDir, k: int) -> bool:
+    """Iteration ``k``'s state can be rebuilt without its checkpoint: its state record and the
+    advantages table its update trained on are on disk (``training.resident`` replays it)."""
+    return run.state_record(k).is_file() and run.advantages(k).is_file()
+
+
+def state_exists(run: RunDir, k: int) -> bool:
+    """Iteration ``k``'s state is on disk as a checkpoint, or can be rebuilt (``is_replayable``)."""
+    return (run.checkpoint(k) / "actor").is_dir() or is_replayable(run, k)
+
+
+def newest_durable(run: RunDir, through: int) -> int:
+    """The newest committed iteration at or before ``through`` whose checkpoint directory is on disk
+    (0: none, the initial models). Existence only: ``verified_last_good`` checks the contents at resume."""
+    for k in reversed([k for k in committed_iterations(run) if k <= through]):
+        if (run.checkpoint(k) / "actor").is_dir():
+            return k
+    return 0
+
+
 def checkpoint_before(run: RunDir, iteration: int) -> Optional[Path]:
     """The checkpoint iteration ``iteration`` started from: that of the latest earlier committed
     iteration (None: the initial models). While the pipeline moves forward this is the last-good
@@ -119,7 +147,7 @@ def checkpoint_before(run: RunDir, iteration: int) -> Optional[Path]:
     if not earlier:
         return None
     ckpt = run.checkpoint(earlier[-1])
-    if not (ckpt / "actor").is_dir():
+    if not state_exists(run, earlier[-1]):
         raise CheckpointError(
             f"iteration {iteration} started from {ckpt}, which was pruned (checkpoints are kept every "
             f"trainer.save_freq iterations and for last-good); rerun that iteration's stages only when "
@@ -230,10 +258,14 @@ def _kl_state_from_last_good(run: RunDir) -> Optional[dict]:
 
 
 def _kl_state_in(run: RunDir, ckpt: Optional[Path]) -> Optional[dict]:
-    """The KL controller state a checkpoint saved (None: no checkpoint, or none readable)."""
+    """The KL controller state a checkpoint saved, or its state record when the checkpoint is not on
+    disk (None: no checkpoint, or none readable)."""
     if ckpt is None:
         return None
+    k = run.checkpoint_iteration(ckpt)
     try:
+        if not (ckpt / "trainer_state.json").is_file() and k is not None:
+            return (run.read_json(run.state_record(k)) or {}).get("kl_ctrl")
         return (run.read_json(ckpt / "trainer_state.json") or {}).get("kl_ctrl")
     except StateFileError:
         return None
@@ -265,8 +297,9 @@ def commit_iteration(run: RunDir, k: int) -> dict:
     """Append ``k`` to the commit log (one atomic rename: last-good moves to ``k``), then note it
     in the event log. Idempotent: committing a committed iteration changes nothing."""
     checkpoint = run.checkpoint(k)
-    if not (checkpoint / "actor").is_dir():
-        raise CheckpointError(f"cannot commit iteration {k}: {checkpoint}/actor is missing")
+    if not state_exists(run, k):
+        raise CheckpointError(f"cannot commit iteration {k}: {checkpoint}/actor is missing and "
+                              f"{run.state_record(k)} does not say how to rebuild it")
     previous = read_last_good(run)
     committed = list(previous["committed"]) if previous else []
     if k in committed:
@@ -308,6 +341,7 @@ def rollback_iteration(run: RunDir, k: int, *, policy: str, attempt: int) -> dic
     write_manifest(run, k, manifest)
     restored = restore_kl_controller(run, k)
     discard_checkpoint(run, k)
+    run.state_record(k).unlink(missing_ok=True)  # the discarded state is nobody's to rebuild
     last_good = read_last_good(run)
     return run.append_event(
         "rollback", k, reason=verdict.get("reason", "KL above threshold"), kl=verdict.get("kl_mean"),
@@ -431,8 +465,7 @@ def _committed_by_verdicts(run: RunDir) -> list[int]:
             break
         if guard.get("status") != "done" or verdict.get("decision") != "commit":
             break
-        if not (run.checkpoint(k) / "actor").is_dir() and not read_manifest(run, k).get("update", {}).get(
-                "checkpoint_pruned"):
+        if not state_exists(run, k) and not read_manifest(run, k).get("update", {}).get("checkpoint_pruned"):
             break
         out.append(k)
     return out
@@ -477,27 +510,47 @@ def verified_last_good(run: RunDir) -> Optional[dict]:
         return record
     committed = list(record["committed"])
     errors: list[str] = []
+    damaged: set[int] = set()
     unavailable = 0  # pruned, or deleted by hand: not damaged, but nothing to fall back to either
     for k in reversed(committed):
         ckpt = run.checkpoint(k)
         if not ckpt.is_dir():
+            if is_replayable(run, k):
+                continue  # not durable: rebuilt by replay from the checkpoint found below
             if k != committed[-1]:
                 unavailable += 1
                 continue
             errors.append(f"iteration {k}: {ckpt} is missing")  # last-good itself: never "pruned"
+            damaged.add(k)
             continue
         try:
             verify_checkpoint(ckpt)
         except CheckpointError as exc:
             errors.append(f"iteration {k}: {exc}")
+            damaged.add(k)
             continue
-        return record if k == committed[-1] else _fall_back(run, committed, k, errors)
-    if not unavailable:  # every commit tried and damaged: start again from the initial models
-        return _fall_back(run, committed, 0, errors)
+        return _keep_or_fall_back(run, record, committed, k, damaged, errors)
+    if not unavailable:  # no commit verifies: start again from the initial models (and replay what can be)
+        return _keep_or_fall_back(run, record, committed, 0, damaged, errors)
     raise CheckpointError(
         f"no committed checkpoint of {run.root} verifies:\n  " + "\n  ".join(errors or ["(none kept)"])
         + f"\n({unavailable} earlier commit(s) pruned or deleted); keep more checkpoints (trainer.save_freq=1, "
         "trainer.max_ckpt_to_keep>=2) or start a new run")
+
+
+def _keep_or_fall_back(run: RunDir, record: dict, committed: list[int], base: int, damaged: set[int],
+                       errors: list[str]) -> dict:
+    """From the intact checkpoint of ``base`` (0: the initial models), the commits after it that can
+    be replayed in order — none damaged, each with its state record — are kept; the run falls back to
+    the last of them when that is not last-good."""
+    good = base
+    for j in (j for j in committed if j > base):
+        if j in damaged or not is_replayable(run, j):
+            break
+        good = j
+    if good == committed[-1]:
+        return record
+    return _fall_back(run, committed, good, errors)
 
 
 def _fall_back(run: RunDir, committed: list[int], good: int, errors: list[str]) -> dict:
@@ -549,6 +602,7 @@ def prune_checkpoints(cfg: RLHFConfig, run: RunDir) -> list[int]:
     save_points = [k for k in committed if save_due(cfg, k)]
     keep = set(save_points[-cfg.trainer.max_ckpt_to_keep:] if cfg.trainer.max_ckpt_to_keep > 0 else [])
     keep.add(committed[-1] if committed else None)
+    keep.add(newest_durable(run, committed[-1]) if committed else None)  # what a replay starts from
     removed = []
     for k in committed:
         if k in keep or not run.checkpoint(k).exists():

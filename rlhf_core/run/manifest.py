@@ -39,15 +39,35 @@ def write_manifest(run: RunDir, iteration: Optional[int], manifest: dict[str, An
         atomic_write_json(run.manifest_path(iteration), manifest)
 
 
+def path_digest(run: RunDir, path: Path) -> Optional[str]:
+    """The content identity of a stage input or output: sha256 of the file or directory, except for
+    an iteration's checkpoint (or a directory inside it), which is named by the lineage id of the
+    state the update produced (``iter_k/state.json``, ``training.resident``). That id is the same
+    whether the checkpoint is on disk, held in memory or still to be rebuilt, and it costs nothing to
+    read: weight files are hashed once, while the checkpoint is written, never at a stage read.
+    None when the path does not exist (and is no such state)."""
+    k = run.checkpoint_iteration(path)
+    if k is not None:
+        record = run.read_json(run.state_record(k))
+        if record and record.get("id"):
+            inside = Path(path).resolve().relative_to(run.checkpoint(k).resolve())
+            return f"state:{record['id']}" + ("" if str(inside) == "." else f"/{inside}")
+    if not Path(path).exists():
+        return None
+    return sha256_tree(path)
+
+
 def hash_paths(run: RunDir, paths: list[Path]) -> dict[str, str]:
-    """{path relative to the run (or absolute when outside it): sha256}; a missing path raises."""
+    """{path relative to the run (or absolute when outside it): digest (``path_digest``)}; a missing
+    path raises."""
     out = {}
     for p in paths:
         p = Path(p).resolve()
-        if not p.exists():
+        digest = path_digest(run, p)
+        if digest is None:
             raise FileNotFoundError(f"stage input {p} does not exist: run the stage that produces it first")
         key = str(p.relative_to(run.root)) if p.is_relative_to(run.root) else str(p)
-        out[key] = sha256_tree(p)
+        out[key] = digest
     return out
 
 
@@ -60,7 +80,7 @@ def is_up_to_date(run: RunDir, iteration: Optional[int], stage: str, inputs: dic
         return False
     for rel, digest in record.get("outputs", {}).items():
         path = Path(rel) if Path(rel).is_absolute() else run.root / rel
-        if not path.exists() or sha256_tree(path) != digest:
+        if path_digest(run, path) != digest:
             return False
     return True
 

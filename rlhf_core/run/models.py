@@ -75,6 +75,8 @@ def critic_path(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None) -
     """The value model to score with / train next: the last-good critic, else the run's initial
     critic. With ``iteration``: the critic that iteration started from (``checkpoint_before``)."""
     ckpt = _start_checkpoint(run, iteration)
-    if ckpt is not None and (ckpt / "critic").is_dir():
+    # a checkpoint on disk without critic/ is from before the critic was saved; one only held in
+    # memory (or to be rebuilt: resident models) always has its critic
+    if ckpt is not None and ((ckpt / "critic").is_dir() or not (ckpt / "actor").is_dir()):
         return ckpt / "critic"
     return initial_critic_path(run)

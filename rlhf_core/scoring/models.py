@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.timing import HASHING, MEMORY_RELEASE, MODEL_LOAD, timed
+from rlhf_core.models import live
 from rlhf_core.scoring import cache
 
 
@@ -57,6 +58,9 @@ def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, r
     from transformers import AutoModelForCausalLM
 
     path = Path(path)
+    held = _borrow(path, "causal_lm", device, dtype)
+    if held is not None:
+        return held
     _require_model_dir(path, role)
     attention = attention or attention_implementation(device)
 
@@ -75,11 +79,29 @@ def load_tokenizer(path: str | Path, *, shared: bool = False):
     change its settings)."""
     from transformers import AutoTokenizer
 
+    held = live.lookup(path)
+    if held is not None:  # the checkpoint is not on disk (yet): its tokenizer is the one it would copy
+        path = held.tokenizer_dir
+
     def load():
         with timed(MODEL_LOAD):
             return AutoTokenizer.from_pretrained(path)
 
     return cache.shared("tokenizer", Path(path), "cpu", (), load) if shared else load()
+
+
+def _borrow(path: Path, kind: str, device: torch.device, dtype: torch.dtype):
+    """The trainer's own module when it holds ``path``'s state (``models.live``), in eval mode; None
+    otherwise. It must already sit on ``device`` in ``dtype`` — the update trains in the dtype scoring
+    uses (``scoring_dtype``) — else the caller would score other arithmetic than it asked for."""
+    held = live.lookup(path)
+    if held is None or held.kind != kind:
+        return None
+    first = next(held.module.parameters())
+    if first.device.type != device.type or first.dtype != dtype:
+        raise CheckpointError(f"{path} is held in memory as {first.dtype} on {first.device}, but {dtype} on "
+                              f"{device} was asked for; set trainer.resident_models=false to load it from disk")
+    return held.module.eval()
 
 
 def _frozen(load):
@@ -98,7 +120,7 @@ def release(model_ref: "weakref.ref", device: torch.device) -> None:
     walks the whole heap and costs 0.2-0.5 s in a process with Prefect and MLflow loaded. A model
     the cache holds stays loaded on purpose."""
     model = model_ref()
-    pending = model is not None and not cache.holds(model)
+    pending = model is not None and not cache.holds(model) and not live.is_live(model)
     del model
     if pending:
         with timed(MEMORY_RELEASE):
@@ -112,6 +134,9 @@ def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype):
     from transformers import AutoModelForTokenClassification
 
     path = Path(path)
+    held = _borrow(path, "critic", device, dtype)
+    if held is not None:
+        return held
     _require_model_dir(path, "critic")
     with timed(MODEL_LOAD):
         model = AutoModelForTokenClassification.from_pretrained(
@@ -124,6 +149,8 @@ def weights_fingerprint(path: str | Path) -> Optional[str]:
     weights: then nothing can be proven equal). Tokenizer files are left out: they do not change the
     log-probs of given token ids."""
     path = Path(path)
+    if live.lookup(path) is not None:  # held in memory, not on disk: nothing to prove equal
+        return None
     weights = sorted(path.glob("*.safetensors"))
     if not weights or not (path / "config.json").is_file():
         return None

@@ -23,12 +23,14 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.timing import TABLE_READ, timed
+from rlhf_core.models import live
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import nonfinite_update
 from rlhf_core.run.models import reference_path
 from rlhf_core.scoring.policy_kl import actor_ref_kl, response_kl
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
+from rlhf_core.training.resident import ensure_state
 
 GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts",
                   "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.log_prob",
@@ -52,7 +54,7 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
     ``actor_dir`` defaults to the iteration's freshly trained actor (iter_k/checkpoint/actor).
     """
     actor_dir = Path(actor_dir) if actor_dir else run.checkpoint(k) / "actor"
-    if not actor_dir.is_dir():
+    if not actor_dir.is_dir() and live.lookup(actor_dir) is None:
         raise CheckpointError(f"no trained actor at {actor_dir}: run `rlhf stage update --run-dir {run.root} "
                               f"--iteration {k}` before the guard")
     sequences, prompt_lengths, ref_log_probs = _load_scored_sequences(run.scored(k))
@@ -78,6 +80,7 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
     threshold = cfg.trainer.kl_rollback_threshold
 
     def body() -> StageResult:
+        ensure_state(cfg, run, k)  # the new actor: held in memory, on disk, or rebuilt now
         kl = measure_kl(cfg, run, k)
         verdict = {"iteration": k, "threshold": threshold, **kl}
         val = measure_val_kl(cfg, run, k)

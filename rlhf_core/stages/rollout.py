@@ -40,6 +40,7 @@ from rlhf_core.paths import resolve_path
 from rlhf_core.rollout.base import GenerationStats
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
 from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.training.resident import ensure_state
 
 CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.")
 
@@ -88,6 +89,7 @@ def slot_batches(run: RunDir, iteration: int) -> tuple[int, int, list[list[str]]
 
 
 def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path) -> StageResult:
+    ensure_state(cfg, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
     slot, num_slots, batches = slot_batches(run, iteration)
     wanted = list(dict.fromkeys(pid for batch in batches for pid in batch))  # batch order, unique
     by_id = {row["prompt_id"]: row for row in rows_with_ids(run.train_prompts, "prompt_id", wanted, PROMPT_COLUMNS)}
@@ -122,6 +124,8 @@ def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path
 def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
                   offline_file: Path) -> StageResult:
     from transformers import AutoTokenizer
+
+    ensure_state(cfg, run, run.checkpoint_iteration(model_dir))
 
     with timed(TABLE_READ):
         prompt_rows = read_prompt_rows(run.train_prompts, columns=None)  # text columns: prompts matched by text

@@ -58,6 +58,7 @@ from rlhf_core.scoring import (
 )
 from rlhf_core.scoring.models import load_tokenizer, release
 from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.training.resident import ensure_state
 
 CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
 
@@ -101,6 +102,7 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
     inputs += [p for p in (models.reward_model, models.rm_input_tokenizer) if p is not None]
 
     def body() -> StageResult:
+        ensure_state(cfg, run, run.checkpoint_iteration(models.actor))  # held in memory, on disk, or rebuilt now
         return _score(cfg, run, iteration, models)
 
     return execute_stage(stage="score", cfg=cfg, run=run, iteration=iteration, inputs=inputs,

@@ -30,19 +30,12 @@ from rlhf_core.io import timing
 from rlhf_core.io.atomic import atomic_write_text
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.training.rank_update import (read_update_metrics, resolve_sources, schedule_needs_total_steps,
-                                            train_update)
-
-CONFIG_SECTIONS = ("actor_rollout_ref.model.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.temperature",
-                   "actor_rollout_ref.rollout.n", "critic.", "data.max_response_length", "data.train_batch_size",
-                   "trainer.seed", "trainer.nproc", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.device",
-                   "trainer.critic_warmup")
-STEP_SECTIONS = ("trainer.total_iterations", "trainer.total_training_steps", "trainer.total_epochs")
-"""The run's length enters the update only through a cosine or ratio warm-up lr schedule."""
+from rlhf_core.training import lineage, resident
+from rlhf_core.training.rank_update import read_update_metrics, schedule_needs_total_steps, train_update
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    return CONFIG_SECTIONS + (STEP_SECTIONS if schedule_needs_total_steps(cfg) else ())
+    return lineage.config_sections(cfg, schedule_needs_total_steps(cfg))
 
 
 STAGE_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy",
@@ -50,13 +43,7 @@ STAGE_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl
 
 
 def _inputs(cfg: RLHFConfig, run: RunDir, iteration: int) -> list[Path]:
-    sources = resolve_sources(cfg, run, iteration)
-    paths = [run.advantages(iteration), sources.actor, sources.critic]
-    if sources.adapter is not None:
-        paths.append(sources.adapter)
-    if sources.resume is not None:  # the optimizer state this iteration continues
-        paths.append(sources.resume / "deepspeed")
-    return paths
+    return lineage.update_inputs(cfg, run, iteration)
 
 
 def launch_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, nproc: int) -> None:
@@ -112,21 +99,28 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
 
         nproc = resolve.update_world_size(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
         launched = time.perf_counter()
-        with timing.opaque():  # the trainer times its own I/O: counted below from its metrics
-            if nproc > 1:
-                launch_ranks(cfg, run, iteration, nproc)
-                metrics = read_update_metrics(run, iteration)
-            else:
-                metrics = train_update(cfg, run, iteration)
-        count_update_io(metrics, time.perf_counter() - launched, separate_processes=nproc > 1)
+        trainer = resident.active(run)
+        if trainer is not None:  # the flow keeps the engines: they hold the state this iteration starts from
+            metrics = trainer.update(cfg, iteration)  # times its own I/O (setup, snapshot, replay) in io.timing
+        else:
+            with timing.opaque():  # the trainer times its own I/O: counted below from its metrics
+                if nproc > 1:
+                    launch_ranks(cfg, run, iteration, nproc)
+                    metrics = read_update_metrics(run, iteration)
+                else:
+                    metrics = train_update(cfg, run, iteration)
+            count_update_io(metrics, time.perf_counter() - launched, separate_processes=nproc > 1)
         rows = pq.ParquetFile(run.advantages(iteration)).metadata.num_rows
         shown = ", ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in STAGE_METRICS if k in metrics)
         return StageResult(
             stage="update", iteration=iteration,
-            outputs={"checkpoint": str(run.checkpoint(iteration)), "metrics": str(run.metrics(iteration))},
+            outputs={"checkpoint": str(run.checkpoint(iteration)), "state": str(run.state_record(iteration)),
+                     "metrics": str(run.metrics(iteration))},
             rows={"sequences": rows}, metrics=metrics,
             summary=[f"{rows} sequences, {int(metrics.get('actor/num_steps', 0))} actor steps on {nproc} "
-                     f"process(es): {shown}", f"checkpoint: {run.checkpoint(iteration)}"])
+                     f"process(es): {shown}",
+                     f"state held in memory (a checkpoint at save points): {run.checkpoint(iteration)}"
+                     if trainer is not None else f"checkpoint: {run.checkpoint(iteration)}"])
 
     return execute_stage(stage="update", cfg=cfg, run=run, iteration=iteration, inputs=_inputs(cfg, run, iteration),
                          config_sections=config_sections(cfg), body=body, force=force)

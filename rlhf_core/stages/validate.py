@@ -45,6 +45,7 @@ from rlhf_core.rollout.generate import (
     PROMPT_COLUMNS, generate_responses, read_prompt_rows, sampling_from_config, val_sampling_from_config,
 )
 from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.training.resident import ensure_state
 
 
 VALIDATION_SECTIONS = ("data.max_response_length", "data.reward_fn_key", "actor_rollout_ref.rollout.val_kwargs.",
@@ -178,6 +179,7 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
     actor = validation_actor(cfg, run, k)
 
     def body() -> StageResult:
+        ensure_state(cfg, run, run.checkpoint_iteration(actor))  # held in memory, on disk, or rebuilt now
         sampling = val_sampling_from_config(cfg, seed=0)  # seed set from rollout.seed by sample_val_responses
         rows, samples = sample_val_responses(cfg, run, actor, sampling=sampling)
         scores, extras = score_samples(cfg, rows, samples)

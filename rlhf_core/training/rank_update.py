@@ -34,10 +34,11 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import checkpoint_before
 from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.run.models import actor_path, critic_path, initial_actor_path
-from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, check_budget, read_advantages
+from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, PPOData, check_budget, read_advantages
 from rlhf_core.training.checkpoint import load_optimizer_files, load_rng, save_checkpoint, seed_rng
-from rlhf_core.training.distributed import all_reduce, init_distributed
+from rlhf_core.training.distributed import DistInfo, all_reduce, init_distributed
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device, resolve_dtype, torch_dtype
+from rlhf_core.training.lineage import weights_sample, write_state_record
 from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, load_actor_model, load_critic_model,
                                         lr_schedule)
 from rlhf_core.training.optim_state import restore_optimizer_state
@@ -244,7 +245,7 @@ def _pad_id(path: Path) -> int:
     return int(pad) if pad is not None else 0
 
 
-def _trainer_state(cfg: RLHFConfig, run: RunDir, iteration: int, sources: UpdateSources, steps: int) -> dict:
+def trainer_state(cfg: RLHFConfig, run: RunDir, iteration: int, sources: UpdateSources, steps: int) -> dict:
     return {
         "iteration": iteration,
         "data_position": {"iteration": iteration, "epochs": cfg.actor_rollout_ref.actor.ppo_epochs,
@@ -275,45 +276,83 @@ def role_schedules(cfg: RLHFConfig, actor: TrainEngine, critic: TrainEngine, ite
     return roles
 
 
-def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Optional[bool] = None) -> dict[str, Any]:
-    """Run the PPO update of ``iteration`` on this rank; returns the per-iteration metrics (the same
-    on every rank). Writes ``run.checkpoint(iteration)`` and ``run.metrics(iteration)`` (rank 0)."""
-    reset_peak_rss()
-    started = time.perf_counter()
-    device = resolve_device(cfg.trainer.device)
-    total_steps = training_steps(cfg, run)
-    dist = init_distributed(device)
+def check_update_data(cfg: RLHFConfig, run: RunDir, iteration: int, world_size: int) -> PPOData:
+    """Iteration ``iteration``'s advantages table, checked against both roles' token budgets."""
     data = read_advantages(run.advantages(iteration))
     for role in ("critic", "actor"):
-        check_budget(data, micro_batch_plan(cfg, role, dist.world_size), run.advantages(iteration))
-    sources = resolve_sources(cfg, run, iteration)
+        check_budget(data, micro_batch_plan(cfg, role, world_size), run.advantages(iteration))
+    return data
+
+
+def open_engines(cfg: RLHFConfig, run: RunDir, sources: UpdateSources, device: str, world_size: int
+                 ) -> tuple[TrainEngine, TrainEngine, int]:
+    """(actor, critic, pad id): engines built on ``sources``' weights, with the optimizer state and
+    the RNG of the checkpoint they start from (``sources.resume``), else fresh and seeded."""
     pad_id = _pad_id(sources.actor)
-    actor, critic = build_engines(cfg, sources, device, dist.world_size, total_steps)
-    num_params = sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters())  # ZeRO-3: full size
-    with cpu_threads(device, num_params, dist.world_size) as threads:
+    actor, critic = build_engines(cfg, sources, device, world_size, training_steps(cfg, run))
+    with cpu_threads(device, parameter_count(actor), world_size):
         if sources.resume is not None:
             resume_optimizers(sources.resume, [actor, critic], pad_id)
         start_rng(cfg, sources)
+    return actor, critic, pad_id
+
+
+def parameter_count(actor: TrainEngine) -> int:
+    return sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters())  # ZeRO-3: full size
+
+
+def train_iteration(cfg: RLHFConfig, iteration: int, data: PPOData, actor: TrainEngine, critic: TrainEngine,
+                    dist: DistInfo, device: str, pad_id: int, *, progress: Optional[bool] = None
+                    ) -> tuple[dict[str, float], Any]:
+    """PPO on one iteration's data with engines that already hold the state it starts from (weights,
+    optimizer, lr position) and with the RNG set to that state's; returns (metrics, ppo outcome).
+    The one training loop of both designs: a fresh update process and the resident trainer."""
+    with cpu_threads(device, parameter_count(actor), dist.world_size) as threads:
         roles = role_schedules(cfg, actor, critic, iteration, dist.world_size)
-        setup_seconds = time.perf_counter() - started
         concurrent = concurrent_roles(cfg.trainer.concurrent_critic_actor, device, threads, dist.world_size)
         outcome = run_ppo(roles, data, seed=f"{cfg.trainer.seed}:{iteration}", dist=dist, pad_id=pad_id,
                           progress=progress, concurrent=concurrent)
-        metrics = aggregate(outcome)
-        metrics["actor/updated"] = float(resolve.actor_updates(cfg, iteration))  # 0: a critic warm-up step
-        metrics["perf/peak_rss_gb"] = float(all_reduce(torch.tensor(peak_rss_gb()), op="max"))
-        metrics["perf/world_size"] = float(dist.world_size)
-        metrics["perf/threads_per_rank"] = float(threads)
-        metrics["perf/concurrent_critic_actor"] = float(concurrent)
-        state = _trainer_state(cfg, run, iteration, sources, len(outcome.steps.get("actor", [])))
-        saving = time.perf_counter()
+    metrics = aggregate(outcome)
+    metrics["actor/updated"] = float(resolve.actor_updates(cfg, iteration))  # 0: a critic warm-up step
+    metrics["perf/peak_rss_gb"] = float(all_reduce(torch.tensor(peak_rss_gb()), op="max"))
+    metrics["perf/world_size"] = float(dist.world_size)
+    metrics["perf/threads_per_rank"] = float(threads)
+    metrics["perf/concurrent_critic_actor"] = float(concurrent)
+    return metrics, outcome
+
+
+def finish_update(cfg: RLHFConfig, run: RunDir, iteration: int, metrics: dict[str, float], outcome: Any,
+                  actor: TrainEngine, critic: TrainEngine, dist: DistInfo) -> None:
+    """Rank 0 records what the update produced: iter_K/metrics.json and iter_K/state.json."""
+    if not dist.is_main:
+        return
+    atomic_write_json(run.metrics(iteration), {"iteration": iteration, "stage": "update", "metrics": metrics,
+                                               "steps": outcome.steps})
+    write_state_record(cfg, run, iteration, needs_total_steps=schedule_needs_total_steps(cfg),
+                       kl_ctrl=run.read_json(run.kl_ctrl_path), sample=weights_sample([actor.module, critic.module]))
+
+
+def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Optional[bool] = None) -> dict[str, Any]:
+    """Run the PPO update of ``iteration`` on this rank in engines built for it; returns the
+    per-iteration metrics (the same on every rank). Writes ``run.checkpoint(iteration)``,
+    ``run.metrics(iteration)`` and ``run.state_record(iteration)`` (rank 0)."""
+    reset_peak_rss()
+    started = time.perf_counter()
+    device = resolve_device(cfg.trainer.device)
+    dist = init_distributed(device)
+    data = check_update_data(cfg, run, iteration, dist.world_size)
+    sources = resolve_sources(cfg, run, iteration)
+    actor, critic, pad_id = open_engines(cfg, run, sources, device, dist.world_size)
+    setup_seconds = time.perf_counter() - started
+    metrics, outcome = train_iteration(cfg, iteration, data, actor, critic, dist, device, pad_id, progress=progress)
+    state = trainer_state(cfg, run, iteration, sources, len(outcome.steps.get("actor", [])))
+    saving = time.perf_counter()
+    with cpu_threads(device, parameter_count(actor), dist.world_size):
         save_checkpoint(run.checkpoint(iteration), actor=actor, critic=critic, tokenizer_path=sources.tokenizer,
                         trainer_state=state, dist=dist, lora_base=sources.actor if actor.lora else None)
     metrics["perf/setup_seconds"] = setup_seconds  # process group, data, models, engines, optimizer state
     metrics["perf/checkpoint_seconds"] = time.perf_counter() - saving
-    if dist.is_main:
-        atomic_write_json(run.metrics(iteration), {"iteration": iteration, "stage": "update", "metrics": metrics,
-                                                   "steps": outcome.steps})
+    finish_update(cfg, run, iteration, metrics, outcome, actor, critic, dist)
     return metrics
 
 

@@ -1,0 +1,64 @@
+"""Models held in memory for a whole flow run, found by the checkpoint directory they stand for.
+
+With resident models (``trainer.resident_models``) the update keeps the actor and the critic it
+trains loaded between iterations, and most iterations write no checkpoint. Every other stage still
+asks for its models by directory (``iter_k/checkpoint/actor``: the lineage stays path-based, so a
+CLI rerun of one stage works from the run directory alone); the loaders in ``scoring.models`` look
+here first and, when the directory is the state the trainer holds right now, hand out the trainer's
+own module — the weights the update just produced, with no disk round trip.
+
+Only the current state is ever held: the trainer replaces its entries before it changes the weights
+(an update, a rollback), so an entry never serves weights other than its directory's. Nothing here
+loads, trains or writes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class LiveModel:
+    module: Any
+    """The trained module itself (torch.nn.Module): borrowers switch it to eval mode and must not
+    change its weights; the trainer switches it back to train mode before it updates."""
+    kind: str
+    """'causal_lm' (the actor) or 'critic' (the value model)."""
+    tokenizer_dir: Path
+    """Where the tokenizer files are that the checkpoint directory would carry."""
+
+
+_held: dict[Path, LiveModel] = {}
+
+
+def hold(directory: str | Path, model: LiveModel) -> None:
+    """Serve ``model`` for ``directory`` until ``drop`` (the trainer holds that state now)."""
+    _held[Path(directory).resolve()] = model
+
+
+def drop(under: Optional[str | Path] = None) -> None:
+    """Forget every held directory (or those inside ``under``, e.g. one run's root)."""
+    if under is None:
+        _held.clear()
+        return
+    root = Path(under).resolve()
+    for path in [p for p in _held if p == root or root in p.parents]:
+        del _held[path]
+
+
+def lookup(directory: str | Path) -> Optional[LiveModel]:
+    """The model held for ``directory``, or None (then load it from disk)."""
+    if not _held:
+        return None
+    return _held.get(Path(directory).resolve())
+
+
+def is_live(module: Any) -> bool:
+    """Whether ``module`` is one the trainer holds (dropping a borrower's reference frees nothing)."""
+    return any(m.module is module for m in _held.values())
+
+
+def held_directories() -> list[Path]:
+    return sorted(_held)

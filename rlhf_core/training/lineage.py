@@ -1,0 +1,127 @@
+"""What identifies the state an update produced, and what it takes to rebuild it: ``iter_k/state.json``.
+
+    {"iteration": k, "id": sha256, "start": j, "parent": id of j's state (null for the initial models),
+     "inputs": {path: digest}, "config": the whole config the update trained with,
+     "kl_ctrl": the KL controller state it saved, "weights_sample": sha256, "time": t}
+
+The id is a hash of the update's inputs — the advantages table's bytes, the id of the state it
+started from (or the initial models' sha256), the config sections it depends on — so it names the
+weights the update produced without reading them: the same id whether the checkpoint is on disk,
+held in memory, or still to be rebuilt. Stage manifests use it for every checkpoint input
+(``run.manifest.path_digest``), so no stage re-hashes weight files.
+
+``weights_sample`` is a cheap fingerprint of the trained weights (every tensor's sum and a fixed
+strided sample): a replay (``training.resident``) that does not reproduce it stops instead of going on from
+different weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import time
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+
+from rlhf_core.config import RLHFConfig, config_from_dict, config_hash, to_dict
+from rlhf_core.errors import CheckpointError
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.run.layout import RunDir, StateFileError
+from rlhf_core.run.lifecycle import checkpoint_before, committed_iterations
+from rlhf_core.run.manifest import hash_paths
+from rlhf_core.run.models import actor_path, critic_path, initial_actor_path
+from rlhf_core.training.engines import LoraSettings
+
+CONFIG_SECTIONS = ("actor_rollout_ref.model.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.temperature",
+                   "actor_rollout_ref.rollout.n", "critic.", "data.max_response_length", "data.train_batch_size",
+                   "trainer.seed", "trainer.nproc", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.device",
+                   "trainer.critic_warmup")
+STEP_SECTIONS = ("trainer.total_iterations", "trainer.total_training_steps", "trainer.total_epochs")
+"""The run's length enters the update only through a cosine or ratio warm-up lr schedule."""
+
+SAMPLE_POINTS = 64
+"""Elements taken from each tensor for ``weights_sample``: enough that any real divergence shows."""
+
+
+def config_sections(cfg: RLHFConfig, needs_total_steps: bool) -> tuple[str, ...]:
+    """The config the update of an iteration depends on (its manifest's config hash)."""
+    return CONFIG_SECTIONS + (STEP_SECTIONS if needs_total_steps else ())
+
+
+def start_iteration(run: RunDir, k: int) -> int:
+    """The committed iteration whose state iteration ``k``'s update starts from (0: the initial models)."""
+    earlier = [j for j in committed_iterations(run) if j < k]
+    return earlier[-1] if earlier else 0
+
+
+def update_inputs(cfg: RLHFConfig, run: RunDir, k: int) -> list[Path]:
+    """What iteration ``k``'s update reads: its advantages table, the actor (with LoRA: the frozen
+    base and the adapters) and critic it starts from, and their optimizer state."""
+    ckpt = checkpoint_before(run, k)
+    if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
+        paths = [run.advantages(k), initial_actor_path(cfg), critic_path(cfg, run, k)]
+        if ckpt is not None:
+            paths.append(ckpt / "actor_adapter")
+    else:
+        paths = [run.advantages(k), actor_path(cfg, run, k), critic_path(cfg, run, k)]
+    if ckpt is not None:
+        paths.append(ckpt / "deepspeed")
+    return paths
+
+
+def state_id(cfg: RLHFConfig, run: RunDir, k: int, needs_total_steps: bool) -> tuple[str, dict[str, str]]:
+    """(id of the state iteration ``k``'s update produces, the input digests it is made of)."""
+    inputs = hash_paths(run, update_inputs(cfg, run, k))
+    cfg_hash = config_hash(cfg, config_sections(cfg, needs_total_steps))
+    blob = json.dumps({"iteration": k, "inputs": inputs, "config": cfg_hash}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest(), inputs
+
+
+def weights_sample(modules: Sequence[torch.nn.Module]) -> str:
+    """sha256 over every parameter and buffer (by name, in order) of its float64 sum and of
+    ``SAMPLE_POINTS`` evenly strided elements: one pass at memory speed, no copy of the weights, and
+    it changes when a replayed step differs anywhere (the sum also sees the few embedding rows one
+    batch touches, which a sample alone would miss)."""
+    h = hashlib.sha256()
+    for module in modules:
+        for name, tensor in module.state_dict().items():
+            flat = tensor.detach().reshape(-1)
+            if flat.numel() == 0:
+                continue
+            stride = max(1, flat.numel() // SAMPLE_POINTS)
+            h.update(name.encode())
+            h.update(torch.sum(flat, dtype=torch.float64).cpu().numpy().tobytes())
+            h.update(flat[::stride].float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def write_state_record(cfg: RLHFConfig, run: RunDir, k: int, *, needs_total_steps: bool,
+                       kl_ctrl: Optional[dict], sample: str) -> dict[str, Any]:
+    """Write ``iter_k/state.json`` for the state iteration ``k``'s update just produced."""
+    start = start_iteration(run, k)
+    parent = (run.read_json(run.state_record(start)) or {}).get("id") if start else None  # None: a run from before
+    ident, inputs = state_id(cfg, run, k, needs_total_steps)
+    record = {"iteration": k, "id": ident, "start": start, "parent": parent, "inputs": inputs,
+              "config": to_dict(cfg), "kl_ctrl": kl_ctrl, "weights_sample": sample, "time": time.time()}
+    atomic_write_json(run.state_record(k), record)
+    return record
+
+
+def read_state_record(run: RunDir, k: int) -> dict[str, Any]:
+    """Iteration ``k``'s state record; a missing or damaged one is a CheckpointError saying what is lost."""
+    path = run.state_record(k)
+    try:
+        record = run.read_json(path)
+    except StateFileError as exc:
+        raise CheckpointError(f"{exc}: iteration {k}'s state cannot be rebuilt without it") from None
+    if not isinstance(record, dict) or not record.get("id") or "config" not in record:
+        raise CheckpointError(f"{path} is missing or incomplete: iteration {k}'s state cannot be rebuilt; "
+                              f"rerun `rlhf stage update --run-dir {run.root} --iteration {k} --force`")
+    return record
+
+
+def recorded_config(record: dict[str, Any]) -> RLHFConfig:
+    """The config an update trained with, as its state record saved it (a retry's changes included)."""
+    return config_from_dict(record["config"])

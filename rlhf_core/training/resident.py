@@ -1,0 +1,399 @@
+"""Resident training state: the actor and critic engines kept loaded for a whole flow run.
+
+Without it every iteration loads its models in every stage, builds both DeepSpeed engines, and
+writes (and hashes) a full checkpoint — at real sizes, most of the iteration. With it
+(``trainer.resident_models``, one update process, no LoRA, the hf rollout engine):
+
+    update k     the engines already hold the state k starts from; a host-memory snapshot of it is
+                 taken (the rollback's), the RNG is set to that state's, PPO trains, and the new state
+                 is served in memory for ``iter_k/checkpoint/{actor,critic}`` (``models.live``): the
+                 guard, the next rollout and score, and validation borrow these very modules.
+                 ``iter_k/state.json`` records how to rebuild it (``training.lineage``).
+    commit k     the snapshot is dropped; every ``trainer.save_freq`` iterations (and at the end of
+                 the flow run) a full checkpoint is written by a background thread from a capture,
+                 while the next iteration runs. Nothing else is written.
+    rollback k   the snapshot is put back (no disk I/O): the engines hold k's starting state again.
+    crash        a resume rebuilds what was only in memory: from the newest checkpoint before it,
+                 each later committed iteration's update is replayed on its recorded advantages table
+                 with its recorded config and the RNG chain, which on CPU reproduces the weights bit
+                 for bit (checked against each record's ``weights_sample``). ``ensure_state`` does
+                 this for any stage — also a CLI rerun of one stage — and writes the rebuilt state
+                 as a checkpoint, so it is rebuilt once.
+
+The engine state lives in this process only; the run directory stays the durable lineage (tables,
+manifests, state records, checkpoints at save points).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator, Optional
+
+from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve
+from rlhf_core.config.machine import cuda_devices
+from rlhf_core.errors import CheckpointError
+from rlhf_core.io import timing
+from rlhf_core.io.hashing import sha256_tree
+from rlhf_core.models import live
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import committed_iterations, is_replayable, newest_durable
+from rlhf_core.run.schedule import save_due
+from rlhf_core.training.checkpoint import BackgroundWriter, restore_rng, rng_state, save_checkpoint, seed_rng
+from rlhf_core.training.distributed import DistInfo, init_distributed
+from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device
+from rlhf_core.training.engines import LoraSettings, TrainEngine
+from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, weights_sample
+from rlhf_core.training.rank_update import (UpdateSources, check_update_data, finish_update, open_engines,
+                                            parameter_count, peak_rss_gb, reset_peak_rss, resolve_sources,
+                                            trainer_state, train_iteration, training_steps)
+from rlhf_core.training.train_state import TrainState, capture, restore
+
+SNAPSHOT = "state_snapshot"
+"""io.timing kind: copying the engines' state to host memory (the rollback snapshot, a save's capture)."""
+REPLAY = "state_replay"
+"""io.timing kind: rebuilding a state that was only in memory (after a crash, or for a CLI rerun)."""
+
+Rng = tuple[dict, dict]
+
+
+def resident_possible(cfg: RLHFConfig) -> Optional[str]:
+    """Why this config cannot keep its models resident (None: it can)."""
+    if not cfg.trainer.resident_models:
+        return "trainer.resident_models=false"
+    if resolve.update_world_size(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0) > 1:
+        return "the update runs on several processes (torchrun ranks start fresh each iteration)"
+    if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
+        return "LoRA (the rollout samples from merged weights, built from the adapter checkpoint)"
+    if cfg.actor_rollout_ref.rollout.name != "hf":
+        return f"rollout engine {cfg.actor_rollout_ref.rollout.name!r} reads the actor from disk"
+    return None
+
+
+@dataclass
+class Snapshot:
+    """A state the engines held, in host memory: what a rollback puts back, or what a save writes."""
+
+    iteration: int
+    """The committed iteration whose update produced it (0: the initial models)."""
+    state: TrainState
+    rng: Optional[Rng]
+    """The RNG right after that update (None: the initial state, seeded from trainer.seed)."""
+    trainer_state: Optional[dict] = None
+
+
+def engine_key(cfg: RLHFConfig, device: str, world_size: int, run: RunDir) -> str:
+    """What the engines were built from, except what each update sets afresh (the base learning
+    rates: a retry halves the actor's). A change — a resume with another ZeRO stage, say — rebuilds them."""
+    def optim(o) -> dict:
+        return {"betas": list(o.betas), "weight_decay": o.weight_decay, "schedule": resolve.scheduler_type(o),
+                "warmup": [o.lr_warmup_steps, o.lr_warmup_steps_ratio], "min_lr_ratio": o.min_lr_ratio,
+                "num_cycles": o.num_cycles}
+
+    m = cfg.actor_rollout_ref.model
+    facts = {"actor_ds": actor_ds_config(cfg, device, world_size), "critic_ds": critic_ds_config(cfg, device, world_size),
+             "dtype": [effective_deepspeed(cfg).dtype, cfg.critic.deepspeed_config.dtype],
+             "checkpointing": [m.enable_gradient_checkpointing, cfg.critic.model.enable_gradient_checkpointing],
+             "optim": [optim(cfg.actor_rollout_ref.actor.optim), optim(cfg.critic.optim)],
+             "steps": training_steps(cfg, run), "device": device}
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+class ResidentTrainer:
+    """The engines of one run, kept between iterations (see the module docstring)."""
+
+    def __init__(self, run: RunDir, *, serve: bool = True):
+        self.run = run
+        self.serve = serve
+        """Offer the held state to the stages (``models.live``); a helper that only rebuilds does not."""
+        self.actor: Optional[TrainEngine] = None
+        self.critic: Optional[TrainEngine] = None
+        self.dist: Optional[DistInfo] = None
+        self.device = "cpu"
+        self.pad_id = 0
+        self.key: Optional[str] = None
+        self.tokenizer: Optional[Path] = None
+        self.holds: Optional[int] = None
+        """The iteration whose update produced the state the engines hold (0: the initial models)."""
+        self.rng: Optional[Rng] = None
+        """The RNG right after the update that produced ``holds`` (None: seeded, for the initial state)."""
+        self.trainer_state: Optional[dict] = None
+        """What ``holds``' checkpoint would save as trainer_state.json."""
+        self.before: Optional[Snapshot] = None
+        """The state the unsettled update started from (the rollback's snapshot)."""
+        self.captured: Optional[Snapshot] = None
+        """A capture of the held committed state (a save's), reused as the next update's snapshot."""
+        self.writer = BackgroundWriter()
+
+    # -- the update ------------------------------------------------------------------------------
+
+    def update(self, cfg: RLHFConfig, k: int, *, progress: Optional[bool] = None) -> dict[str, Any]:
+        """Iteration ``k``'s PPO update in the resident engines; returns the update's metrics and
+        writes iter_K/metrics.json and iter_K/state.json (no checkpoint: see ``settle``)."""
+        reset_peak_rss()
+        started = time.perf_counter()
+        start = start_iteration(self.run, k)
+        self.hold(cfg, start)
+        data = check_update_data(cfg, self.run, k, self.dist.world_size)
+        with timing.timed(SNAPSHOT):
+            self.before = self._snapshot_of_held()
+        self.captured = None
+        self._set_learning_rates(cfg)
+        self._start_rng(cfg)
+        setup = time.perf_counter() - started
+        self._withdraw()  # the weights are about to change: nobody may borrow them as ``start``'s
+        metrics, outcome = train_iteration(cfg, k, data, self.actor, self.critic, self.dist, self.device,
+                                           self.pad_id, progress=progress)
+        self._held_now(k, cfg, outcome)
+        metrics["perf/setup_seconds"] = setup
+        metrics["perf/checkpoint_seconds"] = 0.0
+        metrics["perf/peak_rss_gb"] = max(metrics.get("perf/peak_rss_gb", 0.0), peak_rss_gb())
+        metrics["perf/resident"] = 1.0
+        finish_update(cfg, self.run, k, metrics, outcome, self.actor, self.critic, self.dist)
+        return metrics
+
+    def _held_now(self, k: int, cfg: RLHFConfig, outcome: Any) -> None:
+        self.rng = rng_state()
+        self.holds = k
+        sources = resolve_sources(cfg, self.run, k)
+        self.trainer_state = trainer_state(cfg, self.run, k, sources, len(outcome.steps.get("actor", [])))
+        self._offer()
+
+    def settle(self, cfg: RLHFConfig, k: int, outcome: str) -> None:
+        """After the verdict on ``k``: a commit drops the snapshot (and saves when due); a rollback
+        puts the snapshot back into the engines."""
+        if self.holds != k or self.before is None:
+            return  # not this trainer's update (a skipped, already settled or rebuilt one)
+        if outcome == "commit":
+            self.before = None
+            if save_due(cfg, k):
+                self.save_held()
+            return
+        with timing.timed(SNAPSHOT):
+            self._put_back(self.before)
+        self.before = None
+
+    # -- durable state ---------------------------------------------------------------------------
+
+    def save_held(self, *, wait: bool = False) -> Optional[Path]:
+        """Write the held (committed) state as ``iter_k/checkpoint`` from a capture, in the background
+        unless ``wait``; the directory appears when complete. None when nothing is to be written."""
+        k = self.holds
+        if not k or (self.run.checkpoint(k) / "actor").is_dir():
+            return None
+        with timing.timed(SNAPSHOT):
+            snap = self.captured if self.captured and self.captured.iteration == k else self._snapshot_of_held()
+        self.captured = snap
+        state = snap.state
+        if snap.rng is not None:  # the RNG the next update starts from, not this moment's
+            state.rng_tensors, state.rng_json = snap.rng
+        self.writer.submit(self.run.checkpoint(k), state, actor=self.actor, critic=self.critic,
+                           tokenizer_path=self.tokenizer, trainer_state=snap.trainer_state or {})
+        if wait:
+            self.writer.wait()
+        return self.run.checkpoint(k)
+
+    def close(self, *, make_durable: bool = True) -> None:
+        """End of the flow run: the last-good state written when it is only in memory (``make_durable``),
+        every write finished, the modules withdrawn and freed."""
+        try:
+            if make_durable and self.holds and self.before is None and self.holds in committed_iterations(self.run):
+                self.save_held()
+            self.writer.wait()
+        finally:
+            self.writer.close()
+            self._withdraw()
+            self.actor = self.critic = None
+            self.before = self.captured = None
+            gc.collect()
+
+    # -- holding a state -------------------------------------------------------------------------
+
+    def hold(self, cfg: RLHFConfig, j: int) -> None:
+        """Make the engines hold the state committed iteration ``j`` produced (0: the initial
+        models): already held, the pending update's snapshot, or built from the newest checkpoint at
+        or before ``j`` and the recorded updates after it replayed."""
+        device = resolve_device(cfg.trainer.device)
+        dist = init_distributed(device)
+        key = engine_key(cfg, device, dist.world_size, self.run)
+        if self.actor is not None and key == self.key:
+            if self.holds == j:
+                return
+            if self.before is not None and self.before.iteration == j:
+                self._put_back(self.before)
+                self.before = None
+                return
+        self.drop_engines()
+        base = newest_durable(self.run, j) if j else 0
+        self._open(cfg, base, device, dist, key)
+        for i in [i for i in committed_iterations(self.run) if base < i <= j]:
+            self.replay(i)
+
+    def _open(self, cfg: RLHFConfig, base: int, device: str, dist: DistInfo, key: str) -> None:
+        started = time.perf_counter()
+        # resolve_sources(k) = the state k starts from: base's checkpoint, or the initial models
+        sources = resolve_sources(cfg, self.run, base + 1)
+        self.actor, self.critic, self.pad_id = open_engines(cfg, self.run, sources, device, dist.world_size)
+        self.dist, self.device, self.key = dist, device, key
+        self.tokenizer = resolve_sources(cfg, self.run, 1).tokenizer  # never pruned, unlike a checkpoint's copy
+        self.rng = rng_state() if base else None  # open_engines set the checkpoint's RNG (or seeded it)
+        self.holds = base
+        self.trainer_state = self.run.read_json(self.run.checkpoint(base) / "trainer_state.json") if base else None
+        timing.add(timing.UPDATE_SETUP, time.perf_counter() - started)
+        self._offer()
+
+    def replay(self, i: int) -> None:
+        """Rebuild iteration ``i``'s state from the held one (its start) by rerunning its recorded update."""
+        record = read_state_record(self.run, i)
+        if record.get("start") != self.holds:
+            raise CheckpointError(f"{self.run.state_record(i)} says iteration {i} started from iteration "
+                                  f"{record.get('start')}, but the state rebuilt so far is iteration {self.holds}'s; "
+                                  f"rerun its stages: `rlhf rebuild {self.run.root}`")
+        table = self.run.advantages(i)
+        recorded = record["inputs"].get(str(table.relative_to(self.run.root)))
+        if recorded is not None and sha256_tree(table) != recorded:
+            raise CheckpointError(f"{table} changed since iteration {i}'s update trained on it: its state cannot be "
+                                  f"rebuilt; rerun `rlhf stage update --run-dir {self.run.root} --iteration {i} --force`")
+        cfg = recorded_config(record)
+        with timing.timed(REPLAY):
+            data = check_update_data(cfg, self.run, i, self.dist.world_size)
+            self._set_learning_rates(cfg)
+            self._start_rng(cfg)
+            self._withdraw()
+            _, outcome = train_iteration(cfg, i, data, self.actor, self.critic, self.dist, self.device,
+                                         self.pad_id, progress=False)
+        sample = weights_sample([self.actor.module, self.critic.module])
+        if sample != record.get("weights_sample"):
+            raise CheckpointError(f"replaying iteration {i}'s update did not reproduce its weights (the sample in "
+                                  f"{self.run.state_record(i)} differs): the machine, the thread count or a library "
+                                  f"changed since; resume from its checkpoint instead (trainer.save_freq=1 keeps every one)")
+        self.rng = rng_state()
+        self.holds = i
+        self.trainer_state = {**trainer_state(cfg, self.run, i, resolve_sources(cfg, self.run, i),
+                                              len(outcome.steps.get("actor", []))), "kl_ctrl": record.get("kl_ctrl")}
+        self._offer()
+
+    def drop_engines(self) -> None:
+        self._withdraw()
+        self.actor = self.critic = None
+        self.holds = self.rng = self.trainer_state = None
+        self.before = self.captured = None
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _snapshot_of_held(self) -> Snapshot:
+        if self.captured is not None and self.captured.iteration == self.holds:
+            return self.captured
+        return Snapshot(self.holds, capture([self.actor, self.critic]), self.rng, self.trainer_state)
+
+    def _put_back(self, snap: Snapshot) -> None:
+        self._withdraw()
+        restore([self.actor, self.critic], snap.state)
+        self.holds, self.rng, self.trainer_state = snap.iteration, snap.rng, snap.trainer_state
+        self._offer()
+
+    def _set_learning_rates(self, cfg: RLHFConfig) -> None:
+        """Each update trains at its own config's base lr (a retry halves the actor's), at the
+        schedule position the engine reached."""
+        for te, optim in ((self.actor, cfg.actor_rollout_ref.actor.optim), (self.critic, cfg.critic.optim)):
+            te.base_lrs = [optim.lr] * len(te.base_optimizer.param_groups)
+            te.set_lr_schedule_step(te.lr_schedule_step)
+
+    def _start_rng(self, cfg: RLHFConfig) -> None:
+        """The RNG an update starts from: the one right after the update that produced the held
+        state (what its checkpoint saves), else trainer.seed — as a fresh update process sets it."""
+        if self.rng is None:
+            seed_rng(cfg.trainer.seed)
+        else:
+            restore_rng(*self.rng)
+
+    def _offer(self) -> None:
+        """Serve the held state for its checkpoint directory (the initial models are on disk already)."""
+        self._withdraw()
+        if not self.serve or not self.holds:
+            return
+        ckpt = self.run.checkpoint(self.holds)
+        live.hold(ckpt / "actor", live.LiveModel(self.actor.module, "causal_lm", self.tokenizer))
+        live.hold(ckpt / "critic", live.LiveModel(self.critic.module, "critic", self.tokenizer))
+
+    def _withdraw(self) -> None:
+        live.drop(self.run.root)
+        if self.actor is not None:  # a borrower left them in eval mode
+            self.actor.module.train()
+            self.critic.module.train()
+
+
+# ---------------------------------------------------------------------------------------------
+# one trainer per run in this process, for the length of a flow run
+# ---------------------------------------------------------------------------------------------
+
+_trainers: dict[Path, ResidentTrainer] = {}
+
+
+def active(run: RunDir) -> Optional[ResidentTrainer]:
+    """The resident trainer of ``run`` in this process, when a flow run keeps one."""
+    return _trainers.get(run.root)
+
+
+@contextlib.contextmanager
+def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[ResidentTrainer]]:
+    """Keep ``run``'s models resident for the block (the flow's iterations), when ``cfg`` allows
+    (``resident_possible``); at the end the last-good state is made durable and the models freed.
+    On an interrupt only the write in flight is finished: a resume replays the rest."""
+    if resident_possible(cfg) is not None or run.root in _trainers:
+        yield _trainers.get(run.root)
+        return
+    trainer = _trainers[run.root] = ResidentTrainer(run)
+    durable = False
+    try:
+        yield trainer
+        durable = True
+    except Exception:
+        durable = True  # a failed stage leaves the committed state intact: write it
+        raise
+    finally:
+        try:
+            trainer.close(make_durable=durable)
+        finally:
+            del _trainers[run.root]
+
+
+def settle_resident(cfg: RLHFConfig, run: RunDir, k: int, outcome: str) -> None:
+    """Tell this process's resident trainer (if any) how iteration ``k`` settled."""
+    trainer = active(run)
+    if trainer is not None:
+        trainer.settle(cfg, k, outcome)
+
+
+def ensure_state(cfg: RLHFConfig, run: RunDir, k: Optional[int]) -> bool:
+    """Make iteration ``k``'s checkpoint directory loadable before a stage reads it: held in memory,
+    on disk, or — when only its state record is left (a crash, a CLI rerun) — rebuilt by replay and
+    written as a checkpoint. Returns whether it was rebuilt. A lookup first; it trains only when the
+    state exists nowhere else."""
+    if not k:
+        return False
+    ckpt = run.checkpoint(k)
+    if live.lookup(ckpt / "actor") is not None or (ckpt / "actor").is_dir() or not is_replayable(run, k):
+        return False
+    chain_end = read_state_record(run, k)
+    builder = ResidentTrainer(run, serve=False)
+    try:
+        builder.hold(recorded_config(chain_end), int(chain_end.get("start") or 0))
+        builder.replay(k)
+        save_checkpoint(ckpt, actor=builder.actor, critic=builder.critic, tokenizer_path=builder.tokenizer,
+                        trainer_state=builder.trainer_state or {}, dist=builder.dist,
+                        state=_with_rng(capture([builder.actor, builder.critic]), builder.rng))
+    finally:
+        builder.close(make_durable=False)
+    return True
+
+
+def _with_rng(state: TrainState, rng: Optional[Rng]) -> TrainState:
+    if rng is not None:
+        state.rng_tensors, state.rng_json = rng
+    return state
