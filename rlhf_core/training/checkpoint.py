@@ -16,8 +16,8 @@ not at all).
 
 No rank gathers the optimizer state: each writes the partition it owns (``train_state``), so the
 host memory a save needs is this rank's shard plus one tensor in flight. Rank 0 writes the HF
-directories (for world > 1 under ZeRO-3 the weights alone are gathered: 1/4 of the state in fp32
-training, less in bf16). Every file of ours is hashed while it is written
+directories; under ZeRO-3 at world > 1 it gathers the weights one parameter at a time while
+writing them (the other ranks join each gather in the same order). Every file of ours is hashed while it is written
 (``io.safetensors_stream``); the manifest is built from those digests, and only small files that
 other libraries write (tokenizer, config) are read back. With N ranks all write into one
 temporary directory and rank 0 renames it after a barrier.
@@ -49,12 +49,13 @@ import torch
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_dir
 from rlhf_core.io.checksums import FORMAT_VERSION, write_manifest
-from rlhf_core.io.safetensors_stream import write_hashed_json, write_safetensors
+from rlhf_core.io.timing import background
+from rlhf_core.io.safetensors_stream import LazyTensor, Source, write_hashed_json, write_safetensors
 from rlhf_core.training.distributed import DistInfo, barrier
 from rlhf_core.training.engines import TrainEngine
 from rlhf_core.training.optim_state import SEP, prime_optimizer, restore_optimizer_state
-from rlhf_core.training.train_state import (TrainState, restore_optim, restore_rng, rng_state, role_views,
-                                            shard_weights)
+from rlhf_core.training.train_state import (TrainState, module_tensors, restore_optim, restore_rng, rng_state,
+                                            role_views, shard_weights)
 
 __all__ = ["BackgroundWriter", "full_state_dict", "load_optimizer_files", "load_optimizer_state", "load_rng",
            "load_trainer_state", "restore_rng", "rng_state", "save_checkpoint", "seed_rng", "shard_name"]
@@ -154,29 +155,59 @@ def _hf_config(module: torch.nn.Module, dtype: torch.dtype):
     return config, gen
 
 
-def _gather_partitions(params: dict[str, torch.Tensor], meta: dict, dist: DistInfo) -> Optional[dict]:
-    """A ZeRO-3 capture's full weights at rank 0 (None elsewhere): each partitioned tensor is
-    all-gathered in turn (collective, every rank in the same order), one parameter in flight."""
+def _gathered_one_at_a_time(te: TrainEngine, dist: DistInfo, params: dict[str, torch.Tensor], meta: dict,
+                            captured: bool) -> dict[str, Source]:
+    """ZeRO-3 at world > 1: the full weights as ``LazyTensor``s, each gathered only when the writer
+    reaches it, so rank 0 holds one full parameter at a time. Producing one is collective: rank 0
+    produces them while writing, the other ranks in the same order in ``_drain``."""
+    import deepspeed
     import torch.distributed as tdist
 
-    whole = {}
-    for key in meta["params"]:
-        part = params[key]
-        if key in meta["partitioned"]:
-            device = dist.device if dist.device != "cpu" else "cpu"
-            pieces = [torch.empty_like(part, device=device) for _ in range(dist.world_size)]
-            tdist.all_gather(pieces, part.to(device))
-            part = torch.cat(pieces).cpu() if dist.is_main else None
-        whole[key] = part
-    return shard_weights(whole, meta) if dist.is_main else None
+    live, _ = module_tensors(te)
+    device = dist.device if dist.device != "cpu" else "cpu"
+
+    def from_capture(key, shape):
+        part = params[key].to(device)
+        pieces = [torch.empty_like(part) for _ in range(dist.world_size)]
+        tdist.all_gather(pieces, part)
+        return torch.cat(pieces)[:int(np.prod(shape, dtype=np.int64))].view(shape).cpu()
+
+    def from_engine(key):
+        p = live[key]
+        with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+            return p.data.detach().cpu().clone()
+
+    out: dict[str, Source] = {}
+    for key, (shape, dtype) in meta["params"].items():
+        if key not in meta["partitioned"]:
+            out[key] = params[key]  # buffers: every rank holds them whole
+            continue
+        produce = (lambda k=key, s=tuple(shape): from_capture(k, s)) if captured else (lambda k=key: from_engine(k))
+        out[key] = LazyTensor(getattr(torch, dtype.split(".")[-1]), tuple(shape), produce)
+    return out
 
 
 def _weights(te: TrainEngine, dist: DistInfo, state: Optional[TrainState], params, meta) -> Optional[dict]:
+    """What rank 0 writes as the HF weights (None on the other ranks unless they must join gathers)."""
     if not meta["partitioned"] or dist.world_size == 1:  # every rank holds the weights whole
         return shard_weights(params, meta) if dist.is_main else None
-    if state is not None:
-        return _gather_partitions(params, meta, dist)
-    return full_state_dict(te, dist)  # live ZeRO-3 engines: DeepSpeed's gather
+    if te.lora is not None:  # peft picks the adapter keys from real tensors: gather them all
+        return full_state_dict(te, dist) if state is None else _materialise(
+            _gathered_one_at_a_time(te, dist, params, meta, captured=True), dist)
+    return _gathered_one_at_a_time(te, dist, params, meta, captured=state is not None)
+
+
+def _materialise(lazy: dict[str, Source], dist: DistInfo) -> Optional[dict[str, torch.Tensor]]:
+    out = {k: v.produce() if isinstance(v, LazyTensor) else v for k, v in lazy.items()}
+    return out if dist.is_main else None
+
+
+def _drain(job: "_Job") -> None:
+    """Non-zero ranks: join rank 0's one-at-a-time ZeRO-3 gathers, in its order (``_write_main``)."""
+    for r in job.roles:
+        for v in (r.weights or {}).values():
+            if isinstance(v, LazyTensor):
+                v.produce()
 
 
 def _role_job(te: TrainEngine, dist: DistInfo, state: Optional[TrainState]) -> _RoleJob:
@@ -191,8 +222,9 @@ def _role_job(te: TrainEngine, dist: DistInfo, state: Optional[TrainState]) -> _
     weights = _weights(te, dist, state, params, meta)
     job = _RoleJob(te.role, optim, meta)
     if not dist.is_main:
+        job.weights = weights  # lazy ZeRO-3 gathers this rank must join, or None
         return job
-    dtype = next(v.dtype for v in weights.values() if v.is_floating_point())
+    dtype = next(v.dtype for v in weights.values() if v.dtype.is_floating_point)
     if te.lora is not None:
         from peft import get_peft_model_state_dict
 
@@ -282,6 +314,8 @@ def _write_rank(tmp: Path, job: _Job, dist: DistInfo) -> dict[str, dict]:
         recorded.update(_write_shard(tmp, r, dist.rank, dist.world_size))
     if dist.is_main:
         recorded.update(_write_main(tmp, job))
+    else:
+        _drain(job)
     return recorded
 
 
@@ -368,7 +402,8 @@ class BackgroundWriter:
 
     def _run(self, directory: Path, job: _Job, dist: DistInfo, on_done) -> None:
         try:
-            _write_atomically(directory, job, dist)
+            with background():  # its checkpoint_write span overlaps training, off the critical path
+                _write_atomically(directory, job, dist)
             if on_done is not None:
                 on_done(directory)
         except BaseException as exc:  # handed to the trainer by wait()

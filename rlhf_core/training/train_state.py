@@ -179,7 +179,7 @@ def _stores_master(te: TrainEngine) -> bool:
     return te.dtype != "fp32" and te.zero_stage > 0
 
 
-def _module_tensors(te: TrainEngine) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
+def module_tensors(te: TrainEngine) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """{state-dict name: live parameter/buffer} once per tensor, and {tied alias: owner name}."""
     owners: dict[int, str] = {}
     unique, tied = {}, {}
@@ -201,7 +201,7 @@ def _available(p) -> bool:
 def role_views(te: TrainEngine, world_size: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict]:
     """(params, optim, meta) of ``RoleShard``, as live views instead of copies: what ``capture``
     clones and what a synchronous save streams to disk one tensor at a time."""
-    tensors, tied = _module_tensors(te)
+    tensors, tied = module_tensors(te)
     params: dict[str, torch.Tensor] = {}
     shapes, partitioned = {}, []
     for key, t in tensors.items():
@@ -231,16 +231,22 @@ def role_views(te: TrainEngine, world_size: int) -> tuple[dict[str, torch.Tensor
     return params, optim, meta
 
 
-def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+def _host_copy(t: torch.Tensor, pin: bool, into: Optional[torch.Tensor]) -> torch.Tensor:
+    t = t.detach()
+    if into is not None and into.shape == t.shape and into.dtype == t.dtype and (into.is_pinned() or not pin):
+        return into.copy_(t)  # no fresh pages to fault in: several times faster than a new copy
     if pin:
-        out = torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True)
-        return out.copy_(t.detach())
-    return t.detach().to("cpu", copy=True)
+        return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t)
+    return t.to("cpu", copy=True)
 
 
-def capture(engines: Sequence[TrainEngine], *, pin_memory: bool = False) -> TrainState:
+def capture(engines: Sequence[TrainEngine], *, pin_memory: bool = False,
+            reuse: Optional[TrainState] = None) -> TrainState:
     """This rank's complete training state copied to host memory. No collective, no disk.
-    ``pin_memory`` pins the copies (only where CUDA is there to use them: faster device copies)."""
+    ``pin_memory`` pins the copies (only where CUDA is there to use them: faster device copies).
+    ``reuse``: an earlier capture no longer needed (e.g. the snapshot a passed guard released);
+    its buffers are overwritten where shapes match instead of allocating new ones, and it must
+    not be used afterwards."""
     import torch.distributed as tdist
 
     pin = pin_memory and torch.cuda.is_available()
@@ -249,8 +255,10 @@ def capture(engines: Sequence[TrainEngine], *, pin_memory: bool = False) -> Trai
     roles = {}
     for te in engines:
         params, optim, meta = role_views(te, world)
-        roles[te.role] = RoleShard(params={k: _host_copy(v, pin) for k, v in params.items()},
-                                   optim={k: _host_copy(v, pin) for k, v in optim.items()}, meta=meta)
+        old = reuse.roles.get(te.role) if reuse is not None else None
+        roles[te.role] = RoleShard(
+            params={k: _host_copy(v, pin, old.params.get(k) if old else None) for k, v in params.items()},
+            optim={k: _host_copy(v, pin, old.optim.get(k) if old else None) for k, v in optim.items()}, meta=meta)
     rng_tensors, rng_json = rng_state()
     return TrainState(rank=rank, world_size=world, roles=roles,
                       rng_tensors={k: v.clone() for k, v in rng_tensors.items()}, rng_json=rng_json)
@@ -271,7 +279,7 @@ def _check_layout(te: TrainEngine, shard: RoleShard, world_size: int) -> None:
 @torch.no_grad()
 def restore_params(te: TrainEngine, params: dict[str, torch.Tensor]) -> None:
     """Copy captured weights (and ZeRO-3 partitions) back into the live module, in place."""
-    tensors, _ = _module_tensors(te)
+    tensors, _ = module_tensors(te)
     for key, t in tensors.items():
         if _zero3(t):
             t.ds_tensor.data.view(-1).copy_(params[key])

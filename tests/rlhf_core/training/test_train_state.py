@@ -90,3 +90,23 @@ def test_two_ranks_restore_and_sharded_resume_are_exact(tiny_model_dir, critic_i
         assert {f"{role}_shard.rank{k}-of-2.{ext}" for role in ("actor", "critic") for k in (0, 1)
                 for ext in ("safetensors", "json")} <= set(r["shards"])
         assert not [f for f in r["shards"] if f.startswith(".digests")]
+
+
+def test_a_capture_into_an_earlier_ones_buffers_restores_exactly(make_engines, ppo_data, dist, full_params):
+    """``reuse``: the released snapshot's host buffers are overwritten, not reallocated."""
+    from rlhf_core.training.train_state import capture, restore
+
+    _, actor, critic = make_engines(2, *OVERRIDES)
+    step_both(actor, critic, ppo_data, STEP_ROWS[0], dist)
+    old = capture([actor, critic])
+    step_both(actor, critic, ppo_data, STEP_ROWS[2], dist)
+    pointers = {k: v.data_ptr() for k, v in old.roles["actor"].optim.items()}
+    state = capture([actor, critic], reuse=old)
+    assert {k: v.data_ptr() for k, v in state.roles["actor"].optim.items()} == pointers and pointers
+    step_both(actor, critic, ppo_data, STEP_ROWS[1], dist)
+    want = full_params(actor), full_params(critic)
+    step_both(actor, critic, ppo_data, STEP_ROWS[2], dist)
+    restore([actor, critic], state)
+    step_both(actor, critic, ppo_data, STEP_ROWS[1], dist)
+    for w, g in zip(want, (full_params(actor), full_params(critic))):
+        assert [n for n in w if not torch.equal(w[n], g[n])] == []
