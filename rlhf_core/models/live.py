@@ -62,3 +62,50 @@ def is_live(module: Any) -> bool:
 
 def held_directories() -> list[Path]:
     return sorted(_held)
+
+
+# ---------------------------------------------------------------------------------------------
+# a rollout engine kept for the run (vLLM: one engine, asleep while the update trains)
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class HeldEngine:
+    engine: Any
+    """A rollout engine with ``sleep`` / ``wake_up`` / ``load_weights`` (rollout.vllm_engine)."""
+    serves: Path
+    """The actor directory whose weights the engine holds now."""
+
+
+_engine: Optional[HeldEngine] = None
+_keep_engines = False
+
+
+def keep_engines(on: bool) -> None:
+    """While on (a resident flow run), a rollout engine built for an actor is kept for the next
+    rollout instead of closed; off closes the kept one."""
+    global _keep_engines, _engine
+    _keep_engines = on
+    if not on and _engine is not None:
+        held, _engine = _engine, None
+        held.engine.close()
+
+
+def keeping_engines() -> bool:
+    return _keep_engines
+
+
+def hold_engine(engine: Any, serves: str | Path) -> None:
+    global _engine
+    _engine = HeldEngine(engine, Path(serves).resolve())
+
+
+def held_engine() -> Optional[HeldEngine]:
+    return _engine
+
+
+def engine_for(directory: str | Path) -> Optional[Any]:
+    """The kept engine when its weights are ``directory``'s, else None."""
+    if _engine is None or _engine.serves != Path(directory).resolve():
+        return None
+    return _engine.engine

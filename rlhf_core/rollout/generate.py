@@ -19,6 +19,7 @@ import pyarrow.parquet as pq
 from rlhf_core.config import RLHFConfig
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError
+from rlhf_core.models import live
 from rlhf_core.rollout.base import (
     FINISH_STOP, GeneratedSample, GenerationStats, RolloutEngine, SamplingParams, derive_seed, get_engine,
 )
@@ -58,8 +59,10 @@ def val_sampling_from_config(cfg: RLHFConfig, *, seed: int) -> SamplingParams:
                           max_new_tokens=cfg.data.max_response_length, n=v.n, seed=seed, greedy=greedy)
 
 
-def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional[str] = None) -> RolloutEngine:
-    """The engine named by ``actor_rollout_ref.rollout.name`` (or ``name``), loaded on ``model_path``."""
+def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional[str] = None, *,
+                         sleep_mode: bool = False) -> RolloutEngine:
+    """The engine named by ``actor_rollout_ref.rollout.name`` (or ``name``), loaded on ``model_path``;
+    ``sleep_mode``: a vLLM engine that can sleep during the update and take new weights in place."""
     r = cfg.actor_rollout_ref.rollout
     name = name or r.name
     engine_cls = get_engine(name)  # unknown names (and 'offline') fail here, listing the engines
@@ -68,7 +71,7 @@ def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional
         return engine_cls(model_path, tensor_parallel_size=r.tensor_model_parallel_size,
                           gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
                           max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                          tokenizer_path=tokenizer_path)
+                          tokenizer_path=tokenizer_path, sleep_mode=sleep_mode)
     return engine_cls(model_path, device=cfg.trainer.device, tokenizer_path=tokenizer_path,
                       cpu_threads=r.cpu_threads)
 
@@ -103,6 +106,8 @@ def generate_responses(
     index_of = {row["prompt_id"]: i for i, row in enumerate(prompt_rows)}
     plan = _batch_plan(cfg, prompt_rows, sampling, batches, index_of)
     stats = GenerationStats()
+    if engine is None:
+        engine = kept_engine(cfg, model_path)
     owned = engine is None
     started = time.perf_counter()
     engine = engine or build_rollout_engine(cfg, model_path)
@@ -115,6 +120,28 @@ def generate_responses(
         if owned:
             engine.close()
     return samples, stats
+
+
+def kept_engine(cfg: RLHFConfig, model_path: str | Path) -> Optional[RolloutEngine]:
+    """With resident models and vLLM: the run's one engine, holding ``model_path``'s weights (the
+    resident trainer loads each new state into it in place), built on first use. None otherwise:
+    the caller builds an engine for this call and closes it."""
+    if not live.keeping_engines() or cfg.actor_rollout_ref.rollout.name != "vllm":
+        return None
+    engine = live.engine_for(model_path)
+    if engine is not None:
+        return engine
+    held, borrowed = live.held_engine(), live.lookup(model_path)
+    if held is not None and borrowed is not None:  # another state's weights: load these in place
+        held.engine.load_weights(borrowed.module.named_parameters())
+        live.hold_engine(held.engine, model_path)
+        return held.engine
+    if held is not None:
+        live.keep_engines(False)  # on disk only (an older step's validation): start over from it
+        live.keep_engines(True)
+    engine = build_rollout_engine(cfg, model_path, sleep_mode=True)
+    live.hold_engine(engine, model_path)
+    return engine
 
 
 def _batch_plan(cfg: RLHFConfig, prompt_rows: Sequence[Mapping[str, Any]], sampling: SamplingParams,

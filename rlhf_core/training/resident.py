@@ -26,10 +26,12 @@ manifests, state records, checkpoints at save points).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import hashlib
 import json
+import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +62,7 @@ REPLAY = "state_replay"
 """io.timing kind: rebuilding a state that was only in memory (after a crash, or for a CLI rerun)."""
 
 Rng = tuple[dict, dict]
+log = logging.getLogger("rlhf.resident")
 
 
 def resident_possible(cfg: RLHFConfig) -> Optional[str]:
@@ -70,7 +73,7 @@ def resident_possible(cfg: RLHFConfig) -> Optional[str]:
         return "the update runs on several processes (torchrun ranks start fresh each iteration)"
     if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
         return "LoRA (the rollout samples from merged weights, built from the adapter checkpoint)"
-    if cfg.actor_rollout_ref.rollout.name != "hf":
+    if cfg.actor_rollout_ref.rollout.name not in ("hf", "vllm"):
         return f"rollout engine {cfg.actor_rollout_ref.rollout.name!r} reads the actor from disk"
     return None
 
@@ -129,6 +132,9 @@ class ResidentTrainer:
         self.captured: Optional[Snapshot] = None
         """A capture of the held committed state (a save's), reused as the next update's snapshot."""
         self.writer = BackgroundWriter()
+        self._capturing: Optional[tuple[int, concurrent.futures.Future]] = None
+        """A capture of the just-committed state in progress, while the next rollout and score run."""
+        self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-capture")
 
     # -- the update ------------------------------------------------------------------------------
 
@@ -147,6 +153,7 @@ class ResidentTrainer:
         self._start_rng(cfg)
         setup = time.perf_counter() - started
         self._withdraw()  # the weights are about to change: nobody may borrow them as ``start``'s
+        freed = self._rollout_engine_sleeps()
         metrics, outcome = train_iteration(cfg, k, data, self.actor, self.critic, self.dist, self.device,
                                            self.pad_id, progress=progress)
         self._held_now(k, cfg, outcome)
@@ -154,6 +161,8 @@ class ResidentTrainer:
         metrics["perf/checkpoint_seconds"] = 0.0
         metrics["perf/peak_rss_gb"] = max(metrics.get("perf/peak_rss_gb", 0.0), peak_rss_gb())
         metrics["perf/resident"] = 1.0
+        if freed is not None:
+            metrics["perf/rollout_engine_freed_gb"] = freed
         finish_update(cfg, self.run, k, metrics, outcome, self.actor, self.critic, self.dist)
         return metrics
 
@@ -171,6 +180,7 @@ class ResidentTrainer:
             return  # not this trainer's update (a skipped, already settled or rebuilt one)
         if outcome == "commit":
             self.before = None
+            self._capture_soon()  # the next update's snapshot, copied while the next rollout runs
             if save_due(cfg, k):
                 self.save_held()
             return
@@ -186,17 +196,31 @@ class ResidentTrainer:
         k = self.holds
         if not k or (self.run.checkpoint(k) / "actor").is_dir():
             return None
-        with timing.timed(SNAPSHOT):
-            snap = self.captured if self.captured and self.captured.iteration == k else self._snapshot_of_held()
-        self.captured = snap
-        state = snap.state
-        if snap.rng is not None:  # the RNG the next update starts from, not this moment's
-            state.rng_tensors, state.rng_json = snap.rng
-        self.writer.submit(self.run.checkpoint(k), state, actor=self.actor, critic=self.critic,
-                           tokenizer_path=self.tokenizer, trainer_state=snap.trainer_state or {})
+        if self._capturing is None or self._capturing[0] != k:
+            self._capture_soon()
+        pending, actor, critic, tokenizer = self._capturing[1], self.actor, self.critic, self.tokenizer
+
+        def write() -> None:  # on the copier thread: after the capture, hand it to the writer
+            snap = pending.result()
+            state = snap.state
+            if snap.rng is not None:  # the RNG the next update starts from, not this moment's
+                state.rng_tensors, state.rng_json = snap.rng
+            self.writer.submit(self.run.checkpoint(k), state, actor=actor, critic=critic,
+                               tokenizer_path=tokenizer, trainer_state=snap.trainer_state or {})
+
+        handed = self._copier.submit(write)
         if wait:
+            handed.result()
             self.writer.wait()
         return self.run.checkpoint(k)
+
+    def _capture_soon(self) -> None:
+        """Start copying the held state to host memory on the copier thread. Safe while other
+        stages borrow the modules: they only read the weights, and the next update waits for it."""
+        k, rng, held_state = self.holds, self.rng, self.trainer_state
+        engines, pin = [self.actor, self.critic], self.device.startswith("cuda")  # pinned: faster copies back
+        self._capturing = (k, self._copier.submit(lambda: Snapshot(k, capture(engines, pin_memory=pin), rng,
+                                                                   held_state)))
 
     def close(self, *, make_durable: bool = True) -> None:
         """End of the flow run: the last-good state written when it is only in memory (``make_durable``),
@@ -204,6 +228,8 @@ class ResidentTrainer:
         try:
             if make_durable and self.holds and self.before is None and self.holds in committed_iterations(self.run):
                 self.save_held()
+            self._copier.shutdown(wait=True)
+            self._capturing = None
             self.writer.wait()
         finally:
             self.writer.close()
@@ -279,6 +305,7 @@ class ResidentTrainer:
         self._offer()
 
     def drop_engines(self) -> None:
+        self._settle_capture()
         self._withdraw()
         self.actor = self.critic = None
         self.holds = self.rng = self.trainer_state = None
@@ -286,10 +313,23 @@ class ResidentTrainer:
 
     # -- internals -------------------------------------------------------------------------------
 
+    def _settle_capture(self) -> Optional[Snapshot]:
+        """Wait for a capture in progress; the snapshot it made (None: none was in progress)."""
+        if self._capturing is None:
+            return None
+        k, pending = self._capturing
+        self._capturing = None
+        snap = pending.result()
+        return snap if k == self.holds else None
+
     def _snapshot_of_held(self) -> Snapshot:
+        done = self._settle_capture()
+        if done is not None:
+            self.captured = done
         if self.captured is not None and self.captured.iteration == self.holds:
             return self.captured
-        return Snapshot(self.holds, capture([self.actor, self.critic]), self.rng, self.trainer_state)
+        return Snapshot(self.holds, capture([self.actor, self.critic], pin_memory=self.device.startswith("cuda")),
+                        self.rng, self.trainer_state)
 
     def _put_back(self, snap: Snapshot) -> None:
         self._withdraw()
@@ -320,6 +360,25 @@ class ResidentTrainer:
         ckpt = self.run.checkpoint(self.holds)
         live.hold(ckpt / "actor", live.LiveModel(self.actor.module, "causal_lm", self.tokenizer))
         live.hold(ckpt / "critic", live.LiveModel(self.critic.module, "critic", self.tokenizer))
+        self._sync_rollout_engine(ckpt / "actor")
+
+    def _rollout_engine_sleeps(self) -> Optional[float]:
+        """A kept vLLM engine gives its GPU memory to the update (KV cache freed, weights offloaded);
+        returns the GiB that freed, measured (None: no engine kept)."""
+        held = live.held_engine()
+        if held is None:
+            return None
+        before = held.engine.gpu_memory_in_use()
+        held.engine.sleep()
+        return (before - held.engine.gpu_memory_in_use()) / 2 ** 30
+
+    def _sync_rollout_engine(self, actor_dir: Path) -> None:
+        """The kept vLLM engine takes the held actor's weights in place (and wakes); no disk round trip."""
+        held = live.held_engine()
+        if held is None or self.actor is None:
+            return
+        held.engine.load_weights(self.actor.module.named_parameters())
+        live.hold_engine(held.engine, actor_dir)
 
     def _withdraw(self) -> None:
         live.drop(self.run.root)
@@ -345,10 +404,14 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[ResidentT
     """Keep ``run``'s models resident for the block (the flow's iterations), when ``cfg`` allows
     (``resident_possible``); at the end the last-good state is made durable and the models freed.
     On an interrupt only the write in flight is finished: a resume replays the rest."""
-    if resident_possible(cfg) is not None or run.root in _trainers:
+    reason = resident_possible(cfg)
+    if reason is not None or run.root in _trainers:
+        if reason is not None and cfg.trainer.resident_models:
+            log.info("models are reloaded by every stage and every iteration is checkpointed: %s", reason)
         yield _trainers.get(run.root)
         return
     trainer = _trainers[run.root] = ResidentTrainer(run)
+    live.keep_engines(cfg.actor_rollout_ref.rollout.name == "vllm")  # one vLLM engine for the run
     durable = False
     try:
         yield trainer
@@ -360,6 +423,7 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[ResidentT
         try:
             trainer.close(make_durable=durable)
         finally:
+            live.keep_engines(False)
             del _trainers[run.root]
 
 

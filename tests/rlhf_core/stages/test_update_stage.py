@@ -58,7 +58,8 @@ def test_update_trains_at_every_zero_stage_and_writes_a_verified_checkpoint(stag
     result = run_update(cfg, run, 1)
 
     ckpt = run.checkpoint(1)
-    assert result.outputs == {"checkpoint": str(ckpt), "metrics": str(run.metrics(1))}
+    assert result.outputs == {"checkpoint": str(ckpt), "state": str(run.state_record(1)), "metrics": str(run.metrics(1))}
+    assert json.loads(run.state_record(1).read_text())["start"] == 0  # its lineage: from the initial models
     verify_checkpoint(ckpt)
     before, after = _weights(tiny_model_dir), _weights(ckpt / "actor")
     assert set(after) <= set(before) and any(not torch.equal(before[k], after[k]) for k in after)
