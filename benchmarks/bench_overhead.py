@@ -70,7 +70,9 @@ BODY_IO = (("model_load", "model/tokenizer loads"), ("checkpoint_write", "checkp
            ("table_read", "table reads"), ("table_write", "table writes"), ("json_write", "JSON writes"),
            ("manifest", "manifest reads/writes"), ("hashing", "hashing (weight fingerprints)"),
            ("memory_release", "memory release (gc.collect)"), ("gc_pause", "automatic full GC pauses"),
-           ("process_launch", "rank process start-up"))
+           ("process_launch", "rank process start-up"),
+           ("state_snapshot", "in-memory state snapshots (rollback point, a save's capture)"),
+           ("state_replay", "state replay (rebuilding a state that was only in memory)"))
 REPORTING = (("mlflow", "MLflow"), ("prefect_artifact", "Prefect artifacts"), ("plot", "learning-curve PNG"))
 
 
@@ -252,7 +254,8 @@ DESIGNS = {"legacy": "false", "resident": "true"}
 """--design → trainer.resident_models (legacy: every stage loads from disk, a full checkpoint every iteration)."""
 COMPUTE_FREE = (("model_load", "model loads"), ("checkpoint_write", "ckpt writes"), ("update_setup", "update setup"),
                 ("hashing", "hashing"), (("table_read", "table_write", "json_write", "manifest"), "table/JSON I/O"),
-                (("memory_release", "gc_pause"), "memory release"), ("process_launch", "process launch"))
+                (("memory_release", "gc_pause"), "memory release"), ("process_launch", "process launch"),
+                ("state_snapshot", "state snapshot"))
 """The columns of the comparison: the stage bodies' I/O tallies by kind (rlhf_core.io.timing), grouped."""
 
 
@@ -298,6 +301,11 @@ def summarize(result: dict) -> dict:
             "columns": {c: mean([col[c] for col in columns]) for c in columns[0]}}
 
 
+def tidy(seconds: float) -> float:
+    """Rounding noise (a difference of sums) shown as 0.000, not -0.000."""
+    return seconds if abs(seconds) >= 5e-4 else 0.0
+
+
 def print_comparison(results: dict[tuple, dict]) -> None:
     """One line per (save_freq, design), then legacy/resident per save_freq."""
     print("\n=== time per iteration outside forward/backward/generate (mean over the measured iterations) ===")
@@ -310,7 +318,8 @@ def print_comparison(results: dict[tuple, dict]) -> None:
         load = results[(freq, design)]["load"]
         print(f"{freq if freq is not None else 'preset':>9} {design:>8} {sm['wall']:>7.2f} {sm['compute']:>7.2f} "
               f"{sm['outside']:>7.2f} {sm['share']:>6.1%} {sm['outside_steady']:>6.2f} | "
-              + " ".join(f"{sm['columns'][c]:>13.3f}" for c in cols) + f" | {load[0]:.1f}→{load[1]:.1f}")
+              + " ".join(f"{tidy(sm['columns'][c]):>13.3f}" for c in cols)
+              + f" | {load[0]:.1f}→{load[1]:.1f}")
     for freq in dict.fromkeys(f for f, _ in summaries):
         legacy, resident = summaries.get((freq, "legacy")), summaries.get((freq, "resident"))
         if legacy and resident:
