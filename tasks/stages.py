@@ -23,11 +23,11 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.export import ExportRefused, export_actor
-from rlhf_core.run.lifecycle import read_verdict, settle
+from rlhf_core.run.lifecycle import last_good_iteration, read_verdict, settle
 from rlhf_core.run.manifest import mark_skipped
 from rlhf_core.run.report import stage_numbers
 from rlhf_core.stages.registry import get_stage
-from rlhf_core.training.resident import settle_resident
+from rlhf_core.training.resident import ensure_state, settle_resident
 from tasks import mlflow_tracking, prefect_artifacts
 
 NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -151,6 +151,7 @@ def export_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: Optional[str] = No
     run = RunDir(run_dir)
     log = prefect_artifacts.logger()
     try:
+        ensure_state(cfg, run, last_good_iteration(run))  # written at the flow's end; a crash leaves a record
         path = export_actor(cfg, run)
     except ExportRefused as exc:
         log.warning("export refused: %s", exc)

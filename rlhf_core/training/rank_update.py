@@ -35,13 +35,12 @@ from rlhf_core.run.lifecycle import checkpoint_before
 from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.run.models import actor_path, critic_path, initial_actor_path
 from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, PPOData, check_budget, read_advantages
-from rlhf_core.training.checkpoint import load_optimizer_files, load_rng, save_checkpoint, seed_rng
+from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, save_checkpoint, seed_rng
 from rlhf_core.training.distributed import DistInfo, all_reduce, init_distributed
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device, resolve_dtype, torch_dtype
 from rlhf_core.training.lineage import weights_sample, write_state_record
 from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, load_actor_model, load_critic_model,
                                         lr_schedule)
-from rlhf_core.training.optim_state import restore_optimizer_state
 from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule, aggregate, run_ppo
 
 
@@ -167,15 +166,11 @@ def _zero_loss(te: TrainEngine, pad_id: int):
 
 
 def resume_optimizers(directory: Path, engines: list[TrainEngine], pad_id: int) -> None:
-    """Continue the optimizer state saved in checkpoint ``directory`` (verified first)."""
+    """Continue the optimizer state saved in checkpoint ``directory`` (verified first): each rank
+    reads only its own shard when the world and ZeRO stage are the same as when it was written."""
     verify_checkpoint(directory)
     for te in engines:
-        tensors, meta = load_optimizer_files(directory, te.role)
-        try:
-            restore_optimizer_state(te, tensors, meta, _zero_loss(te, pad_id))
-        except (KeyError, RuntimeError, AssertionError) as exc:
-            raise CheckpointError(f"{directory}/deepspeed/{te.role}_optim.safetensors does not fit the {te.role} "
-                                  f"being trained ({exc}); was the model or LoRA setting changed mid-run?") from None
+        load_optimizer_state(directory, te, _zero_loss(te, pad_id))
 
 
 def start_rng(cfg: RLHFConfig, sources: UpdateSources) -> None:

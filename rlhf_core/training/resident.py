@@ -51,9 +51,9 @@ from rlhf_core.training.distributed import DistInfo, init_distributed
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device
 from rlhf_core.training.engines import LoraSettings, TrainEngine
 from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, weights_sample
-from rlhf_core.training.rank_update import (UpdateSources, check_update_data, finish_update, open_engines,
-                                            parameter_count, peak_rss_gb, reset_peak_rss, resolve_sources,
-                                            trainer_state, train_iteration, training_steps)
+from rlhf_core.training.rank_update import (check_update_data, finish_update, open_engines, peak_rss_gb,
+                                            reset_peak_rss, resolve_sources, trainer_state, train_iteration,
+                                            training_steps)
 from rlhf_core.training.train_state import TrainState, capture, restore
 
 SNAPSHOT = "state_snapshot"
@@ -179,8 +179,8 @@ class ResidentTrainer:
         if self.holds != k or self.before is None:
             return  # not this trainer's update (a skipped, already settled or rebuilt one)
         if outcome == "commit":
-            self.before = None
-            self._capture_soon()  # the next update's snapshot, copied while the next rollout runs
+            released, self.before = self.before, None
+            self._capture_soon(reuse=released)  # the next update's snapshot, copied while the next rollout runs
             if save_due(cfg, k):
                 self.save_held()
             return
@@ -214,13 +214,22 @@ class ResidentTrainer:
             self.writer.wait()
         return self.run.checkpoint(k)
 
-    def _capture_soon(self) -> None:
+    def _capture_soon(self, reuse: Optional[Snapshot] = None) -> None:
         """Start copying the held state to host memory on the copier thread. Safe while other
-        stages borrow the modules: they only read the weights, and the next update waits for it."""
+        stages borrow the modules: they only read the weights, and the next update waits for it.
+        ``reuse``: a released snapshot whose buffers are overwritten (no fresh pages to fault in);
+        a save still writing from it is waited for first, on the copier thread."""
         k, rng, held_state = self.holds, self.rng, self.trainer_state
         engines, pin = [self.actor, self.critic], self.device.startswith("cuda")  # pinned: faster copies back
-        self._capturing = (k, self._copier.submit(lambda: Snapshot(k, capture(engines, pin_memory=pin), rng,
-                                                                   held_state)))
+        writer = self.writer
+
+        def copy() -> Snapshot:
+            if reuse is not None:
+                writer.wait()
+            return Snapshot(k, capture(engines, pin_memory=pin, reuse=reuse.state if reuse else None), rng,
+                            held_state)
+
+        self._capturing = (k, self._copier.submit(copy))
 
     def close(self, *, make_durable: bool = True) -> None:
         """End of the flow run: the last-good state written when it is only in memory (``make_durable``),

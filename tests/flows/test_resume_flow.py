@@ -1,5 +1,6 @@
 """A process killed in the middle of iteration 2 (after the update, before the guard's verdict) and
-`rlhf run --resume` finish the run with nothing lost: finished stages are reused, not redone."""
+`rlhf run --resume` finish the run with nothing lost: finished stages are reused, not redone (the
+update's state, which was only in memory, is rebuilt from its record by replay)."""
 
 from __future__ import annotations
 
@@ -39,8 +40,10 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
     assert read_last_good(run)["iteration"] == 1
     finished = {s: r for s, r in _row(run, 2).items()}
     assert [finished[s] for s in ("rollout", "score", "gae", "update", "guard")] == ["done"] * 4 + ["-"]
+    # resident models: the update's state was only in memory (its record is on disk, no checkpoint)
+    assert run.state_record(2).is_file() and not run.checkpoint(2).exists()
     kept = {name: digest(path) for name, path in (("rollout", run.rollout(2)), ("scored", run.scored(2)),
-                                                   ("advantages", run.advantages(2)), ("checkpoint", run.checkpoint(2)))}
+                                                   ("advantages", run.advantages(2)), ("state", run.state_record(2)))}
     assert run.lock_path.exists()  # left behind by the dead process
 
     done = rlhf_pipeline(PipelineParams(resume=str(run.root)))
@@ -49,7 +52,8 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
     assert [row[s] for s in ("rollout", "score", "gae", "update", "guard")] == ["skipped"] * 4 + ["committed"]
     assert {name: digest(path) for name, path in (("rollout", run.rollout(2)), ("scored", run.scored(2)),
                                                   ("advantages", run.advantages(2)),
-                                                  ("checkpoint", run.checkpoint(2)))} == kept
+                                                  ("state", run.state_record(2)))} == kept
+    assert run.checkpoint(2).is_dir()  # the guard rebuilt it by replaying the update (checked against the record)
     assert not list(run.root.rglob("*.tmp-*"))
     kinds = [e["kind"] for e in run.events()]
     assert "stale_lock_cleared" in kinds and kinds.count("resume") == 2

@@ -144,7 +144,7 @@ def assert_same_outputs(got: Path, want: Path, stage: str) -> None:
         for sub in ("actor", "critic"):
             wa, wb = (load_file(str(r.checkpoint(1) / sub / "model.safetensors")) for r in (a, b))
             assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa), f"{sub} weights differ"
-        for f in ("deepspeed/actor_optim.safetensors", "deepspeed/critic_optim.safetensors"):
+        for f in ("deepspeed/actor_shard.rank0-of-1.safetensors", "deepspeed/critic_shard.rank0-of-1.safetensors"):
             oa, ob = load_file(str(a.checkpoint(1) / f)), load_file(str(b.checkpoint(1) / f))
             assert all(oa[k].equal(ob[k]) for k in ob), f"{f} differs"
         return
