@@ -340,7 +340,8 @@ def report_iterations(spec: dict, trl_runs: dict[int, list[dict]], ours_runs: li
         widths = [x for r in runs for x in r["response_width"]]
         print(f"TRL {runs[0]['trl_version']} PPOTrainer.train, {runs[0]['threads']} thread(s): {trl:.2f} s per "
               f"iteration (runs: {_seconds(per_run(runs, False))}; from iteration 2 on {trl_steady:.2f} s); "
-              f"generated width {mean(widths):.1f}; start-up {median([r['startup_s'] for r in runs]):.1f} s")
+              f"generated width {mean(widths):.1f}; train() → first generation "
+              f"{median([r['startup_s'] for r in runs]):.1f} s (model loads before it)")
         print(f"  iterations (s): {' | '.join(_seconds(r['walls']) for r in runs)}")
         print(f"  ratio TRL/ours (ours' speed-up): {trl / ours:.2f}x (goal >= 1.5x; from iteration 2 on "
               f"{trl_steady / ours_steady:.2f}x)")
