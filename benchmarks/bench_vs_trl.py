@@ -196,6 +196,7 @@ def ours_worker(spec: dict, out: Path) -> None:
     from rlhf_core.data.schemas import ADVANTAGES
     from rlhf_core.io.atomic import atomic_write_parquet
     from rlhf_core.run.layout import RunDir
+    from rlhf_core.stages.init_critic import run_init_critic
     from rlhf_core.training.synthetic import synthetic_advantages
     from rlhf_core.training.rank_update import train_update
 
@@ -211,6 +212,7 @@ def ours_worker(spec: dict, out: Path) -> None:
         f"actor_rollout_ref.actor.ppo_mini_batch_size={spec['mini_batch']}",
         f"actor_rollout_ref.actor.ppo_epochs={spec['epochs']}", f"trainer.seed={spec['seed']}",
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={spec['token_budget']}", *spec["ours_overrides"]])
+    run_init_critic(cfg, run)  # the run's initial critic (a stage of its own since the floor-plan change), not timed
     started = time.perf_counter()
     metrics = train_update(cfg, run, 1, progress=False)
     metrics.update(scoring_s=scoring, total_s=time.perf_counter() - started)
