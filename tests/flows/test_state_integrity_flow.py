@@ -172,9 +172,22 @@ def test_a_commit_log_naming_a_missing_iteration_falls_back(two_iterations, tmp_
     assert [e for e in run.events() if e["kind"] == "checkpoint_corrupt_fallback"]
 
 
-def test_a_deleted_last_good_checkpoint_falls_back_to_the_previous_intact_one(two_iterations, tmp_path):
+def test_a_deleted_last_good_checkpoint_is_replayed_from_its_record(two_iterations, tmp_path):
+    run = _copy(two_iterations, tmp_path)
+    before = {p.name: p.read_bytes() for p in (run.checkpoint(2) / "actor").glob("*.safetensors")}
+    shutil.rmtree(run.checkpoint(2))
+    done = rlhf_pipeline(PipelineParams(resume=str(run.root), iterations=3))
+    assert not [e for e in run.events() if e["kind"] == "checkpoint_corrupt_fallback"]
+    # nothing is lost: iteration 3 started from iteration 2's state, rebuilt from iteration 1's
+    # checkpoint and 2's record, the same bytes
+    assert done["last_good"]["iteration"] == 3
+    assert {p.name: p.read_bytes() for p in (run.checkpoint(2) / "actor").glob("*.safetensors")} == before
+
+
+def test_a_deleted_last_good_checkpoint_and_record_fall_back_to_the_previous_intact_one(two_iterations, tmp_path):
     run = _copy(two_iterations, tmp_path)
     shutil.rmtree(run.checkpoint(2))
+    run.state_record(2).unlink()  # no way left to rebuild it
     done = rlhf_pipeline(PipelineParams(resume=str(run.root)))
     fallback = [e for e in run.events() if e["kind"] == "checkpoint_corrupt_fallback"]
     assert fallback and fallback[0]["corrupt_iteration"] == 2 and "is missing" in fallback[0]["message"]
