@@ -198,9 +198,9 @@ def _on_ctrl_c(command: str) -> None:
         # Straight to the file descriptor: the signal may land while the main thread is inside a
         # write to sys.stderr (a progress bar), where a second buffered write raises "reentrant
         # call" instead of printing, and the line would be lost.
-        session.SAID_INTERRUPTED = True
         signal.signal(signal.SIGINT, lambda *_: os._exit(130))
         _say(_interrupted(command))
+        session.SAID_INTERRUPTED = True
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 2)
         _exit_soon(130)
@@ -210,10 +210,15 @@ def _on_ctrl_c(command: str) -> None:
 
 
 def _say(line: str) -> None:
-    """Write one line to standard error without Python's buffered stream (safe inside a signal handler)."""
+    """Write one line to standard error without Python's buffered stream (safe inside a signal
+    handler). A pipe's O_NONBLOCK flag is shared by every process holding it, so a full pipe may
+    refuse the write (EAGAIN): the flag is cleared and the write waits."""
     data = (line + "\n").encode()
     while data:
-        data = data[os.write(2, data):]
+        try:
+            data = data[os.write(2, data):]
+        except BlockingIOError:
+            os.set_blocking(2, True)
 
 
 def _interrupted(command: str) -> str:

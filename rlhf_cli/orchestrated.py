@@ -5,10 +5,12 @@ command's process so that it never outlives it."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 from prefect.logging.handlers import PrefectConsoleHandler
 from prefect.server.api.server import SubprocessASGIServer
@@ -77,7 +79,30 @@ def _bind_temporary_server() -> None:
         return
     subprocess.Popen([sys.executable, "-c", _SERVER_WATCHDOG, str(os.getpid())],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
-    SubprocessASGIServer().start()  # the instance Prefect's clients use (one per process)
+    with _server_output_to(Path(os.environ.get("PREFECT_HOME", ".")) / "temporary-server.log"):
+        SubprocessASGIServer().start()  # the instance Prefect's clients use (one per process)
+
+
+@contextlib.contextmanager
+def _server_output_to(log: Path):
+    """While the temporary server starts, this process's stdout/stderr point at ``log``, so the server
+    inherits that instead of the terminal: the same Ctrl-C stops it, and its shutdown tracebacks
+    would otherwise land in the middle of rlhf's own last line (and it would share, and could flip,
+    the terminal pipe's blocking mode)."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = [os.dup(1), os.dup(2)]
+    with open(log, "ab") as sink:
+        os.dup2(sink.fileno(), 1)
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
 
 
 def _quiet_deepspeed() -> None:
