@@ -71,15 +71,11 @@ PINS = (["torch==2.13.0"], [f"trl=={TRL_VERSION}", "transformers==5.24.0"])
 
 # ----------------------------------------------------------------------------- TRL side (its venv)
 
-def trl_worker(spec: dict, out: Path) -> None:
-    """Run one PPOTrainer update in this (TRL venv) process; write phase times and the generations."""
+def _trl_models(spec: dict):
+    """(tokenizer, policy, reference, reward model, value model) on the spec's model, seeded and at
+    the spec's thread count, as both TRL workers build them."""
     import torch
-    from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
-
-    import trl
-    from trl.experimental.ppo import PPOConfig, PPOTrainer
-    from trl.experimental.ppo import ppo_trainer as mod
 
     torch.manual_seed(spec["seed"])
     if spec.get("trl_threads"):
@@ -92,6 +88,19 @@ def trl_worker(spec: dict, out: Path) -> None:
     value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
     for m in (reward, value):
         m.config.pad_token_id = tok.pad_token_id
+    return tok, policy, ref, reward, value
+
+
+def trl_worker(spec: dict, out: Path) -> None:
+    """Run one PPOTrainer update in this (TRL venv) process; write phase times and the generations."""
+    import torch
+    from datasets import Dataset
+
+    import trl
+    from trl.experimental.ppo import PPOConfig, PPOTrainer
+    from trl.experimental.ppo import ppo_trainer as mod
+
+    tok, policy, ref, reward, value = _trl_models(spec)
     marks: dict = {"train_first": None, "step_end": None}
     captured = {}
 
@@ -141,23 +150,12 @@ def trl_iteration_worker(spec: dict, out: Path) -> None:
     epochs, TRL's own logging and bookkeeping); write when each one's generation started."""
     import torch
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
     import trl
     from trl.experimental.ppo import PPOConfig, PPOTrainer
     from trl.experimental.ppo import ppo_trainer as mod
 
-    torch.manual_seed(spec["seed"])
-    if spec.get("trl_threads"):
-        torch.set_num_threads(spec["trl_threads"])
-    model_dir = spec["model_dir"]
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    ref = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    reward = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
-    value = AutoModelForSequenceClassification.from_pretrained(model_dir, num_labels=1, dtype=torch.float32)
-    for m in (reward, value):
-        m.config.pad_token_id = tok.pad_token_id
+    tok, policy, ref, reward, value = _trl_models(spec)
     starts: list[float] = []
     lengths: list[float] = []
     real_generation = mod.batch_generation
