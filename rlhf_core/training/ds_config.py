@@ -12,9 +12,18 @@ in its FP16 optimizers, which expose no per-parameter view of the fp32 master we
 and the pickle-free checkpoint (``optim_state``) needs that view. With one process ZeRO-1 holds the
 same tensors as stage 0; with several it also splits the optimizer state across ranks.
 
+bf16 gradients accumulate and are reduced in fp32 (``data_types.grad_accum_dtype: fp32`` and
+``communication_data_type: fp32``), as verl's FSDP mixed precision reduces in fp32: summing many
+micro-batches of bf16 gradients (8 significant bits) loses the small ones. DeepSpeed then trains
+ZeRO-1 without offload with its BF16 optimizer (fp32 gradient buffer, fp32 all-reduce), ZeRO-2/3 and
+offloaded ZeRO-1 with the ZeRO optimizer keeping fp32 gradient partitions.
+
 The optimizer is a client ``torch.optim.AdamW`` (DeepSpeed's own Adam variants JIT-compile C++/CUDA
 ops on first use, about 70 s each on a CPU machine); with optimizer offload that needs
-``zero_force_ds_cpu_optimizer: false``.
+``zero_force_ds_cpu_optimizer: false``. On CUDA with optimizer offload the client optimizer is
+DeepSpeed's ``DeepSpeedCPUAdam`` instead (``engines.make_optimizer``): torch's AdamW stepping 7 B
+fp32 parameters on the host is several times slower than its vectorised C++ kernel, and the
+offloaded state is then kept in pinned host memory (``pin_memory: true``) for fast copies to the GPU.
 """
 
 from __future__ import annotations
@@ -60,7 +69,7 @@ def torch_dtype(name: str):
     return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[name]
 
 
-def _zero_section(ds: DeepSpeedConfig, key: str, dtype: str) -> dict[str, Any]:
+def _zero_section(ds: DeepSpeedConfig, key: str, dtype: str, device: str = "cpu") -> dict[str, Any]:
     if ds.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{key}.zero_stage={ds.zero_stage!r}: must be 0, 1, 2 or 3")
     if ds.offload_optimizer and ds.zero_stage == 0:
@@ -69,11 +78,25 @@ def _zero_section(ds: DeepSpeedConfig, key: str, dtype: str) -> dict[str, Any]:
         raise ConfigError(f"{key}.offload_param=true needs ZeRO-3: set {key}.zero_stage=3 "
                           "(or drop fsdp_config.param_offload / offload_policy)")
     zero: dict[str, Any] = {"stage": max(ds.zero_stage, 1) if dtype != "fp32" else ds.zero_stage}
+    # pinned (page-locked) host buffers speed up host<->GPU copies; without a GPU there is nothing to
+    # copy to, and pinning needs CUDA
+    pin = device == "cuda"
     if ds.offload_optimizer:
-        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": False}
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": pin}
     if ds.offload_param:
-        zero["offload_param"] = {"device": "cpu", "pin_memory": False}
+        zero["offload_param"] = {"device": "cpu", "pin_memory": pin}
     return zero
+
+
+def uses_cpu_adam(ds_config: dict[str, Any], device: str) -> bool:
+    """Whether the engine steps DeepSpeed's ``DeepSpeedCPUAdam``: optimizer offload on CUDA. On a
+    CPU-only machine the torch AdamW stays (building the cpu_adam op costs ~75 s of g++ on first use)."""
+    offload = ds_config.get("zero_optimization", {}).get("offload_optimizer", {})
+    return device == "cuda" and offload.get("device") == "cpu"
+
+
+def zero3(ds_config: dict[str, Any]) -> bool:
+    return int(ds_config.get("zero_optimization", {}).get("stage", 0)) == 3
 
 
 def deep_merge(base: dict, override: dict) -> dict:
@@ -118,7 +141,7 @@ def build_ds_config(ds: DeepSpeedConfig, *, grad_clip: float, device: str, world
         "gradient_accumulation_steps": 1,
         "train_batch_size": world_size,
         "gradient_clipping": float(grad_clip),
-        "zero_optimization": _zero_section(ds, key, dtype),
+        "zero_optimization": _zero_section(ds, key, dtype, device),
         "bf16": {"enabled": dtype == "bf16"},
         "fp16": {"enabled": dtype == "fp16", "initial_scale_power": 16},
         "zero_allow_untested_optimizer": True,
@@ -126,6 +149,9 @@ def build_ds_config(ds: DeepSpeedConfig, *, grad_clip: float, device: str, world
         "steps_per_print": 1 << 30,
         "wall_clock_breakdown": False,
     }
+    if dtype == "bf16":  # accumulate and reduce gradients in fp32, as verl does (module docstring)
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["communication_data_type"] = "fp32"
     if ds.config_path:
         config = deep_merge(config, read_raw_config(ds.config_path, key))
     return config

@@ -64,3 +64,25 @@ def test_raw_json_overrides_generated_keys_and_reserved_keys_are_refused(tmp_pat
     raw.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
         critic_ds_config(cfg, "cpu", 1)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_bf16_accumulates_and_reduces_gradients_in_fp32_at_every_stage(stage):
+    ds = build_ds_config(DeepSpeedConfig(dtype="bf16", zero_stage=stage), grad_clip=1.0, device="cuda")
+    assert ds["data_types"] == {"grad_accum_dtype": "fp32"} and ds["communication_data_type"] == "fp32"
+    fp32 = build_ds_config(DeepSpeedConfig(dtype="fp32", zero_stage=stage), grad_clip=1.0, device="cpu")
+    assert "data_types" not in fp32 and "communication_data_type" not in fp32  # nothing to widen
+
+
+def test_offload_pins_host_memory_and_steps_cpu_adam_only_on_cuda():
+    from rlhf_core.training.ds_config import uses_cpu_adam
+
+    ds = DeepSpeedConfig(zero_stage=3, offload_optimizer=True, offload_param=True)
+    on_gpu = build_ds_config(ds, grad_clip=1.0, device="cuda", world_size=8)
+    assert on_gpu["zero_optimization"]["offload_optimizer"] == {"device": "cpu", "pin_memory": True}
+    assert on_gpu["zero_optimization"]["offload_param"] == {"device": "cpu", "pin_memory": True}
+    assert uses_cpu_adam(on_gpu, "cuda")
+    on_cpu = build_ds_config(ds, grad_clip=1.0, device="cpu")
+    assert on_cpu["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
+    assert not uses_cpu_adam(on_cpu, "cpu")  # the torch AdamW: no ~75 s cpu_adam build on a CPU machine
+    assert not uses_cpu_adam(build_ds_config(DeepSpeedConfig(zero_stage=3), grad_clip=1.0, device="cuda"), "cuda")
