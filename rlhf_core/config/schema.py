@@ -34,6 +34,7 @@ from rlhf_core.algos import losses as _losses  # noqa: F401  (registers the poli
 from rlhf_core.algos import controllers as _controllers  # noqa: F401  (registers the KL controllers)
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.notes import say_once
+from rlhf_core.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 
 LOGGERS_HERE = ("console", "mlflow")
 LOGGERS_ELSEWHERE = ("wandb", "swanlab", "tensorboard", "vemlp_wandb", "clearml", "trackio", "file")
@@ -184,6 +185,21 @@ class WarmStartConfig(Section):
 
 
 @dataclass
+class ModelOverrideConfig(Section):
+    """verl: overrides of the model's config.json. Only attn_implementation acts here; every other
+    key under override_config is accepted and named as having no effect."""
+    attn_implementation: str = "auto"
+    """verl: the attention kernel the model is loaded with — for the actor and the reference here in
+    scoring, the update and the KL guard alike (one kernel for the same data, so the first step's
+    ratio is 1): sdpa, eager, flash_attention_2, flash_attention_3, or 'auto' (our default: flash_attention_2
+    on CUDA when flash-attn is installed, else sdpa). verl's default is flash_attention_2."""
+
+    def check(self, key: str) -> None:
+        require(self.attn_implementation in ATTENTION_IMPLEMENTATIONS, f"{key}.attn_implementation",
+                f"valid: {', '.join(ATTENTION_IMPLEMENTATIONS)}", self.attn_implementation)
+
+
+@dataclass
 class ModelConfig(Section):
     path: str = "tiny"
     """A local Hugging Face model directory, a hub id resolved offline from the local Hugging Face
@@ -206,6 +222,7 @@ class ModelConfig(Section):
     in scoring and the update; false = one padded sequence per row."""
     warm_start: WarmStartConfig = field(default_factory=WarmStartConfig)
     """Supervised warm start of the initial actor (the embedded demo enables it)."""
+    override_config: ModelOverrideConfig = field(default_factory=ModelOverrideConfig)
 
     def check(self, key: str) -> None:
         require(self.lora_rank >= 0, f"{key}.lora_rank", "must be >= 0", self.lora_rank)
@@ -466,6 +483,8 @@ class CriticModelConfig(Section):
     use_remove_padding: Optional[bool] = None
     """verl: null = actor_rollout_ref.model.use_remove_padding."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+    override_config: ModelOverrideConfig = field(default_factory=ModelOverrideConfig)
+    """verl: as actor_rollout_ref.model.override_config, for the value model."""
 
 
 @dataclass

@@ -46,7 +46,8 @@ NO_EFFECT: dict[str, str] = {
     "actor_rollout_ref.hybrid_engine": "actor and rollout always share the weights here",
     "actor_rollout_ref.nccl_timeout": _PERF,
     "actor_rollout_ref.model.use_shm": _PERF, "actor_rollout_ref.model.external_lib": _DATA,
-    "actor_rollout_ref.model.override_config.": "the model's config.json is used as saved",
+    "actor_rollout_ref.model.override_config.": "only override_config.attn_implementation acts here; "
+                                                "the model's config.json is used as saved",
     "actor_rollout_ref.model.hf_config_path": "the model's config.json is used as saved",
     "actor_rollout_ref.model.custom_chat_template": "the tokenizer's own chat template is used",
     "actor_rollout_ref.model.enable_activation_offload": _PERF, "actor_rollout_ref.model.use_liger": _PERF,
@@ -81,7 +82,8 @@ NO_EFFECT: dict[str, str] = {
     R + "multi_turn.": "multi-turn rollouts are off (multi_turn.enable=false)",
     C + "rollout_n": "it is actor_rollout_ref.rollout.n", C + "data_loader_seed": "shuffles are seeded by trainer.seed",
     C + "checkpoint.": "checkpoints always hold model, optimizer and RNG state", C + "profiler.": _PERF,
-    C + "model.override_config.": "the model's config.json is used as saved", C + "model.external_lib": _DATA,
+    C + "model.override_config.": "only override_config.attn_implementation acts here; the model's config.json "
+                                  "is used as saved", C + "model.external_lib": _DATA,
     C + "model.use_shm": _PERF, C + "model.enable_activation_offload": _PERF, C + "model.lora_rank": _ENGINE,
     C + "model.lora_alpha": _ENGINE, C + "model.target_modules": _ENGINE, C + "model.tiled_mlp.": _PERF,
     C + "optim.optimizer_impl": "torch.optim's AdamW", C + "optim.override_optimizer_config": _ENGINE,

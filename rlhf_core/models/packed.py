@@ -10,8 +10,8 @@ attention layout keeps them apart. Two layouts (``packing_attention_mode`` picks
     from the restarting position_ids (``find_packed_sequence_indices``). We pass the mask ourselves
     so correctness never rests on that inference. Eager attention adds the mask to the scores, so
     it gets an additive float mask; sdpa takes the bool one.
-``"varlen"`` (CUDA with flash-attention): every sequence flattened into ONE row (1, N) without
-    padding — transformers only treats position_ids as packed when the batch size is 1 — plus the
+``"varlen"`` (flash-attention on CUDA; ``sdpa_varlen`` anywhere): every sequence flattened into ONE
+    row (1, N) without padding — transformers only treats position_ids as packed when the batch size is 1 — plus the
     ``cu_seq_lens_q/k`` and ``max_length_q/k`` kwargs (the same ones ``DataCollatorWithFlattening``
     returns), so the variable-length kernel runs without scanning position_ids in every layer.
 
@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Sequence
 
 import torch
+
+from rlhf_core.models.attention import is_flash, takes_varlen
 
 AttentionMode = Literal["mask4d", "varlen"]
 
@@ -58,11 +60,10 @@ def _hf_config(model: torch.nn.Module):
 
 
 def packing_attention_mode(model: torch.nn.Module) -> AttentionMode:
-    """'varlen' for a model on CUDA whose attention implementation is a flash-attention one
-    (flash_attention_2/3 or a kernels-hub flash variant), else 'mask4d'."""
+    """'varlen' for a model whose attention implementation takes cu_seq_lens (flash_attention_2/3,
+    a kernels-hub flash variant, sdpa_varlen), else 'mask4d'."""
     impl = getattr(_hf_config(model), "_attn_implementation", None) or ""
-    device = next(model.parameters()).device
-    return "varlen" if device.type == "cuda" and "flash" in impl else "mask4d"
+    return "varlen" if takes_varlen(impl) else "mask4d"
 
 
 def block_causal_mask(lengths: Sequence[int], total: int) -> torch.Tensor:
@@ -146,7 +147,7 @@ def _attention_kwargs(model: torch.nn.Module, packed: PackedRows, device: torch.
                     max_length_k=packed.max_length)
     if packed.attention_mask is None:
         return {}
-    if "flash" in impl:
+    if is_flash(impl):
         raise ValueError("flash-attention cannot take a 4-D mask: pack with "
                          "mode=packing_attention_mode(model) (= 'varlen' for this model)")
     mask = packed.attention_mask.to(device)

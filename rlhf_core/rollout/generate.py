@@ -73,7 +73,7 @@ def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional
                           max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
                           tokenizer_path=tokenizer_path, sleep_mode=sleep_mode)
     return engine_cls(model_path, device=cfg.trainer.device, tokenizer_path=tokenizer_path,
-                      cpu_threads=r.cpu_threads)
+                      cpu_threads=r.cpu_threads, attention=cfg.actor_rollout_ref.model.override_config.attn_implementation)
 
 
 def tokenizer_path_for(cfg: RLHFConfig, model_path: Path) -> Path:

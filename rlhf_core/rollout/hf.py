@@ -42,7 +42,7 @@ class HFEngine:
     schedules_own_batches = False
 
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "auto",
-                 tokenizer_path: Optional[str | Path] = None, cpu_threads: int = 0):
+                 tokenizer_path: Optional[str | Path] = None, cpu_threads: int = 0, attention: str = "auto"):
         import torch
         from transformers import GenerationConfig
 
@@ -50,10 +50,11 @@ class HFEngine:
         if dtype == "auto":
             dtype = "bf16" if self.device.startswith("cuda") else "fp32"
         torch_dtype = getattr(torch, _DTYPES[dtype])
-        # shared (scoring.cache): the actor the guard just measured, or the one scoring will use next;
-        # sdpa is transformers' default, named so the key matches the scoring stage's on CPU
+        # shared (scoring.cache): the actor the guard just measured, or the one scoring will use next,
+        # loaded with the same attention implementation as theirs so it is one cached model
         self.tokenizer = load_tokenizer(tokenizer_path or model_path, shared=True)
-        model = load_causal_lm(Path(model_path), torch.device(self.device), torch_dtype, shared=True, attention="sdpa")
+        model = load_causal_lm(Path(model_path), torch.device(self.device), torch_dtype, shared=True,
+                               attention=attention)
         self.model = model
         self.eos_ids = eos_token_ids(self.tokenizer, model.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]

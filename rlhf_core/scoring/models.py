@@ -16,6 +16,8 @@ from transformers import AutoModelForCausalLM
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.timing import HASHING, MEMORY_RELEASE, MODEL_LOAD, timed
 from rlhf_core.models import live
+from rlhf_core.models import sdpa_varlen as _sdpa_varlen  # noqa: F401  (registers attn_implementation=sdpa_varlen)
+from rlhf_core.models.attention import resolve_attention
 from rlhf_core.scoring import cache
 
 
@@ -40,20 +42,11 @@ def _require_model_dir(path: Path, role: str) -> None:
                               "Hugging Face model directory (or rerun the stage that writes it)")
 
 
-def attention_implementation(device: torch.device) -> str:
-    """flash_attention_2 on CUDA when flash-attn is installed (packed rows then run the varlen
-    kernel, no mask), else sdpa with the 4-D block-diagonal mask."""
-    import importlib.util
-
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
-        return "flash_attention_2"
-    return "sdpa"
-
-
 def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, role: str = "actor", *,
                    shared: bool = False, attention: Optional[str] = None):
-    """``AutoModelForCausalLM`` in eval mode, attention ``attention`` (default: from
-    ``attention_implementation``). ``shared=True``: possibly an already loaded, shared model from
+    """``AutoModelForCausalLM`` in eval mode, attention ``attention`` (an implementation name or
+    'auto', see ``rlhf_core.models.attention``: stages pass the config's, so scoring, update and
+    guard share one kernel). ``shared=True``: possibly an already loaded, shared model from
     ``scoring.cache`` (gradients off) — only for code that never changes its weights."""
     from transformers import AutoModelForCausalLM
 
@@ -62,7 +55,7 @@ def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, r
     if held is not None:
         return held
     _require_model_dir(path, role)
-    attention = attention or attention_implementation(device)
+    attention = resolve_attention(attention or "auto", device)
 
     def load():
         with timed(MODEL_LOAD):
@@ -129,8 +122,9 @@ def release(model_ref: "weakref.ref", device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype):
-    """The value model: ``AutoModelForTokenClassification`` with one label, eval mode (no dropout)."""
+def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype, attention: str = "auto"):
+    """The value model: ``AutoModelForTokenClassification`` with one label, eval mode (no dropout),
+    attention as ``load_causal_lm``'s."""
     from transformers import AutoModelForTokenClassification
 
     path = Path(path)
@@ -140,7 +134,7 @@ def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype):
     _require_model_dir(path, "critic")
     with timed(MODEL_LOAD):
         model = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, attn_implementation=attention_implementation(device))
+            path, num_labels=1, dtype=dtype, attn_implementation=resolve_attention(attention, device))
         return model.to(device).eval()
 
 
@@ -175,18 +169,19 @@ def is_lora_dir(path: Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def load_merged_actor(path: str | Path, device=None, dtype=None):
+def load_merged_actor(path: str | Path, device=None, dtype=None, attention: str = "auto"):
     """The actor as a plain causal LM in eval mode: a full model directory as is, a peft adapter
     directory merged into its base (``base_model_name_or_path`` in adapter_config.json)."""
     path = Path(path)
     device = device or torch.device("cpu")
     dtype = dtype or torch.float32
     if not is_lora_dir(path):
-        return load_causal_lm(path, device, dtype, role="actor")
+        return load_causal_lm(path, device, dtype, role="actor", attention=attention)
     base_path = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base_path or not Path(base_path).is_dir():
         raise CheckpointError(f"{path}/adapter_config.json names base model {base_path!r}, which is not a "
                               "local directory; restore the base model there or edit base_model_name_or_path")
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype, attn_implementation="sdpa")
+    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype,
+                                                attn_implementation=resolve_attention(attention, device))
     merged = PeftModel.from_pretrained(base, path).merge_and_unload()
     return merged.to(device).eval()

@@ -8,10 +8,12 @@ from typing import Optional
 
 import torch
 
+from rlhf_core.algos import logprobs_from_logits
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.resolve import micro_batching
+from rlhf_core.errors import RLHFError
 from rlhf_core.io.timing import MODEL_LOAD, timed
-from rlhf_core.models.packed import pack_rows, packed_forward, response_positions
+from rlhf_core.models.packed import pack_rows, packed_forward, packing_attention_mode, response_positions
 from rlhf_core.scoring.logprobs import plan_micro_batches
 from rlhf_core.scoring.models import is_lora_dir, load_causal_lm, load_merged_actor, scoring_device, scoring_dtype
 
@@ -56,18 +58,24 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
     """
     kls: list = [None] * len(sequences)
     sampled: list = [None] * len(sequences)
+    mode = packing_attention_mode(actor)
+    if packing_attention_mode(ref) != mode:
+        raise RLHFError(f"the actor packs as {mode!r} but the reference as {packing_attention_mode(ref)!r}: load "
+                        "both with one actor_rollout_ref.model.override_config.attn_implementation")
     with torch.no_grad():
         for micro in plan_micro_batches([len(s) for s in sequences], budget):
-            packed = pack_rows(micro, sequences, pad_id)
+            packed = pack_rows(micro, sequences, pad_id, mode=mode)
             rows, cols, owners = response_positions(packed, prompt_lengths)
             if not owners:
                 continue
             # the LM heads run on the response positions only: (N, V) each
-            la = torch.log_softmax(packed_forward(actor, packed, positions=(rows, cols)).float() / temperature, dim=-1)
+            actor_logits = packed_forward(actor, packed, positions=(rows, cols)).float() / temperature
+            la = torch.log_softmax(actor_logits, dim=-1)
             lr = torch.log_softmax(packed_forward(ref, packed, positions=(rows, cols)).float() / temperature, dim=-1)
             kl = (la.exp() * (la - lr)).sum(-1).clamp_min(0.0).cpu()  # clamp: rounding only
             labels = packed.input_ids[rows, cols + 1].to(la.device)
-            picked = la.gather(-1, labels[:, None]).squeeze(-1).cpu()
+            # the sampled tokens' log-probs by the formula scoring and the update use, to the bit
+            picked = logprobs_from_logits(actor_logits, labels).cpu()
             offset = 0
             for i, n in owners:
                 kls[i], sampled[i] = kl[offset:offset + n], picked[offset:offset + n]
@@ -83,8 +91,9 @@ def actor_ref_kl(cfg: RLHFConfig, actor_dir: Path, ref_dir: Path, sequences: lis
     rollout = cfg.actor_rollout_ref.rollout
     device = scoring_device(cfg.trainer.device)
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
-    actor = load_actor_for_kl(actor_dir, device, dtype)
-    ref = load_causal_lm(ref_dir, device, dtype, role="reference", shared=True)
+    attention = cfg.actor_rollout_ref.model.override_config.attn_implementation  # the update's and scoring's
+    actor = load_actor_for_kl(actor_dir, device, dtype, attention)
+    ref = load_causal_lm(ref_dir, device, dtype, role="reference", shared=True, attention=attention)
     pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
     # packed like the scoring stage's reference forward: the reference role's token budget (verl's
     # ref.log_prob_max_token_len_per_gpu, which falls back to the actor's)
@@ -93,10 +102,10 @@ def actor_ref_kl(cfg: RLHFConfig, actor_dir: Path, ref_dir: Path, sequences: lis
                     pad_id=pad_id)
 
 
-def load_actor_for_kl(actor_dir: Path, device, dtype):
+def load_actor_for_kl(actor_dir: Path, device, dtype, attention: str = "auto"):
     """The trained actor for KL measurement: shared from ``scoring.cache`` (the next rollout samples
     from it when committed), except a LoRA adapter, which ``load_merged_actor`` merges into its base."""
     if is_lora_dir(actor_dir):
         with timed(MODEL_LOAD):
-            return load_merged_actor(actor_dir, device=device, dtype=dtype)
-    return load_causal_lm(actor_dir, device, dtype, role="actor", shared=True)
+            return load_merged_actor(actor_dir, device=device, dtype=dtype, attention=attention)
+    return load_causal_lm(actor_dir, device, dtype, role="actor", shared=True, attention=attention)

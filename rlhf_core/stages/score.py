@@ -272,6 +272,7 @@ def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
     device = scoring_device(cfg.trainer.device)
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
     temperature = cfg.actor_rollout_ref.rollout.temperature
+    actor_attention = cfg.actor_rollout_ref.model.override_config.attn_implementation  # the reference's too
     plans = pass_plans(cfg, update_world_size(cfg, _cuda_devices()))
     sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
     prompt_lengths = [len(r["prompt_token_ids"]) for r in rows]
@@ -283,7 +284,7 @@ def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
 
     def logprobs(path: Path, role: str) -> list[list[float]]:
         # shared: the actor the rollout just sampled from, the reference the guard uses too
-        model = load_causal_lm(path, device, dtype, role=role, shared=True)
+        model = load_causal_lm(path, device, dtype, role=role, shared=True, attention=actor_attention)
         out = compute_token_logprobs(model, temperature=temperature, pad_id=_pad_id(model),
                                      desc=f"{role} log-probs", **common(role))
         alive = weakref.ref(model)
@@ -294,7 +295,7 @@ def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
     old = logprobs(models.actor, "actor")
     ref_reused = same_weights(models.actor, models.reference)
     ref = [list(x) for x in old] if ref_reused else logprobs(models.reference, "reference")
-    critic = load_critic(models.critic, device, dtype)
+    critic = load_critic(models.critic, device, dtype, attention=cfg.critic.model.override_config.attn_implementation)
     values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common("critic"))
     values = [t.tolist() for t in values]
     alive = weakref.ref(critic)  # the critic changes every iteration: not worth caching

@@ -21,7 +21,7 @@ import torch
 
 from rlhf_core.data.packing import fixed_micro_batches, micro_batches_by_budget, split_into_rows
 from rlhf_core.errors import DataError
-from rlhf_core.models.packed import pack_rows
+from rlhf_core.models.packed import AttentionMode, pack_rows
 
 PER_TOKEN_COLUMNS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns")
 
@@ -193,9 +193,10 @@ def _pad(arrays: Sequence[np.ndarray], T: int) -> torch.Tensor:
 
 
 def build_micro_batch(data: PPOData, layout: list[list[int]], pad_id: int,
-                      filler_row: Optional[int] = None) -> MicroBatch:
+                      filler_row: Optional[int] = None, mode: AttentionMode = "mask4d") -> MicroBatch:
     """Tensors for one micro-batch laid out as ``layout`` (rows of table indices). An empty layout
-    becomes a filler: ``filler_row`` alone, weight 0."""
+    becomes a filler: ``filler_row`` alone, weight 0. ``mode``: the packing layout of the model that
+    trains on it (``packing_attention_mode``), the same one scoring used for its old log-probs."""
     weight = 1.0
     if not layout:
         if filler_row is None:
@@ -204,7 +205,7 @@ def build_micro_batch(data: PPOData, layout: list[list[int]], pad_id: int,
     order = [i for row in layout for i in row]
     local = {i: k for k, i in enumerate(order)}
     sequences = [data.sequence(i) for i in order]
-    packed = pack_rows([[local[i] for i in row] for row in layout], sequences, pad_id)
+    packed = pack_rows([[local[i] for i in row] for row in layout], sequences, pad_id, mode=mode)
     T = max((len(data.response_ids[i]) for i in order), default=0)
     tensors = {c: _pad([data.per_token[c][i] for i in order], T) for c in PER_TOKEN_COLUMNS}
     lengths = torch.tensor([len(data.response_ids[i]) for i in order])

@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from rlhf_core.config.schema import ModelConfig, OptimConfig
+from rlhf_core.models import sdpa_varlen as _sdpa_varlen  # noqa: F401  (registers attn_implementation=sdpa_varlen)
 
 
 @dataclass(frozen=True)
@@ -63,12 +64,14 @@ def _prepare(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.M
 
 def load_actor_model(path: str | Path, dtype: torch.dtype, *, lora: Optional[LoraSettings] = None,
                      adapter_path: Optional[Path] = None, gradient_checkpointing: bool = False,
-                     seed: int = 0) -> torch.nn.Module:
+                     seed: int = 0, attention: str = "sdpa") -> torch.nn.Module:
     """The trainable actor. With ``lora``: ``path`` is the frozen base, adapters come from
-    ``adapter_path`` (a previous iteration's) or are freshly initialised from ``seed``."""
+    ``adapter_path`` (a previous iteration's) or are freshly initialised from ``seed``. ``attention``:
+    the implementation scoring and the guard use too (``rlhf_core.models.attention``), so the first
+    step's ratio compares log-probs from one kernel."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
     if lora is not None:
         from peft import PeftModel, get_peft_model
 
@@ -82,11 +85,12 @@ def load_actor_model(path: str | Path, dtype: torch.dtype, *, lora: Optional[Lor
     return _prepare(model, gradient_checkpointing)
 
 
-def load_critic_model(path: str | Path, dtype: torch.dtype, *, gradient_checkpointing: bool = False):
+def load_critic_model(path: str | Path, dtype: torch.dtype, *, gradient_checkpointing: bool = False,
+                      attention: str = "sdpa"):
     from transformers import AutoModelForTokenClassification
 
     model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype,
-                                                            attn_implementation="sdpa")
+                                                            attn_implementation=attention)
     return _prepare(model, gradient_checkpointing)
 
 

@@ -30,6 +30,7 @@ import torch
 
 from rlhf_core.algos import agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
 from rlhf_core.io.atomic import fault_point
+from rlhf_core.models.packed import packing_attention_mode
 from rlhf_core.progress import bar_disabled
 from rlhf_core.training.batch import MicroBatch, MicroBatchPlan, PPOData, build_micro_batch, global_counts
 from rlhf_core.training.batch import mini_batches, split_mini_batch
@@ -125,10 +126,11 @@ def train_step(te: TrainEngine, data: PPOData, rows: list[int], plan: MicroBatch
     ``on_gradients(te)`` runs after the last backward, before the step (to read gradients)."""
     n_tok, n_seq = global_counts(data, rows)
     layouts = split_mini_batch(data.lengths, rows, plan, dist.world_size, dist.rank)
+    mode = packing_attention_mode(te.engine)  # varlen for a flash-attention model: never a 4-D mask
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
     tokens = 0
     for j, layout in enumerate(layouts):
-        mb = build_micro_batch(data, layout, pad_id, filler_row=rows[0])
+        mb = build_micro_batch(data, layout, pad_id, filler_row=rows[0], mode=mode)
         te.engine.set_gradient_accumulation_boundary(j == len(layouts) - 1)
         loss, stats = loss_fn(te.engine, mb, n_tok, n_seq)
         # DeepSpeed averages over ranks; the shares were computed for a sum over ranks

@@ -33,6 +33,7 @@ from rlhf_core.paths import resolve_model_path
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import checkpoint_before
 from rlhf_core.io.checksums import verify_checkpoint
+from rlhf_core.models.attention import resolve_attention
 from rlhf_core.run.models import actor_path, critic_path, initial_actor_path
 from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, PPOData, check_budget, read_advantages
 from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, save_checkpoint, seed_rng
@@ -144,14 +145,19 @@ def build_engines(cfg: RLHFConfig, sources: UpdateSources, device: str, world_si
     lora = LoraSettings.from_config(m)
     actor_dtype = resolve_dtype(effective_deepspeed(cfg).dtype, device)
     critic_dtype = resolve_dtype(cfg.critic.deepspeed_config.dtype, device)
+    # the implementation scoring and the guard load with: one kernel for the same data
     actor_model = load_actor_model(sources.actor, torch_dtype(actor_dtype), lora=lora, adapter_path=sources.adapter,
-                                   gradient_checkpointing=m.enable_gradient_checkpointing, seed=cfg.trainer.seed)
+                                   gradient_checkpointing=m.enable_gradient_checkpointing, seed=cfg.trainer.seed,
+                                   attention=resolve_attention(m.override_config.attn_implementation,
+                                                               torch.device(device)))
     a_optim, c_optim = cfg.actor_rollout_ref.actor.optim, cfg.critic.optim
     actor = build_train_engine("actor", actor_model, a_optim, actor_ds_config(cfg, device, world_size), actor_dtype,
                          lr_schedule_for(a_optim, total_steps))
     actor.lora = lora
     critic_model = load_critic_model(sources.critic, torch_dtype(critic_dtype),
-                                     gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing)
+                                     gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
+                                     attention=resolve_attention(cfg.critic.model.override_config.attn_implementation,
+                                                                 torch.device(device)))
     critic = build_train_engine("critic", critic_model, c_optim, critic_ds_config(cfg, device, world_size), critic_dtype,
                           lr_schedule_for(c_optim, total_steps))
     return actor, critic
