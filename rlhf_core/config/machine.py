@@ -4,7 +4,8 @@ refused at once with the key and the fix (before any stage runs or run directory
     setting                        without CUDA                       with CUDA
     rollout.name=vllm              falls back to hf (one line)        vllm (needs the vllm extra)
     trainer.n_gpus_per_node=N      one process (one line when N > 1)  refused when N > visible GPUs
-    trainer.nnodes > 1             refused (one node in this version) refused
+    trainer.nnodes > 1             needs node 0's address             the same
+                                   (trainer.master_addr or $MASTER_ADDR); resident models off (one line)
     trainer.device=cuda            refused                            cuda
 """
 
@@ -12,11 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 
 import torch
 
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.notes import say_once
+from rlhf_core.config.resolve import update_rendezvous
 from rlhf_core.config.schema import RLHFConfig
 
 
@@ -29,9 +32,8 @@ def fit_to_machine(cfg: RLHFConfig, gpus: int | None = None) -> RLHFConfig:
     """``cfg`` as it will run here (a copy when something falls back)."""
     gpus = cuda_devices() if gpus is None else gpus
     t, r = cfg.trainer, cfg.actor_rollout_ref.rollout
-    if t.nnodes != 1:
-        raise ConfigError(f"trainer.nnodes={t.nnodes}: this version trains on one machine; set trainer.nnodes=1 "
-                          "(docs/verl.md lists what runs where)")
+    if t.nnodes > 1:
+        check_nodes(cfg)
     if t.device == "cuda" and gpus == 0:
         raise ConfigError("trainer.device=cuda: no CUDA device is visible here; use trainer.device=auto or cpu")
     if t.n_gpus_per_node is not None and t.n_gpus_per_node < 1:
@@ -52,3 +54,17 @@ def fit_to_machine(cfg: RLHFConfig, gpus: int | None = None) -> RLHFConfig:
         raise ConfigError("actor_rollout_ref.rollout.name=vllm: vLLM is not installed; "
                           "`pip install -e '.[vllm]'` or use actor_rollout_ref.rollout.name=hf")
     return cfg
+
+
+def check_nodes(cfg: RLHFConfig) -> None:
+    """A multi-node update needs node 0's address for torchrun's rendezvous; it cannot keep the
+    models resident (those live in one process), which is said once, not refused."""
+    t = cfg.trainer
+    addr, _ = update_rendezvous(cfg, os.environ)  # also checks $MASTER_PORT
+    if addr is None:
+        raise ConfigError(f"trainer.nnodes={t.nnodes}: the nodes meet at node 0's address; set "
+                          "trainer.master_addr=HOST (node 0's name or IP as the other nodes reach it) "
+                          "or export MASTER_ADDR=HOST")
+    if t.resident_models:
+        say_once(f"config: trainer.nnodes={t.nnodes}: the update spans machines, so the models are reloaded "
+                 "each iteration (trainer.resident_models keeps them in one process)")

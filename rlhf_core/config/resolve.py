@@ -5,6 +5,8 @@ Every stage asks here instead of reading the raw field, so "null = the actor's" 
     mini_batch_sequences(cfg, "critic")   critic.ppo_mini_batch_size (or the actor's) × rollout.n
     micro_batching(cfg, "ref")            (use_dynamic_bsz, token budget, sequences per forward)
     update_world_size(cfg, cuda_devices)  trainer.nproc, else n_gpus_per_node × nnodes
+    update_nodes(cfg, cuda_devices)       (nnodes, processes per node) of that world
+    update_rendezvous(cfg, environ)       node 0's address and port: trainer.master_*, else $MASTER_*
     total_iterations(cfg, train_prompts)  trainer.total_iterations / total_training_steps / epochs
 
 Nothing here reads files or the machine; callers pass what they measured.
@@ -13,8 +15,9 @@ Nothing here reads files or the machine; callers pass what they measured.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Optional
+from typing import Literal, Mapping, Optional
 
+from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.schema import OptimConfig, RLHFConfig
 
 Role = Literal["actor", "critic", "rollout", "ref", "reward_model"]
@@ -165,16 +168,46 @@ def total_iterations(cfg: RLHFConfig, train_prompts: int) -> int:
     return t.total_epochs * steps_per_epoch(cfg, train_prompts)
 
 
-def update_world_size(cfg: RLHFConfig, cuda_devices: int) -> int:
-    """Processes of the update: trainer.nproc when set; on GPUs n_gpus_per_node (null = every visible
-    device) × nnodes; on CPU one process (n_gpus_per_node names GPUs, and there are none)."""
+def update_nodes(cfg: RLHFConfig, cuda_devices: int) -> tuple[int, int]:
+    """(nnodes, processes per node) of the update: trainer.nproc / nnodes when trainer.nproc is set
+    (the schema keeps it a multiple); on GPUs n_gpus_per_node (null = every visible device); on CPU
+    one process per node (n_gpus_per_node names GPUs, and there are none). Every node is assumed
+    to be like node 0, where ``cuda_devices`` was counted."""
     t = cfg.trainer
     if t.nproc is not None:
-        return t.nproc
+        return t.nnodes, t.nproc // t.nnodes
     if cuda_devices == 0:
-        return 1
-    per_node = t.n_gpus_per_node if t.n_gpus_per_node is not None else cuda_devices
-    return per_node * t.nnodes
+        return t.nnodes, 1
+    return t.nnodes, t.n_gpus_per_node if t.n_gpus_per_node is not None else cuda_devices
+
+
+def update_world_size(cfg: RLHFConfig, cuda_devices: int) -> int:
+    """Processes of the update, all nodes together (verl's world = nnodes × n_gpus_per_node)."""
+    nnodes, per_node = update_nodes(cfg, cuda_devices)
+    return nnodes * per_node
+
+
+DEFAULT_MASTER_PORT = 29500
+"""torchrun's own default --master_port."""
+
+
+def update_rendezvous(cfg: RLHFConfig, environ: Mapping[str, str]) -> tuple[Optional[str], int]:
+    """(node 0's address or None when nothing names it, port) for a multi-node update:
+    trainer.master_addr / master_port, else $MASTER_ADDR / $MASTER_PORT, else port 29500. The
+    variables are ignored inside a launcher's world (WORLD_SIZE set): they are that world's, not a
+    choice for the next one (an in-process update sets them for its world of one)."""
+    t = cfg.trainer
+    env = {} if "WORLD_SIZE" in environ else environ
+    addr = t.master_addr if t.master_addr is not None else (env.get("MASTER_ADDR") or None)
+    if t.master_port is not None:
+        return addr, t.master_port
+    port = env.get("MASTER_PORT")
+    if port is None:
+        return addr, DEFAULT_MASTER_PORT
+    if not port.isdigit() or not 1 <= int(port) <= 65535:
+        raise ConfigError(f"MASTER_PORT={port!r} (environment): not a TCP port; fix the variable or set "
+                          "trainer.master_port=N")
+    return addr, int(port)
 
 
 def critic_loss_scale_factor(cfg: RLHFConfig) -> float:

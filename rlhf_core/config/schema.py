@@ -664,7 +664,11 @@ class TrainerConfig(Section):
     """verl: devices (processes) of the update per node; null = every visible GPU (1 process on CPU).
     verl's default is 8. More than the machine has falls back (CPU) or is refused (GPU), saying so."""
     nnodes: int = 1
-    """verl: machines in the training world; this version trains on one (nnodes > 1 is refused)."""
+    """verl: machines in the update's training world (world = nnodes × processes per node). With
+    nnodes > 1 the flow runs on node 0 and every other node runs `rlhf node join --run-dir RUN
+    --node-rank R`; the run directory must be on storage every node sees at the same path (the
+    ranks of every node write their checkpoint shards there). Processes per node: trainer.nproc /
+    nnodes when trainer.nproc is set, else n_gpus_per_node on GPUs, else 1 on CPU."""
     curve_freq: int = 1
     """Redraw the learning-curve PNG and the Prefect run report every N iterations (always after the
     last one and after a rollback). 1 = every iteration; each redraw costs ~0.15 s plus two
@@ -689,7 +693,19 @@ class TrainerConfig(Section):
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' = cuda when available, else cpu (verl assumes cuda)."""
     nproc: Optional[int] = None
-    """Our name for the update's data-parallel processes; when set it wins over n_gpus_per_node × nnodes."""
+    """Our name for the update's data-parallel processes, all nodes together; when set it wins over
+    n_gpus_per_node × nnodes and must be a multiple of nnodes (nproc / nnodes on each node)."""
+    master_addr: Optional[str] = None
+    """Our name: the host name or IP address of node 0 as every node reaches it, for the update's
+    rendezvous (torchrun's --master_addr, static rendezvous) when nnodes > 1; null = $MASTER_ADDR.
+    Only places processes: no stage's config hash includes it."""
+    master_port: Optional[int] = None
+    """Our name: the TCP port on node 0 of that rendezvous (torchrun's --master_port); null =
+    $MASTER_PORT, else 29500 (torchrun's default). It must be free on node 0 and open to the others."""
+    node_join_timeout_s: int = 600
+    """Our name: seconds an update's torchrun on each node waits for all nnodes to join (torchrun's
+    static rendezvous `timeout`, whose default is 600); then node 0 fails, naming the nodes that
+    did not join and the command to run there."""
     concurrent_critic_actor: Literal["auto", "always", "never"] = "auto"
     """Train the critic and the actor at the same time, one thread each, in a one-process update (their
     updates only share the fixed advantages table, so the weights and metrics are the same as one
@@ -720,6 +736,15 @@ class TrainerConfig(Section):
         require(self.retry_lr_divisor >= 1, f"{key}.retry_lr_divisor", "must be >= 1", self.retry_lr_divisor)
         require(self.nproc is None or self.nproc >= 1, f"{key}.nproc",
                 "must be >= 1 (or null: n_gpus_per_node × nnodes)", self.nproc)
+        require(self.nnodes >= 1, f"{key}.nnodes", "must be >= 1", self.nnodes)
+        require(self.nproc is None or self.nproc % self.nnodes == 0, f"{key}.nproc",
+                f"must be a multiple of {key}.nnodes={self.nnodes} (the same processes on every node)", self.nproc)
+        require(self.master_port is None or 1 <= self.master_port <= 65535, f"{key}.master_port",
+                "must be a TCP port, 1..65535 (or null: $MASTER_PORT, else 29500)", self.master_port)
+        require(self.master_addr is None or self.master_addr.strip() != "", f"{key}.master_addr",
+                "must be node 0's host name or IP address (or null: $MASTER_ADDR)", self.master_addr)
+        require(self.node_join_timeout_s >= 1, f"{key}.node_join_timeout_s", "must be >= 1 second",
+                self.node_join_timeout_s)
         require(self.concurrent_critic_actor != "always" or (self.nproc or 1) == 1, f"{key}.concurrent_critic_actor",
                 f"'always' needs {key}.nproc=1 (two threads' collectives could pair up differently on each rank); "
                 "use 'auto' or 'never'", self.concurrent_critic_actor)

@@ -69,6 +69,8 @@ def resident_possible(cfg: RLHFConfig) -> Optional[str]:
     """Why this config cannot keep its models resident (None: it can)."""
     if not cfg.trainer.resident_models:
         return "trainer.resident_models=false"
+    if cfg.trainer.nnodes > 1:
+        return f"the update spans trainer.nnodes={cfg.trainer.nnodes} machines (its ranks start fresh each iteration)"
     if resolve.update_world_size(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0) > 1:
         return "the update runs on several processes (torchrun ranks start fresh each iteration)"
     if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
