@@ -10,6 +10,7 @@
     rlhf query RUN "SQL"                                DuckDB over the whole run (see rlhf_core.run.query)
     rlhf export RUN [key=value ...]                     save the last-good actor in HF format
     rlhf model build-tiny --out DIR                     build the local tiny model + tokenizer
+    rlhf node join --run-dir RUN --node-rank R          on node R of a trainer.nnodes > 1 run: its ranks
 
     rlhf rebuild RUN                                    rerun the stages that no longer follow config.yaml
     rlhf services up|down|status|register               local Prefect server, worker, MLflow UI
@@ -53,7 +54,7 @@ COMMANDS = {
     "model": "rlhf_cli.local:cmd_build_tiny",
     "stage": "rlhf_cli.orchestrated:cmd_stage", "run": "rlhf_cli.orchestrated:cmd_run",
     "demo": "rlhf_cli.orchestrated:cmd_demo", "rebuild": "rlhf_cli.orchestrated:cmd_rebuild",
-    "services": "rlhf_cli.orchestrated:cmd_services",
+    "services": "rlhf_cli.orchestrated:cmd_services", "node": "rlhf_cli.node:cmd_node",
 }
 """Command → "module:function"."""
 
@@ -148,6 +149,13 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--layers", type=int, default=2)
     tiny.add_argument("--vocab-size", type=int, default=512)
     tiny.add_argument("--seed", type=int, default=0)
+    node = sub.add_parser("node", help="multi-node updates (trainer.nnodes > 1)").add_subparsers(
+        dest="node_cmd", required=True)
+    join = node.add_parser("join", help="on node R (1 .. nnodes-1): run this node's ranks of every update node 0 "
+                                        "launches, until the run is finished or Ctrl-C")
+    join.add_argument("--run-dir", required=True, type=Path,
+                      help="the run directory, on storage every node sees at the same path")
+    join.add_argument("--node-rank", required=True, type=int, help="this node's rank, 1 .. trainer.nnodes-1")
     svc = sub.add_parser("services", help="local Prefect server + worker + MLflow UI on 127.0.0.1 "
                                           "(deployments/README.md)")
     svc.add_argument("action", choices=["up", "down", "status", "register"])

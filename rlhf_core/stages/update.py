@@ -7,18 +7,18 @@ PPO trains the actor and the critic with DeepSpeed (ZeRO stage, offload and dtyp
 last-good checkpoint (weights and optimizer state) or the initial models. It writes a checkpoint but
 does not move ``last_good.json``: the KL guard decides whether this iteration is kept.
 
-The number of processes is ``config.resolve.update_world_size`` (trainer.nproc, else
-trainer.n_gpus_per_node × nnodes on GPUs, else 1). With N > 1 the stage starts N data-parallel ranks with torchrun
-(gloo on CPU, nccl on CUDA; OMP_NUM_THREADS = cores // N each), waits, and reports; the result matches
-one process on the same batch up to floating-point summation order.
+The processes are ``config.resolve.update_nodes``: trainer.nnodes machines × (trainer.nproc / nnodes,
+else trainer.n_gpus_per_node on GPUs, else 1). With N > 1 in all the stage starts N data-parallel
+ranks with torchrun (gloo on CPU, nccl on CUDA; OMP_NUM_THREADS = cores // processes per node),
+waits, and reports; the result matches one process on the same batch up to floating-point
+summation order. With nnodes > 1 this machine is node 0 and each other node runs `rlhf node join`
+(``training.nodes``); the run directory must be on storage every node sees.
 """
 
 from __future__ import annotations
 
-import collections
+import dataclasses
 import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Optional
@@ -30,7 +30,7 @@ from rlhf_core.io import timing
 from rlhf_core.io.atomic import atomic_write_text
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.training import lineage, resident
+from rlhf_core.training import lineage, nodes, resident
 from rlhf_core.training.rank_update import read_update_metrics, schedule_needs_total_steps, train_update
 
 
@@ -46,30 +46,27 @@ def _inputs(cfg: RLHFConfig, run: RunDir, iteration: int) -> list[Path]:
     return lineage.update_inputs(cfg, run, iteration)
 
 
-def launch_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, nproc: int) -> None:
-    """Run ``train_update`` on ``nproc`` ranks under torchrun and wait. The ranks' output is passed
-    through to stderr; a rank's user error (``rlhf: error: ...``) becomes this stage's error."""
+def launch_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, nnodes: int, nproc_per_node: int) -> None:
+    """Run ``train_update`` on ``nnodes`` × ``nproc_per_node`` ranks under torchrun and wait. With
+    nnodes > 1 this is node 0 and the other nodes' joiners run the rest (``training.nodes``). The
+    ranks' output is passed through to stderr; a rank's user error (``rlhf: error: ...``) becomes
+    this stage's error."""
     config_file = run.update_config(iteration)
+    if nnodes > 1:  # the ranks see torchrun's MASTER_* (their own world's): they read node 0's address here
+        addr, port = resolve.update_rendezvous(cfg, os.environ)
+        if addr is None:  # fit_to_machine refuses this at load; a config built around it lands here
+            raise RLHFError(f"trainer.nnodes={nnodes}: set trainer.master_addr=HOST (node 0's address)")
+        cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, master_addr=addr, master_port=port))
     atomic_write_text(config_file, to_yaml(cfg))
-    env = dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc)))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-           f"--nproc_per_node={nproc}", "-m", "rlhf_core.training.launch", "--run-dir", str(run.root),
-           "--iteration", str(iteration), "--config", str(config_file)]
-    tail: collections.deque[str] = collections.deque(maxlen=25)
-    user_errors = []
     try:
-        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-            for line in proc.stdout:
-                sys.stderr.write(line)
-                tail.append(line.rstrip())
-                if "rlhf: error: " in line:
-                    user_errors.append(line.split("rlhf: error: ", 1)[1].strip())
+        if nnodes == 1:
+            nodes.launch_single_node(run, iteration, config_file, nproc_per_node)
+        else:
+            nodes.launch_nodes(run, nodes.new_request(run, iteration, config_file, nnodes, nproc_per_node,
+                                                      cfg.trainer.master_addr, cfg.trainer.master_port,
+                                                      cfg.trainer.node_join_timeout_s))
     finally:
         config_file.unlink(missing_ok=True)
-    if proc.returncode != 0:
-        if user_errors:  # its message already names the file/key and the fix
-            raise RLHFError(user_errors[0])
-        raise RLHFError(f"update on {nproc} ranks failed (exit {proc.returncode}); last output:\n" + "\n".join(tail))
 
 
 def count_update_io(metrics: dict[str, float], wall: float, separate_processes: bool) -> None:
@@ -97,7 +94,8 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
     def body() -> StageResult:
         import pyarrow.parquet as pq
 
-        nproc = resolve.update_world_size(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
+        nnodes, per_node = resolve.update_nodes(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
+        nproc = nnodes * per_node
         launched = time.perf_counter()
         trainer = resident.active(run)
         if trainer is not None:  # the flow keeps the engines: they hold the state this iteration starts from
@@ -105,7 +103,7 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
         else:
             with timing.opaque():  # the trainer times its own I/O: counted below from its metrics
                 if nproc > 1:
-                    launch_ranks(cfg, run, iteration, nproc)
+                    launch_ranks(cfg, run, iteration, nnodes, per_node)
                     metrics = read_update_metrics(run, iteration)
                 else:
                     metrics = train_update(cfg, run, iteration)

@@ -3,9 +3,13 @@
     torchrun --standalone --nproc_per_node N -m rlhf_core.training.launch \
         --run-dir RUN --iteration K --config RUN/iter_K/.update_config.yaml
 
-The parent (``rlhf stage update --nproc N``) holds the run lock and records the stage; the ranks
-only train and (rank 0) write the checkpoint and metrics. A user error exits with status 2 and a
-one-line message, like the CLI.
+    torchrun --nnodes M --node_rank R --master_addr HOST --master_port PORT --rdzv_backend static ... \
+        -m rlhf_core.training.launch ...          (one node of a multi-node update: training.nodes)
+
+The parent (``rlhf stage update --nproc N``, on node 0) holds the run lock and records the stage;
+the ranks only train and (rank 0) write the checkpoint and metrics; every rank writes its own
+checkpoint shards into the run directory (with several nodes: shared storage). A user error exits
+with status 2 and a one-line message, like the CLI.
 """
 
 from __future__ import annotations

@@ -1,0 +1,302 @@
+"""The update's torchrun launch, on one machine or on several through torchrun's own rendezvous.
+
+One machine (trainer.nnodes=1): ``torchrun --standalone --nproc_per_node N``, as always.
+
+Several machines (trainer.nnodes > 1), with torchrun's static rendezvous (node ranks given, so the
+global rank order — and with it the result — is the same on every run):
+
+    node 0: the flow / `rlhf stage update`          node r (1 .. nnodes-1): `rlhf node join --run-dir RUN
+                                                    --node-rank r`, started once and left running
+    writes RUN/nodes/update_request.json   ──────►  sees a request it has not run, writes its record
+                                                    RUN/nodes/<launch id>.node<r>.json ("joined"),
+    torchrun --node_rank 0 ...                      torchrun --node_rank r ... (the same arguments)
+    (waits up to trainer.node_join_timeout_s         records its exit status, waits for the next one;
+     for every node, then fails naming the           leaves when the run is finished or on Ctrl-C
+     ones without a record and what to run there)
+    removes the request when its torchrun ends
+
+The run directory is the only channel, so it must be on storage every node sees at the same path
+(a shared filesystem): the request, the update's config, the checkpoint shards each node's ranks
+write and rank 0's metrics all pass through it. Model and data paths in the config must resolve on
+every node too. Node 0's address and port come from ``config.resolve.update_rendezvous``.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+from rlhf_core.config.loader import read_preset
+from rlhf_core.errors import RLHFError
+from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.run.layout import RunDir, StateFileError
+from rlhf_core.run.lifecycle import last_good_iteration
+
+LAUNCH_MODULE = "rlhf_core.training.launch"
+USER_ERROR = "rlhf: error: "
+"""How a rank's user error begins (``training.launch``): its message already names the key and the fix."""
+FAILED_NODE_GRACE_S = 10.0
+"""After another node records a failed exit, how long node 0's torchrun may still end by itself
+before it is stopped (its ranks would otherwise wait on the dead ranks' collectives)."""
+POLL_S = 0.5
+"""How often a joiner looks for a new request, and node 0 for failed nodes."""
+
+
+@dataclass(frozen=True)
+class UpdateRequest:
+    """One multi-node launch of iteration ``iteration``'s update, as every node runs it."""
+
+    launch_id: str
+    """Unique per launch: a joiner runs each launch id once."""
+    iteration: int
+    config: str
+    """The update's config file, relative to the run directory (each node mounts it where it may)."""
+    nnodes: int
+    nproc_per_node: int
+    master_addr: str
+    master_port: int
+    join_timeout_s: int
+    created_at: float
+    """Node 0's clock (time.time()) when the request was written."""
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    returncode: int
+    tail: list[str]
+    """The last lines of the launch's output."""
+    user_errors: list[str]
+
+
+def rank_env(nproc_per_node: int) -> dict[str, str]:
+    """This process's environment for a launch, with the node's cores shared by its ranks."""
+    return dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
+
+
+def _launch_args(run: RunDir, iteration: int, config_file: Path) -> list[str]:
+    return ["-m", LAUNCH_MODULE, "--run-dir", str(run.root), "--iteration", str(iteration), "--config", str(config_file)]
+
+
+def single_node_command(run: RunDir, iteration: int, config_file: Path, nproc: int) -> list[str]:
+    """torchrun on this machine alone (its own rendezvous on a free local port)."""
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+            f"--nproc_per_node={nproc}", *_launch_args(run, iteration, config_file)]
+
+
+def node_command(request: UpdateRequest, run: RunDir, node_rank: int) -> list[str]:
+    """torchrun for node ``node_rank`` of ``request`` (static rendezvous at node 0's address; its
+    timeout bounds both node 0's wait for the others and theirs for node 0)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--nnodes={request.nnodes}",
+            f"--nproc_per_node={request.nproc_per_node}", f"--node_rank={node_rank}",
+            f"--master_addr={request.master_addr}", f"--master_port={request.master_port}",
+            "--rdzv_backend=static", f"--rdzv_conf=timeout={request.join_timeout_s}", "--max_restarts=0",
+            *_launch_args(run, request.iteration, run.root / request.config)]
+
+
+def stream(cmd: list[str], env: dict[str, str], watch: Optional[Callable[[subprocess.Popen], None]] = None,
+           ) -> LaunchResult:
+    """Run ``cmd``, passing its output through to stderr; ``watch(proc)`` runs beside it in a thread."""
+    tail: collections.deque[str] = collections.deque(maxlen=25)
+    user_errors: list[str] = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        if watch is not None:
+            threading.Thread(target=watch, args=(proc,), daemon=True).start()
+        try:
+            for line in proc.stdout:
+                sys.stderr.write(line)
+                tail.append(line.rstrip())
+                if USER_ERROR in line:
+                    user_errors.append(line.split(USER_ERROR, 1)[1].strip())
+        except KeyboardInterrupt:
+            stop(proc)
+            raise
+    return LaunchResult(proc.returncode, list(tail), user_errors)
+
+
+def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
+    """Stop a torchrun agent: SIGINT (it passes it to its ranks), then SIGKILL after ``grace_s``."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def launch_single_node(run: RunDir, iteration: int, config_file: Path, nproc: int) -> None:
+    """Run the update on ``nproc`` ranks of this machine and wait."""
+    result = stream(single_node_command(run, iteration, config_file, nproc), rank_env(nproc))
+    if result.returncode != 0:
+        if result.user_errors:  # its message already names the file/key and the fix
+            raise RLHFError(result.user_errors[0])
+        raise RLHFError(f"update on {nproc} ranks failed (exit {result.returncode}); last output:\n"
+                        + "\n".join(result.tail))
+
+
+# node 0 of several ----------------------------------------------------------------------------
+def new_request(run: RunDir, iteration: int, config_file: Path, nnodes: int, nproc_per_node: int,
+                master_addr: str, master_port: int, join_timeout_s: int) -> UpdateRequest:
+    return UpdateRequest(launch_id=uuid.uuid4().hex[:12], iteration=iteration,
+                         config=str(config_file.relative_to(run.root)), nnodes=nnodes, nproc_per_node=nproc_per_node,
+                         master_addr=master_addr, master_port=master_port, join_timeout_s=join_timeout_s,
+                         created_at=time.time())
+
+
+def node_records(run: RunDir, request: UpdateRequest) -> dict[int, dict]:
+    """Node rank → its joiner's record of ``request`` (nodes without a record are absent)."""
+    records = {}
+    for r in range(1, request.nnodes):
+        try:
+            record = run.read_json(run.node_record(request.launch_id, r))
+        except StateFileError:  # torn by a dying writer: it joined, nothing more is known
+            record = {"status": "joined"}
+        if isinstance(record, dict):
+            records[r] = record
+    return records
+
+
+def failed_nodes(records: dict[int, dict]) -> dict[int, object]:
+    """Node rank → exit status, for the nodes whose torchrun ended badly."""
+    return {r: rec.get("exit") for r, rec in records.items() if rec.get("status") == "exited" and rec.get("exit") != 0}
+
+
+def _watch_nodes(run: RunDir, request: UpdateRequest) -> Callable[[subprocess.Popen], None]:
+    """Stop node 0's torchrun soon after another node's torchrun has failed."""
+    def watch(proc: subprocess.Popen) -> None:
+        while proc.poll() is None:
+            if failed_nodes(node_records(run, request)):
+                deadline = time.monotonic() + FAILED_NODE_GRACE_S
+                while proc.poll() is None and time.monotonic() < deadline:
+                    time.sleep(POLL_S)
+                stop(proc)
+                return
+            time.sleep(POLL_S)
+    return watch
+
+
+def join_command(run: RunDir, node_rank: int) -> str:
+    return f"rlhf node join --run-dir {run.root} --node-rank {node_rank}"
+
+
+def launch_failure(run: RunDir, request: UpdateRequest, result: LaunchResult) -> RLHFError:
+    """The error of a failed multi-node launch: first the nodes that never joined (with what to run
+    there), then the nodes that failed, then a rank's own error, else the output's tail."""
+    records = node_records(run, request)
+    missing = [r for r in range(1, request.nnodes) if r not in records]
+    where = f"update of iteration {request.iteration} on {request.nnodes} nodes (launch {request.launch_id})"
+    if missing:
+        commands = "; ".join(f"node {r}: `{join_command(run, r)}`" for r in missing)
+        return RLHFError(f"{where}: node(s) {', '.join(map(str, missing))} did not join within "
+                         f"trainer.node_join_timeout_s={request.join_timeout_s}s. Start the joiner there "
+                         f"({commands}); {run.root} must be on storage every node sees at that path")
+    failed = failed_nodes(records)
+    if failed:
+        said = ", ".join(f"node {r} (exit {code})" for r, code in failed.items())
+        return RLHFError(f"{where}: {said} failed; its joiner's output says why"
+                         + (f" ({result.user_errors[0]})" if result.user_errors else ""))
+    if result.user_errors:
+        return RLHFError(result.user_errors[0])
+    return RLHFError(f"{where} failed (exit {result.returncode}); every node joined. Check that node 0's "
+                     f"{request.master_addr}:{request.master_port} is reachable from each node; last output:\n"
+                     + "\n".join(result.tail))
+
+
+def launch_nodes(run: RunDir, request: UpdateRequest) -> None:
+    """Run node 0's part of ``request``: publish it, run torchrun as node rank 0, withdraw it."""
+    atomic_write_json(run.update_request, asdict(request))
+    try:
+        result = stream(node_command(request, run, 0), rank_env(request.nproc_per_node), _watch_nodes(run, request))
+    finally:
+        run.update_request.unlink(missing_ok=True)
+    if result.returncode != 0:
+        raise launch_failure(run, request, result)
+
+
+# the other nodes ------------------------------------------------------------------------------
+def read_request(run: RunDir) -> Optional[UpdateRequest]:
+    """The request being launched now (None when there is none, or it is being replaced)."""
+    try:
+        data = run.read_json(run.update_request)
+    except StateFileError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    try:
+        return UpdateRequest(**data)
+    except TypeError as exc:
+        raise RLHFError(f"{run.update_request}: not an update request this version reads ({exc}); "
+                        "run the same rlhf version on every node") from None
+
+
+def run_finished(run: RunDir) -> Optional[str]:
+    """Why the run needs no more updates (None: it may): its last iteration is committed, or the KL
+    guard halted it and no resume came after."""
+    if not run.config_path.is_file():
+        return None
+    try:
+        total = (read_preset(run.config_path).get("trainer") or {}).get("total_iterations")
+        committed = last_good_iteration(run)
+    except (RLHFError, ValueError):  # being rewritten, or damaged: node 0 repairs or reports it
+        return None
+    if total is not None and committed >= int(total):
+        return f"iteration {total} of {total} is committed"
+    ends = [e for e in run.events() if e.get("kind") in ("halt", "resume")]
+    if ends and ends[-1]["kind"] == "halt":
+        return f"halted at iteration {ends[-1].get('iteration')}: {ends[-1].get('reason', '')}".rstrip(": ")
+    return None
+
+
+def _record(run: RunDir, request: UpdateRequest, node_rank: int, **fields: object) -> None:
+    atomic_write_json(run.node_record(request.launch_id, node_rank),
+                      {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), **fields})
+
+
+def run_request(run: RunDir, request: UpdateRequest, node_rank: int) -> int:
+    """Node ``node_rank``'s part of ``request``: its torchrun agent, recorded; returns its exit status."""
+    if not 1 <= node_rank < request.nnodes:
+        raise RLHFError(f"--node-rank {node_rank}: this run's update has nnodes={request.nnodes}, so the other "
+                        f"nodes are 1 .. {request.nnodes - 1} (node 0 is the one running the flow)")
+    _record(run, request, node_rank, status="joined")
+    try:
+        result = stream(node_command(request, run, node_rank), rank_env(request.nproc_per_node))
+    except KeyboardInterrupt:
+        _record(run, request, node_rank, status="exited", exit="interrupted")
+        raise
+    _record(run, request, node_rank, status="exited", exit=result.returncode)
+    return result.returncode
+
+
+def join(run: RunDir, node_rank: int, say: Callable[[str], None]) -> int:
+    """Serve node ``node_rank`` of ``run``'s multi-node updates until the run is finished (0).
+    Each request runs once; one older than its join timeout is skipped (node 0 stopped waiting)."""
+    if node_rank < 1:
+        raise RLHFError(f"--node-rank {node_rank}: node 0 is the machine running the flow; joiners are 1 .. nnodes-1")
+    say(f"node {node_rank}: waiting for updates of {run.root} (a directory every node sees at this path)")
+    seen: set[str] = set()
+    while (reason := run_finished(run)) is None:
+        request = read_request(run)
+        if request is None or request.launch_id in seen:
+            time.sleep(POLL_S)
+            continue
+        seen.add(request.launch_id)
+        if time.time() - request.created_at > request.join_timeout_s:
+            say(f"node {node_rank}: skipping launch {request.launch_id} (iteration {request.iteration}): older than "
+                f"its join timeout, node 0 no longer waits for it")
+            continue
+        say(f"node {node_rank}: joining launch {request.launch_id} (iteration {request.iteration}, "
+            f"{request.nnodes} nodes × {request.nproc_per_node} processes)")
+        code = run_request(run, request, node_rank)
+        say(f"node {node_rank}: launch {request.launch_id} " + ("done" if code == 0 else f"failed (exit {code})"))
+    say(f"node {node_rank}: the run is finished ({reason}); leaving")
+    return 0
