@@ -1,20 +1,43 @@
-"""The run directory's writer lock: at most one process writes a run, and a dead holder never
-blocks it.
+"""The run directory's writer lock: at most one process writes a run, on one machine or on several
+machines that share the run directory, and a dead holder never blocks it for long.
 
-The lock is a kernel lock (``flock``) on ``run.lock``, not the file's existence: the kernel drops
-it the instant its holder dies, however it dies (kill -9 included), so a lock is stale exactly when
-its holder is gone and nobody has to guess from a pid. The file carries the holder's pid, host and
-start time, written after the lock is taken, for the error a competitor prints; a file still
-naming a holder when the next one locks it was left by a process that died holding it (the
-``stale_lock_cleared`` event). A holder removes the file on release while it still holds the lock;
-a process that opened the file before that removal and locks it afterwards sees that the path no
-longer names the file it locked (another inode, or none) and tries again, so two holders can
-never lock two different files of the same name.
+Two parts, taken in this order and released in the reverse one:
+
+1. **The host's kernel lock** (``flock`` on ``run.lock.<host>``): it orders the processes of one
+   machine. The kernel drops it the instant its holder dies, however it dies (kill -9 included), so
+   on one host a lock is stale exactly when its holder is gone and nobody has to guess from a pid.
+   Each host locks its own file: flock across machines (over NFS it is emulated with byte-range
+   locks) is not something to rely on, and a pid means nothing on another host.
+2. **The lease** (``run.lock``, JSON: holder host, pid, start time, last renewal, expiry): it orders
+   the machines. It is created with the storage's own atomic create (a complete, fsynced private
+   file hard-linked to ``run.lock``: the link fails if the name exists; ``O_CREAT|O_EXCL`` where the
+   storage has no hard links), renewed by a background thread every ``lease_s / 6`` seconds (an
+   atomic rename of a fresh record over it), and removed on release. A competitor refuses while the
+   lease is live, naming the holder and how long ago it renewed. A lease is taken over only when
+
+   - it names this host: whoever wrote it is dead, since we hold this host's kernel lock that every
+     holder on this host holds (``stale_lock_cleared``: instant, as on one machine); or
+   - it names another host and was last renewed more than its ``expires_after_s`` ago
+     (``stale_lease_taken_over``). The taker renames the expired lease aside (one rename of a name
+     wins), checks that what it moved is the lease it judged expired (a holder may have renewed in
+     between: then it puts it back and judges again), records the event, then creates its own
+     lease with the atomic create like any first holder (a faster machine may still win that).
+
+   Expiry compares the holder's wall clock with the competitor's: the hosts' clocks must agree to
+   well within the expiry (NTP does). A holder that could not renew in time (a suspended VM, a
+   partition) and finds at its next renewal that its lease was taken over records ``lease_lost``
+   and stops renewing; ``lost`` tells its code, and ``ensure_held`` raises.
+
+The host name a lock records and compares is ``socket.gethostname()`` unless the ``host`` argument
+names another: two locks with different host names behave exactly as processes on two machines
+(neither sees the other's kernel lock), which is how the tests stand in for a second machine.
+The expiry is ``lease_s``, else ``$RLHF_RUN_LEASE_S``, else 30 s.
 
 Re-entrant within one process (the flow holds it and calls stages that take it again). A forked
-child is another process: it inherits the holder's open lock file, and with it the kernel lock,
-so the child closes its copies at once (``_forget_inherited``); otherwise a helper the holder
-forked would keep the run locked after the holder died, and would count as the holder itself.
+child is another process: it inherits the holder's open lock file, and with it the kernel lock, so
+the child closes its copies at once (``_forget_inherited``); otherwise a helper the holder forked
+would keep the run locked after the holder died, and would count as the holder itself. (The
+heartbeat thread does not exist in the child; the parent keeps renewing.)
 """
 
 from __future__ import annotations
@@ -23,44 +46,253 @@ import errno
 import fcntl
 import json
 import os
+import re
 import socket
+import threading
 import time
-from typing import Optional
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
 
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
+
+LEASE_ENV = "RLHF_RUN_LEASE_S"
+"""Environment variable: seconds without renewal after which another host may take a lease over."""
+DEFAULT_LEASE_S = 30.0
+"""Long enough that a busy holder never misses it (it renews every 5 s), short enough that a run whose
+machine died is free again within half a minute."""
+RENEWALS_PER_LEASE = 6
+"""The holder renews this many times per expiry period: five renewals may fail before it lapses."""
 
 
 class RunLockedError(RLHFError, RuntimeError):
     """Another live process holds the run directory."""
 
 
+def lease_seconds(value: Optional[float] = None) -> float:
+    """The lease expiry in seconds: ``value``, else ``$RLHF_RUN_LEASE_S``, else 30."""
+    source = "lease_s"
+    if value is None:
+        raw = os.environ.get(LEASE_ENV)
+        if not raw:
+            return DEFAULT_LEASE_S
+        source = f"${LEASE_ENV}"
+        try:
+            value = float(raw)
+        except ValueError:
+            raise RLHFError(f"{source}={raw!r} is not a number of seconds; set it to e.g. 30 or unset it") from None
+    if not value > 0:
+        raise RLHFError(f"{source}={value!r} must be a positive number of seconds (e.g. 30)")
+    return float(value)
+
+
+def read_record(path: Path) -> Optional[dict]:
+    """The lease record at ``path``; None when there is none. A record that does not parse (a lease
+    written with O_EXCL and still being written, or damaged) reads as a holder that renewed at the
+    file's modification time, so it expires like any other."""
+    try:
+        text = path.read_text()
+        mtime = path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError:
+        record = None
+    if not isinstance(record, dict):
+        return {"host": None, "pid": None, "renewed": mtime}
+    record.setdefault("renewed", record.get("since", mtime))  # a lock file of an older version
+    return record
+
+
+def renewed_ago(record: dict, now: Optional[float] = None) -> float:
+    """Seconds since the holder last renewed (by the two hosts' wall clocks; negative = skew)."""
+    return (time.time() if now is None else now) - float(record.get("renewed") or 0.0)
+
+
+def is_expired(record: dict, default_lease_s: float, now: Optional[float] = None) -> bool:
+    """Whether the holder has not renewed within the expiry it promised (its ``expires_after_s``)."""
+    return renewed_ago(record, now) > float(record.get("expires_after_s") or default_lease_s)
+
+
+def public(record: dict) -> dict:
+    """The record without its token (events and errors name the holder, not its secret)."""
+    return {k: v for k, v in record.items() if k != "token"}
+
+
+class Lease:
+    """This process's lease on ``path`` (``run.lock``): create, clear a stale one, renew, remove."""
+
+    def __init__(self, path: Path, host: str, lease_s: float):
+        self.path = path
+        self.host = host
+        self.lease_s = lease_s
+        self.token = uuid.uuid4().hex
+        self.since = time.time()
+        self.lost = False
+        self._stop = threading.Event()
+        self._thread: Optional[threading.Thread] = None
+
+    def record(self) -> dict:
+        return {"pid": os.getpid(), "host": self.host, "since": self.since, "renewed": time.time(),
+                "expires_after_s": self.lease_s, "token": self.token}
+
+    def _staged(self) -> Path:
+        """A fresh record in a private file beside the lease, complete and on disk."""
+        tmp = self.path.with_name(f"{self.path.name}.{self.token}.tmp")
+        with open(tmp, "w") as fh:
+            json.dump(self.record(), fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        return tmp
+
+    def create(self) -> bool:
+        """Create the lease if no lease exists (atomically); False when one does."""
+        tmp = self._staged()
+        try:
+            os.link(tmp, self.path)
+        except FileExistsError:
+            return False
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
+                raise
+            return self._create_exclusive()  # storage without hard links
+        finally:
+            os.unlink(tmp)
+        return True
+
+    def _create_exclusive(self) -> bool:
+        try:
+            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            return False
+        try:
+            os.write(fd, json.dumps(self.record()).encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        return True
+
+    def clear_stale(self, seen: dict) -> bool:
+        """Remove the stale lease ``seen``; False when someone else changed or removed it first.
+        (Creating ours is a separate step, which another process may still win.)"""
+        aside = self.path.with_name(f"{self.path.name}.stale.{self.token}")
+        try:
+            os.rename(self.path, aside)  # of several takers, exactly one moves a given file
+        except FileNotFoundError:
+            return False
+        moved = read_record(aside)
+        if not moved or moved.get("token") != seen.get("token"):
+            # renewed or re-created after we judged it: put it back (unless a third process was faster)
+            try:
+                os.link(aside, self.path)
+            except FileExistsError:
+                pass
+            os.unlink(aside)
+            return False
+        os.unlink(aside)
+        return True
+
+    def renew(self) -> bool:
+        """Write a fresh renewal time; False (and ``lost``) when the lease is no longer ours."""
+        current = read_record(self.path)
+        if not current or current.get("token") != self.token:
+            self.lost = True
+            return False
+        os.replace(self._staged(), self.path)
+        return True
+
+    def start_heartbeat(self, on_lost: Callable[[], None]) -> None:
+        self._thread = threading.Thread(target=self._beat, args=(on_lost,), daemon=True,
+                                        name=f"run-lease-heartbeat:{self.path.parent.name}")
+        self._thread.start()
+
+    def _beat(self, on_lost: Callable[[], None]) -> None:
+        while not self._stop.wait(self.lease_s / RENEWALS_PER_LEASE):
+            try:
+                if self.renew():
+                    continue
+            except OSError:
+                continue  # a passing storage error: the lease has five more renewals of slack
+            on_lost()
+            return
+
+    def remove(self) -> None:
+        """Stop renewing and remove the lease if it is still ours."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        current = read_record(self.path)
+        if current and current.get("token") == self.token:
+            os.unlink(self.path)
+
+
+@dataclass
+class _Hold:
+    """What this process holds for one run: the host lock file, the re-entry depth, the lease."""
+    fd: int
+    depth: int
+    lease: Lease
+
+
 class RunLock:
-    """Exclusive, re-entrant writer lock on a run directory (see the module docstring)."""
+    """Exclusive, re-entrant writer lock on a run directory (see the module docstring).
 
-    _held: dict = {}  # run root → [open fd, depth]: one kernel lock per process and run
+    ``host``: the machine name recorded in the lease and compared with a lease's host (default
+    ``socket.gethostname()``); ``lease_s``: the expiry of this holder's lease in seconds (default
+    ``$RLHF_RUN_LEASE_S``, else 30)."""
 
-    def __init__(self, run: RunDir):
+    _held: dict = {}  # run root → _Hold: one kernel lock and one lease per process and run
+
+    def __init__(self, run: RunDir, host: Optional[str] = None, lease_s: Optional[float] = None):
         self.run = run
+        self.host = host or socket.gethostname()
+        self.lease_s = lease_seconds(lease_s)
         self.held = False
         self.outermost = False
-        """Whether this acquire took the kernel lock (not a re-entry of this process's own hold):
-        only the outermost holder speaks for the run (e.g. marks earlier flow runs crashed)."""
+        """Whether this acquire took the lock (not a re-entry of this process's own hold): only the
+        outermost holder speaks for the run (e.g. marks earlier flow runs crashed)."""
+
+    @property
+    def lease_path(self) -> Path:
+        return self.run.lock_path
+
+    @property
+    def host_lock_path(self) -> Path:
+        """This host's kernel lock file, ``run.lock.<host>`` (host name made safe for a file name)."""
+        safe = re.sub(r"[^A-Za-z0-9._-]", "_", self.host)
+        return self.run.lock_path.with_name(f"{self.run.lock_path.name}.{safe}")
 
     def holder(self) -> Optional[dict]:
-        """Who wrote the lock file last (the holder while it is locked); None when unreadable."""
-        try:
-            info = json.loads(self.run.lock_path.read_text())
-        except (OSError, ValueError):
-            return None
-        return info if isinstance(info, dict) else None
+        """The lease's holder (host, pid, since, renewed, expires_after_s); None when there is none."""
+        record = read_record(self.lease_path)
+        return public(record) if record else None
+
+    @property
+    def lost(self) -> bool:
+        """Whether this process held the lease and another host took it over (see ``ensure_held``)."""
+        hold = RunLock._held.get(self.run.root)
+        return bool(hold and hold.lease.lost)
+
+    def ensure_held(self) -> None:
+        """Raise RunLockedError if this process's lease was taken over while it could not renew."""
+        if self.lost:
+            raise RunLockedError(f"run directory {self.run.root} was taken over by {self._who(self.holder())} "
+                                 f"after this process missed its lease renewals; stop writing to it")
 
     def is_locked(self) -> bool:
-        """Whether some process holds the lock now (ours included)."""
-        if self.run.root in RunLock._held:
+        """Whether some process holds the lock now (ours included): this host's kernel lock is
+        held, or another host's lease is live."""
+        if self.run.root in RunLock._held or self._host_lock_is_held():
             return True
+        record = read_record(self.lease_path)
+        return bool(record and record.get("host") != self.host and not is_expired(record, self.lease_s))
+
+    def _host_lock_is_held(self) -> bool:
         try:
-            fd = os.open(self.run.lock_path, os.O_RDONLY)
+            fd = os.open(self.host_lock_path, os.O_RDONLY)
         except FileNotFoundError:
             return False
         try:
@@ -72,75 +304,120 @@ class RunLock:
         return False
 
     def acquire(self) -> "RunLock":
-        held = RunLock._held.get(self.run.root)
-        if held is not None:
-            held[1] += 1
+        hold = RunLock._held.get(self.run.root)
+        if hold is not None:
+            hold.depth += 1
             self.held = True
             return self
         self.outermost = True
         self.run.root.mkdir(parents=True, exist_ok=True)
-        while True:
-            fd = os.open(self.run.lock_path, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                os.close(fd)
-                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    raise RunLockedError(self._locked_message()) from None
-                raise
-            if self._same_file(fd):
-                break
-            os.close(fd)  # the file we locked was unlinked by a releasing holder: lock the new one
-        previous = self.holder()
-        self._write_holder(fd)
-        RunLock._held[self.run.root] = [fd, 1]
+        fd = self._lock_host()
+        try:
+            lease = self._take_lease()
+        except BaseException:
+            self._unlock_host(fd)
+            raise
+        RunLock._held[self.run.root] = _Hold(fd, 1, lease)
         self.held = True
-        if previous:  # a clean release removes the file: this one's holder died holding it
-            self.run.append_event("stale_lock_cleared", previous_holder=previous)
+        lease.start_heartbeat(on_lost=lambda: self.run.append_event(
+            "lease_lost", holder=self.host, pid=os.getpid(), taken_by=self.holder()))
         return self
 
     def release(self) -> None:
         if not self.held:
             return
         self.held = False
-        held = RunLock._held.get(self.run.root)
-        if held is None:
+        hold = RunLock._held.get(self.run.root)
+        if hold is None:
             return
-        held[1] -= 1
-        if held[1] > 0:
+        hold.depth -= 1
+        if hold.depth > 0:
             return
         del RunLock._held[self.run.root]
-        fd = held[0]
         try:
-            if self._same_file(fd):  # removed while still locked: see the module docstring
-                os.unlink(self.run.lock_path)
+            hold.lease.remove()  # while this host's kernel lock still orders the processes here
+        finally:
+            self._unlock_host(hold.fd)
+
+    # this host's kernel lock -------------------------------------------------------------------
+    def _lock_host(self) -> int:
+        while True:
+            fd = os.open(self.host_lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise RunLockedError(self._locked_here_message()) from None
+                raise
+            if self._same_file(fd):
+                return fd
+            os.close(fd)  # the file we locked was unlinked by a releasing holder: lock the new one
+
+    def _unlock_host(self, fd: int) -> None:
+        """Remove the host lock file while still holding it, then drop the lock. A process that
+        opened the file before the removal and locks it afterwards sees that the path no longer
+        names the file it locked (``_same_file``) and tries again, so two holders can never lock
+        two different files of the same name."""
+        try:
+            if self._same_file(fd):
+                os.unlink(self.host_lock_path)
         finally:
             os.close(fd)  # closing drops the kernel lock
 
     def _same_file(self, fd: int) -> bool:
         try:
-            return os.stat(self.run.lock_path).st_ino == os.fstat(fd).st_ino
+            return os.stat(self.host_lock_path).st_ino == os.fstat(fd).st_ino
         except FileNotFoundError:
             return False
 
-    @staticmethod
-    def _write_holder(fd: int) -> None:
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps(me).encode(), 0)
-        os.fsync(fd)
+    # the lease ---------------------------------------------------------------------------------
+    def _take_lease(self) -> Lease:
+        lease = Lease(self.lease_path, self.host, self.lease_s)
+        for _ in range(5):  # each turn loses only to another process that changed the lease meanwhile
+            if lease.create():
+                return lease
+            seen = read_record(self.lease_path)
+            if seen is None:
+                continue  # released between our create and our read
+            if seen.get("host") == self.host:
+                kind = "stale_lock_cleared"  # its writer on this host is gone: we hold this host's lock
+            elif is_expired(seen, self.lease_s):
+                kind = "stale_lease_taken_over"
+            else:
+                raise RunLockedError(self._lease_message(seen))
+            if lease.clear_stale(seen):  # then create ours on the next turn (or judge a faster one's)
+                self.run.append_event(kind, previous_holder=public(seen),
+                                      renewed_ago_s=round(renewed_ago(seen), 3), host=self.host)
+        raise RunLockedError(f"run directory {self.run.root}: its lease kept changing while this process "
+                             f"tried to take it; held by {self._who(self.holder())}. Try again.")
 
-    def _locked_message(self) -> str:
+    # messages ----------------------------------------------------------------------------------
+    @staticmethod
+    def _who(info: Optional[dict]) -> str:
+        if not info or info.get("pid") is None:
+            return "another process"
+        since = f" since {time.ctime(info['since'])}" if info.get("since") else ""
+        return f"pid {info.get('pid')} on {info.get('host')}{since}"
+
+    def _lease_message(self, seen: dict) -> str:
+        ago = renewed_ago(seen)
+        expiry = float(seen.get("expires_after_s") or self.lease_s)
+        return (f"run directory {self.run.root} is locked by {self._who(seen)}: its lease was renewed "
+                f"{ago:.1f} s ago and lapses after {expiry:g} s without renewal. Wait for that run to "
+                f"finish, or stop it on {seen.get('host')}; if that machine is gone, the next start "
+                f"{max(expiry - ago, 0.0):.0f} s from now takes the run over (check the hosts' clocks "
+                f"agree if this persists)")
+
+    def _locked_here_message(self) -> str:
         info = None
-        for _ in range(20):  # the holder writes its line right after locking: give it a moment
+        for _ in range(20):  # the holder writes its lease right after locking: give it a moment
             info = self.holder()
-            if info and "since" in info:
+            if info and info.get("pid") is not None:
                 break
             time.sleep(0.01)
-        who = (f"pid {info.get('pid')} on {info.get('host')} since {time.ctime(info['since'])}"
-               if info and "since" in info else "another process")
-        return (f"run directory {self.run.root} is locked by {who}; wait for it to finish (the lock is "
-                f"released the moment that process exits, however it exits)")
+        return (f"run directory {self.run.root} is locked by {self._who(info)}; wait for it to finish "
+                f"(the lock is released the moment that process exits, however it exits)")
 
     def __enter__(self) -> "RunLock":
         return self.acquire()
@@ -152,9 +429,9 @@ class RunLock:
     def _forget_inherited() -> None:
         """In a forked child: close the inherited lock files (the parent keeps its locks; a flock
         is dropped only when every copy of the open file is closed) and hold nothing."""
-        for fd, _depth in RunLock._held.values():
+        for hold in RunLock._held.values():
             try:
-                os.close(fd)
+                os.close(hold.fd)
             except OSError:
                 pass
         RunLock._held.clear()
