@@ -20,7 +20,7 @@ import pytest
 import rlhf_core
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.lock import LEASE_ENV, RunLock, RunLockedError, lease_seconds, read_record
+from rlhf_core.run.lock import LEASE_ENV, Lease, RunLock, RunLockedError, lease_seconds, read_record
 
 HOLD = r"""
 import sys, time
@@ -196,6 +196,20 @@ def test_machines_racing_for_a_free_or_an_expired_lease_exactly_one_wins(tmp_pat
         kinds = [e["kind"] for e in RunDir(tmp_path / f"trial_{t}").events()]
         assert kinds.count("stale_lease_taken_over") == 1
     assert not list(tmp_path.glob("trial_*/run.lock*")), "every winner released lease and kernel lock"
+
+
+def test_a_taker_that_judged_an_old_copy_never_removes_the_new_holders_lease(tmp_path):
+    """The interleaving a race rarely hits, in order: B reads the expired lease, A clears it and
+    creates its own, then B (still holding its old view) tries to clear "the expired lease"."""
+    _expired_lease(tmp_path / "run")
+    path = tmp_path / "run" / "run.lock"
+    seen_by_b = read_record(path)
+    a, b = Lease(path, "node-a", 30), Lease(path, "node-b", 30)
+    assert a.clear_stale(read_record(path)) and a.create()
+    assert not b.clear_stale(seen_by_b), "B moved A's live lease"
+    assert read_record(path)["token"] == a.token and not b.create()
+    assert a.renew() and not b.renew() and b.lost  # only the holder renews; the other learns it holds nothing
+    assert sorted(p.name for p in path.parent.iterdir()) == ["run.lock"], "no stale or staged file left"
 
 
 def test_lease_expiry_comes_from_the_argument_or_the_environment(monkeypatch):
