@@ -9,10 +9,11 @@ global rank order — and with it the result — is the same on every run):
                                                     --node-rank r`, started once and left running
     writes RUN/nodes/update_request.json   ──────►  sees a request it has not run, writes its record
                                                     RUN/nodes/<launch id>.node<r>.json ("joined"),
-    torchrun --node_rank 0 ...                      torchrun --node_rank r ... (the same arguments)
-    (waits up to trainer.node_join_timeout_s         records its exit status, waits for the next one;
-     for every node, then fails naming the           leaves when the run is finished or on Ctrl-C
-     ones without a record and what to run there)
+    torchrun --node_rank 0 ...                      torchrun --node_rank r ... (the same arguments),
+    (waits up to trainer.node_join_timeout_s         its record rewritten with a heartbeat meanwhile;
+     for every node, then fails naming the           records its exit status, waits for the next one;
+     ones without a record and what to run there;    leaves when the run is finished or on Ctrl-C
+     stops when a node fails or its heartbeat stops)
     removes the request when its torchrun ends
 
 The run directory is the only channel, so it must be on storage every node sees at the same path
@@ -50,6 +51,11 @@ FAILED_NODE_GRACE_S = 10.0
 before it is stopped (its ranks would otherwise wait on the dead ranks' collectives)."""
 POLL_S = 0.5
 """How often a joiner looks for a new request, and node 0 for failed nodes."""
+HEARTBEAT_S = 2.0
+"""How often a joiner rewrites its record while its torchrun runs."""
+DEAD_AFTER_S = 30.0
+"""A joined node whose record has not changed for this long is taken for dead (15 missed beats:
+a loaded shared filesystem may delay a few)."""
 
 
 @dataclass(frozen=True)
@@ -171,27 +177,54 @@ def failed_nodes(records: dict[int, dict]) -> dict[int, object]:
     return {r: rec.get("exit") for r, rec in records.items() if rec.get("status") == "exited" and rec.get("exit") != 0}
 
 
-def _watch_nodes(run: RunDir, request: UpdateRequest) -> Callable[[subprocess.Popen], None]:
-    """Stop node 0's torchrun soon after another node's torchrun has failed."""
-    def watch(proc: subprocess.Popen) -> None:
+class NodeWatch:
+    """Beside node 0's torchrun: stops it soon after another node's torchrun failed, or once a
+    joined node's heartbeat has not changed for ``dead_after_s`` (its machine or joiner died: the
+    ranks here would wait on its ranks up to the process group's own timeout, 30 minutes). A
+    heartbeat is compared with its previous value on this node's clock, so clocks need not agree."""
+
+    def __init__(self, run: RunDir, request: UpdateRequest, dead_after_s: float):
+        self.run, self.request, self.dead_after_s = run, request, dead_after_s
+        self.failed: dict[int, object] = {}
+        """Node rank → exit status of the nodes whose torchrun failed."""
+        self.silent: list[int] = []
+        """Nodes that stopped beating."""
+        self._beats: dict[int, tuple[object, float]] = {}  # node → (last beat seen, when it changed)
+
+    def check(self) -> bool:
+        """Look at the nodes' records once; True when node 0 should stop."""
+        records, now = node_records(self.run, self.request), time.monotonic()
+        self.failed = failed_nodes(records)
+        for r, record in records.items():
+            if record.get("status") == "exited":
+                continue
+            beat = record.get("beat")
+            if r not in self._beats or self._beats[r][0] != beat:
+                self._beats[r] = (beat, now)
+            elif now - self._beats[r][1] > self.dead_after_s and r not in self.silent:
+                self.silent.append(r)
+        return bool(self.failed or self.silent)
+
+    def __call__(self, proc: subprocess.Popen) -> None:
         while proc.poll() is None:
-            if failed_nodes(node_records(run, request)):
+            if self.check():
                 deadline = time.monotonic() + FAILED_NODE_GRACE_S
                 while proc.poll() is None and time.monotonic() < deadline:
                     time.sleep(POLL_S)
                 stop(proc)
                 return
             time.sleep(POLL_S)
-    return watch
 
 
 def join_command(run: RunDir, node_rank: int) -> str:
     return f"rlhf node join --run-dir {run.root} --node-rank {node_rank}"
 
 
-def launch_failure(run: RunDir, request: UpdateRequest, result: LaunchResult) -> RLHFError:
+def launch_failure(run: RunDir, request: UpdateRequest, result: LaunchResult,
+                   watch: Optional[NodeWatch] = None) -> RLHFError:
     """The error of a failed multi-node launch: first the nodes that never joined (with what to run
-    there), then the nodes that failed, then a rank's own error, else the output's tail."""
+    there), then the nodes that stopped answering or failed, then a rank's own error, else the
+    output's tail."""
     records = node_records(run, request)
     missing = [r for r in range(1, request.nnodes) if r not in records]
     where = f"update of iteration {request.iteration} on {request.nnodes} nodes (launch {request.launch_id})"
@@ -200,6 +233,10 @@ def launch_failure(run: RunDir, request: UpdateRequest, result: LaunchResult) ->
         return RLHFError(f"{where}: node(s) {', '.join(map(str, missing))} did not join within "
                          f"trainer.node_join_timeout_s={request.join_timeout_s}s. Start the joiner there "
                          f"({commands}); {run.root} must be on storage every node sees at that path")
+    if watch is not None and watch.silent:
+        return RLHFError(f"{where}: node(s) {', '.join(map(str, watch.silent))} stopped answering (no heartbeat in "
+                         f"{watch.dead_after_s:.0f}s: the machine or its `rlhf node join` died); node 0 stopped too. "
+                         "Restart the joiner there and rerun the stage (or resume the run)")
     failed = failed_nodes(records)
     if failed:
         said = ", ".join(f"node {r} (exit {code})" for r, code in failed.items())
@@ -214,13 +251,14 @@ def launch_failure(run: RunDir, request: UpdateRequest, result: LaunchResult) ->
 
 def launch_nodes(run: RunDir, request: UpdateRequest) -> None:
     """Run node 0's part of ``request``: publish it, run torchrun as node rank 0, withdraw it."""
+    watch = NodeWatch(run, request, DEAD_AFTER_S)
     atomic_write_json(run.update_request, asdict(request))
     try:
-        result = stream(node_command(request, run, 0), rank_env(request.nproc_per_node), _watch_nodes(run, request))
+        result = stream(node_command(request, run, 0), rank_env(request.nproc_per_node), watch)
     finally:
         run.update_request.unlink(missing_ok=True)
     if result.returncode != 0:
-        raise launch_failure(run, request, result)
+        raise launch_failure(run, request, result, watch)
 
 
 # the other nodes ------------------------------------------------------------------------------
@@ -262,17 +300,33 @@ def _record(run: RunDir, request: UpdateRequest, node_rank: int, **fields: objec
                       {"host": socket.gethostname(), "pid": os.getpid(), "time": time.time(), **fields})
 
 
+def _beat(run: RunDir, request: UpdateRequest, node_rank: int, done: threading.Event) -> None:
+    """Rewrite this node's record with a new beat every HEARTBEAT_S until ``done``."""
+    beat = 0
+    while not done.wait(HEARTBEAT_S):
+        beat += 1
+        _record(run, request, node_rank, status="running", beat=beat)
+
+
 def run_request(run: RunDir, request: UpdateRequest, node_rank: int) -> int:
-    """Node ``node_rank``'s part of ``request``: its torchrun agent, recorded; returns its exit status."""
+    """Node ``node_rank``'s part of ``request``: its torchrun agent, recorded and beating; returns
+    its exit status."""
     if not 1 <= node_rank < request.nnodes:
         raise RLHFError(f"--node-rank {node_rank}: this run's update has nnodes={request.nnodes}, so the other "
                         f"nodes are 1 .. {request.nnodes - 1} (node 0 is the one running the flow)")
-    _record(run, request, node_rank, status="joined")
+    _record(run, request, node_rank, status="joined", beat=0)
+    done = threading.Event()
+    beating = threading.Thread(target=_beat, args=(run, request, node_rank, done), daemon=True)
+    beating.start()
     try:
         result = stream(node_command(request, run, node_rank), rank_env(request.nproc_per_node))
     except KeyboardInterrupt:
+        done.set()
+        beating.join()
         _record(run, request, node_rank, status="exited", exit="interrupted")
         raise
+    done.set()
+    beating.join()  # no beat may land after the exit record
     _record(run, request, node_rank, status="exited", exit=result.returncode)
     return result.returncode
 

@@ -6,8 +6,10 @@ config's rules for several nodes."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import threading
 import subprocess
 import sys
 import time
@@ -29,7 +31,8 @@ from rlhf_core.run.lifecycle import commit_iteration
 from rlhf_core.stages.init_critic import run_init_critic
 from rlhf_core.stages.update import config_sections, launch_ranks, run_update
 from rlhf_core.training.distributed import free_port
-from rlhf_core.training.nodes import LaunchResult, launch_failure, new_request
+from rlhf_core.training import nodes
+from rlhf_core.training.nodes import LaunchResult, NodeWatch, launch_failure, new_request
 from rlhf_core.training.resident import resident_possible
 from rlhf_core.training.synthetic import synthetic_advantages
 
@@ -101,6 +104,8 @@ def test_two_nodes_train_bit_identically_to_one_node_with_two_processes(tiny_mod
             joiner.kill()
     assert joiner.returncode == 0, out[-3000:]
     assert "node 1: joining launch" in out and "the run is finished (iteration 1 of 1 is committed)" in out
+    (record,) = two.nodes_dir.glob("*.node1.json")
+    assert json.loads(record.read_text())["exit"] == 0
 
     a, b = _tensors(one.checkpoint(1)), _tensors(two.checkpoint(1))
     assert set(a) == set(b) and any("rank1-of-2" in k for k in b)  # node 1's rank wrote its shards here
@@ -199,3 +204,30 @@ def test_a_node_whose_ranks_failed_is_named_in_node_0s_error(tmp_path):
     message = str(launch_failure(run, request, LaunchResult(1, ["..."], [])))
     assert "update of iteration 3 on 3 nodes" in message and "node 2 (exit 1) failed" in message
     assert "node 1 " not in message
+
+
+def test_node_0_stops_when_a_joined_node_stops_beating(tmp_path, monkeypatch):
+    """A node whose machine dies leaves no exit record; its heartbeat stops. Node 0 (here a
+    stand-in torchrun that would wait a minute) is stopped, and the error names the node."""
+    monkeypatch.setattr(nodes, "FAILED_NODE_GRACE_S", 0.0)
+    monkeypatch.setattr(nodes, "HEARTBEAT_S", 0.1)
+    run = RunDir(tmp_path / "run")
+    request = new_request(run, 1, run.update_config(1), nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
+                          master_port=4000, join_timeout_s=60)
+    done = threading.Event()
+    beating = threading.Thread(target=nodes._beat, args=(run, request, 1, done))  # node 1 keeps beating
+    beating.start()
+    atomic_write_json(run.node_record(request.launch_id, 2), {"status": "joined", "beat": 0})  # node 2 died
+    node_0 = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    started = time.monotonic()
+    try:
+        watch = NodeWatch(run, request, dead_after_s=1.0)
+        watch(node_0)  # returns once it has stopped node 0
+    finally:
+        done.set()
+        beating.join()
+        node_0.kill()
+    assert node_0.wait() != 0 and time.monotonic() - started < 15
+    assert watch.silent == [2]
+    message = str(launch_failure(run, request, LaunchResult(node_0.returncode, [], []), watch))
+    assert "node(s) 2 stopped answering (no heartbeat in 1s" in message
