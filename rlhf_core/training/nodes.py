@@ -333,7 +333,8 @@ def run_request(run: RunDir, request: UpdateRequest, node_rank: int) -> int:
 
 def join(run: RunDir, node_rank: int, say: Callable[[str], None]) -> int:
     """Serve node ``node_rank`` of ``run``'s multi-node updates until the run is finished (0).
-    Each request runs once; one older than its join timeout is skipped (node 0 stopped waiting)."""
+    Each request runs once per node, across joiner restarts too (its record says it was taken); one
+    older than its join timeout is skipped (node 0 stopped waiting)."""
     if node_rank < 1:
         raise RLHFError(f"--node-rank {node_rank}: node 0 is the machine running the flow; joiners are 1 .. nnodes-1")
     say(f"node {node_rank}: waiting for updates of {run.root} (a directory every node sees at this path)")
@@ -344,6 +345,10 @@ def join(run: RunDir, node_rank: int, say: Callable[[str], None]) -> int:
             time.sleep(POLL_S)
             continue
         seen.add(request.launch_id)
+        if run.node_record(request.launch_id, node_rank).exists():  # an earlier joiner of this node took it
+            say(f"node {node_rank}: launch {request.launch_id} (iteration {request.iteration}) was already joined "
+                "by this node; waiting for the next one")
+            continue
         if time.time() - request.created_at > request.join_timeout_s:
             say(f"node {node_rank}: skipping launch {request.launch_id} (iteration {request.iteration}): older than "
                 f"its join timeout, node 0 no longer waits for it")

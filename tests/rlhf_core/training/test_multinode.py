@@ -13,6 +13,7 @@ import threading
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -231,3 +232,32 @@ def test_node_0_stops_when_a_joined_node_stops_beating(tmp_path, monkeypatch):
     assert watch.silent == [2]
     message = str(launch_failure(run, request, LaunchResult(node_0.returncode, [], []), watch))
     assert "node(s) 2 stopped answering (no heartbeat in 1s" in message
+
+
+def _wait_for(lines: list[str], text: str, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not any(text in line for line in lines):
+        assert time.monotonic() < deadline, (text, lines)
+        time.sleep(0.05)
+
+
+def test_the_joiner_never_takes_a_launch_twice_nor_a_stale_one_and_leaves_on_a_halt(tiny_model_dir, tmp_path):
+    run = RunDir(tmp_path / "run")
+    write_config(run, to_yaml(_config(tiny_model_dir, *_two_nodes(4000))))
+    taken = new_request(run, 1, run.update_config(1), nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                        master_port=4000, join_timeout_s=60)
+    atomic_write_json(run.node_record(taken.launch_id, 1), {"status": "exited", "exit": 0})  # a joiner before a restart
+    atomic_write_json(run.update_request, asdict(taken))
+    said_lines: list[str] = []
+    joiner = threading.Thread(target=nodes.join, args=(run, 1, said_lines.append), daemon=True)
+    joiner.start()
+    _wait_for(said_lines, f"launch {taken.launch_id} (iteration 1) was already joined by this node")
+    stale = new_request(run, 2, run.update_config(2), nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
+                        master_port=4000, join_timeout_s=60)
+    atomic_write_json(run.update_request, {**asdict(stale), "created_at": time.time() - 61})
+    _wait_for(said_lines, f"skipping launch {stale.launch_id} (iteration 2): older than its join timeout")
+    run.append_event("halt", 2, reason="KL above the threshold")
+    joiner.join(timeout=10)
+    assert not joiner.is_alive()
+    assert "the run is finished (halted at iteration 2: KL above the threshold)" in said_lines[-1]
+    assert not run.node_record(stale.launch_id, 1).exists()  # nothing ran for it
