@@ -6,19 +6,28 @@ both: the old log-probs and values were computed without it, so with dropout the
 start at 1. The reference model is not needed here: the update reads ``ref_log_probs`` from the
 advantages table. With LoRA the reference is the base model with the adapters disabled
 (``reference_logprobs``), never a second copy.
+
+Loading for ZeRO-3: both loaders take the engine's DeepSpeed config (``ds_config=``); at stage 3 a
+``transformers`` ``HfDeepSpeedConfig`` is kept alive while ``from_pretrained`` runs, which makes it
+build the model under ``deepspeed.zero.Init`` — every parameter is partitioned as it is created, so
+no rank ever holds the whole model (7 B bf16 = 15 GB per rank otherwise, before ZeRO cuts it) —
+and is dropped right after, so later loads in the same process (scoring's frozen models) stay whole.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
 from rlhf_core.config.schema import ModelConfig, OptimConfig
 from rlhf_core.models import sdpa_varlen as _sdpa_varlen  # noqa: F401  (registers attn_implementation=sdpa_varlen)
+from rlhf_core.training.ds_config import uses_cpu_adam, zero3
 
 
 @dataclass(frozen=True)
@@ -62,6 +71,34 @@ def _prepare(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.M
     return model.train()
 
 
+@contextlib.contextmanager
+def zero3_init(ds_config: Optional[dict]) -> Iterator[None]:
+    """While open, ``from_pretrained`` builds models under ``deepspeed.zero.Init`` with ``ds_config``
+    when it is a ZeRO-3 config (transformers honours a live ``HfDeepSpeedConfig``); otherwise nothing."""
+    if ds_config is None or not zero3(ds_config):
+        yield
+        return
+    from transformers.integrations import HfDeepSpeedConfig, unset_hf_deepspeed_config
+
+    live_config = HfDeepSpeedConfig(ds_config)  # transformers holds only a weak reference: keep it
+    try:
+        yield
+    finally:
+        unset_hf_deepspeed_config()
+        del live_config
+
+
+def _partitioned_for(load: Callable[..., torch.nn.Module]) -> Callable[..., torch.nn.Module]:
+    """Give a loader a ``ds_config=`` keyword: the load runs inside ``zero3_init(ds_config)``."""
+    @functools.wraps(load)
+    def wrapped(*args: Any, ds_config: Optional[dict] = None, **kwargs: Any) -> torch.nn.Module:
+        with zero3_init(ds_config):
+            return load(*args, **kwargs)
+
+    return wrapped
+
+
+@_partitioned_for
 def load_actor_model(path: str | Path, dtype: torch.dtype, *, lora: Optional[LoraSettings] = None,
                      adapter_path: Optional[Path] = None, gradient_checkpointing: bool = False,
                      seed: int = 0, attention: str = "sdpa") -> torch.nn.Module:
@@ -85,6 +122,7 @@ def load_actor_model(path: str | Path, dtype: torch.dtype, *, lora: Optional[Lor
     return _prepare(model, gradient_checkpointing)
 
 
+@_partitioned_for
 def load_critic_model(path: str | Path, dtype: torch.dtype, *, gradient_checkpointing: bool = False,
                       attention: str = "sdpa"):
     from transformers import AutoModelForTokenClassification
@@ -168,15 +206,29 @@ class TrainEngine:
         self.set_lr_schedule_step(self.lr_schedule_step + 1)
 
 
+def make_optimizer(params: list[torch.nn.Parameter], optim: OptimConfig, *, cpu_adam: bool) -> torch.optim.Optimizer:
+    """The client optimizer: torch's AdamW, or with ``cpu_adam`` (optimizer offload on CUDA,
+    ``ds_config.uses_cpu_adam``) DeepSpeed's ``DeepSpeedCPUAdam`` in AdamW mode — the same update
+    rule (decoupled weight decay, eps 1e-8), with a vectorised C++ step for the host-held fp32 state.
+    Not on a CPU-only machine: its op is JIT-built with g++ on first use (~75 s)."""
+    kwargs = dict(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    if cpu_adam:
+        from deepspeed.ops.adam import DeepSpeedCPUAdam
+
+        return DeepSpeedCPUAdam(params, adamw_mode=True, **kwargs)
+    return torch.optim.AdamW(params, **kwargs)
+
+
 def build_train_engine(role: str, model: torch.nn.Module, optim: OptimConfig, ds_config: dict, dtype: str,
-                 schedule: Callable[[int], float]) -> TrainEngine:
-    """``deepspeed.initialize`` with a client AdamW over the trainable parameters (plain torch: no
-    JIT-compiled DeepSpeed op). No scheduler is handed to DeepSpeed, which would step it once per
-    optimizer step; ``TrainEngine`` moves the lr once per training step instead."""
+                 schedule: Callable[[int], float], *, device: str = "cpu") -> TrainEngine:
+    """``deepspeed.initialize`` with a client optimizer over the trainable parameters
+    (``make_optimizer``: torch AdamW, no JIT-compiled DeepSpeed op, except CPU Adam for optimizer
+    offload on CUDA). No scheduler is handed to DeepSpeed, which would step it once per optimizer
+    step; ``TrainEngine`` moves the lr once per training step instead."""
     import deepspeed
 
     params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay)
+    optimizer = make_optimizer(params, optim, cpu_adam=uses_cpu_adam(ds_config, device))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     te = TrainEngine(role=role, engine=engine, schedule=schedule,
                      base_lrs=[optim.lr] * len(optimizer.param_groups), dtype=dtype)

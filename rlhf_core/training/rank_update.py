@@ -34,12 +34,13 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import checkpoint_before
 from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.models.attention import resolve_attention
-from rlhf_core.run.models import actor_path, critic_path, initial_actor_path
+from rlhf_core.run.models import actor_path, critic_backbone, critic_path, initial_actor_path, reference_path
 from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, PPOData, check_budget, read_advantages
 from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, save_checkpoint, seed_rng
 from rlhf_core.training.distributed import DistInfo, all_reduce, init_distributed
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device, resolve_dtype, torch_dtype
 from rlhf_core.training.lineage import weights_sample, write_state_record
+from rlhf_core.training.memory import Shapes, check_update_memory
 from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, load_actor_model, load_critic_model,
                                         lr_schedule)
 from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule, aggregate, run_ppo
@@ -145,21 +146,22 @@ def build_engines(cfg: RLHFConfig, sources: UpdateSources, device: str, world_si
     lora = LoraSettings.from_config(m)
     actor_dtype = resolve_dtype(effective_deepspeed(cfg).dtype, device)
     critic_dtype = resolve_dtype(cfg.critic.deepspeed_config.dtype, device)
+    actor_ds, critic_ds = actor_ds_config(cfg, device, world_size), critic_ds_config(cfg, device, world_size)
     # the implementation scoring and the guard load with: one kernel for the same data
     actor_model = load_actor_model(sources.actor, torch_dtype(actor_dtype), lora=lora, adapter_path=sources.adapter,
                                    gradient_checkpointing=m.enable_gradient_checkpointing, seed=cfg.trainer.seed,
                                    attention=resolve_attention(m.override_config.attn_implementation,
-                                                               torch.device(device)))
+                                                               torch.device(device)), ds_config=actor_ds)
     a_optim, c_optim = cfg.actor_rollout_ref.actor.optim, cfg.critic.optim
-    actor = build_train_engine("actor", actor_model, a_optim, actor_ds_config(cfg, device, world_size), actor_dtype,
-                         lr_schedule_for(a_optim, total_steps))
+    actor = build_train_engine("actor", actor_model, a_optim, actor_ds, actor_dtype,
+                               lr_schedule_for(a_optim, total_steps), device=device)
     actor.lora = lora
     critic_model = load_critic_model(sources.critic, torch_dtype(critic_dtype),
                                      gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
                                      attention=resolve_attention(cfg.critic.model.override_config.attn_implementation,
-                                                                 torch.device(device)))
-    critic = build_train_engine("critic", critic_model, c_optim, critic_ds_config(cfg, device, world_size), critic_dtype,
-                          lr_schedule_for(c_optim, total_steps))
+                                                                 torch.device(device)), ds_config=critic_ds)
+    critic = build_train_engine("critic", critic_model, c_optim, critic_ds, critic_dtype,
+                                lr_schedule_for(c_optim, total_steps), device=device)
     return actor, critic
 
 
@@ -288,8 +290,12 @@ def check_update_data(cfg: RLHFConfig, run: RunDir, iteration: int, world_size: 
 def open_engines(cfg: RLHFConfig, run: RunDir, sources: UpdateSources, device: str, world_size: int
                  ) -> tuple[TrainEngine, TrainEngine, int]:
     """(actor, critic, pad id): engines built on ``sources``' weights, with the optimizer state and
-    the RNG of the checkpoint they start from (``sources.resume``), else fresh and seeded."""
+    the RNG of the checkpoint they start from (``sources.resume``), else fresh and seeded. A config
+    whose memory estimate does not fit the device is refused first (``memory.check_update_memory``)."""
     pad_id = _pad_id(sources.actor)
+    # the initial models' shapes: a later checkpoint has the same ones, and one held only in memory has no file
+    shapes = Shapes.read(initial_actor_path(cfg), critic_backbone(cfg), reference_path(cfg))
+    check_update_memory(cfg, shapes, device, world_size, announce=int(os.environ.get("RANK", "0")) == 0)
     actor, critic = build_engines(cfg, sources, device, world_size, training_steps(cfg, run))
     with cpu_threads(device, parameter_count(actor), world_size):
         if sources.resume is not None:
