@@ -178,6 +178,15 @@ def _assign_to_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
     return shares
 
 
+def shard_by_tokens(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
+    """Indices of ``lengths`` dealt to ``num_ranks`` processes with token loads within the longest
+    sequence of each other (LPT, as ``_assign_to_ranks``), each share in ascending index order.
+    Deterministic: every process computes the same shares from the same lengths."""
+    if num_ranks < 1:
+        raise PackingBudgetError(f"need at least one rank, got {num_ranks}")
+    return [sorted(share) for share in _assign_to_ranks(lengths, num_ranks)]
+
+
 def pack_balanced(lengths: Sequence[int], budget: int, num_ranks: int, *,
                   budget_key: Optional[str] = None) -> list[Bins]:
     """Per-rank micro-batches: ``result[r]`` is rank r's list of bins (indices into ``lengths``).

@@ -193,6 +193,19 @@ class RunDir:
         """The config the update's ranks read (written by the parent before launching them)."""
         return self.iter_dir(k) / ".update_config.yaml"
 
+    def stage_ranks_dir(self, k: int, stage: str) -> Path:
+        """Scratch of a stage run on several local processes (``stages.ranks``): the config they
+        read and each rank's share of the outputs, removed once merged."""
+        return self.iter_dir(k) / f".{stage}_ranks"
+
+    def stage_ranks_config(self, k: int, stage: str) -> Path:
+        """The config a stage's local processes read."""
+        return self.stage_ranks_dir(k, stage) / "config.yaml"
+
+    def stage_rank_share(self, k: int, stage: str, rank: int) -> Path:
+        """Process ``rank``'s share of the stage's outputs (complete once it exists)."""
+        return self.stage_ranks_dir(k, stage) / f"rank{rank}.npz"
+
     # several nodes (training.nodes) ------------------------------------------------------------
     @property
     def nodes_dir(self) -> Path:

@@ -30,7 +30,7 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from rlhf_core.config.resolve import MicroBatching
-from rlhf_core.data.packing import Bins, fixed_micro_batches, micro_batches_by_budget, split_into_rows
+from rlhf_core.data.packing import Bins, fixed_micro_batches, micro_batches_by_budget, shard_by_tokens, split_into_rows
 from rlhf_core.models.packed import (
     gather_response_values, pack_rows, packed_forward, packing_attention_mode, response_logprobs,
 )
@@ -61,6 +61,18 @@ class Throughput:
 
 Batching = Union[MicroBatching, int]
 """How forwards are cut: a MicroBatching, or an int token budget (dynamic batching)."""
+
+Share = tuple[int, int]
+"""(rank, world): one of ``world`` processes scoring the same sequences together."""
+
+
+def own_micro_batches(plan: list[list[list[int]]], lengths: Sequence[int], rank: int,
+                      world: int) -> list[list[list[int]]]:
+    """Rank ``rank``'s micro-batches of ``plan`` (the one-process plan, micro-batches dealt by token
+    load, ``shard_by_tokens``). Every micro-batch is laid out exactly as in one process, so each
+    sequence's outputs are the one-process outputs bit for bit, whatever ``world`` is."""
+    loads = [sum(lengths[i] for row in rows for i in row) for rows in plan]
+    return [plan[j] for j in shard_by_tokens(loads, world)[rank]]
 
 
 def as_micro_batching(batching: Batching) -> MicroBatching:
@@ -106,19 +118,22 @@ def _check_inputs(sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[i
 def _packed_passes(model: torch.nn.Module, sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
                    batching: Batching, score: Callable, *, pad_id: int, row_tokens: int, packed: bool,
                    budget_key: str, desc: str, throughput: Optional[Throughput],
-                   progress: Optional[bool]) -> list[torch.Tensor]:
-    """Run ``model`` over the micro-batches; ``score(packed rows)`` → {index: (n_i,) tensor}."""
+                   progress: Optional[bool], share: Optional[Share] = None) -> list[torch.Tensor]:
+    """Run ``model`` over the micro-batches (this process's, with ``share``); ``score(packed rows)``
+    → {index: (n_i,) tensor}."""
     from tqdm.auto import tqdm
 
     _check_inputs(sequences, prompt_lengths)
     lengths = [len(s) for s in sequences]
     plan = plan_micro_batches(lengths, batching, row_tokens, packed=packed, budget_key=budget_key)
+    if share is not None:
+        plan = own_micro_batches(plan, lengths, *share)
     # packed: block-diagonal 4-D mask, or flash-attention varlen on CUDA; padded: one sequence per
     # row, which needs no mask under causal attention (the padding comes after every real token)
     mode = packing_attention_mode(model) if packed else "mask4d"
     out: list[Optional[torch.Tensor]] = [None] * len(sequences)
     started = time.perf_counter()
-    with tqdm(total=sum(lengths), desc=desc, unit="tok", unit_scale=True, leave=False,
+    with tqdm(total=sum(lengths[i] for rows in plan for row in rows for i in row), desc=desc, unit="tok", unit_scale=True, leave=False,
               disable=bar_disabled(progress)) as bar:
         for rows in plan:
             layout = pack_rows(rows, sequences, pad_id, mode=mode)
@@ -126,7 +141,7 @@ def _packed_passes(model: torch.nn.Module, sequences: Sequence[Sequence[int]], p
                 out[i] = tensor.detach().float().cpu()
             bar.update(layout.num_tokens)
     if throughput is not None:
-        throughput.tokens += sum(lengths)
+        throughput.tokens += sum(lengths[i] for rows in plan for row in rows for i in row)
         throughput.seconds += time.perf_counter() - started
         throughput.passes[desc] = throughput.passes.get(desc, 0) + len(plan)
     return out  # type: ignore[return-value]
@@ -137,7 +152,7 @@ def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[
                            pad_id: int = 0, row_tokens: int = ROW_TOKENS, packed: bool = True,
                            budget_key: str = BUDGET_KEY, desc: str = "log-probs",
                            throughput: Optional[Throughput] = None,
-                           progress: Optional[bool] = None) -> list[torch.Tensor]:
+                           progress: Optional[bool] = None, share: Optional[Share] = None) -> list[torch.Tensor]:
     """log p(response token t | sequence before it) under ``model`` at ``temperature``.
 
     Args:
@@ -149,8 +164,10 @@ def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[
         temperature: the sampling temperature; logits are divided by it.
         packed: several sequences per row (use_remove_padding) or one padded sequence per row.
         budget_key: the config key named when a sequence does not fit the token budget.
+        share: (rank, world): only this process's micro-batches of the whole plan (``own_micro_batches``).
     Returns:
-        N float32 CPU tensors, tensor i of shape (len(sequences[i]) - P_i,).
+        N float32 CPU tensors, tensor i of shape (len(sequences[i]) - P_i,) (None for the sequences of
+        other processes' micro-batches when ``share`` is given).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to define log-probs, got {temperature}")
@@ -160,7 +177,7 @@ def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[
 
     return _packed_passes(model, sequences, prompt_lengths, budget, score, pad_id=pad_id, row_tokens=row_tokens,
                           packed=packed, budget_key=budget_key, desc=desc, throughput=throughput,
-                          progress=progress)
+                          progress=progress, share=share)
 
 
 def compute_token_values(critic: torch.nn.Module, sequences: Sequence[Sequence[int]],
@@ -168,7 +185,7 @@ def compute_token_values(critic: torch.nn.Module, sequences: Sequence[Sequence[i
                          row_tokens: int = ROW_TOKENS, packed: bool = True,
                          budget_key: str = "critic.forward_max_token_len_per_gpu", desc: str = "values",
                          throughput: Optional[Throughput] = None,
-                         progress: Optional[bool] = None) -> list[torch.Tensor]:
+                         progress: Optional[bool] = None, share: Optional[Share] = None) -> list[torch.Tensor]:
     """V(state before response token t) from a one-label token-classification critic.
 
     Same inputs as ``compute_token_logprobs``; returns N float32 CPU tensors of shape (n_i,).
@@ -179,4 +196,4 @@ def compute_token_values(critic: torch.nn.Module, sequences: Sequence[Sequence[i
 
     return _packed_passes(critic, sequences, prompt_lengths, budget, score, pad_id=pad_id, row_tokens=row_tokens,
                           packed=packed, budget_key=budget_key, desc=desc, throughput=throughput,
-                          progress=progress)
+                          progress=progress, share=share)

@@ -14,7 +14,7 @@ from rlhf_core.config.resolve import micro_batching
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.timing import MODEL_LOAD, timed
 from rlhf_core.models.packed import pack_rows, packed_forward, packing_attention_mode, response_positions
-from rlhf_core.scoring.logprobs import plan_micro_batches
+from rlhf_core.scoring.logprobs import Share, own_micro_batches, plan_micro_batches
 from rlhf_core.scoring.models import is_lora_dir, load_causal_lm, load_merged_actor, scoring_device, scoring_dtype
 
 
@@ -45,7 +45,7 @@ def response_kl(token_kls: list, sampled_k1: Optional[list] = None) -> dict[str,
 
 
 def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], *, budget: int,
-             temperature: float, pad_id: int = 0) -> tuple[list, list]:
+             temperature: float, pad_id: int = 0, share: Optional[Share] = None) -> tuple[list, list]:
     """Exact KL(actor ‖ ref) at every response position, summed over the whole vocabulary:
 
         kl_t = Σ_v p_a(v | s_<t) · (log p_a(v | s_<t) − log p_ref(v | s_<t)),   p = softmax(logits / T)
@@ -54,7 +54,8 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
     tokens). Unlike the one-sample estimate log p_a(y_t) − log p_ref(y_t), this is exact for each
     visited context and never negative, so it measures the new policy's drift even though the
     responses were sampled from the previous policy. Both models see the same packed micro-batches
-    (block-diagonal mask), one no-grad forward each.
+    (block-diagonal mask), one no-grad forward each. ``share`` = (rank, world): only that process's
+    micro-batches of the one-process plan (``own_micro_batches``); the other sequences stay None.
     """
     kls: list = [None] * len(sequences)
     sampled: list = [None] * len(sequences)
@@ -63,7 +64,9 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
         raise RLHFError(f"the actor packs as {mode!r} but the reference as {packing_attention_mode(ref)!r}: load "
                         "both with one actor_rollout_ref.model.override_config.attn_implementation")
     with torch.no_grad():
-        for micro in plan_micro_batches([len(s) for s in sequences], budget):
+        lengths = [len(s) for s in sequences]
+        plan = plan_micro_batches(lengths, budget)
+        for micro in (plan if share is None else own_micro_batches(plan, lengths, *share)):
             packed = pack_rows(micro, sequences, pad_id, mode=mode)
             rows, cols, owners = response_positions(packed, prompt_lengths)
             if not owners:
@@ -85,7 +88,7 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
 
 
 def actor_ref_kl(cfg: RLHFConfig, actor_dir: Path, ref_dir: Path, sequences: list[list[int]],
-                 prompt_lengths: list[int]) -> tuple[list, list]:
+                 prompt_lengths: list[int], share: Optional[Share] = None) -> tuple[list, list]:
     """``token_kl`` of the actor in ``actor_dir`` against the reference policy in ``ref_dir``, on
     the scoring device and dtype, with the rollout's temperature and scoring token budget."""
     rollout = cfg.actor_rollout_ref.rollout
@@ -99,7 +102,7 @@ def actor_ref_kl(cfg: RLHFConfig, actor_dir: Path, ref_dir: Path, sequences: lis
     # ref.log_prob_max_token_len_per_gpu, which falls back to the actor's)
     budget = micro_batching(cfg, "ref").token_budget
     return token_kl(actor, ref, sequences, prompt_lengths, budget=budget, temperature=rollout.temperature,
-                    pad_id=pad_id)
+                    pad_id=pad_id, share=share)
 
 
 def load_actor_for_kl(actor_dir: Path, device, dtype, attention: str = "auto"):

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Optional
 
 import pyarrow.parquet as pq
+import torch
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import CheckpointError
@@ -29,6 +30,7 @@ from rlhf_core.run.lifecycle import nonfinite_update
 from rlhf_core.run.models import reference_path
 from rlhf_core.scoring.policy_kl import actor_ref_kl, response_kl
 from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.ranks import merge_shares, run_on_ranks, stage_processes
 from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
 from rlhf_core.training.resident import ensure_state
 
@@ -37,7 +39,7 @@ GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts
                   "actor_rollout_ref.model", "actor_rollout_ref.ref", "trainer.device")
 
 
-def _load_scored_sequences(path: Path) -> tuple[list[list[int]], list[int], list[list[float]]]:
+def load_scored_sequences(path: Path) -> tuple[list[list[int]], list[int], list[list[float]]]:
     with timed(TABLE_READ):
         table = pq.read_table(path, columns=["prompt_token_ids", "response_token_ids", "ref_log_probs"])
     prompts = table.column("prompt_token_ids").to_pylist()
@@ -57,8 +59,15 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
     if not actor_dir.is_dir() and live.lookup(actor_dir) is None:
         raise CheckpointError(f"no trained actor at {actor_dir}: run `rlhf stage update --run-dir {run.root} "
                               f"--iteration {k}` before the guard")
-    sequences, prompt_lengths, ref_log_probs = _load_scored_sequences(run.scored(k))
-    kls, sampled = actor_ref_kl(cfg, actor_dir, reference_path(cfg), sequences, prompt_lengths)
+    sequences, prompt_lengths, ref_log_probs = load_scored_sequences(run.scored(k))
+    world = min(stage_processes(cfg), len(sequences))
+    if world > 1 and actor_dir == run.checkpoint(k) / "actor":
+        # each process measures its micro-batches of the one-process plan: the same values, bit for bit
+        shares = run_on_ranks(cfg, run, k, "guard", world)
+        kls = [torch.tensor(v, dtype=torch.float32) for v in merge_shares(shares, "kl", len(sequences))]
+        sampled = [torch.tensor(v, dtype=torch.float32) for v in merge_shares(shares, "sampled", len(sequences))]
+    else:
+        kls, sampled = actor_ref_kl(cfg, actor_dir, reference_path(cfg), sequences, prompt_lengths)
     k1 = [[a - b for a, b in zip(new.tolist(), old)] for new, old in zip(sampled, ref_log_probs)]
     return response_kl(kls, k1)
 

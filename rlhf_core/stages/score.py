@@ -56,8 +56,10 @@ from rlhf_core.scoring import (
     Throughput, compute_token_logprobs, compute_token_values, load_causal_lm, load_critic, same_weights,
     scoring_device, scoring_dtype,
 )
+from rlhf_core.scoring.logprobs import Share
 from rlhf_core.scoring.models import load_tokenizer, release
 from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.ranks import merge_shares, run_on_ranks, stage_processes
 from rlhf_core.training.resident import ensure_state
 
 CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
@@ -73,7 +75,7 @@ class ModelPaths:
     """reward_model.model.input_tokenizer: decode responses with it and re-render for the RM."""
 
 
-def _model_paths(cfg: RLHFConfig, run: RunDir, iteration: int) -> ModelPaths:
+def model_paths(cfg: RLHFConfig, run: RunDir, iteration: int) -> ModelPaths:
     rm, rm_tokenizer = None, None
     if cfg.reward_model.enable:
         if not cfg.reward_model.model.path:
@@ -97,7 +99,7 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
                         f"--iteration {iteration}` first")
     if not run.train_prompts.is_file():
         raise DataError(f"{run.train_prompts} not found: run `rlhf stage preprocess --run-dir {run.root}` first")
-    models = _model_paths(cfg, run, iteration)
+    models = model_paths(cfg, run, iteration)
     inputs = [rollout_path, run.train_prompts, models.actor, models.reference, models.critic]
     inputs += [p for p in (models.reward_model, models.rm_input_tokenizer) if p is not None]
 
@@ -121,7 +123,7 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
     else:
         rewards, extras = _rule_rewards(cfg, rows, prompts, rollout_path)
     meter = Throughput()
-    old, ref, values, ref_reused = _model_passes(cfg, models, rows, meter)
+    old, ref, values, ref_reused = _passes(cfg, run, iteration, models, rows, meter)
     _check_lengths(rows, {"old_log_probs": old, "ref_log_probs": ref, "values": values})
     scored = table
     for name, column in [("reward", rewards), ("reward_extra", extras), ("old_log_probs", old),
@@ -267,8 +269,23 @@ def pass_plans(cfg: RLHFConfig, world_size: int = 1) -> dict[str, PassPlan]:
     }
 
 
-def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
-    """(old log-probs, ref log-probs, values, whether ref reused the actor's), each a list of lists."""
+def _passes(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths, rows: list[dict], meter):
+    """``model_passes`` in this process, or on ``stage_processes`` local processes (every GPU of
+    the node), each a token-balanced share of every pass's micro-batches (``stages.ranks``)."""
+    world = min(stage_processes(cfg), len(rows))
+    if world <= 1:
+        return model_passes(cfg, models, rows, meter)
+    shares = run_on_ranks(cfg, run, iteration, "score", world)
+    meter.tokens += sum(int(s["tokens"]) for s in shares)
+    meter.seconds += max(float(s["seconds"]) for s in shares)  # the ranks ran side by side
+    # each rank ran its micro-batches of the one-process plans: the one-process values, bit for bit
+    columns = [merge_shares(shares, name, len(rows)) for name in ("old_log_probs", "ref_log_probs", "values")]
+    return (*columns, all(bool(s["ref_reused"]) for s in shares))
+
+
+def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter, share: Optional[Share] = None):
+    """(old log-probs, ref log-probs, values, whether ref reused the actor's), each a list of lists;
+    with ``share`` = (rank, world) only that process's micro-batches of each pass (None elsewhere)."""
     device = scoring_device(cfg.trainer.device)
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
     temperature = cfg.actor_rollout_ref.rollout.temperature
@@ -280,7 +297,7 @@ def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
     def common(role: str) -> dict:
         plan = plans[role]
         return dict(sequences=sequences, prompt_lengths=prompt_lengths, budget=plan.batching,
-                    packed=plan.packed, budget_key=plan.budget_key, throughput=meter)
+                    packed=plan.packed, budget_key=plan.budget_key, throughput=meter, share=share)
 
     def logprobs(path: Path, role: str) -> list[list[float]]:
         # shared: the actor the rollout just sampled from, the reference the guard uses too
@@ -290,18 +307,22 @@ def _model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter):
         alive = weakref.ref(model)
         del model
         release(alive, device)
-        return [t.tolist() for t in out]
+        return _as_lists(out)
 
     old = logprobs(models.actor, "actor")
     ref_reused = same_weights(models.actor, models.reference)
-    ref = [list(x) for x in old] if ref_reused else logprobs(models.reference, "reference")
+    ref = [None if x is None else list(x) for x in old] if ref_reused else logprobs(models.reference, "reference")
     critic = load_critic(models.critic, device, dtype, attention=cfg.critic.model.override_config.attn_implementation)
     values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common("critic"))
-    values = [t.tolist() for t in values]
+    values = _as_lists(values)
     alive = weakref.ref(critic)  # the critic changes every iteration: not worth caching
     del critic
     release(alive, device)
     return old, ref, values, ref_reused
+
+
+def _as_lists(tensors: list[Optional[torch.Tensor]]) -> list[Optional[list[float]]]:
+    return [None if t is None else t.tolist() for t in tensors]
 
 
 def _pad_id(model) -> int:

@@ -283,3 +283,39 @@ def test_reward_model_with_an_input_tokenizer_rerenders_and_truncates(tmp_path, 
     assert all(len(x) == 40 for x in ids)  # every conversation here is longer: truncated
     direct = score_token_batch(model, ids).tolist()
     assert [r["reward"] for r in rows] == pytest.approx(direct, abs=1e-5)
+
+
+@pytest.mark.deepspeed  # torchrun processes: the slow lane
+def test_score_on_two_and_four_processes_equals_one_process(tmp_path, repo_root, tiny_model_dir, tokenizer):
+    """trainer.score_processes=N: each process runs a token-balanced share of every pass's
+    micro-batches; the merged table is the one-process table bit for bit (the reference pass
+    included: another reference model)."""
+    from rlhf_core.scoring.logprobs import own_micro_batches, plan_micro_batches
+
+    run = RunDir(tmp_path / "run")
+    write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 7), n_samples=2)
+    other_ref = tmp_path / "ref"
+    torch.manual_seed(0)
+    from transformers import AutoModelForCausalLM
+
+    ref_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        for p in ref_model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    ref_model.save_pretrained(other_ref)
+    tokenizer.save_pretrained(other_ref)
+    base = [f"actor_rollout_ref.ref.model_path={other_ref}", "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu=160",
+            "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=160", "critic.forward_max_token_len_per_gpu=160"]
+    run_init_critic(demo_config(tiny_model_dir, *base), run)
+    run_score(demo_config(tiny_model_dir, *base), run, 1)
+    one = pq.read_table(run.scored(1))
+    lengths = [len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in one.to_pylist()]
+    plan = plan_micro_batches(lengths, 160)
+    for world in (2, 4):
+        shares = [own_micro_batches(plan, lengths, rank, world) for rank in range(world)]
+        assert sorted(i for s in shares for rows in s for row in rows for i in row) == list(range(len(lengths)))
+        assert all(shares)  # with these budgets every process gets micro-batches
+        result = run_score(demo_config(tiny_model_dir, *base, f"trainer.score_processes={world}"), run, 1, force=True)
+        assert not result.skipped and not run.stage_ranks_dir(1, "score").exists()  # scratch removed
+        assert pq.read_table(run.scored(1)).equals(one), f"{world} processes changed the scored table"
+    assert one.column("ref_log_probs").to_pylist() != one.column("old_log_probs").to_pylist()  # ref pass ran

@@ -1,0 +1,109 @@
+"""A stage's model passes on several local processes: one per GPU (CPU processes in tests).
+
+    python -m torch.distributed.run --standalone --nproc_per_node D -m rlhf_core.stages.rank_entry \
+        score --run-dir RUN --iteration K --config RUN/iter_K/.score_ranks/config.yaml
+
+Each rank reads the stage's input table from the run directory, plans every pass's micro-batches
+exactly as one process would, and runs its token-balanced share of them
+(``scoring.logprobs.own_micro_batches``: every rank computes the same plan and shares from the same
+lengths, so no communication is needed) on its own device (``cuda:LOCAL_RANK``, or the CPU); it
+writes ``rank{r}.npz`` into the stage's scratch directory (``RunDir.stage_ranks_dir``). The parent
+waits, merges the shares back into table order and removes the scratch. Each micro-batch is laid
+out as in one process, so the merged outputs are the one-process stage's bit for bit (tested on CPU
+at 2 and 4 processes); sharding the rows instead would change which sequences share a micro-batch,
+and with it the last bits of a float32 sum.
+
+The number of processes is ``stage_processes``: ``trainer.score_processes`` when set, else every
+GPU of the node the update uses (verl's ``trainer.n_gpus_per_node``), else 1 (the CPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import shutil
+import subprocess
+import sys
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from rlhf_core.config import RLHFConfig, to_yaml
+from rlhf_core.config.machine import cuda_devices
+from rlhf_core.config.resolve import update_world_size
+from rlhf_core.errors import RLHFError
+from rlhf_core.io.atomic import atomic_write_text
+from rlhf_core.run.layout import RunDir
+
+ENTRY = "rlhf_core.stages.rank_entry"
+
+
+def stage_processes(cfg: RLHFConfig) -> int:
+    """Processes the score stage and the KL guard run their model passes on (see the module doc)."""
+    if cfg.trainer.score_processes is not None:
+        return cfg.trainer.score_processes
+    gpus = cuda_devices() if cfg.trainer.device != "cpu" else 0
+    if gpus == 0:
+        return 1
+    return max(1, min(gpus, update_world_size(cfg, gpus) // max(1, cfg.trainer.nnodes)))
+
+
+def run_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, stage: str, world: int) -> list[dict[str, np.ndarray]]:
+    """Run ``stage``'s rank entry on ``world`` local processes; returns each rank's arrays, rank order."""
+    scratch = run.stage_ranks_dir(iteration, stage)
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    config_file = run.stage_ranks_config(iteration, stage)
+    atomic_write_text(config_file, to_yaml(cfg))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc_per_node={world}",
+           "-m", ENTRY, stage, "--run-dir", str(run.root), "--iteration", str(iteration), "--config", str(config_file)]
+    # the parent's intra-op thread count: CPU reductions then split the same way in every process,
+    # which keeps the outputs bit-identical to one process (on GPUs it only sizes host-side work)
+    env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
+    try:
+        _launch(cmd, env, f"{stage} on {world} processes")
+        return [dict(np.load(run.stage_rank_share(iteration, stage, r))) for r in range(world)]
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _launch(cmd: list[str], env: dict, what: str) -> None:
+    """Run ``cmd``, passing its output through to stderr; a rank's user error becomes ours."""
+    tail: collections.deque[str] = collections.deque(maxlen=25)
+    user_errors = []
+    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+        for line in proc.stdout:
+            sys.stderr.write(line)
+            tail.append(line.rstrip())
+            if "rlhf: error: " in line:
+                user_errors.append(line.split("rlhf: error: ", 1)[1].strip())
+    if proc.returncode != 0:
+        if user_errors:
+            raise RLHFError(user_errors[0])
+        raise RLHFError(f"{what} failed (exit {proc.returncode}); last output:\n" + "\n".join(tail))
+
+
+def flatten(lists: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:
+    """(values, lengths): ragged float lists as one float32 array and their lengths (exact for
+    values that came from float32 tensors)."""
+    lengths = np.array([len(x) for x in lists], dtype=np.int64)
+    flat = np.concatenate([np.asarray(x, dtype=np.float32) for x in lists]) if lists else np.zeros(0, np.float32)
+    return flat, lengths
+
+
+def unflatten(flat: np.ndarray, lengths: np.ndarray) -> list[list[float]]:
+    ends = np.cumsum(lengths)
+    return [flat[e - n:e].tolist() for e, n in zip(ends, lengths)]
+
+
+def merge_shares(shares: list[dict[str, np.ndarray]], column: str, total: int) -> list[list[float]]:
+    """Rank shares' ragged ``column`` back in table order (each share carries its rows, ``<column>_index``)."""
+    out: list = [None] * total
+    for share in shares:
+        for i, values in zip(share[f"{column}_index"].tolist(), unflatten(share[column], share[f"{column}_lengths"])):
+            out[i] = values
+    missing = [i for i, v in enumerate(out) if v is None]
+    if missing:
+        raise RLHFError(f"the ranks returned no {column} for rows {missing[:5]} (of {total}); rerun the stage")
+    return out
