@@ -695,11 +695,11 @@ class TrainerConfig(Section):
     nproc: Optional[int] = None
     """Our name for the update's data-parallel processes, all nodes together; when set it wins over
     n_gpus_per_node × nnodes and must be a multiple of nnodes (nproc / nnodes on each node)."""
-    score_processes: Optional[int] = None
-    """Our name: local processes the score stage and the KL guard run their model passes on, each a
-    token-balanced share of every pass's micro-batches (rlhf_core.stages.ranks); null = every GPU of
-    the node the update uses, 1 on CPU. The outputs are the same bit for bit at any count; on CPU
-    more processes only pay off for large models."""
+    stage_processes: Optional[int] = None
+    """Our name: local processes the rollout (HF engine), the score stage and the KL guard run on,
+    each a token-balanced share of the one-process generation batches or micro-batches
+    (rlhf_core.stages.ranks); null = every GPU of the node the update uses, 1 on CPU. The outputs
+    are the same bit for bit at any count; on CPU more processes only pay off for large models."""
     master_addr: Optional[str] = None
     """Our name: the host name or IP address of node 0 as every node reaches it, for the update's
     rendezvous (torchrun's --master_addr, static rendezvous) when nnodes > 1; null = $MASTER_ADDR.
@@ -742,8 +742,8 @@ class TrainerConfig(Section):
         require(self.nproc is None or self.nproc >= 1, f"{key}.nproc",
                 "must be >= 1 (or null: n_gpus_per_node × nnodes)", self.nproc)
         require(self.nnodes >= 1, f"{key}.nnodes", "must be >= 1", self.nnodes)
-        require(self.score_processes is None or self.score_processes >= 1, f"{key}.score_processes",
-                "must be >= 1 (or null: every GPU of the node, 1 on CPU)", self.score_processes)
+        require(self.stage_processes is None or self.stage_processes >= 1, f"{key}.stage_processes",
+                "must be >= 1 (or null: every GPU of the node, 1 on CPU)", self.stage_processes)
         require(self.nproc is None or self.nproc % self.nnodes == 0, f"{key}.nproc",
                 f"must be a multiple of {key}.nnodes={self.nnodes} (the same processes on every node)", self.nproc)
         require(self.master_port is None or 1 <= self.master_port <= 65535, f"{key}.master_port",

@@ -120,7 +120,8 @@ NO_EFFECT: dict[str, str] = {
 ONLY_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
     A + "ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not implemented; use 1"),
     C + "ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not implemented; use 1"),
-    R + "data_parallel_size": ((1,), "data-parallel rollout is not implemented yet; use 1"),
+    R + "data_parallel_size": ((1,), "vLLM's own data parallelism is not wired here; use 1 (the HF rollout "
+                                     "runs on trainer.stage_processes processes, one per GPU by default)"),
     R + "expert_parallel_size": ((1,), "expert parallelism is not implemented; use 1"),
     R + "pipeline_model_parallel_size": ((1,), "pipeline parallelism is not implemented; use 1"),
     R + "over_sample_rate": ((0, 0.0), "over-sampling is not implemented; use 0"),

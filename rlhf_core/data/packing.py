@@ -178,6 +178,10 @@ def _assign_to_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
     return shares
 
 
+Share = tuple[int, int]
+"""(rank, world): one of ``world`` processes working through the same plan together."""
+
+
 def shard_by_tokens(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:
     """Indices of ``lengths`` dealt to ``num_ranks`` processes with token loads within the longest
     sequence of each other (LPT, as ``_assign_to_ranks``), each share in ascending index order.

@@ -18,12 +18,12 @@ import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.data.schemas import ROLLOUT
-from rlhf_core.errors import DataError
+from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.models import live
 from rlhf_core.rollout.base import (
     FINISH_STOP, GeneratedSample, GenerationStats, RolloutEngine, SamplingParams, derive_seed, get_engine,
 )
-from rlhf_core.data.packing import plan_generation_batches
+from rlhf_core.data.packing import Share, plan_generation_batches, shard_by_tokens
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
 
@@ -94,6 +94,7 @@ def generate_responses(
     *,
     engine: Optional[RolloutEngine] = None,
     desc: str = "rollout",
+    share: Optional[Share] = None,
 ) -> tuple[list[GeneratedSample], GenerationStats]:
     """Sample ``sampling.n`` responses for every prompt row.
 
@@ -102,6 +103,8 @@ def generate_responses(
     (``plan_generation_batches`` within ``rollout.generation_batch_tokens``). Batch b is sampled
     with ``derive_seed(sampling.seed, b)``, so a batch reproduces whatever ran before it. An engine that batches on its own (vLLM) gets
     every prompt in one call. Returned samples' ``prompt_index`` indexes ``prompt_rows``.
+    ``share`` = (rank, world): only that process's batches (``own_batches``), numbered and seeded
+    as in one process, so the merged samples are the one-process samples (HF engine only).
     """
     index_of = {row["prompt_id"]: i for i, row in enumerate(prompt_rows)}
     plan = _batch_plan(cfg, prompt_rows, sampling, batches, index_of)
@@ -114,8 +117,11 @@ def generate_responses(
     stats.load_seconds = time.perf_counter() - started if owned else 0.0
     try:
         if engine.schedules_own_batches:
+            if share is not None:
+                raise RLHFError(f"the {engine.name} engine schedules its own batches: it cannot run a share of them")
             plan = [[i for batch in plan for i in batch]]
-        samples = _run_plan(engine, prompt_rows, sampling, plan, stats, desc)
+        owned = None if share is None else set(own_batches(plan, prompt_rows, sampling, *share))
+        samples = _run_plan(engine, prompt_rows, sampling, plan, stats, desc, owned)
     finally:
         if owned:
             engine.close()
@@ -162,16 +168,30 @@ def _batch_plan(cfg: RLHFConfig, prompt_rows: Sequence[Mapping[str, Any]], sampl
     return plan
 
 
+def own_batches(plan: list[list[int]], prompt_rows: Sequence[Mapping[str, Any]], sampling: SamplingParams,
+                rank: int, world: int) -> list[int]:
+    """Rank ``rank``'s generation batch ids of ``plan``, dealt by token load (prompt tokens plus
+    n × max_new_tokens per prompt: what the batch can cost)."""
+    loads = [sum(len(prompt_rows[i]["prompt_token_ids"]) + sampling.n * sampling.max_new_tokens for i in batch)
+             for batch in plan]
+    return shard_by_tokens(loads, world)[rank]
+
+
 def _run_plan(engine: RolloutEngine, prompt_rows: Sequence[Mapping[str, Any]], sampling: SamplingParams,
-              plan: list[list[int]], stats: GenerationStats, desc: str) -> list[GeneratedSample]:
+              plan: list[list[int]], stats: GenerationStats, desc: str,
+              owned: Optional[set[int]] = None) -> list[GeneratedSample]:
+    """Generate ``plan``'s batches in order (only the ``owned`` batch ids when given); batch b is
+    seeded by ``derive_seed(sampling.seed, b)`` whoever runs it."""
     from dataclasses import replace
 
     from tqdm.auto import tqdm
 
     samples: list[GeneratedSample] = []
-    bar = tqdm(total=len(plan), desc=desc, unit="batch", dynamic_ncols=True, disable=bar_disabled())
+    bar = tqdm(total=len(plan) if owned is None else len(owned), desc=desc, unit="batch", dynamic_ncols=True, disable=bar_disabled())
     try:
         for batch_id, positions in enumerate(plan):
+            if owned is not None and batch_id not in owned:
+                continue
             batch_sampling = replace(sampling, seed=derive_seed(sampling.seed, batch_id))
             tic = time.perf_counter()
             out = engine.generate([list(prompt_rows[i]["prompt_token_ids"]) for i in positions], batch_sampling)

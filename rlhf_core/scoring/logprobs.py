@@ -30,7 +30,9 @@ from typing import Callable, Optional, Sequence, Union
 import torch
 
 from rlhf_core.config.resolve import MicroBatching
-from rlhf_core.data.packing import Bins, fixed_micro_batches, micro_batches_by_budget, shard_by_tokens, split_into_rows
+from rlhf_core.data.packing import (
+    Bins, Share, fixed_micro_batches, micro_batches_by_budget, shard_by_tokens, split_into_rows,
+)
 from rlhf_core.models.packed import (
     gather_response_values, pack_rows, packed_forward, packing_attention_mode, response_logprobs,
 )
@@ -61,10 +63,6 @@ class Throughput:
 
 Batching = Union[MicroBatching, int]
 """How forwards are cut: a MicroBatching, or an int token budget (dynamic batching)."""
-
-Share = tuple[int, int]
-"""(rank, world): one of ``world`` processes scoring the same sequences together."""
-
 
 def own_micro_batches(plan: list[list[list[int]]], lengths: Sequence[int], rank: int,
                       world: int) -> list[list[list[int]]]:

@@ -14,7 +14,8 @@ from rlhf_core.config.resolve import micro_batching
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.timing import MODEL_LOAD, timed
 from rlhf_core.models.packed import pack_rows, packed_forward, packing_attention_mode, response_positions
-from rlhf_core.scoring.logprobs import Share, own_micro_batches, plan_micro_batches
+from rlhf_core.data.packing import Share
+from rlhf_core.scoring.logprobs import own_micro_batches, plan_micro_batches
 from rlhf_core.scoring.models import is_lora_dir, load_causal_lm, load_merged_actor, scoring_device, scoring_dtype
 
 

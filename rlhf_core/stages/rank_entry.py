@@ -5,6 +5,8 @@ status 2 and a one-line message, like the CLI."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import io
 import os
 import sys
@@ -21,9 +23,10 @@ from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_bytes
 from rlhf_core.run.layout import RunDir
 from rlhf_core.scoring import Throughput
-from rlhf_core.run.models import reference_path
+from rlhf_core.rollout.generate import generate_responses
+from rlhf_core.run.models import actor_path, reference_path
 from rlhf_core.scoring.policy_kl import actor_ref_kl
-from rlhf_core.stages import guard, score
+from rlhf_core.stages import guard, rollout, score
 from rlhf_core.stages.ranks import flatten
 
 
@@ -61,7 +64,17 @@ def _floats(values) -> list[float]:
     return values.tolist() if isinstance(values, torch.Tensor) else list(values)
 
 
-STAGES = {"score": score_share, "guard": guard_share}
+def rollout_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
+    """This rank's generation batches of the rollout (HF engine), seeded as in one process."""
+    _, _, batches, prompt_rows = rollout.iteration_prompts(run, iteration)
+    samples, stats = generate_responses(cfg, actor_path(cfg, run, iteration), prompt_rows,
+                                        rollout.iteration_sampling(cfg, iteration), batches,
+                                        desc=f"rollout iter {iteration} rank {rank}", share=(rank, world))
+    _write_share(out, {}, samples=json.dumps([dataclasses.asdict(s) for s in samples]),
+                 generated_tokens=stats.generated_tokens, seconds=stats.seconds, load_seconds=stats.load_seconds)
+
+
+STAGES = {"score": score_share, "guard": guard_share, "rollout": rollout_share}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

@@ -13,7 +13,7 @@ out as in one process, so the merged outputs are the one-process stage's bit for
 at 2 and 4 processes); sharding the rows instead would change which sequences share a micro-batch,
 and with it the last bits of a float32 sum.
 
-The number of processes is ``stage_processes``: ``trainer.score_processes`` when set, else every
+The number of processes is ``stage_processes``: ``trainer.stage_processes`` when set, else every
 GPU of the node the update uses (verl's ``trainer.n_gpus_per_node``), else 1 (the CPU).
 """
 
@@ -41,8 +41,8 @@ ENTRY = "rlhf_core.stages.rank_entry"
 
 def stage_processes(cfg: RLHFConfig) -> int:
     """Processes the score stage and the KL guard run their model passes on (see the module doc)."""
-    if cfg.trainer.score_processes is not None:
-        return cfg.trainer.score_processes
+    if cfg.trainer.stage_processes is not None:
+        return cfg.trainer.stage_processes
     gpus = cuda_devices() if cfg.trainer.device != "cpu" else 0
     if gpus == 0:
         return 1

@@ -18,6 +18,7 @@ Length metrics use verl's names: ``response_length/{mean,max,min,clip_ratio}`` a
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Sequence
 
@@ -33,13 +34,14 @@ from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.models import actor_path
 from rlhf_core.rollout.generate import (
-    PROMPT_COLUMNS, generate_responses, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
+    PROMPT_COLUMNS, generate_responses, own_batches, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
     tokenizer_path_for,
 )
 from rlhf_core.paths import resolve_path
-from rlhf_core.rollout.base import GenerationStats
+from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingParams
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
 from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.ranks import run_on_ranks, stage_processes
 from rlhf_core.training.resident import ensure_state
 
 CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.")
@@ -88,8 +90,8 @@ def slot_batches(run: RunDir, iteration: int) -> tuple[int, int, list[list[str]]
     return slot, num_slots, [r["prompt_ids"] for r in rows]
 
 
-def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path) -> StageResult:
-    ensure_state(cfg, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
+def iteration_prompts(run: RunDir, iteration: int) -> tuple[int, int, list[list[str]], list[dict]]:
+    """(slot, number of slots, prompt ids per generation batch, the prompt rows in batch order)."""
     slot, num_slots, batches = slot_batches(run, iteration)
     wanted = list(dict.fromkeys(pid for batch in batches for pid in batch))  # batch order, unique
     by_id = {row["prompt_id"]: row for row in rows_with_ids(run.train_prompts, "prompt_id", wanted, PROMPT_COLUMNS)}
@@ -97,10 +99,23 @@ def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path
     if unknown:
         raise DataError(f"{run.generation_batches} names prompt id {unknown[0]!r} that is not in "
                         f"{run.train_prompts}; rerun `rlhf stage pack --force` after preprocess")
-    prompt_rows = [by_id[pid] for pid in wanted]
-    sampling = sampling_from_config(cfg, seed=cfg.actor_rollout_ref.rollout.seed + iteration)
-    samples, stats = generate_responses(cfg, model_dir, prompt_rows, sampling, batches,
-                                        desc=f"rollout iter {iteration}")
+    return slot, num_slots, batches, [by_id[pid] for pid in wanted]
+
+
+def iteration_sampling(cfg: RLHFConfig, iteration: int) -> SamplingParams:
+    return sampling_from_config(cfg, seed=cfg.actor_rollout_ref.rollout.seed + iteration)
+
+
+def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path) -> StageResult:
+    ensure_state(cfg, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
+    slot, num_slots, batches, prompt_rows = iteration_prompts(run, iteration)
+    sampling = iteration_sampling(cfg, iteration)
+    world = min(stage_processes(cfg), len(batches)) if cfg.actor_rollout_ref.rollout.name == "hf" else 1
+    if world > 1:
+        samples, stats = _generate_on_ranks(cfg, run, iteration, prompt_rows, sampling, batches, world)
+    else:
+        samples, stats = generate_responses(cfg, model_dir, prompt_rows, sampling, batches,
+                                            desc=f"rollout iter {iteration}")
     engine = cfg.actor_rollout_ref.rollout.name
     out = atomic_write_parquet(run.rollout(iteration), rollout_table(prompt_rows, samples, iteration, engine),
                                schema=ROLLOUT)
@@ -119,6 +134,24 @@ def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path
     return StageResult(stage="rollout", iteration=iteration, outputs={"rollout": str(out)},
                        rows={"prompts": len(prompt_rows), "responses": len(samples)}, metrics=metrics,
                        summary=summary)
+
+
+def _generate_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, prompt_rows: list[dict],
+                       sampling: SamplingParams, batches: list[list[str]], world: int):
+    """``generate_responses`` with the generation batches dealt to ``world`` local processes
+    (``own_batches``); every batch is seeded and composed as in one process, so the merged samples,
+    in batch order, are the one-process samples."""
+    shares = run_on_ranks(cfg, run, iteration, "rollout", world)
+    index_of = {row["prompt_id"]: i for i, row in enumerate(prompt_rows)}
+    plan = [[index_of[pid] for pid in batch] for batch in batches]
+    by_rank = [iter(json.loads(str(s["samples"]))) for s in shares]
+    owner = {b: r for r in range(world) for b in own_batches(plan, prompt_rows, sampling, r, world)}
+    samples = [GeneratedSample(**next(by_rank[owner[b]]))
+               for b, batch in enumerate(plan) for _ in range(len(batch) * sampling.n)]
+    stats = GenerationStats(generated_tokens=sum(int(s["generated_tokens"]) for s in shares),
+                            seconds=max(float(s["seconds"]) for s in shares),  # side by side
+                            load_seconds=max(float(s["load_seconds"]) for s in shares), batches=len(plan))
+    return samples, stats
 
 
 def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,

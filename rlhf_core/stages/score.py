@@ -56,7 +56,7 @@ from rlhf_core.scoring import (
     Throughput, compute_token_logprobs, compute_token_values, load_causal_lm, load_critic, same_weights,
     scoring_device, scoring_dtype,
 )
-from rlhf_core.scoring.logprobs import Share
+from rlhf_core.data.packing import Share
 from rlhf_core.scoring.models import load_tokenizer, release
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, stage_processes

@@ -73,9 +73,9 @@ def resident_possible(cfg: RLHFConfig) -> Optional[str]:
         return f"the update spans trainer.nnodes={cfg.trainer.nnodes} machines (its ranks start fresh each iteration)"
     if resolve.update_world_size(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0) > 1:
         return "the update runs on several processes (torchrun ranks start fresh each iteration)"
-    if (cfg.trainer.score_processes or 1) > 1:  # (null: one per GPU of the update, refused just above)
-        return (f"trainer.score_processes={cfg.trainer.score_processes}: the score stage's processes read "
-                "the actor from disk")
+    if (cfg.trainer.stage_processes or 1) > 1:  # (null: one per GPU of the update, refused just above)
+        return (f"trainer.stage_processes={cfg.trainer.stage_processes}: the stages' processes read the actor "
+                "from disk")
     if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
         return "LoRA (the rollout samples from merged weights, built from the adapter checkpoint)"
     if cfg.actor_rollout_ref.rollout.name not in ("hf", "vllm"):

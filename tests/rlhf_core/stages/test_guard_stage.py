@@ -169,12 +169,12 @@ def test_guard_rolls_back_a_drifted_actor(tmp_path, tiny_model_dir):
 
 @pytest.mark.deepspeed  # torchrun processes: the slow lane
 def test_guard_on_two_processes_measures_the_one_process_kl(tmp_path, tiny_model_dir):
-    """trainer.score_processes=2: each process measures its micro-batches of the one-process plan;
+    """trainer.stage_processes=2: each process measures its micro-batches of the one-process plan;
     the KL metrics are the one-process metrics bit for bit."""
     run = _scored_run(tmp_path, tiny_model_dir, actor_scale=0.5)
     budget = ["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32"]  # several micro-batches
     one = guard.measure_kl(_cfg(tiny_model_dir, *budget), run, 1)
-    two = guard.measure_kl(_cfg(tiny_model_dir, *budget, "trainer.score_processes=2"), run, 1)
+    two = guard.measure_kl(_cfg(tiny_model_dir, *budget, "trainer.stage_processes=2"), run, 1)
     assert one["kl_mean"] > 0 and two == one
     assert not run.stage_ranks_dir(1, "guard").exists()
 

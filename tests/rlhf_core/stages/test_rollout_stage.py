@@ -175,3 +175,25 @@ def test_rollout_from_the_cli(run_setup, capsys):
     assert pq.read_table(run.rollout(1)).num_rows == 12
     assert main(["stage", "rollout", "--local", "--run-dir", str(run.root), "--iteration", "1"]) == 0
     assert "skipped" in capsys.readouterr().out
+
+
+@pytest.mark.deepspeed  # torchrun processes: the slow lane
+def test_rollout_on_two_processes_equals_one_process(tmp_path, repo_root, tiny_model_dir):
+    """trainer.stage_processes=2: the generation batches are dealt to two processes, each batch
+    seeded and composed as in one process; the rollout table is the one-process table."""
+    raw = tmp_path / "arith.jsonl"
+    raw.write_text("".join((repo_root / "data/arith/train.jsonl").read_text().splitlines(True)[:12]))
+    cfg = small_config(raw, tiny_model_dir, "actor_rollout_ref.rollout.generation_batch_tokens=260")
+    run = RunDir(tmp_path / "run")
+    write_config(run, to_yaml(cfg))
+    run_preprocess(cfg, run)
+    run_pack(cfg, run)
+    assert len({r["batch_id"] for r in pq.read_table(run.generation_batches).to_pylist() if r["slot"] == 0}) >= 3
+    run_rollout(cfg, run, 1)
+    one = pq.read_table(run.rollout(1))
+    two = small_config(raw, tiny_model_dir, "actor_rollout_ref.rollout.generation_batch_tokens=260",
+                       "trainer.stage_processes=2")
+    result = run_rollout(two, run, 1, force=True)
+    assert not result.skipped and result.metrics["rollout/num_responses"] == one.num_rows
+    assert pq.read_table(run.rollout(1)).equals(one)
+    assert not run.stage_ranks_dir(1, "rollout").exists()

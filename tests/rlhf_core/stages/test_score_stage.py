@@ -287,7 +287,7 @@ def test_reward_model_with_an_input_tokenizer_rerenders_and_truncates(tmp_path, 
 
 @pytest.mark.deepspeed  # torchrun processes: the slow lane
 def test_score_on_two_and_four_processes_equals_one_process(tmp_path, repo_root, tiny_model_dir, tokenizer):
-    """trainer.score_processes=N: each process runs a token-balanced share of every pass's
+    """trainer.stage_processes=N: each process runs a token-balanced share of every pass's
     micro-batches; the merged table is the one-process table bit for bit (the reference pass
     included: another reference model)."""
     from rlhf_core.scoring.logprobs import own_micro_batches, plan_micro_batches
@@ -315,7 +315,7 @@ def test_score_on_two_and_four_processes_equals_one_process(tmp_path, repo_root,
         shares = [own_micro_batches(plan, lengths, rank, world) for rank in range(world)]
         assert sorted(i for s in shares for rows in s for row in rows for i in row) == list(range(len(lengths)))
         assert all(shares)  # with these budgets every process gets micro-batches
-        result = run_score(demo_config(tiny_model_dir, *base, f"trainer.score_processes={world}"), run, 1, force=True)
+        result = run_score(demo_config(tiny_model_dir, *base, f"trainer.stage_processes={world}"), run, 1, force=True)
         assert not result.skipped and not run.stage_ranks_dir(1, "score").exists()  # scratch removed
         assert pq.read_table(run.scored(1)).equals(one), f"{world} processes changed the scored table"
     assert one.column("ref_log_probs").to_pylist() != one.column("old_log_probs").to_pylist()  # ref pass ran
