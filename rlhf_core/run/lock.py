@@ -18,10 +18,12 @@ Two parts, taken in this order and released in the reverse one:
    - it names this host: whoever wrote it is dead, since we hold this host's kernel lock that every
      holder on this host holds (``stale_lock_cleared``: instant, as on one machine); or
    - it names another host and was last renewed more than its ``expires_after_s`` ago
-     (``stale_lease_taken_over``). The taker renames the expired lease aside (one rename of a name
-     wins), checks that what it moved is the lease it judged expired (a holder may have renewed in
-     between: then it puts it back and judges again), records the event, then creates its own
-     lease with the atomic create like any first holder (a faster machine may still win that).
+     (``stale_lease_taken_over``). Takers go one at a time: each first creates
+     ``run.lock.takeover`` with the same atomic create; the one that holds it re-reads the lease,
+     removes it only if it still is the very record it judged stale (a holder that renewed in
+     between keeps it) and lets go of ``run.lock.takeover``; it records the event, then creates
+     its own lease like any first holder (a faster process may still win that). A taker that died
+     holding ``run.lock.takeover`` blocks takeovers only until that file's own expiry.
 
    Expiry compares the holder's wall clock with the competitor's: the hosts' clocks must agree to
    well within the expiry (NTP does). A holder that could not renew in time (a suspended VM, a
@@ -139,69 +141,98 @@ class Lease:
         return {"pid": os.getpid(), "host": self.host, "since": self.since, "renewed": time.time(),
                 "expires_after_s": self.lease_s, "token": self.token}
 
-    def _staged(self) -> Path:
-        """A fresh record in a private file beside the lease, complete and on disk."""
+    def _staged(self, record: dict) -> Path:
+        """``record`` in a private file beside the lease, complete and on disk."""
         tmp = self.path.with_name(f"{self.path.name}.{self.token}.tmp")
         with open(tmp, "w") as fh:
-            json.dump(self.record(), fh)
+            json.dump(record, fh)
             fh.flush()
             os.fsync(fh.fileno())
         return tmp
 
-    def create(self) -> bool:
-        """Create the lease if no lease exists (atomically); False when one does."""
-        tmp = self._staged()
+    def _create(self, path: Path, record: dict) -> bool:
+        """Create ``path`` holding ``record`` if no file has that name (atomically); False if one has."""
+        tmp = self._staged(record)
         try:
-            os.link(tmp, self.path)
+            os.link(tmp, path)
         except FileExistsError:
             return False
         except OSError as exc:
             if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK):
                 raise
-            return self._create_exclusive()  # storage without hard links
+            return self._create_exclusive(path, record)  # storage without hard links
         finally:
             os.unlink(tmp)
         return True
 
-    def _create_exclusive(self) -> bool:
+    @staticmethod
+    def _create_exclusive(path: Path, record: dict) -> bool:
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         except FileExistsError:
             return False
         try:
-            os.write(fd, json.dumps(self.record()).encode())
+            os.write(fd, json.dumps(record).encode())
             os.fsync(fd)
         finally:
             os.close(fd)
         return True
 
+    def create(self) -> bool:
+        """Create the lease if no lease exists (atomically); False when one does."""
+        return self._create(self.path, self.record())
+
+    @property
+    def takeover_path(self) -> Path:
+        """``run.lock.takeover``: held (created atomically) by the one process clearing a stale lease."""
+        return self.path.with_name(f"{self.path.name}.takeover")
+
     def clear_stale(self, seen: dict) -> bool:
-        """Remove the stale lease ``seen``; False when someone else changed or removed it first.
-        (Creating ours is a separate step, which another process may still win.)"""
-        aside = self.path.with_name(f"{self.path.name}.stale.{self.token}")
+        """Remove the stale lease ``seen``; False when another process is clearing it or it changed
+        since we judged it. Takers go one at a time through ``run.lock.takeover``: a lease is removed
+        only by the taker holding it, and only while it still is the record judged stale, so no taker
+        ever removes a lease created after the judgement (nothing else removes a lease it does not
+        hold). Creating ours is a separate step, which another process may still win."""
+        if not self._claim_takeover():
+            return False
         try:
-            os.rename(self.path, aside)  # of several takers, exactly one moves a given file
-        except FileNotFoundError:
-            return False
-        moved = read_record(aside)
-        if not moved or moved.get("token") != seen.get("token"):
-            # renewed or re-created after we judged it: put it back (unless a third process was faster)
+            if read_record(self.path) != seen:
+                return False  # renewed, released or replaced since we judged it: judge again
+            os.unlink(self.path)
+            return True
+        finally:
+            current = read_record(self.takeover_path)
+            if current and current.get("token") == self.token:
+                os.unlink(self.takeover_path)
+
+    def _claim_takeover(self) -> bool:
+        claim = {"pid": os.getpid(), "host": self.host, "renewed": time.time(),
+                 "expires_after_s": self.lease_s, "token": self.token}
+        if self._create(self.takeover_path, claim):
+            return True
+        other = read_record(self.takeover_path)
+        if other and is_expired(other, self.lease_s):
+            # its taker died between claiming and finishing: remove that claim (if still that one)
+            aside = self.takeover_path.with_name(f"{self.takeover_path.name}.{self.token}.stale")
             try:
-                os.link(aside, self.path)
-            except FileExistsError:
-                pass
+                os.rename(self.takeover_path, aside)
+            except FileNotFoundError:
+                return False
+            if read_record(aside) != other:  # a new claim replaced it meanwhile: put that back
+                try:
+                    os.link(aside, self.takeover_path)
+                except FileExistsError:
+                    pass
             os.unlink(aside)
-            return False
-        os.unlink(aside)
-        return True
+        time.sleep(0.01)  # another taker is at work: give it the moment it needs, then judge again
+        return False
 
     def renew(self) -> bool:
-        """Write a fresh renewal time; False (and ``lost``) when the lease is no longer ours."""
+        """Write a fresh renewal time; False when the lease is no longer ours."""
         current = read_record(self.path)
         if not current or current.get("token") != self.token:
-            self.lost = True
             return False
-        os.replace(self._staged(), self.path)
+        os.replace(self._staged(self.record()), self.path)
         return True
 
     def start_heartbeat(self, on_lost: Callable[[], None]) -> None:
@@ -216,7 +247,10 @@ class Lease:
                     continue
             except OSError:
                 continue  # a passing storage error: the lease has five more renewals of slack
-            on_lost()
+            try:
+                on_lost()
+            finally:
+                self.lost = True  # after the event: whoever sees ``lost`` also finds it recorded
             return
 
     def remove(self) -> None:
