@@ -2,7 +2,10 @@
 
     runs/<name>/
       config.yaml                 resolved config of the run (what `rlhf config show` prints)
-      run.lock                    held by the process writing the run (pid, host, start time)
+      run.lock                    the writer's lease (host, pid, start, last renewal): valid across
+                                  machines sharing the directory (run.lock)
+      run.lock.<host>             that host's kernel lock (instant release when its holder dies)
+      run.lock.takeover           held while a stale lease is being taken over
       manifest.json               setup stages (preprocess, pack): status, hashes, rows, timings
       prompts/train.parquet       preprocessed prompts (verl columns + tokenized prompt)
       prompts/val.parquet         held-out validation prompts

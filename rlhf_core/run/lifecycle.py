@@ -46,6 +46,7 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.io.atomic import TMP_MARK, atomic_write_json, clean_temporaries
 from rlhf_core.run.layout import RunDir, StateFileError
+from rlhf_core.run.lock import RunLock
 from rlhf_core.run.manifest import read_manifest, write_manifest
 from rlhf_core.run.schedule import save_due
 from rlhf_core.stages.registry import ROLLED_BACK_STAGES
@@ -296,6 +297,7 @@ def settle(run: RunDir, k: int, *, policy: str, attempt: int) -> str:
 def commit_iteration(run: RunDir, k: int) -> dict:
     """Append ``k`` to the commit log (one atomic rename: last-good moves to ``k``), then note it
     in the event log. Idempotent: committing a committed iteration changes nothing."""
+    RunLock(run).ensure_held()  # a writer whose lease another machine took over must not move last-good
     checkpoint = run.checkpoint(k)
     if not state_exists(run, k):
         raise CheckpointError(f"cannot commit iteration {k}: {checkpoint}/actor is missing and "

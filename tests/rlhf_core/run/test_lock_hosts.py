@@ -31,6 +31,12 @@ print("held", flush=True)
 while not lock.lost:
     time.sleep(0.02)
 print("lost", flush=True)
+from rlhf_core.run.lifecycle import commit_iteration
+from rlhf_core.run.lock import RunLockedError
+try:
+    commit_iteration(RunDir(sys.argv[1]), 1)
+except RunLockedError:
+    print("commit refused", flush=True)
 time.sleep(120)
 """
 
@@ -115,6 +121,7 @@ def test_expired_lease_is_taken_over_with_an_event_and_its_holder_learns_it_lost
         assert read_record(run.lock_path)["host"] == "node-a"
         proc.send_signal(signal.SIGCONT)  # its next renewal finds someone else's lease
         assert proc.stdout.readline().strip() == "lost"
+        assert proc.stdout.readline().strip() == "commit refused"  # it stops writing the run
         (lost,) = [e for e in run.events() if e["kind"] == "lease_lost"]
         assert lost["pid"] == proc.pid and lost["taken_by"]["host"] == "node-a"
         time.sleep(LEASE_S)
