@@ -8,6 +8,7 @@
     ppo           the loop: losses with global token counts, accumulation, metrics
     optim_state   optimizer state by parameter name (safetensors), any ZeRO stage / world size
     checkpoint    HF actor/critic + optimizer state + manifest, written atomically, verified on load
+    memory        per-rank memory estimate from config.json; a config that cannot fit is refused
     update        one iteration on one rank (``train_update``); ``launch`` is the torchrun entry
 
 DeepSpeed is imported only inside functions, so importing this package stays cheap.

@@ -396,7 +396,10 @@ def check_update_memory(cfg: RLHFConfig, shapes: Shapes, device: str, world_size
     est = estimate(cfg, shapes, device=device, world_size=world_size, device_memory=device_capacity,
                    resident=resident)
     if announce:
-        log.info("memory estimate (%s, %d rank(s), peak in %s): %s GiB per rank\n%s", device, world_size,
-                 est.peak_phase, gib(est.peak_device()), est.table())
+        # on a GPU the headline is shown by default (the table with --verbose); on the CPU it is noise
+        log.log(logging.WARNING if device.startswith("cuda") else logging.INFO,
+                "memory estimate (%s, %d rank(s)): %s GiB per rank at its peak (%s)", device, world_size,
+                gib(est.peak_device()), est.peak_phase)
+        log.info("memory estimate by term:\n%s", est.table())
     check_fits(cfg, est, device_capacity, host_memory())
     return est
