@@ -696,8 +696,8 @@ class TrainerConfig(Section):
     """Our name for the update's data-parallel processes, all nodes together; when set it wins over
     n_gpus_per_node × nnodes and must be a multiple of nnodes (nproc / nnodes on each node)."""
     stage_processes: Optional[int] = None
-    """Our name: local processes the rollout (HF engine), the score stage and the KL guard run on,
-    each a token-balanced share of the one-process generation batches or micro-batches
+    """Our name: local processes the rollout and validation (HF engine), the score stage and the KL
+    guard run on, each a token-balanced share of the one-process generation batches or micro-batches
     (rlhf_core.stages.ranks); null = every GPU of the node the update uses, 1 on CPU. The outputs
     are the same bit for bit at any count; on CPU more processes only pay off for large models."""
     master_addr: Optional[str] = None

@@ -106,8 +106,7 @@ def generate_responses(
     ``share`` = (rank, world): only that process's batches (``own_batches``), numbered and seeded
     as in one process, so the merged samples are the one-process samples (HF engine only).
     """
-    index_of = {row["prompt_id"]: i for i, row in enumerate(prompt_rows)}
-    plan = _batch_plan(cfg, prompt_rows, sampling, batches, index_of)
+    plan = generation_plan(cfg, prompt_rows, sampling, batches)
     stats = GenerationStats()
     if engine is None:
         engine = kept_engine(cfg, model_path)
@@ -150,9 +149,11 @@ def kept_engine(cfg: RLHFConfig, model_path: str | Path) -> Optional[RolloutEngi
     return engine
 
 
-def _batch_plan(cfg: RLHFConfig, prompt_rows: Sequence[Mapping[str, Any]], sampling: SamplingParams,
-                batches: Optional[Sequence[Sequence[str]]], index_of: dict[str, int]) -> list[list[int]]:
-    """Generation batches as lists of positions in ``prompt_rows``."""
+def generation_plan(cfg: RLHFConfig, prompt_rows: Sequence[Mapping[str, Any]], sampling: SamplingParams,
+                    batches: Optional[Sequence[Sequence[str]]] = None) -> list[list[int]]:
+    """Generation batches as lists of positions in ``prompt_rows``: ``batches`` (prompt ids, the pack
+    stage's plan) translated, else planned within ``rollout.generation_batch_tokens``."""
+    index_of = {row["prompt_id"]: i for i, row in enumerate(prompt_rows)}
     if batches is None:
         lengths = [len(row["prompt_token_ids"]) for row in prompt_rows]
         return [list(b) for b in plan_generation_batches(

@@ -23,10 +23,10 @@ from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_bytes
 from rlhf_core.run.layout import RunDir
 from rlhf_core.scoring import Throughput
-from rlhf_core.rollout.generate import generate_responses
+from rlhf_core.rollout.generate import generate_responses, val_sampling_from_config
 from rlhf_core.run.models import actor_path, reference_path
 from rlhf_core.scoring.policy_kl import actor_ref_kl
-from rlhf_core.stages import guard, rollout, score
+from rlhf_core.stages import guard, rollout, score, validate
 from rlhf_core.stages.ranks import flatten
 
 
@@ -74,7 +74,14 @@ def rollout_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: 
                  generated_tokens=stats.generated_tokens, seconds=stats.seconds, load_seconds=stats.load_seconds)
 
 
-STAGES = {"score": score_share, "guard": guard_share, "rollout": rollout_share}
+def validate_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
+    """This rank's generation batches of validation (HF engine), seeded as in one process."""
+    _, samples = validate.sample_val_responses(cfg, run, validate.validation_actor(cfg, run, iteration),
+                                               sampling=val_sampling_from_config(cfg, seed=0), share=(rank, world))
+    _write_share(out, {}, samples=json.dumps([dataclasses.asdict(s) for s in samples]))
+
+
+STAGES = {"score": score_share, "guard": guard_share, "rollout": rollout_share, "validate": validate_share}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

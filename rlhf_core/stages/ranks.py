@@ -13,6 +13,9 @@ out as in one process, so the merged outputs are the one-process stage's bit for
 at 2 and 4 processes); sharding the rows instead would change which sequences share a micro-batch,
 and with it the last bits of a float32 sum.
 
+The rollout (HF engine) and validation deal whole generation batches instead
+(``rollout.generate.own_batches``), each numbered and seeded as in one process.
+
 The number of processes is ``stage_processes``: ``trainer.stage_processes`` when set, else every
 GPU of the node the update uses (verl's ``trainer.n_gpus_per_node``), else 1 (the CPU).
 """
@@ -20,6 +23,7 @@ GPU of the node the update uses (verl's ``trainer.n_gpus_per_node``), else 1 (th
 from __future__ import annotations
 
 import collections
+import json
 import os
 import shutil
 import subprocess
@@ -34,6 +38,8 @@ from rlhf_core.config.machine import cuda_devices
 from rlhf_core.config.resolve import update_world_size
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_text
+from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingParams
+from rlhf_core.rollout.generate import own_batches
 from rlhf_core.run.layout import RunDir
 
 ENTRY = "rlhf_core.stages.rank_entry"
@@ -82,6 +88,24 @@ def _launch(cmd: list[str], env: dict, what: str) -> None:
         if user_errors:
             raise RLHFError(user_errors[0])
         raise RLHFError(f"{what} failed (exit {proc.returncode}); last output:\n" + "\n".join(tail))
+
+
+def merge_samples(shares: list[dict[str, np.ndarray]], plan: list[list[int]], prompt_rows: Sequence[dict],
+                  sampling: SamplingParams) -> list[GeneratedSample]:
+    """The ranks' samples (each rank's ``samples``: its batches of ``plan`` in batch order, as JSON)
+    back in one-process order: batch by batch, each batch from the rank that owns it (``own_batches``)."""
+    world = len(shares)
+    by_rank = [iter(json.loads(str(s["samples"]))) for s in shares]
+    owner = {b: r for r in range(world) for b in own_batches(plan, prompt_rows, sampling, r, world)}
+    return [GeneratedSample(**next(by_rank[owner[b]])) for b, batch in enumerate(plan)
+            for _ in range(len(batch) * sampling.n)]
+
+
+def merged_stats(shares: list[dict[str, np.ndarray]], batches: int) -> GenerationStats:
+    """One rollout's stats from its ranks': tokens summed, seconds of the slowest (they ran side by side)."""
+    return GenerationStats(generated_tokens=sum(int(s["generated_tokens"]) for s in shares),
+                           seconds=max(float(s["seconds"]) for s in shares),
+                           load_seconds=max(float(s["load_seconds"]) for s in shares), batches=batches)
 
 
 def flatten(lists: Sequence[Sequence[float]]) -> tuple[np.ndarray, np.ndarray]:

@@ -18,7 +18,6 @@ Length metrics use verl's names: ``response_length/{mean,max,min,clip_ratio}`` a
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Sequence
 
@@ -34,14 +33,14 @@ from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.models import actor_path
 from rlhf_core.rollout.generate import (
-    PROMPT_COLUMNS, generate_responses, own_batches, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
+    PROMPT_COLUMNS, generate_responses, generation_plan, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
     tokenizer_path_for,
 )
 from rlhf_core.paths import resolve_path
-from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingParams
+from rlhf_core.rollout.base import GenerationStats, SamplingParams
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.ranks import run_on_ranks, stage_processes
+from rlhf_core.stages.ranks import merge_samples, merged_stats, run_on_ranks, stage_processes
 from rlhf_core.training.resident import ensure_state
 
 CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.")
@@ -142,16 +141,8 @@ def _generate_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, prompt_rows
     (``own_batches``); every batch is seeded and composed as in one process, so the merged samples,
     in batch order, are the one-process samples."""
     shares = run_on_ranks(cfg, run, iteration, "rollout", world)
-    index_of = {row["prompt_id"]: i for i, row in enumerate(prompt_rows)}
-    plan = [[index_of[pid] for pid in batch] for batch in batches]
-    by_rank = [iter(json.loads(str(s["samples"]))) for s in shares]
-    owner = {b: r for r in range(world) for b in own_batches(plan, prompt_rows, sampling, r, world)}
-    samples = [GeneratedSample(**next(by_rank[owner[b]]))
-               for b, batch in enumerate(plan) for _ in range(len(batch) * sampling.n)]
-    stats = GenerationStats(generated_tokens=sum(int(s["generated_tokens"]) for s in shares),
-                            seconds=max(float(s["seconds"]) for s in shares),  # side by side
-                            load_seconds=max(float(s["load_seconds"]) for s in shares), batches=len(plan))
-    return samples, stats
+    plan = generation_plan(cfg, prompt_rows, sampling, batches)
+    return merge_samples(shares, plan, prompt_rows, sampling), merged_stats(shares, len(plan))
 
 
 def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,

@@ -31,6 +31,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.data.packing import Share
 from rlhf_core.data.schemas import VALIDATION
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.layout import RunDir
@@ -42,9 +43,11 @@ from rlhf_core.rewards import get_reward_fn, normalize_result
 from rlhf_core.rewards.registry import routing_value
 from rlhf_core.rollout.base import SamplingParams, derive_seed
 from rlhf_core.rollout.generate import (
-    PROMPT_COLUMNS, generate_responses, read_prompt_rows, sampling_from_config, val_sampling_from_config,
+    PROMPT_COLUMNS, generate_responses, generation_plan, read_prompt_rows, sampling_from_config,
+    val_sampling_from_config,
 )
 from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.ranks import merge_samples, run_on_ranks, stage_processes
 from rlhf_core.training.resident import ensure_state
 
 
@@ -64,18 +67,41 @@ def validation_actor(cfg: RLHFConfig, run: RunDir, k: int) -> Path:
 
 
 def sample_val_responses(cfg: RLHFConfig, run: RunDir, actor_dir: Path, limit: Optional[int] = None,
-                         seed_offset: Any = "validation", sampling: Optional[SamplingParams] = None
-                         ) -> tuple[list[dict], list]:
+                         seed_offset: Any = "validation", sampling: Optional[SamplingParams] = None,
+                         share: Optional[Share] = None) -> tuple[list[dict], list]:
     """(prompt rows, GeneratedSamples) on the first ``limit`` validation prompts. ``sampling``
     defaults to one response per prompt at the training rollout's settings (the guard's on-policy
-    check); validation passes its val_kwargs sampling."""
+    check); validation passes its val_kwargs sampling. ``share``: only that process's generation
+    batches (``generate_responses``)."""
+    rows = _val_rows(cfg, run, limit)
+    samples, _ = generate_responses(cfg, actor_dir, rows, _val_sampling(cfg, seed_offset, sampling),
+                                    desc="validation", share=share)
+    return rows, samples
+
+
+def _val_rows(cfg: RLHFConfig, run: RunDir, limit: Optional[int] = None) -> list[dict]:
     with timed(TABLE_READ):
         rows = read_prompt_rows(run.val_prompts, columns=_val_columns(cfg, run))
-    rows = rows[:limit] if limit else rows
+    return rows[:limit] if limit else rows
+
+
+def _val_sampling(cfg: RLHFConfig, seed_offset: Any, sampling: Optional[SamplingParams]) -> SamplingParams:
     seed = derive_seed(cfg.actor_rollout_ref.rollout.seed, seed_offset)
-    sampling = sampling or replace(sampling_from_config(cfg, seed=seed), n=1)
-    samples, _ = generate_responses(cfg, actor_dir, rows, replace(sampling, seed=seed), desc="validation")
-    return rows, samples
+    return replace(sampling or replace(sampling_from_config(cfg, seed=seed), n=1), seed=seed)
+
+
+def validation_samples(cfg: RLHFConfig, run: RunDir, k: int, actor: Path) -> tuple[list[dict], list]:
+    """``sample_val_responses`` at val_kwargs sampling, on ``stage_processes`` local processes with the
+    HF engine (each its share of the generation batches, seeded as in one process: the same samples)."""
+    sampling = val_sampling_from_config(cfg, seed=0)  # seed set from rollout.seed by _val_sampling
+    world = stage_processes(cfg) if cfg.actor_rollout_ref.rollout.name == "hf" else 1
+    if world > 1:
+        rows, seeded = _val_rows(cfg, run), _val_sampling(cfg, "validation", sampling)
+        plan = generation_plan(cfg, rows, seeded)
+        if min(world, len(plan)) > 1:
+            shares = run_on_ranks(cfg, run, k, "validate", min(world, len(plan)))
+            return rows, merge_samples(shares, plan, rows, seeded)
+    return sample_val_responses(cfg, run, actor, sampling=sampling)
 
 
 def _val_columns(cfg: RLHFConfig, run: RunDir) -> list[str]:
@@ -180,8 +206,8 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
 
     def body() -> StageResult:
         ensure_state(cfg, run, run.checkpoint_iteration(actor))  # held in memory, on disk, or rebuilt now
-        sampling = val_sampling_from_config(cfg, seed=0)  # seed set from rollout.seed by sample_val_responses
-        rows, samples = sample_val_responses(cfg, run, actor, sampling=sampling)
+        sampling = val_sampling_from_config(cfg, seed=0)
+        rows, samples = validation_samples(cfg, run, k, actor)
         scores, extras = score_samples(cfg, rows, samples)
         table = pa.Table.from_pylist([{
             "iteration": k, "prompt_id": rows[s.prompt_index]["prompt_id"], "sample_index": s.sample_index,

@@ -103,6 +103,27 @@ def test_sampled_validation_follows_val_kwargs(val_run):
     assert len(rows) == 12 and len(set(texts)) > 4  # 3 draws per prompt at temperature 1 differ
 
 
+@pytest.mark.deepspeed  # torchrun processes: the slow lane
+def test_validation_on_two_processes_equals_one_process(val_run):
+    """trainer.stage_processes=2: the generation batches are dealt to two processes, each seeded
+    as in one process: the same validation table (sampled, so a seed mix-up would show)."""
+    run, overrides = val_run
+    sampled = ["actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.n=3",
+               "actor_rollout_ref.rollout.val_kwargs.temperature=1.0",
+               "actor_rollout_ref.rollout.generation_batch_tokens=150"]  # several batches of the 4 prompts
+    from rlhf_core.rollout.generate import generation_plan, val_sampling_from_config
+
+    cfg = load_config(None, [*overrides, *sampled])
+    assert len(generation_plan(cfg, pq.read_table(run.val_prompts).to_pylist(), val_sampling_from_config(cfg, seed=0))) >= 2
+    one_result, one = _validate(run, overrides, 3, *sampled)
+    two_result = validate.run_validate(load_config(None, [*overrides, *sampled, "trainer.stage_processes=2"]), run, 3,
+                                       force=True)  # the process count is not in the config hash: same outputs
+    two = pq.read_table(run.validation(3)).to_pylist()
+    assert not two_result.skipped and two == one and len(one) == 12
+    assert two_result.metrics == one_result.metrics
+    assert not run.stage_ranks_dir(3, "validate").exists()
+
+
 def test_rewards_are_routed_by_the_reward_fn_key_column(val_run, tmp_path):
     """As in the score stage (verl's reward manager): compute_score gets the data.reward_fn_key column."""
     from rlhf_core.config import ConfigError
