@@ -22,11 +22,9 @@ GPU of the node the update uses (verl's ``trainer.n_gpus_per_node``), else 1 (th
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import shutil
-import subprocess
 import sys
 from typing import Sequence
 
@@ -41,6 +39,7 @@ from rlhf_core.io.atomic import atomic_write_text
 from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingParams
 from rlhf_core.rollout.generate import own_batches
 from rlhf_core.run.layout import RunDir
+from rlhf_core.training.nodes import stream
 
 ENTRY = "rlhf_core.stages.rank_entry"
 
@@ -75,19 +74,13 @@ def run_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, stage: str, world
 
 
 def _launch(cmd: list[str], env: dict, what: str) -> None:
-    """Run ``cmd``, passing its output through to stderr; a rank's user error becomes ours."""
-    tail: collections.deque[str] = collections.deque(maxlen=25)
-    user_errors = []
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        for line in proc.stdout:
-            sys.stderr.write(line)
-            tail.append(line.rstrip())
-            if "rlhf: error: " in line:
-                user_errors.append(line.split("rlhf: error: ", 1)[1].strip())
-    if proc.returncode != 0:
-        if user_errors:
-            raise RLHFError(user_errors[0])
-        raise RLHFError(f"{what} failed (exit {proc.returncode}); last output:\n" + "\n".join(tail))
+    """Run ``cmd``, passing its output through to stderr (``nodes.stream``, which stops the ranks on
+    Ctrl-C); a rank's user error becomes ours."""
+    result = stream(cmd, env)
+    if result.returncode != 0:
+        if result.user_errors:  # its message already names the file/key and the fix
+            raise RLHFError(result.user_errors[0])
+        raise RLHFError(f"{what} failed (exit {result.returncode}); last output:\n" + "\n".join(result.tail))
 
 
 def merge_samples(shares: list[dict[str, np.ndarray]], plan: list[list[int]], prompt_rows: Sequence[dict],
