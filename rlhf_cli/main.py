@@ -214,19 +214,23 @@ def _on_ctrl_c(command: str) -> None:
         _exit_soon(130)
         raise KeyboardInterrupt
 
+    session.STDERR_FD = os.dup(2)  # the terminal (or pipe) as it is now, whatever fd 2 points at later
     signal.signal(signal.SIGINT, handler)
 
 
 def _say(line: str) -> None:
     """Write one line to standard error without Python's buffered stream (safe inside a signal
-    handler). A pipe's O_NONBLOCK flag is shared by every process holding it, so a full pipe may
-    refuse the write (EAGAIN): the flag is cleared and the write waits."""
+    handler), to the stderr `rlhf` started with (``session.STDERR_FD``): fd 2 may point elsewhere
+    for a moment (the temporary server's start sends it to a log file). A pipe's O_NONBLOCK flag is
+    shared by every process holding it, so a full pipe may refuse the write (EAGAIN): the flag is
+    cleared and the write waits."""
+    fd = session.STDERR_FD if session.STDERR_FD is not None else 2
     data = (line + "\n").encode()
     while data:
         try:
-            data = data[os.write(2, data):]
+            data = data[os.write(fd, data):]
         except BlockingIOError:
-            os.set_blocking(2, True)
+            os.set_blocking(fd, True)
 
 
 def _interrupted(command: str) -> str:

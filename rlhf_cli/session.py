@@ -10,3 +10,5 @@ if TYPE_CHECKING:  # for the annotation only: `rlhf --help` should not load pyar
 
 RUN_DIR: Optional[RunDir] = None
 SAID_INTERRUPTED = False
+STDERR_FD: Optional[int] = None
+"""A duplicate of the stderr this invocation started with, for the line printed after Ctrl-C."""
