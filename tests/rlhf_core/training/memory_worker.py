@@ -54,6 +54,8 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stage: int)
         Path(out).write_text(json.dumps({
             "ranks": gathered, "state": sum(t.device for t in state),
             "update": est.device_bytes("update"), "terms": {t.name: t.device for t in est.phases["update"]}}))
+    tdist.barrier()
+    tdist.destroy_process_group()  # join gloo's threads now, not in a destructor racing interpreter exit
 
 
 if __name__ == "__main__":
