@@ -11,7 +11,8 @@ config fails at start-up with the fix in the message rather than deep inside tra
 
 from __future__ import annotations
 
-from typing import Any, Callable, Generic, TypeVar
+import inspect
+from typing import Any, Callable, Generic, Mapping, TypeVar
 
 T = TypeVar("T")
 
@@ -63,8 +64,29 @@ AGG_MODES: Registry[Callable[..., Any]] = Registry("loss aggregation mode")
 KL_CONTROLLERS: Registry[type] = Registry("KL controller")
 
 
+def accepted_kwargs(fn: Callable[..., Any], offered: Mapping[str, Any]) -> dict[str, Any]:
+    """The entries of ``offered`` that ``fn`` takes (all of them when it has ``**kwargs``): callers
+    offer every input they have, and each implementation declares what it needs by its signature."""
+    params = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(offered)
+    return {k: v for k, v in offered.items() if k in params}
+
+
+def estimator_takes(name: str, argument: str) -> bool:
+    """Whether estimator ``name`` names ``argument`` in its signature (``values``: it needs a critic;
+    ``reward_baselines``: it needs a greedy baseline rollout; ``index``: it groups by prompt)."""
+    return argument in inspect.signature(ADV_ESTIMATORS.get(name)).parameters
+
+
 def register_adv_estimator(name: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Register ``fn(*, token_level_rewards, response_mask, ...) -> (advantages, returns)``."""
+    """Register ``fn(*, token_level_rewards, response_mask, ...) -> (advantages, returns)``.
+
+    Inputs an estimator may name (it receives only those it names, see ``accepted_kwargs``):
+    ``values`` (B, T) — naming it makes a run build a critic; ``index`` (B,) numpy array of group ids
+    (verl's uid: one per prompt, shared by its rollout.n responses); ``reward_baselines`` (B,) — the
+    score of a greedy response to the same prompt (a baseline rollout is generated for it);
+    ``gamma``, ``lam``, ``norm_adv_by_std_in_grpo``. All tensors are float with 0 at padding."""
     return ADV_ESTIMATORS.register(name)
 
 

@@ -8,6 +8,8 @@ Every stage asks here instead of reading the raw field, so "null = the actor's" 
     update_nodes(cfg, cuda_devices)       (nnodes, processes per node) of that world
     update_rendezvous(cfg, environ)       node 0's address and port: trainer.master_*, else $MASTER_*
     total_iterations(cfg, train_prompts)  trainer.total_iterations / total_training_steps / epochs
+    uses_critic(cfg)                      critic.enable, else whether the estimator reads values
+    needs_baseline_rollout(cfg)           the estimator takes reward_baselines (remax)
 
 Nothing here reads files or the machine; callers pass what they measured.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping, Optional
 
+from rlhf_core.algos import estimator_takes
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.schema import OptimConfig, RLHFConfig
 
@@ -32,6 +35,20 @@ class MicroBatching:
     """Real tokens per micro-batch (per process) when use_dynamic_bsz."""
     micro_batch_size: int
     """Sequences per micro-batch (per process) without it."""
+
+
+def uses_critic(cfg: RLHFConfig) -> bool:
+    """verl's need_critic: critic.enable when set, else whether algorithm.adv_estimator reads the
+    critic's values (gae does; grpo, rloo, reinforce_plus_plus, ... do not)."""
+    if cfg.critic.enable is not None:
+        return bool(cfg.critic.enable)
+    return estimator_takes(cfg.algorithm.adv_estimator, "values")
+
+
+def needs_baseline_rollout(cfg: RLHFConfig) -> bool:
+    """Whether the estimator takes reward_baselines (remax): the rollout then also decodes one greedy
+    response per prompt and the score stage scores it."""
+    return estimator_takes(cfg.algorithm.adv_estimator, "reward_baselines")
 
 
 def clip_ratios(cfg: RLHFConfig) -> tuple[float, float]:

@@ -489,6 +489,9 @@ class CriticModelConfig(Section):
 
 @dataclass
 class CriticConfig(Section):
+    enable: Optional[bool] = None
+    """verl: build and train a critic. null = only when algorithm.adv_estimator uses values (gae);
+    false with gae is refused; true with a critic-free estimator trains a critic nobody reads, as verl."""
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     strategy: Literal["deepspeed", "fsdp", "fsdp2"] = "deepspeed"
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
@@ -538,6 +541,25 @@ class RewardModelModelConfig(Section):
 
 
 @dataclass
+class OverlongBufferConfig(Section):
+    """verl (DAPO's overlong reward shaping): with expected = data.max_response_length − len, a response
+    of L tokens gets min(0, −(L − expected) / len · penalty_factor) added to its score."""
+
+    enable: bool = False
+    len: int = 0
+    """verl: the buffer's length in tokens (> 0 and < data.max_response_length when enabled)."""
+    penalty_factor: float = 1.0
+    """verl: the penalty at the full length."""
+    log: bool = False
+    """verl: record overlong_reward and overlong in reward_extra."""
+
+    def check(self, key: str) -> None:
+        if self.enable:
+            require(self.len > 0, f"{key}.len", "must be > 0 when the buffer is enabled", self.len)
+        require(self.penalty_factor >= 0, f"{key}.penalty_factor", "must be >= 0", self.penalty_factor)
+
+
+@dataclass
 class RewardModelConfig(Section):
     enable: bool = False
     """verl: score with a sequence-classification reward model instead of the rule-based reward."""
@@ -554,6 +576,8 @@ class RewardModelConfig(Section):
     """verl: null = critic.use_dynamic_bsz."""
     reward_manager: Literal["naive"] = "naive"
     """verl: how rule-based rewards are applied; 'naive' (one compute_score call per response)."""
+    overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
+    """verl (DAPO): a linear penalty for responses that run into the last overlong_buffer.len tokens."""
 
     def check(self, key: str) -> None:
         require(self.model.path is not None or not self.enable, f"{key}.model.path",
@@ -599,13 +623,32 @@ class KLCtrlConfig(Section):
 
 
 @dataclass
+class FilterGroupsConfig(Section):
+    """verl (DAPO's dynamic sampling): drop prompt groups whose responses all score the same on
+    ``metric`` and draw more prompts until data.train_batch_size groups are kept."""
+
+    enable: bool = False
+    metric: Optional[str] = None
+    """verl: acc | score | seq_reward | seq_final_reward (required when enabled)."""
+    max_num_gen_batches: int = 0
+    """verl: draws of prompts before giving up (<= 0: no limit)."""
+
+    def check(self, key: str) -> None:
+        if self.enable:
+            require(self.metric in ("acc", "score", "seq_reward", "seq_final_reward"), f"{key}.metric",
+                    "must be acc, score, seq_reward or seq_final_reward when filter_groups is enabled", self.metric)
+
+
+@dataclass
 class AlgorithmConfig(Section):
     adv_estimator: str = "gae"
     """verl: the advantage-estimator registry name (rlhf_core.algos.registry.ADV_ESTIMATORS)."""
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv: bool = True
-    """Whiten GAE advantages over the batch's valid tokens (verl always does for GAE)."""
+    """Our key: whiten the advantages of an estimator that reads the critic's values (gae) over the
+    batch's valid tokens, as verl always does for GAE. The critic-free estimators normalise as verl
+    defines each of them, whatever this says."""
     norm_adv_by_std_in_grpo: bool = True
     """verl (grpo): divide group-centred rewards by the group's standard deviation."""
     use_kl_in_reward: bool = False
@@ -613,6 +656,7 @@ class AlgorithmConfig(Section):
     kl_penalty: str = "kl"
     """verl: KL estimator for the in-reward penalty."""
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
+    filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
 
     def check(self, key: str) -> None:
         require(0 <= self.gamma <= 1, f"{key}.gamma", "must be in [0, 1]", self.gamma)

@@ -87,7 +87,6 @@ NO_EFFECT: dict[str, str] = {
     C + "model.use_shm": _PERF, C + "model.enable_activation_offload": _PERF, C + "model.lora_rank": _ENGINE,
     C + "model.lora_alpha": _ENGINE, C + "model.target_modules": _ENGINE, C + "model.tiled_mlp.": _PERF,
     C + "optim.optimizer_impl": "torch.optim's AdamW", C + "optim.override_optimizer_config": _ENGINE,
-    C + "enable": "the critic is built whenever algorithm.adv_estimator needs one",
     "reward_model.enable_resource_pool": _ENGINE, "reward_model.n_gpus_per_node": _ENGINE,
     "reward_model.nnodes": _ENGINE, "reward_model.model.external_lib": _DATA,
     "reward_model.model.override_config.": "the model's config.json is used as saved",

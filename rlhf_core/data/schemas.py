@@ -83,6 +83,7 @@ ROLLOUT = pa.schema([
     ("sampling_seed", pa.int64()),
     ("reward_source", pa.string()),      # the prompt's reward_source (data.reward_fn_key's value)
     ("extra_info", pa.string()),         # the prompt's extra_info JSON, for reward functions and queries
+    ("uid", pa.string()),                # verl's uid: one per prompt of the iteration, shared by its n responses
 ])
 
 # iter_K/scored.parquet = rollout columns + these
@@ -91,7 +92,8 @@ SCORED_EXTRA = [
     ("reward_extra", pa.string()),       # JSON of a dict-valued compute_score result (else "{}")
     ("old_log_probs", pa.list_(pa.float32())),
     ("ref_log_probs", pa.list_(pa.float32())),
-    ("values", pa.list_(pa.float32())),
+    ("values", pa.list_(pa.float32())),               # the critic's; zeros in a run without a critic
+    ("reward_baseline", pa.float32()),               # score of the prompt's greedy response (remax), else null
 ]
 SCORED = pa.schema(list(ROLLOUT) + [pa.field(n, t) for n, t in SCORED_EXTRA])
 

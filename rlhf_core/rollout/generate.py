@@ -244,4 +244,11 @@ def rollout_table(prompt_rows: Sequence[Mapping[str, Any]], samples: Sequence[Ge
         columns["sampling_seed"].append(s.seed if s.seed is not None else -1)
         columns["reward_source"].append(row.get("reward_source") or row.get("data_source"))
         columns["extra_info"].append(row.get("extra_info") or "{}")
+        columns["uid"].append(group_uid(iteration, s.prompt_index))
     return pa.table(columns, schema=ROLLOUT)
+
+
+def group_uid(iteration: int, prompt_index: int) -> str:
+    """verl's uid of one prompt's group of responses: unique within the run and the same on every
+    rerun (verl draws a random uuid4; a reproducible rollout needs a reproducible id)."""
+    return f"{iteration}-{prompt_index}"

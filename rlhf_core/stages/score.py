@@ -125,9 +125,10 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
     meter = Throughput()
     old, ref, values, ref_reused = _passes(cfg, run, iteration, models, rows, meter)
     _check_lengths(rows, {"old_log_probs": old, "ref_log_probs": ref, "values": values})
-    scored = table
+    scored = with_uid(table)
+    baselines = [None] * len(rows)
     for name, column in [("reward", rewards), ("reward_extra", extras), ("old_log_probs", old),
-                         ("ref_log_probs", ref), ("values", values)]:
+                         ("ref_log_probs", ref), ("values", values), ("reward_baseline", baselines)]:
         scored = scored.append_column(name, pa.array(column, type=SCORED.field(name).type))
     out = run.scored(iteration)
     atomic_write_parquet(out, scored, schema=SCORED)
@@ -140,6 +141,15 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
 # ---------------------------------------------------------------------------------------------
 # inputs
 # ---------------------------------------------------------------------------------------------
+
+
+def with_uid(table: pa.Table) -> pa.Table:
+    """The rollout table with its ``uid`` column; a table written before uids existed gets each
+    prompt's group id from its iteration and prompt_id (what grouping by prompt gave then)."""
+    if "uid" in table.column_names:
+        return table
+    uids = [f"{k}-{p}" for k, p in zip(table.column("iteration").to_pylist(), table.column("prompt_id").to_pylist())]
+    return table.append_column("uid", pa.array(uids, pa.string()))
 
 
 def _where(path: Path, i: int, row: dict) -> str:

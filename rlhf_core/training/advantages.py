@@ -13,17 +13,18 @@ the controller that chooses it, and its state on disk, belong to the gae stage.
 
 from __future__ import annotations
 
-import inspect
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from rlhf_core.algos import apply_kl_penalty, get_adv_estimator, masked_mean, masked_whiten
+from rlhf_core.algos import (
+    accepted_kwargs, apply_kl_penalty, estimator_takes, get_adv_estimator, masked_whiten,
+)
 from rlhf_core.config import ConfigError
 from rlhf_core.data.schemas import ADVANTAGES_EXTRA, SCORED
 from rlhf_core.errors import DataError
@@ -41,13 +42,15 @@ class AdvantageSettings:
     norm_adv: bool = True
     use_kl_in_reward: bool = True
     kl_penalty: str = "kl"
+    norm_adv_by_std_in_grpo: bool = True
 
     @classmethod
     def from_algorithm(cls, algorithm: Any) -> "AdvantageSettings":
         """From ``cfg.algorithm`` (an ``AlgorithmConfig``)."""
         return cls(adv_estimator=algorithm.adv_estimator, gamma=float(algorithm.gamma), lam=float(algorithm.lam),
                    norm_adv=bool(algorithm.norm_adv), use_kl_in_reward=bool(algorithm.use_kl_in_reward),
-                   kl_penalty=algorithm.kl_penalty)
+                   kl_penalty=algorithm.kl_penalty,
+                   norm_adv_by_std_in_grpo=bool(algorithm.norm_adv_by_std_in_grpo))
 
 
 @dataclass
@@ -60,6 +63,8 @@ class ScoredBatch:
     values: torch.Tensor          # (B, T) float32, 0 at padding
     response_mask: torch.Tensor   # (B, T) bool, True for t < response_length
     lengths: np.ndarray           # (B,) int64 response lengths
+    index: np.ndarray             # (B,) object: verl's uid, the group (prompt) of each response
+    reward_baselines: Optional[torch.Tensor] = None  # (B,) float32: remax's greedy-response scores
 
 
 @dataclass
@@ -158,7 +163,31 @@ def scored_batch(table: pa.Table, source: str = "scored table") -> ScoredBatch:
     mask = torch.arange(width).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)
     return ScoredBatch(scores=torch.from_numpy(scores), old_log_probs=padded["old_log_probs"],
                        ref_log_probs=padded["ref_log_probs"], values=padded["values"], response_mask=mask,
-                       lengths=lengths)
+                       lengths=lengths, index=_group_index(table, source),
+                       reward_baselines=_reward_baselines(table, source))
+
+
+def _group_index(table: pa.Table, source: str) -> np.ndarray:
+    """verl's uid per row (the group the estimator normalises within). A null uid (a table written
+    before uids existed) groups the row with the other responses to its prompt in its iteration."""
+    uids = table.column("uid").to_pylist()
+    if any(u is None for u in uids):
+        fallback = [f"{k}-{p}" for k, p in zip(table.column("iteration").to_pylist(),
+                                               table.column("prompt_id").to_pylist())]
+        uids = [u if u is not None else f for u, f in zip(uids, fallback)]
+    return np.asarray(uids, dtype=object)
+
+
+def _reward_baselines(table: pa.Table, source: str) -> Optional[torch.Tensor]:
+    """The reward_baseline column as (B,) float32 when every row has one, None when none has."""
+    column = table.column("reward_baseline").combine_chunks()
+    if column.null_count == len(column):
+        return None
+    values = column.to_numpy(zero_copy_only=False).astype(np.float32)
+    if column.null_count or not np.isfinite(values).all():
+        i = _first(~np.isfinite(values))
+        raise DataError(f"{_where(table, i, source)}: reward_baseline is {column[i].as_py()}; rerun the score stage")
+    return torch.from_numpy(values)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -193,13 +222,16 @@ def estimate_advantages(batch: ScoredBatch, rewards: torch.Tensor,
     valid tokens when ``settings.norm_adv``, returns never (they are the critic's targets)."""
     estimator = _estimator(settings.adv_estimator)
     offered = dict(token_level_rewards=rewards, values=batch.values, response_mask=batch.response_mask,
-                   gamma=settings.gamma, lam=settings.lam)
-    params = inspect.signature(estimator).parameters
-    # An estimator takes what it needs (a critic-free one has no ``values``); **kwargs takes all.
-    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        offered = {k: v for k, v in offered.items() if k in params}
-    advantages, returns = estimator(**offered)
-    if settings.norm_adv:
+                   gamma=settings.gamma, lam=settings.lam, index=batch.index,
+                   norm_adv_by_std_in_grpo=settings.norm_adv_by_std_in_grpo)
+    if estimator_takes(settings.adv_estimator, "reward_baselines"):
+        if batch.reward_baselines is None:
+            raise DataError(f"algorithm.adv_estimator={settings.adv_estimator} needs each prompt's greedy baseline "
+                            "score (reward_baseline), which this scored table lacks; rerun rollout and score")
+        offered["reward_baselines"] = batch.reward_baselines
+    advantages, returns = estimator(**accepted_kwargs(estimator, offered))
+    # verl whitens GAE's advantages; every critic-free estimator normalises (or not) on its own.
+    if settings.norm_adv and estimator_takes(settings.adv_estimator, "values"):
         advantages = masked_whiten(advantages, batch.response_mask)
     zero = torch.zeros((), dtype=advantages.dtype)
     return torch.where(batch.response_mask, advantages, zero), torch.where(batch.response_mask, returns, zero)

@@ -28,7 +28,7 @@ from typing import Callable, Optional
 
 import torch
 
-from rlhf_core.algos import agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
+from rlhf_core.algos import accepted_kwargs, agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
 from rlhf_core.io.atomic import fault_point
 from rlhf_core.models.packed import packing_attention_mode
 from rlhf_core.progress import bar_disabled
@@ -58,6 +58,9 @@ class ActorLoss:
     """The rollout temperature: old log-probs were computed at it, so the ratio must be too."""
     loss_scale_factor: Optional[float] = None
     """seq-mean-token-sum-norm's constant divisor (``config.resolve.loss_scale_factor``)."""
+    loss_mode_settings: tuple[tuple[str, float], ...] = ()
+    """actor.policy_loss's per-mode knobs (clip_cov_ratio, kl_cov_ratio, ...), each offered to the
+    loss function, which takes those it names."""
 
     def __call__(self, engine, mb: MicroBatch, n_tok: int, n_seq: int):
         log_prob, entropy = actor_forward(engine, mb, self.temperature, entropy_grad=self.entropy_coeff != 0)
@@ -65,10 +68,11 @@ class ActorLoss:
         mask = mb.response_mask.to(log_prob.device)
         counts = dict(loss_agg_mode=self.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
                       loss_scale_factor=self.loss_scale_factor)
-        pg_loss, pg = get_policy_loss_fn(self.loss_mode)(
+        policy_loss = get_policy_loss_fn(self.loss_mode)
+        pg_loss, pg = policy_loss(**accepted_kwargs(policy_loss, dict(
             old_log_prob=t["old_log_probs"], log_prob=log_prob, advantages=t["advantages"], response_mask=mask,
             clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
-            clip_ratio_c=self.clip_ratio_c, **counts)
+            clip_ratio_c=self.clip_ratio_c, **counts, **dict(self.loss_mode_settings))))
         ent_loss = agg_loss(loss_mat=entropy, loss_mask=mask, **counts)
         loss, kl_loss = pg_loss, torch.zeros((), device=log_prob.device)
         if self.entropy_coeff != 0:

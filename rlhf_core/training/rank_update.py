@@ -18,7 +18,7 @@ import json
 import os
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator, Optional
 
@@ -99,7 +99,9 @@ def actor_loss_from_config(cfg: RLHFConfig) -> ActorLoss:
         clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
         loss_mode=a.policy_loss.loss_mode, entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
         kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, temperature=cfg.actor_rollout_ref.rollout.temperature,
-        loss_scale_factor=resolve.loss_scale_factor(cfg))
+        loss_scale_factor=resolve.loss_scale_factor(cfg),
+        loss_mode_settings=tuple((f.name, float(getattr(a.policy_loss, f.name))) for f in fields(a.policy_loss)
+                                 if f.name != "loss_mode"))
 
 
 def critic_loss_from_config(cfg: RLHFConfig) -> CriticLoss:
