@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from rlhf_core.config.resolve import micro_batching
+from rlhf_core.algos import estimator_takes
+from rlhf_core.config.notes import say_once
+from rlhf_core.config.resolve import micro_batching, needs_baseline_rollout, uses_critic
 from rlhf_core.config.schema import LOGGERS_HERE, DeepSpeedConfig, RLHFConfig, Section, require
 
 __all__ = ["LOGGERS_HERE", "effective_deepspeed", "validate"]  # run/plan.py reads LOGGERS_HERE here
@@ -25,7 +27,37 @@ def validate(cfg: RLHFConfig) -> None:
     cm = cfg.critic.ppo_mini_batch_size
     require(cm is None or 0 < cm <= d.train_batch_size, "critic.ppo_mini_batch_size",
             f"counts prompts, as in verl, and must be in [1, data.train_batch_size={d.train_batch_size}]", cm)
+    _validate_estimator(cfg)
     _validate_batching(cfg)
+
+
+def _validate_estimator(cfg: RLHFConfig) -> None:
+    """A critic exactly when the estimator reads values (or critic.enable says so), and the
+    rollout.n and reward inputs the chosen estimator groups over."""
+    alg = cfg.algorithm
+    if cfg.critic.enable is False:
+        require(not uses_estimator_values(cfg), "critic.enable",
+                f"must not be false with algorithm.adv_estimator={alg.adv_estimator}, which reads the critic's "
+                "values; choose a critic-free estimator (grpo, rloo, reinforce_plus_plus, ...) or drop the key",
+                cfg.critic.enable)
+    if not uses_critic(cfg):
+        say_once(f"config: algorithm.adv_estimator={alg.adv_estimator} uses no critic: none is built, scored, trained "
+                 "or checkpointed, and critic.* settings are ignored (critic.enable=true trains one anyway)")
+    n = cfg.actor_rollout_ref.rollout.n
+    if alg.adv_estimator == "grpo_passk":
+        require(n >= 2, "actor_rollout_ref.rollout.n", "must be >= 2 for algorithm.adv_estimator=grpo_passk "
+                "(it compares the best response of a group with the second best)", n)
+    elif n == 1 and alg.adv_estimator in ("grpo", "rloo", "opo", "gpg", "reinforce_plus_plus_baseline"):
+        say_once(f"config: algorithm.adv_estimator={alg.adv_estimator} normalises within each prompt's "
+                 "actor_rollout_ref.rollout.n responses, and n=1 leaves one per group; set rollout.n >= 2 "
+                 "(verl's GRPO examples use 5)")
+    if needs_baseline_rollout(cfg) and cfg.actor_rollout_ref.rollout.name == "offline":
+        require(False, "actor_rollout_ref.rollout.name", f"cannot be offline with algorithm.adv_estimator="
+                f"{alg.adv_estimator}: its greedy baseline responses must be generated; use hf or vllm", "offline")
+
+
+def uses_estimator_values(cfg: RLHFConfig) -> bool:
+    return estimator_takes(cfg.algorithm.adv_estimator, "values")
 
 
 def _check_sections(section: Section, key: str) -> None:

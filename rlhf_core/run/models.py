@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.resolve import uses_critic
 from rlhf_core.errors import CheckpointError
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.run.layout import RunDir
@@ -71,9 +72,12 @@ def actor_path(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None) ->
     return ckpt / "actor" if ckpt else initial_actor_path(cfg)
 
 
-def critic_path(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None) -> Path:
+def critic_path(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None) -> Optional[Path]:
     """The value model to score with / train next: the last-good critic, else the run's initial
-    critic. With ``iteration``: the critic that iteration started from (``checkpoint_before``)."""
+    critic. With ``iteration``: the critic that iteration started from (``checkpoint_before``).
+    None in a run without a critic (``config.resolve.uses_critic``)."""
+    if not uses_critic(cfg):
+        return None
     ckpt = _start_checkpoint(run, iteration)
     # a checkpoint on disk without critic/ is from before the critic was saved; one only held in
     # memory (or to be rebuilt: resident models) always has its critic

@@ -15,6 +15,7 @@ import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.resolve import uses_critic
 from rlhf_core.io.atomic import atomic_dir
 from rlhf_core.io.timing import CHECKPOINT_WRITE, MODEL_LOAD, timed
 from rlhf_core.run.layout import RunDir
@@ -27,6 +28,10 @@ CONFIG_SECTIONS = ("critic.model.", "actor_rollout_ref.model.", "trainer.seed")
 def run_init_critic(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None,
                     force: bool = False) -> StageResult:
     out = run.critic_init
+    if not uses_critic(cfg):
+        return StageResult(stage="init_critic", skipped=True,
+                           summary=[f"no critic in this run: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
+                                    "reads no values (critic.enable=true builds one anyway)"])
 
     def body() -> StageResult:
         backbone = critic_backbone(cfg)

@@ -69,7 +69,8 @@ CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_rew
 class ModelPaths:
     actor: Path
     reference: Path
-    critic: Path
+    critic: Optional[Path]
+    """None in a run without a critic: the values column then holds zeros."""
     reward_model: Optional[Path]
     rm_input_tokenizer: Optional[Path] = None
     """reward_model.model.input_tokenizer: decode responses with it and re-render for the RM."""
@@ -100,8 +101,8 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
     if not run.train_prompts.is_file():
         raise DataError(f"{run.train_prompts} not found: run `rlhf stage preprocess --run-dir {run.root}` first")
     models = model_paths(cfg, run, iteration)
-    inputs = [rollout_path, run.train_prompts, models.actor, models.reference, models.critic]
-    inputs += [p for p in (models.reward_model, models.rm_input_tokenizer) if p is not None]
+    inputs = [rollout_path, run.train_prompts, models.actor, models.reference]
+    inputs += [p for p in (models.critic, models.reward_model, models.rm_input_tokenizer) if p is not None]
 
     def body() -> StageResult:
         ensure_state(cfg, run, run.checkpoint_iteration(models.actor))  # held in memory, on disk, or rebuilt now
@@ -322,6 +323,8 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter, s
     old = logprobs(models.actor, "actor")
     ref_reused = same_weights(models.actor, models.reference)
     ref = [None if x is None else list(x) for x in old] if ref_reused else logprobs(models.reference, "reference")
+    if models.critic is None:  # a critic-free estimator: the column keeps its shape, nobody reads it
+        return old, ref, [None if x is None else [0.0] * len(x) for x in old], ref_reused
     critic = load_critic(models.critic, device, dtype, attention=cfg.critic.model.override_config.attn_implementation)
     values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common("critic"))
     values = _as_lists(values)
