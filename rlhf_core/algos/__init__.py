@@ -16,6 +16,16 @@ from .controllers import (
 from .kl import apply_kl_penalty, get_kl_estimator, kl_estimator_names, kl_penalty
 from .logits import entropy_from_logits, logprobs_from_logits
 from .losses import compute_policy_loss, compute_value_loss
+from .outcome import (
+    compute_gpg_advantage,
+    compute_grpo_advantage,
+    compute_grpo_passk_advantage,
+    compute_opo_advantage,
+    compute_reinforce_plus_plus_advantage,
+    compute_reinforce_plus_plus_baseline_advantage,
+    compute_remax_advantage,
+    compute_rloo_advantage,
+)
 from .registry import (
     ADV_ESTIMATORS,
     AGG_MODES,
@@ -51,7 +61,15 @@ __all__ = [
     "apply_kl_penalty",
     "compute_gae",
     "compute_gae_reference",
+    "compute_gpg_advantage",
+    "compute_grpo_advantage",
+    "compute_grpo_passk_advantage",
+    "compute_opo_advantage",
     "compute_policy_loss",
+    "compute_reinforce_plus_plus_advantage",
+    "compute_reinforce_plus_plus_baseline_advantage",
+    "compute_remax_advantage",
+    "compute_rloo_advantage",
     "compute_value_loss",
     "discounted_reverse_cumsum",
     "entropy_from_logits",

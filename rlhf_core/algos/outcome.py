@@ -1,0 +1,329 @@
+"""Critic-free advantage estimators: outcome (sequence-level) rewards, baselines from the group.
+
+Registered under verl's names with verl's semantics (verl/trainer/ppo/core_algos.py). Shapes:
+``token_level_rewards`` and ``response_mask`` (B, T); ``index`` (B,) numpy array of group ids (verl's
+uid: the rollout.n responses to one prompt share one); ``reward_baselines`` (B,). Every estimator
+returns ``(advantages, returns)``, both (B, T), 0 at masked positions, in ``token_level_rewards``'
+dtype (half types are reduced in float32).
+
+A response's *score* is the sum of its token-level rewards over its valid tokens. verl sums the whole
+row, which is the same thing under the contract that rewards are 0 at padding; summing only valid
+tokens keeps junk at masked positions out. A fully masked row thus scores 0 and, as in verl, still
+counts as a member of its group (in the group's mean, std and size).
+
+Groups are handled without a Python loop over rows: ``np.unique(index, return_inverse=True)`` gives
+each row a group number, and per-group sums come from ``index_add_``.
+
+None of these estimators names ``values``: naming it would make a run build a critic.
+"""
+
+from __future__ import annotations
+
+from typing import Union
+
+import numpy as np
+import torch
+
+from .advantage import discounted_reverse_cumsum
+from .aggregation import masked_sum, masked_whiten
+from .registry import register_adv_estimator
+
+Scalar = Union[float, torch.Tensor]
+
+# verl's epsilon in every group-std division (compute_grpo_outcome_advantage's default).
+GRPO_EPSILON = 1e-6
+
+
+def _valid(mask: torch.Tensor) -> torch.Tensor:
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def _math_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Group statistics over a few responses still lose most of bf16's 8 mantissa bits.
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _scores(token_level_rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B,) sum of each row's rewards over its valid tokens, in the math dtype."""
+    return masked_sum(token_level_rewards.to(_math_dtype(token_level_rewards.dtype)), valid, dim=-1)
+
+
+def _broadcast(per_row: torch.Tensor, valid: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """(B,) -> (B, T): the row's value at its valid tokens, 0 elsewhere, in ``like``'s dtype."""
+    zero = torch.zeros((), dtype=per_row.dtype, device=per_row.device)
+    return torch.where(valid, per_row.unsqueeze(-1), zero).to(like.dtype)
+
+
+class _Groups:
+    """Row -> group number for a (B,) ``index``, and per-group reductions of (B,) tensors."""
+
+    def __init__(self, index: np.ndarray, batch: int, device: torch.device) -> None:
+        index = np.asarray(index)
+        if index.shape != (batch,):
+            raise ValueError(f"index must hold one group id per row, shape ({batch},); got shape {index.shape}")
+        try:
+            self.ids, inverse = np.unique(index, return_inverse=True)
+        except TypeError as exc:
+            raise ValueError(f"index holds group ids that cannot be compared with each other ({exc}); "
+                             "give every row a group id of one type (verl's uid strings)") from None
+        self.row_group = torch.as_tensor(inverse.reshape(-1), dtype=torch.long, device=device)
+        self.count = self.sum(torch.ones(batch, dtype=torch.float64, device=device))
+
+    def __len__(self) -> int:
+        return len(self.ids)
+
+    def sum(self, per_row: torch.Tensor) -> torch.Tensor:
+        """(G,) sums of ``per_row`` over each group's rows."""
+        out = torch.zeros(len(self.ids), dtype=per_row.dtype, device=per_row.device)
+        return out.index_add_(0, self.row_group, per_row)
+
+    def size(self, like: torch.Tensor) -> torch.Tensor:
+        """(G,) group sizes in ``like``'s dtype."""
+        return self.count.to(like.dtype)
+
+    def mean(self, scores: torch.Tensor) -> torch.Tensor:
+        """(G,) group means."""
+        return self.sum(scores) / self.size(scores)
+
+    def std(self, scores: torch.Tensor) -> torch.Tensor:
+        """(G,) unbiased (n - 1) group standard deviations, as torch.std; 0 for a group of one
+        (callers that need verl's value there override it)."""
+        centered = scores - self.mean(scores)[self.row_group]
+        return torch.sqrt(self.sum(centered.square()) / (self.size(scores) - 1).clamp(min=1))
+
+
+def _verl_group_mean(groups: _Groups, scores: torch.Tensor) -> torch.Tensor:
+    """(G,) group means, except 0 for a group of one: verl's baseline there, so a lone response keeps
+    its raw score rather than getting advantage 0."""
+    single = groups.size(scores) == 1
+    return torch.where(single, torch.zeros_like(scores[:1]), groups.mean(scores))
+
+
+@register_adv_estimator("grpo")
+def compute_grpo_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GRPO (Shao et al. 2024, https://arxiv.org/abs/2402.03300): ``A_i = (s_i - mean_g) / (std_g + 1e-6)``
+    broadcast over row i's valid tokens, g the row's group, std unbiased (n - 1).
+
+    Without ``norm_adv_by_std_in_grpo`` (Dr. GRPO) only the mean is subtracted. Returns equal the
+    advantages. Edge cases, as verl: a group of one uses mean 0 and std 1, so its advantage is
+    ``s / (1 + 1e-6)`` (``s`` unnormalised); all-equal rewards give std 0 and advantage 0; a fully
+    masked row has score 0 (it still counts in its group) and all-zero output.
+    """
+    valid = _valid(response_mask)
+    scores = _scores(token_level_rewards, valid)
+    groups = _Groups(index, scores.shape[0], scores.device)
+    centered = scores - _verl_group_mean(groups, scores)[groups.row_group]
+    if norm_adv_by_std_in_grpo:
+        single = groups.size(scores) == 1
+        std = torch.where(single, torch.ones_like(scores[:1]), groups.std(scores))
+        centered = centered / (std[groups.row_group] + GRPO_EPSILON)
+    advantages = _broadcast(centered, valid, token_level_rewards)
+    return advantages, advantages.clone()
+
+
+@register_adv_estimator("grpo_passk")
+def compute_grpo_passk_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k training (Chen et al. 2025, https://arxiv.org/abs/2503.19595): in each group only the
+    best response gets a non-zero advantage, ``s_max - s_second`` (divided by ``std_g + 1e-6`` when
+    ``norm_adv_by_std_in_grpo``); every other row gets 0. Returns equal the advantages.
+
+    Raises ``ValueError`` naming the group when a group has fewer than 2 responses (rollout.n must
+    be >= 2), as verl does. A tie for the best gives 0 to every row of the group (the margin is 0,
+    whichever tied row is picked); all-equal rewards likewise give 0.
+    """
+    valid = _valid(response_mask)
+    scores = _scores(token_level_rewards, valid)
+    groups = _Groups(index, scores.shape[0], scores.device)
+    sizes = groups.size(scores)
+    small = (sizes < 2).nonzero().flatten().tolist()
+    if small:
+        named = ", ".join(repr(groups.ids[g]) for g in small[:5]) + (" ..." if len(small) > 5 else "")
+        raise ValueError(f"grpo_passk needs at least 2 responses per group, so rollout.n must be >= 2; "
+                         f"{len(small)} group(s) have one: index {named}")
+    # Rows sorted by group, best score first within a group (two stable sorts).
+    by_score = torch.argsort(scores, descending=True, stable=True)
+    order = by_score[torch.argsort(groups.row_group[by_score], stable=True)]
+    first = (torch.cumsum(groups.count, 0) - groups.count).long()
+    best, second = order[first], order[first + 1]
+    margin = scores[best] - scores[second]
+    if norm_adv_by_std_in_grpo:
+        margin = margin / (groups.std(scores) + GRPO_EPSILON)
+    per_row = torch.zeros_like(scores).index_put_((best,), margin)
+    advantages = _broadcast(per_row, valid, token_level_rewards)
+    return advantages, advantages.clone()
+
+
+@register_adv_estimator("rloo")
+def compute_rloo_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """RLOO (Ahmadian et al. 2024, https://arxiv.org/abs/2402.14740): the baseline of row i is the mean
+    of the *other* responses in its group, ``A_i = s_i - (sum_g - s_i) / (n - 1) = (s_i - mean_g) * n / (n - 1)``.
+
+    Returns equal the advantages. Edge cases, as verl: a group of one keeps its raw score (no other
+    response to compare with); all-equal rewards give 0; a fully masked row scores 0 and gives zeros.
+    """
+    valid = _valid(response_mask)
+    scores = _scores(token_level_rewards, valid)
+    groups = _Groups(index, scores.shape[0], scores.device)
+    sizes = groups.size(scores)
+    scale = (sizes / (sizes - 1).clamp(min=1))[groups.row_group]
+    leave_one_out = (scores - groups.mean(scores)[groups.row_group]) * scale
+    per_row = torch.where(sizes[groups.row_group] > 1, leave_one_out, scores)
+    advantages = _broadcast(per_row, valid, token_level_rewards)
+    return advantages, advantages.clone()
+
+
+@register_adv_estimator("opo")
+def compute_opo_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """OPO (Hao et al. 2025, https://arxiv.org/abs/2505.23585): the baseline is the group's
+    length-weighted mean score, ``b_g = sum_i |y_i| s_i / sum_i |y_i|`` with ``|y_i|`` the valid-token
+    count of row i; ``A_i = s_i - b_g``. Returns equal the advantages.
+
+    Edge cases: a group of one uses baseline 0 (raw score), as verl; all-equal rewards give 0. A group
+    of two or more whose rows are all fully masked gets baseline 0 (verl divides 0 by 0 and gives NaN
+    there); its rows score 0, so their output is 0.
+    """
+    valid = _valid(response_mask)
+    scores = _scores(token_level_rewards, valid)
+    groups = _Groups(index, scores.shape[0], scores.device)
+    lengths = valid.sum(dim=-1).to(scores.dtype)
+    total_length = groups.sum(lengths)
+    weighted = groups.sum(lengths * scores) / total_length.clamp(min=1)
+    use_baseline = (groups.size(scores) > 1) & (total_length > 0)
+    baseline = torch.where(use_baseline, weighted, torch.zeros_like(weighted))
+    advantages = _broadcast(scores - baseline[groups.row_group], valid, token_level_rewards)
+    return advantages, advantages.clone()
+
+
+@register_adv_estimator("gpg")
+def compute_gpg_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025, https://arxiv.org/abs/2504.02546): ``A_i = alpha * (s_i - mean_g)`` with
+    ``alpha = B / max(#rows with s != 0, 1)`` over the whole batch (verl's f_norm = 1, no std division).
+
+    Returns equal the advantages. Edge cases, as verl: a group of one uses mean 0, so gets
+    ``alpha * s``; all-equal rewards give 0; a fully masked row scores 0 (it does not count in alpha's
+    denominator but does in B and in its group) and gives zeros.
+    """
+    valid = _valid(response_mask)
+    scores = _scores(token_level_rewards, valid)
+    groups = _Groups(index, scores.shape[0], scores.device)
+    alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
+    per_row = alpha * (scores - _verl_group_mean(groups, scores)[groups.row_group])
+    advantages = _broadcast(per_row, valid, token_level_rewards)
+    return advantages, advantages.clone()
+
+
+@register_adv_estimator("reinforce_plus_plus_baseline")
+def compute_reinforce_plus_plus_baseline_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ with a group baseline (Hu 2025, https://arxiv.org/abs/2501.03262): ``s_i - mean_g``
+    broadcast over row i's valid tokens, then whitened over all valid tokens of the batch
+    (``masked_whiten``: token-weighted mean, unbiased variance). Returns equal the advantages.
+
+    Edge cases: a group of one uses mean 0 (raw score) before whitening, as verl; all-equal rewards
+    in every group give all-zero centred scores and so 0 after whitening. With fewer than two valid
+    tokens in the whole batch verl's whitening raises; ours gives 0 there.
+    """
+    valid = _valid(response_mask)
+    scores = _scores(token_level_rewards, valid)
+    groups = _Groups(index, scores.shape[0], scores.device)
+    centered = _broadcast(scores - _verl_group_mean(groups, scores)[groups.row_group], valid, scores)
+    advantages = masked_whiten(centered, valid).to(token_level_rewards.dtype)
+    return advantages, advantages.clone()
+
+
+def _segment_returns(rewards: torch.Tensor, valid: torch.Tensor, gamma: Scalar) -> torch.Tensor:
+    """Discounted reward-to-go that restarts at every masked position, 0 at masked positions.
+
+    For valid t, ``G_t = sum_{t <= s < e_t} gamma**(s - t) r_s`` with e_t the first masked position
+    after t (or T): a masked token ends a segment, as verl's "reset after EOS" does. Computed as the
+    full discounted reverse cumsum minus its part past e_t (r is zeroed at masked positions, so
+    ``full[e_t]`` holds exactly that part), in float64 to keep the subtraction exact enough.
+    """
+    r = torch.where(valid, rewards.to(torch.float64), torch.zeros((), dtype=torch.float64, device=rewards.device))
+    full = discounted_reverse_cumsum(r, gamma)
+    length = r.shape[-1]
+    positions = torch.arange(length, device=r.device)
+    stops = torch.where(valid, torch.full_like(positions, length), positions)
+    segment_end = torch.flip(torch.cummin(torch.flip(stops, [-1]), dim=-1).values, [-1])
+    past_end = torch.gather(torch.nn.functional.pad(full, (0, 1)), 1, segment_end)
+    decay = torch.pow(torch.as_tensor(gamma, dtype=torch.float64, device=r.device), (segment_end - positions).double())
+    returns = full - decay * past_end
+    return torch.where(valid, returns, torch.zeros((), dtype=torch.float64, device=r.device))
+
+
+@register_adv_estimator("reinforce_plus_plus")
+def compute_reinforce_plus_plus_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    gamma: Scalar,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """REINFORCE++ (Hu 2025, https://arxiv.org/abs/2501.03262): returns are the discounted reward-to-go
+    ``G_t = r_t + gamma * G_{t+1}``, restarted after every masked position (verl's reset after EOS: a
+    hole inside a row cuts the sum, so tokens before the hole do not see rewards after it); the
+    advantages are the returns whitened over all valid tokens of the batch.
+
+    Edge cases: a fully masked row gives zeros and is left out of the whitening statistics; with
+    fewer than two valid tokens in the batch verl's whitening raises, ours gives advantage 0.
+    verl's returns hold ``r_t + gamma * G_{t+1}`` at a masked position t; ours hold 0 there.
+    """
+    valid = _valid(response_mask)
+    returns = _segment_returns(token_level_rewards, valid, gamma)
+    advantages = masked_whiten(returns, valid)
+    return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
+
+
+@register_adv_estimator("remax")
+def compute_remax_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    reward_baselines: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """ReMax (Li et al. 2023, https://arxiv.org/abs/2310.10505): returns are the undiscounted reward-to-go
+    over valid tokens, ``G_t = sum_{s >= t, s valid} r_s`` (holes pass through: no restart, unlike
+    reinforce_plus_plus; verl ignores gamma here too), and ``A_t = G_t - b`` with ``b`` the row's
+    ``reward_baselines`` entry (the score of a greedy response to the same prompt). No whitening.
+
+    Edge cases: a fully masked row gives zeros; verl leaves ``G_t`` (not 0) at masked positions
+    inside a row, ours are 0 there.
+    """
+    valid = _valid(response_mask)
+    dtype = _math_dtype(token_level_rewards.dtype)
+    zero = torch.zeros((), dtype=dtype, device=token_level_rewards.device)
+    r = torch.where(valid, token_level_rewards.to(dtype), zero)
+    to_go = torch.flip(torch.cumsum(torch.flip(r, [-1]), dim=-1), [-1])
+    returns = torch.where(valid, to_go, zero)
+    advantages = torch.where(valid, to_go - reward_baselines.to(device=r.device, dtype=dtype).unsqueeze(-1), zero)
+    return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
