@@ -27,13 +27,15 @@ Inspect it with DuckDB:  SELECT avg(list_sum(token_level_rewards)) FROM 'RUN/ite
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Optional
 
 import pyarrow.parquet as pq
 
 from rlhf_core.training.advantages import AdvantageSettings, compute_advantages
-from rlhf_core.algos import make_kl_controller
+from rlhf_core.algos import estimator_takes, make_kl_controller
+from rlhf_core.config.resolve import uses_critic
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.data.schemas import ADVANTAGES
 from rlhf_core.errors import DataError, RLHFError
@@ -91,7 +93,7 @@ def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path):
 
 
 def _gae(cfg: RLHFConfig, run: RunDir, k: int) -> StageResult:
-    settings = AdvantageSettings.from_algorithm(cfg.algorithm)
+    settings = replace(AdvantageSettings.from_algorithm(cfg.algorithm), use_critic=uses_critic(cfg))
     controller = None
     if settings.use_kl_in_reward:
         controller = kl_controller_for(cfg, kl_state_before(run, k), run.kl_snapshot(k))
@@ -120,13 +122,19 @@ def _gae(cfg: RLHFConfig, run: RunDir, k: int) -> StageResult:
 
 
 def _summary(settings, out, metrics: dict[str, float], kl_lines: list[str], path: Path) -> list[str]:
-    whitened = "whitened" if settings.norm_adv else "not whitened (algorithm.norm_adv=false)"
+    spread = (f"mean {metrics['advantages/mean']:.4f} in [{metrics['advantages/min']:.3f}, "
+              f"{metrics['advantages/max']:.3f}]")
+    if estimator_takes(settings.adv_estimator, "values"):
+        whitened = "whitened" if settings.norm_adv else "not whitened (algorithm.norm_adv=false)"
+        values = f"; values mean {metrics['critic/values_mean']:.4f}" if settings.use_critic else ""
+        estimate = (f"{settings.adv_estimator} γ={settings.gamma:g} λ={settings.lam:g}: advantages {whitened}, "
+                    f"{spread}; returns mean {metrics['returns/mean']:.4f}{values}")
+    else:
+        estimate = f"{settings.adv_estimator} over {out.num_groups} prompt groups: advantages {spread}"
     return [
         f"{out.num_responses} responses; score mean {metrics['reward/score_mean']:.4f}, token-level reward "
         f"per response {metrics['reward/token_level_mean']:.4f}",
         *kl_lines,
-        f"{settings.adv_estimator} γ={settings.gamma:g} λ={settings.lam:g}: advantages {whitened}, mean "
-        f"{metrics['advantages/mean']:.4f} in [{metrics['advantages/min']:.3f}, {metrics['advantages/max']:.3f}]; "
-        f"returns mean {metrics['returns/mean']:.4f}; values mean {metrics['critic/values_mean']:.4f}",
+        estimate,
         f"wrote {path}",
     ]

@@ -43,6 +43,8 @@ class AdvantageSettings:
     use_kl_in_reward: bool = True
     kl_penalty: str = "kl"
     norm_adv_by_std_in_grpo: bool = True
+    use_critic: bool = True
+    """Whether the run has a critic (``config.resolve.uses_critic``): its values metrics are reported."""
 
     @classmethod
     def from_algorithm(cls, algorithm: Any) -> "AdvantageSettings":
@@ -73,6 +75,7 @@ class AdvantageOutput:
     metrics: dict[str, float]
     kl_mean: float                # what a KL controller is fed: mean over responses of the per-token mean KL
     num_responses: int
+    num_groups: int               # distinct uids: prompts, each with its rollout.n responses
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,11 +258,12 @@ def explained_variance(returns: torch.Tensor, values: torch.Tensor) -> float:
 
 
 def advantage_metrics(batch: ScoredBatch, rewards: torch.Tensor, advantages: torch.Tensor, returns: torch.Tensor,
-                      *, kl_coef: float, kl_mean: float, kl_in_reward: bool = False) -> dict[str, float]:
+                      *, kl_coef: float, kl_mean: float, kl_in_reward: bool = False,
+                      use_critic: bool = True) -> dict[str, float]:
     """verl's names (compute_data_metrics' reductions): critic/rewards/{mean,max,min} over the
     per-response sums of token-level rewards (empty responses left out, as verl leaves out aborted
     ones), critic/{advantages,returns,values}/{mean,max,min} and critic/vf_explained_var over
-    valid tokens; with the KL in the reward, actor/reward_kl_penalty (the measured KL fed to the
+    valid tokens (the values ones only with ``use_critic``, as verl); with the KL in the reward, actor/reward_kl_penalty (the measured KL fed to the
     controller) and actor/reward_kl_penalty_coeff (the coefficient used).
 
     Ours, kept as aliases: kl/in_reward_mean, kl/coef, reward/score_mean (mean sequence score),
@@ -284,7 +288,11 @@ def advantage_metrics(batch: ScoredBatch, rewards: torch.Tensor, advantages: tor
         metrics.update({"actor/reward_kl_penalty": kl_mean, "actor/reward_kl_penalty_coeff": float(kl_coef)})
     for name in ("advantages", "returns"):
         metrics.update({f"{name}/{s}": metrics[f"critic/{name}/{s}"] for s in ("mean", "max", "min")})
-    metrics["critic/values_mean"] = metrics["critic/values/mean"]
+    if use_critic:
+        metrics["critic/values_mean"] = metrics["critic/values/mean"]
+    else:
+        for key in [k for k in metrics if k.startswith("critic/values/")] + ["critic/vf_explained_var"]:
+            del metrics[key]
     assert all(math.isfinite(v) for v in metrics.values()), metrics  # inputs were checked finite
     return metrics
 
@@ -304,5 +312,6 @@ def compute_advantages(table: pa.Table, *, kl_coef: float, settings: AdvantageSe
     for (name, _), tensor in zip(ADVANTAGES_EXTRA, (rewards, advantages, returns)):
         out = out.append_column(name, unpad(tensor, batch.lengths))
     metrics = advantage_metrics(batch, rewards, advantages, returns, kl_coef=coef, kl_mean=kl_mean,
-                                kl_in_reward=settings.use_kl_in_reward)
-    return AdvantageOutput(table=out, metrics=metrics, kl_mean=kl_mean, num_responses=table.num_rows)
+                                kl_in_reward=settings.use_kl_in_reward, use_critic=settings.use_critic)
+    return AdvantageOutput(table=out, metrics=metrics, kl_mean=kl_mean, num_responses=table.num_rows,
+                           num_groups=len(set(batch.index.tolist())))

@@ -52,7 +52,7 @@ from rlhf_core.io.checksums import FORMAT_VERSION, write_manifest
 from rlhf_core.io.timing import background
 from rlhf_core.io.safetensors_stream import LazyTensor, Source, write_hashed_json, write_safetensors
 from rlhf_core.training.distributed import DistInfo, barrier
-from rlhf_core.training.engines import TrainEngine
+from rlhf_core.training.engines import TrainEngine, present
 from rlhf_core.training.optim_state import SEP, prime_optimizer, restore_optimizer_state
 from rlhf_core.training.train_state import (TrainState, module_tensors, restore_optim, restore_rng, rng_state,
                                             role_views, shard_weights)
@@ -236,9 +236,9 @@ def _role_job(te: TrainEngine, dist: DistInfo, state: Optional[TrainState]) -> _
     return job
 
 
-def _make_job(actor: TrainEngine, critic: TrainEngine, dist: DistInfo, state: Optional[TrainState],
+def _make_job(actor: TrainEngine, critic: Optional[TrainEngine], dist: DistInfo, state: Optional[TrainState],
               tokenizer_path: Path, trainer_state: dict, lora_base: Optional[Path]) -> _Job:
-    roles = [_role_job(te, dist, state) for te in (actor, critic)]  # collective calls in one fixed order
+    roles = [_role_job(te, dist, state) for te in present(actor, critic)]  # collective calls in one fixed order
     rng_tensors, rng_json = (state.rng_tensors, state.rng_json) if state is not None else rng_state()
     return _Job(roles, rng_tensors, rng_json, dict(trainer_state), Path(tokenizer_path),
                 Path(lora_base) if lora_base is not None else None)
@@ -353,7 +353,7 @@ def _save_multi_rank(directory: Path, job: _Job, dist: DistInfo) -> None:
         barrier()
 
 
-def save_checkpoint(directory: str | Path, *, actor: TrainEngine, critic: TrainEngine, tokenizer_path: Path,
+def save_checkpoint(directory: str | Path, *, actor: TrainEngine, critic: Optional[TrainEngine], tokenizer_path: Path,
                     trainer_state: dict[str, Any], dist: DistInfo, lora_base: Optional[Path] = None,
                     state: Optional[TrainState] = None) -> Path:
     """Write the checkpoint atomically; every rank must call (each writes its own optimizer shard;
@@ -385,7 +385,7 @@ class BackgroundWriter:
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
-    def submit(self, directory: str | Path, state: TrainState, *, actor: TrainEngine, critic: TrainEngine,
+    def submit(self, directory: str | Path, state: TrainState, *, actor: TrainEngine, critic: Optional[TrainEngine],
                tokenizer_path: Path, trainer_state: dict[str, Any],
                on_done: Optional[Callable[[Path], None]] = None, lora_base: Optional[Path] = None) -> None:
         """Start writing ``directory`` from ``state``. Everything read from the engines (configs,

@@ -206,6 +206,11 @@ class TrainEngine:
         self.set_lr_schedule_step(self.lr_schedule_step + 1)
 
 
+def present(*engines: Optional[TrainEngine]) -> list[TrainEngine]:
+    """The engines a run has, in role order (actor, critic): a critic-free run passes critic=None."""
+    return [te for te in engines if te is not None]
+
+
 def make_optimizer(params: list[torch.nn.Parameter], optim: OptimConfig, *, cpu_adam: bool) -> torch.optim.Optimizer:
     """The client optimizer: torch's AdamW, or with ``cpu_adam`` (optimizer offload on CUDA,
     ``ds_config.uses_cpu_adam``) DeepSpeed's ``DeepSpeedCPUAdam`` in AdamW mode — the same update

@@ -65,6 +65,7 @@ def update_inputs(cfg: RLHFConfig, run: RunDir, k: int) -> list[Path]:
             paths.append(ckpt / "actor_adapter")
     else:
         paths = [run.advantages(k), actor_path(cfg, run, k), critic_path(cfg, run, k)]
+    paths = [p for p in paths if p is not None]  # critic_path: None without a critic
     if ckpt is not None:
         paths.append(ckpt / "deepspeed")
     return paths

@@ -265,12 +265,14 @@ class Shapes:
     """The three models' sizes (config.json of each)."""
 
     actor: ModelShape
-    critic: ModelShape
+    critic: Optional[ModelShape]
+    """None in a run without a critic."""
     reference: ModelShape
 
     @classmethod
-    def read(cls, actor: Path, critic: Path, reference: Path) -> "Shapes":
-        return cls(ModelShape.read(actor), ModelShape.read(critic), ModelShape.read(reference))
+    def read(cls, actor: Path, critic: Optional[Path], reference: Path) -> "Shapes":
+        return cls(ModelShape.read(actor), ModelShape.read(critic) if critic is not None else None,
+                   ModelShape.read(reference))
 
 
 def micro_batch_tokens(cfg: RLHFConfig, role: str, world_size: int) -> int:
@@ -298,20 +300,22 @@ def estimate(cfg: RLHFConfig, shapes: Shapes, *, device: str, world_size: int, d
     actor_dtype = resolve_dtype(effective_deepspeed(cfg).dtype, device)
     critic_dtype = resolve_dtype(cfg.critic.deepspeed_config.dtype, device)
     actor_params = shapes.actor.parameters("lm")
-    critic_params = shapes.critic.parameters("value")
     lora = arr.model.lora_rank
     actor_trainable = shapes.actor.lora_parameters(lora) if lora > 0 else actor_params
-    state = (train_state("actor", actor_params + (actor_trainable if lora > 0 else 0), actor_trainable,
-                         Placement.of(effective_deepspeed(cfg), actor_dtype, world_size))
-             + train_state("critic", critic_params, critic_params,
-                           Placement.of(cfg.critic.deepspeed_config, critic_dtype, world_size)))
+    state = train_state("actor", actor_params + (actor_trainable if lora > 0 else 0), actor_trainable,
+                        Placement.of(effective_deepspeed(cfg), actor_dtype, world_size))
+    if shapes.critic is not None:
+        critic_params = shapes.critic.parameters("value")
+        state += train_state("critic", critic_params, critic_params,
+                             Placement.of(cfg.critic.deepspeed_config, critic_dtype, world_size))
     actor_tokens = micro_batch_tokens(cfg, "actor", world_size)
     critic_tokens = micro_batch_tokens(cfg, "critic", world_size)
     actor_mb = [Term("actor activations", activations(shapes.actor, actor_tokens, actor_dtype,
                                                       arr.model.enable_gradient_checkpointing)),
                 Term("actor logits", response_logits(shapes.actor, actor_tokens, actor_dtype, response_share(cfg)))]
-    critic_mb = [Term("critic activations", activations(shapes.critic, critic_tokens, critic_dtype,
-                                                        cfg.critic.model.enable_gradient_checkpointing))]
+    critic_mb = [] if shapes.critic is None else [
+        Term("critic activations", activations(shapes.critic, critic_tokens, critic_dtype,
+                                               cfg.critic.model.enable_gradient_checkpointing))]
     larger = max(actor_mb, critic_mb, key=lambda terms: sum(t.device for t in terms))
     phases = {"update": state + larger}
     kept = [Term(t.name, t.device, t.host) for t in state] if resident else []
@@ -324,8 +328,9 @@ def estimate(cfg: RLHFConfig, shapes: Shapes, *, device: str, world_size: int, d
 def scoring_terms(cfg: RLHFConfig, shapes: Shapes, dtype: str, world_size: int) -> list[Term]:
     """The largest frozen model scoring loads whole (one at a time) and its log-prob forward's logits."""
     b = DTYPE_BYTES[dtype]
-    models = [("reference", shapes.reference.parameters("lm")), ("actor (scoring)", shapes.actor.parameters("lm")),
-              ("critic (scoring)", shapes.critic.parameters("value"))]
+    models = [("reference", shapes.reference.parameters("lm")), ("actor (scoring)", shapes.actor.parameters("lm"))]
+    if shapes.critic is not None:
+        models.append(("critic (scoring)", shapes.critic.parameters("value")))
     name, params = max(models, key=lambda m: m[1])
     tokens = micro_batch_tokens(cfg, "ref", world_size)
     return [Term(f"{name} weights", params * b),

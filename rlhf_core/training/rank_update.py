@@ -41,7 +41,7 @@ from rlhf_core.training.distributed import DistInfo, all_reduce, init_distribute
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device, resolve_dtype, torch_dtype
 from rlhf_core.training.lineage import weights_sample, write_state_record
 from rlhf_core.training.memory import Shapes, check_update_memory
-from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, load_actor_model, load_critic_model,
+from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, present, load_actor_model, load_critic_model,
                                         lr_schedule)
 from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule, aggregate, run_ppo
 
@@ -54,7 +54,8 @@ class UpdateSources:
     """The actor model (with LoRA: the frozen base)."""
     adapter: Optional[Path]
     """LoRA adapters to continue (None: fresh adapters)."""
-    critic: Path
+    critic: Optional[Path]
+    """None in a run without a critic (``config.resolve.uses_critic``)."""
     tokenizer: Path
     resume: Optional[Path]
     """Last-good checkpoint whose optimizer state continues here (None before the first commit)."""
@@ -142,8 +143,9 @@ def lr_schedule_for(optim: OptimConfig, total_steps: int):
 
 
 def build_engines(cfg: RLHFConfig, sources: UpdateSources, device: str, world_size: int,
-                  total_steps: int = 0) -> tuple[TrainEngine, TrainEngine]:
-    """The actor and critic engines; ``total_steps`` = the run's training steps (``training_steps``)."""
+                  total_steps: int = 0) -> tuple[TrainEngine, Optional[TrainEngine]]:
+    """The actor and critic engines (critic None in a run without one, ``sources.critic`` None);
+    ``total_steps`` = the run's training steps (``training_steps``)."""
     m = cfg.actor_rollout_ref.model
     lora = LoraSettings.from_config(m)
     actor_dtype = resolve_dtype(effective_deepspeed(cfg).dtype, device)
@@ -158,6 +160,8 @@ def build_engines(cfg: RLHFConfig, sources: UpdateSources, device: str, world_si
     actor = build_train_engine("actor", actor_model, a_optim, actor_ds, actor_dtype,
                                lr_schedule_for(a_optim, total_steps), device=device)
     actor.lora = lora
+    if sources.critic is None:
+        return actor, None
     critic_model = load_critic_model(sources.critic, torch_dtype(critic_dtype),
                                      gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
                                      attention=resolve_attention(cfg.critic.model.override_config.attn_implementation,
@@ -257,7 +261,7 @@ def trainer_state(cfg: RLHFConfig, run: RunDir, iteration: int, sources: UpdateS
                           "optimizer_steps_this_iteration": steps, "next_iteration": iteration + 1},
         "kl_ctrl": run.read_json(run.kl_ctrl_path),
         "sources": {"actor": str(sources.actor), "adapter": str(sources.adapter) if sources.adapter else None,
-                    "critic": str(sources.critic), "resumed_from": str(sources.resume) if sources.resume else None},
+                    "critic": str(sources.critic) if sources.critic else None, "resumed_from": str(sources.resume) if sources.resume else None},
         "lora": None if sources.adapter is None and cfg.actor_rollout_ref.model.lora_rank <= 0 else {
             "base": str(sources.actor), "rank": cfg.actor_rollout_ref.model.lora_rank,
             "alpha": cfg.actor_rollout_ref.model.lora_alpha,
@@ -265,15 +269,16 @@ def trainer_state(cfg: RLHFConfig, run: RunDir, iteration: int, sources: UpdateS
     }
 
 
-def role_schedules(cfg: RLHFConfig, actor: TrainEngine, critic: TrainEngine, iteration: int,
+def role_schedules(cfg: RLHFConfig, actor: TrainEngine, critic: Optional[TrainEngine], iteration: int,
                    world_size: int) -> list[RoleSchedule]:
     """What trains this iteration, critic first (verl's order): each role with its own budgets,
     mini-batch (prompts × rollout.n sequences), epochs and shuffle; the actor only when
-    ``resolve.actor_updates`` (verl's critic_warmup)."""
+    ``resolve.actor_updates`` (verl's critic_warmup); no critic in a run without one."""
     a = cfg.actor_rollout_ref.actor
-    roles = [RoleSchedule(critic, critic_loss_from_config(cfg), resolve.critic_epochs(cfg),
-                          micro_batch_plan(cfg, "critic", world_size), resolve.mini_batch_sequences(cfg, "critic"),
-                          resolve.critic_shuffle(cfg))]
+    roles = [] if critic is None else [
+        RoleSchedule(critic, critic_loss_from_config(cfg), resolve.critic_epochs(cfg),
+                     micro_batch_plan(cfg, "critic", world_size), resolve.mini_batch_sequences(cfg, "critic"),
+                     resolve.critic_shuffle(cfg))]
     if resolve.actor_updates(cfg, iteration):
         roles.append(RoleSchedule(actor, actor_loss_from_config(cfg), a.ppo_epochs,
                                   micro_batch_plan(cfg, "actor", world_size), resolve.mini_batch_sequences(cfg, "actor"),
@@ -284,24 +289,25 @@ def role_schedules(cfg: RLHFConfig, actor: TrainEngine, critic: TrainEngine, ite
 def check_update_data(cfg: RLHFConfig, run: RunDir, iteration: int, world_size: int) -> PPOData:
     """Iteration ``iteration``'s advantages table, checked against both roles' token budgets."""
     data = read_advantages(run.advantages(iteration))
-    for role in ("critic", "actor"):
+    for role in ("critic", "actor") if resolve.uses_critic(cfg) else ("actor",):
         check_budget(data, micro_batch_plan(cfg, role, world_size), run.advantages(iteration))
     return data
 
 
 def open_engines(cfg: RLHFConfig, run: RunDir, sources: UpdateSources, device: str, world_size: int
-                 ) -> tuple[TrainEngine, TrainEngine, int]:
+                 ) -> tuple[TrainEngine, Optional[TrainEngine], int]:
     """(actor, critic, pad id): engines built on ``sources``' weights, with the optimizer state and
     the RNG of the checkpoint they start from (``sources.resume``), else fresh and seeded. A config
     whose memory estimate does not fit the device is refused first (``memory.check_update_memory``)."""
     pad_id = _pad_id(sources.actor)
     # the initial models' shapes: a later checkpoint has the same ones, and one held only in memory has no file
-    shapes = Shapes.read(initial_actor_path(cfg), critic_backbone(cfg), reference_path(cfg))
+    shapes = Shapes.read(initial_actor_path(cfg), critic_backbone(cfg) if resolve.uses_critic(cfg) else None,
+                         reference_path(cfg))
     check_update_memory(cfg, shapes, device, world_size, announce=int(os.environ.get("RANK", "0")) == 0)
     actor, critic = build_engines(cfg, sources, device, world_size, training_steps(cfg, run))
     with cpu_threads(device, parameter_count(actor), world_size):
         if sources.resume is not None:
-            resume_optimizers(sources.resume, [actor, critic], pad_id)
+            resume_optimizers(sources.resume, present(actor, critic), pad_id)
         start_rng(cfg, sources)
     return actor, critic, pad_id
 
@@ -310,7 +316,7 @@ def parameter_count(actor: TrainEngine) -> int:
     return sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters())  # ZeRO-3: full size
 
 
-def train_iteration(cfg: RLHFConfig, iteration: int, data: PPOData, actor: TrainEngine, critic: TrainEngine,
+def train_iteration(cfg: RLHFConfig, iteration: int, data: PPOData, actor: TrainEngine, critic: Optional[TrainEngine],
                     dist: DistInfo, device: str, pad_id: int, *, progress: Optional[bool] = None
                     ) -> tuple[dict[str, float], Any]:
     """PPO on one iteration's data with engines that already hold the state it starts from (weights,
@@ -331,14 +337,14 @@ def train_iteration(cfg: RLHFConfig, iteration: int, data: PPOData, actor: Train
 
 
 def finish_update(cfg: RLHFConfig, run: RunDir, iteration: int, metrics: dict[str, float], outcome: Any,
-                  actor: TrainEngine, critic: TrainEngine, dist: DistInfo) -> None:
+                  actor: TrainEngine, critic: Optional[TrainEngine], dist: DistInfo) -> None:
     """Rank 0 records what the update produced: iter_K/metrics.json and iter_K/state.json."""
     if not dist.is_main:
         return
     atomic_write_json(run.metrics(iteration), {"iteration": iteration, "stage": "update", "metrics": metrics,
                                                "steps": outcome.steps})
     write_state_record(cfg, run, iteration, needs_total_steps=schedule_needs_total_steps(cfg),
-                       kl_ctrl=run.read_json(run.kl_ctrl_path), sample=weights_sample([actor.module, critic.module]))
+                       kl_ctrl=run.read_json(run.kl_ctrl_path), sample=weights_sample([te.module for te in present(actor, critic)]))
 
 
 def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Optional[bool] = None) -> dict[str, Any]:

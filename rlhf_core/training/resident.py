@@ -49,7 +49,7 @@ from rlhf_core.run.schedule import save_due
 from rlhf_core.training.checkpoint import BackgroundWriter, restore_rng, rng_state, save_checkpoint, seed_rng
 from rlhf_core.training.distributed import DistInfo, init_distributed
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device
-from rlhf_core.training.engines import LoraSettings, TrainEngine
+from rlhf_core.training.engines import LoraSettings, TrainEngine, present
 from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, weights_sample
 from rlhf_core.training.rank_update import (check_update_data, finish_update, open_engines, peak_rss_gb,
                                             reset_peak_rss, resolve_sources, trainer_state, train_iteration,
@@ -108,7 +108,7 @@ def engine_key(cfg: RLHFConfig, device: str, world_size: int, run: RunDir) -> st
              "dtype": [effective_deepspeed(cfg).dtype, cfg.critic.deepspeed_config.dtype],
              "checkpointing": [m.enable_gradient_checkpointing, cfg.critic.model.enable_gradient_checkpointing],
              "optim": [optim(cfg.actor_rollout_ref.actor.optim), optim(cfg.critic.optim)],
-             "steps": training_steps(cfg, run), "device": device}
+             "steps": training_steps(cfg, run), "device": device, "critic": resolve.uses_critic(cfg)}
     return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 
 
@@ -225,7 +225,7 @@ class ResidentTrainer:
         ``reuse``: a released snapshot whose buffers are overwritten (no fresh pages to fault in);
         a save still writing from it is waited for first, on the copier thread."""
         k, rng, held_state = self.holds, self.rng, self.trainer_state
-        engines, pin = [self.actor, self.critic], self.device.startswith("cuda")  # pinned: faster copies back
+        engines, pin = present(self.actor, self.critic), self.device.startswith("cuda")  # pinned: faster copies back
         writer = self.writer
 
         def copy() -> Snapshot:
@@ -307,7 +307,7 @@ class ResidentTrainer:
             self._withdraw()
             _, outcome = train_iteration(cfg, i, data, self.actor, self.critic, self.dist, self.device,
                                          self.pad_id, progress=False)
-        sample = weights_sample([self.actor.module, self.critic.module])
+        sample = weights_sample([te.module for te in present(self.actor, self.critic)])
         if sample != record.get("weights_sample"):
             raise CheckpointError(f"replaying iteration {i}'s update did not reproduce its weights (the sample in "
                                   f"{self.run.state_record(i)} differs): the machine, the thread count or a library "
@@ -342,12 +342,12 @@ class ResidentTrainer:
             self.captured = done
         if self.captured is not None and self.captured.iteration == self.holds:
             return self.captured
-        return Snapshot(self.holds, capture([self.actor, self.critic], pin_memory=self.device.startswith("cuda")),
+        return Snapshot(self.holds, capture(present(self.actor, self.critic), pin_memory=self.device.startswith("cuda")),
                         self.rng, self.trainer_state)
 
     def _put_back(self, snap: Snapshot) -> None:
         self._withdraw()
-        restore([self.actor, self.critic], snap.state)
+        restore(present(self.actor, self.critic), snap.state)
         self.holds, self.rng, self.trainer_state = snap.iteration, snap.rng, snap.trainer_state
         self._offer()
 
@@ -355,6 +355,8 @@ class ResidentTrainer:
         """Each update trains at its own config's base lr (a retry halves the actor's), at the
         schedule position the engine reached."""
         for te, optim in ((self.actor, cfg.actor_rollout_ref.actor.optim), (self.critic, cfg.critic.optim)):
+            if te is None:
+                continue
             te.base_lrs = [optim.lr] * len(te.base_optimizer.param_groups)
             te.set_lr_schedule_step(te.lr_schedule_step)
 
@@ -373,7 +375,8 @@ class ResidentTrainer:
             return
         ckpt = self.run.checkpoint(self.holds)
         live.hold(ckpt / "actor", live.LiveModel(self.actor.module, "causal_lm", self.tokenizer))
-        live.hold(ckpt / "critic", live.LiveModel(self.critic.module, "critic", self.tokenizer))
+        if self.critic is not None:
+            live.hold(ckpt / "critic", live.LiveModel(self.critic.module, "critic", self.tokenizer))
         self._sync_rollout_engine(ckpt / "actor")
 
     def _rollout_engine_sleeps(self) -> Optional[float]:
@@ -396,9 +399,8 @@ class ResidentTrainer:
 
     def _withdraw(self) -> None:
         live.drop(self.run.root)
-        if self.actor is not None:  # a borrower left them in eval mode
-            self.actor.module.train()
-            self.critic.module.train()
+        for te in present(self.actor, self.critic):  # a borrower left them in eval mode
+            te.module.train()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -465,7 +467,7 @@ def ensure_state(cfg: RLHFConfig, run: RunDir, k: Optional[int]) -> bool:
         builder.replay(k)
         save_checkpoint(ckpt, actor=builder.actor, critic=builder.critic, tokenizer_path=builder.tokenizer,
                         trainer_state=builder.trainer_state or {}, dist=builder.dist,
-                        state=_with_rng(capture([builder.actor, builder.critic]), builder.rng))
+                        state=_with_rng(capture(present(builder.actor, builder.critic)), builder.rng))
     finally:
         builder.close(make_durable=False)
     return True

@@ -54,9 +54,9 @@ def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, p
         "data_source": ["synthetic"] * n, "ground_truth": [""] * n, "prompt_token_ids": prompts,
         "response_text": [""] * n, "response_token_ids": responses, "response_length": [len(r) for r in responses],
         "finish_reason": ["offline"] * n, "engine": ["offline"] * n, "sampling_seed": [seed] * n,
-        "reward_source": ["synthetic"] * n, "extra_info": ["{}"] * n,
+        "reward_source": ["synthetic"] * n, "extra_info": ["{}"] * n, "uid": [f"{iteration}-{i}" for i in range(n)],
         "reward": [0.0] * n, "reward_extra": ["{}"] * n, "old_log_probs": [t.tolist() for t in old],
-        "ref_log_probs": [t.tolist() for t in ref], "values": values,
+        "ref_log_probs": [t.tolist() for t in ref], "values": values, "reward_baseline": [None] * n,
         "token_level_rewards": [[0.0] * len(r) for r in responses], "advantages": advantages, "returns": returns,
     }
     return pa.table(cols).cast(ADVANTAGES)
