@@ -19,7 +19,8 @@
       models/critic_init/         the initial critic (stage init_critic)
       iter_<k>/manifest.json      per-iteration stages (rollout, score, gae, update, guard, validate)
       iter_<k>/kl_ctrl_before.json  KL controller state before the iteration (restored by a rollback)
-      iter_<k>/rollout.parquet    responses (rollout_rejects.parquet: offline rows not accepted)
+      iter_<k>/rollout.parquet    responses (rollout_rejects.parquet: offline rows not accepted;
+                                  rollout_baseline.parquet: remax's greedy response per prompt)
       iter_<k>/scored.parquet     rewards, old/ref log-probs, values
       iter_<k>/advantages.parquet token rewards (KL penalty), advantages, returns
       iter_<k>/checkpoint/        actor (HF safetensors), critic, DeepSpeed state, manifest: written every
@@ -179,6 +180,10 @@ class RunDir:
 
     def rollout_rejects(self, k: int) -> Path:
         return self.iter_dir(k) / "rollout_rejects.parquet"
+
+    def rollout_baseline(self, k: int) -> Path:
+        """One greedy response per prompt group of iteration k (schema ROLLOUT; remax's baseline)."""
+        return self.iter_dir(k) / "rollout_baseline.parquet"
 
     def verdict(self, k: int) -> Path:
         return self.iter_dir(k) / "guard.json"

@@ -4,7 +4,10 @@
 
 Per response: a sequence-level ``reward`` (the reward model when ``reward_model.enable``, else the
 reward function routed by the row's ``data.reward_fn_key`` column, verl's ``data_source`` by
-default), and three per-token lists, each exactly ``response_length`` long: ``old_log_probs`` under
+default, plus DAPO's overlong penalty when ``reward_model.overlong_buffer.enable``:
+``rewards.overlong``; ``sequence_rewards``, which the rollout stage's dynamic sampling shares),
+``reward_baseline`` (remax: the score of the prompt's greedy response in
+``iter_K/rollout_baseline.parquet``, same reward function; null for other estimators), and three per-token lists, each exactly ``response_length`` long: ``old_log_probs`` under
 the actor that generated (at the rollout temperature), ``ref_log_probs`` under the frozen reference
 (same temperature), ``values`` under the critic. Each pass is cut as verl cuts it
 (``config.resolve``): old log-probs by ``micro_batching(cfg, "rollout")``, reference log-probs by
@@ -37,7 +40,8 @@ from tqdm.auto import tqdm
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.resolve import (
-    MicroBatching, critic_use_remove_padding, critic_value_batching, micro_batching, update_world_size,
+    MicroBatching, critic_use_remove_padding, critic_value_batching, micro_batching, needs_baseline_rollout,
+    update_world_size,
 )
 from rlhf_core.data.schemas import SCORED
 from rlhf_core.errors import DataError, RLHFError
@@ -49,6 +53,7 @@ from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
 from rlhf_core.rewards import get_reward_fn, normalize_result, routing_value
+from rlhf_core.rewards.overlong import check_overlong_buffer, shape_scores
 from rlhf_core.rewards.reward_model import (
     check_same_vocabulary, load_reward_model, rerendered_ids, score_sequences,
 )
@@ -62,7 +67,8 @@ from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, stage_processes
 from rlhf_core.training.resident import ensure_state
 
-CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
+CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.",
+                   "algorithm.adv_estimator")  # the estimator decides whether greedy baselines are scored
 
 
 @dataclass
@@ -76,7 +82,8 @@ class ModelPaths:
     """reward_model.model.input_tokenizer: decode responses with it and re-render for the RM."""
 
 
-def model_paths(cfg: RLHFConfig, run: RunDir, iteration: int) -> ModelPaths:
+def reward_model_paths(cfg: RLHFConfig) -> tuple[Optional[Path], Optional[Path]]:
+    """(reward model, its input tokenizer): (None, None) for rule-based rewards."""
     rm, rm_tokenizer = None, None
     if cfg.reward_model.enable:
         if not cfg.reward_model.model.path:
@@ -85,6 +92,11 @@ def model_paths(cfg: RLHFConfig, run: RunDir, iteration: int) -> ModelPaths:
         rm = resolve_model_path(cfg.reward_model.model.path)
         if cfg.reward_model.model.input_tokenizer:
             rm_tokenizer = resolve_model_path(cfg.reward_model.model.input_tokenizer)
+    return rm, rm_tokenizer
+
+
+def model_paths(cfg: RLHFConfig, run: RunDir, iteration: int) -> ModelPaths:
+    rm, rm_tokenizer = reward_model_paths(cfg)
     # the models iteration k started from, so a rerun of an old iteration reproduces its table
     return ModelPaths(actor=actor_path(cfg, run, iteration), reference=reference_path(cfg),
                       critic=critic_path(cfg, run, iteration), reward_model=rm, rm_input_tokenizer=rm_tokenizer)
@@ -100,9 +112,17 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
                         f"--iteration {iteration}` first")
     if not run.train_prompts.is_file():
         raise DataError(f"{run.train_prompts} not found: run `rlhf stage preprocess --run-dir {run.root}` first")
+    check_overlong_buffer(cfg)
     models = model_paths(cfg, run, iteration)
     inputs = [rollout_path, run.train_prompts, models.actor, models.reference]
     inputs += [p for p in (models.critic, models.reward_model, models.rm_input_tokenizer) if p is not None]
+    if needs_baseline_rollout(cfg):
+        baseline_path = run.rollout_baseline(iteration)
+        if not baseline_path.is_file():
+            raise DataError(f"{baseline_path} not found: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
+                            f"needs the greedy baseline responses; rerun `rlhf stage rollout --run-dir {run.root} "
+                            f"--iteration {iteration} --force`")
+        inputs.append(baseline_path)  # a new baseline table reruns the score stage
 
     def body() -> StageResult:
         ensure_state(cfg, run, run.checkpoint_iteration(models.actor))  # held in memory, on disk, or rebuilt now
@@ -118,16 +138,14 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
         table = pq.read_table(rollout_path)
         rows = table.to_pylist()
     _check_rollout(rows, rollout_path)
-    prompts = _prompt_lookup(run.train_prompts, rows, cfg.data.reward_fn_key)
-    if models.reward_model is not None:
-        rewards, extras = _reward_model_scores(cfg, models, rows, prompts)
-    else:
-        rewards, extras = _rule_rewards(cfg, rows, prompts, rollout_path)
+    scored = with_uid(table)
+    sequence = sequence_rewards(cfg, models, rows, run.train_prompts, rollout_path)
+    rewards, extras = sequence.scores, sequence.extras
+    baselines = (greedy_baselines(cfg, run, iteration, models, scored.column("uid").to_pylist())
+                 if needs_baseline_rollout(cfg) else [None] * len(rows))
     meter = Throughput()
     old, ref, values, ref_reused = _passes(cfg, run, iteration, models, rows, meter)
     _check_lengths(rows, {"old_log_probs": old, "ref_log_probs": ref, "values": values})
-    scored = with_uid(table)
-    baselines = [None] * len(rows)
     for name, column in [("reward", rewards), ("reward_extra", extras), ("old_log_probs", old),
                          ("ref_log_probs", ref), ("values", values), ("reward_baseline", baselines)]:
         scored = scored.append_column(name, pa.array(column, type=SCORED.field(name).type))
@@ -198,13 +216,64 @@ def row_value(row: dict, prompt: dict, key: str) -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
+@dataclass
+class SequenceRewards:
+    """Per response, in row order."""
+
+    scores: list[float]
+    """The sequence score: the reward model's, or the reward function's plus the overlong penalty
+    (``rewards.overlong``); the scored table's ``reward`` and verl's token_level_scores sum."""
+    extras: list[str]
+    """reward_extra JSON (a dict result's other keys; overlong_reward / overlong when logged)."""
+    raw: list[float]
+    """The reward function's (or model's) own score, before the overlong penalty."""
+    acc: list[Optional[float]]
+    """verl's reward_extra_info["acc"]: a float result's score, a dict result's 'acc' key (None
+    when a dict result has none, and for reward-model scores)."""
+
+
+def sequence_rewards(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], prompts_path: Path,
+                     where_path: Path) -> SequenceRewards:
+    """Every response's sequence reward, as the score stage writes it: shared with the rollout
+    stage's dynamic sampling (``algorithm.filter_groups``) and the greedy baseline (remax).
+    ``rows`` are rollout-table rows; ``where_path`` names their table in errors."""
+    prompts = _prompt_lookup(prompts_path, rows, cfg.data.reward_fn_key)
+    if models.reward_model is not None:
+        scores, extras = _reward_model_scores(cfg, models, rows, prompts)
+        return SequenceRewards(scores, extras, list(scores), [None] * len(scores))
+    raw, extras, acc = _rule_rewards(cfg, rows, prompts, where_path)
+    scores, extras = shape_scores(cfg, raw, [r["response_length"] for r in rows], extras)
+    return SequenceRewards(scores, extras, raw, acc)
+
+
+def greedy_baselines(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths,
+                     uids: list[str]) -> list[float]:
+    """remax's reward_baselines: each row's group's greedy response scored by the same reward
+    function (overlong shaping included), summed over the response as verl's sum_reward=True —
+    one sequence score per response here, so the sum is that score."""
+    path = run.rollout_baseline(iteration)
+    with timed(TABLE_READ):
+        rows = pq.read_table(path).to_pylist()
+    _check_rollout(rows, path)
+    baseline_scores = sequence_rewards(cfg, models, rows, run.train_prompts, path).scores
+    by_uid: dict[str, float] = {}
+    for row, score in zip(rows, baseline_scores):
+        by_uid[row["uid"]] = by_uid.get(row["uid"], 0.0) + score
+    missing = sorted(set(uids) - set(by_uid))
+    if missing:
+        raise DataError(f"{path} has no greedy response for group uid {missing[0]!r} of "
+                        f"{run.rollout(iteration)} ({len(missing)} missing); the two tables come from "
+                        f"different rollouts: rerun `rlhf stage rollout --iteration {iteration} --force`")
+    return [by_uid[u] for u in uids]
+
+
 def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
-                  path: Path) -> tuple[list[float], list[str]]:
+                  path: Path) -> tuple[list[float], list[str], list[Optional[float]]]:
     """One compute_score call per response (verl's naive reward manager), routed by the row's
-    data.reward_fn_key column, with the row's verl extra_info."""
+    data.reward_fn_key column, with the row's verl extra_info: (scores, reward_extra, acc)."""
     reward_fn = get_reward_fn(cfg)
     key = cfg.data.reward_fn_key
-    rewards, extras = [], []
+    rewards, extras, accs = [], [], []
     for i, row in enumerate(tqdm(rows, desc="rewards", unit="resp", leave=False, disable=bar_disabled())):
         prompt = prompts[row["prompt_id"]]
         where = _where(path, i, row)
@@ -220,7 +289,16 @@ def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
         score, extra = normalize_result(result, where)
         rewards.append(score)
         extras.append(extra)
-    return rewards, extras
+        accs.append(_acc(result, score))
+    return rewards, extras, accs
+
+
+def _acc(result: Any, score: float) -> Optional[float]:
+    """verl's reward_extra_info["acc"] of one result: the score of a plain result, a dict's 'acc'."""
+    if not isinstance(result, dict):
+        return score
+    acc = result.get("acc")
+    return None if acc is None else float(acc)
 
 
 def _cuda_devices() -> int:

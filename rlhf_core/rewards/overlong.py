@@ -1,0 +1,69 @@
+"""DAPO's overlong reward shaping (``reward_model.overlong_buffer``), as verl's DAPO reward manager.
+
+A response of L tokens, with budget M = data.max_response_length and buffer B = overlong_buffer.len,
+gets
+
+    expected = M − B;  exceed = L − expected;  penalty = min(−exceed / B · penalty_factor, 0)
+
+added to its sequence score: nothing up to M − B tokens, then a linear fall to −penalty_factor at
+L = M. With ``overlong_buffer.log`` the response's reward_extra also records ``overlong_reward``
+(the penalty) and ``overlong`` (penalty < 0), as verl's reward_extra_info.
+
+It shapes the rule-based reward function's scores only: verl's DAPO reward manager hands a reward
+model's scores (rm_scores) through untouched, so a reward model with the buffer enabled is refused
+(``check_overlong_buffer``) rather than silently left unshaped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Sequence
+
+from rlhf_core.config import RLHFConfig
+from rlhf_core.config.errors import ConfigError
+
+KEY = "reward_model.overlong_buffer"
+
+
+def overlong_penalty(response_length: int, max_response_length: int, buffer_len: int,
+                     penalty_factor: float) -> float:
+    """The (non-positive) score added to a response of ``response_length`` tokens."""
+    expected = max_response_length - buffer_len
+    exceed = response_length - expected
+    return min(-exceed / buffer_len * penalty_factor, 0.0)
+
+
+def check_overlong_buffer(cfg: RLHFConfig) -> None:
+    """Refuse a buffer the formula cannot use: not shorter than the response budget (verl asserts
+    it), or enabled together with a reward model (whose scores verl never shapes)."""
+    buffer = cfg.reward_model.overlong_buffer
+    if not buffer.enable:
+        return
+    if buffer.len >= cfg.data.max_response_length:
+        raise ConfigError(f"{KEY}.len={buffer.len} must be < data.max_response_length="
+                          f"{cfg.data.max_response_length}: the penalty starts at max_response_length − len "
+                          "tokens; shorten the buffer or raise the budget")
+    if cfg.reward_model.enable:
+        raise ConfigError(f"{KEY}.enable=true shapes the rule-based reward only (verl's DAPO reward "
+                          "manager returns reward-model scores unchanged); set reward_model.enable=false "
+                          f"or {KEY}.enable=false")
+
+
+def shape_scores(cfg: RLHFConfig, scores: Sequence[float], lengths: Sequence[int],
+                 extras: Sequence[str]) -> tuple[list[float], list[str]]:
+    """(scores with the penalty added, reward_extra JSON with overlong_reward / overlong when
+    ``log``); unchanged copies when the buffer is off. ``extras`` are JSON objects."""
+    buffer = cfg.reward_model.overlong_buffer
+    if not buffer.enable:
+        return list(scores), list(extras)
+    check_overlong_buffer(cfg)
+    shaped, logged = [], []
+    for score, length, extra in zip(scores, lengths, extras, strict=True):
+        penalty = overlong_penalty(length, cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
+        shaped.append(score + penalty)
+        if buffer.log:
+            info = json.loads(extra or "{}")
+            info.update(overlong_reward=penalty, overlong=penalty < 0)
+            extra = json.dumps(info, sort_keys=True, default=str)
+        logged.append(extra)
+    return shaped, logged
