@@ -15,6 +15,13 @@ from .controllers import (
 )
 from .kl import apply_kl_penalty, get_kl_estimator, kl_estimator_names, kl_penalty
 from .logits import entropy_from_logits, logprobs_from_logits
+from .loss_modes import (
+    compute_policy_loss_clip_cov,
+    compute_policy_loss_geo_mean,
+    compute_policy_loss_gpg,
+    compute_policy_loss_gspo,
+    compute_policy_loss_kl_cov,
+)
 from .losses import compute_policy_loss, compute_value_loss
 from .outcome import (
     compute_gpg_advantage,
@@ -66,6 +73,11 @@ __all__ = [
     "compute_grpo_passk_advantage",
     "compute_opo_advantage",
     "compute_policy_loss",
+    "compute_policy_loss_clip_cov",
+    "compute_policy_loss_geo_mean",
+    "compute_policy_loss_gpg",
+    "compute_policy_loss_gspo",
+    "compute_policy_loss_kl_cov",
     "compute_reinforce_plus_plus_advantage",
     "compute_reinforce_plus_plus_baseline_advantage",
     "compute_remax_advantage",
