@@ -135,7 +135,7 @@ def compute_grpo_passk_advantage(
     index: np.ndarray,
     norm_adv_by_std_in_grpo: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pass@k training (Chen et al. 2025, https://arxiv.org/abs/2503.19595): in each group only the
+    """Pass@k training (https://arxiv.org/abs/2503.19595): in each group only the
     best response gets a non-zero advantage, ``s_max - s_second`` (divided by ``std_g + 1e-6`` when
     ``norm_adv_by_std_in_grpo``); every other row gets 0. Returns equal the advantages.
 
