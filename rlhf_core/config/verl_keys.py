@@ -41,6 +41,8 @@ NO_EFFECT: dict[str, str] = {
     "data.filter_overlong_prompts_workers": _DATA, "data.image_key": "text-only prompts here",
     "data.video_key": "text-only prompts here", "data.trust_remote_code": _DATA,
     "data.val_batch_size": "validation is batched by token budget (rollout.generation_batch_tokens)",
+    "data.gen_batch_size": "dynamic sampling (algorithm.filter_groups) draws one pack slot of data.train_batch_size "
+                           "prompts at a time until enough groups are kept; without it every draw is one slot",
     "data.validation_shuffle": "validation prompts are a fixed, seeded set", "data.apply_chat_template_kwargs": _DATA,
     "data.custom_cls.": _DATA, "data.sampler.": _DATA, "data.datagen.": _DATA, "data.tool_config_path": _DATA,
     "actor_rollout_ref.hybrid_engine": "actor and rollout always share the weights here",

@@ -8,6 +8,14 @@ Sources (``actor_rollout_ref.rollout.name``):
 - ``offline``: import ``rollout.offline_path`` (see ``rlhf_core.rollout.offline``); rejected rows go
   to ``iter_k/rollout_rejects.parquet``.
 
+With ``algorithm.filter_groups.enable`` (DAPO's dynamic sampling, ``rlhf_core.rollout.dynamic_sampling``)
+each response is scored with the score stage's reward function, groups whose responses all score the
+same are dropped and the following slots are drawn until data.train_batch_size groups are kept;
+only those go to the table (metrics ``train/num_gen_batches``, ``rollout/kept_groups``,
+``rollout/filtered_groups``, ``rollout/surplus_groups``). When the estimator takes reward baselines
+(remax, ``config.resolve.needs_baseline_rollout``) one greedy response per kept prompt goes to
+``iter_k/rollout_baseline.parquet`` (schema ``ROLLOUT``, the same uids), which the score stage scores.
+
 Each row carries its prompt's ``reward_source`` (the data.reward_fn_key value the score stage
 routes the reward function on) and ``extra_info`` (JSON), so later tables and queries need no join.
 Length metrics use verl's names: ``response_length/{mean,max,min,clip_ratio}`` and
@@ -18,6 +26,7 @@ Length metrics use verl's names: ``response_length/{mean,max,min,clip_ratio}`` a
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Sequence
 
@@ -25,25 +34,42 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.errors import ConfigError
+from rlhf_core.config.resolve import needs_baseline_rollout
 from rlhf_core.data.schemas import REJECTS, ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.io.tables import rows_with_ids
 from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.models import actor_path
+from rlhf_core.run.models import actor_path, reference_path
 from rlhf_core.rollout.generate import (
-    PROMPT_COLUMNS, generate_responses, generation_plan, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
-    tokenizer_path_for,
+    PROMPT_COLUMNS, generate_responses, generation_plan, group_uid, read_prompt_rows, rollout_metrics, rollout_table,
+    sampling_from_config, tokenizer_path_for,
 )
 from rlhf_core.paths import resolve_path
-from rlhf_core.rollout.base import GenerationStats, SamplingParams
+from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingParams, derive_seed
+from rlhf_core.rollout.dynamic_sampling import (
+    check_draw_again, check_filter_groups, draw_seed, draw_slot, metric_values, split_groups,
+)
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
+from rlhf_core.rewards.overlong import check_overlong_buffer
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_samples, merged_stats, run_on_ranks, stage_processes
+from rlhf_core.stages.score import ModelPaths, reward_model_paths, sequence_rewards
 from rlhf_core.training.resident import ensure_state
 
-CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.")
+CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.", "algorithm.filter_groups.",
+                   "algorithm.adv_estimator")
+"""What every rollout reads (the estimator: whether greedy baselines are decoded)."""
+FILTER_SECTIONS = ("algorithm.use_kl_in_reward", "reward_model.", "custom_reward_function.")
+"""What the rollout also reads when it filters groups: the reward function's settings."""
+
+
+def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
+    """The rollout's config prefixes: the reward's only when dynamic sampling scores responses, so
+    a reward change alone does not regenerate an unfiltered rollout."""
+    return CONFIG_SECTIONS + (FILTER_SECTIONS if cfg.algorithm.filter_groups.enable else ())
 
 
 def rollout_rejects_path(run: RunDir, iteration: int) -> Path:
@@ -58,6 +84,13 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
     if not run.train_prompts.is_file():
         raise DataError(f"{run.train_prompts} not found; run `rlhf stage preprocess --run-dir {run.root}` first")
     r = cfg.actor_rollout_ref.rollout
+    check_filter_groups(cfg)
+    if cfg.algorithm.filter_groups.enable:
+        check_overlong_buffer(cfg)
+    if needs_baseline_rollout(cfg) and r.name == OFFLINE_ENGINE:
+        raise ConfigError(f"algorithm.adv_estimator={cfg.algorithm.adv_estimator} needs one greedy response per "
+                          "prompt from the actor, which actor_rollout_ref.rollout.name=offline does not generate; "
+                          "use rollout.name=hf or vllm, or an estimator without reward baselines")
     model_dir = actor_path(cfg, run, iteration)  # the actor this iteration started from (reruns too)
     if r.name == OFFLINE_ENGINE:
         offline_file = resolve_path(r.offline_path or "")
@@ -70,69 +103,208 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
             raise DataError(f"{run.generation_batches} not found; "
                             f"run `rlhf stage pack --run-dir {run.root}` first")
         inputs = [run.train_prompts, run.generation_batches, model_dir]
+        if cfg.algorithm.filter_groups.enable:
+            inputs += [p for p in reward_model_paths(cfg) if p is not None]
         body = lambda: _generate_body(cfg, run, iteration, model_dir)  # noqa: E731
     return execute_stage(stage="rollout", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
-                         config_sections=CONFIG_SECTIONS, body=body, force=force)
+                         config_sections=config_sections(cfg), body=body, force=force)
 
 
 def slot_batches(run: RunDir, iteration: int) -> tuple[int, int, list[list[str]]]:
     """(slot, number of slots, prompt ids per generation batch in batch order) for iteration k."""
-    with timed(TABLE_READ):
-        table = pq.read_table(run.generation_batches, columns=["slot", "batch_id", "prompt_ids"])
-    if table.num_rows == 0:
-        raise DataError(f"{run.generation_batches} has no generation batches; rerun the pack stage")
-    num_slots = int(pc.max(table["slot"]).as_py()) + 1
+    num_slots, table = _read_plan(run)
     slot = (iteration - 1) % num_slots
-    rows = sorted((r for r in table.to_pylist() if r["slot"] == slot), key=lambda r: r["batch_id"])
-    if not rows:
-        raise DataError(f"{run.generation_batches} has no batches for slot {slot}; rerun the pack stage")
-    return slot, num_slots, [r["prompt_ids"] for r in rows]
+    return slot, num_slots, _batches_of(run, table, slot)
 
 
 def iteration_prompts(run: RunDir, iteration: int) -> tuple[int, int, list[list[str]], list[dict]]:
     """(slot, number of slots, prompt ids per generation batch, the prompt rows in batch order)."""
     slot, num_slots, batches = slot_batches(run, iteration)
+    return slot, num_slots, batches, _prompt_rows(run, batches)
+
+
+def slot_prompts(run: RunDir, slot: int) -> tuple[list[list[str]], list[dict]]:
+    """(prompt ids per generation batch, prompt rows in batch order) of pack slot ``slot``."""
+    _, table = _read_plan(run)
+    batches = _batches_of(run, table, slot)
+    return batches, _prompt_rows(run, batches)
+
+
+def _read_plan(run: RunDir) -> tuple[int, list[dict]]:
+    with timed(TABLE_READ):
+        table = pq.read_table(run.generation_batches, columns=["slot", "batch_id", "prompt_ids"])
+    if table.num_rows == 0:
+        raise DataError(f"{run.generation_batches} has no generation batches; rerun the pack stage")
+    return int(pc.max(table["slot"]).as_py()) + 1, table.to_pylist()
+
+
+def _batches_of(run: RunDir, plan: list[dict], slot: int) -> list[list[str]]:
+    rows = sorted((r for r in plan if r["slot"] == slot), key=lambda r: r["batch_id"])
+    if not rows:
+        raise DataError(f"{run.generation_batches} has no batches for slot {slot}; rerun the pack stage")
+    return [r["prompt_ids"] for r in rows]
+
+
+def _prompt_rows(run: RunDir, batches: list[list[str]]) -> list[dict]:
     wanted = list(dict.fromkeys(pid for batch in batches for pid in batch))  # batch order, unique
     by_id = {row["prompt_id"]: row for row in rows_with_ids(run.train_prompts, "prompt_id", wanted, PROMPT_COLUMNS)}
     unknown = [pid for pid in wanted if pid not in by_id]
     if unknown:
         raise DataError(f"{run.generation_batches} names prompt id {unknown[0]!r} that is not in "
                         f"{run.train_prompts}; rerun `rlhf stage pack --force` after preprocess")
-    return slot, num_slots, batches, [by_id[pid] for pid in wanted]
+    return [by_id[pid] for pid in wanted]
 
 
 def iteration_sampling(cfg: RLHFConfig, iteration: int) -> SamplingParams:
     return sampling_from_config(cfg, seed=cfg.actor_rollout_ref.rollout.seed + iteration)
 
 
+@dataclass
+class Drawn:
+    """What the rollout generated: prompt rows of every draw, concatenated (samples' prompt_index
+    indexes them, so every uid is unique), the samples kept for the table, and counts."""
+
+    prompt_rows: list[dict] = field(default_factory=list)
+    samples: list[GeneratedSample] = field(default_factory=list)
+    stats: GenerationStats = field(default_factory=GenerationStats)
+    slots: list[int] = field(default_factory=list)
+    filtered_groups: int = 0
+    surplus_groups: int = 0
+
+
 def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path) -> StageResult:
     ensure_state(cfg, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
     slot, num_slots, batches, prompt_rows = iteration_prompts(run, iteration)
     sampling = iteration_sampling(cfg, iteration)
-    world = min(stage_processes(cfg), len(batches)) if cfg.actor_rollout_ref.rollout.name == "hf" else 1
-    if world > 1:
-        samples, stats = _generate_on_ranks(cfg, run, iteration, prompt_rows, sampling, batches, world)
-    else:
-        samples, stats = generate_responses(cfg, model_dir, prompt_rows, sampling, batches,
-                                            desc=f"rollout iter {iteration}")
+    samples, stats = _generate_draw(cfg, run, iteration, model_dir, prompt_rows, sampling, batches, first=True)
+    drawn = Drawn(prompt_rows=list(prompt_rows), samples=samples, stats=stats, slots=[slot])
+    if cfg.algorithm.filter_groups.enable:
+        drawn = _filter_and_refill(cfg, run, iteration, model_dir, drawn, num_slots)
     engine = cfg.actor_rollout_ref.rollout.name
-    out = atomic_write_parquet(run.rollout(iteration), rollout_table(prompt_rows, samples, iteration, engine),
+    out = atomic_write_parquet(run.rollout(iteration), rollout_table(drawn.prompt_rows, drawn.samples, iteration, engine),
                                schema=ROLLOUT)
+    outputs = {"rollout": str(out)}
+    stats, samples, prompt_rows = drawn.stats, drawn.samples, drawn.prompt_rows
     metrics = rollout_metrics(samples, stats)
     for key, value in length_metrics(cfg, prompt_rows, samples).items():
         metrics.setdefault(key, value)  # the engine's own response_length/* stay as they are
+    groups = len({s.prompt_index for s in samples})
     summary = [
-        f"{len(prompt_rows)} prompts (slot {slot} of {num_slots}, {stats.batches} generation batches) "
+        f"{groups} prompts (slot {slot} of {num_slots}, {stats.batches} generation batches) "
         f"× n={sampling.n} → {len(samples)} responses with {engine} from {model_dir}",
         f"{stats.generated_tokens} tokens in {stats.seconds:.1f}s: {stats.tokens_per_s:.0f} tokens/s "
         f"(model load {stats.load_seconds:.1f}s)",
         f"response length mean {metrics['response_length/mean']:.1f}, max {metrics['response_length/max']:.0f} "
         f"of {sampling.max_new_tokens}; stopped on EOS {100 * metrics['rollout/stop_frac']:.0f}%",
-        f"wrote {out}",
     ]
-    return StageResult(stage="rollout", iteration=iteration, outputs={"rollout": str(out)},
-                       rows={"prompts": len(prompt_rows), "responses": len(samples)}, metrics=metrics,
+    if cfg.algorithm.filter_groups.enable:
+        metrics.update({"train/num_gen_batches": float(len(drawn.slots)), "rollout/kept_groups": float(groups),
+                        "rollout/filtered_groups": float(drawn.filtered_groups),
+                        "rollout/surplus_groups": float(drawn.surplus_groups)})
+        summary.append(f"dynamic sampling ({cfg.algorithm.filter_groups.metric}): {len(drawn.slots)} draws "
+                       f"(slots {', '.join(map(str, drawn.slots))}), {drawn.filtered_groups} groups scored alike "
+                       f"and dropped, {drawn.surplus_groups} kept groups over data.train_batch_size cut")
+    if needs_baseline_rollout(cfg):
+        baseline = _write_baseline(cfg, run, iteration, model_dir, drawn)
+        outputs["rollout_baseline"] = str(baseline)
+        summary.append(f"greedy baseline response per prompt ({cfg.algorithm.adv_estimator}) → {baseline}")
+    summary.append(f"wrote {out}")
+    return StageResult(stage="rollout", iteration=iteration, outputs=outputs,
+                       rows={"prompts": groups, "responses": len(samples)}, metrics=metrics,
                        summary=summary)
+
+
+def _generate_draw(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path, prompt_rows: list[dict],
+                   sampling: SamplingParams, batches: list[list[str]], first: bool, desc: str = ""):
+    """One draw's samples (prompt_index into ``prompt_rows``) and stats. The iteration's own draw
+    runs on every local process as before; the rank entry knows only that draw, so later draws
+    (dynamic sampling) run in this process."""
+    world = min(stage_processes(cfg), len(batches)) if cfg.actor_rollout_ref.rollout.name == "hf" else 1
+    if first and world > 1:
+        return _generate_on_ranks(cfg, run, iteration, prompt_rows, sampling, batches, world)
+    return generate_responses(cfg, model_dir, prompt_rows, sampling, batches,
+                              desc=desc or f"rollout iter {iteration}")
+
+
+def _filter_and_refill(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path, drawn: Drawn,
+                       num_slots: int) -> Drawn:
+    """Keep the groups whose responses differ on filter_groups.metric; draw the next slots while
+    fewer than data.train_batch_size are kept; cut to exactly that many (``dynamic_sampling``)."""
+    fg, wanted = cfg.algorithm.filter_groups, cfg.data.train_batch_size
+    rm, rm_tokenizer = reward_model_paths(cfg)
+    models = ModelPaths(actor=model_dir, reference=reference_path(cfg), critic=None, reward_model=rm,
+                        rm_input_tokenizer=rm_tokenizer)
+    kept_samples: list[GeneratedSample] = []
+    kept_groups = 0
+    new_samples = drawn.samples
+    while True:
+        kept, filtered = _kept_uids(cfg, run, iteration, models, drawn.prompt_rows, new_samples)
+        drawn.filtered_groups += len(filtered)
+        take = kept[:max(wanted - kept_groups, 0)]
+        drawn.surplus_groups += len(kept) - len(take)
+        taken = set(take)
+        kept_samples += [s for s in new_samples if group_uid(iteration, s.prompt_index) in taken]
+        kept_groups += len(take)
+        if not check_draw_again(kept_groups, wanted, len(drawn.slots), fg.max_num_gen_batches, num_slots):
+            break
+        d = len(drawn.slots)
+        slot = draw_slot(drawn.slots[0], d, num_slots)
+        drawn.slots.append(slot)
+        offset = len(drawn.prompt_rows)
+        rows, batches = _draw_prompts(run, slot, num_slots, {r["prompt_id"] for r in drawn.prompt_rows})
+        if not rows:
+            new_samples = []
+            continue
+        base = iteration_sampling(cfg, iteration)
+        sampling = replace(base, seed=draw_seed(base.seed, d))
+        samples, stats = _generate_draw(cfg, run, iteration, model_dir, rows, sampling, batches, first=False,
+                                        desc=f"rollout iter {iteration} draw {d + 1}")
+        _add_stats(drawn.stats, stats)
+        drawn.prompt_rows += rows
+        new_samples = [replace(s, prompt_index=s.prompt_index + offset) for s in samples]
+    drawn.samples = kept_samples
+    return drawn
+
+
+def _kept_uids(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths, prompt_rows: list[dict],
+               samples: list[GeneratedSample]) -> tuple[list[str], list[str]]:
+    """(kept, filtered) group uids of one draw's samples, scored as the score stage will score them."""
+    if not samples:
+        return [], []
+    rows = rollout_table(prompt_rows, samples, iteration, cfg.actor_rollout_ref.rollout.name).to_pylist()
+    rewards = sequence_rewards(cfg, models, rows, run.train_prompts, run.rollout(iteration))
+    where = [f"iteration {iteration} response (prompt_id={r['prompt_id']!r}, sample_index={r['sample_index']})"
+             for r in rows]
+    values = metric_values(cfg.algorithm.filter_groups.metric, rewards.scores, rewards.raw, rewards.acc, where)
+    return split_groups([r["uid"] for r in rows], values)
+
+
+def _draw_prompts(run: RunDir, slot: int, num_slots: int, drawn_ids: set[str]) -> tuple[list[dict], list[list[str]]]:
+    """Slot ``slot``'s prompt rows and generation batches, less the prompts this iteration already
+    drew (a prompt in slots of two epochs); empty batches dropped."""
+    batches, rows = slot_prompts(run, slot)
+    batches = [kept for kept in ([pid for pid in b if pid not in drawn_ids] for b in batches) if kept]
+    return [r for r in rows if r["prompt_id"] not in drawn_ids], batches
+
+
+def _add_stats(total: GenerationStats, more: GenerationStats) -> None:
+    total.generated_tokens += more.generated_tokens
+    total.seconds += more.seconds
+    total.load_seconds += more.load_seconds
+    total.batches += more.batches
+
+
+def _write_baseline(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path, drawn: Drawn) -> Path:
+    """remax's baseline: one greedy response (n=1) per prompt group of the table, written with the
+    group's uid to ``run.rollout_baseline(iteration)`` (schema ROLLOUT)."""
+    indices = list(dict.fromkeys(s.prompt_index for s in drawn.samples))  # the table's groups, in order
+    rows = [drawn.prompt_rows[i] for i in indices]
+    seed = derive_seed(iteration_sampling(cfg, iteration).seed, "greedy_baseline")
+    sampling = replace(sampling_from_config(cfg, seed=seed, greedy=True), n=1)
+    samples, _ = generate_responses(cfg, model_dir, rows, sampling, desc=f"greedy baseline iter {iteration}")
+    samples = [replace(s, prompt_index=indices[s.prompt_index]) for s in samples]
+    table = rollout_table(drawn.prompt_rows, samples, iteration, cfg.actor_rollout_ref.rollout.name)
+    return atomic_write_parquet(run.rollout_baseline(iteration), table, schema=ROLLOUT)
 
 
 def _generate_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, prompt_rows: list[dict],
