@@ -151,7 +151,10 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
         scored = scored.append_column(name, pa.array(column, type=SCORED.field(name).type))
     out = run.scored(iteration)
     atomic_write_parquet(out, scored, schema=SCORED)
-    metrics = score_metrics(cfg, rows, rewards, old, ref, meter, rule_based=models.reward_model is None)
+    metrics = score_metrics(cfg, rows, rewards, old, ref, meter, rule_based=models.reward_model is None,
+                            raw=sequence.raw)
+    if baselines[0] is not None:
+        metrics["reward/baseline_mean"] = statistics.fmean(baselines)
     summary = _summary(rows, metrics, meter, ref_reused, out)
     return StageResult(stage="score", iteration=iteration, outputs={"scored": str(out)},
                        rows={"scored": len(rows)}, metrics=metrics, summary=summary)
@@ -443,7 +446,9 @@ def sequence_score_metrics(rewards: list[float], lengths: list[int]) -> dict[str
             "critic/score/min": min(kept)}
 
 
-def score_metrics(cfg: RLHFConfig, rows, rewards, old, ref, meter, rule_based: bool) -> dict[str, float]:
+def score_metrics(cfg: RLHFConfig, rows, rewards, old, ref, meter, rule_based: bool,
+                  raw: Optional[list[float]] = None) -> dict[str, float]:
+    """``raw``: the reward function's scores before the overlong penalty (accuracy counts those)."""
     lengths = [r["response_length"] for r in rows]
     tokens = max(1, sum(lengths))
     metrics = {
@@ -456,7 +461,7 @@ def score_metrics(cfg: RLHFConfig, rows, rewards, old, ref, meter, rule_based: b
         "kl/old_ref_mean": sum(o - r for lo, lr in zip(old, ref) for o, r in zip(lo, lr)) / tokens,
     }
     if rule_based and not cfg.custom_reward_function.path:
-        correct = sum(r >= cfg.custom_reward_function.score for r in rewards)
+        correct = sum(r >= cfg.custom_reward_function.score for r in (rewards if raw is None else raw))
         metrics["reward/accuracy"] = correct / len(rewards)
     return metrics
 
