@@ -543,7 +543,9 @@ class RewardModelModelConfig(Section):
 @dataclass
 class OverlongBufferConfig(Section):
     """verl (DAPO's overlong reward shaping): with expected = data.max_response_length − len, a response
-    of L tokens gets min(0, −(L − expected) / len · penalty_factor) added to its score."""
+    of L tokens gets min(0, −(L − expected) / len · penalty_factor) added to its score
+    (``rlhf_core.rewards.overlong``). Rule-based scores only: refused with reward_model.enable, whose
+    scores verl's DAPO reward manager returns unshaped; len must be < data.max_response_length."""
 
     enable: bool = False
     len: int = 0
@@ -631,7 +633,8 @@ class FilterGroupsConfig(Section):
     metric: Optional[str] = None
     """verl: acc | score | seq_reward | seq_final_reward (required when enabled)."""
     max_num_gen_batches: int = 0
-    """verl: draws of prompts before giving up (<= 0: no limit)."""
+    """verl: draws of prompts before giving up (<= 0: no limit). Each draw is one pack slot; a rollout
+    stops anyway once every slot was drawn (``rlhf_core.rollout.dynamic_sampling``)."""
 
     def check(self, key: str) -> None:
         if self.enable:
