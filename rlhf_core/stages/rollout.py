@@ -59,17 +59,21 @@ from rlhf_core.stages.ranks import merge_samples, merged_stats, run_on_ranks, st
 from rlhf_core.stages.score import ModelPaths, reward_model_paths, sequence_rewards
 from rlhf_core.training.resident import ensure_state
 
-CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.", "algorithm.filter_groups.",
-                   "algorithm.adv_estimator")
-"""What every rollout reads (the estimator: whether greedy baselines are decoded)."""
-FILTER_SECTIONS = ("algorithm.use_kl_in_reward", "reward_model.", "custom_reward_function.")
-"""What the rollout also reads when it filters groups: the reward function's settings."""
+CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.")
+"""What every rollout reads."""
+FILTER_SECTIONS = ("algorithm.filter_groups.", "algorithm.use_kl_in_reward", "reward_model.", "custom_reward_function.")
+"""What a rollout that filters groups also reads: the filter and the reward function's settings."""
+BASELINE_SECTIONS = ("algorithm.adv_estimator",)
+"""What a rollout that decodes greedy baselines also reads."""
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    """The rollout's config prefixes: the reward's only when dynamic sampling scores responses, so
-    a reward change alone does not regenerate an unfiltered rollout."""
-    return CONFIG_SECTIONS + (FILTER_SECTIONS if cfg.algorithm.filter_groups.enable else ())
+    """The rollout's config prefixes. The filter's and the estimator's keys count only when they
+    make the rollout do more (the key set then differs, so switching either on or off reruns it),
+    so a reward or estimator change alone does not regenerate a plain rollout, and the hashes of
+    runs recorded before these features existed stay as they were."""
+    return (CONFIG_SECTIONS + (FILTER_SECTIONS if cfg.algorithm.filter_groups.enable else ())
+            + (BASELINE_SECTIONS if needs_baseline_rollout(cfg) else ()))
 
 
 def rollout_rejects_path(run: RunDir, iteration: int) -> Path:

@@ -67,8 +67,13 @@ from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, stage_processes
 from rlhf_core.training.resident import ensure_state
 
-CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.",
-                   "algorithm.adv_estimator")  # the estimator decides whether greedy baselines are scored
+CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
+
+
+def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
+    """CONFIG_SECTIONS, plus the estimator when it makes the stage score greedy baselines (the key
+    set then differs, so switching to or from remax reruns the stage; other estimator changes do not)."""
+    return CONFIG_SECTIONS + (("algorithm.adv_estimator",) if needs_baseline_rollout(cfg) else ())
 
 
 @dataclass
@@ -129,7 +134,7 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         return _score(cfg, run, iteration, models)
 
     return execute_stage(stage="score", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
-                         config_sections=CONFIG_SECTIONS, body=body, force=force)
+                         config_sections=config_sections(cfg), body=body, force=force)
 
 
 def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> StageResult:

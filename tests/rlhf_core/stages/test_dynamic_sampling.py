@@ -8,13 +8,14 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.config import ConfigError, load_config, to_yaml
+from rlhf_core.config.loader import config_hash
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError
 from rlhf_core.rollout.dynamic_sampling import check_filter_groups, metric_values, split_groups
 from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.stages.pack import run_pack
 from rlhf_core.stages.preprocess import run_preprocess
-from rlhf_core.stages.rollout import run_rollout
+from rlhf_core.stages.rollout import config_sections, run_rollout
 
 # A prompt whose answer is a multiple of 3 scores 0.5 whatever the response (its group has zero
 # variance); any other prompt's score is a hash of the response text, so its n sampled responses differ.
@@ -83,6 +84,8 @@ def test_filter_keeps_varied_groups_refills_from_the_next_slot_and_truncates(run
     for u in uids:
         texts = [r["response_text"] for r in rows if r["uid"] == u]
         assert texts[0] != texts[1]  # what made the group's scores differ
+    seeds = {s: {r["sampling_seed"] for r in rows if r["prompt_id"] in slots[s]} for s in (0, 1)}
+    assert seeds[0] and seeds[1] and not seeds[0] & seeds[1]  # the refill draw has seeds of its own
     m = result.metrics
     assert m["train/num_gen_batches"] == 2 and m["rollout/kept_groups"] == 6
     assert m["rollout/filtered_groups"] == len(flat_in[0]) + len(flat_in[1])
@@ -119,3 +122,18 @@ def test_metric_sources_and_refusals(tmp_path, tiny_model_dir):
         check_filter_groups(load_config(None, base + ["algorithm.filter_groups.metric=seq_final_reward",
                                                       "algorithm.use_kl_in_reward=true"]))
     check_filter_groups(load_config(None, base + ["algorithm.filter_groups.metric=seq_final_reward"]))
+
+
+def test_reward_settings_rerun_a_rollout_only_when_it_filters(tmp_path, tiny_model_dir):
+    base = [f"actor_rollout_ref.model.path={tiny_model_dir}"]
+
+    def digest(*extra):
+        cfg = load_config(None, base + list(extra))
+        return config_hash(cfg, config_sections(cfg))
+
+    plain = digest()
+    assert digest("custom_reward_function.name=other", "algorithm.filter_groups.metric=acc") == plain
+    on = ("algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=acc")
+    assert digest(*on) != plain
+    assert digest(*on, "custom_reward_function.name=other") != digest(*on)
+    assert digest(*on, "algorithm.filter_groups.max_num_gen_batches=3") != digest(*on)

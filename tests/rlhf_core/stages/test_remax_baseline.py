@@ -101,3 +101,14 @@ def test_greedy_baseline_table_and_reward_baseline(tmp_path, repo_root, tiny_mod
     pq.write_table(table.slice(1), run.rollout_baseline(1))
     with pytest.raises(DataError, match=f"no greedy response for group uid '{baseline[0]['uid']}'"):
         run_score(cfg, run, 1)
+
+
+def test_only_a_baseline_estimator_adds_the_estimator_to_the_stages_config(tiny_model_dir, baseline_estimator):
+    from rlhf_core.stages import rollout, score
+
+    plain = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir}"])
+    remax = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir}",
+                               f"algorithm.adv_estimator={baseline_estimator}"])
+    for stage in (rollout, score):
+        assert "algorithm.adv_estimator" not in stage.config_sections(plain)  # gae → grpo reruns neither
+        assert "algorithm.adv_estimator" in stage.config_sections(remax)
