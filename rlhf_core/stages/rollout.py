@@ -26,9 +26,10 @@ Length metrics use verl's names: ``response_length/{mean,max,min,clip_ratio}`` a
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Optional, Sequence
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -44,11 +45,11 @@ from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.models import actor_path, reference_path
 from rlhf_core.rollout.generate import (
-    PROMPT_COLUMNS, generate_responses, generation_plan, group_uid, read_prompt_rows, rollout_metrics, rollout_table,
-    sampling_from_config, tokenizer_path_for,
+    PROMPT_COLUMNS, build_rollout_engine, generate_responses, generation_plan, group_uid, kept_engine, read_prompt_rows,
+    rollout_metrics, rollout_table, sampling_from_config, tokenizer_path_for,
 )
 from rlhf_core.paths import resolve_path
-from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingParams, derive_seed
+from rlhf_core.rollout.base import GeneratedSample, GenerationStats, RolloutEngine, SamplingParams, derive_seed
 from rlhf_core.rollout.dynamic_sampling import (
     check_draw_again, check_filter_groups, draw_seed, draw_slot, metric_values, split_groups,
 )
@@ -176,14 +177,50 @@ class Drawn:
     surplus_groups: int = 0
 
 
+class StageEngine:
+    """One engine for every generation of the stage in this process (refill draws, the greedy
+    baseline), built on first use: a model load per stage, not per draw. A resident engine
+    (``kept_engine``) is borrowed and left open."""
+
+    def __init__(self, cfg: RLHFConfig, model_dir: Path) -> None:
+        self.cfg, self.model_dir = cfg, model_dir
+        self.engine: Optional[RolloutEngine] = None
+        self.owned = False
+        self.load_seconds = 0.0
+
+    def get(self) -> RolloutEngine:
+        if self.engine is None:
+            started = time.perf_counter()
+            self.engine = kept_engine(self.cfg, self.model_dir)
+            self.owned = self.engine is None
+            self.engine = self.engine or build_rollout_engine(self.cfg, self.model_dir)
+            self.load_seconds = time.perf_counter() - started
+        return self.engine
+
+    def close(self) -> None:
+        if self.engine is not None and self.owned:
+            self.engine.close()
+        self.engine = None
+
+
 def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path) -> StageResult:
     ensure_state(cfg, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
+    engines = StageEngine(cfg, model_dir)
+    try:
+        return _generate_with(cfg, run, iteration, model_dir, engines)
+    finally:
+        engines.close()
+
+
+def _generate_with(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
+                   engines: StageEngine) -> StageResult:
     slot, num_slots, batches, prompt_rows = iteration_prompts(run, iteration)
     sampling = iteration_sampling(cfg, iteration)
-    samples, stats = _generate_draw(cfg, run, iteration, model_dir, prompt_rows, sampling, batches, first=True)
+    samples, stats = _generate_draw(cfg, run, iteration, engines, prompt_rows, sampling, batches, first=True)
     drawn = Drawn(prompt_rows=list(prompt_rows), samples=samples, stats=stats, slots=[slot])
     if cfg.algorithm.filter_groups.enable:
-        drawn = _filter_and_refill(cfg, run, iteration, model_dir, drawn, num_slots)
+        drawn = _filter_and_refill(cfg, run, iteration, engines, drawn, num_slots)
+    drawn.stats.load_seconds += engines.load_seconds  # the one load of this process's engine
     engine = cfg.actor_rollout_ref.rollout.name
     out = atomic_write_parquet(run.rollout(iteration), rollout_table(drawn.prompt_rows, drawn.samples, iteration, engine),
                                schema=ROLLOUT)
@@ -209,7 +246,7 @@ def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path
                        f"(slots {', '.join(map(str, drawn.slots))}), {drawn.filtered_groups} groups scored alike "
                        f"and dropped, {drawn.surplus_groups} kept groups over data.train_batch_size cut")
     if needs_baseline_rollout(cfg):
-        baseline = _write_baseline(cfg, run, iteration, model_dir, drawn)
+        baseline = _write_baseline(cfg, run, iteration, engines, drawn)
         outputs["rollout_baseline"] = str(baseline)
         summary.append(f"greedy baseline response per prompt ({cfg.algorithm.adv_estimator}) → {baseline}")
     summary.append(f"wrote {out}")
@@ -218,7 +255,7 @@ def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path
                        summary=summary)
 
 
-def _generate_draw(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path, prompt_rows: list[dict],
+def _generate_draw(cfg: RLHFConfig, run: RunDir, iteration: int, engines: StageEngine, prompt_rows: list[dict],
                    sampling: SamplingParams, batches: list[list[str]], first: bool, desc: str = ""):
     """One draw's samples (prompt_index into ``prompt_rows``) and stats. The iteration's own draw
     runs on every local process as before; the rank entry knows only that draw, so later draws
@@ -226,17 +263,17 @@ def _generate_draw(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path
     world = min(stage_processes(cfg), len(batches)) if cfg.actor_rollout_ref.rollout.name == "hf" else 1
     if first and world > 1:
         return _generate_on_ranks(cfg, run, iteration, prompt_rows, sampling, batches, world)
-    return generate_responses(cfg, model_dir, prompt_rows, sampling, batches,
+    return generate_responses(cfg, engines.model_dir, prompt_rows, sampling, batches, engine=engines.get(),
                               desc=desc or f"rollout iter {iteration}")
 
 
-def _filter_and_refill(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path, drawn: Drawn,
+def _filter_and_refill(cfg: RLHFConfig, run: RunDir, iteration: int, engines: StageEngine, drawn: Drawn,
                        num_slots: int) -> Drawn:
     """Keep the groups whose responses differ on filter_groups.metric; draw the next slots while
     fewer than data.train_batch_size are kept; cut to exactly that many (``dynamic_sampling``)."""
     fg, wanted = cfg.algorithm.filter_groups, cfg.data.train_batch_size
     rm, rm_tokenizer = reward_model_paths(cfg)
-    models = ModelPaths(actor=model_dir, reference=reference_path(cfg), critic=None, reward_model=rm,
+    models = ModelPaths(actor=engines.model_dir, reference=reference_path(cfg), critic=None, reward_model=rm,
                         rm_input_tokenizer=rm_tokenizer)
     kept_samples: list[GeneratedSample] = []
     kept_groups = 0
@@ -261,7 +298,7 @@ def _filter_and_refill(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: 
             continue
         base = iteration_sampling(cfg, iteration)
         sampling = replace(base, seed=draw_seed(base.seed, d))
-        samples, stats = _generate_draw(cfg, run, iteration, model_dir, rows, sampling, batches, first=False,
+        samples, stats = _generate_draw(cfg, run, iteration, engines, rows, sampling, batches, first=False,
                                         desc=f"rollout iter {iteration} draw {d + 1}")
         _add_stats(drawn.stats, stats)
         drawn.prompt_rows += rows
@@ -298,14 +335,15 @@ def _add_stats(total: GenerationStats, more: GenerationStats) -> None:
     total.batches += more.batches
 
 
-def _write_baseline(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path, drawn: Drawn) -> Path:
+def _write_baseline(cfg: RLHFConfig, run: RunDir, iteration: int, engines: StageEngine, drawn: Drawn) -> Path:
     """remax's baseline: one greedy response (n=1) per prompt group of the table, written with the
     group's uid to ``run.rollout_baseline(iteration)`` (schema ROLLOUT)."""
     indices = list(dict.fromkeys(s.prompt_index for s in drawn.samples))  # the table's groups, in order
     rows = [drawn.prompt_rows[i] for i in indices]
     seed = derive_seed(iteration_sampling(cfg, iteration).seed, "greedy_baseline")
     sampling = replace(sampling_from_config(cfg, seed=seed, greedy=True), n=1)
-    samples, _ = generate_responses(cfg, model_dir, rows, sampling, desc=f"greedy baseline iter {iteration}")
+    samples, _ = generate_responses(cfg, engines.model_dir, rows, sampling, engine=engines.get(),
+                                    desc=f"greedy baseline iter {iteration}")
     samples = [replace(s, prompt_index=indices[s.prompt_index]) for s in samples]
     table = rollout_table(drawn.prompt_rows, samples, iteration, cfg.actor_rollout_ref.rollout.name)
     return atomic_write_parquet(run.rollout_baseline(iteration), table, schema=ROLLOUT)
