@@ -292,7 +292,7 @@ def _filter_and_refill(cfg: RLHFConfig, run: RunDir, iteration: int, engines: St
         slot = draw_slot(drawn.slots[0], d, num_slots)
         drawn.slots.append(slot)
         offset = len(drawn.prompt_rows)
-        rows, batches = _draw_prompts(run, slot, num_slots, {r["prompt_id"] for r in drawn.prompt_rows})
+        rows, batches = _draw_prompts(run, slot, {r["prompt_id"] for r in drawn.prompt_rows})
         if not rows:
             new_samples = []
             continue
@@ -320,7 +320,7 @@ def _kept_uids(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths,
     return split_groups([r["uid"] for r in rows], values)
 
 
-def _draw_prompts(run: RunDir, slot: int, num_slots: int, drawn_ids: set[str]) -> tuple[list[dict], list[list[str]]]:
+def _draw_prompts(run: RunDir, slot: int, drawn_ids: set[str]) -> tuple[list[dict], list[list[str]]]:
     """Slot ``slot``'s prompt rows and generation batches, less the prompts this iteration already
     drew (a prompt in slots of two epochs); empty batches dropped."""
     batches, rows = slot_prompts(run, slot)
