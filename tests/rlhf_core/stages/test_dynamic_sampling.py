@@ -137,3 +137,38 @@ def test_reward_settings_rerun_a_rollout_only_when_it_filters(tmp_path, tiny_mod
     assert digest(*on) != plain
     assert digest(*on, "custom_reward_function.name=other") != digest(*on)
     assert digest(*on, "algorithm.filter_groups.max_num_gen_batches=3") != digest(*on)
+
+
+def test_refill_into_the_next_epochs_slots_leaves_out_prompts_already_drawn(tmp_path, repo_root, tiny_model_dir):
+    """7 prompts in slots of 3: an epoch leaves one out, so the pack plans a second epoch whose slots
+    repeat prompts. Only three prompts have responses that differ, one of them the prompt epoch 0
+    left out: the refill must reach epoch 1, drawing none of the prompts it already drew again."""
+    raw = tmp_path / "arith.jsonl"
+    raw.write_text("".join((repo_root / "data/arith/train.jsonl").read_text().splitlines(True)[:7]))
+    reward = tmp_path / "reward.py"
+    cfg = config(raw, tiny_model_dir, reward, "data.train_batch_size=3", "actor_rollout_ref.actor.ppo_mini_batch_size=3")
+    run = RunDir(tmp_path / "run")
+    write_config(run, to_yaml(cfg))
+    run_preprocess(cfg, run)
+    run_pack(cfg, run)
+    slots = {}
+    for row in sorted(pq.read_table(run.generation_batches).to_pylist(), key=lambda r: r["batch_id"]):
+        slots.setdefault(row["slot"], []).extend(row["prompt_ids"])
+    answers = {p["prompt_id"]: p["reward_model"]["ground_truth"] for p in pq.read_table(run.train_prompts).to_pylist()}
+    assert len(set(answers.values())) == 7 and len(slots) >= 3  # distinct answers; a second epoch planned
+    left_out = next(p for p in answers if p not in slots[0] + slots[1])
+    varied = slots[0][:2] + [left_out]
+    reward.write_text("import zlib\n\ndef compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    if ground_truth in {sorted(answers[p] for p in varied)!r}:\n"
+                      "        return (zlib.crc32(solution_str.encode()) % 1000) / 1000\n"
+                      "    return 0.5\n")
+
+    result = run_rollout(cfg, run, 1)
+    rows = pq.read_table(run.rollout(1)).to_pylist()
+    assert list(dict.fromkeys(r["prompt_id"] for r in rows)) == varied
+    assert len({(r["prompt_id"], r["sample_index"]) for r in rows}) == len(rows) == 6
+    reach = next(d for d in range(2, len(slots)) if left_out in slots[d])  # the draw that finds it
+    assert result.metrics["train/num_gen_batches"] == reach + 1
+    # every prompt generated once: 3 + 3 in epoch 0, then only epoch 1's prompts not seen yet
+    assert result.metrics["rollout/filtered_groups"] == 4  # the 4 alike prompts, each once
+    assert result.metrics["rollout/surplus_groups"] == 0
