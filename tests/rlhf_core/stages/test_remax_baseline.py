@@ -15,6 +15,7 @@ from rlhf_core.config import load_config, to_yaml
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError
 from rlhf_core.run.layout import RunDir, write_config
+from rlhf_core.stages.gae import run_gae
 from rlhf_core.stages.pack import run_pack
 from rlhf_core.stages.preprocess import run_preprocess
 from rlhf_core.stages.rollout import run_rollout
@@ -33,13 +34,18 @@ def score_of(text: str) -> float:
     return (zlib.crc32(text.encode()) % 1000) / 1000
 
 
+RECEIVED: list = []
+
+
 @pytest.fixture
 def baseline_estimator():
-    """A stand-in for remax until the real one lands: it names reward_baselines, nothing else matters here."""
+    """A stand-in for remax until the real one lands: it names reward_baselines and keeps what it got."""
     @register_adv_estimator(ESTIMATOR)
     def takes_baselines(*, token_level_rewards, response_mask, reward_baselines):
+        RECEIVED.append(reward_baselines.tolist())
         return token_level_rewards, token_level_rewards
 
+    RECEIVED.clear()
     yield ESTIMATOR
     ADV_ESTIMATORS.unregister(ESTIMATOR)
 
@@ -94,6 +100,8 @@ def test_greedy_baseline_table_and_reward_baseline(tmp_path, repo_root, tiny_mod
 
     assert scored_result.metrics["reward/baseline_mean"] == pytest.approx(
         sum(greedy[r["uid"]] for r in scored) / len(scored))
+    run_gae(cfg, run, 1)  # the advantage step hands the column to the estimator, row for row
+    assert RECEIVED[-1] == pytest.approx([r["reward_baseline"] for r in scored])
 
     # the baseline table is an input of the score stage: a changed one reruns it (here: refused, a
     # group's greedy response is missing)
