@@ -23,6 +23,9 @@ Two rules, applied to every entry of a flat ``{dotted.key: value}`` mapping:
    (32+ characters mixing upper case, lower case and digits, ≥ 4 bits per character, changing
    character class as often as random text does — hashes, run ids, paths and model names are kept).
 
+Inline data (``data:<type>;base64,<payload>``, the learning curve in a Prefect report) is kept as
+it is: its payload is random-looking by nature, and masking parts of it would break the image.
+
 Numbers, booleans and None are never secrets by value (a key rule still masks them). Lists, tuples
 and nested dicts are redacted element by element. The function returns a new dict and never raises.
 """
@@ -54,6 +57,7 @@ _BEARER = re.compile(r"(?i)\b(bearer|basic)\s+[A-Za-z0-9._~+/\-]{8,}=*")
 _URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.\-]*://[^\s/:@]*:)(?P<password>[^\s/@]+)(?P<at>@)")
 _ASSIGNMENT = re.compile(r"(?P<key>[A-Za-z_][A-Za-z0-9_.\-]*)(?P<sep>\s*[=:]\s*['\"]?)(?P<value>[^\s,;&'\"]+)")
 _LONG_RUN = re.compile(r"[A-Za-z0-9+/_\-]{32,}={0,2}")
+_DATA_URI = re.compile(r"\bdata:[\w.+\-]+/[\w.+\-]+;base64,[A-Za-z0-9+/]+=*")
 
 
 def _words(name: str) -> list[str]:
@@ -102,7 +106,18 @@ def _mask_assignment(match: re.Match) -> str:
 
 
 def redact_text(text: str) -> str:
-    """``text`` with every credential-looking part replaced by ``***`` (see the module docstring)."""
+    """``text`` with every credential-looking part replaced by ``***`` (see the module docstring);
+    inline base64 data kept whole."""
+    if "base64," not in text:
+        return _redact_plain(text)
+    out, start = [], 0
+    for match in _DATA_URI.finditer(text):
+        out += [_redact_plain(text[start:match.start()]), match.group(0)]
+        start = match.end()
+    return "".join(out + [_redact_plain(text[start:])])
+
+
+def _redact_plain(text: str) -> str:
     for pattern in _VALUE_PATTERNS:
         text = pattern.sub(MASK, text)
     text = _BEARER.sub(lambda m: f"{m.group(1)} {MASK}", text)

@@ -540,3 +540,14 @@ def test_redaction_survives_json_and_never_raises():
 def test_core_never_imports_orchestration_for_redaction():
     source = (REPO / "rlhf_core" / "security.py").read_text()
     assert not re.search(r"^\s*(import|from)\s+(prefect|mlflow)", source, re.M)
+
+
+def test_inline_data_is_kept_whole_and_the_text_around_it_redacted():
+    """A Prefect report carries its learning curve as a base64 data URI: random-looking by nature,
+    and masking part of it would break the image; the rest of the report is still redacted."""
+    rng = random.Random(7)
+    payload = "".join(rng.choice(string.ascii_letters + string.digits + "+/") for _ in range(400)) + "=="
+    assert redact_text(f"x {payload} y") != f"x {payload} y"  # the same text outside a data URI is masked
+    report = f"MLflow: https://ann:pw@mlflow.example/ ![curve](data:image/png;base64,{payload}) token {HF}"
+    assert redact_text(report) == (f"MLflow: https://ann:{MASK}@mlflow.example/ ![curve](data:image/png;base64,"
+                                   f"{payload}) token {MASK}")
