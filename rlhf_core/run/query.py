@@ -169,8 +169,9 @@ def query(run: RunDir | str | Path, sql: str) -> pa.Table:
         con.close()
 
 
-def format_table(table: pa.Table, max_rows: int = 50, max_width: int = 40) -> str:
-    """Plain fixed-width rendering for the terminal."""
+def format_table(table: pa.Table, max_rows: int = 50, max_width: int = 40, missing: str = "NULL") -> str:
+    """Plain fixed-width rendering for the terminal; a missing value reads ``missing`` (SQL's NULL
+    for a query, "-" in the status table)."""
     names = table.column_names
     rows = table.slice(0, max_rows).to_pylist()
 
@@ -178,7 +179,7 @@ def format_table(table: pa.Table, max_rows: int = 50, max_width: int = 40) -> st
         if isinstance(v, float):
             text = f"{v:.6g}"
         else:
-            text = "NULL" if v is None else str(v)
+            text = missing if v is None else str(v)
         return text if len(text) <= max_width else text[: max_width - 1] + "…"
 
     cells = [[cell(r[n]) for n in names] for r in rows]
@@ -217,7 +218,8 @@ def _committed_or_none(run: RunDir) -> list[int]:
 
 
 def status_table(run: RunDir | str | Path) -> list[dict[str, Any]]:
-    """One dict per iteration: each stage's state, key metrics, rollbacks, checkpoint presence."""
+    """One dict per iteration: each stage's state, key metrics (reward, KL, validation accuracy and
+    score; None where not measured), rollbacks, checkpoint presence."""
     run = run if isinstance(run, RunDir) else RunDir(run)
     committed = _committed_or_none(run)
     rollbacks: dict[int, int] = {}
@@ -239,6 +241,7 @@ def status_table(run: RunDir | str | Path) -> list[dict[str, Any]]:
         row["reward"] = metrics.get("reward/mean")
         row["kl"] = metrics.get("kl/mean")
         row["val_acc"] = metrics.get("val/accuracy")
+        row["val_score"] = metrics.get("val/reward_mean")  # the mean validation reward (verl's val-core mean@n)
         row["rollbacks"] = rollbacks.get(k, 0)
         row["checkpoint"] = (run.checkpoint(k) / "actor").is_dir()
         row["last_good"] = bool(committed and committed[-1] == k)
@@ -260,7 +263,7 @@ def format_status(run: RunDir | str | Path) -> str:
             {**{k: v for k, v in r.items() if k not in ("checkpoint", "last_good")},
              "ckpt": ("last-good" if r["last_good"] else "kept") if r["checkpoint"] else "-"}
             for r in rows])
-        lines.append(format_table(table, max_rows=10_000).rsplit("\n", 1)[0])
+        lines.append(format_table(table, max_rows=10_000, missing="-").rsplit("\n", 1)[0])
     else:
         lines.append("no iterations yet")
     problems = status_problems(run)

@@ -1,0 +1,33 @@
+"""`rlhf status`: "-" where a value was not measured (never SQL's NULL), and the validation score
+beside the validation accuracy."""
+
+from __future__ import annotations
+
+from rlhf_cli.main import main
+from rlhf_core.config import load_config, to_yaml
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.manifest import record_stage
+from rlhf_core.run.report import iteration_metrics
+
+
+def test_status_shows_dashes_and_the_validation_score(tmp_path, capsys):
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    cfg = load_config(None, [])
+    run.config_path.write_text(to_yaml(cfg))
+    for k in (1, 2):
+        record_stage(run, k, "rollout", status="done", inputs={}, outputs={}, config_hash="h",
+                     metrics={"reward/mean": 0.25 * k}, seconds=1.0)
+    record_stage(run, 2, "validate", status="done", inputs={}, outputs={}, config_hash="h",
+                 metrics={"val/accuracy": 0.5, "val/reward_mean": 0.625}, seconds=1.0)
+    for k in (1, 2):
+        iteration_metrics(cfg, run, k)  # what finish-iteration writes: the metrics status reads
+    assert main(["status", str(run.root)]) == 0
+    out = capsys.readouterr().out
+    assert "NULL" not in out
+    header, _, first, second = out.splitlines()[2:6]
+    names = header.split()
+    assert names[names.index("val_acc") + 1] == "val_score"
+    cells = dict(zip(names, first.split())), dict(zip(names, second.split()))
+    assert (cells[0]["val_acc"], cells[0]["val_score"], cells[0]["kl"]) == ("-", "-", "-")
+    assert (cells[1]["val_acc"], cells[1]["val_score"], cells[1]["reward"]) == ("0.5", "0.625", "0.5")
