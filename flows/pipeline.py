@@ -25,7 +25,7 @@ import gc
 import itertools
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 from prefect import flow
 
 from rlhf_core.config import RLHFConfig, apply_overrides
@@ -35,6 +35,7 @@ from rlhf_core.run.lock import RunLock
 from rlhf_core.run.plan import RunPlan, logs_to, open_run, plan_run, resolve_iterations
 from rlhf_core.run.report import format_iteration_header, format_iteration_row, iteration_metrics
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
+from rlhf_core.security import redact_text
 from rlhf_core.training.resident import resident_models
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.breach import handle_breach_task
@@ -58,6 +59,14 @@ def dotted_overrides(values: list[str]) -> list[str]:
     return values
 
 
+def recorded_overrides(values: list[str]) -> list[str]:
+    """The overrides as Prefect records a flow run's parameters (JSON): secrets masked
+    (``rlhf_core.security``). The flow itself receives them as given: a direct call hands over the
+    object, and a deployment run gets what its caller sent (keep secrets out of those: environment
+    variables of the worker)."""
+    return [redact_text(v) for v in values]
+
+
 class PipelineParams(BaseModel):
     """What the Prefect UI's Run form asks for."""
 
@@ -78,6 +87,10 @@ class PipelineParams(BaseModel):
     def _dotted(cls, values: list[str]) -> list[str]:
         return dotted_overrides(values)
 
+    @field_serializer("overrides", when_used="json")
+    def _recorded(self, values: list[str]) -> list[str]:
+        return recorded_overrides(values)
+
 
 def _flow_run_name() -> str:
     from prefect.runtime import flow_run
@@ -93,6 +106,7 @@ def _flow_run_name() -> str:
 def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     """Run (or resume) a PPO RLHF run; returns {run_dir, mlflow_run_id (None without the mlflow
     logger), last_good, metrics, export}."""
+    prefect_artifacts.redact_prefect_logs()
     plan = plan_run(preset=None if params.resume else params.config, overrides=params.overrides,
                     iterations=params.iterations, run_name=params.run_name, resume=params.resume)
     with RunLock(plan.run) as lock:
@@ -207,7 +221,6 @@ def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], report
     console = logs_to(cfg, "console")
     progress = prefect_artifacts.progress_start(plan.run, total, done=plan.first_iteration - 1)
     metrics: dict = {}
-    shown: set[str] = set()  # alert kinds already in the table (every one stays in the flow log)
     with tqdm(total=total, initial=plan.first_iteration - 1, desc="iterations", unit="it", disable=not console,
               dynamic_ncols=True) as bar:
         if console:
@@ -221,20 +234,9 @@ def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], report
             reporter.submit(f"report of iteration {k}", publish_iteration, closed["report"])
             metrics = closed["metrics"]
             if console:
-                bar.write(format_iteration_row(metrics, note="; ".join(_first_of_kind(closed["alerts"], shown))))
+                bar.write(format_iteration_row(metrics, note="; ".join(closed["alerts"])))
             bar.update(1)
     return cfg, metrics
-
-
-def _first_of_kind(alerts: list[str], shown: set[str]) -> list[str]:
-    """KL alerts every time; a recurring signal (e.g. the clip-fraction note) only the first time."""
-    out = []
-    for alert in alerts:
-        kind = alert.split(" ", 1)[0]
-        if kind.startswith("KL") or kind not in shown:
-            out.append(alert if kind.startswith("KL") else alert + " (shown once; every one is in the flow log)")
-            shown.add(kind)
-    return out
 
 
 def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional[str]) -> tuple[RLHFConfig, list[dict]]:

@@ -19,11 +19,11 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.pipeline import PipelineParams, dotted_overrides, rlhf_pipeline
+from flows.pipeline import PipelineParams, dotted_overrides, recorded_overrides, rlhf_pipeline
 from rlhf_core.config import apply_overrides, load_config, valid_keys
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
@@ -56,6 +56,10 @@ class RetrainParams(BaseModel):
     @classmethod
     def _dotted(cls, values: list[str]) -> list[str]:
         return dotted_overrides(values)
+
+    @field_serializer("overrides", when_used="json")
+    def _recorded(self, values: list[str]) -> list[str]:
+        return recorded_overrides(values)
 
 
 def _retrain_flow_run_name() -> str:
@@ -119,6 +123,7 @@ def rlhf_retrain(params: RetrainParams = RetrainParams()) -> dict:
     directory; returns the pipeline's summary plus ``retrain`` (the record above)."""
     from prefect.runtime import flow_run
 
+    prefect_artifacts.redact_prefect_logs()
     record = prepare_retrain_task(params, flow_run.id)
     summary = rlhf_pipeline(PipelineParams(config=params.config, overrides=record["overrides"],
                                            iterations=params.iterations, run_name=record["run_name"]))

@@ -4,19 +4,22 @@ The stage reads the inputs already in the run directory, replaces its outputs at
 the stages after it stale (rlhf_core.stages.base.execute_stage). Overrides apply to this stage run
 only: config.yaml is never changed by a rerun (the stage's manifest record lists them), and
 ``rlhf_rebuild`` (`rlhf rebuild RUN`) reruns what they left out of date with config.yaml. Its MLflow
-run is nested under the run directory's pipeline run. A guard rerun acts on its verdict on disk:
-commit moves last_good; a breach discards the iteration's checkpoint and restores the KL controller
-(an iteration that is already committed is only re-measured, never rolled back by hand).
+run is nested under the run directory's pipeline run, opened once the stage did work: a stage found
+up to date is skipped without a nested run, alerts or an iteration report. A guard rerun acts on
+its verdict on disk: commit moves last_good; a breach discards the iteration's checkpoint and
+restores the KL controller (an iteration that is already committed is only re-measured, never
+rolled back by hand).
 """
 
 from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
+from rlhf_core.config import RLHFConfig
 from rlhf_core.run.layout import RunDir
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.lifecycle import last_good_iteration, rollback_count, settle
@@ -24,6 +27,7 @@ from rlhf_core.run.lock import RunLock
 from rlhf_core.run.plan import logs_to, resume_point, stage_config
 from rlhf_core.stages.base import out_of_date, stage_label
 from rlhf_core.stages.registry import STAGES
+from flows.pipeline import recorded_overrides
 from tasks import prefect_artifacts
 from tasks.prefect_runs import claim_run_directory
 from tasks.iteration import finish_iteration_task, finish_tracking_task, start_tracking_task
@@ -54,6 +58,10 @@ class StageParams(BaseModel):
             raise ValueError(f"stage {self.stage!r} is a setup stage: it takes no iteration")
         return self
 
+    @field_serializer("overrides", when_used="json")
+    def _recorded(self, values: list[str]) -> list[str]:
+        return recorded_overrides(values)
+
 
 def _stage_run_name() -> str:
     from prefect.runtime import flow_run
@@ -83,29 +91,52 @@ def apply_verdict_task(run_dir: str, iteration: int) -> str:
 @flow(name="rlhf-stage", flow_run_name=_stage_run_name, persist_result=False)
 def rlhf_stage(params: StageParams) -> dict:
     """Rerun one stage on a run directory; returns the stage result."""
+    prefect_artifacts.redact_prefect_logs()
     run = RunDir(params.run_dir)
     with RunLock(run) as lock:
         if lock.outermost:  # not inside `rlhf rebuild`, which speaks for the run itself
             claim_run_directory(run)
         # config.yaml is left as it is: the overrides are this stage run's only (its manifest record lists them)
         cfg = stage_config(run, params.config, params.overrides)  # step count included (the update's lr schedule)
-        mlflow_run_id = (start_tracking_task(cfg, str(run.root), stage=params.stage, iteration=params.iteration)
-                         if logs_to(cfg, "mlflow") else None)
+        mlflow_run_id = None
         try:
             stage_task = STAGE_TASKS[params.stage]
             args = (cfg, str(run.root)) + ((params.iteration,) if params.iteration is not None else ())
-            result = stage_task(*args, force=params.force, mlflow_run_id=mlflow_run_id)
+            result = stage_task(*args, force=params.force)  # its MLflow run is opened below, once it did work
             if params.stage == "preprocess":
                 stage_config(run, params.config, params.overrides)  # fills config.yaml's step count from the prompts
-            if params.stage == "guard":
+            if params.stage == "guard":  # also when skipped: a crash may have come between the verdict and its settling
                 result["action"] = apply_verdict_task(str(run.root), params.iteration)
+            if not changed_anything(result):  # up to date: no nested MLflow run, no alerts, no iteration report
+                return result
+            if logs_to(cfg, "mlflow"):
+                mlflow_run_id = start_tracking_task(cfg, str(run.root), stage=params.stage, iteration=params.iteration,
+                                                    log_stage=True)
             if params.iteration is not None:
                 finish_iteration_task(cfg, str(run.root), params.iteration, mlflow_run_id=mlflow_run_id, prune=False)
         except Exception as exc:
-            finish_tracking_task(mlflow_run_id, "FAILED", reason=f"{type(exc).__name__}: {exc}")
+            record_failure(cfg, str(run.root), params, mlflow_run_id, exc)
             raise
         finish_tracking_task(mlflow_run_id)
     return result
+
+
+def record_failure(cfg: RLHFConfig, run_dir: str, params: StageParams, mlflow_run_id: Optional[str],
+                   exc: Exception) -> None:
+    """A failed rerun is recorded in MLflow (a nested run opened for it when the stage failed before
+    one was); a failure to record it is logged, never raised over the stage's own error."""
+    try:
+        if mlflow_run_id is None and logs_to(cfg, "mlflow"):
+            mlflow_run_id = start_tracking_task(cfg, run_dir, stage=params.stage, iteration=params.iteration)
+        finish_tracking_task(mlflow_run_id, "FAILED", reason=f"{type(exc).__name__}: {exc}")
+    except Exception as failure:
+        prefect_artifacts.logger().warning("the failed %s rerun is not recorded in MLflow: %s", params.stage, failure)
+
+
+def changed_anything(result: dict) -> bool:
+    """Whether a stage rerun did work: it ran (not skipped as up to date), or it is a guard whose
+    verdict moved last-good or rolled the iteration back."""
+    return not result["skipped"] or result.get("action") in ("committed", "rolled_back")
 
 
 @flow(name="rlhf-rebuild", persist_result=False)
@@ -113,6 +144,7 @@ def rlhf_rebuild(run_dir: str) -> list[dict]:
     """Rerun, in run order and with the run's config.yaml, every stage at or before last-good that is
     stale or was rerun with overrides (``stages.base.out_of_date``), each as an ``rlhf_stage`` flow
     run, so that a resume or an export can build on the run again. Returns the stage results."""
+    prefect_artifacts.redact_prefect_logs()
     run = RunDir(run_dir)
     results: list[dict] = []
     done: set[tuple] = set()

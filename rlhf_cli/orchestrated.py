@@ -27,7 +27,9 @@ from rlhf_core.errors import RLHFError
 from rlhf_core.paths import project_root
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.plan import plan_run
-from tasks.mlflow_tracking import run_url, tracking_uri
+from rlhf_core.security import redact_text
+from tasks.mlflow_tracking import display_uri, run_url
+from tasks.prefect_artifacts import redact_prefect_logs
 
 
 _SERVER_WATCHDOG = """
@@ -135,7 +137,10 @@ class _NoUserErrorTracebacks(logging.Filter):
 
 
 def _quiet_user_errors() -> None:
-    """Install ``_NoUserErrorTracebacks`` on Prefect's console handlers (configured when Prefect loads)."""
+    """Install ``_NoUserErrorTracebacks`` on Prefect's console handlers (configured when Prefect loads),
+    and the secret redaction on every Prefect handler (before the flow starts: Prefect logs a
+    rejected flow's parameters before the flow body runs)."""
+    redact_prefect_logs()
 
     for handler in logging.getLogger().handlers:
         if isinstance(handler, PrefectConsoleHandler) and not any(
@@ -168,16 +173,22 @@ def cmd_run(args: argparse.Namespace) -> int:
                             run_name=None if args.resume else plan.run.root.name,
                             resume=str(args.resume.resolve()) if args.resume else None)
     summary = rlhf_pipeline(params)
-    print(f"run directory: {summary['run_dir']}")
+    print(redact_text(closing_block(summary)))  # a terminal is a sink too: scrollback, CI logs
+    return 0
+
+
+def closing_block(summary: dict) -> str:
+    """What `rlhf run` prints once the flow is done: the run directory, last-good, the export,
+    then ``where_to_look``."""
     last_good = summary.get("last_good")
-    print(f"last-good: iteration {last_good['iteration']}" if last_good else "last-good: none")
+    lines = [f"run directory: {summary['run_dir']}",
+             f"last-good: iteration {last_good['iteration']}" if last_good else "last-good: none"]
     exported = summary.get("export") or {}
     if exported.get("exported"):
-        print(f"exported actor: {exported['path']}")
+        lines.append(f"exported actor: {exported['path']}")
     elif exported.get("reason"):
-        print(f"export: {exported['reason']}")
-    print(where_to_look(summary))
-    return 0
+        lines.append(f"export: {exported['reason']}")
+    return "\n".join(lines + [where_to_look(summary)])
 
 
 def where_to_look(summary: dict) -> str:
@@ -186,7 +197,7 @@ def where_to_look(summary: dict) -> str:
     run_dir = summary["run_dir"]
     curve = RunDir(run_dir).learning_curve
     if summary.get("mlflow_run_id"):
-        uri = tracking_uri()
+        uri = display_uri()
         mlflow = f"run {summary['mlflow_run_id']}: " + (run_url(summary["mlflow_run_id"]) or (
             f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000)"))
     else:

@@ -13,7 +13,7 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import begin_iteration, committed_iterations, prune_checkpoints
-from rlhf_core.run.report import alerts, iteration_numbers, save_iteration_metrics
+from rlhf_core.run.report import alert_history, alerts, iteration_numbers, save_iteration_metrics, stage_numbers
 from rlhf_core.run.schedule import curve_due
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.stages import IO_RETRIES
@@ -23,8 +23,10 @@ NO_RESULTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 @task(name="start-tracking", **NO_RESULTS, **IO_RETRIES)
 def start_tracking_task(cfg: RLHFConfig, run_dir: str, stage: Optional[str] = None,
-                        iteration: Optional[int] = None) -> str:
-    """Open (or reopen, on resume) the run's MLflow run; a stage rerun gets a nested run. Returns its id."""
+                        iteration: Optional[int] = None, log_stage: bool = False) -> str:
+    """Open (or reopen, on resume) the run's MLflow run; a stage rerun gets a nested run, opened
+    once the stage has run (a skipped stage records nothing), with the stage's metrics when
+    ``log_stage``. Returns its id."""
     from prefect.runtime import flow_run
 
     run = RunDir(run_dir)
@@ -33,7 +35,9 @@ def start_tracking_task(cfg: RLHFConfig, run_dir: str, stage: Optional[str] = No
         run_id = mlflow_tracking.start_pipeline_run(run, cfg, flow_run_id)
     else:
         run_id = mlflow_tracking.start_stage_run(run, cfg, stage, iteration, flow_run_id)
-    prefect_artifacts.logger().info("MLflow run %s in %s", run_id, mlflow_tracking.tracking_uri())
+        if log_stage:
+            mlflow_tracking.log_metrics(run_id, stage_numbers(run, iteration, stage), step=iteration)
+    prefect_artifacts.logger().info("MLflow run %s in %s", run_id, mlflow_tracking.display_uri())
     return run_id
 
 
@@ -101,7 +105,7 @@ def _finish_iteration(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_
     numbers = iteration_numbers(cfg, run, k)
     save_iteration_metrics(run, k, numbers.metrics)
     metrics = numbers.metrics
-    warnings = alerts(cfg, metrics)
+    warnings = alerts(cfg, metrics, alert_history(run, k))  # a change worth attention, not a level
     for line in warnings:  # a KL breach is a warning; the clip-fraction signal is information
         (log.warning if line.startswith("KL") else log.info)("alert (iteration %d): %s", k, line)
         run.append_event("alert", k, message=line)

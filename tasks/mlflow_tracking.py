@@ -10,6 +10,16 @@ One MLflow run per pipeline flow run, named after the run directory and recorded
 ``RUN/tracking.json``; a resumed run continues the same MLflow run, and ``rlhf stage`` reruns attach
 to it as nested runs. Parameters are the flattened config. Metrics are logged with one ``log_batch``
 per call (one SQLite transaction; separate ``log_metric`` calls cost ~20 ms each).
+
+Experiments are created as classic ML training experiments (the experiment tag
+``mlflow.experimentKind=custom_model_development``): MLflow 3's UI otherwise opens them as GenAI
+experiments (traces and evaluation runs) instead of the runs table and the metric charts.
+
+Nothing this module writes or prints carries a secret: the tracking URI's password
+(``http://user:PASSWORD@host``) is masked in ``RUN/tracking.json``, the logged address and the run
+URL (``display_uri``), tags go through ``rlhf_core.security`` like the parameters, and MLflow's own
+"View run at" line (printed at the end of a run on an HTTP store, password included) is switched
+off (``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT``): the CLI prints the masked URL instead.
 """
 
 from __future__ import annotations
@@ -26,12 +36,14 @@ from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
 from rlhf_core.io.timing import timed
 from rlhf_core.paths import state_dir
-from rlhf_core.security import redact, redact_value
+from rlhf_core.security import redact, redact_text, redact_value
 
 MLFLOW = "mlflow"
 """``io.timing`` kind of the per-iteration MLflow calls (the orchestration-overhead benchmark sums it)."""
 MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 MAX_PARAM_LENGTH = 6000
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+"""MLflow 3's experiment type: a model-training experiment (runs, parameters, metric charts)."""
 
 
 def tracking_uri() -> str:
@@ -42,6 +54,11 @@ def tracking_uri() -> str:
     path = state_dir() / "mlflow" / "mlflow.db"
     path.parent.mkdir(parents=True, exist_ok=True)
     return f"sqlite:///{path}"
+
+
+def display_uri() -> str:
+    """The tracking URI as it may be shown or stored: its password, if any, masked."""
+    return redact_text(tracking_uri())
 
 
 def artifact_root() -> Optional[str]:
@@ -59,6 +76,8 @@ _CLIENTS: dict[str, Any] = {}
 def client():
     """One MlflowClient per tracking URI (the SQLite engine is created once)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    # forced, not defaulted: MLflow's line shows the tracking URI's password; the CLI prints a masked URL
+    os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri()
@@ -68,17 +87,22 @@ def client():
 
 
 def experiment_id(name: str) -> str:
+    """The id of experiment ``name`` (its name as redacted), created as a training experiment
+    (``EXPERIMENT_KIND``) when absent; one created earlier without a kind gets it."""
     c = client()
+    name = redact_text(name)
     exp = c.get_experiment_by_name(name)
-    if exp is not None:
-        return exp.experiment_id
-    try:
-        return c.create_experiment(name, artifact_location=artifact_root())
-    except Exception:  # created meanwhile by another process
-        exp = c.get_experiment_by_name(name)
-        if exp is None:
-            raise
-        return exp.experiment_id
+    if exp is None:
+        try:
+            return c.create_experiment(name, artifact_location=artifact_root(), tags=EXPERIMENT_KIND)
+        except Exception:  # created meanwhile by another process
+            exp = c.get_experiment_by_name(name)
+            if exp is None:
+                raise
+    for key, value in EXPERIMENT_KIND.items():
+        if key not in exp.tags:  # an experiment of an older version; a kind someone chose is kept
+            c.set_experiment_tag(exp.experiment_id, key, value)
+    return exp.experiment_id
 
 
 def _record_path(run: RunDir) -> Path:
@@ -89,7 +113,8 @@ def read_record(run: RunDir) -> Optional[dict]:
     """{"tracking_uri", "experiment_id", "run_id"} of the run's MLflow run, when it has one in the
     current tracking store."""
     record = run.read_json(_record_path(run))
-    if not record or record.get("tracking_uri") != tracking_uri():
+    # compared masked: records written before the masking hold the URI as it was
+    if not record or redact_text(str(record.get("tracking_uri"))) != display_uri():
         return None
     try:
         client().get_run(record["run_id"])
@@ -111,11 +136,11 @@ def start_pipeline_run(run: RunDir, cfg: RLHFConfig, flow_run_id: Optional[str] 
         log_config(run_id, cfg)
     else:
         exp = experiment_id(cfg.trainer.experiment_name)
-        mlrun = c.create_run(exp, run_name=run.root.name, tags={"rlhf.run_dir": str(run.root),
-                                                                  "rlhf.project": cfg.trainer.project_name})
+        mlrun = c.create_run(exp, run_name=redact_text(run.root.name),
+                             tags=_safe_tags({"rlhf.run_dir": str(run.root), "rlhf.project": cfg.trainer.project_name}))
         run_id = mlrun.info.run_id
         log_config(run_id, cfg)
-        atomic_write_json(_record_path(run), {"tracking_uri": tracking_uri(), "experiment_id": exp, "run_id": run_id})
+        atomic_write_json(_record_path(run), {"tracking_uri": display_uri(), "experiment_id": exp, "run_id": run_id})
     if flow_run_id:
         set_tags(run_id, {"prefect.flow_run_id": flow_run_id})
     return run_id
@@ -135,9 +160,14 @@ def start_stage_run(run: RunDir, cfg: RLHFConfig, stage: str, iteration: Optiona
         exp = experiment_id(cfg.trainer.experiment_name)
     if flow_run_id:
         tags["prefect.flow_run_id"] = flow_run_id
-    run_id = client().create_run(exp, run_name=name, tags=tags).info.run_id
+    run_id = client().create_run(exp, run_name=name, tags=_safe_tags(tags)).info.run_id
     log_config(run_id, cfg)
     return run_id
+
+
+def _safe_tags(tags: dict[str, Any]) -> dict[str, str]:
+    """Tag values as MLflow stores them: text, secrets masked, at most 5000 characters."""
+    return {key: str(redact_value(value))[:5000] for key, value in tags.items()}
 
 
 def log_config(run_id: str, cfg: RLHFConfig) -> None:
@@ -189,7 +219,7 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: Optional[int]) -> 
 def set_tags(run_id: str, tags: dict[str, Any]) -> None:
     from mlflow.entities import RunTag
 
-    client().log_batch(run_id, tags=[RunTag(k, str(redact_value(v))[:5000]) for k, v in tags.items()])
+    client().log_batch(run_id, tags=[RunTag(k, v) for k, v in _safe_tags(tags).items()])
 
 
 @timed(MLFLOW)
@@ -210,8 +240,9 @@ def metric_history(run_id: str, key: str) -> list[tuple[int, float]]:
 
 @timed(MLFLOW)
 def run_url(run_id: str) -> Optional[str]:
-    """A browsable address when the tracking store is a server."""
-    uri = tracking_uri()
+    """A browsable address when the tracking store is a server (its password masked: the browser
+    asks for it)."""
+    uri = display_uri()
     if uri.startswith("http"):
         record = client().get_run(run_id)
         return f"{uri.rstrip('/')}/#/experiments/{record.info.experiment_id}/runs/{run_id}"

@@ -3,6 +3,10 @@
 Artifacts are published only inside a Prefect run (``task.fn()`` in a unit test has no run to attach
 them to, and skips them). Keyed artifacts (``<run>-metrics``, ``<run>-report``, ``<run>-progress``,
 ``<run>-kl-rollback``) keep a history across flow runs of the same run directory in the Artifacts page.
+
+Every artifact and every Prefect log line passes ``rlhf_core.security``'s redaction on its way out
+(``redact_prefect_logs`` puts it on Prefect's log handlers: the API's, which the UI shows, and the
+console's), so a tracking URI's password or a token in an override never reaches the Prefect server.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any, Optional
 from rlhf_core.run.layout import RunDir
 from rlhf_core.io.timing import timed
 from rlhf_core.run.query import metrics_table
+from rlhf_core.run.report import CLIPFRAC_LOW
+from rlhf_core.security import redact, redact_text
 
 ARTIFACT, PLOT = "prefect_artifact", "plot"
 """``io.timing`` kinds of publishing Prefect artifacts and drawing the learning curve."""
@@ -34,6 +40,35 @@ def in_prefect_run() -> bool:
         return True
     except Exception:
         return False
+
+
+class RedactingFilter(logging.Filter):
+    """Masks secrets in a log record before any handler formats it: the message (arguments
+    merged in) and the traceback text. The record is shared by every handler that sees it after."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            record.msg, record.args = redact_text(record.getMessage()), None
+        except Exception:  # a malformed call: the handler reports it as logging does
+            return True
+        if record.exc_info and record.exc_info[1] is not None and not record.exc_text:
+            record.exc_text = redact_text(logging.Formatter().formatException(record.exc_info))
+        elif record.exc_text:
+            record.exc_text = redact_text(record.exc_text)
+        return True
+
+
+def redact_prefect_logs() -> None:
+    """Put ``RedactingFilter`` on every handler Prefect logs through (root, ``prefect`` and its
+    run loggers), once. Called at the start of each flow: Prefect may have reconfigured logging
+    since import."""
+    from prefect.logging.handlers import APILogHandler, PrefectConsoleHandler
+
+    names = ("", "prefect", "prefect.flow_runs", "prefect.task_runs", "prefect.extra")
+    for handler in {h for name in names for h in logging.getLogger(name).handlers}:
+        if isinstance(handler, (APILogHandler, PrefectConsoleHandler)) and not any(
+                isinstance(f, RedactingFilter) for f in handler.filters):
+            handler.addFilter(RedactingFilter())
 
 
 def logger() -> logging.Logger | logging.LoggerAdapter:
@@ -56,7 +91,8 @@ def markdown(text: str, key: Optional[str] = None, description: Optional[str] = 
     if in_prefect_run():
         from prefect.artifacts import create_markdown_artifact
 
-        create_markdown_artifact(markdown=text, key=key, description=description)
+        create_markdown_artifact(markdown=redact_text(text), key=key,
+                                 description=None if description is None else redact_text(description))
 
 
 @timed(ARTIFACT)
@@ -64,7 +100,8 @@ def table(rows: list[dict[str, Any]], key: Optional[str] = None, description: Op
     if in_prefect_run() and rows:
         from prefect.artifacts import create_table_artifact
 
-        create_table_artifact(table=rows, key=key, description=description)
+        create_table_artifact(table=[redact(row) for row in rows], key=key,
+                              description=None if description is None else redact_text(description))
 
 
 @timed(ARTIFACT)
@@ -143,6 +180,8 @@ def plot_learning_curve(run: RunDir, out: Path, kl_threshold: Optional[float] = 
         points = [(k, m[key]) for k, m in sorted(by_iter.items()) if key in m]
         if points:
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", linewidth=1.5)
+        if key == "actor/pg_clipfrac":
+            fraction_axis(ax, [p[1] for p in points])
         if key == "kl/mean" and kl_threshold is not None:
             ax.axhline(kl_threshold, color="red", linestyle="--", linewidth=1, label="rollback threshold")
             ax.legend(loc="best", fontsize=8)
@@ -156,6 +195,17 @@ def plot_learning_curve(run: RunDir, out: Path, kl_threshold: Optional[float] = 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
     return out
+
+
+def fraction_axis(ax, values: list[float]) -> None:
+    """A fraction's axis starts at 0 (matplotlib centres a constant series on it: a flat 0 drawn
+    between -0.05 and 0.05) and ends a little above the largest value; the clip-fraction alert's
+    level is drawn when it is in view."""
+    top = max(values, default=0.0)
+    ax.set_ylim(0.0, top * 1.15 if top > 0 else 0.01)
+    if top >= CLIPFRAC_LOW:
+        ax.axhline(CLIPFRAC_LOW, color="orange", linestyle=":", linewidth=1, label="alert when it falls below")
+        ax.legend(loc="best", fontsize=8)
 
 
 def metrics_rows(run: RunDir) -> list[dict[str, Any]]:

@@ -15,6 +15,7 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.config import resolve
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import committed_iterations
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.stages.registry import ITERATION_STAGES, REPORT_ORDER, SETUP_STAGES
 
@@ -217,14 +218,50 @@ def format_iteration_row(metrics: dict[str, float], note: str = "") -> str:
     return " ".join(cells) + (f"  {note}" if note else "")
 
 
-def alerts(cfg: RLHFConfig, metrics: dict[str, float]) -> list[str]:
-    """Lines worth a warning: KL above the rollback threshold, clip fraction below 0.1 (the policy
-    barely moves any more: a convergence signal)."""
+CLIPFRAC_LOW, CLIPFRAC_REARM = 0.1, 0.15
+"""The clip-fraction alert: fires when actor/pg_clipfrac falls below CLIPFRAC_LOW after it had been
+at or above CLIPFRAC_REARM (since the run began, or since the last such alert). Hysteresis, not a
+level: a clip fraction that stays low — the usual case for LLM PPO, and structurally 0 with one
+optimizer step per batch — is no news, and one that wobbles around 0.1 alerts once, not each time."""
+
+
+def alerts(cfg: RLHFConfig, metrics: dict[str, float],
+           history: Sequence[dict[str, float]] = ()) -> list[str]:
+    """What is worth a person's attention at this iteration (``metrics``), given the metrics of the
+    run's earlier committed iterations (``history``, oldest first):
+
+    - every KL above trainer.kl_rollback_threshold (a breach: each one matters);
+    - the clip fraction falling below CLIPFRAC_LOW from at or above CLIPFRAC_REARM
+      (``fell_below``): the policy has stopped moving much, a convergence signal."""
     out = []
     kl = metrics.get("kl/mean")
     if kl is not None and kl > cfg.trainer.kl_rollback_threshold:
         out.append(f"KL {kl:.4f} above trainer.kl_rollback_threshold={cfg.trainer.kl_rollback_threshold}")
-    clipfrac = metrics.get("actor/pg_clipfrac")
-    if clipfrac is not None and clipfrac < 0.1:
-        out.append(f"actor/pg_clipfrac {clipfrac:.3f} < 0.1: updates are small (a convergence signal)")
+    clipfrac = [m.get("actor/pg_clipfrac") for m in (*history, metrics)]
+    if fell_below(clipfrac, CLIPFRAC_LOW, CLIPFRAC_REARM):
+        before = max(v for v in clipfrac[:-1] if v is not None)
+        out.append(f"actor/pg_clipfrac fell to {clipfrac[-1]:.3f} (< {CLIPFRAC_LOW}; it had reached {before:.3f}): "
+                   "updates are small now (a convergence signal)")
     return out
+
+
+def fell_below(values: Sequence[Optional[float]], low: float, rearm: float) -> bool:
+    """Whether the last of ``values`` (None: not measured) is a fall below ``low`` while armed. The
+    series starts unarmed, is armed by a value at or above ``rearm`` (> low) and disarmed by the fall
+    it reports; values in between change nothing."""
+    armed, fell = False, False
+    for value in values:
+        fell = False
+        if value is None:
+            continue
+        if value >= rearm:
+            armed = True
+        elif value < low and armed:
+            armed, fell = False, True
+    return fell
+
+
+def alert_history(run: RunDir, k: int) -> list[dict[str, float]]:
+    """The metrics of the run's committed iterations before ``k``, oldest first (what ``alerts``
+    compares iteration k with; a rolled-back attempt is not part of the run's history)."""
+    return [run.read_json(run.iteration_metrics(j)) or {} for j in committed_iterations(run) if j < k]

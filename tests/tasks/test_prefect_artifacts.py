@@ -57,3 +57,34 @@ def test_only_transient_io_errors_are_retried():
     assert transient_io_error(None, None, Failed(data=OSError(5, "Input/output error")))
     assert not transient_io_error(None, None, Failed(data=FileNotFoundError("prompts/train.parquet")))
     assert not transient_io_error(None, None, Failed(data=ValueError("a bug")))
+
+
+def test_clip_fraction_axis_starts_at_zero_even_when_flat():
+    """A constant 0 was centred on the axis (-0.05 … 0.05); a fraction's axis starts at 0, and the
+    alert level shows once the values reach it."""
+    from matplotlib.figure import Figure
+
+    flat, moving = Figure().subplots(1, 2)
+    flat.plot([1, 2, 3], [0.0, 0.0, 0.0])
+    prefect_artifacts.fraction_axis(flat, [0.0, 0.0, 0.0])
+    assert flat.get_ylim() == (0.0, 0.01) and not flat.get_legend()
+    prefect_artifacts.fraction_axis(moving, [0.05, 0.2])
+    assert moving.get_ylim() == (0.0, 0.2 * 1.15) and [line.get_ydata()[0] for line in moving.lines] == [0.1]
+
+
+def test_published_artifacts_and_log_lines_are_redacted():
+    """The sinks' own redaction: a Prefect log record (message, arguments, traceback) and an
+    artifact's text; the report's inline learning curve is kept whole."""
+    import logging
+    import sys
+
+    uri = "http://ann:Pw7q9zLmX2@127.0.0.1:5055"
+    try:
+        raise ConnectionError(f"API request to {uri}/api/2.0/mlflow/runs/get failed")
+    except ConnectionError:
+        record = logging.LogRecord("prefect.task_runs", logging.ERROR, __file__, 1, "MLflow run %s in %s",
+                                   ("abc", uri), sys.exc_info())
+    assert prefect_artifacts.RedactingFilter().filter(record)
+    text = logging.Formatter().format(record)
+    assert "Pw7q9zLmX2" not in text and "MLflow run abc in http://ann:***@127.0.0.1:5055" in text
+    assert "ConnectionError: API request to http://ann:***@" in text
