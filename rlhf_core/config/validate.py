@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 from rlhf_core.algos import estimator_takes
+from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.notes import say_once
 from rlhf_core.config.resolve import micro_batching, needs_baseline_rollout, uses_critic
 from rlhf_core.config.schema import LOGGERS_HERE, DeepSpeedConfig, RLHFConfig, Section, require
@@ -28,6 +29,8 @@ def validate(cfg: RLHFConfig) -> None:
     require(cm is None or 0 < cm <= d.train_batch_size, "critic.ppo_mini_batch_size",
             f"counts prompts, as in verl, and must be in [1, data.train_batch_size={d.train_batch_size}]", cm)
     _validate_estimator(cfg)
+    check_overlong_buffer(cfg)
+    check_filter_groups(cfg)
     _validate_batching(cfg)
 
 
@@ -54,6 +57,42 @@ def _validate_estimator(cfg: RLHFConfig) -> None:
     if needs_baseline_rollout(cfg) and cfg.actor_rollout_ref.rollout.name == "offline":
         require(False, "actor_rollout_ref.rollout.name", f"cannot be offline with algorithm.adv_estimator="
                 f"{alg.adv_estimator}: its greedy baseline responses must be generated; use hf or vllm", "offline")
+
+
+OVERLONG = "reward_model.overlong_buffer"
+FILTER_GROUPS = "algorithm.filter_groups"
+FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")  # schema.FilterGroupsConfig checks it
+
+def check_overlong_buffer(cfg: RLHFConfig) -> None:
+    """Refuse a buffer the formula cannot use: not shorter than the response budget (verl asserts
+    it), or enabled together with a reward model (whose scores verl never shapes)."""
+    buffer = cfg.reward_model.overlong_buffer
+    if not buffer.enable:
+        return
+    if buffer.len >= cfg.data.max_response_length:
+        raise ConfigError(f"{OVERLONG}.len={buffer.len} must be < data.max_response_length="
+                          f"{cfg.data.max_response_length}: the penalty starts at max_response_length − len "
+                          "tokens; shorten the buffer or raise the budget")
+    if cfg.reward_model.enable:
+        raise ConfigError(f"{OVERLONG}.enable=true shapes the rule-based reward only (verl's DAPO reward "
+                          "manager returns reward-model scores unchanged); set reward_model.enable=false "
+                          f"or {OVERLONG}.enable=false")
+
+
+def check_filter_groups(cfg: RLHFConfig) -> None:
+    """Refuse settings dynamic sampling cannot honour before anything is generated."""
+    fg = cfg.algorithm.filter_groups
+    if not fg.enable:
+        return
+    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
+        raise ConfigError(f"{FILTER_GROUPS}.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the final "
+                          "reward subtracts the KL penalty, which needs the score stage's old and reference "
+                          "log-probs, unknown when the rollout filters; use metric=seq_reward (the score "
+                          "before the KL penalty) or algorithm.use_kl_in_reward=false")
+    if cfg.actor_rollout_ref.rollout.name == "offline":
+        raise ConfigError(f"{FILTER_GROUPS}.enable=true needs a generating engine to draw more prompts; "
+                          "actor_rollout_ref.rollout.name=offline imports a fixed set of responses: use hf or "
+                          f"vllm, or set {FILTER_GROUPS}.enable=false")
 
 
 def uses_estimator_values(cfg: RLHFConfig) -> bool:

@@ -20,7 +20,7 @@ import json
 from typing import Sequence
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.config.errors import ConfigError
+from rlhf_core.config.validate import check_overlong_buffer
 
 KEY = "reward_model.overlong_buffer"
 
@@ -32,21 +32,6 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_len:
     exceed = response_length - expected
     return min(-exceed / buffer_len * penalty_factor, 0.0)
 
-
-def check_overlong_buffer(cfg: RLHFConfig) -> None:
-    """Refuse a buffer the formula cannot use: not shorter than the response budget (verl asserts
-    it), or enabled together with a reward model (whose scores verl never shapes)."""
-    buffer = cfg.reward_model.overlong_buffer
-    if not buffer.enable:
-        return
-    if buffer.len >= cfg.data.max_response_length:
-        raise ConfigError(f"{KEY}.len={buffer.len} must be < data.max_response_length="
-                          f"{cfg.data.max_response_length}: the penalty starts at max_response_length − len "
-                          "tokens; shorten the buffer or raise the budget")
-    if cfg.reward_model.enable:
-        raise ConfigError(f"{KEY}.enable=true shapes the rule-based reward only (verl's DAPO reward "
-                          "manager returns reward-model scores unchanged); set reward_model.enable=false "
-                          f"or {KEY}.enable=false")
 
 
 def shape_scores(cfg: RLHFConfig, scores: Sequence[float], lengths: Sequence[int],

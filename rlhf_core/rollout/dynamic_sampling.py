@@ -19,7 +19,7 @@ The metric of one response (``metric_values``), from where verl's trainer reads 
 - ``seq_reward``: token_level_scores summed: the sequence score, overlong penalty included;
 - ``seq_final_reward``: token_level_rewards summed: the same without algorithm.use_kl_in_reward;
   with it the KL penalty needs the old and reference log-probs of the score stage, which do not
-  exist yet here: refused (``check_filter_groups``).
+  exist yet here: refused (``config.validate.check_filter_groups``).
 
 Where this differs from verl:
 
@@ -40,31 +40,13 @@ from __future__ import annotations
 
 from typing import Optional, Sequence
 
-from rlhf_core.config import RLHFConfig
 from rlhf_core.config.errors import ConfigError
+from rlhf_core.config.validate import FILTER_METRICS as METRICS
 from rlhf_core.errors import DataError
 from rlhf_core.rollout.base import derive_seed
 
 KEY = "algorithm.filter_groups"
-METRICS = ("acc", "score", "seq_reward", "seq_final_reward")
 
-
-def check_filter_groups(cfg: RLHFConfig) -> None:
-    """Refuse settings dynamic sampling cannot honour before anything is generated."""
-    fg = cfg.algorithm.filter_groups
-    if not fg.enable:
-        return
-    if fg.metric not in METRICS:
-        raise ConfigError(f"{KEY}.metric={fg.metric!r}: must be one of {', '.join(METRICS)}")
-    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
-        raise ConfigError(f"{KEY}.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the final "
-                          "reward subtracts the KL penalty, which needs the score stage's old and reference "
-                          "log-probs, unknown when the rollout filters; use metric=seq_reward (the score "
-                          "before the KL penalty) or algorithm.use_kl_in_reward=false")
-    if cfg.actor_rollout_ref.rollout.name == "offline":
-        raise ConfigError(f"{KEY}.enable=true needs a generating engine to draw more prompts; "
-                          "actor_rollout_ref.rollout.name=offline imports a fixed set of responses: use hf or "
-                          f"vllm, or set {KEY}.enable=false")
 
 
 def metric_values(metric: str, scores: Sequence[float], raw: Sequence[float],

@@ -119,8 +119,8 @@ def generate_responses(
             if share is not None:
                 raise RLHFError(f"the {engine.name} engine schedules its own batches: it cannot run a share of them")
             plan = [[i for batch in plan for i in batch]]
-        owned = None if share is None else set(own_batches(plan, prompt_rows, sampling, *share))
-        samples = _run_plan(engine, prompt_rows, sampling, plan, stats, desc, owned)
+        mine = None if share is None else set(own_batches(plan, prompt_rows, sampling, *share))
+        samples = _run_plan(engine, prompt_rows, sampling, plan, stats, desc, mine)
     finally:
         if owned:
             engine.close()

@@ -51,10 +51,10 @@ from rlhf_core.rollout.generate import (
 from rlhf_core.paths import resolve_path
 from rlhf_core.rollout.base import GeneratedSample, GenerationStats, RolloutEngine, SamplingParams, derive_seed
 from rlhf_core.rollout.dynamic_sampling import (
-    check_draw_again, check_filter_groups, draw_seed, draw_slot, metric_values, split_groups,
+    check_draw_again, draw_seed, draw_slot, metric_values, split_groups,
 )
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
-from rlhf_core.rewards.overlong import check_overlong_buffer
+from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_samples, merged_stats, run_on_ranks, stage_processes
 from rlhf_core.stages.score import ModelPaths, reward_model_paths, sequence_rewards

@@ -53,7 +53,8 @@ from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
 from rlhf_core.rewards import get_reward_fn, normalize_result, routing_value
-from rlhf_core.rewards.overlong import check_overlong_buffer, shape_scores
+from rlhf_core.config.validate import check_overlong_buffer
+from rlhf_core.rewards.overlong import shape_scores
 from rlhf_core.rewards.reward_model import (
     check_same_vocabulary, load_reward_model, rerendered_ids, score_sequences,
 )

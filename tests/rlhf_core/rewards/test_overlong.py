@@ -9,7 +9,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.config import ConfigError, load_config, to_yaml
-from rlhf_core.rewards.overlong import check_overlong_buffer, overlong_penalty, shape_scores
+from rlhf_core.config.validate import check_overlong_buffer
+from rlhf_core.rewards.overlong import overlong_penalty, shape_scores
 from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.stages.init_critic import run_init_critic
 from rlhf_core.stages.pack import run_pack

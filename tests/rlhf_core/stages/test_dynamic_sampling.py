@@ -11,7 +11,8 @@ from rlhf_core.config import ConfigError, load_config, to_yaml
 from rlhf_core.config.loader import config_hash
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError
-from rlhf_core.rollout.dynamic_sampling import check_filter_groups, metric_values, split_groups
+from rlhf_core.config.validate import check_filter_groups
+from rlhf_core.rollout.dynamic_sampling import metric_values, split_groups
 from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.stages.pack import run_pack
 from rlhf_core.stages.preprocess import run_preprocess
