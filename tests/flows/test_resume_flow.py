@@ -1,6 +1,7 @@
 """A process killed in the middle of iteration 2 (after the update, before the guard's verdict) and
 `rlhf run --resume` finish the run with nothing lost: finished stages are reused, not redone (the
-update's state, which was only in memory, is rebuilt from its record by replay)."""
+update's state, which was only in memory, is rebuilt from its record by replay) — with a critic
+(gae) and without one (grpo)."""
 
 from __future__ import annotations
 
@@ -26,8 +27,15 @@ def digest(path) -> str:
                                    for p in sorted(path.rglob("*")) if p.is_file())).hexdigest()
 
 
-def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_overrides, tmp_path, subprocess_env):
-    first = rlhf_pipeline(PipelineParams(config=demo_preset, overrides=tiny_overrides(tmp_path / "runs"),
+ESTIMATORS = {"gae": (), "grpo": ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=2")}
+"""PPO with its critic, and a critic-free run (no critic anywhere: the resume path is the same)."""
+
+
+@pytest.mark.parametrize("estimator", sorted(ESTIMATORS))
+def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_overrides, tmp_path, subprocess_env,
+                                              estimator):
+    first = rlhf_pipeline(PipelineParams(config=demo_preset, overrides=tiny_overrides(tmp_path / "runs",
+                                                                                      *ESTIMATORS[estimator]),
                                          iterations=1, run_name="crash"))
     run = RunDir(first["run_dir"])
 
@@ -62,6 +70,12 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
     # one MLflow run, each iteration's metrics logged once
     for key in ("reward/mean", "kl/mean", "actor/pg_loss"):
         assert [s for s, _ in mlflow_tracking.metric_history(first["mlflow_run_id"], key)] == [1, 2], key
+    critic_files = [p for p in run.root.rglob("*critic*")]
+    if estimator == "grpo":  # nothing of a critic was built, scored, trained or saved
+        assert critic_files == [] and not mlflow_tracking.metric_history(first["mlflow_run_id"], "critic/vf_loss")
+        assert run.read_json(run.checkpoint(2) / "trainer_state.json")["sources"]["critic"] is None
+    else:
+        assert (run.checkpoint(2) / "critic").is_dir() and critic_files
 
 
 def _row(run, iteration):
