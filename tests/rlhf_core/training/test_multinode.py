@@ -37,6 +37,7 @@ from rlhf_core.training.nodes import LaunchResult, NodeWatch, launch_failure, ne
 from rlhf_core.training.resident import resident_possible
 from rlhf_core.training.synthetic import synthetic_advantages
 
+CRITIC_FREE = "algorithm.adv_estimator=grpo"
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -85,8 +86,9 @@ def _joiner(run: RunDir, node_rank: int, env: dict[str, str]) -> subprocess.Pope
 def test_two_nodes_train_bit_identically_to_one_node_with_two_processes(tiny_model_dir, tmp_path, subprocess_env,
                                                                         no_world):
     one, two = RunDir(tmp_path / "one_node"), RunDir(tmp_path / "two_nodes")
-    cfg_one = _config(tiny_model_dir, "trainer.nproc=2")
-    cfg_two = _config(tiny_model_dir, *_two_nodes(free_port(), "trainer.node_join_timeout_s=120"))
+    # critic-free (the critic is one more engine on the same collectives): half the engines to build
+    cfg_one = _config(tiny_model_dir, "trainer.nproc=2", CRITIC_FREE)
+    cfg_two = _config(tiny_model_dir, *_two_nodes(free_port(), "trainer.node_join_timeout_s=120"), CRITIC_FREE)
     assert update_nodes(cfg_two, 0) == (2, 1)
     _prepare(one, cfg_one, tiny_model_dir)
     _prepare(two, cfg_two, tiny_model_dir)
@@ -97,7 +99,7 @@ def test_two_nodes_train_bit_identically_to_one_node_with_two_processes(tiny_mod
         assert "2 process(es)" in result.summary[0]
         assert not two.update_request.exists()  # withdrawn once the launch ended
         # the run's last iteration committed: the joiner sees the run finished and leaves by itself
-        write_config(two, to_yaml(_config(tiny_model_dir, *_two_nodes(1), "trainer.total_iterations=1")))
+        write_config(two, to_yaml(_config(tiny_model_dir, *_two_nodes(1), "trainer.total_iterations=1", CRITIC_FREE)))
         commit_iteration(two, 1)
         out, _ = joiner.communicate(timeout=30)
     finally:
