@@ -62,7 +62,8 @@ def tracked(mlflow_server, prefect_server, demo_preset, tiny_overrides, shared_h
         mp.setenv("RLHF_HOME", str(shared_home))
         mp.setenv("MLFLOW_TRACKING_URI", mlflow_server)
         with contextlib.redirect_stdout(out):
-            code = main(["run", "-c", demo_preset, *tiny_overrides(runs, f"trainer.project_name=team-{TOKEN}"),
+            code = main(["run", "-c", demo_preset, *tiny_overrides(runs, f"trainer.project_name=team-{TOKEN}",
+                                                                   "trainer.val_before_train=false"),
                          "--iterations", "1", "--run-name", "secret"])
     assert code == 0, out.getvalue()
     return RunDir(runs / "secret"), out.getvalue()
