@@ -28,7 +28,7 @@ TOKEN = "hf_" + "Q3xv9LmZ0pR7sT2uW5yB8cD1eF4gH6"
 
 @pytest.fixture(scope="module")
 def mlflow_server(tmp_path_factory):
-    """MLflow's tracking server app (the one `mlflow server` serves) on 127.0.0.1, in a thread;
+    """MLflow's tracking server app (mlflow.server.app, what its CLI serves) on 127.0.0.1, in a thread;
     yields the tracking URI with a user and PASSWORD in it (the server, without auth, ignores them)."""
     from werkzeug.serving import make_server
 
