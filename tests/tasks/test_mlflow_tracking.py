@@ -105,3 +105,16 @@ def test_verl_metric_names_reach_mlflow_spelled_as_verls_mlflow_logger_spells_th
     assert set(mlflow_tracking.client().get_run(run_id).data.metrics) == {"val-core/openai/gsm8k/reward/mean_at_1",
                                                                    "timing_s/gen"}
     assert mlflow_tracking.metric_history(run_id, "val-core/openai/gsm8k/reward/mean@1") == [(0, 0.25)]
+
+
+def test_experiments_are_training_experiments_and_a_chosen_kind_is_kept(run):
+    """MLflow 3 opens an experiment without a kind as a GenAI one (traces, evaluation runs)."""
+    kind = "mlflow.experimentKind"
+    made = mlflow_tracking.experiment_id("unit-kind-new")
+    assert mlflow_tracking.client().get_experiment(made).tags[kind] == "custom_model_development"
+    older = mlflow_tracking.client().create_experiment("unit-kind-older")  # as an earlier version created it
+    assert mlflow_tracking.experiment_id("unit-kind-older") == older
+    assert mlflow_tracking.client().get_experiment(older).tags[kind] == "custom_model_development"
+    chosen = mlflow_tracking.client().create_experiment("unit-kind-chosen", tags={kind: "finetuning"})
+    mlflow_tracking.experiment_id("unit-kind-chosen")
+    assert mlflow_tracking.client().get_experiment(chosen).tags[kind] == "finetuning"
