@@ -177,7 +177,7 @@ def test_aliases_fill_either_name():
 
 def test_alerts_and_table_row():
     cfg = load_config(None, ["trainer.kl_rollback_threshold=0.05"])
-    lines = report.alerts(cfg, {"kl/mean": 0.07, "actor/pg_clipfrac": 0.05})
+    lines = report.alerts(cfg, {"kl/mean": 0.07, "actor/pg_clipfrac": 0.05}, history=[{"actor/pg_clipfrac": 0.2}])
     assert len(lines) == 2 and "0.0700" in lines[0] and "convergence" in lines[1]
     assert report.alerts(cfg, {"kl/mean": 0.05, "actor/pg_clipfrac": 0.2}) == []
     header = report.format_iteration_header()
