@@ -120,6 +120,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="the main job on the embedded default data and tiny model")
     demo.add_argument("--run-name", help="run directory name (default: timestamp)")
     demo.add_argument("--verbose", action="store_true", help="as for `rlhf run`")
+    demo.add_argument("--grpo", action="store_true",
+                      help="the same demo with GRPO and no critic: algorithm.adv_estimator=grpo "
+                           "actor_rollout_ref.rollout.n=4")
     demo.add_argument("overrides", nargs="*", metavar="key=value")
 
     rebuild = sub.add_parser("rebuild", help="rerun, with the run's config.yaml, every stage at or before last-good "

@@ -216,8 +216,13 @@ def where_to_look(summary: dict) -> str:
     return "\n".join(lines)
 
 
+GRPO_DEMO = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4")
+"""`rlhf demo --grpo`: the demo preset with GRPO, four responses per prompt normalised within their group."""
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    ns = argparse.Namespace(preset=str(project_root() / "configs" / "demo.yaml"), overrides=args.overrides,
+    overrides = [*GRPO_DEMO, *args.overrides] if getattr(args, "grpo", False) else args.overrides
+    ns = argparse.Namespace(preset=str(project_root() / "configs" / "demo.yaml"), overrides=overrides,
                             run_name=args.run_name, resume=None, iterations=None, verbose=args.verbose)
     return cmd_run(ns)
 
