@@ -22,7 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import RLHFConfig
 from rlhf_core.run.layout import RunDir
 from rlhf_core.errors import RLHFError
-from rlhf_core.run.lifecycle import last_good_iteration, rollback_count, settle
+from rlhf_core.run.lifecycle import last_good_iteration, require_reachable, rollback_count, settle
 from rlhf_core.run.lock import RunLock
 from rlhf_core.run.plan import logs_to, resume_point, stage_config
 from rlhf_core.stages.base import out_of_date, stage_label
@@ -97,6 +97,7 @@ def rlhf_stage(params: StageParams) -> dict:
         if lock.outermost:  # not inside `rlhf rebuild`, which speaks for the run itself
             claim_run_directory(run)
         # config.yaml is left as it is: the overrides are this stage run's only (its manifest record lists them)
+        require_reachable(run, params.stage, params.iteration)  # before anything writes an iter_K
         cfg = stage_config(run, params.config, params.overrides)  # step count included (the update's lr schedule)
         mlflow_run_id = None
         try:

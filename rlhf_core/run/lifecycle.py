@@ -103,6 +103,20 @@ def last_good_iteration(run: RunDir) -> int:
     return int(record["iteration"]) if record else 0
 
 
+def require_reachable(run: RunDir, stage: str, iteration: Optional[int]) -> None:
+    """Refuse a stage rerun of an iteration the run has not reached: a per-iteration stage runs on
+    iterations 1 .. last-good + 1 (the next one), validate on 0 .. last-good; anything later would
+    write a stray iter_K built on a state that iteration never starts from."""
+    if iteration is None:
+        return
+    last_good = last_good_iteration(run)
+    latest = last_good if stage == "validate" else last_good + 1
+    if iteration > latest:
+        reach = "validates committed iterations" if stage == "validate" else "reruns iterations up to the next one"
+        raise RLHFError(f"{run.root} has not reached iteration {iteration}: last-good is {last_good}, and `rlhf stage "
+                        f"{stage}` {reach} (<= {latest}); `rlhf run --resume {run.root} --iterations N` trains on")
+
+
 def _write_log(run: RunDir, committed: list[int]) -> Optional[dict]:
     if not committed:
         run.last_good_path.unlink(missing_ok=True)

@@ -44,6 +44,9 @@ def test_a_stage_rerun_with_overrides_is_recorded_refused_and_rebuilt(prefect_se
     capsys.readouterr()
     assert main(["status", str(run.root)]) == 0
     assert "iter_1/gae rerun with overrides algorithm.lam=0.9" in capsys.readouterr().out
+    assert main(["stage", "rollout", "--run-dir", str(run.root), "-k", "9"]) != 0  # not reached: no stray iter_9
+    line = _error_line(capsys.readouterr().err)
+    assert "has not reached iteration 9: last-good is 2" in line and not (run.root / "iter_9").exists(), line
 
     assert main(["run", "--resume", str(run.root), "--iterations", "3"]) == 2
     line = _error_line(capsys.readouterr().err)
