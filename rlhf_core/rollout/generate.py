@@ -17,6 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.notes import say_once
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.models import live
@@ -64,8 +65,8 @@ def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional
     """The engine named by ``actor_rollout_ref.rollout.name`` (or ``name``), loaded on ``model_path``;
     ``sleep_mode``: a vLLM engine that can sleep during the update and take new weights in place."""
     r = cfg.actor_rollout_ref.rollout
-    name = name or r.name
-    engine_cls = get_engine(name)  # unknown names (and 'offline') fail here, listing the engines
+    name = name or generation_engine(cfg)
+    engine_cls = get_engine(name)  # unknown names fail here, listing the engines
     tokenizer_path = tokenizer_path_for(cfg, Path(model_path))
     if name == "vllm":
         return engine_cls(model_path, tensor_parallel_size=r.tensor_model_parallel_size,
@@ -74,6 +75,17 @@ def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional
                           tokenizer_path=tokenizer_path, sleep_mode=sleep_mode)
     return engine_cls(model_path, device=cfg.trainer.device, tokenizer_path=tokenizer_path,
                       cpu_threads=r.cpu_threads, attention=cfg.actor_rollout_ref.model.override_config.attn_implementation)
+
+
+def generation_engine(cfg: RLHFConfig) -> str:
+    """The engine that generates for the run: rollout.name, except that ``offline`` imports training
+    responses and generates nothing, so validation (and remax's baseline) generate with ``hf``."""
+    name = cfg.actor_rollout_ref.rollout.name
+    if name != "offline":
+        return name
+    say_once("rollout: actor_rollout_ref.rollout.name=offline imports the training responses; validation "
+             "generates with the hf engine (Hugging Face generate)")
+    return "hf"
 
 
 def tokenizer_path_for(cfg: RLHFConfig, model_path: Path) -> Path:

@@ -19,6 +19,9 @@ The rows carry ``finish_reason = "offline"`` and ``engine = "offline"``; ``sampl
 (not sampled here).
 
 The whole file is imported every iteration: it is a fixed data set, not a per-iteration slice.
+A ``reward`` or ``score`` column is not used: the score stage scores every response with the run's
+reward function (``custom_reward_function.path`` for a logged scorer); the rollout stage says so.
+Validation and the KL guard still generate, with the hf engine (``generation_engine``).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from rlhf_core.rollout.base import FINISH_OFFLINE, GeneratedSample
 
 OFFLINE_ENGINE = "offline"
 RAW_LIMIT = 1000  # characters of an offending row kept in the rejects table
+IGNORED_SCORES = frozenset({"reward", "score"})
 
 
 @dataclass
@@ -45,6 +49,9 @@ class OfflineImport:
 
     samples: list[GeneratedSample] = field(default_factory=list)
     rejects: list[dict[str, Any]] = field(default_factory=list)
+    ignored_columns: set[str] = field(default_factory=set)
+    """Columns the file has that carry a score (reward, score): the score stage scores every
+    response with the run's reward function, so a logged score never reaches training."""
 
     def rejects_table(self) -> pa.Table:
         return pa.Table.from_pylist(self.rejects, schema=REJECTS)
@@ -140,6 +147,7 @@ def import_offline(path: str | Path, prompt_rows: Sequence[Mapping[str, Any]], t
         if row is None:
             reject(row_no, raw, raw_row.error or "unreadable row")
             continue
+        result.ignored_columns.update(IGNORED_SCORES & set(row))
         pid = row.get("prompt_id")
         if pid is not None and (isinstance(pid, bool) or not isinstance(pid, (str, int))):
             reject(row_no, raw, f"prompt_id must be text or an integer, got {type(pid).__name__}")

@@ -37,6 +37,7 @@ import pyarrow.parquet as pq
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.resolve import needs_baseline_rollout
+from rlhf_core.config.notes import say_once
 from rlhf_core.data.schemas import REJECTS, ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet
@@ -382,7 +383,13 @@ def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
         metrics.setdefault(key, value)  # the engine's own response_length/* stay as they are
     metrics["rollout/offline_rejected"] = float(len(imported.rejects))
     prompts = len({s.prompt_index for s in imported.samples})
-    summary = [f"imported {len(imported.samples)} responses for {prompts} prompts from {offline_file}",
+    ignored = []
+    if imported.ignored_columns:
+        ignored = [f"{offline_file}'s {' and '.join(sorted(imported.ignored_columns))} column is not used: the score "
+                   "stage scores every response with the run's reward function (custom_reward_function.path "
+                   "for your own scorer)"]
+        say_once(f"rollout: {ignored[0]}")
+    summary = [f"imported {len(imported.samples)} responses for {prompts} prompts from {offline_file}", *ignored,
                f"rejected {len(imported.rejects)} rows → {rejects}"
                + (f" (first: {imported.rejects[0]['reason']})" if imported.rejects else ""),
                f"response length mean {metrics['response_length/mean']:.1f}, max "

@@ -43,7 +43,7 @@ from rlhf_core.rewards import get_reward_fn, normalize_result
 from rlhf_core.rewards.registry import routing_value
 from rlhf_core.rollout.base import SamplingParams, derive_seed
 from rlhf_core.rollout.generate import (
-    PROMPT_COLUMNS, generate_responses, generation_plan, read_prompt_rows, sampling_from_config,
+    PROMPT_COLUMNS, generate_responses, generation_engine, generation_plan, read_prompt_rows, sampling_from_config,
     val_sampling_from_config,
 )
 from rlhf_core.stages.base import StageResult, execute_stage
@@ -94,7 +94,7 @@ def validation_samples(cfg: RLHFConfig, run: RunDir, k: int, actor: Path) -> tup
     """``sample_val_responses`` at val_kwargs sampling, on ``stage_processes`` local processes with the
     HF engine (each its share of the generation batches, seeded as in one process: the same samples)."""
     sampling = val_sampling_from_config(cfg, seed=0)  # seed set from rollout.seed by _val_sampling
-    world = stage_processes(cfg) if cfg.actor_rollout_ref.rollout.name == "hf" else 1
+    world = stage_processes(cfg) if generation_engine(cfg) == "hf" else 1
     if world > 1:
         rows, seeded = _val_rows(cfg, run), _val_sampling(cfg, "validation", sampling)
         plan = generation_plan(cfg, rows, seeded)
