@@ -70,6 +70,14 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
     # one MLflow run, each iteration's metrics logged once
     for key in ("reward/mean", "kl/mean", "actor/pg_loss"):
         assert [s for s, _ in mlflow_tracking.metric_history(first["mlflow_run_id"], key)] == [1, 2], key
+    if estimator == "grpo":
+        # a KL breach without a critic: rolled back from the in-memory snapshot, retried at a smaller lr
+        breach = ["actor_rollout_ref.actor.optim.lr=1.0", "trainer.on_kl_breach=retry",
+                  "trainer.retry_lr_divisor=100000", "trainer.max_rollbacks=1"]
+        assert rlhf_pipeline(PipelineParams(resume=str(run.root), overrides=breach, iterations=3))["last_good"][
+            "iteration"] == 3
+        kinds = [e["kind"] for e in run.events() if e["iteration"] == 3 and e["kind"] != "resume"]
+        assert kinds[:3] == ["rollback", "retry", "commit"], kinds
     critic_files = [p for p in run.root.rglob("*critic*")]
     if estimator == "grpo":  # nothing of a critic was built, scored, trained or saved
         assert critic_files == [] and not mlflow_tracking.metric_history(first["mlflow_run_id"], "critic/vf_loss")
