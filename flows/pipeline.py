@@ -39,7 +39,7 @@ from rlhf_core.security import redact_text
 from rlhf_core.training.resident import resident_models
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.breach import handle_breach_task
-from tasks.prefect_runs import claim_run_directory
+from tasks.prefect_runs import claim_run_directory, fail_misplaced_parameters
 from tasks.iteration import (
     backfill_tracking_task, begin_iteration_task, finish_iteration_task, finish_tracking_task, publish_iteration,
     start_tracking_task,
@@ -102,7 +102,8 @@ def _flow_run_name() -> str:
     return f"run-{get('run_name') or 'new'}"
 
 
-@flow(name="rlhf-pipeline", flow_run_name=_flow_run_name, persist_result=False)
+@flow(name="rlhf-pipeline", flow_run_name=_flow_run_name, persist_result=False,
+      on_crashed=[fail_misplaced_parameters])
 def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     """Run (or resume) a PPO RLHF run; returns {run_dir, mlflow_run_id (None without the mlflow
     logger), last_good, metrics, export}."""

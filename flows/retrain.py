@@ -31,6 +31,7 @@ from rlhf_core.run.lock import RunLock
 from rlhf_core.paths import resolve_path
 from rlhf_core.run.retrain_inputs import LAST_EXPORTED, SNAPSHOTS_DIR, check_inputs, resolve_base_model, retrain_run_name, runs_root_of, snapshot_files
 from tasks import mlflow_tracking, prefect_artifacts
+from tasks.prefect_runs import fail_misplaced_parameters
 
 WARM_START_KEY = "actor_rollout_ref.model.warm_start.enable"
 
@@ -117,7 +118,8 @@ def record_retrain_task(run_dir: str, mlflow_run_id: Optional[str], record: dict
                                       "rlhf.retrain.train_sha256": train_hashes})
 
 
-@flow(name="rlhf-retrain", flow_run_name=_retrain_flow_run_name, persist_result=False)
+@flow(name="rlhf-retrain", flow_run_name=_retrain_flow_run_name, persist_result=False,
+      on_crashed=[fail_misplaced_parameters])
 def rlhf_retrain(params: RetrainParams = RetrainParams()) -> dict:
     """Retrain from the latest export (or a given model) on a fresh data snapshot, into a new run
     directory; returns the pipeline's summary plus ``retrain`` (the record above)."""

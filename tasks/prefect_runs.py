@@ -13,6 +13,8 @@ in Prefect died without saying so.
 
 from __future__ import annotations
 
+import inspect
+import json
 import logging
 from typing import Iterable, Optional
 
@@ -22,9 +24,11 @@ from prefect.client.schemas.filters import (
 )
 from prefect.client.schemas.objects import FlowRun, StateType
 from prefect.runtime import flow_run as current_flow_run
-from prefect.states import Crashed
+from prefect.flows import Flow
+from prefect.states import Crashed, Failed
 
 from rlhf_core.run.layout import RunDir
+from rlhf_core.security import redact_text
 
 FLOW_RUN_EVENT = "flow_run"
 """events.jsonl kind: a flow run that wrote this run directory (flow_run_id, flow_run_name)."""
@@ -74,3 +78,34 @@ def claim_run_directory(run: RunDir) -> list[str]:
     run.append_event(FLOW_RUN_EVENT, flow_run_id=me, flow_run_name=name,
                      **({"marked_crashed": [r.name for r in marked]} if marked else {}))
     return [r.name for r in marked]
+
+
+def misplaced_fields(flow: Flow, parameters: dict) -> list[str]:
+    """The top-level names in a flow run's ``parameters`` that ``flow``'s function does not take
+    (e.g. ``config`` sent beside, not inside, the ``params`` form); [] when all of them fit."""
+    return sorted(set(parameters or {}) - set(inspect.signature(flow.fn).parameters))
+
+
+def flat_parameters_message(flow: Flow, parameters: dict) -> str:
+    """What a caller who sent the form's fields at the top level should send instead (values
+    redacted: the message lands in the flow run's state, the UI and the logs)."""
+    stray = misplaced_fields(flow, parameters)
+    nested = {"params": {name: parameters[name] for name in stray}}
+    return redact_text(
+        f"{flow.name} takes its form fields inside 'params', not at the top level (got {', '.join(stray)}). "
+        f"REST: POST /api/deployments/<id>/create_flow_run with {{\"parameters\": {json.dumps(nested)}}}; "
+        "UI: Run → Custom run and fill the fields of 'params'.")
+
+
+def fail_misplaced_parameters(flow: Flow, flow_run: FlowRun, state) -> None:
+    """on_crashed hook of the deployed flows. A flow run created with the form's fields at the top
+    level is accepted by the server (the schema only checks what sits inside ``params``) and then
+    crashes in Prefect's engine before any of our code runs ("Process exited with status code: 1",
+    the cause only in the worker log). The worker runs this hook after that crash: the flow run is
+    moved to Failed with a state message saying what to send. Any other crash is left as it is."""
+    if not misplaced_fields(flow, flow_run.parameters):
+        return
+    message = flat_parameters_message(flow, flow_run.parameters)
+    with get_client(sync_client=True) as client:  # Crashed is final: only a forced state replaces it
+        client.set_flow_run_state(flow_run.id, Failed(message=message), force=True)
+    log.error("flow run %s: %s", flow_run.name, message)
