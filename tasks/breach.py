@@ -18,6 +18,7 @@ from rlhf_core.run.lifecycle import halt_message, read_verdict, retry_overrides
 from rlhf_core.run.plan import save_config
 from rlhf_core.run.report import iteration_numbers
 from tasks import mlflow_tracking, prefect_artifacts
+from tasks.events import emit_alert
 
 
 @task(name="kl-breach", task_run_name="kl-breach-iter{iteration}", cache_policy=NO_CACHE, persist_result=False)
@@ -56,6 +57,7 @@ def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
         save_config(run, apply_overrides(cfg, overrides))
         run.append_event("retry", k, attempt=attempt, changes=changes)
         text = ", ".join(f"{key} {old:.3g} → {new:.3g}" for key, (old, new) in changes.items()) or "no change"
+        emit_alert(run, "rollback", k, f"{alert}; retrying ({text})", attempt=attempt, decision="retry")
         log.warning("retrying iteration %d (%d of at most %d): %s", k, attempt, t.max_rollbacks, text)
         outcome = {"action": "retry", "overrides": overrides, "changes": changes}
     else:
@@ -63,6 +65,8 @@ def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
                   else f"trainer.max_rollbacks={t.max_rollbacks} retries used")
         outcome = {"action": "halt", "message": halt_message(run, k, reason)}
         run.append_event("halt", k, reason=reason)
+        emit_alert(run, "rollback", k, alert, attempt=attempt, decision="halt")
+        emit_alert(run, "halt", k, outcome["message"], reason=reason)
     prefect_artifacts.markdown(
         f"## KL rollback — iteration {k}, attempt {attempt}\n\n{alert}\n\n"
         f"- decision: **{outcome['action']}**\n"

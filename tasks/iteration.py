@@ -13,9 +13,10 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import begin_iteration, committed_iterations, prune_checkpoints
-from rlhf_core.run.report import alert_history, alerts, iteration_numbers, save_iteration_metrics, stage_numbers
+from rlhf_core.run.report import ALERT_KINDS, alert_history, iteration_alerts, iteration_numbers, save_iteration_metrics, stage_numbers
 from rlhf_core.run.schedule import curve_due
 from tasks import mlflow_tracking, prefect_artifacts
+from tasks.events import emit_alert
 from tasks.stages import IO_RETRIES
 
 NO_RESULTS = dict(cache_policy=NO_CACHE, persist_result=False)
@@ -105,10 +106,14 @@ def _finish_iteration(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_
     numbers = iteration_numbers(cfg, run, k)
     save_iteration_metrics(run, k, numbers.metrics)
     metrics = numbers.metrics
-    warnings = alerts(cfg, metrics, alert_history(run, k))  # a change worth attention, not a level
-    for line in warnings:  # a KL breach is a warning; the clip-fraction signal is information
-        (log.warning if line.startswith("KL") else log.info)("alert (iteration %d): %s", k, line)
-        run.append_event("alert", k, message=line)
+    raised = iteration_alerts(cfg, metrics, alert_history(run, k))  # a change worth attention, not a level
+    for alert in raised:  # a warning also goes out as a Prefect event; the clip-fraction signal is information
+        loud = ALERT_KINDS[alert.kind] == "warning"
+        (log.warning if loud else log.info)("alert (iteration %d): %s", k, alert.message)
+        run.append_event("alert", k, message=alert.message, alert=alert.kind)
+        if loud:
+            emit_alert(run, alert.kind, k, alert.message)
+    warnings = [alert.message for alert in raised]
     report = IterationReport(
         run_dir=run_dir, iteration=k, total=cfg.trainer.total_iterations, mlflow_run_id=mlflow_run_id,
         # the pipeline's stage tasks did not log their metrics; a single-stage rerun's did

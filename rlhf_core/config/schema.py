@@ -737,6 +737,11 @@ class TrainerConfig(Section):
     export_min_val_score: float = 0.5
     """Export only when the latest validation score is at least this (a half-trained policy is not
     worth shipping by accident)."""
+    alert_val_drop: Optional[float] = 0.1
+    """Our name: alert (log, events.jsonl, a Prefect event) when val/accuracy falls more than this
+    below the best validation of the run so far, once per fall (armed again by a new best). 0.1
+    sits above the few-point wobble of a small validation set (the demo's climbs 0.33 → 0.77) and
+    below a real regression; null = no such alert."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """'auto' = cuda when available, else cpu (verl assumes cuda)."""
     nproc: Optional[int] = None
@@ -782,6 +787,8 @@ class TrainerConfig(Section):
         require(self.curve_freq >= 1, f"{key}.curve_freq", "must be >= 1", self.curve_freq)
         require(self.kl_rollback_threshold > 0, f"{key}.kl_rollback_threshold", "must be > 0",
                 self.kl_rollback_threshold)
+        require(self.alert_val_drop is None or self.alert_val_drop > 0, f"{key}.alert_val_drop",
+                "must be > 0 (a drop in val/accuracy), or null for no validation-drop alert", self.alert_val_drop)
         require(self.max_rollbacks >= 0, f"{key}.max_rollbacks", "must be >= 0", self.max_rollbacks)
         require(self.retry_kl_coef_multiplier >= 1, f"{key}.retry_kl_coef_multiplier", "must be >= 1",
                 self.retry_kl_coef_multiplier)

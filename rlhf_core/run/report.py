@@ -225,24 +225,70 @@ level: a clip fraction that stays low — the usual case for LLM PPO, and struct
 optimizer step per batch — is no news, and one that wobbles around 0.1 alerts once, not each time."""
 
 
-def alerts(cfg: RLHFConfig, metrics: dict[str, float],
-           history: Sequence[dict[str, float]] = ()) -> list[str]:
+@dataclass(frozen=True)
+class Alert:
+    """One alert: ``kind`` names what happened (the Prefect event is ``rlhf.alert.<kind>``; see
+    ALERT_KINDS), ``message`` says it to a person."""
+
+    kind: str
+    message: str
+
+
+ALERT_KINDS = {"kl-breach": "warning", "val-drop": "warning", "clipfrac-fell": "info"}
+"""Each kind ``iteration_alerts`` raises, and how loud it is: a warning reaches a person (a Prefect
+event the alerting automation notifies on), information only goes to the log and the report."""
+
+
+def iteration_alerts(cfg: RLHFConfig, metrics: dict[str, float],
+                     history: Sequence[dict[str, float]] = ()) -> list[Alert]:
     """What is worth a person's attention at this iteration (``metrics``), given the metrics of the
     run's earlier committed iterations (``history``, oldest first):
 
-    - every KL above trainer.kl_rollback_threshold (a breach: each one matters);
-    - the clip fraction falling below CLIPFRAC_LOW from at or above CLIPFRAC_REARM
-      (``fell_below``): the policy has stopped moving much, a convergence signal."""
+    - ``kl-breach``: every KL above trainer.kl_rollback_threshold (a breach: each one matters);
+    - ``val-drop``: val/accuracy more than trainer.alert_val_drop below the run's best so far
+      (``dropped_from_best``: once per fall, armed again by a new best);
+    - ``clipfrac-fell``: the clip fraction falling below CLIPFRAC_LOW from at or above
+      CLIPFRAC_REARM (``fell_below``): the policy has stopped moving much, a convergence signal."""
     out = []
     kl = metrics.get("kl/mean")
     if kl is not None and kl > cfg.trainer.kl_rollback_threshold:
-        out.append(f"KL {kl:.4f} above trainer.kl_rollback_threshold={cfg.trainer.kl_rollback_threshold}")
+        out.append(Alert("kl-breach", f"KL {kl:.4f} above trainer.kl_rollback_threshold="
+                                      f"{cfg.trainer.kl_rollback_threshold}"))
+    drop = cfg.trainer.alert_val_drop
+    accuracy = [m.get("val/accuracy") for m in (*history, metrics)]
+    best = dropped_from_best(accuracy, drop) if drop is not None else None
+    if best is not None:
+        out.append(Alert("val-drop", f"val/accuracy fell to {accuracy[-1]:.3f}, {best - accuracy[-1]:.3f} below the "
+                                     f"run's best {best:.3f} (more than trainer.alert_val_drop={drop})"))
     clipfrac = [m.get("actor/pg_clipfrac") for m in (*history, metrics)]
     if fell_below(clipfrac, CLIPFRAC_LOW, CLIPFRAC_REARM):
         before = max(v for v in clipfrac[:-1] if v is not None)
-        out.append(f"actor/pg_clipfrac fell to {clipfrac[-1]:.3f} (< {CLIPFRAC_LOW}; it had reached {before:.3f}): "
-                   "updates are small now (a convergence signal)")
+        out.append(Alert("clipfrac-fell", f"actor/pg_clipfrac fell to {clipfrac[-1]:.3f} (< {CLIPFRAC_LOW}; it had "
+                                          f"reached {before:.3f}): updates are small now (a convergence signal)"))
     return out
+
+
+def alerts(cfg: RLHFConfig, metrics: dict[str, float],
+           history: Sequence[dict[str, float]] = ()) -> list[str]:
+    """The messages of ``iteration_alerts``."""
+    return [a.message for a in iteration_alerts(cfg, metrics, history)]
+
+
+def dropped_from_best(values: Sequence[Optional[float]], drop: float) -> Optional[float]:
+    """The best earlier value when the last of ``values`` (None: not measured) is a fall of more
+    than ``drop`` below it while armed, else None. Armed from the first value on; the fall it
+    reports disarms it, and a new best (a value above every earlier one) arms it again, so a
+    validation score that stays low after a fall alerts once."""
+    best, armed, fell = None, True, None
+    for value in values:
+        fell = None
+        if value is None:
+            continue
+        if best is None or value > best:
+            best, armed = value, True
+        elif armed and value < best - drop:
+            armed, fell = False, best
+    return fell
 
 
 def fell_below(values: Sequence[Optional[float]], low: float, rearm: float) -> bool:
