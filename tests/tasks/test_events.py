@@ -78,12 +78,14 @@ def test_events_arrive_and_the_automation_notifies(tmp_path, webhook):
     from prefect.testing.utilities import prefect_test_harness
 
     url, received = webhook
+    secret = "hf_" + "Zq8Lr2Wx" * 4  # a Hugging Face-style token in an override the message quotes
     run = RunDir(tmp_path / "runs" / "demo-run")
     with prefect_test_harness(server_startup_timeout=90):
         create_alerting(url, kind="webhook")
         time.sleep(1.0)  # the trigger service reads new automations on its own loop
         emitted = [emit_alert(run, "val-drop", 3, "val/accuracy fell to 0.4"),
-                   emit_alert(run, "halt", 4, "halted: resume with rlhf run --resume RUN", reason="x")]
+                   emit_alert(run, "halt", 4, f"halted: rlhf run --resume RUN trainer.project_name=team-{secret}",
+                              reason="x")]
         assert all(e is not None for e in emitted)
         EventsWorker.drain_all()
         names = set()
@@ -94,10 +96,12 @@ def test_events_arrive_and_the_automation_notifies(tmp_path, webhook):
                     resource=EventResourceFilter(id=[run_resource(run)["prefect.resource.id"]]),
                 ).model_dump(mode="json")}).json()
                 names = {e["event"] for e in page["events"]}
+                stored = json.dumps(page["events"])
                 if len(names) == 2 and len(received) >= 2:
                     break
                 time.sleep(0.25)
     assert names == {"rlhf.alert.val-drop", "rlhf.alert.halt"}  # the events arrived
+    assert secret not in stored and secret not in json.dumps(received) and "team-" in stored  # masked at this sink
     subjects = sorted(r["subject"] for r in received)  # and the automation fired once per event
     assert subjects == ["RLHF rlhf.alert.halt in demo-run", "RLHF rlhf.alert.val-drop in demo-run"], received
     assert any("iteration 3: val/accuracy fell to 0.4" in r["body"] for r in received)
