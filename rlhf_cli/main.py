@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from rlhf_cli import session
-from rlhf_core.errors import RLHFError
+from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
 from rlhf_core.paths import state_dir
 from rlhf_core.stages.registry import STAGES
 
@@ -276,8 +276,8 @@ def _drop_inherited_world_of_one() -> None:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
-    """The `rlhf` entry point. User errors (RLHFError, ConfigError, a missing file) print one line
-    and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130."""
+    """The `rlhf` entry point. User errors (RLHFError, ConfigError, a missing file, a full disk)
+    print one line and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130."""
     args = parse_args(argv)
     if argv is None:
         _drop_inherited_world_of_one()
@@ -291,6 +291,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # user errors: one clear line, no traceback
         print(f"rlhf: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
         return 3 if type(exc).__name__ == "KLGuardHalt" else 2
+    except Exception as exc:
+        if not is_disk_full(exc):  # a bug: its traceback helps
+            raise
+        # a full disk met outside the atomic writers (which say so themselves): a user error too
+        print(f"rlhf: error: {disk_full_error(getattr(exc, 'filename', None)).args[0]}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         if not session.SAID_INTERRUPTED:
             _say(_interrupted(args.command))

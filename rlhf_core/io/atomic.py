@@ -8,6 +8,7 @@ that readers never look at and ``clean_temporaries`` removes.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import os
 import shutil
@@ -18,6 +19,7 @@ from typing import Optional, Any, Iterator
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from rlhf_core.errors import disk_full_as_user_error
 from rlhf_core.io.timing import CHECKPOINT_WRITE, JSON_WRITE, TABLE_WRITE, timed
 
 TMP_MARK = ".tmp-"
@@ -39,11 +41,15 @@ def _fsync_dir(directory: Path) -> None:
 def fault_point(name: str, where: Optional[Path] = None) -> None:
     """Die here (SIGKILL-like, no cleanup) when RLHF_FAULT names this point: used by the
     kill-anywhere tests to prove no partial output survives under its final name. With ``where``
-    (the file), ``before_rename:iter_3/guard.json`` also matches: the same point in one iteration."""
+    (the file), ``before_rename:iter_3/guard.json`` also matches: the same point in one iteration.
+    ``enospc@POINT`` raises the disk-full OSError there instead (a full disk cannot be made here)."""
     wanted = os.environ.get("RLHF_FAULT")
     if not wanted:
         return
-    if wanted == name or (where is not None and wanted == f"{name.rsplit(':', 1)[0]}:{where.parent.name}/{where.name}"):
+    action, _, point = wanted.rpartition("@")
+    if point == name or (where is not None and point == f"{name.rsplit(':', 1)[0]}:{where.parent.name}/{where.name}"):
+        if action == "enospc":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(where or name))
         os._exit(137)
 
 
@@ -54,17 +60,23 @@ def atomic_path(path: str | Path) -> Iterator[Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = _tmp_sibling(path)
     try:
-        yield tmp
-        if tmp.is_file():
-            with open(tmp, "rb+") as fh:
-                os.fsync(fh.fileno())
-        fault_point(f"before_rename:{path.name}", path)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-        fault_point(f"after_rename:{path.name}", path)
+        with disk_full_as_user_error(path):
+            yield tmp
+            _finish_file(tmp, path)
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def _finish_file(tmp: Path, path: Path) -> None:
+    """fsync ``tmp`` and move it to ``path``."""
+    if tmp.is_file():
+        with open(tmp, "rb+") as fh:
+            os.fsync(fh.fileno())
+    fault_point(f"before_rename:{path.name}", path)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    fault_point(f"after_rename:{path.name}", path)
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
@@ -106,8 +118,9 @@ def _atomic_dir(path: str | Path) -> Iterator[Path]:
     tmp = _tmp_sibling(path)
     tmp.mkdir()
     try:
-        yield tmp
-        fault_point(f"before_rename:{path.name}", path)
+        with disk_full_as_user_error(path):
+            yield tmp
+            fault_point(f"before_rename:{path.name}", path)
         old = None
         if path.exists():
             old = path.with_name(f"{path.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}")
