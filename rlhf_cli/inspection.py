@@ -14,10 +14,10 @@ import pyarrow.csv as pacsv
 
 from rlhf_core.config import flatten, to_yaml
 from rlhf_core.config.inputs import check_inputs
-from rlhf_core.errors import RLHFError
+from rlhf_core.errors import RLHFError, disk_full_as_user_error
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.plan import note_loggers, resolve_run_config
-from rlhf_core.run.query import format_status, format_table, query
+from rlhf_core.run.query import csv_ready, format_status, format_table, query
 
 
 def require_run_dir(path: Path) -> None:
@@ -58,6 +58,7 @@ def cmd_query(args: argparse.Namespace) -> int:
                         "advantages, response_kl, validation, metrics, metrics_wide, stages, events)") from None
     print(format_table(table, max_rows=args.max_rows))
     if args.csv:
-        pacsv.write_csv(table, args.csv)
+        with disk_full_as_user_error(args.csv):
+            pacsv.write_csv(csv_ready(table), args.csv)  # nested columns as JSON text
         print(f"wrote {args.csv}")
     return 0

@@ -193,6 +193,25 @@ def format_table(table: pa.Table, max_rows: int = 50, max_width: int = 40, missi
     return "\n".join(lines)
 
 
+def is_nested(dtype: pa.DataType) -> bool:
+    """A struct, list or map column: CSV has no cell for those."""
+    return pa.types.is_nested(dtype)
+
+
+def csv_ready(table: pa.Table) -> pa.Table:
+    """``table`` with every nested column (struct, list, map) as JSON text, one JSON value per
+    cell (a null stays null, an empty CSV cell), so `rlhf query ... --csv` writes any result;
+    flat columns are left as they are."""
+    columns = []
+    for field, column in zip(table.schema, table.columns):
+        if is_nested(field.type):
+            texts = [None if v is None else json.dumps(v, default=str, ensure_ascii=False)
+                     for v in column.to_pylist()]
+            column = pa.array(texts, type=pa.string())
+        columns.append(column)
+    return pa.table(columns, names=table.column_names)
+
+
 # ---------------------------------------------------------------------------------------------
 # status
 # ---------------------------------------------------------------------------------------------
