@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 
 from rlhf_cli.inspection import require_run_dir
+from rlhf_core.errors import RLHFError
 from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
 from rlhf_core.run.export import export_actor
 from rlhf_core.run.layout import RunDir
@@ -44,10 +45,16 @@ def cmd_stage_local(args: argparse.Namespace) -> int:
 
 def stage_local(args: argparse.Namespace, overrides: list[str]) -> dict:
 
+    iteration = getattr(args, "iteration", None)
+    lowest = 0 if args.stage == "validate" else 1
+    if iteration is not None and iteration < lowest:
+        # before the run directory or its lock is created (the flow's StageParams says the same)
+        raise RLHFError(f"--iteration {iteration}: stage {args.stage!r} takes iteration K >= {lowest}; give "
+                        "--iteration K >= 1 (validate also takes 0, the initial policy)")
     run = RunDir(args.run_dir)
     with RunLock(run):
         cfg = stage_config(run, args.preset, overrides)  # a rerun's overrides stay out of config.yaml
-        return get_stage(args.stage).load()(cfg, run, getattr(args, "iteration", None), force=args.force).to_dict()
+        return get_stage(args.stage).load()(cfg, run, iteration, force=args.force).to_dict()
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -11,7 +11,9 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
+from pydantic import BaseModel, ValidationError
 from prefect.logging.handlers import PrefectConsoleHandler
 from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
@@ -148,19 +150,57 @@ def _quiet_user_errors() -> None:
             handler.addFilter(_NoUserErrorTracebacks())
 
 
+FLAGS = {"run_name": "--run-name", "iterations": "--iterations", "iteration": "--iteration"}
+"""A flow parameter → the option of `rlhf run` / `rlhf stage` that sets it."""
+
+FIXES = {
+    "run_name": "give a plain directory name (letters, digits, '.', '_', '-'; starting with a letter or digit), "
+                "e.g. --run-name my-run; the run goes under trainer.runs_root",
+    "iterations": "give --iterations N with N >= 1",
+    "iteration": "give --iteration K >= 1 (validate also takes 0, the initial policy)",
+}
+"""What to do about a bad value of each flag."""
+
+
+def checked_params(model: type[BaseModel], **values: Any) -> BaseModel:
+    """``model(**values)`` (a flow's parameters), its validation errors as one RLHFError line
+    naming the option, the bad value and the fix: before any server starts or anything is written."""
+    try:
+        return model(**values)
+    except ValidationError as exc:
+        raise RLHFError(params_problem(exc, values)) from None
+
+
+def params_problem(exc: ValidationError, values: dict[str, Any]) -> str:
+    """Each validation error as '<option> <value>: <why>; <fix>' (a rule across fields, such as a
+    stage's iteration, already says both)."""
+    problems = []
+    for error in exc.errors():
+        why = error["msg"].removeprefix("Value error, ")
+        field = error["loc"][0] if error["loc"] else None
+        if field is None:
+            problems.append(why)
+        else:
+            problems.append(f"{FLAGS.get(field, field)} {values.get(field)!r}: {why}; "
+                            f"{FIXES.get(field, 'see rlhf --help')}")
+    return "; ".join(problems)
+
+
 def cmd_stage(args: argparse.Namespace) -> int:
     """One stage as its own flow run (`--local` runs ``local.cmd_stage_local`` instead)."""
+    params = checked_params(StageParams, stage=args.stage, run_dir=str(args.run_dir.resolve()),
+                            iteration=getattr(args, "iteration", None), config=args.preset,
+                            overrides=stage_overrides(args), force=args.force)
     _bind_temporary_server()
     _quiet_user_errors()
-    result = rlhf_stage(StageParams(stage=args.stage, run_dir=str(args.run_dir.resolve()),
-                                    iteration=getattr(args, "iteration", None), config=args.preset,
-                                    overrides=stage_overrides(args), force=args.force))
+    result = rlhf_stage(params)
     print_result(result)
     return 0
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    # fail on a bad preset, override or path here, before a Prefect server is started for nothing
+    # fail on a bad name, preset, override or path here, before a Prefect server is started for nothing
+    checked_params(PipelineParams, run_name=args.run_name, iterations=args.iterations)
     plan = plan_run(preset=None if args.resume else args.preset, overrides=list(args.overrides),
                     iterations=args.iterations, run_name=args.run_name, resume=args.resume)
     session.RUN_DIR = plan.run  # for the resume hint after Ctrl-C
