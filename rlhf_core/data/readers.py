@@ -13,15 +13,18 @@ CSV file, the row index in a Parquet file.
 from __future__ import annotations
 
 import csv
+import errno
 import io
 import json
+import os
 import re
+import stat
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from rlhf_core.errors import DataError
+from rlhf_core.errors import DataError, shown_path
 
 RAW_MAX_CHARS = 1000
 """Rejected rows keep at most this much of their raw text (enough to see what went wrong)."""
@@ -142,14 +145,14 @@ def _has_undecodable(values: list[str]) -> bool:
 def _check_csv_header(path: Path, header: list[str]) -> None:
     """Header problems spoil every row, so they are whole-file errors, not per-row rejects."""
     if _has_undecodable(header):
-        raise DataError(f"{path}: the CSV header is not valid UTF-8; save the file as UTF-8")
+        raise DataError(f"{shown_path(path)}: the CSV header is not valid UTF-8; save the file as UTF-8")
     # blank names repeat in spreadsheet exports with trailing empty columns; no key can name them
     if any("\n" in h or "\r" in h for h in header):  # else the whole file reads as one header, no rows
-        raise DataError(f"{path}: the CSV header runs over several lines (a quote left open?); close the "
+        raise DataError(f"{shown_path(path)}: the CSV header runs over several lines (a quote left open?); close the "
                         f"quote in the first line")
     repeated = sorted({h for h in header if h and header.count(h) > 1})
     if repeated:
-        raise DataError(f"{path}: the CSV header repeats column(s) {', '.join(map(repr, repeated))}; "
+        raise DataError(f"{shown_path(path)}: the CSV header repeats column(s) {', '.join(map(repr, repeated))}; "
                         f"give every column a distinct name")
 
 
@@ -164,7 +167,8 @@ def read_csv(path: Path) -> Iterator[RawRow]:
     except StopIteration:  # an empty file: no rows
         return
     except csv.Error as exc:  # the header swallowed the file (e.g. an open quote): nothing is readable
-        raise DataError(f"{path}: cannot read the CSV header ({one_line(exc)}); fix the first line") from None
+        raise DataError(f"{shown_path(path)}: cannot read the CSV header ({one_line(exc)}); "
+                        "fix the first line") from None
     header = [h.strip().lstrip("\ufeff") for h in header]
     _check_csv_header(path, header)
     row = 0
@@ -209,8 +213,8 @@ def _parquet_batches(path: Path, parquet, batch_rows: int) -> Iterator[Any]:
         except StopIteration:
             return
         except Exception as exc:  # pyarrow raises OSError / ArrowInvalid / ArrowException for damage
-            raise DataError(f"{path}: cannot read Parquet data ({one_line(exc)}); check or regenerate the "
-                            f"file") from None
+            raise DataError(f"{shown_path(path)}: cannot read Parquet data ({one_line(exc)}); check or "
+                            "regenerate the file") from None
         yield batch
 
 
@@ -222,11 +226,12 @@ def read_parquet(path: Path, batch_rows: int = 4096) -> Iterator[RawRow]:
     try:
         parquet = pq.ParquetFile(path)
     except Exception as exc:  # pyarrow raises several types for a damaged or foreign file
-        raise DataError(f"{path}: cannot open as Parquet ({one_line(exc)}); check the file or its extension") from None
+        raise DataError(f"{shown_path(path)}: cannot open as Parquet ({one_line(exc)}); check the file or "
+                        "its extension") from None
     names = parquet.schema_arrow.names
     repeated = sorted({n for n in names if names.count(n) > 1})
     if repeated:  # rows as dicts would keep only the last of them, silently
-        raise DataError(f"{path}: the Parquet file repeats column(s) {', '.join(map(repr, repeated))}; "
+        raise DataError(f"{shown_path(path)}: the Parquet file repeats column(s) {', '.join(map(repr, repeated))}; "
                         f"give every column a distinct name")
     row = 0
     for batch in _parquet_batches(path, parquet, batch_rows):
@@ -247,7 +252,7 @@ def read_parquet(path: Path, batch_rows: int = 4096) -> Iterator[RawRow]:
             yield RawRow(str(path), row, record, record_text(record))
             row += 1
     if row != parquet.metadata.num_rows:  # damaged page headers can end the data early, silently
-        raise DataError(f"{path}: read {row} rows but its footer declares {parquet.metadata.num_rows}; "
+        raise DataError(f"{shown_path(path)}: read {row} rows but its footer declares {parquet.metadata.num_rows}; "
                         f"the file is damaged, regenerate it")
 
 
@@ -264,15 +269,41 @@ def file_format(path: Path) -> str:
     fmt = SUFFIX_FORMATS.get(path.suffix.lower())
     if fmt is None:
         raise DataError(
-            f"{path}: unknown file type {path.suffix!r}; give JSONL (.jsonl), Parquet (.parquet) or "
+            f"{shown_path(path)}: unknown file type {path.suffix!r}; give JSONL (.jsonl), Parquet (.parquet) or "
             f"CSV (.csv) files"
         )
     return fmt
 
 
+def data_file_problem(path: str | Path) -> Optional[str]:
+    """Why ``path`` cannot be read as a data file, as '<path> <why>; <fix>', or None when it can:
+    missing, a directory, a symlink loop (or a link to nothing), unreadable."""
+    path = Path(path)
+    shown = shown_path(path)
+    try:
+        mode = path.stat().st_mode  # follows links: ELOOP for a loop, ENOENT for a dangling link
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return f"{shown} is a symlink loop; point the link (or data.train_files / data.val_files) at a real file"
+        if exc.errno == errno.ENOENT and path.is_symlink():
+            return f"{shown} is a link to {shown_path(os.readlink(path))}, which does not exist; fix the link"
+        if exc.errno == errno.ENOENT:
+            return f"{shown} not found; check data.train_files / data.val_files"
+        return f"{shown} cannot be read ({exc.strerror}); check its permissions"
+    if stat.S_ISDIR(mode):
+        return (f"{shown} is a directory, not a data file; list its files instead, "
+                f"e.g. data.train_files=[{shown}/train.jsonl]")
+    if not stat.S_ISREG(mode):
+        return f"{shown} is not a regular file; give a JSONL, Parquet or CSV file"
+    if not os.access(path, os.R_OK):
+        return f"{shown} cannot be read (permission denied); check its permissions"
+    return None
+
+
 def read_rows(path: str | Path) -> Iterator[RawRow]:
     """Every row of ``path`` (format from the extension), bad rows included with their reason."""
     path = Path(path)
-    if not path.is_file():
-        raise DataError(f"data file {path} not found; check data.train_files / data.val_files")
+    problem = data_file_problem(path)
+    if problem:
+        raise DataError(f"data file {problem}")
     return READERS[file_format(path)](path)
