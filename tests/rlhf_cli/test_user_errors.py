@@ -1,0 +1,157 @@
+"""User errors of issue 18 through the `rlhf` command line: each is one line
+`rlhf: error: <cause>; <fix>`, a non-zero exit, no traceback, and nothing written before the refusal."""
+
+from __future__ import annotations
+
+import csv
+import errno
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import safetensors
+
+from rlhf_cli.main import main
+from rlhf_core.data.readers import read_rows
+from rlhf_core.errors import DataError, DiskFullError, is_disk_full
+from rlhf_core.io.atomic import TMP_MARK, atomic_write_json
+from rlhf_core.run.layout import RunDir
+
+
+def one_error_line(err: str) -> str:
+    """The single `rlhf: error:` line of ``err`` (and nothing that looks like a traceback)."""
+    errors = [line for line in err.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "Traceback" not in err and "ValidationError" not in err, err
+    return errors[0]
+
+
+@pytest.fixture
+def run(tmp_path) -> RunDir:
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.config_path.write_text("trainer:\n  export_min_val_score: 0.5\n")
+    return run
+
+
+# ---------------------------------------------------------------------------------------------
+# flow parameters: refused before a Prefect server starts or a directory is made
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_run_name_that_leaves_runs_root_is_refused_before_anything_is_created(tmp_path):
+    """Through the console entry point (`python -m rlhf_cli.main`), as a user types it."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["RLHF_HOME"] = str(tmp_path / "home")
+    runs = tmp_path / "a" / "runs"
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "--run-name", "../../x",
+                          f"trainer.runs_root={runs}"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    line = one_error_line(out.stderr)
+    assert "--run-name '../../x'" in line and "plain directory name" in line, line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # no runs root, no x beside it
+    assert not (tmp_path / "home" / "prefect" / "temporary-server.log").exists()  # no server was started
+
+
+@pytest.mark.parametrize("argv, words", [
+    (["stage", "validate", "-k", "-1"], ["--iteration -1", "validate also takes 0"]),
+    (["stage", "rollout", "-k", "0"], ["stage 'rollout' needs iteration K >= 1"]),
+    (["stage", "validate", "-k", "-1", "--local"], ["--iteration -1", "takes iteration K >= 0"]),
+    (["stage", "gae", "-k", "0", "--local"], ["--iteration 0", "takes iteration K >= 1"]),
+    (["run", "--iterations", "0"], ["--iterations 0", "N >= 1"]),
+])
+def test_a_bad_iteration_is_one_line_before_anything_is_created(tmp_path, capsys, argv, words):
+    target = tmp_path / "runs" / "r"
+    where = ["--run-dir", str(target)] if argv[0] == "stage" else [f"trainer.runs_root={tmp_path / 'runs'}"]
+    assert main([*argv, *where]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert all(word in line for word in words), line
+    assert not (tmp_path / "runs").exists()
+    assert not (Path(os.environ["RLHF_HOME"]) / "prefect" / "temporary-server.log").exists()
+
+
+# ---------------------------------------------------------------------------------------------
+# rlhf query --csv: nested columns as JSON text
+# ---------------------------------------------------------------------------------------------
+
+
+def test_query_csv_writes_struct_and_list_columns_as_json(run, tmp_path, capsys):
+    atomic_write_json(run.metrics(1), {"reward/mean": 0.5})
+    out = tmp_path / "nested.csv"
+    sql = ("SELECT iteration, {'name': name, 'v': value} AS s, [value, value * 2] AS l, "
+           "CAST(NULL AS INTEGER[]) AS empty FROM metrics")
+    assert main(["query", str(run.root), sql, "--csv", str(out)]) == 0
+    rows = list(csv.DictReader(out.open()))
+    assert len(rows) == 1
+    assert json.loads(rows[0]["s"]) == {"name": "reward/mean", "v": 0.5}
+    assert json.loads(rows[0]["l"]) == [0.5, 1.0] and rows[0]["empty"] == "" and rows[0]["iteration"] == "1"
+    assert "wrote" in capsys.readouterr().out
+
+
+def test_query_csv_on_a_full_disk_is_one_line(run, capsys):
+    atomic_write_json(run.metrics(1), {"reward/mean": 0.5})
+    if not os.path.exists("/dev/full"):
+        pytest.skip("no /dev/full on this system")
+    sql = "SELECT * FROM range(200000)"  # enough rows that the writer flushes into the full device
+    assert main(["query", str(run.root), sql, "--max-rows", "1", "--csv", "/dev/full"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "no space left on the device writing /dev/full" in line and " free" in line and "rerun" in line, line
+
+
+# ---------------------------------------------------------------------------------------------
+# disk full inside an atomic write (the project's fault hook raises ENOSPC at a real write point)
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_full_disk_while_writing_a_model_is_one_line_and_leaves_nothing(tmp_path, capsys, monkeypatch):
+    out = tmp_path / "models" / "tiny2"
+    monkeypatch.setenv("RLHF_FAULT", "enospc@before_rename:tiny2")
+    assert main(["model", "build-tiny", "--out", str(out), "--hidden-size", "16", "--layers", "1",
+                 "--vocab-size", "300"]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert f"no space left on the device writing {out}" in line and " free)" in line, line
+    assert "trainer.runs_root" in line
+    assert list((tmp_path / "models").iterdir()) == []  # neither the model nor a .tmp- sibling
+
+
+def test_safetensors_disk_full_is_recognised_and_other_errors_are_not():
+    full = safetensors.SafetensorError(
+        'Error while serializing: IoError(Os { code: 28, kind: StorageFull, message: "No space left on device" })')
+    assert is_disk_full(full) and is_disk_full(OSError(errno.ENOSPC, "No space left on device"))
+    assert not is_disk_full(safetensors.SafetensorError("Error while deserializing header: HeaderTooLarge"))
+    assert not is_disk_full(OSError(errno.EACCES, "Permission denied")) and not is_disk_full(ValueError("x"))
+
+
+# ---------------------------------------------------------------------------------------------
+# data files that are not files
+# ---------------------------------------------------------------------------------------------
+
+
+def data_error(path: Path) -> str:
+    with pytest.raises(DataError) as failure:
+        read_rows(path)
+    return failure.value.args[0]
+
+
+def test_a_symlink_loop_a_directory_and_a_non_utf8_name_are_named_as_such(tmp_path):
+    (tmp_path / "a.jsonl").symlink_to(tmp_path / "b.jsonl")
+    (tmp_path / "b.jsonl").symlink_to(tmp_path / "a.jsonl")
+    assert "a.jsonl is a symlink loop; point the link" in data_error(tmp_path / "a.jsonl")
+    (tmp_path / "gone.jsonl").symlink_to(tmp_path / "missing.jsonl")
+    assert "which does not exist; fix the link" in data_error(tmp_path / "gone.jsonl")
+    (tmp_path / "train.jsonl").mkdir()
+    assert "train.jsonl is a directory, not a data file; list its files" in data_error(tmp_path / "train.jsonl")
+    raw = os.fsencode(tmp_path) + b"/caf\xe9.jsonl"  # Latin-1 bytes: not UTF-8
+    message = data_error(Path(os.fsdecode(raw)))
+    assert "caf\\xe9.jsonl not found" in message and "\udce9" not in message
+    message.encode("utf-8")  # printable: no lone surrogate left
+
+
+def test_no_temporary_file_survives_a_refused_write(tmp_path, monkeypatch):
+    monkeypatch.setenv("RLHF_FAULT", "enospc@before_rename:state.json")
+    with pytest.raises(DiskFullError, match="state.json"):
+        atomic_write_json(tmp_path / "state.json", {"a": 1})
+    assert not any(TMP_MARK in p.name for p in tmp_path.iterdir()) and not (tmp_path / "state.json").exists()
