@@ -9,6 +9,9 @@ How a flow finds its predecessors: each flow run that writes a run directory rec
 (a ``flow_run`` event in events.jsonl) while holding the directory's lock. The next flow run takes
 that lock too, so every recorded flow run other than itself has ended; one still Pending or Running
 in Prefect died without saying so.
+
+Also here: the deployed flows' on_crashed hook (``fail_misplaced_parameters``), which turns the
+crash of a flow run sent the form's fields outside ``params`` into a Failed state saying what to send.
 """
 
 from __future__ import annotations
