@@ -11,13 +11,17 @@ incoming webhooks), ``--kind webhook`` a Custom Webhook block that POSTs JSON
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 from typing import Any, Optional
 
+import httpx
 import yaml
 from prefect.blocks.notifications import CustomWebhookNotificationBlock, SlackWebhook
 from prefect.client.orchestration import get_client
 from prefect.events.schemas.automations import AutomationCore
+from prefect.exceptions import PrefectHTTPStatusError
+from prefect.settings import PREFECT_API_URL
 
 AUTOMATION_FILE = Path(__file__).resolve().parent / "automations" / "rlhf-alerts.yaml"
 BLOCK_PLACEHOLDER = "BLOCK_DOCUMENT_ID"
@@ -59,7 +63,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--kind", choices=("slack", "webhook"), default="slack")
     parser.add_argument("--block-name", default="rlhf-alerts")
     args = parser.parse_args(argv)
-    block_id, automation_id = create_alerting(args.webhook, args.kind, args.block_name)
+    api = PREFECT_API_URL.value()
+    if not api:  # Prefect would start a throwaway server of its own and the automation would vanish with it
+        print("PREFECT_API_URL is not set: point it at the Prefect server the runs report to "
+              "(python -m deployments.services status prints it)", file=sys.stderr)
+        return 2
+    try:
+        block_id, automation_id = create_alerting(args.webhook, args.kind, args.block_name)
+    except (httpx.HTTPError, PrefectHTTPStatusError) as exc:
+        print(f"could not create the automation on {api}: {exc}", file=sys.stderr)
+        return 1
     print(f"automation rlhf-alerts {automation_id} notifies through block {args.block_name} ({block_id})")
     return 0
 
