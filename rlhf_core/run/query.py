@@ -193,23 +193,38 @@ def format_table(table: pa.Table, max_rows: int = 50, max_width: int = 40, missi
     return "\n".join(lines)
 
 
-def is_nested(dtype: pa.DataType) -> bool:
-    """A struct, list or map column: CSV has no cell for those."""
-    return pa.types.is_nested(dtype)
-
-
 def csv_ready(table: pa.Table) -> pa.Table:
-    """``table`` with every nested column (struct, list, map) as JSON text, one JSON value per
-    cell (a null stays null, an empty CSV cell), so `rlhf query ... --csv` writes any result;
-    flat columns are left as they are."""
+    """``table`` in a form pyarrow's CSV writer takes: every nested column (struct, list, map) as
+    JSON text, one JSON value per cell (a map as an object with text keys), and a column it cannot
+    write as text (an interval) as each value's text; a null stays null (an empty cell). Columns it
+    writes already are left as they are."""
     columns = []
     for field, column in zip(table.schema, table.columns):
-        if is_nested(field.type):
-            texts = [None if v is None else json.dumps(v, default=str, ensure_ascii=False)
-                     for v in column.to_pylist()]
-            column = pa.array(texts, type=pa.string())
+        if pa.types.is_nested(field.type):
+            column = pa.array([_json_cell(v, pa.types.is_map(field.type)) for v in column.to_pylist()],
+                              type=pa.string())
+        elif not _writes_as_text(column):
+            column = pa.array([None if v is None else str(v) for v in column.to_pylist()], type=pa.string())
         columns.append(column)
     return pa.table(columns, names=table.column_names)
+
+
+def _json_cell(value: Any, is_map: bool) -> Optional[str]:
+    if value is None:
+        return None
+    if is_map:  # pyarrow gives a map as (key, value) pairs
+        value = {str(k): v for k, v in value}
+    return json.dumps(value, default=str, ensure_ascii=False)
+
+
+def _writes_as_text(column: pa.ChunkedArray) -> bool:
+    """Whether the CSV writer can turn this column's type into text (it casts each column to
+    string; an unsupported cast fails on an empty slice as it would on the data)."""
+    try:
+        column.slice(0, 0).cast(pa.string())
+        return True
+    except (pa.ArrowNotImplementedError, pa.ArrowInvalid):
+        return False
 
 
 # ---------------------------------------------------------------------------------------------

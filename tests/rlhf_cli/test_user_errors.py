@@ -81,13 +81,14 @@ def test_a_bad_iteration_is_one_line_before_anything_is_created(tmp_path, capsys
 def test_query_csv_writes_struct_and_list_columns_as_json(run, tmp_path, capsys):
     atomic_write_json(run.metrics(1), {"reward/mean": 0.5})
     out = tmp_path / "nested.csv"
-    sql = ("SELECT iteration, {'name': name, 'v': value} AS s, [value, value * 2] AS l, "
-           "CAST(NULL AS INTEGER[]) AS empty FROM metrics")
+    sql = ("SELECT iteration, {'name': name, 'v': value} AS s, [value, value * 2] AS l, MAP {name: value} AS m, "
+           "CAST(NULL AS INTEGER[]) AS empty, INTERVAL 1 DAY AS gap FROM metrics")
     assert main(["query", str(run.root), sql, "--csv", str(out)]) == 0
     rows = list(csv.DictReader(out.open()))
     assert len(rows) == 1
     assert json.loads(rows[0]["s"]) == {"name": "reward/mean", "v": 0.5}
-    assert json.loads(rows[0]["l"]) == [0.5, 1.0] and rows[0]["empty"] == "" and rows[0]["iteration"] == "1"
+    assert json.loads(rows[0]["l"]) == [0.5, 1.0] and json.loads(rows[0]["m"]) == {"reward/mean": 0.5}
+    assert rows[0]["empty"] == "" and rows[0]["iteration"] == "1" and "days=1" in rows[0]["gap"]
     assert "wrote" in capsys.readouterr().out
 
 
