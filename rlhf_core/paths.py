@@ -43,9 +43,18 @@ def resolve_path(path: str | Path) -> Path:
     project root, so `data/arith/train.jsonl` works from anywhere inside or outside the checkout."""
     p = Path(path).expanduser()
     if p.is_absolute() or p.exists():
-        return p.resolve()
+        return _resolved(p)
     candidate = project_root() / p
-    return candidate.resolve() if candidate.exists() else p.resolve()
+    return _resolved(candidate) if candidate.exists() else _resolved(p)
+
+
+def _resolved(p: Path) -> Path:
+    """``p.resolve()``, or ``p.absolute()`` where resolving fails (a symlink loop raises in Python
+    3.11): the path then reaches the check that names what is wrong with it, not a traceback."""
+    try:
+        return p.resolve()
+    except (RuntimeError, OSError):
+        return p.absolute()
 
 
 # ---------------------------------------------------------------------------------------------

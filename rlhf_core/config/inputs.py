@@ -8,6 +8,7 @@ server or an MLflow run exists. Nothing here builds, downloads or writes.
 from __future__ import annotations
 
 from rlhf_core.config import ConfigError, RLHFConfig
+from rlhf_core.data.readers import data_file_problem
 from rlhf_core.paths import model_problem, resolve_path
 
 
@@ -31,9 +32,7 @@ def check_inputs(cfg: RLHFConfig) -> None:
     cache, or 'tiny') and an offline rollout file. One ConfigError lists every problem with its key."""
     problems = []
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
-        missing = [f for f in files if not resolve_path(f).is_file()]
-        if missing:
-            problems.append(f"{key}: file(s) not found: {', '.join(missing)}")
+        problems += [f"{key}: {problem}" for problem in filter(None, (data_file_problem(resolve_path(f)) for f in files))]
     for key, value in model_keys(cfg):
         problem = model_problem(value)
         if problem:

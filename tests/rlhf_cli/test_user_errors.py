@@ -156,3 +156,12 @@ def test_no_temporary_file_survives_a_refused_write(tmp_path, monkeypatch):
     with pytest.raises(DiskFullError, match="state.json"):
         atomic_write_json(tmp_path / "state.json", {"a": 1})
     assert not any(TMP_MARK in p.name for p in tmp_path.iterdir()) and not (tmp_path / "state.json").exists()
+
+
+def test_the_config_check_names_a_symlink_loop_and_a_directory_in_one_line(tmp_path, capsys):
+    (tmp_path / "loop.jsonl").symlink_to(tmp_path / "loop.jsonl")
+    (tmp_path / "dir.jsonl").mkdir()
+    code = main(["config", "show", f"data.train_files=[{tmp_path}/loop.jsonl,{tmp_path}/dir.jsonl]"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
+    assert "loop.jsonl is a symlink loop" in err and "dir.jsonl is a directory, not a data file" in err
