@@ -69,7 +69,7 @@ def test_unknown_override_key_fails_before_any_run_directory(tmp_path):
 def test_missing_data_or_base_model_fails_before_copying(tmp_path):
     runs = tmp_path / "runs"
     common = dict(config="configs/demo.yaml", overrides=[f"trainer.runs_root={runs}"])
-    with pytest.raises(ConfigError, match=r"data.train_files: file\(s\) not found: .*nowhere.jsonl"):
+    with pytest.raises(ConfigError, match=r"data.train_files: .*nowhere.jsonl not found"):
         prepare_retrain_task.fn(RetrainParams(**common, data_files=[str(tmp_path / "nowhere.jsonl")], base_model="tiny"))
     with pytest.raises(ConfigError, match="no exported model under .*Run rlhf-train first"):
         prepare_retrain_task.fn(RetrainParams(**common))
