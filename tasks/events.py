@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from prefect.events import Event, emit_event
+from prefect.events.worker import emit_events_to_cloud, should_emit_events_to_running_server
 
 from rlhf_core.run.layout import RunDir
 from rlhf_core.security import redact_text, redact_value
@@ -37,6 +38,8 @@ def emit_alert(run: RunDir, kind: str, iteration: Optional[int], message: str, *
     no server configured). ``details`` join the payload."""
     if kind not in NOTIFIED_KINDS:
         raise ValueError(f"unknown alert event kind {kind!r}; valid: {', '.join(NOTIFIED_KINDS)}")
+    if not (emit_events_to_cloud() or should_emit_events_to_running_server()):
+        return None  # no server configured: Prefect would start an ephemeral one (~20 s) just for this event
     payload = {"iteration": iteration, "message": redact_text(message), "run_dir": redact_text(str(run.root)),
                **{key: redact_value(value) for key, value in details.items()}}
     return emit_event(EVENT_PREFIX + kind, resource=run_resource(run), payload=payload)

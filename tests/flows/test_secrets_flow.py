@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import os
 import json
 import threading
 
@@ -41,7 +42,9 @@ def mlflow_server(tmp_path_factory):
         from mlflow.server.handlers import _get_tracking_store
 
         _get_tracking_store()  # what the server does on its first request, done now: it points this process's
-        mp.delenv("MLFLOW_TRACKING_URI")  # MLflow at its own store, which a client process would not see
+        # MLflow at its own store, which a client process would not see; popped, not mp.delenv: the undo
+        # would put the store's URI back for every later test in this process
+        os.environ.pop("MLFLOW_TRACKING_URI", None)
         server = make_server("127.0.0.1", 0, app, threaded=True)
         thread = threading.Thread(target=server.serve_forever, daemon=True)
         thread.start()
@@ -49,6 +52,9 @@ def mlflow_server(tmp_path_factory):
             yield f"http://ann:{PASSWORD}@127.0.0.1:{server.server_port}"
         finally:
             server.shutdown()
+            import mlflow
+
+            mlflow.set_tracking_uri(None)  # the store's start set MLflow's process-wide URI: later tests must not see it
 
 
 @pytest.fixture(scope="module")

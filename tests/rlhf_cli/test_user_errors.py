@@ -52,7 +52,7 @@ def test_a_run_name_that_leaves_runs_root_is_refused_before_anything_is_created(
     assert out.returncode == 2, out.stderr[-3000:]
     line = one_error_line(out.stderr)
     assert "--run-name '../../x'" in line and "plain directory name" in line, line
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["home"]  # no runs root, no x beside it
+    assert [p.name for p in tmp_path.iterdir() if p.name != "home"] == []  # no runs root, no x beside it
     assert not (tmp_path / "home" / "prefect" / "temporary-server.log").exists()  # no server was started
 
 

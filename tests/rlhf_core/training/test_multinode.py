@@ -137,11 +137,11 @@ def test_the_joiner_leaves_on_ctrl_c(tmp_path, subprocess_env):
     run = RunDir(tmp_path / "run")
     joiner = _joiner(run, 1, subprocess_env())
     try:
-        deadline = time.monotonic() + 20
         line = joiner.stdout.readline()  # "waiting for updates": the loop runs
         assert "node 1: waiting for updates" in line
         joiner.send_signal(signal.SIGINT)
-        out, _ = joiner.communicate(timeout=max(1.0, deadline - time.monotonic()))
+        # generous: on a loaded 2-core machine a CI run once took more than 18 s to get there
+        out, _ = joiner.communicate(timeout=60)
     finally:
         if joiner.poll() is None:
             joiner.kill()
