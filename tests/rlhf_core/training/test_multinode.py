@@ -75,10 +75,18 @@ def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+def _as_from_a_shell() -> None:
+    """The child's Ctrl-C as a terminal gives it: default disposition, not blocked. A signal state
+    earlier tests left in this process (an ignored or blocked SIGINT) would otherwise be inherited,
+    and Python keeps ignoring a SIGINT that was ignored when it started."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def _joiner(run: RunDir, node_rank: int, env: dict[str, str]) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "rlhf_cli.main", "node", "join", "--run-dir", str(run.root),
                              "--node-rank", str(node_rank)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=_as_from_a_shell)
 
 
 @pytest.mark.slow
@@ -101,7 +109,11 @@ def test_two_nodes_train_bit_identically_to_one_node_with_two_processes(tiny_mod
         # the run's last iteration committed: the joiner sees the run finished and leaves by itself
         write_config(two, to_yaml(_config(tiny_model_dir, *_two_nodes(1), "trainer.total_iterations=1", CRITIC_FREE)))
         commit_iteration(two, 1)
-        out, _ = joiner.communicate(timeout=30)
+        try:
+            out, _ = joiner.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the joiner ignored Ctrl-C for 30 s (this process's SIGINT handler: "
+                        f"{signal.getsignal(signal.SIGINT)!r}, blocked: {signal.pthread_sigmask(signal.SIG_BLOCK, [])})")
     finally:
         if joiner.poll() is None:
             joiner.kill()
@@ -140,8 +152,11 @@ def test_the_joiner_leaves_on_ctrl_c(tmp_path, subprocess_env):
         line = joiner.stdout.readline()  # "waiting for updates": the loop runs
         assert "node 1: waiting for updates" in line
         joiner.send_signal(signal.SIGINT)
-        # generous: on a loaded 2-core machine a CI run once took more than 18 s to get there
-        out, _ = joiner.communicate(timeout=60)
+        try:
+            out, _ = joiner.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the joiner ignored Ctrl-C for 30 s (this process's SIGINT handler: "
+                        f"{signal.getsignal(signal.SIGINT)!r}, blocked: {signal.pthread_sigmask(signal.SIG_BLOCK, [])})")
     finally:
         if joiner.poll() is None:
             joiner.kill()
