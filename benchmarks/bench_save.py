@@ -122,7 +122,7 @@ def worker(args) -> None:
     from rlhf_core.io.hashing import sha256_file
     from rlhf_core.io.safetensors_stream import write_safetensors
     from rlhf_core.training.checkpoint import save_checkpoint
-    from rlhf_core.training.distributed import barrier, init_distributed
+    from rlhf_core.training.distributed import barrier, init_distributed, shutdown_distributed
     from rlhf_core.training.optim_state import prime_optimizer
     from rlhf_core.training.rank_update import UpdateSources, _zero_loss, build_engines
     from rlhf_core.training.train_state import capture
@@ -163,6 +163,7 @@ def worker(args) -> None:
         Path(args.out).write_text(json.dumps(report))
     else:
         Path(args.out + f".rank{dist.rank}").write_text(json.dumps(report))
+    shutdown_distributed()
 
 
 def hash_comparison(state, where: Path, write_safetensors, sha256_file) -> dict:

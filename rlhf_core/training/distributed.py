@@ -78,6 +78,19 @@ def init_distributed(device: str = "cpu") -> DistInfo:
     return DistInfo(rank=tdist.get_rank(), world_size=tdist.get_world_size(), local_rank=local_rank, device=where)
 
 
+def shutdown_distributed() -> None:
+    """Tear the default process group down before the process exits.
+
+    Left to interpreter exit, gloo's worker threads are joined from a C++ destructor racing the
+    interpreter's own teardown; now and then that ends the rank in SIGABRT ("terminate called
+    without an active exception") after its work succeeded, and the launcher reports a failure.
+    """
+    import torch.distributed as tdist
+
+    if tdist.is_initialized():
+        tdist.destroy_process_group()
+
+
 def all_reduce(tensor, op: str = "sum"):
     """In-place all-reduce over the default group (a no-op for one process); returns ``tensor``."""
     import torch.distributed as tdist

@@ -23,6 +23,7 @@ from rlhf_core.config import config_from_dict
 from rlhf_core.config.loader import read_preset
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
+from rlhf_core.training.distributed import shutdown_distributed
 from rlhf_core.training.rank_update import train_update
 
 
@@ -38,6 +39,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except RLHFError as exc:
         print(f"rlhf: error: {exc}", file=sys.stderr)
         return 2
+    finally:
+        shutdown_distributed()
     return 0
 
 

@@ -18,7 +18,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stages: lis
     from rlhf_core.config import load_config
     from rlhf_core.training.batch import MicroBatchPlan, read_advantages
     from rlhf_core.training.checkpoint import save_checkpoint
-    from rlhf_core.training.distributed import init_distributed
+    from rlhf_core.training.distributed import init_distributed, shutdown_distributed
     from rlhf_core.training.ppo import ActorLoss, CriticLoss, train_step
     from rlhf_core.training.rank_update import UpdateSources, build_engines, resume_optimizers
 
@@ -68,6 +68,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stages: lis
                          for role, w, g in zip(("actor", "critic"), want, got)}
     if dist.is_main:
         Path(out).write_text(json.dumps(report))
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stage: int)
 
     from rlhf_core.config import load_config
     from rlhf_core.training.batch import MicroBatchPlan, read_advantages
-    from rlhf_core.training.distributed import init_distributed
+    from rlhf_core.training.distributed import init_distributed, shutdown_distributed
     from rlhf_core.training.memory import Shapes, estimate
     from rlhf_core.training.ppo import ActorLoss, CriticLoss, train_step
     from rlhf_core.training.rank_update import UpdateSources, build_engines, reset_peak_rss
@@ -55,7 +55,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stage: int)
             "ranks": gathered, "state": sum(t.device for t in state),
             "update": est.device_bytes("update"), "terms": {t.name: t.device for t in est.phases["update"]}}))
     tdist.barrier()
-    tdist.destroy_process_group()  # join gloo's threads now, not in a destructor racing interpreter exit
+    shutdown_distributed()
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, cases: list
     from rlhf_core.config import load_config
     from rlhf_core.training.batch import MicroBatchPlan, read_advantages
     from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, save_checkpoint
-    from rlhf_core.training.distributed import init_distributed
+    from rlhf_core.training.distributed import init_distributed, shutdown_distributed
     from rlhf_core.training.ppo import ActorLoss, CriticLoss, train_step
     from rlhf_core.training.rank_update import UpdateSources, _zero_loss, build_engines
     from rlhf_core.training.train_state import capture, restore
@@ -83,6 +83,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, cases: list
                         "shards": sorted(p.name for p in (ckpt / "deepspeed").iterdir())}
     if dist.is_main:
         Path(out).write_text(json.dumps(report))
+    shutdown_distributed()
 
 
 if __name__ == "__main__":
