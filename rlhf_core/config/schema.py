@@ -57,6 +57,14 @@ def require_kl_estimator(key: str, value: str) -> None:
             f"must be one of {', '.join(KL_ESTIMATORS.names())}, optionally with a '+' suffix", value)
 
 
+def note_no_remote_code(key: str, value: bool) -> None:
+    """verl's trust_remote_code=true is accepted (a pasted verl command runs) but no model's own code
+    is ever run here: say so once rather than let a model that needs it fail later, unexplained."""
+    if value:
+        say_once(f"config: {key}=true has no effect: models load with transformers' built-in classes and a "
+                 "checkpoint's own modelling code is never run (docs/reliability.md)")
+
+
 def _freq_ok(value: int) -> bool:
     return value == -1 or value >= 1
 
@@ -161,7 +169,8 @@ class WarmStartConfig(Section):
     lr: float = 6.0e-3
     """Peak AdamW lr, cosine-decayed to 10 %: tiny models need a large lr, the decay sharpens the end."""
     warmup_steps: int = 30
-    """Linear lr warm-up steps."""
+    """Linear lr warm-up steps: 3 % of the default 1000, so Adam's moment estimates settle before the
+    large peak lr reaches the freshly built weights."""
     prose_answer_fraction: float = 0.6
     """Share of SFT answers ending in prose ("The answer is 7.") instead of '#### 7': the warm policy then
     follows the output-format instruction only sometimes, as small instruct models do on GSM8K."""
@@ -207,7 +216,8 @@ class ModelConfig(Section):
     tokenizer_path: Optional[str] = None
     """Defaults to the model path (same forms as path)."""
     trust_remote_code: bool = False
-    """verl: allow the model's own modelling code (passed to from_pretrained)."""
+    """verl's default (false). A checkpoint's own modelling code is never run here: every model loads
+    with transformers' built-in classes, so true has no effect and says so (docs/reliability.md)."""
     lora_rank: int = 0
     """verl: 0 disables LoRA; > 0 trains rank-r adapters only (peft)."""
     lora_alpha: int = 16
@@ -226,6 +236,7 @@ class ModelConfig(Section):
 
     def check(self, key: str) -> None:
         require(self.lora_rank >= 0, f"{key}.lora_rank", "must be >= 0", self.lora_rank)
+        note_no_remote_code(f"{key}.trust_remote_code", self.trust_remote_code)
 
 
 @dataclass
@@ -235,7 +246,9 @@ class OptimConfig(Section):
     lr: float = 1e-6
     """Peak learning rate (verl's actor default)."""
     weight_decay: float = 0.01
+    """verl's default (also torch AdamW's): a light decoupled decay that does not fight the small RL steps."""
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    """verl's default (torch AdamW's): Adam's usual first- and second-moment decay rates."""
     lr_warmup_steps: int = -1
     """verl: linear warm-up over this many training steps; -1 = use lr_warmup_steps_ratio."""
     lr_warmup_steps_ratio: float = 0.0
@@ -265,7 +278,10 @@ class FSDPConfig(Section):
     """Accepted for verl compatibility; mapped to deepspeed_config (see the module docstring)."""
 
     param_offload: bool = False
+    """verl's default (off): offloading trades step time for device memory; maps to
+    deepspeed_config.offload_param (ZeRO-3)."""
     optimizer_offload: bool = False
+    """verl's default (off), for the same trade; maps to deepspeed_config.offload_optimizer."""
     offload_policy: bool = False
     """FSDP2 CPU offload policy; maps to DeepSpeed parameter + optimizer offload."""
 
@@ -278,7 +294,11 @@ class DeepSpeedConfig(Section):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """'auto' = fp32 on CPU (no fast bf16 there), bf16 on CUDA."""
     offload_optimizer: bool = False
+    """Keep Adam's state in host memory (what fsdp_config.optimizer_offload maps to). Off, as verl's FSDP
+    default: it slows every step and only pays when the state does not fit on the device."""
     offload_param: bool = False
+    """Keep the parameters in host memory (ZeRO-3 only; what fsdp_config.param_offload maps to). Off, as
+    verl's FSDP default, for the same reason."""
     config_path: Optional[str] = None
     """A raw DeepSpeed JSON whose keys override the generated config."""
 
@@ -293,7 +313,10 @@ class PolicyLossConfig(Section):
     clip_cov_ratio: float = 0.0002
     """verl (clip_cov): share of tokens whose gradient is detached."""
     clip_cov_lb: float = 1.0
+    """verl's default (clip_cov): only tokens whose covariance is above this can be detached, so the
+    ordinary low-covariance tokens keep their gradient."""
     clip_cov_ub: float = 5.0
+    """verl's default (clip_cov): nor those above this, so the few extreme outliers are left alone."""
     kl_cov_ratio: float = 0.0002
     """verl (kl_cov): share of tokens that get the KL penalty."""
     ppo_kl_coef: float = 0.1
@@ -337,11 +360,13 @@ class ActorConfig(Section):
     """verl: the divisor of seq-mean-token-sum-norm; null = data.max_response_length."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
     entropy_coeff: float = 0.0
-    """verl: entropy bonus weight."""
+    """verl: entropy bonus weight. 0 is verl's default: sampling at temperature 1 already explores, and
+    a bonus is a recipe's choice (it pushes towards longer, noisier responses)."""
     use_kl_loss: bool = False
     """verl: add kl_loss_coef·KL(actor‖ref) to the actor loss (GRPO-style)."""
     kl_loss_coef: float = 0.001
-    """verl."""
+    """verl's default (0.001), used only with use_kl_loss: the GRPO recipes' weight of KL(actor‖ref) in
+    the loss, small enough to let the policy move."""
     kl_loss_type: str = "low_var_kl"
     """verl: KL estimator for the loss (kl/k1, abs, mse/k2, low_var_kl/k3, and '+' straight-through variants)."""
     grad_clip: float = 1.0
@@ -375,9 +400,12 @@ class SamplingConfig(Section):
     """verl's rollout.val_kwargs: how validation decodes (greedy by default)."""
 
     top_k: int = -1
+    """verl's default: -1 = no top-k cut (greedy picks the top token anyway)."""
     top_p: float = 1.0
+    """verl's default: 1.0 = no nucleus cut."""
     temperature: float = 0.0
-    """0 = greedy."""
+    """verl's default: 0 = greedy, so a validation score is the same on every rerun and comparable across
+    iterations."""
     n: int = 1
     """Responses per validation prompt (mean@n and best@n are reported)."""
     do_sample: bool = False
@@ -396,11 +424,13 @@ class RolloutConfig(Section):
     """Engine: Hugging Face generate (CPU/GPU), vLLM (GPU; falls back to hf without CUDA, saying so),
     or imported offline trajectories."""
     temperature: float = 1.0
+    """verl's default: 1.0 samples the policy's own distribution, the on-policy case PPO's ratio assumes."""
     top_p: float = 1.0
+    """verl's default: no nucleus cut, for the same reason (a cut distribution is not the policy's)."""
     top_k: int = -1
-    """-1 disables top-k (vLLM convention)."""
+    """verl's default: -1 = no top-k cut (vLLM's convention), for the same reason."""
     do_sample: bool = True
-    """verl: false = greedy rollout."""
+    """verl's default: sample, so PPO sees varied responses to learn from; false = greedy rollout."""
     n: int = 1
     """verl: responses sampled per prompt."""
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
@@ -452,9 +482,10 @@ class RefConfig(Section):
     log_prob_micro_batch_size_per_gpu: Optional[int] = None
     """verl: sequences per forward when computing the reference log-probs (without dynamic batching)."""
     log_prob_use_dynamic_bsz: Optional[bool] = None
-    """verl: null = actor.use_dynamic_bsz."""
+    """verl: batch the reference log-prob forwards by token budget; null = actor.use_dynamic_bsz (verl
+    interpolates the same key), so one switch sets every pass."""
     log_prob_max_token_len_per_gpu: Optional[int] = None
-    """verl: null = actor.ppo_max_token_len_per_gpu."""
+    """verl: token budget of one reference forward; null = actor.ppo_max_token_len_per_gpu, as in verl."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
 
 
@@ -478,13 +509,18 @@ class CriticModelConfig(Section):
     tokenizer_path: Optional[str] = None
     """verl: must tokenize as the actor's does; accepted and checked, the actor's tokenizer is used."""
     trust_remote_code: bool = False
+    """As actor_rollout_ref.model.trust_remote_code (verl's default follows it: false); no effect here."""
     enable_gradient_checkpointing: bool = False
     """As actor_rollout_ref.model.enable_gradient_checkpointing (verl defaults to true)."""
     use_remove_padding: Optional[bool] = None
-    """verl: null = actor_rollout_ref.model.use_remove_padding."""
+    """null = actor_rollout_ref.model.use_remove_padding (true). verl's default is false; packed rows give
+    the same values as padded ones (tested) and are faster here."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     override_config: ModelOverrideConfig = field(default_factory=ModelOverrideConfig)
     """verl: as actor_rollout_ref.model.override_config, for the value model."""
+
+    def check(self, key: str) -> None:
+        note_no_remote_code(f"{key}.trust_remote_code", self.trust_remote_code)
 
 
 @dataclass
@@ -494,6 +530,8 @@ class CriticConfig(Section):
     false with gae is refused; true with a critic-free estimator trains a critic nobody reads, as verl."""
     model: CriticModelConfig = field(default_factory=CriticModelConfig)
     strategy: Literal["deepspeed", "fsdp", "fsdp2"] = "deepspeed"
+    """As actor.strategy. verl's default is fsdp; the update here trains with DeepSpeed ZeRO, and
+    fsdp/fsdp2 are accepted as aliases."""
     optim: OptimConfig = field(default_factory=lambda: OptimConfig(lr=1e-5))
     """verl's critic default lr is 1e-5 (ten times the actor's)."""
     ppo_mini_batch_size: Optional[int] = None
@@ -503,7 +541,8 @@ class CriticConfig(Section):
     ppo_micro_batch_size_per_gpu: Optional[int] = None
     """verl: sequences per forward/backward when use_dynamic_bsz is off."""
     use_dynamic_bsz: Optional[bool] = None
-    """verl: null = actor_rollout_ref.actor.use_dynamic_bsz."""
+    """verl: null = actor_rollout_ref.actor.use_dynamic_bsz (verl interpolates the same key), so one
+    switch batches both models alike."""
     ppo_max_token_len_per_gpu: int = 32768
     """verl: the critic's token budget per micro-batch with use_dynamic_bsz."""
     forward_micro_batch_size_per_gpu: Optional[int] = None
@@ -511,13 +550,14 @@ class CriticConfig(Section):
     forward_max_token_len_per_gpu: Optional[int] = None
     """verl: token budget of one value forward in scoring; null = ppo_max_token_len_per_gpu."""
     ppo_epochs: Optional[int] = None
-    """verl: null = the actor's."""
+    """verl: null = the actor's (verl interpolates it), so the critic fits the same data as often."""
     shuffle: Optional[bool] = None
-    """verl: null = the actor's."""
+    """verl: null = the actor's (verl interpolates it), so one switch orders both updates alike."""
     cliprange_value: float = 0.5
     """verl: value clipping ε around the old values."""
     loss_agg_mode: Optional[str] = None
-    """verl: null = actor_rollout_ref.actor.loss_agg_mode."""
+    """verl: null = actor_rollout_ref.actor.loss_agg_mode (verl interpolates it), so the value loss
+    weighs tokens as the policy loss does."""
     grad_clip: float = 1.0
     """verl: the critic's gradient-norm clip."""
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
@@ -537,7 +577,11 @@ class RewardModelModelConfig(Section):
     """verl: the actor's tokenizer when the reward model's chat template differs (responses are then
     decoded and re-rendered with the reward model's template); null = same tokenizer."""
     trust_remote_code: bool = False
+    """verl's default (false); no effect here, as actor_rollout_ref.model.trust_remote_code."""
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
+
+    def check(self, key: str) -> None:
+        note_no_remote_code(f"{key}.trust_remote_code", self.trust_remote_code)
 
 
 @dataclass
@@ -548,6 +592,7 @@ class OverlongBufferConfig(Section):
     scores verl's DAPO reward manager returns unshaped; len must be < data.max_response_length."""
 
     enable: bool = False
+    """verl's default (off): the shaping changes every long response's score, so it is DAPO's opt-in."""
     len: int = 0
     """verl: the buffer's length in tokens (> 0 and < data.max_response_length when enabled)."""
     penalty_factor: float = 1.0
@@ -566,6 +611,7 @@ class RewardModelConfig(Section):
     enable: bool = False
     """verl: score with a sequence-classification reward model instead of the rule-based reward."""
     strategy: Literal["deepspeed", "fsdp", "fsdp2"] = "deepspeed"
+    """As actor.strategy (verl's default is fsdp; here DeepSpeed, fsdp/fsdp2 accepted as aliases)."""
     model: RewardModelModelConfig = field(default_factory=RewardModelModelConfig)
     micro_batch_size: Optional[int] = None
     """verl (deprecated): sequences per forward over all GPUs."""
@@ -575,7 +621,7 @@ class RewardModelConfig(Section):
     """verl: when responses are re-rendered (model.input_tokenizer set), keep the first max_length
     tokens of the reward model's conversation (null = max_prompt_length + max_response_length)."""
     use_dynamic_bsz: Optional[bool] = None
-    """verl: null = critic.use_dynamic_bsz."""
+    """verl: null = critic.use_dynamic_bsz (verl interpolates it), so every scoring pass batches alike."""
     reward_manager: Literal["naive"] = "naive"
     """verl: how rule-based rewards are applied; 'naive' (one compute_score call per response)."""
     overlong_buffer: OverlongBufferConfig = field(default_factory=OverlongBufferConfig)
@@ -630,6 +676,7 @@ class FilterGroupsConfig(Section):
     ``metric`` and draw more prompts until data.train_batch_size groups are kept."""
 
     enable: bool = False
+    """verl's default (off): dynamic sampling costs extra rollouts per step, DAPO's opt-in."""
     metric: Optional[str] = None
     """verl: acc | score | seq_reward | seq_final_reward (required when enabled)."""
     max_num_gen_batches: int = 0
@@ -647,7 +694,11 @@ class AlgorithmConfig(Section):
     adv_estimator: str = "gae"
     """verl: the advantage-estimator registry name (rlhf_core.algos.registry.ADV_ESTIMATORS)."""
     gamma: float = 1.0
+    """verl's default: no discount inside a response, whose reward comes at its last token; a gamma below
+    1 would shrink the credit of the early tokens of a long correct answer."""
     lam: float = 1.0
+    """verl's default: with gamma 1, GAE's advantage is the Monte-Carlo return minus the value, which does
+    not lean on a barely trained critic's bootstrapped estimates."""
     norm_adv: bool = True
     """Our key: whiten the advantages of an estimator that reads the critic's values (gae) over the
     batch's valid tokens, as verl always does for GAE. The critic-free estimators normalise as verl
@@ -671,8 +722,11 @@ class AlgorithmConfig(Section):
 @dataclass
 class TrainerConfig(Section):
     project_name: str = "rlhf"
-    """verl: the MLflow experiment is <project_name>/<experiment_name>."""
+    """verl: the project, recorded on every MLflow run as the tag rlhf.project. verl's default
+    verl_examples names verl's examples; this names the toolkit."""
     experiment_name: str = "default"
+    """verl: the MLflow experiment runs are filed under. verl's default gsm8k names its example's data;
+    here the default data is the embedded arithmetic set, so a neutral name."""
     logger: list[str] = field(default_factory=lambda: ["console", "mlflow"])
     """verl: where metrics go. console and mlflow work here; wandb, swanlab, tensorboard, vemlp_wandb,
     clearml, trackio are accepted and said once to be unavailable. verl's default is console + wandb
