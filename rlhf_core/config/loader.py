@@ -31,6 +31,7 @@ from rlhf_core.config.machine import fit_to_machine
 from rlhf_core.config.notes import say_once
 from rlhf_core.config.schema import RLHFConfig
 from rlhf_core.config.validate import validate
+from rlhf_core.errors import shown_path
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,8 +165,23 @@ def _build(cls: type, data: dict, prefix: str = "") -> Any:
 # ---------------------------------------------------------------------------------------------
 
 
+def require_utf8(text: str, what: str) -> None:
+    """Refuse text the OS handed over as bytes that are not UTF-8 (e.g. a Latin-1 file name typed in
+    a shell). Python keeps each such byte as a lone surrogate, which YAML will not parse (a list
+    override fell back to one literal string, brackets and all) and config.yaml, Parquet, MLflow and
+    Prefect cannot store, so it could not round-trip to the same bytes: refuse it at once, with the
+    bytes shown as the OS shows them."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ConfigError(f"{what} {shown_path(text)} holds bytes that are not UTF-8 (shown as \\xNN); config values "
+                          "are stored as UTF-8: rename the file or folder to a UTF-8 name, or link to it under one "
+                          "(ln -s OLD NEW), and pass that name") from None
+
+
 def parse_override(text: str) -> tuple[str, Any]:
     """``a.b.c=value`` → ("a.b.c", value parsed as YAML, so 0.1 is a float and true a bool)."""
+    require_utf8(text, "override")
     key, sep, raw = text.partition("=")
     key = key.strip().lstrip("+")  # accept hydra's '+key=value' spelling too
     if not sep or not key:
@@ -236,9 +252,15 @@ def _schema_keys() -> frozenset[str]:
 def read_preset(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config preset {str(path)!r} not found (presets live in configs/)")
+        raise ConfigError(f"config preset '{shown_path(path)}' not found (presets live in configs/)")
     try:
-        tree = yaml.load(path.read_text(), Loader=SafeLoader) or {}
+        text = path.read_bytes().decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = path.read_bytes()[:exc.start].count(b"\n") + 1
+        raise ConfigError(f"{shown_path(path)}: line {line} holds bytes that are not UTF-8 "
+                          f"({shown_path(exc.object[exc.start:exc.end])}); save the preset as UTF-8") from None
+    try:
+        tree = yaml.load(text, Loader=SafeLoader) or {}
     except yaml.YAMLError as exc:
         raise ConfigError(f"{path}: not valid YAML: {exc}") from None
     if not isinstance(tree, dict):

@@ -165,3 +165,30 @@ def test_the_config_check_names_a_symlink_loop_and_a_directory_in_one_line(tmp_p
     err = capsys.readouterr().err
     assert code == 2 and "Traceback" not in err and len(err.strip().splitlines()) == 1, err
     assert "loop.jsonl is a symlink loop" in err and "dir.jsonl is a directory, not a data file" in err
+
+
+def test_an_override_with_non_utf8_bytes_is_refused_showing_the_bytes(tmp_path):
+    """A data path typed in a Latin-1 shell reaches argv as raw bytes. YAML used to fall back to the
+    raw text, so `[path]` became one literal path with its brackets; now it is one line that shows
+    the bytes as \\xNN, through the console entry point with bytes argv. `config show` makes the
+    same check as `rlhf run` before any work (one parser for every command's overrides) without
+    importing Prefect: ~2 s here against ~12 s for `run`."""
+    raw = os.fsencode(tmp_path) + b"/caf\xe9.jsonl"
+    Path(os.fsdecode(raw)).write_text('{"question": "1 + 1?", "answer": "#### 2"}\n')  # it exists
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["RLHF_HOME"] = str(tmp_path / "home")
+    argv = [sys.executable.encode(), b"-m", b"rlhf_cli.main", b"config", b"show", b"data.train_files=[" + raw + b"]"]
+    out = subprocess.run(argv, capture_output=True, env=env, cwd=tmp_path, timeout=120)
+    err = out.stderr.decode("utf-8")  # printable as UTF-8: no lone surrogate reached the terminal
+    assert out.returncode == 2, err[-3000:]
+    line = one_error_line(err)
+    assert "override data.train_files=[" in line and "/caf\\xe9.jsonl]" in line, line
+    assert "not UTF-8" in line and "rename the file" in line, line
+
+
+def test_a_preset_that_is_not_utf8_is_one_line(tmp_path, capsys):
+    preset = tmp_path / "latin1.yaml"
+    preset.write_bytes(b"trainer:\n  experiment_name: caf\xe9\n")
+    assert main(["config", "show", "-c", str(preset)]) == 2
+    line = one_error_line(capsys.readouterr().err)
+    assert "latin1.yaml: line 2 holds bytes that are not UTF-8 (\\xe9); save the preset as UTF-8" in line, line
