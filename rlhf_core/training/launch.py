@@ -9,7 +9,9 @@
 The parent (``rlhf stage update --nproc N``, on node 0) holds the run lock and records the stage;
 the ranks only train and (rank 0) write the checkpoint and metrics; every rank writes its own
 checkpoint shards into the run directory (with several nodes: shared storage). A user error exits
-with status 2 and a one-line message, like the CLI.
+with status 2 and a one-line message, like the CLI; so does a full disk met outside the atomic
+writers (a rank's own optimizer shard is written in place inside rank 0's temporary directory), which
+the parent then reports as the stage's error instead of a generic "update on N ranks failed".
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from typing import Optional, Sequence
 
 from rlhf_core.config import config_from_dict
 from rlhf_core.config.loader import read_preset
-from rlhf_core.errors import RLHFError
+from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
 from rlhf_core.run.layout import RunDir
 from rlhf_core.training.distributed import shutdown_distributed
 from rlhf_core.training.rank_update import train_update
@@ -37,11 +39,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         train_update(config_from_dict(read_preset(args.config)), RunDir(args.run_dir), args.iteration)
     except RLHFError as exc:
-        print(f"rlhf: error: {exc}", file=sys.stderr)
-        return 2
+        return _user_error(exc)
+    except Exception as exc:
+        if not is_disk_full(exc):  # a bug: its traceback helps
+            raise
+        # a failed write() names no file: outside the atomic writers a rank writes only its own
+        # checkpoint shard files
+        written = getattr(exc, "filename", None) or RunDir(args.run_dir).checkpoint(args.iteration)
+        return _user_error(disk_full_error(written))
     finally:
         shutdown_distributed()
     return 0
+
+
+def _user_error(exc: RLHFError) -> int:
+    """The one line the parent looks for (``training.nodes.USER_ERROR``) and raises as its own error."""
+    print(f"rlhf: error: {exc}", file=sys.stderr, flush=True)
+    return 2
 
 
 if __name__ == "__main__":

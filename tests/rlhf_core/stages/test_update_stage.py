@@ -206,3 +206,26 @@ def test_a_schedule_that_needs_the_run_length_refuses_without_it(tiny_model_dir,
     run_init_critic(cfg, run)
     with pytest.raises(ConfigError, match="trainer.total_iterations"):
         run_update(cfg, run, 1)
+
+
+def test_a_full_disk_on_the_ranks_is_the_stages_one_line_error(tiny_model_dir, tmp_path, subprocess_env):
+    """`rlhf stage update --nproc 2` with a raw ENOSPC raised in the ranks (the fault hook after the
+    first actor step), as a rank's own checkpoint-shard write meets a full disk outside the atomic
+    writers: the parent's last line is the ranks' disk-full message, not "update on 2 ranks failed
+    (exit 1)" over the torchrun log, and the exit status is a user error's."""
+    from rlhf_core.config import to_yaml
+    from rlhf_core.run.layout import write_config
+
+    run = RunDir(tmp_path / "run")
+    cfg = _config(tiny_model_dir)
+    _write_advantages(run, 1, tiny_model_dir)
+    write_config(run, to_yaml(cfg))
+    run_init_critic(cfg, run)
+    env = subprocess_env(RLHF_FAULT="enospc@update:after_step:actor:1")
+    proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "stage", "update", "--run-dir", str(run.root),
+                           "--iteration", "1", "--nproc", "2", "--local"], capture_output=True, text=True,
+                          timeout=600, env=env)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert last.startswith("rlhf: error: no space left on the device") and "then rerun" in last, proc.stderr[-3000:]
+    assert "ranks failed" not in proc.stderr and not run.checkpoint(1).exists()
