@@ -5,7 +5,10 @@ trains loaded between iterations, and most iterations write no checkpoint. Every
 asks for its models by directory (``iter_k/checkpoint/actor``: the lineage stays path-based, so a
 CLI rerun of one stage works from the run directory alone); the loaders in ``scoring.models`` look
 here first and, when the directory is the state the trainer holds right now, hand out the trainer's
-own module — the weights the update just produced, with no disk round trip.
+own module — the weights the update just produced, with no disk round trip. When the trainer's
+ranks are other processes (a worker group), a ``Provider`` answers for their state instead: the
+stages' model passes run in those processes, and anything this process must load itself gets a
+copy published on first ask (``on_disk``).
 
 Only the current state is ever held: the trainer replaces its entries before it changes the weights
 (an update, a rollback), so an entry never serves weights other than its directory's. Nothing here
@@ -16,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,45 @@ def lookup(directory: str | Path) -> Optional[LiveModel]:
     if not _held:
         return None
     return _held.get(Path(directory).resolve())
+
+
+# ---------------------------------------------------------------------------------------------
+# states held by other processes (a worker group of the update's ranks)
+# ---------------------------------------------------------------------------------------------
+
+
+class Provider(Protocol):
+    """Holds states in other processes and can put a copy of one on disk when this process needs it."""
+
+    def provides(self, directory: Path) -> bool:
+        """Whether ``directory``'s state is held (a cheap check: nothing is written)."""
+
+    def publish(self, directory: Path) -> Path:
+        """A model directory on disk with ``directory``'s weights (written on the first ask)."""
+
+
+_provider: Optional[Provider] = None
+
+
+def provide_with(provider: Optional[Provider]) -> None:
+    """Let ``provider`` answer for directories nobody in this process holds (None: stop)."""
+    global _provider
+    _provider = provider
+
+
+def available(directory: str | Path) -> bool:
+    """Whether ``directory``'s state is held here or by the provider (nothing is loaded or written)."""
+    path = Path(directory).resolve()
+    return path in _held or (_provider is not None and _provider.provides(path))
+
+
+def on_disk(directory: str | Path) -> Path:
+    """Where to load ``directory`` from: itself, or — when only the provider holds its state — the
+    copy the provider publishes for this process."""
+    path = Path(directory)
+    if _provider is None or path.is_dir() or not _provider.provides(path.resolve()):
+        return path
+    return _provider.publish(path.resolve())
 
 
 def is_live(module: Any) -> bool:

@@ -214,6 +214,12 @@ class RunDir:
         """Process ``rank``'s share of the stage's outputs (complete once it exists)."""
         return self.stage_ranks_dir(k, stage) / f"rank{rank}.npz"
 
+    def published_weights(self, k: int, n: int) -> Path:
+        """Copy ``n`` of iteration ``k``'s weights, written by the update's worker group for a stage
+        of the flow process that loads them itself (``training.resident.GroupTrainer``); removed when
+        the group's state moves on. Holds ``actor/`` and ``critic/`` model directories."""
+        return self.iter_dir(k) / f".published{n}"
+
     # several nodes (training.nodes) ------------------------------------------------------------
     @property
     def nodes_dir(self) -> Path:

@@ -54,6 +54,7 @@ def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, r
     held = _borrow(path, "causal_lm", device, dtype)
     if held is not None:
         return held
+    path = live.on_disk(path)
     _require_model_dir(path, role)
     attention = resolve_attention(attention or "auto", device)
 
@@ -75,6 +76,8 @@ def load_tokenizer(path: str | Path, *, shared: bool = False):
     held = live.lookup(path)
     if held is not None:  # the checkpoint is not on disk (yet): its tokenizer is the one it would copy
         path = held.tokenizer_dir
+    else:
+        path = live.on_disk(path)
 
     def load():
         with timed(MODEL_LOAD):
@@ -131,6 +134,7 @@ def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype, atte
     held = _borrow(path, "critic", device, dtype)
     if held is not None:
         return held
+    path = live.on_disk(path)
     _require_model_dir(path, "critic")
     with timed(MODEL_LOAD):
         model = AutoModelForTokenClassification.from_pretrained(

@@ -56,11 +56,11 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
     ``actor_dir`` defaults to the iteration's freshly trained actor (iter_k/checkpoint/actor).
     """
     actor_dir = Path(actor_dir) if actor_dir else run.checkpoint(k) / "actor"
-    if not actor_dir.is_dir() and live.lookup(actor_dir) is None:
+    if not actor_dir.is_dir() and not live.available(actor_dir):
         raise CheckpointError(f"no trained actor at {actor_dir}: run `rlhf stage update --run-dir {run.root} "
                               f"--iteration {k}` before the guard")
     sequences, prompt_lengths, ref_log_probs = load_scored_sequences(run.scored(k))
-    world = min(stage_processes(cfg), len(sequences))
+    world = min(stage_processes(cfg, run), len(sequences))
     if world > 1 and actor_dir == run.checkpoint(k) / "actor":
         # each process measures its micro-batches of the one-process plan: the same values, bit for bit
         shares = run_on_ranks(cfg, run, k, "guard", world)

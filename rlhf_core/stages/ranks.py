@@ -17,7 +17,9 @@ The rollout (HF engine) and validation deal whole generation batches instead
 (``rollout.generate.own_batches``), each numbered and seeded as in one process.
 
 The number of processes is ``stage_processes``: ``trainer.stage_processes`` when set, else every
-GPU of the node the update uses (verl's ``trainer.n_gpus_per_node``), else 1 (the CPU).
+GPU of the node the update uses (verl's ``trainer.n_gpus_per_node``), else 1 (the CPU). In a flow
+run whose update spans several processes, the shares go to the ranks of its worker group instead
+(``training.resident.GroupTrainer``): no launch, and each rank borrows the module it trains.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import json
 import os
 import shutil
 import sys
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 import torch
@@ -40,12 +42,17 @@ from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingPar
 from rlhf_core.rollout.generate import own_batches
 from rlhf_core.run.layout import RunDir
 from rlhf_core.training.nodes import stream
+from rlhf_core.training.resident import active_group
 
 ENTRY = "rlhf_core.stages.rank_entry"
 
 
-def stage_processes(cfg: RLHFConfig) -> int:
-    """Processes the score stage and the KL guard run their model passes on (see the module doc)."""
+def stage_processes(cfg: RLHFConfig, run: Optional[RunDir] = None) -> int:
+    """Processes the score stage and the KL guard run their model passes on (see the module doc):
+    the ranks of ``run``'s worker group when a flow run keeps one (they hold the weights)."""
+    group = active_group(run) if run is not None else None
+    if group is not None:
+        return group.world
     if cfg.trainer.stage_processes is not None:
         return cfg.trainer.stage_processes
     gpus = cuda_devices() if cfg.trainer.device != "cpu" else 0
@@ -55,10 +62,19 @@ def stage_processes(cfg: RLHFConfig) -> int:
 
 
 def run_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, stage: str, world: int) -> list[dict[str, np.ndarray]]:
-    """Run ``stage``'s rank entry on ``world`` local processes; returns each rank's arrays, rank order."""
+    """Run ``stage``'s rank entry on ``world`` local processes — the ranks of the run's worker group
+    when a flow run keeps one, else a torchrun launch for this stage; returns each rank's arrays,
+    rank order."""
     scratch = run.stage_ranks_dir(iteration, stage)
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
+    group = active_group(run)
+    if group is not None:
+        try:
+            group.run_shares(cfg, iteration, stage, world)
+            return [dict(np.load(run.stage_rank_share(iteration, stage, r))) for r in range(world)]
+        finally:
+            shutil.rmtree(scratch, ignore_errors=True)
     config_file = run.stage_ranks_config(iteration, stage)
     atomic_write_text(config_file, to_yaml(cfg))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc_per_node={world}",

@@ -261,7 +261,7 @@ def _generate_draw(cfg: RLHFConfig, run: RunDir, iteration: int, engines: StageE
     """One draw's samples (prompt_index into ``prompt_rows``) and stats. The iteration's own draw
     runs on every local process as before; the rank entry knows only that draw, so later draws
     (dynamic sampling) run in this process."""
-    world = min(stage_processes(cfg), len(batches)) if cfg.actor_rollout_ref.rollout.name == "hf" else 1
+    world = min(stage_processes(cfg, run), len(batches)) if cfg.actor_rollout_ref.rollout.name == "hf" else 1
     if first and world > 1:
         return _generate_on_ranks(cfg, run, iteration, prompt_rows, sampling, batches, world)
     return generate_responses(cfg, engines.model_dir, prompt_rows, sampling, batches, engine=engines.get(),

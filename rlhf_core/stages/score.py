@@ -370,7 +370,7 @@ def pass_plans(cfg: RLHFConfig, world_size: int = 1) -> dict[str, PassPlan]:
 def _passes(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths, rows: list[dict], meter):
     """``model_passes`` in this process, or on ``stage_processes`` local processes (every GPU of
     the node), each a token-balanced share of every pass's micro-batches (``stages.ranks``)."""
-    world = min(stage_processes(cfg), len(rows))
+    world = min(stage_processes(cfg, run), len(rows))
     if world <= 1:
         return model_passes(cfg, models, rows, meter)
     shares = run_on_ranks(cfg, run, iteration, "score", world)

@@ -94,7 +94,7 @@ def validation_samples(cfg: RLHFConfig, run: RunDir, k: int, actor: Path) -> tup
     """``sample_val_responses`` at val_kwargs sampling, on ``stage_processes`` local processes with the
     HF engine (each its share of the generation batches, seeded as in one process: the same samples)."""
     sampling = val_sampling_from_config(cfg, seed=0)  # seed set from rollout.seed by _val_sampling
-    world = stage_processes(cfg) if generation_engine(cfg) == "hf" else 1
+    world = stage_processes(cfg, run) if generation_engine(cfg) == "hf" else 1
     if world > 1:
         rows, seeded = _val_rows(cfg, run), _val_sampling(cfg, "validation", sampling)
         plan = generation_plan(cfg, rows, seeded)

@@ -32,14 +32,17 @@ import gc
 import hashlib
 import json
 import logging
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
-from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve
+import torch
+
+from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve, to_yaml
 from rlhf_core.config.machine import cuda_devices
-from rlhf_core.errors import CheckpointError
+from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.io import timing
 from rlhf_core.io.hashing import sha256_tree
 from rlhf_core.models import live
@@ -55,6 +58,7 @@ from rlhf_core.training.rank_update import (check_update_data, finish_update, op
                                             reset_peak_rss, resolve_sources, trainer_state, train_iteration,
                                             training_steps)
 from rlhf_core.training.train_state import TrainState, capture, restore
+from rlhf_core.training.worker_group import RankFailure, WorkerGroup
 
 SNAPSHOT = "state_snapshot"
 """io.timing kind: copying the engines' state to host memory (the rollback snapshot, a save's capture)."""
@@ -65,21 +69,41 @@ Rng = tuple[dict, dict]
 log = logging.getLogger("rlhf.resident")
 
 
+def update_world(cfg: RLHFConfig) -> int:
+    """The update's processes on this machine's devices (``config.resolve.update_world_size``)."""
+    return resolve.update_world_size(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
+
+
 def resident_possible(cfg: RLHFConfig) -> Optional[str]:
-    """Why this config cannot keep its models resident (None: it can)."""
+    """Why this config cannot keep its models resident (None: it can). With several update
+    processes the models stay in a worker group of them (``GroupTrainer``)."""
     if not cfg.trainer.resident_models:
         return "trainer.resident_models=false"
     if cfg.trainer.nnodes > 1:
         return f"the update spans trainer.nnodes={cfg.trainer.nnodes} machines (its ranks start fresh each iteration)"
-    if resolve.update_world_size(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0) > 1:
-        return "the update runs on several processes (torchrun ranks start fresh each iteration)"
-    if (cfg.trainer.stage_processes or 1) > 1:  # (null: one per GPU of the update, refused just above)
-        return (f"trainer.stage_processes={cfg.trainer.stage_processes}: the stages' processes read the actor "
-                "from disk")
     if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
         return "LoRA (the rollout samples from merged weights, built from the adapter checkpoint)"
+    if update_world(cfg) > 1:
+        return _group_impossible(cfg)
+    if (cfg.trainer.stage_processes or 1) > 1:  # (null: one per GPU of the update: one here)
+        return (f"trainer.stage_processes={cfg.trainer.stage_processes} with one update process: the stages' "
+                "processes read the actor from disk")
     if cfg.actor_rollout_ref.rollout.name not in ("hf", "vllm"):
         return f"rollout engine {cfg.actor_rollout_ref.rollout.name!r} reads the actor from disk"
+    return None
+
+
+def _group_impossible(cfg: RLHFConfig) -> Optional[str]:
+    """Why the update's processes cannot keep the models as a worker group (None: they can)."""
+    if cfg.actor_rollout_ref.rollout.name != "hf":
+        return (f"rollout engine {cfg.actor_rollout_ref.rollout.name!r} with several update processes (the "
+                "worker group generates with the hf engine only)")
+    device, world = resolve_device(cfg.trainer.device), update_world(cfg)
+    stages = {role: ds["zero_optimization"].get("stage", 0) for role, ds in
+              (("actor", actor_ds_config(cfg, device, world)), ("critic", critic_ds_config(cfg, device, world)))}
+    if 3 in stages.values():
+        return ("ZeRO-3 with several update processes (each process's stages borrow its whole module; a "
+                "ZeRO-3 module is partitioned)")
     return None
 
 
@@ -204,6 +228,11 @@ class ResidentTrainer:
         if self._capturing is None or self._capturing[0] != k:
             self._capture_soon()
         pending, actor, critic, tokenizer = self._capturing[1], self.actor, self.critic, self.tokenizer
+        if self.dist.world_size > 1:  # every rank writes its shard now, in step (the save's collectives)
+            snap = pending.result()
+            save_checkpoint(self.run.checkpoint(k), actor=actor, critic=critic, tokenizer_path=tokenizer,
+                            trainer_state=snap.trainer_state or {}, dist=self.dist, state=_with_rng(snap.state, snap.rng))
+            return self.run.checkpoint(k)
 
         def write() -> None:  # on the copier thread: after the capture, hand it to the writer
             snap = pending.result()
@@ -273,6 +302,14 @@ class ResidentTrainer:
         self._open(cfg, base, device, dist, key)
         for i in [i for i in committed_iterations(self.run) if base < i <= j]:
             self.replay(i)
+
+    def hold_recorded(self, k: int) -> None:
+        """Make the engines hold iteration ``k``'s state as its state record describes it — also an
+        update not settled yet (the guard's, after a crash): its start held, then its update replayed."""
+        chain_end = read_state_record(self.run, k)
+        self.hold(recorded_config(chain_end), int(chain_end.get("start") or 0))
+        if self.holds != k:
+            self.replay(k)
 
     def _open(self, cfg: RLHFConfig, base: int, device: str, dist: DistInfo, key: str) -> None:
         started = time.perf_counter()
@@ -404,15 +441,130 @@ class ResidentTrainer:
 
 
 # ---------------------------------------------------------------------------------------------
+# several update processes: the engines kept by a worker group of them
+# ---------------------------------------------------------------------------------------------
+
+GROUP_ENTRY = "rlhf_core.stages.group_entry"
+"""The module every rank of a worker group runs (it knows the stages' model passes)."""
+
+
+class GroupTrainer:
+    """The engines of one run kept by a worker group of the update's processes
+    (``training.worker_group``), for a flow run whose update spans several processes of this
+    machine. Each rank holds a ``ResidentTrainer`` of its own and serves its module to the stages'
+    model passes it runs: score, guard, rollout and validation are dealt to the group's ranks
+    (``stages.ranks``), each rank borrowing the weights it trained. This object is the flow
+    process's handle on them and holds no model; anything the flow process must load itself is
+    published for it on first ask (a ``models.live.Provider``)."""
+
+    def __init__(self, cfg: RLHFConfig, run: RunDir):
+        self.run = run
+        self.world = update_world(cfg)
+        self.group = WorkerGroup(GROUP_ENTRY, self.world, ["--run-dir", str(run.root), "--device",
+                                                           resolve_device(cfg.trainer.device)],
+                                 what=f"worker group of {self.world} update processes")
+        self.holds: Optional[int] = None
+        """The iteration whose state the ranks hold (None: none built yet; 0: the initial models)."""
+        self._published: Optional[tuple[int, Path]] = None
+        self._copies = 0
+
+    def update(self, cfg: RLHFConfig, k: int, *, progress: Optional[bool] = None) -> dict[str, Any]:
+        """Iteration ``k``'s PPO update on every rank (``ResidentTrainer.update``); rank 0's metrics."""
+        self._unpublish()
+        result = self._call("update", cfg, iteration=k)[0]
+        self.holds = result["holds"]
+        timing.add(timing.UPDATE_SETUP, float(result["metrics"].get("perf/setup_seconds", 0.0)))
+        return result["metrics"]
+
+    def settle(self, cfg: RLHFConfig, k: int, outcome: str) -> None:
+        """``ResidentTrainer.settle`` on every rank (a rollback puts each rank's snapshot back)."""
+        holds = self._call("settle", cfg, iteration=k, outcome=outcome)[0]["holds"]
+        if holds != self.holds:
+            self._unpublish()
+        self.holds = holds
+
+    def ensure(self, k: int) -> bool:
+        """Make the ranks hold iteration ``k``'s state; when they did not, it is rebuilt there by
+        replay (as its record describes it) and written as a checkpoint. Returns whether it was."""
+        if self.holds == k:
+            return False
+        self._unpublish()
+        self.holds = self._call("hold", None, iteration=k)[0]["holds"]
+        return True
+
+    def run_shares(self, cfg: RLHFConfig, k: int, stage: str, world: int) -> None:
+        """Ranks 0..world-1 each write their share of ``stage``'s model passes (``stages.ranks``), at
+        this process's intra-op thread count: CPU reductions then split as in one process."""
+        self._call("share", cfg, stage=stage, iteration=k, world=world, threads=torch.get_num_threads())
+
+    def close(self, *, make_durable: bool = True) -> None:
+        """The ranks write the last-good state when it is only in memory (``make_durable``), then leave."""
+        try:
+            if self.group.alive:
+                self._call("close", None, durable=make_durable)
+        finally:
+            self.group.close()
+            self._unpublish()
+
+    # -- models.live.Provider ------------------------------------------------------------------
+
+    def provides(self, directory: Path) -> bool:
+        if not self.holds:
+            return False
+        ckpt = self.run.checkpoint(self.holds).resolve()
+        return directory in (ckpt / "actor", ckpt / "critic") and not directory.is_dir()
+
+    def publish(self, directory: Path) -> Path:
+        if self._published is None or self._published[0] != self.holds:
+            self._unpublish()
+            self._copies += 1  # a new name each time: the scoring cache keys loaded models by path
+            out = self.run.published_weights(self.holds, self._copies)
+            with timing.timed(timing.CHECKPOINT_WRITE):
+                self._call("publish", None, iteration=self.holds, out=str(out))
+            self._published = (self.holds, out)
+        return self._published[1] / directory.name
+
+    def _unpublish(self) -> None:
+        if self._published is not None:
+            shutil.rmtree(self._published[1], ignore_errors=True)
+            self._published = None
+
+    def _call(self, op: str, cfg: Optional[RLHFConfig], **payload: Any) -> list[Any]:
+        try:
+            return self.group.call(op, config=to_yaml(cfg) if cfg is not None else None, **payload)
+        except RankFailure as exc:
+            if exc.user_error:
+                raise RLHFError(exc.message) from None
+            raise RuntimeError(f"rank {exc.rank} of the {self.group.what} failed in {op!r}:\n{exc.message}") from None
+
+
+def _rebuild_in_group(cfg: RLHFConfig, run: RunDir, k: int) -> bool:
+    """``ensure_state`` for a run whose update spans several processes: the replay must run on as
+    many ranks (their reductions split the batch as the update did), so a group is started for it."""
+    trainer = GroupTrainer(cfg, run)
+    try:
+        return trainer.ensure(k)
+    finally:
+        trainer.close(make_durable=False)
+
+
+# ---------------------------------------------------------------------------------------------
 # one trainer per run in this process, for the length of a flow run
 # ---------------------------------------------------------------------------------------------
 
-_trainers: dict[Path, ResidentTrainer] = {}
+Trainer = Union[ResidentTrainer, GroupTrainer]
+_trainers: dict[Path, Trainer] = {}
 
 
-def active(run: RunDir) -> Optional[ResidentTrainer]:
+def active(run: RunDir) -> Optional[Trainer]:
     """The resident trainer of ``run`` in this process, when a flow run keeps one."""
     return _trainers.get(run.root)
+
+
+def active_group(run: RunDir) -> Optional[GroupTrainer]:
+    """The worker group keeping ``run``'s models, when a flow run of this process started one."""
+    trainer = _trainers.get(run.root)
+    return trainer if isinstance(trainer, GroupTrainer) else None
 
 
 @contextlib.contextmanager
@@ -426,8 +578,15 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[ResidentT
             log.info("models are reloaded by every stage and every iteration is checkpointed: %s", reason)
         yield _trainers.get(run.root)
         return
-    trainer = _trainers[run.root] = ResidentTrainer(run)
-    live.keep_engines(cfg.actor_rollout_ref.rollout.name == "vllm")  # one vLLM engine for the run
+    if update_world(cfg) > 1:
+        trainer: Trainer = GroupTrainer(cfg, run)
+        live.provide_with(trainer)
+        log.info("models are kept by a worker group of %d update processes for the whole run; the stages' model "
+                 "passes run on them", trainer.world)
+    else:
+        trainer = ResidentTrainer(run)
+        live.keep_engines(cfg.actor_rollout_ref.rollout.name == "vllm")  # one vLLM engine for the run
+    _trainers[run.root] = trainer
     durable = False
     try:
         yield trainer
@@ -440,6 +599,7 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[ResidentT
             trainer.close(make_durable=durable)
         finally:
             live.keep_engines(False)
+            live.provide_with(None)
             del _trainers[run.root]
 
 
@@ -458,13 +618,19 @@ def ensure_state(cfg: RLHFConfig, run: RunDir, k: Optional[int]) -> bool:
     if not k:
         return False
     ckpt = run.checkpoint(k)
+    group = active_group(run)
+    if group is not None and group.holds == k:
+        return False
     if live.lookup(ckpt / "actor") is not None or (ckpt / "actor").is_dir() or not is_replayable(run, k):
         return False
-    chain_end = read_state_record(run, k)
+    if group is not None:
+        return group.ensure(k)
+    recorded = recorded_config(read_state_record(run, k))
+    if update_world(recorded) > 1:
+        return _rebuild_in_group(recorded, run, k)
     builder = ResidentTrainer(run, serve=False)
     try:
-        builder.hold(recorded_config(chain_end), int(chain_end.get("start") or 0))
-        builder.replay(k)
+        builder.hold_recorded(k)
         save_checkpoint(ckpt, actor=builder.actor, critic=builder.critic, tokenizer_path=builder.tokenizer,
                         trainer_state=builder.trainer_state or {}, dist=builder.dist,
                         state=_with_rng(capture(present(builder.actor, builder.critic)), builder.rng))

@@ -54,3 +54,65 @@ def _tiny(tiny_model_dir: Path, runs_root: Path, *extra: str) -> list[str]:
 def shared_home(tmp_path_factory) -> Path:
     """A state directory (MLflow store) shared by the tests of one module, which reuse one run."""
     return tmp_path_factory.mktemp("home")
+
+
+# comparing whole runs bit for bit (resident, worker-group and reloading designs) --------------
+
+TABLES = ("rollout", "scored", "advantages")
+
+
+def _weights(checkpoint: Path) -> dict:
+    from safetensors.torch import load_file
+
+    out = {}
+    for role in ("actor", "critic"):
+        for f in sorted((checkpoint / role).glob("*.safetensors")):
+            out.update({f"{role}/{k}": v for k, v in load_file(str(f)).items()})
+    return out
+
+
+def _assert_same_weights(a: Path, b: Path) -> None:
+    import torch
+
+    wa, wb = _weights(a), _weights(b)
+    assert wa and sorted(wa) == sorted(wb)
+    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
+    assert not different, f"{len(different)} tensors differ between {a} and {b}, e.g. {different[:3]}"
+
+
+def _assert_same_tables(a, b, iterations) -> None:
+    import pyarrow.parquet as pq
+
+    for k in iterations:
+        for name in TABLES:
+            ta, tb = (pq.read_table(getattr(r, name)(k)) for r in (a, b))
+            assert ta.column_names == tb.column_names
+            differing = [c for c in ta.column_names if not ta[c].equals(tb[c])]
+            assert not differing, f"iteration {k} {name}: columns {differing} differ"
+
+
+@pytest.fixture(scope="session")
+def same_weights():
+    """``same_weights(checkpoint_a, checkpoint_b)``: every actor and critic tensor equal."""
+    return _assert_same_weights
+
+
+@pytest.fixture(scope="session")
+def same_tables():
+    """``same_tables(run_a, run_b, iterations)``: the rollout, scored and advantages tables equal."""
+    return _assert_same_tables
+
+
+@pytest.fixture(scope="session")
+def flow_run(demo_preset, tiny_overrides):
+    """``flow_run(runs_root, name, *overrides, iterations=N, resume=None)``: the pipeline flow on the
+    tiny demo config, in this process; returns its summary."""
+    from flows.pipeline import PipelineParams, rlhf_pipeline
+
+    def run(runs: Path, name: str, *extra: str, iterations: int, resume=None) -> dict:
+        if resume:
+            return rlhf_pipeline(PipelineParams(resume=str(resume), overrides=list(extra), iterations=iterations))
+        return rlhf_pipeline(PipelineParams(config=demo_preset, overrides=tiny_overrides(runs, *extra),
+                                            iterations=iterations, run_name=name))
+
+    return run

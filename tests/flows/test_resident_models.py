@@ -7,12 +7,9 @@ from __future__ import annotations
 
 import subprocess
 import sys
-from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-import torch
-from safetensors.torch import load_file
 
 from flows.pipeline import PipelineParams, rlhf_pipeline
 from rlhf_core.run.layout import RunDir
@@ -21,53 +18,21 @@ from rlhf_core.run.manifest import read_manifest
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 
-TABLES = ("rollout", "scored", "advantages")
 DEMO_LR = 1e-5
 TOO_HIGH = 10_000  # breaches the KL guard at once (tests/flows/test_rollback_flow.py)
 
 
-def weights(checkpoint: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for role in ("actor", "critic"):
-        for f in sorted((checkpoint / role).glob("*.safetensors")):
-            out.update({f"{role}/{k}": v for k, v in load_file(str(f)).items()})
-    return out
-
-
-def assert_same_weights(a: Path, b: Path) -> None:
-    wa, wb = weights(a), weights(b)
-    assert wa and sorted(wa) == sorted(wb)
-    different = [k for k in wa if not torch.equal(wa[k], wb[k])]
-    assert not different, f"{len(different)} tensors differ between {a} and {b}, e.g. {different[:3]}"
-
-
-def assert_same_tables(a: RunDir, b: RunDir, iterations) -> None:
-    for k in iterations:
-        for name in TABLES:
-            ta, tb = (pq.read_table(getattr(r, name)(k)) for r in (a, b))
-            assert ta.column_names == tb.column_names
-            differing = [c for c in ta.column_names if not ta[c].equals(tb[c])]
-            assert not differing, f"iteration {k} {name}: columns {differing} differ"
-
-
-def run_flow(runs: Path, tiny_overrides, demo_preset, name: str, *extra: str, iterations: int, resume=None):
-    if resume:
-        return rlhf_pipeline(PipelineParams(resume=str(resume), overrides=list(extra), iterations=iterations))
-    return rlhf_pipeline(PipelineParams(config=demo_preset, overrides=tiny_overrides(runs, *extra),
-                                        iterations=iterations, run_name=name))
-
-
-def test_resident_models_train_exactly_what_reloading_every_stage_trains(prefect_server, demo_preset, tiny_overrides,
-                                                                         tmp_path):
+def test_resident_models_train_exactly_what_reloading_every_stage_trains(prefect_server, flow_run, same_tables,
+                                                                         same_weights, tmp_path):
     runs = tmp_path / "runs"
-    res = RunDir(run_flow(runs, tiny_overrides, demo_preset, "res", "trainer.save_freq=2", "trainer.test_freq=-1",
+    res = RunDir(flow_run(runs, "res", "trainer.save_freq=2", "trainer.test_freq=-1",
                           iterations=3)["run_dir"])
-    leg = RunDir(run_flow(runs, tiny_overrides, demo_preset, "leg", "trainer.resident_models=false",
+    leg = RunDir(flow_run(runs, "leg", "trainer.resident_models=false",
                           "trainer.test_freq=-1", iterations=3)["run_dir"])
     assert committed_iterations(res) == committed_iterations(leg) == [1, 2, 3]
-    assert_same_tables(res, leg, (1, 2, 3))
-    assert_same_weights(res.checkpoint(3), leg.checkpoint(3))
-    assert_same_weights(res.checkpoint(2), leg.checkpoint(2))
+    same_tables(res, leg, (1, 2, 3))
+    same_weights(res.checkpoint(3), leg.checkpoint(3))
+    same_weights(res.checkpoint(2), leg.checkpoint(2))
     # durable state only at the save point and at the end; every state has its record
     assert not res.checkpoint(1).exists() and res.checkpoint(2).is_dir() and res.checkpoint(3).is_dir()
     assert all(res.state_record(k).is_file() for k in (1, 2, 3))
@@ -79,34 +44,35 @@ def test_resident_models_train_exactly_what_reloading_every_stage_trains(prefect
         assert manifest["update"]["metrics"]["perf/resident"] == 1.0
 
 
-def test_a_rollback_puts_the_in_memory_snapshot_back(prefect_server, demo_preset, tiny_overrides, tmp_path):
+def test_a_rollback_puts_the_in_memory_snapshot_back(prefect_server, flow_run, same_tables, same_weights, tmp_path):
     runs = tmp_path / "runs"
     breach = [f"actor_rollout_ref.actor.optim.lr={DEMO_LR * TOO_HIGH}", "trainer.on_kl_breach=retry",
               f"trainer.retry_lr_divisor={TOO_HIGH}", "trainer.max_rollbacks=1"]
     dirs = {}
     for name, design in (("res", "true"), ("leg", "false")):
-        first = run_flow(runs, tiny_overrides, demo_preset, name, f"trainer.resident_models={design}",
+        first = flow_run(runs, name, f"trainer.resident_models={design}",
                          "trainer.test_freq=-1", iterations=1)
         run = RunDir(first["run_dir"])
-        done = run_flow(runs, tiny_overrides, demo_preset, name, *breach, iterations=2, resume=run.root)
+        done = flow_run(runs, name, *breach, iterations=2, resume=run.root)
         assert done["last_good"]["iteration"] == 2
         kinds = [e["kind"] for e in run.events() if e["iteration"] == 2]
         assert kinds.count("rollback") == 1 and kinds.count("commit") == 1
         dirs[name] = run
-    assert_same_tables(dirs["res"], dirs["leg"], (1, 2))
-    assert_same_weights(dirs["res"].checkpoint(2), dirs["leg"].checkpoint(2))
+    same_tables(dirs["res"], dirs["leg"], (1, 2))
+    same_weights(dirs["res"].checkpoint(2), dirs["leg"].checkpoint(2))
 
 
 @pytest.fixture(scope="module")
-def uninterrupted(prefect_server, demo_preset, tiny_overrides, tmp_path_factory) -> RunDir:
+def uninterrupted(prefect_server, flow_run, tmp_path_factory) -> RunDir:
     """Four resident iterations, a save point only at 3 (and the end): 1 and 2 live only in memory."""
     runs = tmp_path_factory.mktemp("resident_ref")
-    return RunDir(run_flow(runs, tiny_overrides, demo_preset, "ref", "trainer.save_freq=3", "trainer.test_freq=-1",
+    return RunDir(flow_run(runs, "ref", "trainer.save_freq=3", "trainer.test_freq=-1",
                            iterations=4)["run_dir"])
 
 
 def test_a_crash_between_save_points_replays_to_the_same_bits(prefect_server, demo_preset, tiny_overrides, tmp_path,
-                                                             uninterrupted, subprocess_env):
+                                                             uninterrupted, subprocess_env, same_tables,
+                                                             same_weights):
     runs = tmp_path / "runs"
     overrides = tiny_overrides(runs, "trainer.save_freq=3", "trainer.test_freq=-1")
     env = subprocess_env(PREFECT_API_URL=prefect_server, RLHF_FAULT="before_rename:iter_3/guard.json")
@@ -120,8 +86,8 @@ def test_a_crash_between_save_points_replays_to_the_same_bits(prefect_server, de
 
     done = rlhf_pipeline(PipelineParams(resume=str(run.root)))
     assert done["last_good"]["iteration"] == 4
-    assert_same_tables(run, uninterrupted, (1, 2, 3, 4))
-    assert_same_weights(run.checkpoint(4), uninterrupted.checkpoint(4))
+    same_tables(run, uninterrupted, (1, 2, 3, 4))
+    same_weights(run.checkpoint(4), uninterrupted.checkpoint(4))
     replayed = [k for k in (3,) if "state_replay" in (read_manifest(run, k)["guard"].get("io") or {})]
     assert replayed == [3]  # the guard of 3 needed its actor: rebuilt from the initial models by replay
 

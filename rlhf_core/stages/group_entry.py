@@ -1,0 +1,126 @@
+"""Entry point of each rank of a run's worker group (``training.worker_group``), started once per
+flow run by ``training.resident.GroupTrainer`` when the update spans several processes:
+
+    torchrun --standalone --nproc_per_node N -m rlhf_core.stages.group_entry \
+        --store 127.0.0.1:PORT --run-dir RUN --device cpu|cuda
+
+Every rank keeps a ``ResidentTrainer`` (its engines, its rollback snapshot, its optimizer shard)
+and runs the coordinator's commands in step with the others:
+
+    update    iteration K's PPO update (rank 0 writes metrics.json and state.json)
+    settle    commit (a save when due: every rank writes its shard) or rollback (snapshot put back)
+    hold      hold iteration K's state, rebuilt by replay when only its record is left, and saved
+    share     this rank's share of a stage's model passes (``stages.rank_entry``), borrowing the
+              module the rank trains
+    publish   rank 0 writes the held weights as model directories (for the flow process's own loads)
+    close     the last-good state made durable when asked, then leave
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+from typing import Any, Optional, Sequence
+
+import torch
+import yaml
+
+from rlhf_core.config import RLHFConfig, config_from_dict
+from rlhf_core.errors import RLHFError
+from rlhf_core.run.layout import RunDir
+from rlhf_core.stages.rank_entry import STAGES
+from rlhf_core.training.checkpoint import full_state_dict
+from rlhf_core.training.distributed import DistInfo, init_distributed, shutdown_distributed
+from rlhf_core.training.engines import present
+from rlhf_core.training.resident import ResidentTrainer
+from rlhf_core.training.worker_group import serve
+
+
+def _config(command: dict) -> RLHFConfig:
+    return config_from_dict(yaml.safe_load(command["config"]))
+
+
+class Rank:
+    """One rank's command handlers (see the module docstring)."""
+
+    def __init__(self, run: RunDir, dist: DistInfo):
+        self.run, self.dist = run, dist
+        self.trainer = ResidentTrainer(run)
+
+    def handlers(self) -> dict:
+        return {"update": self.update, "settle": self.settle, "hold": self.hold, "share": self.share,
+                "publish": self.publish, "close": self.close}
+
+    def update(self, command: dict) -> dict[str, Any]:
+        metrics = self.trainer.update(_config(command), command["iteration"],
+                                      progress=None if self.dist.is_main else False)
+        return {"holds": self.trainer.holds, "metrics": metrics if self.dist.is_main else None}
+
+    def settle(self, command: dict) -> dict[str, Any]:
+        self.trainer.settle(_config(command), command["iteration"], command["outcome"])
+        return {"holds": self.trainer.holds}
+
+    def hold(self, command: dict) -> dict[str, Any]:
+        self.trainer.hold_recorded(command["iteration"])
+        self.trainer.save_held(wait=True)  # rebuilt once: a later crash starts from here
+        return {"holds": self.trainer.holds}
+
+    def share(self, command: dict) -> None:
+        rank, world = self.dist.rank, command["world"]
+        if rank >= world:
+            return None
+        stage, k = command["stage"], command["iteration"]
+        before = torch.get_num_threads()
+        torch.set_num_threads(command["threads"])
+        try:
+            STAGES[stage](_config(command), self.run, k, rank, world, self.run.stage_rank_share(k, stage, rank))
+        finally:
+            torch.set_num_threads(before)
+        return None
+
+    def publish(self, command: dict) -> None:
+        """The held weights as Hugging Face model directories under ``out`` (rank 0 writes; every
+        rank joins the gather a partitioned module would need)."""
+        out = Path(command["out"])
+        for role, te in zip(("actor", "critic"), (self.trainer.actor, self.trainer.critic)):
+            if te is None:
+                continue
+            weights = full_state_dict(te, self.dist)
+            if weights is not None:
+                te.module.save_pretrained(out / role, state_dict=weights, safe_serialization=True)
+                _copy_tokenizer(self.trainer.tokenizer, out / role)
+        return None
+
+    def close(self, command: dict) -> None:
+        self.trainer.close(make_durable=command["durable"])
+        return None
+
+
+def _copy_tokenizer(src: Optional[Path], dst: Path) -> None:
+    from transformers import AutoTokenizer
+
+    if src is not None:
+        AutoTokenizer.from_pretrained(src).save_pretrained(dst)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlhf_core.stages.group_entry")
+    parser.add_argument("--store", required=True, help="the coordinator's TCPStore, HOST:PORT")
+    parser.add_argument("--run-dir", type=Path, required=True)
+    parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # "cuda" below = this rank's GPU
+    dist = init_distributed(args.device)
+    rank = Rank(RunDir(args.run_dir), dist)
+    try:
+        serve(args.store, dist.rank, rank.handlers(), last="close", user_errors=(RLHFError,))
+    finally:
+        shutdown_distributed()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

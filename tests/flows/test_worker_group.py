@@ -1,0 +1,129 @@
+"""An update on several processes keeps its models in a worker group for the whole flow run
+(``training.resident.GroupTrainer``): two gloo ranks on CPU, started once, train, roll back from
+their in-memory snapshots, serve the stages' model passes and save only at save points — and
+every table and weight (optimizer shards included) equals the design that starts torchrun ranks
+for every update and checkpoints every iteration. A kill between save points resumes bit for bit,
+and a CLI rerun rebuilds a state that was never written on as many ranks as trained it."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+
+import psutil
+import pyarrow.parquet as pq
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import committed_iterations, read_last_good
+from rlhf_core.run.manifest import read_manifest
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
+
+TWO_RANKS = ("trainer.nproc=2", "trainer.test_freq=-1", "trainer.save_freq=2")
+DEMO_LR = 1e-5
+TOO_HIGH = 10_000
+BREACH_THEN_RETRY = (f"actor_rollout_ref.actor.optim.lr={DEMO_LR * TOO_HIGH}", "trainer.on_kl_breach=retry",
+                     f"trainer.retry_lr_divisor={TOO_HIGH}", "trainer.max_rollbacks=1")
+"""Every iteration's first update breaches the KL guard and is rolled back; the retry (at the demo's
+lr) commits: each iteration exercises a rollback."""
+
+
+def optimizer_shards(checkpoint) -> dict[str, torch.Tensor]:
+    out = {}
+    for f in sorted((checkpoint / "deepspeed").glob("*.safetensors")):
+        out.update({f"{f.name}/{k}": v for k, v in load_file(str(f)).items()})
+    return out
+
+
+def no_orphans(before: set[int]) -> list[str]:
+    """Processes of a worker group (or its torchrun) started since ``before`` and still alive."""
+    alive = []
+    for proc in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(proc.info["cmdline"] or [])
+        if proc.info["pid"] not in before and "rlhf_core.stages.group_entry" in cmd:
+            alive.append(cmd)
+    return alive
+
+
+@pytest.fixture(scope="module")
+def group_run(prefect_server, flow_run, tmp_path_factory) -> RunDir:
+    """Three iterations on a worker group of two ranks, each with a rollback and a retry."""
+    runs = tmp_path_factory.mktemp("group")
+    before = {p.pid for p in psutil.process_iter()}
+    run = RunDir(flow_run(runs, "grp", *TWO_RANKS, *BREACH_THEN_RETRY,
+                          iterations=3)["run_dir"])
+    assert no_orphans(before) == []  # the group left with the flow run
+    return run
+
+
+def test_the_group_trains_and_rolls_back_exactly_as_fresh_ranks_each_iteration(
+        group_run, prefect_server, flow_run, same_tables, same_weights, tmp_path):
+    fresh = RunDir(flow_run(tmp_path / "runs", "fresh", *TWO_RANKS, *BREACH_THEN_RETRY,
+                            "trainer.resident_models=false", iterations=3)["run_dir"])
+    for run in (group_run, fresh):
+        assert committed_iterations(run) == [1, 2, 3]
+        kinds = [e["kind"] for e in run.events() if e.get("iteration") in (1, 2, 3)]
+        assert kinds.count("rollback") == 3 and kinds.count("commit") == 3
+    same_tables(group_run, fresh, (1, 2, 3))
+    same_weights(group_run.checkpoint(3), fresh.checkpoint(3))
+    mine, theirs = optimizer_shards(group_run.checkpoint(3)), optimizer_shards(fresh.checkpoint(3))
+    assert sorted(mine) == sorted(theirs) and any("rank1-of-2" in k for k in mine)
+    assert [k for k in mine if not torch.equal(mine[k], theirs[k])] == []
+    # durable state at the save point and the end only; the stages borrowed the ranks' modules
+    assert not group_run.checkpoint(1).exists() and group_run.checkpoint(2).is_dir()
+    for k in (2, 3):
+        manifest = read_manifest(group_run, k)
+        assert manifest["update"]["metrics"]["perf/resident"] == 1.0
+        assert manifest["update"]["metrics"]["perf/world_size"] == 2.0
+        assert "process_launch" not in (manifest["update"].get("io") or {})
+    assert not list(group_run.root.glob("iter_*/.published*"))  # no published copy outlives the group
+
+
+def test_a_kill_between_save_points_resumes_on_a_new_group_to_the_same_bits(
+        group_run, prefect_server, demo_preset, tiny_overrides, flow_run, same_tables, same_weights, tmp_path,
+        subprocess_env):
+    runs = tmp_path / "runs"
+    overrides = tiny_overrides(runs, *TWO_RANKS, *BREACH_THEN_RETRY)
+    env = subprocess_env(PREFECT_API_URL=prefect_server, RLHF_FAULT="before_rename:iter_3/guard.json")
+    before = {p.pid for p in psutil.process_iter()}
+    proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset, *overrides,
+                           "--iterations", "3", "--run-name", "grp"], env=env, capture_output=True, text=True,
+                          timeout=900)
+    assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = RunDir(runs / "grp")
+    assert read_last_good(run)["iteration"] == 2 and run.checkpoint(2).is_dir()
+    assert not run.checkpoint(3).exists()  # iteration 3's update lived only in the ranks' memory
+    assert _eventually_gone(before)  # the ranks saw their coordinator die and left
+
+    done = flow_run(runs, "grp", iterations=3, resume=run.root)
+    assert done["last_good"]["iteration"] == 3
+    same_tables(run, group_run, (1, 2, 3))
+    same_weights(run.checkpoint(3), group_run.checkpoint(3))
+    assert "state_replay" not in (read_manifest(run, 3)["guard"].get("io") or {})  # replayed by the ranks
+
+
+def test_a_cli_rerun_rebuilds_a_state_never_written_on_two_ranks(group_run, tmp_path, subprocess_env):
+    run = RunDir(shutil.copytree(group_run.root, tmp_path / "copy"))
+    before = pq.read_table(run.scored(2))
+    assert not run.checkpoint(1).exists()  # iteration 2 started from iteration 1's state: memory only
+    proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "stage", "score", "--local", "--run-dir",
+                           str(run.root), "--iteration", "2", "--force"], env=subprocess_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert run.checkpoint(1).is_dir()  # rebuilt by two ranks' replay (one would not reproduce it), then kept
+    assert pq.read_table(run.scored(2)).equals(before)
+
+
+def _eventually_gone(before: set[int], seconds: float = 60.0) -> bool:
+    import time
+
+    deadline = time.monotonic() + seconds
+    while no_orphans(before):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.5)
+    return True
