@@ -1,10 +1,12 @@
 """An induced KL breach (a learning rate 10,000× the demo's) in a real flow: the iteration is rolled back,
-the last-good checkpoint stays byte-identical, the event is recorded everywhere; `halt` fails the
-flow run with a way forward, `retry` (smaller learning rate) then completes the run."""
+the last-good checkpoint stays byte-identical, the event is recorded everywhere (the Prefect alert
+events rlhf.alert.rollback / rlhf.alert.halt included, read back from the test server); `halt` fails
+the flow run with a way forward, `retry` (smaller learning rate) then completes the run."""
 
 from __future__ import annotations
 
 import hashlib
+import time
 
 import pytest
 
@@ -14,6 +16,7 @@ from rlhf_core.run.lifecycle import read_last_good
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.query import status_table
 from tasks import mlflow_tracking
+from tasks.events import EVENT_PREFIX, run_resource
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 
@@ -29,7 +32,7 @@ def tree_digest(path) -> dict[str, str]:
 
 
 def test_kl_breach_rolls_back_then_halts_or_retries(prefect_server, demo_preset, tiny_overrides, tmp_path,
-                                                     monkeypatch):
+                                                     monkeypatch, events_to_this_server):
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
@@ -70,6 +73,52 @@ def test_kl_breach_rolls_back_then_halts_or_retries(prefect_server, demo_preset,
     with get_client(sync_client=True) as client:
         artifacts = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["kl-kl-rollback"])))
     assert artifacts and "retry" in artifacts[0].data
+
+    # the alerts that reach a person: one rollback event per rollback (its decision in the payload)
+    # and one halt event carrying the way forward, each tied to the flow run that emitted it
+    alerts = _alert_events(run, expected=3)
+    rollbacks = [e for e in alerts if e["event"] == "rlhf.alert.rollback"]
+    (halted,) = [e for e in alerts if e["event"] == "rlhf.alert.halt"]
+    assert sorted(e["payload"]["decision"] for e in rollbacks) == ["halt", "retry"], alerts
+    assert {e["payload"]["iteration"] for e in rollbacks + [halted]} == {2}
+    assert all("KL(actor‖ref)" in e["payload"]["message"] for e in rollbacks)
+    assert halted["payload"]["reason"] == "trainer.on_kl_breach=halt"
+    assert f"rlhf run --resume {run.root}" in halted["payload"]["message"]
+    assert all(any(r["prefect.resource.id"].startswith("prefect.flow-run.") for r in e["related"]) for e in alerts)
+
+
+@pytest.fixture
+def events_to_this_server(prefect_server):
+    """Prefect keeps one events worker per process, bound to the first server it sent to: an earlier
+    test's server (gone now) would otherwise get this test's events."""
+    from prefect.events.clients import PrefectEventsClient
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.set_client_override(PrefectEventsClient, api_url=prefect_server)
+    try:
+        yield
+    finally:
+        EventsWorker.drain_all()
+        EventsWorker.set_client_override(None)
+
+
+def _alert_events(run: RunDir, expected: int, timeout_s: float = 30.0) -> list[dict]:
+    """The rlhf.alert.* events of ``run`` stored by the server, once at least ``expected`` arrived
+    (the events worker delivers them in the background)."""
+    from prefect.client.orchestration import get_client
+    from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
+    from prefect.events.worker import EventsWorker
+
+    EventsWorker.drain_all()
+    query = EventFilter(event=EventNameFilter(prefix=[EVENT_PREFIX]),
+                        resource=EventResourceFilter(id=[run_resource(run)["prefect.resource.id"]]))
+    deadline = time.monotonic() + timeout_s
+    with get_client(sync_client=True) as client:
+        while True:
+            found = client.request("POST", "/events/filter", json={"filter": query.model_dump(mode="json")}).json()
+            if len(found["events"]) >= expected or time.monotonic() > deadline:
+                return found["events"]
+            time.sleep(0.25)
 
 
 def _row(run, iteration):
