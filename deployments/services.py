@@ -23,23 +23,24 @@ continue it later with ``rlhf run --resume RUN_DIR``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
+from deployments.service_state import (
+    HOST, Service, ServiceError, State, http_ok, prefect_home, process_of, read_state, services_dir, state_path,
+)
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.paths import project_root, state_dir
 from tasks.prefect_runs import mark_crashed, unfinished
 
-HOST = "127.0.0.1"
 PREFECT_FILE = Path("deployments") / "prefect.yaml"
 QUIET_ENV = {
     "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",
@@ -51,50 +52,9 @@ STOP_ORDER = ("worker", "mlflow", "prefect")
 """Worker first (no new flow runs), the server last (the worker reports to it while stopping)."""
 
 
-class ServiceError(RLHFError):
-    """A service did not start, or the state file does not match what is running."""
-
-
-@dataclass
-class Service:
-    name: str
-    pid: int
-    create_time: float
-    """psutil's process start time: a recycled PID is never mistaken for ours."""
-    log: str
-    url: Optional[str] = None
-
-
-@dataclass
-class State:
-    prefect_url: str
-    mlflow_url: Optional[str]
-    pool: str
-    concurrency: int
-    rlhf_home: str
-    prefect_home: str
-    services: dict[str, Service] = field(default_factory=dict)
-
-    @property
-    def api_url(self) -> str:
-        return f"{self.prefect_url}/api"
-
-
 # ---------------------------------------------------------------------------------------------
-# paths, environment, state file
+# environment, state file (read in deployments.service_state)
 # ---------------------------------------------------------------------------------------------
-
-
-def services_dir() -> Path:
-    return state_dir() / "services"
-
-
-def state_path() -> Path:
-    return services_dir() / "services.json"
-
-
-def prefect_home() -> Path:
-    return Path(os.environ.get("PREFECT_HOME") or state_dir() / "prefect").expanduser().resolve()
 
 
 def service_env(api_url: Optional[str] = None) -> dict[str, str]:
@@ -110,18 +70,6 @@ def service_env(api_url: Optional[str] = None) -> dict[str, str]:
     else:
         env.pop("PREFECT_API_URL", None)
     return env
-
-
-def read_state() -> Optional[State]:
-    try:
-        raw = json.loads(state_path().read_text())
-    except FileNotFoundError:
-        return None
-    except json.JSONDecodeError as exc:
-        raise ServiceError(f"{state_path()} is not valid JSON ({exc}); stop the processes it named by hand "
-                           "and delete it") from None
-    services = {name: Service(**svc) for name, svc in raw.pop("services", {}).items()}
-    return State(**raw, services=services)
 
 
 def write_state(state: State) -> None:
@@ -187,19 +135,6 @@ def spawn(name: str, cmd: Sequence[str], env: dict[str, str]) -> Service:
     return Service(name=name, pid=proc.pid, create_time=psutil.Process(proc.pid).create_time(), log=str(log))
 
 
-def process_of(svc: Service):
-    """The live psutil.Process of a recorded service, or None (exited, or the PID was reused)."""
-    import psutil
-
-    try:
-        proc = psutil.Process(svc.pid)
-        if abs(proc.create_time() - svc.create_time) > 1.0 or proc.status() == psutil.STATUS_ZOMBIE:
-            return None
-        return proc
-    except psutil.NoSuchProcess:
-        return None
-
-
 def log_tail(svc: Service, lines: int = 25) -> str:
     try:
         return "\n".join(Path(svc.log).read_text(errors="replace").splitlines()[-lines:])
@@ -235,15 +170,6 @@ def api_call(method: str, url: str, attempts: int = 8, **kwargs):
                 raise
         time.sleep(min(0.5 * 2 ** attempt, 8.0))
     raise AssertionError("unreachable")
-
-
-def http_ok(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(url, timeout=5).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def stop_service(svc: Service, timeout: float = 30.0) -> list[int]:
