@@ -3,9 +3,14 @@ pipeline on CPU in about a minute per two iterations."""
 
 from __future__ import annotations
 
+import shutil
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
+
+from rlhf_core.run.layout import RunDir
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 
@@ -116,3 +121,25 @@ def flow_run(demo_preset, tiny_overrides):
                                             iterations=iterations, run_name=name))
 
     return run
+
+
+@pytest.fixture(scope="session")
+def two_iterations(prefect_server, demo_preset, tiny_overrides, tmp_path_factory):
+    """The whole pipeline flow, 2 iterations of the tiny model, run once per session (~40 s): the
+    pipeline test asserts on it and then reruns its stages; the README's commands run against
+    ``pristine``, a copy taken before any test touched it (a run directory works where it is copied).
+    ``home``: the RLHF_HOME it ran under (its MLflow store)."""
+    from flows.pipeline import PipelineParams, rlhf_pipeline
+
+    home, runs = tmp_path_factory.mktemp("home"), tmp_path_factory.mktemp("runs")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RLHF_HOME", str(home))
+        started = time.perf_counter()
+        summary = rlhf_pipeline(PipelineParams(config=demo_preset, overrides=tiny_overrides(runs),
+                                               iterations=2, run_name="two"))
+        seconds = time.perf_counter() - started
+    print(f"\n[timing] 2-iteration tiny flow: {seconds:.1f} s wall")
+    pristine = tmp_path_factory.mktemp("pristine") / "two"
+    shutil.copytree(summary["run_dir"], pristine, symlinks=True)
+    return SimpleNamespace(summary=summary, run=RunDir(summary["run_dir"]), seconds=seconds, home=home,
+                           pristine=RunDir(pristine))

@@ -1,17 +1,13 @@
-"""The whole pipeline flow, 2 iterations on the tiny model: real Prefect (test server), real MLflow
-(SQLite), real DeepSpeed on CPU. Then a CLI rerun of one stage on the finished run."""
+"""The whole pipeline flow, 2 iterations on the tiny model (``two_iterations``, tests/flows/conftest.py):
+real Prefect (test server), real MLflow (SQLite), real DeepSpeed on CPU. Then a CLI rerun of one
+stage on the finished run."""
 
 from __future__ import annotations
-
-import time
-from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
 
-from flows.pipeline import PipelineParams, rlhf_pipeline
 from rlhf_core.config import flatten
-from rlhf_core.run.layout import RunDir
 from rlhf_core.run.plan import resolve_run_config
 from rlhf_core.run.query import read_iteration_metrics, status_table
 from tasks import mlflow_tracking
@@ -24,19 +20,6 @@ EVERY_ITERATION = ("reward/mean", "kl/mean", "kl/coef", "actor/pg_loss", "actor/
                    "perf/stage_seconds/gae", "perf/stage_seconds/update", "perf/stage_seconds/guard")
 
 
-@pytest.fixture(scope="module")
-def two_iterations(prefect_server, demo_preset, tiny_overrides, shared_home, tmp_path_factory):
-    runs = tmp_path_factory.mktemp("runs")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("RLHF_HOME", str(shared_home))
-        started = time.perf_counter()
-        summary = rlhf_pipeline(PipelineParams(config=demo_preset, overrides=tiny_overrides(runs),
-                                               iterations=2, run_name="two"))
-        seconds = time.perf_counter() - started
-    print(f"\n[timing] 2-iteration tiny flow: {seconds:.1f} s wall")
-    return SimpleNamespace(summary=summary, run=RunDir(summary["run_dir"]), seconds=seconds)
-
-
 def _prefect_artifact_keys(prefix: str) -> set[str]:
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
@@ -46,8 +29,8 @@ def _prefect_artifact_keys(prefix: str) -> set[str]:
     return {a.key for a in found}
 
 
-def test_two_iterations_complete_with_their_records(two_iterations, shared_home, monkeypatch):
-    monkeypatch.setenv("RLHF_HOME", str(shared_home))
+def test_two_iterations_complete_with_their_records(two_iterations, monkeypatch):
+    monkeypatch.setenv("RLHF_HOME", str(two_iterations.home))
     run = two_iterations.run
     assert two_iterations.summary["last_good"]["iteration"] == 2
     rows = {r["iteration"]: r for r in status_table(run)}
@@ -93,10 +76,10 @@ def _artifacts_of(flow_run_id) -> list:
         return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[flow_run_id])))
 
 
-def test_cli_rerun_of_score_reproduces_the_table(two_iterations, shared_home, monkeypatch, capsys):
+def test_cli_rerun_of_score_reproduces_the_table(two_iterations, monkeypatch, capsys):
     from rlhf_cli.main import main
 
-    monkeypatch.setenv("RLHF_HOME", str(shared_home))
+    monkeypatch.setenv("RLHF_HOME", str(two_iterations.home))
     run = two_iterations.run
     before = pq.read_table(run.scored(1))
     argv = ["stage", "score", "--run-dir", str(run.root), "--iteration", "1"]
@@ -112,13 +95,12 @@ def test_cli_rerun_of_score_reproduces_the_table(two_iterations, shared_home, mo
     assert {r.info.run_name for r in nested} == {"score-iter1"}
 
 
-def test_guard_rerun_on_a_committed_iteration_only_records_its_verdict(two_iterations, shared_home, monkeypatch,
-                                                                        capsys):
+def test_guard_rerun_on_a_committed_iteration_only_records_its_verdict(two_iterations, monkeypatch, capsys):
     from rlhf_cli.main import main
     from rlhf_core.run.lifecycle import read_verdict
     from rlhf_core.run.lifecycle import read_last_good
 
-    monkeypatch.setenv("RLHF_HOME", str(shared_home))
+    monkeypatch.setenv("RLHF_HOME", str(two_iterations.home))
     run = two_iterations.run
     checkpoint = sorted(p.name for p in (run.checkpoint(2) / "actor").iterdir())
     argv = ["stage", "guard", "--run-dir", str(run.root), "--iteration", "2", "trainer.kl_rollback_threshold=1e-12"]
