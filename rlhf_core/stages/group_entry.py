@@ -28,7 +28,7 @@ import torch
 import yaml
 
 from rlhf_core.config import RLHFConfig, config_from_dict
-from rlhf_core.errors import RLHFError
+from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.rank_entry import STAGES
 from rlhf_core.training.checkpoint import full_state_dict
@@ -50,8 +50,24 @@ class Rank:
         self.trainer = ResidentTrainer(run)
 
     def handlers(self) -> dict:
-        return {"update": self.update, "settle": self.settle, "hold": self.hold, "share": self.share,
-                "publish": self.publish, "close": self.close}
+        ops = {"update": self.update, "settle": self.settle, "hold": self.hold, "share": self.share,
+               "publish": self.publish, "close": self.close}
+        return {name: self._disk_full_in_one_line(op) for name, op in ops.items()}
+
+    def _disk_full_in_one_line(self, op):
+        """A full disk outside the atomic writers (a rank writes its own checkpoint shard in place)
+        becomes the one-line user error the coordinator raises, not a rank's traceback."""
+        def run(command: dict):
+            try:
+                return op(command)
+            except RLHFError:
+                raise
+            except Exception as exc:
+                if not is_disk_full(exc):
+                    raise
+                raise disk_full_error(getattr(exc, "filename", None) or self.run.root) from exc
+
+        return run
 
     def update(self, command: dict) -> dict[str, Any]:
         metrics = self.trainer.update(_config(command), command["iteration"],

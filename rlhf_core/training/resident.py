@@ -22,6 +22,11 @@ writes (and hashes) a full checkpoint — at real sizes, most of the iteration. 
 
 The engine state lives in this process only; the run directory stays the durable lineage (tables,
 manifests, state records, checkpoints at save points).
+
+With several update processes on one machine the same trainer runs on each of them: a worker
+group of torchrun ranks started once per flow run (``GroupTrainer``, ``training.worker_group``,
+``stages.group_entry``), which the flow process commands and which also runs the stages' model
+passes, each rank borrowing its own module. A replay of such a state runs on as many ranks.
 """
 
 from __future__ import annotations
