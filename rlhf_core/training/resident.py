@@ -503,10 +503,11 @@ class GroupTrainer:
         self._call("share", cfg, stage=stage, iteration=k, world=world, threads=torch.get_num_threads())
 
     def close(self, *, make_durable: bool = True) -> None:
-        """The ranks write the last-good state when it is only in memory (``make_durable``), then leave."""
+        """The ranks write the last-good state when it is only in memory (``make_durable``), then
+        leave; without it (Ctrl-C) they are just stopped: a resume replays what was only in memory."""
         try:
-            if self.group.alive:
-                self._call("close", None, durable=make_durable)
+            if self.group.alive and make_durable:
+                self._call("close", None, durable=True)
         finally:
             self.group.close()
             self._unpublish()

@@ -20,14 +20,17 @@ transport is needed; a command's round trip costs under a millisecond.
 Failure: a rank's error ends the group (the other ranks may be waiting in a collective that will
 never complete): torchrun is stopped and the error raised here, as ``RLHFError`` when the rank's
 was a user error (its one line). The ranks leave by themselves when the coordinator dies (its
-store's connection closes); Ctrl-C reaches them through torchrun as for any launch.
+store's connection closes). They ignore Ctrl-C: a terminal sends it to the whole process group, and
+the coordinator, which gets it too, decides (it asks them to leave, then kills what is left).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import datetime
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -37,11 +40,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from rlhf_core.errors import RLHFError
-from rlhf_core.training.nodes import USER_ERROR, rank_env, stop
+from rlhf_core.training.nodes import USER_ERROR, rank_env
 
 READY = "ready/{rank}"
 COMMAND = "cmd/{seq}"
 REPLY = "done/{seq}/{rank}"
+LEAVE = "leave"
+"""The command that ends the group without a reply (an idle rank exits at once)."""
+STOP_GRACE_S = 3.0
+"""After asking the ranks to leave, how long before the group is killed: a rank still busy then is
+blocked in a collective or a store call (in C++, where no signal reaches Python) and never will."""
 START_TIMEOUT_S = 600.0
 """How long the ranks may take to start (interpreters, imports, the process group) before the
 group is given up; a loaded CPU machine needs ~10-30 s."""
@@ -80,18 +88,24 @@ class _Output:
 
 
 class WorkerGroup:
-    """The coordinator's side: start ``world`` ranks of ``entry_module`` under torchrun, send them
+    """The coordinator's side: start ``world`` ranks of ``entry`` under torchrun, send them
     commands, stop them. One command at a time (the flow's stages run one after the other)."""
 
-    def __init__(self, entry_module: str, world: int, args: Sequence[str] = (), *, what: str = "worker group"):
+    def __init__(self, entry: str, world: int, args: Sequence[str] = (), *, what: str = "worker group"):
+        """``entry``: the module every rank runs (or a script's path, ending in .py), given
+        ``--store HOST:PORT`` and ``args``; it calls ``serve``."""
         import torch.distributed as tdist
 
         self.world, self.what = world, what
         self._store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        target = [entry] if entry.endswith(".py") else ["-m", entry]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-               f"--nproc_per_node={world}", "-m", entry_module, "--store", f"127.0.0.1:{self._store.port}", *args]
-        self._proc = subprocess.Popen(cmd, env=rank_env(world), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                      text=True)
+               f"--nproc_per_node={world}", *target, "--store", f"127.0.0.1:{self._store.port}", *args]
+        env = rank_env(world)
+        # a rank whose coordinator died would print the store's C++ warning with a stack trace: the
+        # coordinator's own error (or the kill) already says what happened
+        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
+        self._proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         self._output = _Output(self._proc)
         self._seq = 0
         self.alive = True
@@ -134,9 +148,12 @@ class WorkerGroup:
             self.kill()
 
     def kill(self) -> None:
-        """Stop torchrun and its ranks (SIGINT, then SIGKILL): the group is gone."""
+        """End the group: idle ranks are told to leave; whatever still runs after ``STOP_GRACE_S``
+        (a rank waiting in a collective for one that failed) is killed, torchrun and every rank."""
         self.alive = False
-        stop(self._proc)
+        with contextlib.suppress(Exception):
+            self._store.set(COMMAND.format(seq=self._seq), json.dumps({"op": LEAVE}))
+        _stop_tree(self._proc, STOP_GRACE_S)
         self._output.join(5.0)
 
     def _wait_for(self, keys: list[str], timeout_s: Optional[float], what: str) -> None:
@@ -156,6 +173,25 @@ class WorkerGroup:
             delay = min(delay * 2, 0.02)  # sub-millisecond replies stay fast, long ones cost no CPU
 
 
+def _stop_tree(proc: subprocess.Popen, grace_s: float) -> None:
+    """Wait up to ``grace_s`` for torchrun to end by itself, then SIGKILL its ranks and it. (SIGINT
+    would not do: torchrun passes it on and waits for ranks a signal cannot reach; killing only
+    torchrun would leave them running, holding its output pipe.)"""
+    import psutil
+
+    try:
+        proc.wait(timeout=grace_s)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    with contextlib.suppress(psutil.NoSuchProcess):
+        for child in psutil.Process(proc.pid).children(recursive=True):
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child.kill()
+    proc.kill()
+    proc.wait()
+
+
 # ---------------------------------------------------------------------------------------------
 # the ranks' side
 # ---------------------------------------------------------------------------------------------
@@ -171,6 +207,7 @@ def serve(address: str, rank: int, handlers: dict[str, Handler], *, last: str, u
     others, which may be waiting for it in a collective)."""
     import torch.distributed as tdist
 
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the coordinator's to act on (see the module doc)
     host, port = address.rsplit(":", 1)
     store = tdist.TCPStore(host, int(port), is_master=False, timeout=datetime.timedelta(seconds=60))
     store.set(READY.format(rank=rank), "1")
@@ -181,6 +218,8 @@ def serve(address: str, rank: int, handlers: dict[str, Handler], *, last: str, u
             store.wait([key], forever)  # raises at once when the coordinator's store goes away
             command = json.loads(store.get(key))
         except tdist.DistError:
+            return
+        if command["op"] == LEAVE:
             return
         try:
             reply = {"ok": True, "rank": rank, "result": handlers[command["op"]](command)}
