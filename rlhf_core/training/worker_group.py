@@ -136,11 +136,11 @@ class WorkerGroup:
         return [r["result"] for r in replies]
 
     def close(self, op: Optional[str] = None, timeout_s: float = 120.0, **payload: Any) -> None:
-        """Send the last command ``op`` (the ranks leave after it), then wait for torchrun to end."""
+        """Send the last command ``op`` (the ranks leave after it) and wait for torchrun to end;
+        without ``op`` the ranks are told to leave at once (``kill``)."""
         try:
             if op is not None and self.alive:
                 self.call(op, **payload)
-            if self._proc.poll() is None:
                 self._proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             pass
