@@ -30,7 +30,7 @@ from rlhf_core.run.lifecycle import nonfinite_update
 from rlhf_core.run.models import reference_path
 from rlhf_core.scoring.policy_kl import actor_ref_kl, response_kl
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.ranks import merge_shares, run_on_ranks, stage_processes
+from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes
 from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
 from rlhf_core.training.resident import ensure_state
 
@@ -60,8 +60,8 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
         raise CheckpointError(f"no trained actor at {actor_dir}: run `rlhf stage update --run-dir {run.root} "
                               f"--iteration {k}` before the guard")
     sequences, prompt_lengths, ref_log_probs = load_scored_sequences(run.scored(k))
-    world = min(stage_processes(cfg, run), len(sequences))
-    if world > 1 and actor_dir == run.checkpoint(k) / "actor":
+    world = share_processes(cfg, run, len(sequences))
+    if world and actor_dir == run.checkpoint(k) / "actor":
         # each process measures its micro-batches of the one-process plan: the same values, bit for bit
         shares = run_on_ranks(cfg, run, k, "guard", world)
         kls = [torch.tensor(v, dtype=torch.float32) for v in merge_shares(shares, "kl", len(sequences))]

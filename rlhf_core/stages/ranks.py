@@ -19,7 +19,8 @@ The rollout (HF engine) and validation deal whole generation batches instead
 The number of processes is ``stage_processes``: ``trainer.stage_processes`` when set, else every
 GPU of the node the update uses (verl's ``trainer.n_gpus_per_node``), else 1 (the CPU). In a flow
 run whose update spans several processes, the shares go to the ranks of its worker group instead
-(``training.resident.GroupTrainer``): no launch, and each rank borrows the module it trains.
+(``training.resident.GroupTrainer``, ``share_processes``): no launch, and each rank borrows the
+module it trains.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import json
 import os
 import shutil
 import sys
-from typing import Optional, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -41,24 +42,34 @@ from rlhf_core.io.atomic import atomic_write_text
 from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingParams
 from rlhf_core.rollout.generate import own_batches
 from rlhf_core.run.layout import RunDir
+from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.nodes import stream
 from rlhf_core.training.resident import active_group
 
 ENTRY = "rlhf_core.stages.rank_entry"
 
 
-def stage_processes(cfg: RLHFConfig, run: Optional[RunDir] = None) -> int:
-    """Processes the score stage and the KL guard run their model passes on (see the module doc):
-    the ranks of ``run``'s worker group when a flow run keeps one (they hold the weights)."""
-    group = active_group(run) if run is not None else None
-    if group is not None:
-        return group.world
+def stage_processes(cfg: RLHFConfig) -> int:
+    """Processes the score stage and the KL guard run their model passes on (see the module doc)."""
     if cfg.trainer.stage_processes is not None:
         return cfg.trainer.stage_processes
     gpus = cuda_devices() if cfg.trainer.device != "cpu" else 0
     if gpus == 0:
         return 1
     return max(1, min(gpus, update_world_size(cfg, gpus) // max(1, cfg.trainer.nnodes)))
+
+
+def share_processes(cfg: RLHFConfig, run: RunDir, items: int) -> int:
+    """How many processes a stage deals its ``items`` (sequences, generation batches) to; 0 = none,
+    it runs in this process. With the run's worker group (a flow run keeps one): its ranks, always —
+    they hold the weights — on GPUs one rank per device; on CPU rank 0 alone, at this process's
+    thread count (the ranks share the same cores: splitting would only oversubscribe them). Else
+    ``stage_processes`` torchrun processes when that is more than one."""
+    group = active_group(run)
+    if group is not None:
+        return max(1, min(group.world if resolve_device(cfg.trainer.device) == "cuda" else 1, items))
+    world = min(stage_processes(cfg), items)
+    return world if world > 1 else 0
 
 
 def run_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, stage: str, world: int) -> list[dict[str, np.ndarray]]:

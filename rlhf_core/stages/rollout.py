@@ -57,7 +57,7 @@ from rlhf_core.rollout.dynamic_sampling import (
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
 from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.ranks import merge_samples, merged_stats, run_on_ranks, stage_processes
+from rlhf_core.stages.ranks import merge_samples, merged_stats, run_on_ranks, share_processes
 from rlhf_core.stages.score import ModelPaths, reward_model_paths, sequence_rewards
 from rlhf_core.training.resident import ensure_state
 
@@ -261,8 +261,8 @@ def _generate_draw(cfg: RLHFConfig, run: RunDir, iteration: int, engines: StageE
     """One draw's samples (prompt_index into ``prompt_rows``) and stats. The iteration's own draw
     runs on every local process as before; the rank entry knows only that draw, so later draws
     (dynamic sampling) run in this process."""
-    world = min(stage_processes(cfg, run), len(batches)) if cfg.actor_rollout_ref.rollout.name == "hf" else 1
-    if first and world > 1:
+    world = share_processes(cfg, run, len(batches)) if cfg.actor_rollout_ref.rollout.name == "hf" else 0
+    if first and world:
         return _generate_on_ranks(cfg, run, iteration, prompt_rows, sampling, batches, world)
     return generate_responses(cfg, engines.model_dir, prompt_rows, sampling, batches, engine=engines.get(),
                               desc=desc or f"rollout iter {iteration}")

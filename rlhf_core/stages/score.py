@@ -65,7 +65,7 @@ from rlhf_core.scoring import (
 from rlhf_core.data.packing import Share
 from rlhf_core.scoring.models import load_tokenizer, release
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.ranks import merge_shares, run_on_ranks, stage_processes
+from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes
 from rlhf_core.training.resident import ensure_state
 
 CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
@@ -370,8 +370,8 @@ def pass_plans(cfg: RLHFConfig, world_size: int = 1) -> dict[str, PassPlan]:
 def _passes(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths, rows: list[dict], meter):
     """``model_passes`` in this process, or on ``stage_processes`` local processes (every GPU of
     the node), each a token-balanced share of every pass's micro-batches (``stages.ranks``)."""
-    world = min(stage_processes(cfg, run), len(rows))
-    if world <= 1:
+    world = share_processes(cfg, run, len(rows))
+    if not world:
         return model_passes(cfg, models, rows, meter)
     shares = run_on_ranks(cfg, run, iteration, "score", world)
     meter.tokens += sum(int(s["tokens"]) for s in shares)

@@ -21,6 +21,7 @@ when present, else ``reward``; its mean@n and best@n/* are ``val-core``, everyth
 from __future__ import annotations
 
 import json
+import sys
 from collections import defaultdict
 from dataclasses import replace
 from pathlib import Path
@@ -47,7 +48,7 @@ from rlhf_core.rollout.generate import (
     val_sampling_from_config,
 )
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.ranks import merge_samples, run_on_ranks, stage_processes
+from rlhf_core.stages.ranks import merge_samples, run_on_ranks, share_processes
 from rlhf_core.training.resident import ensure_state
 
 
@@ -94,12 +95,12 @@ def validation_samples(cfg: RLHFConfig, run: RunDir, k: int, actor: Path) -> tup
     """``sample_val_responses`` at val_kwargs sampling, on ``stage_processes`` local processes with the
     HF engine (each its share of the generation batches, seeded as in one process: the same samples)."""
     sampling = val_sampling_from_config(cfg, seed=0)  # seed set from rollout.seed by _val_sampling
-    world = stage_processes(cfg, run) if generation_engine(cfg) == "hf" else 1
-    if world > 1:
+    if generation_engine(cfg) == "hf" and share_processes(cfg, run, sys.maxsize):
         rows, seeded = _val_rows(cfg, run), _val_sampling(cfg, "validation", sampling)
         plan = generation_plan(cfg, rows, seeded)
-        if min(world, len(plan)) > 1:
-            shares = run_on_ranks(cfg, run, k, "validate", min(world, len(plan)))
+        world = share_processes(cfg, run, len(plan))
+        if world:
+            shares = run_on_ranks(cfg, run, k, "validate", world)
             return rows, merge_samples(shares, plan, rows, seeded)
     return sample_val_responses(cfg, run, actor, sampling=sampling)
 
