@@ -18,8 +18,9 @@
 Each command lives in the module named in ``COMMANDS`` and is imported when it runs: the commands
 that need neither Prefect nor MLflow (``rlhf_cli.inspection``, ``rlhf_cli.local``) start without
 loading them.
-`run`, `demo` and `stage` run as Prefect flow runs (a temporary local Prefect server starts when
-PREFECT_API_URL is not set) tracked in MLflow (an SQLite store under $RLHF_HOME unless
+`run`, `demo`, `stage` and `rebuild` run as Prefect flow runs (on the server PREFECT_API_URL names,
+else the local services' server when it is up, else a temporary one: ``rlhf_cli.prefect_server``)
+tracked in MLflow (an SQLite store under $RLHF_HOME unless
 MLFLOW_TRACKING_URI is set).
 """
 
@@ -35,7 +36,7 @@ import threading
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
-from rlhf_cli import session
+from rlhf_cli import prefect_server, session
 from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
 from rlhf_core.paths import state_dir
 from rlhf_core.stages.registry import STAGES
@@ -57,6 +58,8 @@ COMMANDS = {
     "services": "rlhf_cli.orchestrated:cmd_services", "node": "rlhf_cli.node:cmd_node",
 }
 """Command → "module:function"."""
+FLOW_COMMANDS = ("run", "demo", "stage", "rebuild")
+"""The commands that run flows, so report to a Prefect server (`stage --local` runs none)."""
 
 
 def command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
@@ -64,6 +67,10 @@ def command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
         return getattr(importlib.import_module("rlhf_cli.local"), "cmd_stage_local")
     module, _, name = COMMANDS[args.command].partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+def runs_flows(args: argparse.Namespace) -> bool:
+    return args.command in FLOW_COMMANDS and not getattr(args, "local", False)
 
 
 def prepare_environment(args: argparse.Namespace) -> None:
@@ -202,23 +209,36 @@ def _console_logging(verbose: bool) -> tuple[logging.Logger, logging.Handler, bo
 
 def _on_ctrl_c(command: str) -> None:
     """From now on Ctrl-C (SIGINT) says at once how to resume, silences what the dying run would
-    print after it (Prefect retrying a server the same Ctrl-C killed, tracebacks), and leaves with
-    status 130 within EXIT_GRACE_SECONDS; a second Ctrl-C leaves at once."""
+    print after it (Prefect retrying a server that went away, tracebacks), and leaves with status
+    130 within EXIT_GRACE_SECONDS; a second Ctrl-C leaves at once. A command stopped because its
+    Prefect server went away gets the same SIGINT, with its own line and status in ``session.STOP``."""
 
     def handler(signum, frame) -> None:
+        line, code = _stopped(command)
         # Straight to the file descriptor: the signal may land while the main thread is inside a
         # write to sys.stderr (a progress bar), where a second buffered write raises "reentrant
         # call" instead of printing, and the line would be lost.
-        signal.signal(signal.SIGINT, lambda *_: os._exit(130))
-        _say(_interrupted(command))
+        signal.signal(signal.SIGINT, lambda *_: os._exit(code))
+        _say(line)
         session.SAID_INTERRUPTED = True
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, 2)
-        _exit_soon(130)
+        _silence()
+        _exit_soon(code)
         raise KeyboardInterrupt
 
     session.STDERR_FD = os.dup(2)  # the terminal (or pipe) as it is now, whatever fd 2 points at later
     signal.signal(signal.SIGINT, handler)
+
+
+def _silence() -> None:
+    """Nothing more on standard error after the line that says why the command stops: no log
+    record (Prefect's crash reports, its event and log workers retrying a server that went away),
+    no Python-level write, and fd 2 itself pointed at /dev/null. Called again once the interrupt
+    reached ``main``: code that had parked fd 2 meanwhile (DeepSpeed's compiler probes) puts it back."""
+    logging.disable(logging.CRITICAL)
+    sys.stderr = open(os.devnull, "w")
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 2)
+    os.close(devnull)
 
 
 def _say(line: str) -> None:
@@ -234,6 +254,11 @@ def _say(line: str) -> None:
             data = data[os.write(fd, data):]
         except BlockingIOError:
             os.set_blocking(fd, True)
+
+
+def _stopped(command: str) -> tuple[str, int]:
+    """The line and exit status of a command stopped by SIGINT: Ctrl-C's, or ``session.STOP``'s."""
+    return session.STOP or (_interrupted(command), 130)
 
 
 def _interrupted(command: str) -> str:
@@ -277,15 +302,18 @@ def _drop_inherited_world_of_one() -> None:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The `rlhf` entry point. User errors (RLHFError, ConfigError, a missing file, a full disk)
-    print one line and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130."""
+    print one line and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130; a
+    Prefect server that goes away mid-command stops it the same way, with status 75."""
     args = parse_args(argv)
     if argv is None:
         _drop_inherited_world_of_one()
     log, handler, propagate = _console_logging(getattr(args, "verbose", False))
-    if argv is None and args.command in ("run", "demo"):  # the console script, on a long-running command
+    if argv is None and runs_flows(args):  # the console script, on a command that runs flows
         _on_ctrl_c(args.command)
     try:
         prepare_environment(args)
+        if argv is None and runs_flows(args):  # its start overlaps the command's imports (not in-process callers')
+            prefect_server.prewarm(Path(os.environ["PREFECT_HOME"]))
         return command(args)(args) or 0
     except (RLHFError, FileNotFoundError) as exc:
         # user errors: one clear line, no traceback
@@ -298,11 +326,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         print(f"rlhf: error: {disk_full_error(getattr(exc, 'filename', None)).args[0]}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
+        line, code = _stopped(args.command)
         if not session.SAID_INTERRUPTED:
-            _say(_interrupted(args.command))
+            _say(line)
         if argv is None:  # the console script
-            _exit_soon(130)
-        return 130
+            _silence()
+            _exit_soon(code)
+        return code
     finally:
         log.removeHandler(handler)
         log.propagate = propagate

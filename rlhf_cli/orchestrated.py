@@ -1,32 +1,33 @@
 """The commands that run Prefect flows (tracked in MLflow): run, demo, stage (without --local),
-rebuild, and the local services. A temporary Prefect server, when one is needed, is bound to the
-command's process so that it never outlives it."""
+rebuild, and the local services. Each reports to one Prefect server (``rlhf_cli.prefect_server``:
+the configured one, the local services' one, or a temporary one that never outlives the command)
+and stops, resumable, when that server goes away mid-command."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
 import os
-import subprocess
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from prefect.context import refresh_global_settings_context
 from prefect.logging.handlers import PrefectConsoleHandler
-from prefect.server.api.server import SubprocessASGIServer
 from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
 from deployments.services import main as services_main
 from flows.pipeline import PipelineParams, rlhf_pipeline
 from flows.stage import StageParams, rlhf_rebuild, rlhf_stage
-from rlhf_cli import session
+from rlhf_cli import prefect_server, session
 from rlhf_cli.inspection import require_run_dir
 from rlhf_cli.local import print_result, stage_overrides
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import RLHFError
-from rlhf_core.paths import project_root
+from rlhf_core.paths import project_root, state_dir
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.plan import plan_run
 from rlhf_core.security import redact_text
@@ -34,79 +35,61 @@ from tasks.mlflow_tracking import display_uri, run_url
 from tasks.prefect_artifacts import redact_prefect_logs
 
 
-_SERVER_WATCHDOG = """
-import signal, sys, time
-import psutil
-
-signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C is for rlhf: it stops the server itself
-parent = psutil.Process(int(sys.argv[1]))
-me = psutil.Process().pid
-SERVER_APP = "prefect.server.api.server:" + "create_app"
-servers = {}
-while True:
-    try:
-        if psutil.Process().ppid() != parent.pid or parent.status() == psutil.STATUS_ZOMBIE:
-            break  # rlhf is gone (we were reparented): it cannot stop its server any more
-        children = parent.children()
-    except psutil.NoSuchProcess:
-        break
-    for child in children:
-        try:
-            # uvicorn serving Prefect's app (not this watchdog, whose own source names it too)
-            if child.pid not in servers and child.pid != me and SERVER_APP in child.cmdline():
-                servers[child.pid] = child
-        except (psutil.NoSuchProcess, psutil.AccessDenied):  # a short-lived child, gone or a zombie
-            pass
-    time.sleep(0.25)
-for server in servers.values():
-    try:
-        server.terminate()
-        server.wait(5)
-    except psutil.TimeoutExpired:
-        server.kill()
-    except psutil.NoSuchProcess:  # stopped by rlhf itself on a normal exit
-        pass
-"""
-"""Stops the temporary Prefect server once `rlhf` is gone, however it went. It runs before the
-server starts and remembers every server child `rlhf` has, so a kill while the server is still
-starting up leaves nothing behind either; psutil refuses to signal a PID that was reused meanwhile."""
+EXIT_SERVER_GONE = 75
+"""Exit status when the Prefect server went away mid-command (sysexits' EX_TEMPFAIL: run it again)."""
 
 
-def _bind_temporary_server() -> None:
-    """Without PREFECT_API_URL, Prefect starts a temporary server as a child process on first use
-    and stops it at interpreter exit. A ``kill -9`` (or an ``os._exit``) skips that exit, and the
-    orphaned server kept listening for good. So the server is started here, before any flow, and a
-    tiny watchdog process stops it as soon as this process is gone. Nothing changes when
-    PREFECT_API_URL names a server (or ephemeral mode is off: Prefect reports that itself)."""
+def _bind_server() -> None:
+    """Point this command's Prefect at the server it reports to (``prefect_server.choose``: the
+    configured one, the local services' one, or a temporary one of its own) and watch that server,
+    so that one dying mid-command stops the command (``_server_gone``) instead of hanging it."""
+    home = Path(os.environ.get("PREFECT_HOME") or state_dir() / "prefect")
+    timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 90)
+    reporting = prefect_server.choose(PREFECT_API_URL.value(), PREFECT_SERVER_EPHEMERAL_ENABLED.value(), home, timeout)
+    if reporting is None:
+        return  # no server and no temporary one allowed: Prefect says so itself
+    if reporting.whose != "configured":
+        os.environ["PREFECT_API_URL"] = reporting.api_url  # for the processes this one starts, too
+        if reporting.whose == "temporary":
+            os.environ["PREFECT_UI_URL"] = ""  # it serves no UI: Prefect prints no dead "View at" link
+        refresh_global_settings_context()  # Prefect read its settings when it was imported
+    if reporting.whose == "services":
+        print(f"rlhf: reporting to the local services' Prefect server, {_ui(reporting.api_url)}", file=sys.stderr)
+    session.REPORTING = reporting
+    prefect_server.ServerWatch(reporting, _server_gone)
 
-    if PREFECT_API_URL.value() or not PREFECT_SERVER_EPHEMERAL_ENABLED.value():
-        return
-    subprocess.Popen([sys.executable, "-c", _SERVER_WATCHDOG, str(os.getpid())],
-                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, close_fds=True)
-    with _server_output_to(Path(os.environ.get("PREFECT_HOME", ".")) / "temporary-server.log"):
-        SubprocessASGIServer().start()  # the instance Prefect's clients use (one per process)
+
+def _ui(api_url: str) -> str:
+    return api_url.removesuffix("/api")
 
 
-@contextlib.contextmanager
-def _server_output_to(log: Path):
-    """While the temporary server starts, this process's stdout/stderr point at ``log``, so the server
-    inherits that instead of the terminal: the same Ctrl-C stops it, and its shutdown tracebacks
-    would otherwise land in the middle of rlhf's own last line (and it would share, and could flip,
-    the terminal pipe's blocking mode)."""
-    log.parent.mkdir(parents=True, exist_ok=True)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with open(log, "ab") as sink:
-        os.dup2(sink.fileno(), 1)
-        os.dup2(sink.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
+def _server_gone(reason: str) -> None:
+    """The server went away (called once, from ``ServerWatch``'s thread). During the work: stop the
+    command the way Ctrl-C does (resumable, one line, a bounded exit; ``rlhf_cli.main``), since
+    Prefect would record nothing more of it. After the work: leave now with what it printed, instead
+    of Prefect retrying to deliver its last events."""
+    reporting = session.REPORTING
+    what = f"the Prefect server at {_ui(reporting.api_url)} went away ({reason})"
+    if session.WORK_DONE:
+        sys.stdout.flush()
+        os.write(session.STDERR_FD if session.STDERR_FD is not None else 2,
+                 f"rlhf: {what}; Prefect missed this command's last events (the run directory has everything)\n"
+                 .encode())
+        os._exit(0)
+    session.STOP = (f"rlhf: stopped: {what}; {_how_to_continue(reporting.whose)}", EXIT_SERVER_GONE)
+    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+
+def _how_to_continue(whose: str) -> str:
+    """The second half of the line that says the command stopped because its server went away."""
+    run_dir = session.RUN_DIR
+    if run_dir is not None and run_dir.config_path.is_file():
+        then = f"continue with: rlhf run --resume {run_dir.root}"
+    else:
+        then = "run the same command again"
+    return then + {"temporary": " (it starts a new temporary server)",
+                   "services": " (after `make services-up`, or without it on a temporary server)",
+                   "configured": " once the server at PREFECT_API_URL is back"}[whose]
 
 
 def _quiet_deepspeed() -> None:
@@ -191,10 +174,11 @@ def cmd_stage(args: argparse.Namespace) -> int:
     params = checked_params(StageParams, stage=args.stage, run_dir=str(args.run_dir.resolve()),
                             iteration=getattr(args, "iteration", None), config=args.preset,
                             overrides=stage_overrides(args), force=args.force)
-    _bind_temporary_server()
+    _bind_server()
     _quiet_user_errors()
     result = rlhf_stage(params)
     print_result(result)
+    session.WORK_DONE = True
     return 0
 
 
@@ -205,7 +189,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                     iterations=args.iterations, run_name=args.run_name, resume=args.resume)
     session.RUN_DIR = plan.run  # for the resume hint after Ctrl-C
     _quiet_deepspeed()
-    _bind_temporary_server()
+    _bind_server()
     _quiet_user_errors()
     # the flow plans again: give it the directory planned here (a default name is a timestamp)
     params = PipelineParams(config=args.preset if args.preset or args.resume else None,
@@ -214,6 +198,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                             resume=str(args.resume.resolve()) if args.resume else None)
     summary = rlhf_pipeline(params)
     print(redact_text(closing_block(summary)))  # a terminal is a sink too: scrollback, CI logs
+    session.WORK_DONE = True
     return 0
 
 
@@ -242,8 +227,10 @@ def where_to_look(summary: dict) -> str:
             f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000)"))
     else:
         mlflow = "not tracked (trainer.logger has no mlflow)"
-    api = os.environ.get("PREFECT_API_URL")
-    prefect = (f"{api.removesuffix('/api')}/runs (flow rlhf-pipeline)" if api else
+    reporting = session.REPORTING
+    api = reporting.api_url if reporting else os.environ.get("PREFECT_API_URL")
+    temporary = reporting is not None and reporting.whose == "temporary"
+    prefect = (f"{_ui(api)}/runs (flow rlhf-pipeline)" if api and not temporary else
                "this run used a temporary Prefect server, now stopped; `make services-up` starts a "
                "persistent one (http://127.0.0.1:4200) where later runs and the deployments appear")
     lines = [
@@ -269,12 +256,13 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
     require_run_dir(args.run_dir)
-    _bind_temporary_server()
+    _bind_server()
     _quiet_user_errors()
     results = rlhf_rebuild(str(args.run_dir.resolve()))
     for result in results:
         print_result(result)
     print(f"rebuilt {len(results)} stage(s)" if results else "nothing to rebuild: every stage follows config.yaml")
+    session.WORK_DONE = True
     return 0
 
 

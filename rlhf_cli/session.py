@@ -1,14 +1,23 @@
 """What one `rlhf` invocation knows across its modules: the run directory `rlhf run` planned (for
-the resume hint after Ctrl-C) and whether that hint was printed already."""
+the resume hint after Ctrl-C), whether that hint was printed already, the Prefect server the command
+reports to, and why it stopped when Ctrl-C was not the reason."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Optional
 
-if TYPE_CHECKING:  # for the annotation only: `rlhf --help` should not load pyarrow
+if TYPE_CHECKING:  # for the annotations only: `rlhf --help` should not load pyarrow
+    from rlhf_cli.prefect_server import Reporting
     from rlhf_core.run.layout import RunDir
 
 RUN_DIR: Optional[RunDir] = None
 SAID_INTERRUPTED = False
 STDERR_FD: Optional[int] = None
 """A duplicate of the stderr this invocation started with, for the line printed after Ctrl-C."""
+REPORTING: Optional[Reporting] = None
+"""The Prefect server this command reports to (None: it runs no flow, or Prefect chose)."""
+STOP: Optional[tuple[str, int]] = None
+"""(the line to print, the exit status) when the command is stopped for another reason than Ctrl-C:
+its Prefect server went away. It is stopped the same way (SIGINT to its main thread)."""
+WORK_DONE = False
+"""The command's flows are over and its output printed: a server that goes away now stops nothing."""
