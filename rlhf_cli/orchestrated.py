@@ -88,7 +88,7 @@ def _how_to_continue(whose: str) -> str:
     else:
         then = "run the same command again"
     return then + {"temporary": " (it starts a new temporary server)",
-                   "services": " (after `make services-up`, or without it on a temporary server)",
+                   "services": " (on a temporary server until `make services-down services-up` restarts the services)",
                    "configured": " once the server at PREFECT_API_URL is back"}[whose]
 
 
