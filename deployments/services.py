@@ -39,6 +39,7 @@ from deployments.service_state import (
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.paths import project_root, state_dir
+from rlhf_core.security import redact_text
 from tasks.prefect_runs import mark_crashed, unfinished
 
 PREFECT_FILE = Path("deployments") / "prefect.yaml"
@@ -448,10 +449,13 @@ def status_lines(state: Optional[State] = None) -> list[str]:
 def url_lines(state: State) -> list[str]:
     lines = [f"Prefect UI     {state.prefect_url}/deployments   (rlhf-train: Run; rlhf-retrain: weekly schedule)",
              f"Prefect API    {state.api_url}"]
+    tracking = os.environ.get("MLFLOW_TRACKING_URI")
     if state.mlflow_url:
         lines.append(f"MLflow UI      {state.mlflow_url}   (experiment = trainer.experiment_name, e.g. 'demo')")
+    elif tracking and not tracking.startswith("sqlite:"):
+        lines.append(f"MLflow         MLFLOW_TRACKING_URI={redact_text(tracking)} (its own UI)")
     else:
-        lines.append(f"MLflow         MLFLOW_TRACKING_URI={os.environ.get('MLFLOW_TRACKING_URI')} (its own UI)")
+        lines.append("MLflow UI      not started (--no-mlflow)")
     lines.append(f"stop with      python -m deployments.services down     (logs: {services_dir() / 'logs'})")
     return lines
 
