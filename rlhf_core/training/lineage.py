@@ -83,11 +83,16 @@ def weights_sample(modules: Sequence[torch.nn.Module]) -> str:
     """sha256 over every parameter and buffer (by name, in order) of its float64 sum and of
     ``SAMPLE_POINTS`` evenly strided elements: one pass at memory speed, no copy of the weights, and
     it changes when a replayed step differs anywhere (the sum also sees the few embedding rows one
-    batch touches, which a sample alone would miss)."""
+    batch touches, which a sample alone would miss). A ZeRO-3 parameter is read as this rank's
+    partition: its full tensor exists only while gathered, and what a state dict shows of it
+    depends on what ran before, not on the weights; the partition is the same on every path to the
+    same state. Rank 0's sample is the one recorded and checked."""
     h = hashlib.sha256()
     for module in modules:
+        params = dict(module.named_parameters(remove_duplicate=False))  # tied names too
         for name, tensor in module.state_dict().items():
-            flat = tensor.detach().reshape(-1)
+            partition = getattr(params.get(name), "ds_tensor", None)
+            flat = (tensor if partition is None else partition).detach().reshape(-1)
             if flat.numel() == 0:
                 continue
             stride = max(1, flat.numel() // SAMPLE_POINTS)

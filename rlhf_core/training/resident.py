@@ -88,27 +88,16 @@ def resident_possible(cfg: RLHFConfig) -> Optional[str]:
         return f"the update spans trainer.nnodes={cfg.trainer.nnodes} machines (its ranks start fresh each iteration)"
     if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
         return "LoRA (the rollout samples from merged weights, built from the adapter checkpoint)"
-    if update_world(cfg) > 1:
-        return _group_impossible(cfg)
+    if update_world(cfg) > 1:  # the worker group's ranks generate with the hf engine
+        if cfg.actor_rollout_ref.rollout.name != "hf":
+            return (f"rollout engine {cfg.actor_rollout_ref.rollout.name!r} with several update processes (their "
+                    "worker group generates with the hf engine only)")
+        return None
     if (cfg.trainer.stage_processes or 1) > 1:  # (null: one per GPU of the update: one here)
         return (f"trainer.stage_processes={cfg.trainer.stage_processes} with one update process: the stages' "
                 "processes read the actor from disk")
     if cfg.actor_rollout_ref.rollout.name not in ("hf", "vllm"):
         return f"rollout engine {cfg.actor_rollout_ref.rollout.name!r} reads the actor from disk"
-    return None
-
-
-def _group_impossible(cfg: RLHFConfig) -> Optional[str]:
-    """Why the update's processes cannot keep the models as a worker group (None: they can)."""
-    if cfg.actor_rollout_ref.rollout.name != "hf":
-        return (f"rollout engine {cfg.actor_rollout_ref.rollout.name!r} with several update processes (the "
-                "worker group generates with the hf engine only)")
-    device, world = resolve_device(cfg.trainer.device), update_world(cfg)
-    stages = {role: ds["zero_optimization"].get("stage", 0) for role, ds in
-              (("actor", actor_ds_config(cfg, device, world)), ("critic", critic_ds_config(cfg, device, world)))}
-    if 3 in stages.values():
-        return ("ZeRO-3 with several update processes (each process's stages borrow its whole module; a "
-                "ZeRO-3 module is partitioned)")
     return None
 
 
@@ -350,7 +339,7 @@ class ResidentTrainer:
             _, outcome = train_iteration(cfg, i, data, self.actor, self.critic, self.dist, self.device,
                                          self.pad_id, progress=False)
         sample = weights_sample([te.module for te in present(self.actor, self.critic)])
-        if sample != record.get("weights_sample"):
+        if self.dist.is_main and sample != record.get("weights_sample"):  # rank 0's sample is recorded
             raise CheckpointError(f"replaying iteration {i}'s update did not reproduce its weights (the sample in "
                                   f"{self.run.state_record(i)} differs): the machine, the thread count or a library "
                                   f"changed since; resume from its checkpoint instead (trainer.save_freq=1 keeps every one)")
@@ -416,10 +405,19 @@ class ResidentTrainer:
         if not self.serve or not self.holds:
             return
         ckpt = self.run.checkpoint(self.holds)
-        live.hold(ckpt / "actor", live.LiveModel(self.actor.module, "causal_lm", self.tokenizer))
+        live.hold(ckpt / "actor", live.LiveModel(self._servable(self.actor), "causal_lm", self.tokenizer))
         if self.critic is not None:
-            live.hold(ckpt / "critic", live.LiveModel(self.critic.module, "critic", self.tokenizer))
+            live.hold(ckpt / "critic", live.LiveModel(self._servable(self.critic), "critic", self.tokenizer))
         self._sync_rollout_engine(ckpt / "actor")
+
+    def _servable(self, te: TrainEngine) -> torch.nn.Module:
+        """The module a stage may borrow: the engine's own, except a ZeRO-3 engine's on several
+        ranks, whose parameters are partitioned (a forward would gather them with the other ranks,
+        which are not running it): then a whole copy, dropped before the next update trains."""
+        if te.zero_stage != 3 or self.dist.world_size == 1:
+            return te.module
+        with timing.timed(SNAPSHOT):
+            return inference_copy(te)
 
     def _rollout_engine_sleeps(self) -> Optional[float]:
         """A kept vLLM engine gives its GPU memory to the update (KV cache freed, weights offloaded);
@@ -542,6 +540,21 @@ class GroupTrainer:
             if exc.user_error:
                 raise RLHFError(exc.message) from None
             raise RuntimeError(f"rank {exc.rank} of the {self.group.what} failed in {op!r}:\n{exc.message}") from None
+
+
+def inference_copy(te: TrainEngine) -> torch.nn.Module:
+    """A plain module (same class, config and attention) holding ``te``'s whole weights, on its
+    device, gradients off. Every rank must call it: ZeRO-3 gathers the partitions."""
+    import deepspeed
+
+    module = te.module
+    with deepspeed.zero.GatheredParameters(list(module.parameters()), modifier_rank=None):
+        weights = {name: tensor.detach().clone() for name, tensor in module.state_dict().items()}
+    first = next(iter(weights.values()))
+    with torch.device(first.device):
+        copy = type(module)._from_config(module.config, dtype=first.dtype)
+    copy.load_state_dict(weights, strict=False)  # tied weights: one tensor under both names
+    return copy.eval().requires_grad_(False)
 
 
 def _rebuild_in_group(cfg: RLHFConfig, run: RunDir, k: int) -> bool:

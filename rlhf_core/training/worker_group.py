@@ -121,19 +121,23 @@ class WorkerGroup:
             raise RLHFError(f"the {self.what} has stopped after an earlier failure; resume the run to start a new one")
         seq, self._seq = self._seq, self._seq + 1
         self._store.set(COMMAND.format(seq=seq), json.dumps({"op": op, **payload}))
-        keys = [REPLY.format(seq=seq, rank=r) for r in range(self.world)]
+        replies: dict[int, dict] = {}
         try:
-            self._wait_for(keys, None, op)
+            while len(replies) < self.world:
+                self._wait_for([REPLY.format(seq=seq, rank=r) for r in range(self.world) if r not in replies], None,
+                               op, any_of=True)
+                for r in range(self.world):
+                    key = REPLY.format(seq=seq, rank=r)
+                    if r not in replies and self._store.check([key]):
+                        replies[r] = json.loads(self._store.get(key))
+                failed = [reply for reply in replies.values() if not reply["ok"]]
+                if failed:  # the others may wait for the failed rank in a collective: do not wait for them
+                    first = min(failed, key=lambda reply: (not reply["user_error"], reply["rank"]))
+                    raise RankFailure(first["rank"], first["error"], first["user_error"])
         except BaseException:
-            self.kill()  # Ctrl-C, or a rank gone: the rest may wait in a collective forever
+            self.kill()  # a failure, Ctrl-C, or a rank gone
             raise
-        replies = [json.loads(self._store.get(k)) for k in keys]
-        failed = [r for r in replies if not r["ok"]]
-        if failed:
-            self.kill()
-            first = min(failed, key=lambda r: (not r["user_error"], r["rank"]))
-            raise RankFailure(first["rank"], first["error"], first["user_error"])
-        return [r["result"] for r in replies]
+        return [replies[r]["result"] for r in range(self.world)]
 
     def close(self, op: Optional[str] = None, timeout_s: float = 120.0, **payload: Any) -> None:
         """Send the last command ``op`` (the ranks leave after it) and wait for torchrun to end;
@@ -156,10 +160,11 @@ class WorkerGroup:
         _stop_tree(self._proc, STOP_GRACE_S)
         self._output.join(5.0)
 
-    def _wait_for(self, keys: list[str], timeout_s: Optional[float], what: str) -> None:
-        """Until every key is set; fails when torchrun ends first (or after ``timeout_s``)."""
+    def _wait_for(self, keys: list[str], timeout_s: Optional[float], what: str, any_of: bool = False) -> None:
+        """Until every key is set (``any_of``: one of them); fails when torchrun ends first (or
+        after ``timeout_s``)."""
         started, delay = time.monotonic(), 0.0005
-        while not self._store.check(keys):
+        while not (any(self._store.check([k]) for k in keys) if any_of else self._store.check(keys)):
             if self._proc.poll() is not None:
                 self._output.join(5.0)
                 if self._output.user_errors:

@@ -1,5 +1,6 @@
 """An update on several processes keeps its models in a worker group for the whole flow run
-(``training.resident.GroupTrainer``): two gloo ranks on CPU, started once, train, roll back from
+(``training.resident.GroupTrainer``): two gloo ranks on CPU (actor at ZeRO-3, critic at ZeRO-0),
+started once, train, roll back from
 their in-memory snapshots, serve the stages' model passes and save only at save points — and
 every table and weight (optimizer shards included) equals the design that starts torchrun ranks
 for every update and checkpoints every iteration. A kill between save points resumes bit for bit,
@@ -23,7 +24,9 @@ from rlhf_core.run.manifest import read_manifest
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 
-TWO_RANKS = ("trainer.nproc=2", "trainer.test_freq=-1", "trainer.save_freq=2")
+TWO_RANKS = ("trainer.nproc=2", "trainer.test_freq=-1", "trainer.save_freq=2",
+             "actor_rollout_ref.actor.deepspeed_config.zero_stage=3")
+"""The actor partitioned (ZeRO-3: the stages borrow a whole copy), the critic not (ZeRO-0: its own module)."""
 DEMO_LR = 1e-5
 TOO_HIGH = 10_000
 BREACH_THEN_RETRY = (f"actor_rollout_ref.actor.optim.lr={DEMO_LR * TOO_HIGH}", "trainer.on_kl_breach=retry",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 
 from rlhf_core.errors import RLHFError
 from rlhf_core.training.worker_group import serve
@@ -19,6 +20,8 @@ def main() -> None:
     def fail_on(command: dict, error: type) -> None:
         if rank == command["rank"]:
             raise error(f"rank {rank} says {command['why']}")
+        if command.get("others_hang"):  # as a rank waiting in a collective for the failed one would
+            time.sleep(3600)
 
     handlers = {
         "echo": lambda c: {"rank": rank, "value": c["value"], "pid": os.getpid()},

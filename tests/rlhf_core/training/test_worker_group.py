@@ -49,6 +49,14 @@ def test_a_user_error_on_one_rank_comes_back_as_its_line_and_ends_the_group(grou
         group.call("echo", value=1)
 
 
+def test_a_failed_rank_is_reported_while_the_others_still_wait_for_it(group):
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match="rank 0 says gone"):
+        group.call("user_error", rank=0, why="gone", others_hang=True)
+    assert time.monotonic() - started < 60  # not the other rank's hour: it was killed
+    assert group._proc.poll() is not None
+
+
 def test_a_bug_comes_back_with_its_traceback(group):
     with pytest.raises(RankFailure) as caught:
         group.call("bug", rank=0, why="0/0")
