@@ -290,6 +290,12 @@ def _exit_soon(code: int) -> None:
 _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
+def _forget_server() -> None:
+    if session.WATCH is not None:
+        session.WATCH.close()
+    session.WATCH = session.REPORTING = None
+
+
 def _drop_inherited_world_of_one() -> None:
     """A process that ran a one-process update keeps its process group, and the TCP store on
     MASTER_PORT, with the rendezvous variables set; an `rlhf` started from it would inherit them and
@@ -338,6 +344,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log.propagate = propagate
         if argv is None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+        else:  # an in-process caller goes on: this command's server is none of its business any more
+            _forget_server()
 
 
 if __name__ == "__main__":

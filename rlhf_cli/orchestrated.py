@@ -55,8 +55,8 @@ def _bind_server() -> None:
         refresh_global_settings_context()  # Prefect read its settings when it was imported
     if reporting.whose == "services":
         print(f"rlhf: reporting to the local services' Prefect server, {_ui(reporting.api_url)}", file=sys.stderr)
-    session.REPORTING = reporting
-    prefect_server.ServerWatch(reporting, _server_gone)
+    session.REPORTING, session.STOP, session.WORK_DONE = reporting, None, False
+    session.WATCH = prefect_server.ServerWatch(reporting, _server_gone)
 
 
 def _ui(api_url: str) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:  # for the annotations only: `rlhf --help` should not load pyarrow
-    from rlhf_cli.prefect_server import Reporting
+    from rlhf_cli.prefect_server import Reporting, ServerWatch
     from rlhf_core.run.layout import RunDir
 
 RUN_DIR: Optional[RunDir] = None
@@ -16,6 +16,9 @@ STDERR_FD: Optional[int] = None
 """A duplicate of the stderr this invocation started with, for the line printed after Ctrl-C."""
 REPORTING: Optional[Reporting] = None
 """The Prefect server this command reports to (None: it runs no flow, or Prefect chose)."""
+WATCH: Optional[ServerWatch] = None
+"""What notices that server going away; the console script keeps it to the end of the process
+(Prefect delivers its last events at exit), an in-process caller's command closes it."""
 STOP: Optional[tuple[str, int]] = None
 """(the line to print, the exit status) when the command is stopped for another reason than Ctrl-C:
 its Prefect server went away. It is stopped the same way (SIGINT to its main thread)."""

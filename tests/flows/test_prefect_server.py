@@ -14,6 +14,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from urllib.parse import urlparse
@@ -25,6 +26,8 @@ from prefect.client.schemas.filters import FlowFilter, FlowFilterName
 
 from deployments.service_state import Service, State, running_prefect_api
 from deployments.services import write_state
+from rlhf_cli import session
+from rlhf_cli.main import main
 from rlhf_cli.orchestrated import EXIT_SERVER_GONE
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lock import RunLock
@@ -91,6 +94,18 @@ def test_a_command_reports_to_the_services_server_when_it_is_up(prefect_server, 
         out.stderr[-3000:]
     assert len(_stage_runs_of(run_dir)) == 1  # the flow run is on the services' server
     assert not (Path(os.environ["RLHF_HOME"]) / "prefect" / "temporary-server.log").exists()  # none was started
+
+
+def test_an_in_process_command_leaves_no_watch_behind(prefect_server, demo_preset, tiny_model_dir, tmp_path):
+    """A caller that goes on after `main` (this test session) keeps no watch on the server: one left
+    polling would take the session's server stopping at its end for a death mid-command."""
+    assert main(["stage", "warm_start", "--run-dir", str(tmp_path / "runs" / "w"), "-c", demo_preset,
+                 f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.model.warm_start.enable=false",
+                 f"trainer.runs_root={tmp_path / 'runs'}"]) == 0
+    watches = [t for t in threading.enumerate() if t.name == "prefect-server-watch"]
+    for thread in watches:
+        thread.join(2)  # a closed watch ends within its poll interval
+    assert not any(t.is_alive() for t in watches) and session.WATCH is None and session.REPORTING is None
 
 
 def test_a_killed_temporary_server_stops_the_run_resumable(demo_preset, tiny_overrides, tmp_path):
