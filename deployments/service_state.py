@@ -18,8 +18,6 @@ from typing import Optional
 from rlhf_core.errors import RLHFError
 from rlhf_core.paths import state_dir
 
-HOST = "127.0.0.1"
-
 
 class ServiceError(RLHFError):
     """A service did not start, or the state file does not match what is running."""

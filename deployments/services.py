@@ -34,7 +34,7 @@ from pathlib import Path
 from typing import Callable, Optional, Sequence
 
 from deployments.service_state import (
-    HOST, Service, ServiceError, State, http_ok, prefect_home, process_of, read_state, services_dir, state_path,
+    Service, ServiceError, State, http_ok, prefect_home, process_of, read_state, services_dir, state_path,
 )
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json
@@ -42,6 +42,7 @@ from rlhf_core.paths import project_root, state_dir
 from rlhf_core.security import redact_text
 from tasks.prefect_runs import mark_crashed, unfinished
 
+HOST = "127.0.0.1"
 PREFECT_FILE = Path("deployments") / "prefect.yaml"
 QUIET_ENV = {
     "DO_NOT_TRACK": "1", "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "MLFLOW_DISABLE_TELEMETRY": "true",

@@ -31,9 +31,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from deployments.service_state import HOST, http_ok, running_prefect_api
+from deployments.service_state import http_ok, running_prefect_api
 from rlhf_core.errors import RLHFError
 
+HOST = "127.0.0.1"
+"""The temporary server listens on loopback only (tests/reliability/test_security.py)."""
 LOG_NAME = "temporary-server.log"
 """The temporary server's output, under PREFECT_HOME (created only when a server starts)."""
 
