@@ -11,13 +11,14 @@ import os
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
 from prefect.context import refresh_global_settings_context
 from prefect.logging.handlers import PrefectConsoleHandler
-from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
+from prefect.settings import (
+    PREFECT_API_URL, PREFECT_HOME, PREFECT_SERVER_EPHEMERAL_ENABLED, PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS,
+)
 
 from deployments.services import main as services_main
 from flows.pipeline import PipelineParams, rlhf_pipeline
@@ -27,7 +28,7 @@ from rlhf_cli.inspection import require_run_dir
 from rlhf_cli.local import print_result, stage_overrides
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import RLHFError
-from rlhf_core.paths import project_root, state_dir
+from rlhf_core.paths import project_root
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.plan import plan_run
 from rlhf_core.security import redact_text
@@ -43,9 +44,8 @@ def _bind_server() -> None:
     """Point this command's Prefect at the server it reports to (``prefect_server.choose``: the
     configured one, the local services' one, or a temporary one of its own) and watch that server,
     so that one dying mid-command stops the command (``_server_gone``) instead of hanging it."""
-    home = Path(os.environ.get("PREFECT_HOME") or state_dir() / "prefect")
-    timeout = float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS") or 90)
-    reporting = prefect_server.choose(PREFECT_API_URL.value(), PREFECT_SERVER_EPHEMERAL_ENABLED.value(), home, timeout)
+    reporting = prefect_server.choose(PREFECT_API_URL.value(), PREFECT_SERVER_EPHEMERAL_ENABLED.value(),
+                                      PREFECT_HOME.value(), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
     if reporting is None:
         return  # no server and no temporary one allowed: Prefect says so itself
     if reporting.whose != "configured":

@@ -254,9 +254,9 @@ class ServerWatch:
             self.on_gone(reason)
 
     def _process_gone(self, server: TemporaryServer) -> Optional[str]:
-        while not self.closed.wait(0.25):
+        while not self.closed.wait(0.25) and not server.stopping:
             reason = server.exit_reason()
-            if reason is not None and not server.stopping:
+            if reason is not None and not server.stopping:  # stopping: rlhf stopped it at its exit
                 return f"its process {reason}"
         return None
 
