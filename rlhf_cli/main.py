@@ -306,6 +306,31 @@ def _drop_inherited_world_of_one() -> None:
             os.environ.pop(key, None)
 
 
+def _user_error(exc: BaseException) -> int:
+    """A user error (RLHFError, ConfigError, a missing file, a full disk) as one line, no
+    traceback; returns the exit status. Anything else (a bug: its traceback helps) is raised again."""
+    if isinstance(exc, (RLHFError, FileNotFoundError)):
+        print(f"rlhf: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
+        return 3 if type(exc).__name__ == "KLGuardHalt" else 2
+    if isinstance(exc, Exception) and is_disk_full(exc):
+        # a full disk met outside the atomic writers (which say so themselves): a user error too
+        print(f"rlhf: error: {disk_full_error(getattr(exc, 'filename', None)).args[0]}", file=sys.stderr)
+        return 2
+    raise exc
+
+
+def _after_interrupt(command: str, console: bool) -> int:
+    """Once the interrupt (Ctrl-C, or ``session.STOP``'s) reached ``main``: its line if the signal
+    handler did not print it, the console script's bounded and silent exit, the exit status."""
+    line, code = _stopped(command)
+    if not session.SAID_INTERRUPTED:
+        _say(line)
+    if console:
+        _silence()
+        _exit_soon(code)
+    return code
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The `rlhf` entry point. User errors (RLHFError, ConfigError, a missing file, a full disk)
     print one line and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130; a
@@ -321,24 +346,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         if argv is None and runs_flows(args):  # its start overlaps the command's imports (not in-process callers')
             prefect_server.prewarm(Path(os.environ["PREFECT_HOME"]))
         return command(args)(args) or 0
-    except (RLHFError, FileNotFoundError) as exc:
-        # user errors: one clear line, no traceback
-        print(f"rlhf: error: {exc.args[0] if exc.args else exc}", file=sys.stderr)
-        return 3 if type(exc).__name__ == "KLGuardHalt" else 2
-    except Exception as exc:
-        if not is_disk_full(exc):  # a bug: its traceback helps
-            raise
-        # a full disk met outside the atomic writers (which say so themselves): a user error too
-        print(f"rlhf: error: {disk_full_error(getattr(exc, 'filename', None)).args[0]}", file=sys.stderr)
-        return 2
     except KeyboardInterrupt:
-        line, code = _stopped(args.command)
-        if not session.SAID_INTERRUPTED:
-            _say(line)
-        if argv is None:  # the console script
-            _silence()
-            _exit_soon(code)
-        return code
+        return _after_interrupt(args.command, console=argv is None)
+    except BaseException as exc:
+        if session.SAID_INTERRUPTED:  # what code on the way up turned the interrupt into: another error, an exit
+            return _after_interrupt(args.command, console=argv is None)
+        return _user_error(exc)
     finally:
         log.removeHandler(handler)
         log.propagate = propagate
