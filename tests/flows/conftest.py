@@ -143,3 +143,31 @@ def two_iterations(prefect_server, demo_preset, tiny_overrides, tmp_path_factory
     shutil.copytree(summary["run_dir"], pristine, symlinks=True)
     return SimpleNamespace(summary=summary, run=RunDir(summary["run_dir"]), seconds=seconds, home=home,
                            pristine=RunDir(pristine))
+
+
+@pytest.fixture
+def score_rerun_rebuilds(tmp_path, subprocess_env):
+    """``score_rerun_rebuilds(run)``: on a copy of ``run``, whose iteration 1 state lived only in
+    memory, `rlhf stage score --local -k 2 --force` rebuilds that state by replay (keeping it as a
+    checkpoint) and scores iteration 2 to the same table."""
+    import shutil
+    import subprocess
+    import sys
+
+    import pyarrow.parquet as pq
+
+    from rlhf_core.run.layout import RunDir
+
+    def check(run) -> None:
+        copy = RunDir(shutil.copytree(run.root, tmp_path / "copy"))
+        before = pq.read_table(copy.scored(2))
+        assert not copy.checkpoint(1).exists()  # iteration 2 started from iteration 1's state: memory only
+        proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "stage", "score", "--local", "--run-dir",
+                               str(copy.root), "--iteration", "2", "--force"], env=subprocess_env(),
+                              capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert copy.checkpoint(1).is_dir()  # rebuilt by replay, kept for the next rerun
+        after = pq.read_table(copy.scored(2))
+        assert all(after[c].equals(before[c]) for c in before.column_names)
+
+    return check

@@ -8,7 +8,6 @@ from __future__ import annotations
 import subprocess
 import sys
 
-import pyarrow.parquet as pq
 import pytest
 
 from flows.pipeline import PipelineParams, rlhf_pipeline
@@ -92,16 +91,5 @@ def test_a_crash_between_save_points_replays_to_the_same_bits(prefect_server, de
     assert replayed == [3]  # the guard of 3 needed its actor: rebuilt from the initial models by replay
 
 
-def test_a_stage_rerun_rebuilds_a_start_state_that_was_not_kept(uninterrupted, tmp_path, subprocess_env):
-    import shutil
-
-    run = RunDir(shutil.copytree(uninterrupted.root, tmp_path / "copy"))
-    before = pq.read_table(run.scored(2))
-    assert not run.checkpoint(1).exists()  # iteration 2 started from iteration 1's state: memory only
-    proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "stage", "score", "--local", "--run-dir",
-                           str(run.root), "--iteration", "2", "--force"], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert run.checkpoint(1).is_dir()  # rebuilt by replay, kept for the next rerun
-    after = pq.read_table(run.scored(2))
-    assert all(after[c].equals(before[c]) for c in before.column_names)
+def test_a_stage_rerun_rebuilds_a_start_state_that_was_not_kept(uninterrupted, score_rerun_rebuilds):
+    score_rerun_rebuilds(uninterrupted)

@@ -8,12 +8,10 @@ and a CLI rerun rebuilds a state that was never written on as many ranks as trai
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 
 import psutil
-import pyarrow.parquet as pq
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -108,16 +106,8 @@ def test_a_kill_between_save_points_resumes_on_a_new_group_to_the_same_bits(
     same_weights(run.checkpoint(2), group_run.checkpoint(2))
 
 
-def test_a_cli_rerun_rebuilds_a_state_never_written_on_two_ranks(group_run, tmp_path, subprocess_env):
-    run = RunDir(shutil.copytree(group_run.root, tmp_path / "copy"))
-    before = pq.read_table(run.scored(2))
-    assert not run.checkpoint(1).exists()  # iteration 2 started from iteration 1's state: memory only
-    proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "stage", "score", "--local", "--run-dir",
-                           str(run.root), "--iteration", "2", "--force"], env=subprocess_env(), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert run.checkpoint(1).is_dir()  # rebuilt by two ranks' replay (one would not reproduce it), then kept
-    assert pq.read_table(run.scored(2)).equals(before)
+def test_a_cli_rerun_rebuilds_a_state_never_written_on_two_ranks(group_run, score_rerun_rebuilds):
+    score_rerun_rebuilds(group_run)  # on two ranks, as it trained: one would not reproduce it
 
 
 def _eventually_gone(before: set[int], seconds: float = 60.0) -> bool:
