@@ -57,14 +57,17 @@ def fit_to_machine(cfg: RLHFConfig, gpus: int | None = None) -> RLHFConfig:
 
 
 def check_nodes(cfg: RLHFConfig) -> None:
-    """A multi-node update needs node 0's address for torchrun's rendezvous; it cannot keep the
-    models resident (those live in one process), which is said once, not refused."""
+    """A multi-node update needs node 0's address for torchrun's rendezvous; how its ranks live is
+    said once."""
     t = cfg.trainer
     addr, _ = update_rendezvous(cfg, os.environ)  # also checks $MASTER_PORT
     if addr is None:
         raise ConfigError(f"trainer.nnodes={t.nnodes}: the nodes meet at node 0's address; set "
                           "trainer.master_addr=HOST (node 0's name or IP as the other nodes reach it) "
                           "or export MASTER_ADDR=HOST")
-    if t.resident_models:
-        say_once(f"config: trainer.nnodes={t.nnodes}: the update spans machines, so the models are reloaded "
-                 "each iteration (trainer.resident_models keeps them in one process)")
+    if t.resident_models and cfg.actor_rollout_ref.rollout.name == "hf":
+        say_once(f"config: trainer.nnodes={t.nnodes}: the update's ranks on every node are one worker group for "
+                 "the whole run; on each other node run `rlhf node join --run-dir RUN --node-rank R` once")
+    elif t.resident_models:
+        say_once(f"config: trainer.nnodes={t.nnodes} with rollout engine {cfg.actor_rollout_ref.rollout.name!r}: "
+                 "the update's ranks start afresh each iteration (the worker group generates with hf only)")

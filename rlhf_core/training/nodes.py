@@ -44,6 +44,9 @@ from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lifecycle import last_good_iteration
 
 LAUNCH_MODULE = "rlhf_core.training.launch"
+GROUP_ENTRY = "rlhf_core.stages.group_entry"
+"""The module every rank of a worker group runs (``training.worker_group``): the run's ranks kept
+for a whole flow run instead of one launch per update."""
 USER_ERROR = "rlhf: error: "
 """How a rank's user error begins (``training.launch``): its message already names the key and the fix."""
 FAILED_NODE_GRACE_S = 10.0
@@ -74,6 +77,22 @@ class UpdateRequest:
     join_timeout_s: int
     created_at: float
     """Node 0's clock (time.time()) when the request was written."""
+    group_store: Optional[str] = None
+    """Set for a worker group (the ranks of a whole flow run, ``GROUP_ENTRY``): the coordinator's
+    TCPStore, HOST:PORT; ``iteration`` and ``config`` are then unused."""
+    device: str = "cpu"
+    """A worker group's device type (cpu or cuda)."""
+
+    @property
+    def what(self) -> str:
+        """What node 0's errors call this launch."""
+        first = "the run's worker group" if self.group_store else f"update of iteration {self.iteration}"
+        return f"{first} on {self.nnodes} nodes (launch {self.launch_id})"
+
+    @property
+    def label(self) -> str:
+        """What a joiner's lines call this launch."""
+        return f"launch {self.launch_id} ({'the worker group' if self.group_store else f'iteration {self.iteration}'})"
 
 
 @dataclass(frozen=True)
@@ -106,7 +125,13 @@ def node_command(request: UpdateRequest, run: RunDir, node_rank: int) -> list[st
             f"--nproc_per_node={request.nproc_per_node}", f"--node_rank={node_rank}",
             f"--master_addr={request.master_addr}", f"--master_port={request.master_port}",
             "--rdzv_backend=static", f"--rdzv_conf=timeout={request.join_timeout_s}", "--max_restarts=0",
-            *_launch_args(run, request.iteration, run.root / request.config)]
+            *_target(request, run)]
+
+
+def _target(request: UpdateRequest, run: RunDir) -> list[str]:
+    if request.group_store:
+        return ["-m", GROUP_ENTRY, "--store", request.group_store, "--run-dir", str(run.root), "--device", request.device]
+    return _launch_args(run, request.iteration, run.root / request.config)
 
 
 def stream(cmd: list[str], env: dict[str, str], watch: Optional[Callable[[subprocess.Popen], None]] = None,
@@ -157,6 +182,23 @@ def new_request(run: RunDir, iteration: int, config_file: Path, nnodes: int, npr
                          config=str(config_file.relative_to(run.root)), nnodes=nnodes, nproc_per_node=nproc_per_node,
                          master_addr=master_addr, master_port=master_port, join_timeout_s=join_timeout_s,
                          created_at=time.time())
+
+
+def group_request(nnodes: int, nproc_per_node: int, master_addr: str, master_port: int, join_timeout_s: int,
+                  store: str, device: str) -> UpdateRequest:
+    """A launch of the run's worker group on every node: its ranks stay up until the flow run ends."""
+    return UpdateRequest(launch_id=uuid.uuid4().hex[:12], iteration=0, config="", nnodes=nnodes,
+                         nproc_per_node=nproc_per_node, master_addr=master_addr, master_port=master_port,
+                         join_timeout_s=join_timeout_s, created_at=time.time(), group_store=store, device=device)
+
+
+def publish_request(run: RunDir, request: UpdateRequest) -> None:
+    """Make ``request`` what every other node's joiner runs next (``withdraw_request`` ends that)."""
+    atomic_write_json(run.update_request, asdict(request))
+
+
+def withdraw_request(run: RunDir) -> None:
+    run.update_request.unlink(missing_ok=True)
 
 
 def node_records(run: RunDir, request: UpdateRequest) -> dict[int, dict]:
@@ -227,7 +269,7 @@ def launch_failure(run: RunDir, request: UpdateRequest, result: LaunchResult,
     output's tail."""
     records = node_records(run, request)
     missing = [r for r in range(1, request.nnodes) if r not in records]
-    where = f"update of iteration {request.iteration} on {request.nnodes} nodes (launch {request.launch_id})"
+    where = request.what
     if missing:
         commands = "; ".join(f"node {r}: `{join_command(run, r)}`" for r in missing)
         return RLHFError(f"{where}: node(s) {', '.join(map(str, missing))} did not join within "
@@ -252,11 +294,11 @@ def launch_failure(run: RunDir, request: UpdateRequest, result: LaunchResult,
 def launch_nodes(run: RunDir, request: UpdateRequest) -> None:
     """Run node 0's part of ``request``: publish it, run torchrun as node rank 0, withdraw it."""
     watch = NodeWatch(run, request, DEAD_AFTER_S)
-    atomic_write_json(run.update_request, asdict(request))
+    publish_request(run, request)
     try:
         result = stream(node_command(request, run, 0), rank_env(request.nproc_per_node), watch)
     finally:
-        run.update_request.unlink(missing_ok=True)
+        withdraw_request(run)
     if result.returncode != 0:
         raise launch_failure(run, request, result, watch)
 
@@ -346,15 +388,13 @@ def join(run: RunDir, node_rank: int, say: Callable[[str], None]) -> int:
             continue
         seen.add(request.launch_id)
         if run.node_record(request.launch_id, node_rank).exists():  # an earlier joiner of this node took it
-            say(f"node {node_rank}: launch {request.launch_id} (iteration {request.iteration}) was already joined "
-                "by this node; waiting for the next one")
+            say(f"node {node_rank}: {request.label} was already joined by this node; waiting for the next one")
             continue
         if time.time() - request.created_at > request.join_timeout_s:
-            say(f"node {node_rank}: skipping launch {request.launch_id} (iteration {request.iteration}): older than "
-                f"its join timeout, node 0 no longer waits for it")
+            say(f"node {node_rank}: skipping {request.label}: older than its join timeout, node 0 no longer "
+                "waits for it")
             continue
-        say(f"node {node_rank}: joining launch {request.launch_id} (iteration {request.iteration}, "
-            f"{request.nnodes} nodes × {request.nproc_per_node} processes)")
+        say(f"node {node_rank}: joining {request.label}, {request.nnodes} nodes × {request.nproc_per_node} processes")
         code = run_request(run, request, node_rank)
         say(f"node {node_rank}: launch {request.launch_id} " + ("done" if code == 0 else f"failed (exit {code})"))
     say(f"node {node_rank}: the run is finished ({reason}); leaving")

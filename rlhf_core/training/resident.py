@@ -37,6 +37,7 @@ import gc
 import hashlib
 import json
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -63,7 +64,8 @@ from rlhf_core.training.rank_update import (check_update_data, finish_update, op
                                             reset_peak_rss, resolve_sources, trainer_state, train_iteration,
                                             training_steps)
 from rlhf_core.training.train_state import TrainState, capture, restore
-from rlhf_core.training.worker_group import RankFailure, WorkerGroup
+from rlhf_core.training.nodes import GROUP_ENTRY
+from rlhf_core.training.worker_group import Nodes, RankFailure, WorkerGroup
 
 SNAPSHOT = "state_snapshot"
 """io.timing kind: copying the engines' state to host memory (the rollback snapshot, a save's capture)."""
@@ -84,8 +86,6 @@ def resident_possible(cfg: RLHFConfig) -> Optional[str]:
     processes the models stay in a worker group of them (``GroupTrainer``)."""
     if not cfg.trainer.resident_models:
         return "trainer.resident_models=false"
-    if cfg.trainer.nnodes > 1:
-        return f"the update spans trainer.nnodes={cfg.trainer.nnodes} machines (its ranks start fresh each iteration)"
     if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
         return "LoRA (the rollout samples from merged weights, built from the adapter checkpoint)"
     if update_world(cfg) > 1:  # the worker group's ranks generate with the hf engine
@@ -447,10 +447,6 @@ class ResidentTrainer:
 # several update processes: the engines kept by a worker group of them
 # ---------------------------------------------------------------------------------------------
 
-GROUP_ENTRY = "rlhf_core.stages.group_entry"
-"""The module every rank of a worker group runs (it knows the stages' model passes)."""
-
-
 class GroupTrainer:
     """The engines of one run kept by a worker group of the update's processes
     (``training.worker_group``), for a flow run whose update spans several processes of this
@@ -463,9 +459,9 @@ class GroupTrainer:
     def __init__(self, cfg: RLHFConfig, run: RunDir):
         self.run = run
         self.world = update_world(cfg)
-        self.group = WorkerGroup(GROUP_ENTRY, self.world, ["--run-dir", str(run.root), "--device",
-                                                           resolve_device(cfg.trainer.device)],
-                                 what=f"worker group of {self.world} update processes")
+        device = resolve_device(cfg.trainer.device)
+        self.group = WorkerGroup(GROUP_ENTRY, self.world, ["--run-dir", str(run.root), "--device", device],
+                                 what=f"worker group of {self.world} update processes", nodes=_nodes(cfg, run, device))
         self.holds: Optional[int] = None
         """The iteration whose state the ranks hold (None: none built yet; 0: the initial models)."""
         self._published: Optional[tuple[int, Path]] = None
@@ -540,6 +536,17 @@ class GroupTrainer:
             if exc.user_error:
                 raise RLHFError(exc.message) from None
             raise RuntimeError(f"rank {exc.rank} of the {self.group.what} failed in {op!r}:\n{exc.message}") from None
+
+
+def _nodes(cfg: RLHFConfig, run: RunDir, device: str) -> Optional[Nodes]:
+    """Where the group's ranks run when the update spans machines (None: this one alone)."""
+    nnodes, per_node = resolve.update_nodes(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
+    if nnodes == 1:
+        return None
+    addr, port = resolve.update_rendezvous(cfg, os.environ)
+    if addr is None:  # fit_to_machine refuses this at load; a config built around it lands here
+        raise RLHFError(f"trainer.nnodes={nnodes}: set trainer.master_addr=HOST (node 0's address)")
+    return Nodes(run, nnodes, per_node, addr, port, cfg.trainer.node_join_timeout_s, device)
 
 
 def inference_copy(te: TrainEngine) -> torch.nn.Module:

@@ -40,7 +40,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
 from rlhf_core.errors import RLHFError
-from rlhf_core.training.nodes import USER_ERROR, rank_env
+from rlhf_core.run.layout import RunDir
+from rlhf_core.training.nodes import (DEAD_AFTER_S, POLL_S, USER_ERROR, LaunchResult, NodeWatch, UpdateRequest,
+                                     group_request, launch_failure, node_command, publish_request, rank_env,
+                                     withdraw_request)
 
 READY = "ready/{rank}"
 COMMAND = "cmd/{seq}"
@@ -87,21 +90,48 @@ class _Output:
         self._thread.join(timeout)
 
 
+@dataclass(frozen=True)
+class Nodes:
+    """A group over several machines: this one is node 0; every other one runs `rlhf node join`
+    (``training.nodes``), which starts its ranks from the request published in ``run``."""
+
+    run: RunDir
+    nnodes: int
+    nproc_per_node: int
+    master_addr: str
+    """Node 0's address as the others reach it: torchrun's rendezvous and the command store."""
+    master_port: int
+    join_timeout_s: int
+    device: str
+
+
 class WorkerGroup:
     """The coordinator's side: start ``world`` ranks of ``entry`` under torchrun, send them
     commands, stop them. One command at a time (the flow's stages run one after the other)."""
 
-    def __init__(self, entry: str, world: int, args: Sequence[str] = (), *, what: str = "worker group"):
+    def __init__(self, entry: str, world: int, args: Sequence[str] = (), *, what: str = "worker group",
+                 nodes: Optional[Nodes] = None):
         """``entry``: the module every rank runs (or a script's path, ending in .py), given
-        ``--store HOST:PORT`` and ``args``; it calls ``serve``."""
+        ``--store HOST:PORT`` and ``args``; it calls ``serve``. With ``nodes`` the ranks span
+        machines, each node's running the group entry (``nodes.GROUP_ENTRY``)."""
         import torch.distributed as tdist
 
-        self.world, self.what = world, what
-        self._store = tdist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        target = [entry] if entry.endswith(".py") else ["-m", entry]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-               f"--nproc_per_node={world}", *target, "--store", f"127.0.0.1:{self._store.port}", *args]
-        env = rank_env(world)
+        self.world, self.what, self.nodes = world, what, nodes
+        host = nodes.master_addr if nodes else "127.0.0.1"
+        self._store = tdist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self._request: Optional[UpdateRequest] = None
+        self._watch: Optional[NodeWatch] = None
+        if nodes is None:
+            target = [entry] if entry.endswith(".py") else ["-m", entry]
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
+                   f"--nproc_per_node={world}", *target, "--store", f"{host}:{self._store.port}", *args]
+            env = rank_env(world)
+        else:
+            self._request = group_request(nodes.nnodes, nodes.nproc_per_node, nodes.master_addr, nodes.master_port,
+                                          nodes.join_timeout_s, f"{host}:{self._store.port}", nodes.device)
+            self._watch = NodeWatch(nodes.run, self._request, DEAD_AFTER_S)
+            publish_request(nodes.run, self._request)
+            cmd, env = node_command(self._request, nodes.run, 0), rank_env(nodes.nproc_per_node)
         # a rank whose coordinator died would print the store's C++ warning with a stack trace: the
         # coordinator's own error (or the kill) already says what happened
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
@@ -110,7 +140,8 @@ class WorkerGroup:
         self._seq = 0
         self.alive = True
         try:
-            self._wait_for([READY.format(rank=r) for r in range(world)], START_TIMEOUT_S, "start")
+            self._wait_for([READY.format(rank=r) for r in range(world)],
+                           START_TIMEOUT_S + (nodes.join_timeout_s if nodes else 0), "start")
         except BaseException:
             self.kill()
             raise
@@ -159,18 +190,33 @@ class WorkerGroup:
             self._store.set(COMMAND.format(seq=self._seq), json.dumps({"op": LEAVE}))
         _stop_tree(self._proc, STOP_GRACE_S)
         self._output.join(5.0)
+        if self.nodes is not None:
+            withdraw_request(self.nodes.run)  # the other nodes' ranks left with the store; their joiners wait on
+
+    def _failure(self, how: str) -> RLHFError:
+        """The error of a group whose torchrun (or, across nodes, another node) is gone: a rank's own
+        one-line error first, then what the nodes' records say, else the output's tail."""
+        tail = list(self._output.tail)
+        if self._request is not None:
+            result = LaunchResult(self._proc.poll() if self._proc.poll() is not None else -1, tail,
+                                  list(self._output.user_errors))
+            return launch_failure(self.nodes.run, self._request, result, self._watch)
+        if self._output.user_errors:
+            return RLHFError(self._output.user_errors[0])
+        return RLHFError(f"the {self.what} {how} (exit {self._proc.returncode}); last output:\n" + "\n".join(tail))
 
     def _wait_for(self, keys: list[str], timeout_s: Optional[float], what: str, any_of: bool = False) -> None:
         """Until every key is set (``any_of``: one of them); fails when torchrun ends first (or
         after ``timeout_s``)."""
-        started, delay = time.monotonic(), 0.0005
+        started, delay, looked = time.monotonic(), 0.0005, time.monotonic()
         while not (any(self._store.check([k]) for k in keys) if any_of else self._store.check(keys)):
             if self._proc.poll() is not None:
                 self._output.join(5.0)
-                if self._output.user_errors:
-                    raise RLHFError(self._output.user_errors[0])
-                raise RLHFError(f"the {self.what} ended during {what!r} (exit {self._proc.returncode}); last output:\n"
-                                + "\n".join(self._output.tail))
+                raise self._failure(f"ended during {what!r}")
+            if self._watch is not None and time.monotonic() - looked > POLL_S:
+                looked = time.monotonic()
+                if self._watch.check():  # another node failed, or stopped beating
+                    raise self._failure(f"lost a node during {what!r}")
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 raise RLHFError(f"the {self.what}'s {self.world} processes did not {what} within {timeout_s:.0f} s; "
                                 "last output:\n" + "\n".join(self._output.tail))

@@ -198,10 +198,10 @@ def test_world_is_nnodes_times_processes_per_node(tiny_model_dir):
         _config(tiny_model_dir, "trainer.nnodes=0")
 
 
-def test_several_nodes_turn_resident_models_off_saying_why(tiny_model_dir):
+def test_several_nodes_keep_their_ranks_as_one_worker_group_saying_so(tiny_model_dir):
     cfg = _config(tiny_model_dir, *_two_nodes(4000), "trainer.resident_models=true")
-    assert "trainer.nnodes=2 machines" in resident_possible(cfg)
-    assert any("trainer.nnodes=2: the update spans machines" in line for line in said())
+    assert resident_possible(cfg) is None
+    assert any("trainer.nnodes=2: the update's ranks on every node are one worker group" in line for line in said())
 
 
 def test_the_rendezvous_keys_do_not_change_the_updates_config_hash(tiny_model_dir):
