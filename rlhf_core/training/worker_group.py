@@ -17,6 +17,10 @@ module that runs them (``stages.group_entry``), so this module knows nothing of 
 The store is torch's own key-value server (what torchrun's rendezvous uses), so no other
 transport is needed; a command's round trip costs under a millisecond.
 
+Across machines (``Nodes``) the store listens on node 0's address and the ranks of the other nodes
+are started by their `rlhf node join` from one launch request in the run directory
+(``training.nodes``); a node that fails or stops beating ends the group as a rank's failure does.
+
 Failure: a rank's error ends the group (the other ranks may be waiting in a collective that will
 never complete): torchrun is stopped and the error raised here, as ``RLHFError`` when the rank's
 was a user error (its one line). The ranks leave by themselves when the coordinator dies (its
@@ -119,16 +123,14 @@ class WorkerGroup:
         self.world, self.what, self.nodes = world, what, nodes
         host = nodes.master_addr if nodes else "127.0.0.1"
         self._store = tdist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        store = f"{host}:{self._store.port}"
         self._request: Optional[UpdateRequest] = None
         self._watch: Optional[NodeWatch] = None
         if nodes is None:
-            target = [entry] if entry.endswith(".py") else ["-m", entry]
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-                   f"--nproc_per_node={world}", *target, "--store", f"{host}:{self._store.port}", *args]
-            env = rank_env(world)
-        else:
+            cmd, env = _one_node_command(entry, world, store, args), rank_env(world)
+        else:  # node 0's part of a launch every other node's joiner runs too
             self._request = group_request(nodes.nnodes, nodes.nproc_per_node, nodes.master_addr, nodes.master_port,
-                                          nodes.join_timeout_s, f"{host}:{self._store.port}", nodes.device)
+                                          nodes.join_timeout_s, store, nodes.device)
             self._watch = NodeWatch(nodes.run, self._request, DEAD_AFTER_S)
             publish_request(nodes.run, self._request)
             cmd, env = node_command(self._request, nodes.run, 0), rank_env(nodes.nproc_per_node)
@@ -222,6 +224,12 @@ class WorkerGroup:
                                 "last output:\n" + "\n".join(self._output.tail))
             time.sleep(delay)
             delay = min(delay * 2, 0.02)  # sub-millisecond replies stay fast, long ones cost no CPU
+
+
+def _one_node_command(entry: str, world: int, store: str, args: Sequence[str]) -> list[str]:
+    target = [entry] if entry.endswith(".py") else ["-m", entry]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc_per_node={world}",
+            *target, "--store", store, *args]
 
 
 def _stop_tree(proc: subprocess.Popen, grace_s: float) -> None:
