@@ -805,7 +805,9 @@ class TrainerConfig(Section):
     """Our name: local processes the rollout and validation (HF engine), the score stage and the KL
     guard run on, each a token-balanced share of the one-process generation batches or micro-batches
     (rlhf_core.stages.ranks); null = every GPU of the node the update uses, 1 on CPU. The outputs
-    are the same bit for bit at any count; on CPU more processes only pay off for large models."""
+    are the same bit for bit at any count; on CPU more processes only pay off for large models.
+    Not read while the update's ranks are a worker group (resident models on several processes):
+    the stages then run on those ranks, which hold the weights."""
     master_addr: Optional[str] = None
     """Our name: the host name or IP address of node 0 as every node reaches it, for the update's
     rendezvous (torchrun's --master_addr, static rendezvous) when nnodes > 1; null = $MASTER_ADDR.
