@@ -120,18 +120,32 @@ def _atomic_dir(path: str | Path) -> Iterator[Path]:
     try:
         with disk_full_as_user_error(path):
             yield tmp
-            fault_point(f"before_rename:{path.name}", path)
-        old = None
-        if path.exists():
-            old = path.with_name(f"{path.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}")
-            os.replace(path, old)
-        os.replace(tmp, path)
-        _fsync_dir(path.parent)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        seal_dir(tmp, path)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
+
+
+def staging_dir(path: str | Path, token: str) -> Path:
+    """The temporary directory beside ``path`` named by ``token`` — a name several processes can
+    derive without talking — for a write ``seal_dir`` finishes; a crash's leftover goes as any
+    temporary does (``clean_temporaries``). Not created here."""
+    path = Path(path)
+    return path.with_name(f"{path.name}{TMP_MARK}{token}")
+
+
+def seal_dir(tmp: Path, path: Path) -> None:
+    """Put the finished temporary directory ``tmp`` in place of ``path`` (an old one is removed
+    after the new one is in place, so a crash leaves either the old or the new directory)."""
+    fault_point(f"before_rename:{path.name}", path)
+    old = None
+    if path.exists():
+        old = path.with_name(f"{path.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}")
+        os.replace(path, old)
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 def clean_temporaries(directory: str | Path) -> list[Path]:

@@ -27,8 +27,9 @@ full tensors by parameter name) still load. Nothing here is read with pickle: sa
 only (see ``optim_state`` for why DeepSpeed's own format is not used). ``verify_checkpoint`` checks
 every file against the manifest before anything is loaded and names the first bad one.
 
-``BackgroundWriter`` (world size 1) writes a checkpoint from a ``train_state.capture`` in a daemon
-thread while training goes on.
+``BackgroundWriter`` writes a checkpoint from a ``train_state.capture`` in a daemon thread while
+training goes on; with several ranks (ZeRO 0-2) every rank's writer writes its part with no
+collective, and rank 0's seals the checkpoint once every rank's shard is in.
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ import copy
 import json
 import random
 import re
+import shutil
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
@@ -46,8 +49,8 @@ from typing import Any, Callable, Mapping, Optional
 import numpy as np
 import torch
 
-from rlhf_core.errors import CheckpointError
-from rlhf_core.io.atomic import atomic_dir
+from rlhf_core.errors import CheckpointError, disk_full_as_user_error
+from rlhf_core.io.atomic import atomic_dir, atomic_write_text, seal_dir, staging_dir
 from rlhf_core.io.checksums import FORMAT_VERSION, write_manifest
 from rlhf_core.io.timing import background
 from rlhf_core.io.safetensors_stream import LazyTensor, Source, write_hashed_json, write_safetensors
@@ -57,8 +60,9 @@ from rlhf_core.training.optim_state import SEP, prime_optimizer, restore_optimiz
 from rlhf_core.training.train_state import (TrainState, module_tensors, restore_optim, restore_rng, rng_state,
                                             role_views, shard_weights)
 
-__all__ = ["BackgroundWriter", "full_state_dict", "load_optimizer_files", "load_optimizer_state", "load_rng",
-           "load_trainer_state", "restore_rng", "rng_state", "save_checkpoint", "seed_rng", "shard_name"]
+__all__ = ["BackgroundWriter", "can_write_in_background", "full_state_dict", "load_optimizer_files",
+           "load_optimizer_state", "load_rng", "load_trainer_state", "prepare_staging", "restore_rng", "rng_state",
+           "save_checkpoint", "seed_rng", "shard_name"]
 
 COUNTER_KEYS = ("adam_step", "lr_schedule_step", "global_steps", "global_samples", "skipped_steps", "zero_stage",
                 "dtype", "world_size")
@@ -376,10 +380,72 @@ def _write_atomically(directory: Path, job: _Job, dist: DistInfo) -> Path:
     return directory
 
 
+SHARDS_WAIT_S = 1800.0
+"""How long rank 0's background writer waits for the other ranks' shards of a save."""
+
+
+def can_write_in_background(engines: list[TrainEngine], world_size: int) -> bool:
+    """Whether a save of these engines needs no collective: one rank, or weights every rank holds
+    whole (ZeRO 0-2; a ZeRO-3 save gathers the weights with the other ranks)."""
+    return world_size == 1 or all(te.zero_stage != 3 for te in engines)
+
+
+def prepare_staging(directory: str | Path, dist: DistInfo, token: str) -> Path:
+    """Every rank, in step: the temporary directory a background save of several ranks writes into
+    (``BackgroundWriter.submit``'s ``staging``), made afresh by rank 0 before any rank writes."""
+    tmp = staging_dir(directory, token)
+    if dist.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # a crashed attempt's
+        (tmp / "deepspeed").mkdir(parents=True)
+    barrier()
+    return tmp
+
+
+def _failed_marker(tmp: Path, rank: int) -> Path:
+    return tmp / "deepspeed" / f".failed.rank{rank}"
+
+
+def _write_staged(directory: Path, tmp: Path, job: _Job, dist: DistInfo) -> None:
+    """One rank's part of a save of several ranks, with no collective: each writes its shard and
+    hands rank 0 its digests in a file; rank 0 waits for all, seals the manifest, renames."""
+    try:
+        recorded = _write_rank(tmp, job, dist)
+    except BaseException as exc:
+        if not dist.is_main:
+            with contextlib.suppress(OSError):
+                _failed_marker(tmp, dist.rank).write_text(f"{type(exc).__name__}: {exc}")
+        raise
+    if not dist.is_main:
+        atomic_write_text(_hashes_sidecar(tmp, dist.rank), json.dumps(recorded))
+        return
+    for r in range(1, dist.world_size):
+        recorded.update(_shard_digests(tmp, r))
+    write_manifest(tmp, recorded)
+    with disk_full_as_user_error(directory):
+        seal_dir(tmp, directory)
+
+
+def _shard_digests(tmp: Path, rank: int) -> dict[str, dict]:
+    """Rank ``rank``'s digests, once its background writer has handed them over."""
+    deadline, sidecar = time.monotonic() + SHARDS_WAIT_S, _hashes_sidecar(tmp, rank)
+    while not sidecar.exists():
+        if _failed_marker(tmp, rank).exists():
+            raise CheckpointError(f"rank {rank} could not write its shard of {tmp.name}: "
+                                  f"{_failed_marker(tmp, rank).read_text()}")
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"rank {rank} did not write its shard of {tmp.name} within {SHARDS_WAIT_S:.0f} s")
+        time.sleep(0.05)
+    digests = json.loads(sidecar.read_text())
+    sidecar.unlink()
+    return digests
+
+
 class BackgroundWriter:
-    """Writes checkpoints from captured state in a daemon thread (world size 1), so training goes
-    on meanwhile. At most one write is in flight: ``submit`` waits for the previous one (and
-    re-raises its error). ``on_done(directory)`` runs in the writer thread after the atomic rename."""
+    """Writes checkpoints from captured state in a daemon thread, so training goes on meanwhile. At
+    most one write is in flight: ``submit`` waits for the previous one (and re-raises its error).
+    ``on_done(directory)`` runs in the writer thread after the atomic rename. With several ranks,
+    every rank submits its part (``staging`` from ``prepare_staging``); ZeRO-3 cannot (its weights
+    are gathered collectively: ``save_checkpoint`` in step instead)."""
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
@@ -387,23 +453,28 @@ class BackgroundWriter:
 
     def submit(self, directory: str | Path, state: TrainState, *, actor: TrainEngine, critic: Optional[TrainEngine],
                tokenizer_path: Path, trainer_state: dict[str, Any],
-               on_done: Optional[Callable[[Path], None]] = None, lora_base: Optional[Path] = None) -> None:
+               on_done: Optional[Callable[[Path], None]] = None, lora_base: Optional[Path] = None,
+               dist: Optional[DistInfo] = None, staging: Optional[Path] = None) -> None:
         """Start writing ``directory`` from ``state``. Everything read from the engines (configs,
         LoRA adapter selection) is read before this returns; the thread touches only ``state``."""
-        if state.world_size != 1:
-            raise ValueError("BackgroundWriter writes world-size-1 states; with several ranks call "
-                             "save_checkpoint on every rank")
+        if state.world_size != 1 and (staging is None or dist is None):
+            raise ValueError("a state of several ranks is written by every rank, into prepare_staging's directory")
+        if not can_write_in_background(list(present(actor, critic)), state.world_size):
+            raise ValueError("a ZeRO-3 state of several ranks gathers its weights collectively: save_checkpoint")
         self.wait()
-        single = DistInfo(rank=0, world_size=1, local_rank=0, device="cpu")
-        job = _make_job(actor, critic, single, state, tokenizer_path, trainer_state, lora_base)
-        self._thread = threading.Thread(target=self._run, args=(Path(directory), job, single, on_done),
+        dist = dist if state.world_size != 1 else DistInfo(rank=0, world_size=1, local_rank=0, device="cpu")
+        job = _make_job(actor, critic, dist, state, tokenizer_path, trainer_state, lora_base)
+        self._thread = threading.Thread(target=self._run, args=(Path(directory), job, dist, on_done, staging),
                                         name="checkpoint-writer", daemon=True)
         self._thread.start()
 
-    def _run(self, directory: Path, job: _Job, dist: DistInfo, on_done) -> None:
+    def _run(self, directory: Path, job: _Job, dist: DistInfo, on_done, staging: Optional[Path]) -> None:
         try:
             with background():  # its checkpoint_write span overlaps training, off the critical path
-                _write_atomically(directory, job, dist)
+                if staging is None:
+                    _write_atomically(directory, job, dist)
+                else:
+                    _write_staged(directory, staging, job, dist)
             if on_done is not None:
                 on_done(directory)
         except BaseException as exc:  # handed to the trainer by wait()

@@ -55,7 +55,8 @@ from rlhf_core.models import live
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import committed_iterations, is_replayable, newest_durable
 from rlhf_core.run.schedule import save_due
-from rlhf_core.training.checkpoint import BackgroundWriter, restore_rng, rng_state, save_checkpoint, seed_rng
+from rlhf_core.training.checkpoint import (BackgroundWriter, can_write_in_background, prepare_staging, restore_rng,
+                                          rng_state, save_checkpoint, seed_rng)
 from rlhf_core.training.distributed import DistInfo, init_distributed
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device
 from rlhf_core.training.engines import LoraSettings, TrainEngine, present
@@ -222,19 +223,20 @@ class ResidentTrainer:
         if self._capturing is None or self._capturing[0] != k:
             self._capture_soon()
         pending, actor, critic, tokenizer = self._capturing[1], self.actor, self.critic, self.tokenizer
-        if self.dist.world_size > 1:  # every rank writes its shard now, in step (the save's collectives)
+        world = self.dist.world_size
+        if not can_write_in_background(list(present(actor, critic)), world):  # ZeRO-3 ranks gather in step
             snap = pending.result()
             save_checkpoint(self.run.checkpoint(k), actor=actor, critic=critic, tokenizer_path=tokenizer,
                             trainer_state=snap.trainer_state or {}, dist=self.dist, state=_with_rng(snap.state, snap.rng))
             return self.run.checkpoint(k)
+        # several ranks: each writes its part in the background into one directory made now, in step
+        staging = prepare_staging(self.run.checkpoint(k), self.dist, f"saving{k}") if world > 1 else None
 
         def write() -> None:  # on the copier thread: after the capture, hand it to the writer
             snap = pending.result()
-            state = snap.state
-            if snap.rng is not None:  # the RNG the next update starts from, not this moment's
-                state.rng_tensors, state.rng_json = snap.rng
-            self.writer.submit(self.run.checkpoint(k), state, actor=actor, critic=critic,
-                               tokenizer_path=tokenizer, trainer_state=snap.trainer_state or {})
+            self.writer.submit(self.run.checkpoint(k), _with_rng(snap.state, snap.rng), actor=actor, critic=critic,
+                               tokenizer_path=tokenizer, trainer_state=snap.trainer_state or {}, dist=self.dist,
+                               staging=staging)
 
         handed = self._copier.submit(write)
         if wait:

@@ -69,7 +69,8 @@ def test_restore_then_step_equals_the_step_after_capture(stage, dtype, warm, mak
 def test_two_ranks_restore_and_sharded_resume_are_exact(tiny_model_dir, critic_init_dir, advantages_table, tmp_path,
                                                        subprocess_env):
     """The same on 2 gloo ranks (torchrun): each rank captures, restores and writes only its own
-    partition; a fresh pair of engines loads its rank's shard and continues bit for bit."""
+    partition; a fresh pair of engines loads its rank's shard and continues bit for bit; and where
+    no gather is needed the ranks' background writers produce the same checkpoint files."""
     from rlhf_core.data.schemas import ADVANTAGES
     from rlhf_core.io.atomic import atomic_write_parquet
 
@@ -90,6 +91,9 @@ def test_two_ranks_restore_and_sharded_resume_are_exact(tiny_model_dir, critic_i
         assert {f"{role}_shard.rank{k}-of-2.{ext}" for role in ("actor", "critic") for k in (0, 1)
                 for ext in ("safetensors", "json")} <= set(r["shards"])
         assert not [f for f in r["shards"] if f.startswith(".digests")]
+    # a background save by both ranks (ZeRO 0-2) writes the very files the save in step writes
+    assert {c: r["background_differs"] for c, r in report.items()} == {
+        c: (None if c.startswith("3:") else []) for c in cases}
 
 
 def test_a_capture_into_an_earlier_ones_buffers_restores_exactly(make_engines, ppo_data, dist, full_params):

@@ -19,8 +19,9 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, cases: list
 
     from rlhf_core.config import load_config
     from rlhf_core.training.batch import MicroBatchPlan, read_advantages
-    from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, save_checkpoint
-    from rlhf_core.training.distributed import init_distributed, shutdown_distributed
+    from rlhf_core.training.checkpoint import (BackgroundWriter, can_write_in_background, load_optimizer_state,
+                                               load_rng, prepare_staging, save_checkpoint)
+    from rlhf_core.training.distributed import barrier, init_distributed, shutdown_distributed
     from rlhf_core.training.ppo import ActorLoss, CriticLoss, train_step
     from rlhf_core.training.rank_update import UpdateSources, _zero_loss, build_engines
     from rlhf_core.training.train_state import capture, restore
@@ -74,13 +75,24 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, cases: list
         tmp = Path(tempfile.gettempdir()) / f"train_state_{Path(out).stem}_{stage}_{dtype}"
         ckpt = save_checkpoint(tmp, actor=actor, critic=critic, tokenizer_path=Path(model_dir), trainer_state={},
                                dist=dist, state=state)
+        background = None
+        if can_write_in_background([actor, critic], dist.world_size):  # every rank its part, no collective
+            later = tmp.with_name(tmp.name + "_background")
+            writer = BackgroundWriter()
+            writer.submit(later, state, actor=actor, critic=critic, tokenizer_path=Path(model_dir), trainer_state={},
+                          dist=dist, staging=prepare_staging(later, dist, "test"))
+            writer.wait()
+            barrier()  # rank 0 sealed it
+            background = sorted(str(f.relative_to(later)) for f in later.rglob("*") if f.is_file()
+                                and f.read_bytes() != (ckpt / f.relative_to(later)).read_bytes())
         actor, critic = engines(stage, dtype, ckpt / "actor", ckpt / "critic")
         for te in (actor, critic):
             load_optimizer_state(ckpt, te, _zero_loss(te, 0))
         load_rng(ckpt)
         step(actor, critic, steps[1])
         report[case] = {"restore": restored, "resume": diff(want, (params(actor), params(critic))),
-                        "shards": sorted(p.name for p in (ckpt / "deepspeed").iterdir())}
+                        "shards": sorted(p.name for p in (ckpt / "deepspeed").iterdir()),
+                        "background_differs": background}
     if dist.is_main:
         Path(out).write_text(json.dumps(report))
     shutdown_distributed()
