@@ -28,10 +28,10 @@ import torch
 import yaml
 
 from rlhf_core.config import RLHFConfig, config_from_dict
-from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
+from rlhf_core.errors import RLHFError, disk_full_as_user_error
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.rank_entry import STAGES
-from rlhf_core.training.checkpoint import full_state_dict
+from rlhf_core.training.checkpoint import full_state_dict, save_tokenizer
 from rlhf_core.training.distributed import DistInfo, init_distributed, shutdown_distributed
 from rlhf_core.training.engines import present
 from rlhf_core.training.resident import ResidentTrainer
@@ -58,14 +58,8 @@ class Rank:
         """A full disk outside the atomic writers (a rank writes its own checkpoint shard in place)
         becomes the one-line user error the coordinator raises, not a rank's traceback."""
         def run(command: dict):
-            try:
+            with disk_full_as_user_error(self.run.root):
                 return op(command)
-            except RLHFError:
-                raise
-            except Exception as exc:
-                if not is_disk_full(exc):
-                    raise
-                raise disk_full_error(getattr(exc, "filename", None) or self.run.root) from exc
 
         return run
 
@@ -106,19 +100,12 @@ class Rank:
             weights = full_state_dict(te, self.dist)
             if weights is not None:
                 te.module.save_pretrained(out / role, state_dict=weights, safe_serialization=True)
-                _copy_tokenizer(self.trainer.tokenizer, out / role)
+                save_tokenizer(self.trainer.tokenizer, out / role)
         return None
 
     def close(self, command: dict) -> None:
         self.trainer.close(make_durable=command["durable"])
         return None
-
-
-def _copy_tokenizer(src: Optional[Path], dst: Path) -> None:
-    from transformers import AutoTokenizer
-
-    if src is not None:
-        AutoTokenizer.from_pretrained(src).save_pretrained(dst)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:

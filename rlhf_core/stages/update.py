@@ -18,7 +18,6 @@ summation order. With nnodes > 1 this machine is node 0 and each other node runs
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from pathlib import Path
 from typing import Optional
@@ -53,9 +52,7 @@ def launch_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, nnodes: int, npro
     this stage's error."""
     config_file = run.update_config(iteration)
     if nnodes > 1:  # the ranks see torchrun's MASTER_* (their own world's): they read node 0's address here
-        addr, port = resolve.update_rendezvous(cfg, os.environ)
-        if addr is None:  # fit_to_machine refuses this at load; a config built around it lands here
-            raise RLHFError(f"trainer.nnodes={nnodes}: set trainer.master_addr=HOST (node 0's address)")
+        addr, port = nodes.node0_address(cfg)
         cfg = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, master_addr=addr, master_port=port))
     atomic_write_text(config_file, to_yaml(cfg))
     try:

@@ -62,7 +62,7 @@ from rlhf_core.training.train_state import (TrainState, module_tensors, restore_
 
 __all__ = ["BackgroundWriter", "can_write_in_background", "full_state_dict", "load_optimizer_files",
            "load_optimizer_state", "load_rng", "load_trainer_state", "prepare_staging", "restore_rng", "rng_state",
-           "save_checkpoint", "seed_rng", "shard_name"]
+           "save_checkpoint", "save_tokenizer", "seed_rng", "shard_name"]
 
 COUNTER_KEYS = ("adam_step", "lr_schedule_step", "global_steps", "global_samples", "skipped_steps", "zero_stage",
                 "dtype", "world_size")
@@ -253,7 +253,8 @@ def _make_job(actor: TrainEngine, critic: Optional[TrainEngine], dist: DistInfo,
 # ---------------------------------------------------------------------------------------------
 
 
-def _save_tokenizer(src: Path, dst: Path) -> None:
+def save_tokenizer(src: Path, dst: Path) -> None:
+    """The tokenizer files of model directory ``src`` into ``dst``."""
     from transformers import AutoTokenizer
 
     AutoTokenizer.from_pretrained(src).save_pretrained(dst)
@@ -296,7 +297,7 @@ def _write_main(tmp: Path, job: _Job) -> dict[str, dict]:
             _write_lora(r, job.lora_base, tmp)
         else:
             recorded.update({f"{r.role}/{k}": v for k, v in _write_hf(r, tmp / r.role).items()})
-        _save_tokenizer(job.tokenizer_path, tmp / r.role)
+        save_tokenizer(job.tokenizer_path, tmp / r.role)
         counters = {k: r.meta[k] for k in COUNTER_KEYS}
         counters["shards"] = [shard_name(r.role, i, r.meta["world_size"]) for i in range(r.meta["world_size"])]
         recorded[f"deepspeed/{r.role}_state.json"] = write_hashed_json(tmp / "deepspeed" / f"{r.role}_state.json",

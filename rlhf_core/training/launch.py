@@ -23,7 +23,7 @@ from typing import Optional, Sequence
 
 from rlhf_core.config import config_from_dict
 from rlhf_core.config.loader import read_preset
-from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
+from rlhf_core.errors import RLHFError, disk_full_as_user_error
 from rlhf_core.run.layout import RunDir
 from rlhf_core.training.distributed import shutdown_distributed
 from rlhf_core.training.rank_update import train_update
@@ -36,17 +36,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--config", type=Path, required=True, help="resolved config YAML")
     parser.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed launcher
     args = parser.parse_args(argv)
+    run = RunDir(args.run_dir)
     try:
-        train_update(config_from_dict(read_preset(args.config)), RunDir(args.run_dir), args.iteration)
+        # outside the atomic writers a rank writes only its own checkpoint shard files
+        with disk_full_as_user_error(run.checkpoint(args.iteration)):
+            train_update(config_from_dict(read_preset(args.config)), run, args.iteration)
     except RLHFError as exc:
         return _user_error(exc)
-    except Exception as exc:
-        if not is_disk_full(exc):  # a bug: its traceback helps
-            raise
-        # a failed write() names no file: outside the atomic writers a rank writes only its own
-        # checkpoint shard files
-        written = getattr(exc, "filename", None) or RunDir(args.run_dir).checkpoint(args.iteration)
-        return _user_error(disk_full_error(written))
     finally:
         shutdown_distributed()
     return 0

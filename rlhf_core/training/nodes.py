@@ -37,6 +37,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from rlhf_core.config import RLHFConfig, resolve
 from rlhf_core.config.loader import read_preset
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json
@@ -182,6 +183,14 @@ def new_request(run: RunDir, iteration: int, config_file: Path, nnodes: int, npr
                          config=str(config_file.relative_to(run.root)), nnodes=nnodes, nproc_per_node=nproc_per_node,
                          master_addr=master_addr, master_port=master_port, join_timeout_s=join_timeout_s,
                          created_at=time.time())
+
+
+def node0_address(cfg: RLHFConfig) -> tuple[str, int]:
+    """(host, port) where the nodes of a multi-node launch meet (``config.resolve.update_rendezvous``)."""
+    addr, port = resolve.update_rendezvous(cfg, os.environ)
+    if addr is None:  # fit_to_machine refuses this at load; a config built around it lands here
+        raise RLHFError(f"trainer.nnodes={cfg.trainer.nnodes}: set trainer.master_addr=HOST (node 0's address)")
+    return addr, port
 
 
 def group_request(nnodes: int, nproc_per_node: int, master_addr: str, master_port: int, join_timeout_s: int,

@@ -37,7 +37,6 @@ import gc
 import hashlib
 import json
 import logging
-import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -65,7 +64,7 @@ from rlhf_core.training.rank_update import (check_update_data, finish_update, op
                                             reset_peak_rss, resolve_sources, trainer_state, train_iteration,
                                             training_steps)
 from rlhf_core.training.train_state import TrainState, capture, restore
-from rlhf_core.training.nodes import GROUP_ENTRY
+from rlhf_core.training.nodes import GROUP_ENTRY, node0_address
 from rlhf_core.training.worker_group import Nodes, RankFailure, WorkerGroup
 
 SNAPSHOT = "state_snapshot"
@@ -469,7 +468,7 @@ class GroupTrainer:
         self._published: Optional[tuple[int, Path]] = None
         self._copies = 0
 
-    def update(self, cfg: RLHFConfig, k: int, *, progress: Optional[bool] = None) -> dict[str, Any]:
+    def update(self, cfg: RLHFConfig, k: int) -> dict[str, Any]:
         """Iteration ``k``'s PPO update on every rank (``ResidentTrainer.update``); rank 0's metrics."""
         self._unpublish()
         result = self._call("update", cfg, iteration=k)[0]
@@ -545,9 +544,7 @@ def _nodes(cfg: RLHFConfig, run: RunDir, device: str) -> Optional[Nodes]:
     nnodes, per_node = resolve.update_nodes(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
     if nnodes == 1:
         return None
-    addr, port = resolve.update_rendezvous(cfg, os.environ)
-    if addr is None:  # fit_to_machine refuses this at load; a config built around it lands here
-        raise RLHFError(f"trainer.nnodes={nnodes}: set trainer.master_addr=HOST (node 0's address)")
+    addr, port = node0_address(cfg)
     return Nodes(run, nnodes, per_node, addr, port, cfg.trainer.node_join_timeout_s, device)
 
 
@@ -596,7 +593,7 @@ def active_group(run: RunDir) -> Optional[GroupTrainer]:
 
 
 @contextlib.contextmanager
-def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[ResidentTrainer]]:
+def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]:
     """Keep ``run``'s models resident for the block (the flow's iterations), when ``cfg`` allows
     (``resident_possible``); at the end the last-good state is made durable and the models freed.
     On an interrupt only the write in flight is finished: a resume replays the rest."""

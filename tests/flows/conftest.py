@@ -145,6 +145,27 @@ def two_iterations(prefect_server, demo_preset, tiny_overrides, tmp_path_factory
                            pristine=RunDir(pristine))
 
 
+@pytest.fixture(scope="session")
+def killed_run(prefect_server, demo_preset, tiny_overrides, subprocess_env):
+    """``killed_run(runs_root, name, *overrides, iterations=N, at=WRITE)``: `rlhf run` on the tiny demo
+    config in its own process, killed (as kill -9 would: the fault hook, exit 137) just before the
+    atomic write ``at`` lands; returns its run directory."""
+    import subprocess
+    import sys
+
+    from rlhf_core.run.layout import RunDir
+
+    def run(runs: Path, name: str, *extra: str, iterations: int, at: str):
+        env = subprocess_env(PREFECT_API_URL=prefect_server, RLHF_FAULT=f"before_rename:{at}")
+        proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset,
+                               *tiny_overrides(runs, *extra), "--iterations", str(iterations), "--run-name", name],
+                              env=env, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
+        return RunDir(runs / name)
+
+    return run
+
+
 @pytest.fixture
 def score_rerun_rebuilds(tmp_path, subprocess_env):
     """``score_rerun_rebuilds(run)``: on a copy of ``run``, whose iteration 1 state lived only in

@@ -5,9 +5,6 @@ disk and checkpoints every iteration; a crash between save points replays bit fo
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 
 from flows.pipeline import PipelineParams, rlhf_pipeline
@@ -69,17 +66,10 @@ def uninterrupted(prefect_server, flow_run, tmp_path_factory) -> RunDir:
                            iterations=4)["run_dir"])
 
 
-def test_a_crash_between_save_points_replays_to_the_same_bits(prefect_server, demo_preset, tiny_overrides, tmp_path,
-                                                             uninterrupted, subprocess_env, same_tables,
+def test_a_crash_between_save_points_replays_to_the_same_bits(killed_run, tmp_path, uninterrupted, same_tables,
                                                              same_weights):
-    runs = tmp_path / "runs"
-    overrides = tiny_overrides(runs, "trainer.save_freq=3", "trainer.test_freq=-1")
-    env = subprocess_env(PREFECT_API_URL=prefect_server, RLHF_FAULT="before_rename:iter_3/guard.json")
-    proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset, *overrides,
-                           "--iterations", "4", "--run-name", "ref"], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = RunDir(runs / "ref")
+    run = killed_run(tmp_path / "runs", "ref", "trainer.save_freq=3", "trainer.test_freq=-1", iterations=4,
+                     at="iter_3/guard.json")
     assert read_last_good(run)["iteration"] == 2
     assert not any(run.checkpoint(k).exists() for k in (1, 2, 3))  # nothing durable but the initial models
 

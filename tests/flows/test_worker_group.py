@@ -86,17 +86,10 @@ def test_the_group_trains_and_rolls_back_exactly_as_fresh_ranks_each_iteration(
 
 
 def test_a_kill_between_save_points_resumes_on_a_new_group_to_the_same_bits(
-        group_run, prefect_server, demo_preset, tiny_overrides, flow_run, same_tables, same_weights, tmp_path,
-        subprocess_env):
+        group_run, killed_run, flow_run, same_tables, same_weights, tmp_path):
     runs = tmp_path / "runs"
-    overrides = tiny_overrides(runs, *TWO_RANKS, *BREACH_THEN_RETRY)
-    env = subprocess_env(PREFECT_API_URL=prefect_server, RLHF_FAULT="before_rename:iter_2/guard.json")
     before = {p.pid for p in psutil.process_iter()}
-    proc = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset, *overrides,
-                           "--iterations", "2", "--run-name", "grp"], env=env, capture_output=True, text=True,
-                          timeout=900)
-    assert proc.returncode == 137, proc.stdout[-3000:] + proc.stderr[-3000:]
-    run = RunDir(runs / "grp")
+    run = killed_run(runs, "grp", *TWO_RANKS, *BREACH_THEN_RETRY, iterations=2, at="iter_2/guard.json")
     assert read_last_good(run)["iteration"] == 1
     assert not any(run.checkpoint(k).exists() for k in (1, 2))  # only in the ranks' memory
     assert _eventually_gone(before)  # the ranks saw their coordinator die and left
