@@ -10,6 +10,7 @@ Every stage asks here instead of reading the raw field, so "null = the actor's" 
     total_iterations(cfg, train_prompts)  trainer.total_iterations / total_training_steps / epochs
     uses_critic(cfg)                      critic.enable, else whether the estimator reads values
     needs_baseline_rollout(cfg)           the estimator takes reward_baselines (remax)
+    frozen_param_offload(cfg, "ref")      the reference / reward model between passes in host memory
 
 Nothing here reads files or the machine; callers pass what they measured.
 """
@@ -126,6 +127,13 @@ def critic_value_batching(cfg: RLHFConfig, world_size: int = 1) -> MicroBatching
     per_gpu = c.forward_micro_batch_size_per_gpu or train.micro_batch_size
     return MicroBatching(train.use_dynamic_bsz, c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu,
                          per_gpu)
+
+
+def frozen_param_offload(cfg: RLHFConfig, role: Literal["ref", "reward_model"]) -> bool:
+    """verl's ``fsdp_config.param_offload`` of a frozen model (``offload_policy`` implies it, as
+    for the trained roles): its weights wait in host memory between passes (``scoring.frozen``)."""
+    fsdp = cfg.actor_rollout_ref.ref.fsdp_config if role == "ref" else cfg.reward_model.model.fsdp_config
+    return fsdp.param_offload or fsdp.offload_policy
 
 
 def critic_epochs(cfg: RLHFConfig) -> int:

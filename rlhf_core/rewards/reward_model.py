@@ -19,18 +19,23 @@ the backbone runs once, and the ``score`` head is applied only at each row's las
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 from tqdm.auto import tqdm
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from rlhf_core.config import ConfigError
 from rlhf_core.config.resolve import MicroBatching
 from rlhf_core.errors import CheckpointError
+from rlhf_core.io.timing import MODEL_LOAD, timed
 from rlhf_core.progress import bar_disabled
+from rlhf_core.scoring import frozen
 from rlhf_core.scoring.logprobs import micro_batch_indices
+from rlhf_core.scoring.models import load_tokenizer
 
 
 @dataclass
@@ -44,20 +49,36 @@ class RewardModel:
 def load_reward_model(path: str | Path, device: str | torch.device = "cpu",
                       dtype: torch.dtype = torch.float32) -> RewardModel:
     """Load ``AutoModelForSequenceClassification`` (one label) and its tokenizer from a local dir."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    path, device = Path(path), torch.device(device)
+    model = _read_model(path, device, dtype)
+    return RewardModel(model=model, tokenizer=AutoTokenizer.from_pretrained(path), device=device, path=path)
 
+
+@contextlib.contextmanager
+def held_reward_model(path: str | Path, device: torch.device, dtype: torch.dtype,
+                      param_offload: bool = False) -> Iterator[RewardModel]:
+    """``load_reward_model``'s model on ``device`` for one scoring pass, held by this process for
+    the run and placed by ``reward_model.model.fsdp_config.param_offload`` (``scoring.frozen``)."""
     path = Path(path)
+
+    def load(where: torch.device) -> torch.nn.Module:
+        with timed(MODEL_LOAD):
+            return _read_model(path, where, dtype)
+
+    with frozen.on_device("reward_model", path, device, param_offload, (str(dtype),), load) as model:
+        yield RewardModel(model=model, tokenizer=load_tokenizer(path, shared=True), device=device, path=path)
+
+
+def _read_model(path: Path, where: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     if not (path / "config.json").is_file():
         raise CheckpointError(f"reward_model.model.path={str(path)!r} is not a Hugging Face model "
                               "directory (no config.json); give a local sequence-classification model")
     model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
                                                                attn_implementation="sdpa")
-    tokenizer = AutoTokenizer.from_pretrained(path)
     if model.config.num_labels != 1:
         raise CheckpointError(f"reward model at {path} has {model.config.num_labels} labels; a reward "
                               "model must output one score")
-    device = torch.device(device)
-    return RewardModel(model=model.to(device).eval(), tokenizer=tokenizer, device=device, path=path)
+    return model.to(where).eval()
 
 
 def conversation_ids(rm: RewardModel, messages: Sequence[dict], response_text: str) -> list[int]:

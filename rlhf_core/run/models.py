@@ -3,6 +3,7 @@
     initial actor   the warm-started (SFT) model when actor_rollout_ref.model.warm_start.enable, else
                     actor_rollout_ref.model.path (stage ``warm_start`` builds / trains what is missing)
     reference       actor_rollout_ref.ref.model_path, else the initial actor
+    reward model    reward_model.model.path with reward_model.enable, else none (rule-based rewards)
     initial critic  models/critic_init of the run (stage ``init_critic`` builds it)
     actor / critic  the last-good checkpoint's, else the initial ones; with ``iteration``: the ones
                     that iteration started from (``lifecycle.checkpoint_before``)
@@ -23,7 +24,7 @@ from typing import Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.resolve import uses_critic
-from rlhf_core.errors import CheckpointError
+from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import checkpoint_before, last_good_checkpoint
@@ -46,6 +47,16 @@ def reference_path(cfg: RLHFConfig) -> Path:
     """The frozen reference policy: ref.model_path, else the actor's initial model."""
     ref = cfg.actor_rollout_ref.ref.model_path
     return resolve_model_path(ref) if ref else initial_actor_path(cfg)
+
+
+def reward_model_path(cfg: RLHFConfig) -> Optional[Path]:
+    """The sequence-classification reward model; None for rule-based rewards."""
+    if not cfg.reward_model.enable:
+        return None
+    if not cfg.reward_model.model.path:
+        raise RLHFError("reward_model.enable=true needs reward_model.model.path=<sequence-classification "
+                        "model>; or set reward_model.enable=false for rule-based rewards")
+    return resolve_model_path(cfg.reward_model.model.path)
 
 
 def critic_backbone(cfg: RLHFConfig) -> Path:

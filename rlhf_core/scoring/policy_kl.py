@@ -10,13 +10,15 @@ import torch
 
 from rlhf_core.algos import logprobs_from_logits
 from rlhf_core.config import RLHFConfig
-from rlhf_core.config.resolve import micro_batching
+from rlhf_core.config.resolve import frozen_param_offload, micro_batching
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.timing import MODEL_LOAD, timed
 from rlhf_core.models.packed import pack_rows, packed_forward, packing_attention_mode, response_positions
 from rlhf_core.data.packing import Share
 from rlhf_core.scoring.logprobs import own_micro_batches, plan_micro_batches
-from rlhf_core.scoring.models import is_lora_dir, load_causal_lm, load_merged_actor, scoring_device, scoring_dtype
+from rlhf_core.scoring.models import (
+    is_lora_dir, load_causal_lm, load_merged_actor, reference_policy, scoring_device, scoring_dtype,
+)
 
 
 def response_kl(token_kls: list, sampled_k1: Optional[list] = None) -> dict[str, float]:
@@ -97,13 +99,13 @@ def actor_ref_kl(cfg: RLHFConfig, actor_dir: Path, ref_dir: Path, sequences: lis
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
     attention = cfg.actor_rollout_ref.model.override_config.attn_implementation  # the update's and scoring's
     actor = load_actor_for_kl(actor_dir, device, dtype, attention)
-    ref = load_causal_lm(ref_dir, device, dtype, role="reference", shared=True, attention=attention)
     pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
     # packed like the scoring stage's reference forward: the reference role's token budget (verl's
     # ref.log_prob_max_token_len_per_gpu, which falls back to the actor's)
     budget = micro_batching(cfg, "ref").token_budget
-    return token_kl(actor, ref, sequences, prompt_lengths, budget=budget, temperature=rollout.temperature,
-                    pad_id=pad_id, share=share)
+    with reference_policy(ref_dir, device, dtype, attention, frozen_param_offload(cfg, "ref")) as ref:
+        return token_kl(actor, ref, sequences, prompt_lengths, budget=budget, temperature=rollout.temperature,
+                        pad_id=pad_id, share=share)
 
 
 def load_actor_for_kl(actor_dir: Path, device, dtype, attention: str = "auto"):

@@ -40,30 +40,30 @@ from tqdm.auto import tqdm
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.resolve import (
-    MicroBatching, critic_use_remove_padding, critic_value_batching, micro_batching, needs_baseline_rollout,
-    update_world_size,
+    MicroBatching, critic_use_remove_padding, critic_value_batching, frozen_param_offload, micro_batching,
+    needs_baseline_rollout, update_world_size,
 )
 from rlhf_core.data.schemas import SCORED
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.run.models import actor_path, critic_path, reference_path
+from rlhf_core.run.models import actor_path, critic_path, reference_path, reward_model_path
 from rlhf_core.run.layout import RunDir
 from rlhf_core.io.tables import rows_with_ids
-from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
+from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
 from rlhf_core.rewards import get_reward_fn, normalize_result, routing_value
 from rlhf_core.config.validate import check_overlong_buffer
 from rlhf_core.rewards.overlong import shape_scores
 from rlhf_core.rewards.reward_model import (
-    check_same_vocabulary, load_reward_model, rerendered_ids, score_sequences,
+    check_same_vocabulary, held_reward_model, rerendered_ids, score_sequences,
 )
 from rlhf_core.scoring import (
     Throughput, compute_token_logprobs, compute_token_values, load_causal_lm, load_critic, same_weights,
     scoring_device, scoring_dtype,
 )
 from rlhf_core.data.packing import Share
-from rlhf_core.scoring.models import load_tokenizer, release
+from rlhf_core.scoring.models import load_tokenizer, reference_policy, release
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes
 from rlhf_core.training.resident import ensure_state
@@ -90,14 +90,9 @@ class ModelPaths:
 
 def reward_model_paths(cfg: RLHFConfig) -> tuple[Optional[Path], Optional[Path]]:
     """(reward model, its input tokenizer): (None, None) for rule-based rewards."""
-    rm, rm_tokenizer = None, None
-    if cfg.reward_model.enable:
-        if not cfg.reward_model.model.path:
-            raise RLHFError("reward_model.enable=true needs reward_model.model.path=<sequence-classification "
-                            "model>; or set reward_model.enable=false for rule-based rewards")
-        rm = resolve_model_path(cfg.reward_model.model.path)
-        if cfg.reward_model.model.input_tokenizer:
-            rm_tokenizer = resolve_model_path(cfg.reward_model.model.input_tokenizer)
+    rm, rm_tokenizer = reward_model_path(cfg), None
+    if rm is not None and cfg.reward_model.model.input_tokenizer:
+        rm_tokenizer = resolve_model_path(cfg.reward_model.model.input_tokenizer)
     return rm, rm_tokenizer
 
 
@@ -321,21 +316,19 @@ def _reward_model_scores(cfg: RLHFConfig, models: ModelPaths, rows: list[dict],
     response decoded with input_tokenizer and re-rendered with the RM's chat template, cut to
     reward_model.max_length tokens (null = max_prompt_length + max_response_length)."""
     device = scoring_device(cfg.trainer.device)
-    with timed(MODEL_LOAD):
-        rm = load_reward_model(models.reward_model, device, scoring_dtype(device))
-    if models.rm_input_tokenizer is None:
-        check_same_vocabulary(rm, load_tokenizer(models.actor, shared=True), models.actor)
-        sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
-    else:
-        source = load_tokenizer(models.rm_input_tokenizer, shared=True)
-        max_length = cfg.reward_model.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
-        sequences = [rerendered_ids(rm, prompts[r["prompt_id"]]["prompt"], r["response_token_ids"], source, max_length)
-                     for r in rows]
     batching = micro_batching(cfg, "reward_model", update_world_size(cfg, _cuda_devices()))
-    scores = score_sequences(rm, sequences, batching, budget_key="critic.forward_max_token_len_per_gpu")
-    alive = weakref.ref(rm)
-    del rm
-    release(alive, device)
+    with held_reward_model(models.reward_model, device, scoring_dtype(device),
+                           frozen_param_offload(cfg, "reward_model")) as rm:
+        if models.rm_input_tokenizer is None:
+            check_same_vocabulary(rm, load_tokenizer(models.actor, shared=True), models.actor)
+            sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
+        else:
+            source = load_tokenizer(models.rm_input_tokenizer, shared=True)
+            max_length = cfg.reward_model.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
+            sequences = [rerendered_ids(rm, prompts[r["prompt_id"]]["prompt"], r["response_token_ids"], source,
+                                        max_length) for r in rows]
+        scores = score_sequences(rm, sequences, batching, budget_key="critic.forward_max_token_len_per_gpu")
+    release(weakref.ref(rm.model), device)
     return scores, [json.dumps({"rm_score": s}) for s in scores]
 
 
@@ -397,19 +390,24 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter, s
         return dict(sequences=sequences, prompt_lengths=prompt_lengths, budget=plan.batching,
                     packed=plan.packed, budget_key=plan.budget_key, throughput=meter, share=share)
 
-    def logprobs(path: Path, role: str) -> list[list[float]]:
-        # shared: the actor the rollout just sampled from, the reference the guard uses too
-        model = load_causal_lm(path, device, dtype, role=role, shared=True, attention=actor_attention)
-        out = compute_token_logprobs(model, temperature=temperature, pad_id=_pad_id(model),
-                                     desc=f"{role} log-probs", **common(role))
-        alive = weakref.ref(model)
-        del model
-        release(alive, device)
-        return _as_lists(out)
+    def logprobs(model, role: str) -> list[list[float]]:
+        return _as_lists(compute_token_logprobs(model, temperature=temperature, pad_id=_pad_id(model),
+                                                desc=f"{role} log-probs", **common(role)))
 
-    old = logprobs(models.actor, "actor")
+    # shared: the actor the rollout just sampled from, which the guard measures next
+    actor = load_causal_lm(models.actor, device, dtype, role="actor", shared=True, attention=actor_attention)
+    old = logprobs(actor, "actor")
+    alive = weakref.ref(actor)
+    del actor
+    release(alive, device)
     ref_reused = same_weights(models.actor, models.reference)
-    ref = [None if x is None else list(x) for x in old] if ref_reused else logprobs(models.reference, "reference")
+    if ref_reused:
+        ref = [None if x is None else list(x) for x in old]
+    else:
+        with reference_policy(models.reference, device, dtype, actor_attention,
+                              frozen_param_offload(cfg, "ref")) as reference:
+            ref = logprobs(reference, "reference")
+        release(weakref.ref(reference), device)
     if models.critic is None:  # a critic-free estimator: the column keeps its shape, nobody reads it
         return old, ref, [None if x is None else [0.0] * len(x) for x in old], ref_reused
     critic = load_critic(models.critic, device, dtype, attention=cfg.critic.model.override_config.attn_implementation)
