@@ -164,3 +164,15 @@ def test_same_weights_compares_content_not_names(tiny_model_dir, tmp_path, actor
             actor.lm_head.weight[0, 0] -= 1.0
     assert not same_weights(tiny_model_dir, changed)
     assert weights_fingerprint(tmp_path) is None  # no weights there: nothing can be proven equal
+    assert not same_weights(tmp_path, tmp_path)
+    last_byte = tmp_path / "last_byte"  # a difference past the first chunk read is still found
+    shutil.copytree(tiny_model_dir, last_byte)
+    weights = last_byte / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 1
+    weights.write_bytes(bytes(data))
+    assert not same_weights(copy, last_byte) and same_weights(copy, copy)
+    config = tmp_path / "config_only"
+    shutil.copytree(tiny_model_dir, config)
+    (config / "config.json").write_text((config / "config.json").read_text() + " ")
+    assert not same_weights(copy, config)
