@@ -20,6 +20,9 @@ FSDP → DeepSpeed mapping (the update stage always trains with DeepSpeed ZeRO):
     fsdp_config.optimizer_offload = true → deepspeed_config.offload_optimizer = true
     fsdp_config.offload_policy = true    → both of the above (FSDP2's CPUOffloadPolicy moves
                                            parameters, gradients and optimizer state to CPU)
+for the trained roles (actor_rollout_ref.actor.fsdp_config, critic.model.fsdp_config). The frozen
+models' (actor_rollout_ref.ref.fsdp_config, reward_model.model.fsdp_config) param_offload or
+offload_policy keeps the model held for the run in host memory between passes (scoring.frozen).
 """
 
 from __future__ import annotations
@@ -278,8 +281,9 @@ class FSDPConfig(Section):
     """Accepted for verl compatibility; mapped to deepspeed_config (see the module docstring)."""
 
     param_offload: bool = False
-    """verl's default (off): offloading trades step time for device memory; maps to
-    deepspeed_config.offload_param (ZeRO-3)."""
+    """verl's default (off): offloading trades step time for device memory. Actor, critic: maps to
+    deepspeed_config.offload_param (ZeRO-3); reference, reward model: their held weights wait in host
+    memory between passes."""
     optimizer_offload: bool = False
     """verl's default (off), for the same trade; maps to deepspeed_config.offload_optimizer."""
     offload_policy: bool = False

@@ -9,6 +9,7 @@ rollout and ref) lives here.
 from __future__ import annotations
 
 import dataclasses
+from typing import Literal
 
 from rlhf_core.algos import estimator_takes
 from rlhf_core.config.errors import ConfigError
@@ -109,10 +110,13 @@ def _check_sections(section: Section, key: str) -> None:
             _check_sections(child, f"{key}.{f.name}" if key else f.name)
 
 
-def effective_deepspeed(cfg: RLHFConfig) -> DeepSpeedConfig:
-    """The actor's DeepSpeed settings with verl's FSDP offload flags folded in."""
-    a = cfg.actor_rollout_ref.actor
-    ds, fsdp = a.deepspeed_config, a.fsdp_config
+def effective_deepspeed(cfg: RLHFConfig, role: Literal["actor", "critic"] = "actor") -> DeepSpeedConfig:
+    """A trained role's DeepSpeed settings with verl's FSDP offload flags folded in (the actor's
+    ``actor_rollout_ref.actor.fsdp_config``, the critic's ``critic.model.fsdp_config``)."""
+    if role == "critic":
+        ds, fsdp = cfg.critic.deepspeed_config, cfg.critic.model.fsdp_config
+    else:
+        ds, fsdp = cfg.actor_rollout_ref.actor.deepspeed_config, cfg.actor_rollout_ref.actor.fsdp_config
     return DeepSpeedConfig(
         zero_stage=ds.zero_stage,
         dtype=ds.dtype,

@@ -164,5 +164,6 @@ def actor_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
 
 
 def critic_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
-    return build_ds_config(cfg.critic.deepspeed_config, grad_clip=cfg.critic.grad_clip, device=device,
+    """The critic's config: critic.model.fsdp_config's offload flags folded in, as the actor's."""
+    return build_ds_config(effective_deepspeed(cfg, "critic"), grad_clip=cfg.critic.grad_clip, device=device,
                            world_size=world_size, key="critic.deepspeed_config")

@@ -30,9 +30,15 @@ A run holds these at different times; the estimate is the largest of three phase
     rollout      with a vLLM engine beside resident trainer engines (trainer.resident_models, one
                  process on CUDA): actor and critic state + gpu_memory_utilization × device memory.
                  Otherwise the engine has the GPU to itself, and during the update it sleeps or is closed.
-    scoring      the largest frozen model scoring loads (one at a time: reference, actor, critic),
-                 whole in the compute dtype on one device, and its log-prob forward's logits; with
-                 resident engines beside it.
+    scoring      the largest model a scoring pass has on the device (reference, actor, critic,
+                 reward model: one at a time), whole in the compute dtype, and its log-prob
+                 forward's logits; with resident engines beside it (a resident trainer, or every
+                 rank of a worker group: there at ZeRO-3 the actor's scoring copy is the whole
+                 gathered copy each rank serves).
+
+In every phase: the frozen models the scoring process holds for the run (``scoring.frozen``: the
+reference, and the reward model when enabled), whole in the compute dtype — on the device, or in
+host memory with their role's ``fsdp_config.param_offload``.
 
 On CPU all of it is in the host memory every rank shares; on CUDA each GPU is checked, and what is
 offloaded is checked against the host memory of all ranks together.
@@ -268,11 +274,14 @@ class Shapes:
     critic: Optional[ModelShape]
     """None in a run without a critic."""
     reference: ModelShape
+    reward_model: Optional[ModelShape] = None
+    """None without reward_model.enable."""
 
     @classmethod
-    def read(cls, actor: Path, critic: Optional[Path], reference: Path) -> "Shapes":
+    def read(cls, actor: Path, critic: Optional[Path], reference: Path,
+             reward_model: Optional[Path] = None) -> "Shapes":
         return cls(ModelShape.read(actor), ModelShape.read(critic) if critic is not None else None,
-                   ModelShape.read(reference))
+                   ModelShape.read(reference), ModelShape.read(reward_model) if reward_model is not None else None)
 
 
 def micro_batch_tokens(cfg: RLHFConfig, role: str, world_size: int) -> int:
@@ -307,7 +316,7 @@ def estimate(cfg: RLHFConfig, shapes: Shapes, *, device: str, world_size: int, d
     if shapes.critic is not None:
         critic_params = shapes.critic.parameters("value")
         state += train_state("critic", critic_params, critic_params,
-                             Placement.of(cfg.critic.deepspeed_config, critic_dtype, world_size))
+                             Placement.of(effective_deepspeed(cfg, "critic"), critic_dtype, world_size))
     actor_tokens = micro_batch_tokens(cfg, "actor", world_size)
     critic_tokens = micro_batch_tokens(cfg, "critic", world_size)
     actor_mb = [Term("actor activations", activations(shapes.actor, actor_tokens, actor_dtype,
@@ -317,24 +326,39 @@ def estimate(cfg: RLHFConfig, shapes: Shapes, *, device: str, world_size: int, d
         Term("critic activations", activations(shapes.critic, critic_tokens, critic_dtype,
                                                cfg.critic.model.enable_gradient_checkpointing))]
     larger = max(actor_mb, critic_mb, key=lambda terms: sum(t.device for t in terms))
-    phases = {"update": state + larger}
+    held = held_terms(cfg, shapes, actor_dtype)
+    phases = {"update": state + larger + held}
     kept = [Term(t.name, t.device, t.host) for t in state] if resident else []
     if arr.rollout.name == "vllm" and device == "cuda" and resident:
-        phases["rollout"] = kept + [Term("vLLM rollout", int(arr.rollout.gpu_memory_utilization * device_memory))]
+        phases["rollout"] = kept + held + [Term("vLLM rollout", int(arr.rollout.gpu_memory_utilization * device_memory))]
     phases["scoring"] = kept + scoring_terms(cfg, shapes, actor_dtype, world_size)
     return Estimate(phases, device, world_size)
 
 
-def scoring_terms(cfg: RLHFConfig, shapes: Shapes, dtype: str, world_size: int) -> list[Term]:
-    """The largest frozen model scoring loads whole (one at a time) and its log-prob forward's logits."""
+def held_terms(cfg: RLHFConfig, shapes: Shapes, dtype: str) -> list[Term]:
+    """The frozen models held for the run, on the device or (param_offload) in host memory."""
     b = DTYPE_BYTES[dtype]
-    models = [("reference", shapes.reference.parameters("lm")), ("actor (scoring)", shapes.actor.parameters("lm"))]
+    held = [("reference (held)", shapes.reference.parameters("lm"), resolve.frozen_param_offload(cfg, "ref"))]
+    if shapes.reward_model is not None:
+        held.append(("reward model (held)", shapes.reward_model.parameters("value"),
+                     resolve.frozen_param_offload(cfg, "reward_model")))
+    return [Term(name, host=params * b) if offload else Term(name, params * b) for name, params, offload in held]
+
+
+def scoring_terms(cfg: RLHFConfig, shapes: Shapes, dtype: str, world_size: int) -> list[Term]:
+    """The held frozen models, the largest model a pass has on the device beside them (one at a
+    time; an offloaded frozen model's pass copy among them) and its log-prob forward's logits."""
+    b = DTYPE_BYTES[dtype]
+    held = held_terms(cfg, shapes, dtype)
+    models = [("actor (scoring)", shapes.actor.parameters("lm"))]
     if shapes.critic is not None:
         models.append(("critic (scoring)", shapes.critic.parameters("value")))
+    models += [(f"{t.name.removesuffix(' (held)')} (pass copy)", t.host // b) for t in held if t.host]
     name, params = max(models, key=lambda m: m[1])
     tokens = micro_batch_tokens(cfg, "ref", world_size)
-    return [Term(f"{name} weights", params * b),
-            Term("log-prob logits", response_logits(shapes.reference, tokens, dtype, response_share(cfg), backward=False))]
+    return held + [Term(f"{name} weights", params * b),
+                   Term("log-prob logits", response_logits(shapes.reference, tokens, dtype, response_share(cfg),
+                                                           backward=False))]
 
 
 def host_memory() -> int:
@@ -352,7 +376,7 @@ def capacity(device: str) -> int:
 
 def remedies(cfg: RLHFConfig, est: Estimate) -> list[str]:
     """What would shrink the biggest terms, as the keys to set."""
-    a_ds, c_ds = effective_deepspeed(cfg), cfg.critic.deepspeed_config
+    a_ds, c_ds = effective_deepspeed(cfg), effective_deepspeed(cfg, "critic")
     fixes = []
     if a_ds.zero_stage < 3 or c_ds.zero_stage < 3:
         fixes.append("actor_rollout_ref.actor.deepspeed_config.zero_stage=3 and critic.deepspeed_config.zero_stage=3 "
@@ -392,12 +416,11 @@ def check_fits(cfg: RLHFConfig, est: Estimate, device_capacity: int, host_capaci
 
 
 def check_update_memory(cfg: RLHFConfig, shapes: Shapes, device: str, world_size: int, *,
-                        announce: bool = True) -> Estimate:
+                        resident: bool = False, announce: bool = True) -> Estimate:
     """Estimate this run's per-rank memory and refuse it (``check_fits``) before any engine is built.
-    ``announce``: log the estimate (rank 0)."""
+    ``resident``: the engines stay loaded beside the rollout and scoring (a resident trainer, or
+    each rank of a worker group, which runs the stage passes too); ``announce``: log the estimate (rank 0)."""
     device_capacity = capacity(device)
-    # engines may stay loaded beside the rollout at one process (trainer.resident_models)
-    resident = cfg.trainer.resident_models and world_size == 1
     est = estimate(cfg, shapes, device=device, world_size=world_size, device_memory=device_capacity,
                    resident=resident)
     if announce:

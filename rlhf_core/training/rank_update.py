@@ -34,7 +34,9 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import checkpoint_before
 from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.models.attention import resolve_attention
-from rlhf_core.run.models import actor_path, critic_backbone, critic_path, initial_actor_path, reference_path
+from rlhf_core.run.models import (
+    actor_path, critic_backbone, critic_path, initial_actor_path, reference_path, reward_model_path,
+)
 from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, PPOData, check_budget, read_advantages
 from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, save_checkpoint, seed_rng
 from rlhf_core.training.distributed import DistInfo, all_reduce, init_distributed
@@ -294,16 +296,17 @@ def check_update_data(cfg: RLHFConfig, run: RunDir, iteration: int, world_size: 
     return data
 
 
-def open_engines(cfg: RLHFConfig, run: RunDir, sources: UpdateSources, device: str, world_size: int
-                 ) -> tuple[TrainEngine, Optional[TrainEngine], int]:
+def open_engines(cfg: RLHFConfig, run: RunDir, sources: UpdateSources, device: str, world_size: int, *,
+                 resident: bool = False) -> tuple[TrainEngine, Optional[TrainEngine], int]:
     """(actor, critic, pad id): engines built on ``sources``' weights, with the optimizer state and
     the RNG of the checkpoint they start from (``sources.resume``), else fresh and seeded. A config
     whose memory estimate does not fit the device is refused first (``memory.check_update_memory``)."""
     pad_id = _pad_id(sources.actor)
     # the initial models' shapes: a later checkpoint has the same ones, and one held only in memory has no file
     shapes = Shapes.read(initial_actor_path(cfg), critic_backbone(cfg) if resolve.uses_critic(cfg) else None,
-                         reference_path(cfg))
-    check_update_memory(cfg, shapes, device, world_size, announce=int(os.environ.get("RANK", "0")) == 0)
+                         reference_path(cfg), reward_model_path(cfg))
+    check_update_memory(cfg, shapes, device, world_size, resident=resident,
+                        announce=int(os.environ.get("RANK", "0")) == 0)
     actor, critic = build_engines(cfg, sources, device, world_size, training_steps(cfg, run))
     with cpu_threads(device, parameter_count(actor), world_size):
         if sources.resume is not None:

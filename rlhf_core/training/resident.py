@@ -310,7 +310,9 @@ class ResidentTrainer:
         started = time.perf_counter()
         # resolve_sources(k) = the state k starts from: base's checkpoint, or the initial models
         sources = resolve_sources(cfg, self.run, base + 1)
-        self.actor, self.critic, self.pad_id = open_engines(cfg, self.run, sources, device, dist.world_size)
+        # resident: the engines stay beside the rollout and scoring of every iteration (on every rank of a group)
+        self.actor, self.critic, self.pad_id = open_engines(cfg, self.run, sources, device, dist.world_size,
+                                                            resident=True)
         self.dist, self.device, self.key = dist, device, key
         self.tokenizer = resolve_sources(cfg, self.run, 1).tokenizer  # never pruned, unlike a checkpoint's copy
         self.rng = rng_state() if base else None  # open_engines set the checkpoint's RNG (or seeded it)

@@ -39,6 +39,16 @@ def test_fsdp_offload_policy_maps_to_zero3_parameter_and_optimizer_offload():
     zero = actor_ds_config(cfg, "cpu", 1)["zero_optimization"]
     assert zero["stage"] == 3
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
+    assert "offload_param" not in critic_ds_config(cfg, "cpu", 1)["zero_optimization"]  # the actor's flags only
+
+
+def test_the_critics_fsdp_offload_flags_map_to_its_zero_offload():
+    cfg = load_config(None, ["critic.model.fsdp_config.optimizer_offload=true", "critic.deepspeed_config.zero_stage=2"])
+    zero = critic_ds_config(cfg, "cpu", 1)["zero_optimization"]
+    assert zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
+    assert "offload_optimizer" not in actor_ds_config(cfg, "cpu", 1)["zero_optimization"]
+    with pytest.raises(ConfigError, match="critic.deepspeed_config.offload_param=true needs ZeRO-3"):
+        critic_ds_config(load_config(None, ["critic.model.fsdp_config.param_offload=true"]), "cpu", 1)
 
 
 @pytest.mark.parametrize("overrides, key", [

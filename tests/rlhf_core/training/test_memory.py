@@ -112,6 +112,44 @@ def test_qwen_7b_preset_fits_8_gpus_of_80gb_and_not_one_gpu_at_zero_0(qwen_hub):
                    80 * GIB, 1024 * GIB)
 
 
+def test_the_held_reference_and_reward_model_sit_on_the_device_or_with_param_offload_on_the_host(qwen_hub):
+    qwen = ModelShape.read(qwen_hub)
+    larger_rm = ModelShape.from_dict({**QWEN25_7B, "num_hidden_layers": 40})
+    shapes = Shapes(qwen, qwen, qwen, reward_model=larger_rm)
+    P_lm, P_rm = qwen.parameters("lm"), larger_rm.parameters("value")
+
+    def terms(*overrides):
+        cfg = load_config(PRESET, list(overrides))
+        est = estimate(cfg, shapes, device="cuda", world_size=8, device_memory=80 * GIB)
+        return {phase: {t.name: t for t in phase_terms} for phase, phase_terms in est.phases.items()}
+
+    rm = ("reward_model.enable=true", f"reward_model.model.path={qwen_hub}")
+    on_device = terms("actor_rollout_ref.ref.fsdp_config.param_offload=false", *rm)
+    for phase in ("update", "scoring"):
+        assert on_device[phase]["reference (held)"].device == 2 * P_lm  # whole, bf16, for the run
+        assert on_device[phase]["reward model (held)"].device == 2 * P_rm
+    offloaded = terms("actor_rollout_ref.ref.fsdp_config.param_offload=true", *rm,
+                      "reward_model.model.fsdp_config.param_offload=true")
+    for phase in ("update", "scoring"):
+        held = offloaded[phase]["reference (held)"]
+        assert (held.device, held.host) == (0, 2 * P_lm)
+    # an offloaded model is on the device only for its own pass: the largest pass copy (here the
+    # reward model's) is counted, beside nothing else held
+    assert offloaded["scoring"]["reward model (pass copy) weights"].device == 2 * P_rm
+    assert offloaded["update"].keys() & {"reward model (pass copy) weights", "reference (pass copy) weights"} == set()
+
+
+def test_a_worker_groups_ranks_keep_their_engines_beside_the_scoring_passes(qwen_hub):
+    cfg = load_config(PRESET)
+    shapes = Shapes(*[ModelShape.read(qwen_hub)] * 3)
+    fresh = estimate(cfg, shapes, device="cuda", world_size=8, device_memory=80 * GIB)
+    group = estimate(cfg, shapes, device="cuda", world_size=8, device_memory=80 * GIB, resident=True)
+    state = sum(t.device for t in fresh.phases["update"] if t.name.startswith(("actor ", "critic ")) and
+                "activations" not in t.name and "logits" not in t.name)
+    assert group.device_bytes("scoring") == fresh.device_bytes("scoring") + state
+    assert "actor (scoring) weights" in {t.name for t in group.phases["scoring"]}  # the gathered ZeRO-3 copy
+
+
 def test_a_config_that_cannot_fit_is_refused_before_any_engine_is_built(tiny_model_dir, critic_init_dir,
                                                                         monkeypatch):
     from rlhf_core.training import memory, rank_update
