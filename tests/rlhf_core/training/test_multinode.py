@@ -75,18 +75,21 @@ def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _as_from_a_shell() -> None:
-    """The child's Ctrl-C as a terminal gives it: default disposition, not blocked. A signal state
-    earlier tests left in this process (an ignored or blocked SIGINT) would otherwise be inherited,
-    and Python keeps ignoring a SIGINT that was ignored when it started."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+AS_FROM_A_SHELL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                   "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); os.execv(sys.argv[1], sys.argv[1:])")
+"""Exec the command with Ctrl-C as a terminal gives it: default disposition, not blocked. A signal
+state earlier tests left in this process (an ignored or blocked SIGINT) would otherwise be inherited,
+and Python keeps ignoring a SIGINT that was ignored when it started. A launcher, not a
+``preexec_fn``: that forces a fork of this test process, which after many in-process DeepSpeed
+engines holds tens of GB of untouched virtual memory in one mapping, and the kernel's overcommit
+check refuses to copy it (ENOMEM); without one, subprocess starts the child with vfork."""
 
 
 def _joiner(run: RunDir, node_rank: int, env: dict[str, str]) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "rlhf_cli.main", "node", "join", "--run-dir", str(run.root),
-                             "--node-rank", str(node_rank)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, preexec_fn=_as_from_a_shell)
+    command = [sys.executable, "-m", "rlhf_cli.main", "node", "join", "--run-dir", str(run.root),
+               "--node-rank", str(node_rank)]
+    return subprocess.Popen([sys.executable, "-c", AS_FROM_A_SHELL, *command], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.slow
