@@ -38,8 +38,6 @@ class _Held:
     key: tuple
     identity: tuple
     model: torch.nn.Module
-    offloaded: bool
-    """The tensors live in host memory between passes (param_offload on a CUDA device)."""
 
 
 _held: dict[str, _Held] = {}
@@ -58,7 +56,7 @@ def on_device(role: str, path: Path, device: torch.device, param_offload: bool, 
     ``options`` (dtype, attention, ...) complete the key: another value loads afresh."""
     offload = offloads(param_offload, device)
     held = _lookup(role, Path(path), device, offload, options, load)
-    if not held.offloaded:
+    if not offload:
         yield held.model
         return
     host = _host_tensors(held.model)
@@ -101,7 +99,7 @@ def _lookup(role: str, path: Path, device: torch.device, offload: bool, options:
     model.requires_grad_(False)
     if offload:
         _pin(model)
-    held = _Held(key, identity, model, offload)
+    held = _Held(key, identity, model)
     if identity is not None and directory_identity(path) == identity:  # not changed while loading
         _held[role] = held
     return held

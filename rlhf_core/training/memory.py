@@ -335,30 +335,35 @@ def estimate(cfg: RLHFConfig, shapes: Shapes, *, device: str, world_size: int, d
     return Estimate(phases, device, world_size)
 
 
+def _held_models(cfg: RLHFConfig, shapes: Shapes) -> list[tuple[str, int, bool]]:
+    """(name, parameters, offloaded) of each frozen model held for the run (``scoring.frozen``)."""
+    held = [("reference", shapes.reference.parameters("lm"), resolve.frozen_param_offload(cfg, "ref"))]
+    if shapes.reward_model is not None:
+        held.append(("reward model", shapes.reward_model.parameters("value"),
+                     resolve.frozen_param_offload(cfg, "reward_model")))
+    return held
+
+
 def held_terms(cfg: RLHFConfig, shapes: Shapes, dtype: str) -> list[Term]:
     """The frozen models held for the run, on the device or (param_offload) in host memory."""
     b = DTYPE_BYTES[dtype]
-    held = [("reference (held)", shapes.reference.parameters("lm"), resolve.frozen_param_offload(cfg, "ref"))]
-    if shapes.reward_model is not None:
-        held.append(("reward model (held)", shapes.reward_model.parameters("value"),
-                     resolve.frozen_param_offload(cfg, "reward_model")))
-    return [Term(name, host=params * b) if offload else Term(name, params * b) for name, params, offload in held]
+    return [Term(f"{name} (held)", host=params * b) if offloaded else Term(f"{name} (held)", params * b)
+            for name, params, offloaded in _held_models(cfg, shapes)]
 
 
 def scoring_terms(cfg: RLHFConfig, shapes: Shapes, dtype: str, world_size: int) -> list[Term]:
     """The held frozen models, the largest model a pass has on the device beside them (one at a
     time; an offloaded frozen model's pass copy among them) and its log-prob forward's logits."""
     b = DTYPE_BYTES[dtype]
-    held = held_terms(cfg, shapes, dtype)
     models = [("actor (scoring)", shapes.actor.parameters("lm"))]
     if shapes.critic is not None:
         models.append(("critic (scoring)", shapes.critic.parameters("value")))
-    models += [(f"{t.name.removesuffix(' (held)')} (pass copy)", t.host // b) for t in held if t.host]
+    models += [(f"{name} (pass copy)", params) for name, params, offloaded in _held_models(cfg, shapes) if offloaded]
     name, params = max(models, key=lambda m: m[1])
     tokens = micro_batch_tokens(cfg, "ref", world_size)
-    return held + [Term(f"{name} weights", params * b),
-                   Term("log-prob logits", response_logits(shapes.reference, tokens, dtype, response_share(cfg),
-                                                           backward=False))]
+    return held_terms(cfg, shapes, dtype) + [
+        Term(f"{name} weights", params * b),
+        Term("log-prob logits", response_logits(shapes.reference, tokens, dtype, response_share(cfg), backward=False))]
 
 
 def host_memory() -> int:
