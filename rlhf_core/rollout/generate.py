@@ -16,7 +16,7 @@ from typing import Any, Mapping, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_core.config import RLHFConfig
+from rlhf_core.config import RLHFConfig, effective_deepspeed
 from rlhf_core.config.notes import say_once
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
@@ -27,6 +27,7 @@ from rlhf_core.rollout.base import (
 from rlhf_core.data.packing import Share, plan_generation_batches, shard_by_tokens
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
+from rlhf_core.training.ds_config import resolve_device, resolve_dtype
 
 PROMPT_COLUMNS = ("prompt_id", "data_source", "reward_source", "reward_model", "extra_info", "prompt_token_ids",
                   "prompt_length")
@@ -61,20 +62,32 @@ def val_sampling_from_config(cfg: RLHFConfig, *, seed: int) -> SamplingParams:
 
 
 def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional[str] = None, *,
-                         sleep_mode: bool = False) -> RolloutEngine:
+                         resident: bool = False, data_parallel_size: int = 1,
+                         external_launcher: bool = False) -> RolloutEngine:
     """The engine named by ``actor_rollout_ref.rollout.name`` (or ``name``), loaded on ``model_path``;
-    ``sleep_mode``: a vLLM engine that can sleep during the update and take new weights in place."""
+    ``resident``: a vLLM engine that pauses during the update and takes new weights in place;
+    ``external_launcher``: this process is one rank of ``data_parallel_size`` vLLM engines of
+    rollout.tensor_model_parallel_size ranks each, spread over torchrun's processes."""
     r = cfg.actor_rollout_ref.rollout
     name = name or generation_engine(cfg)
     engine_cls = get_engine(name)  # unknown names fail here, listing the engines
     tokenizer_path = tokenizer_path_for(cfg, Path(model_path))
     if name == "vllm":
+        max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+        sequences = cfg.data.train_batch_size * max(r.n, r.val_kwargs.n)
         return engine_cls(model_path, tensor_parallel_size=r.tensor_model_parallel_size,
-                          gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
-                          max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                          tokenizer_path=tokenizer_path, sleep_mode=sleep_mode)
+                          data_parallel_size=data_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
+                          dtype=trainer_dtype(cfg), seed=r.seed, max_model_len=max_model_len,
+                          tokenizer_path=tokenizer_path, resident=resident, cpu_threads=r.cpu_threads,
+                          rollout_tokens=sequences * max_model_len, external_launcher=external_launcher)
     return engine_cls(model_path, device=cfg.trainer.device, tokenizer_path=tokenizer_path,
                       cpu_threads=r.cpu_threads, attention=cfg.actor_rollout_ref.model.override_config.attn_implementation)
+
+
+def trainer_dtype(cfg: RLHFConfig) -> str:
+    """The actor's training dtype (fp32 / bf16 / fp16): what a vLLM engine must run at for its
+    log-probs to be the trainer's (vLLM's own "auto" would run an fp32 checkpoint at bf16)."""
+    return resolve_dtype(effective_deepspeed(cfg).dtype, resolve_device(cfg.trainer.device))
 
 
 def generation_engine(cfg: RLHFConfig) -> str:
@@ -140,23 +153,24 @@ def generate_responses(
 
 
 def kept_engine(cfg: RLHFConfig, model_path: str | Path) -> Optional[RolloutEngine]:
-    """With resident models and vLLM: the run's one engine, holding ``model_path``'s weights (the
-    resident trainer loads each new state into it in place), built on first use. None otherwise:
-    the caller builds an engine for this call and closes it."""
+    """With resident models and vLLM: the run's one engine, holding ``model_path``'s weights, built
+    on first use. The resident trainer syncs each new state into it in place; any other state is
+    loaded into it here — from the module that holds it, else from its checkpoint on disk (an older
+    step's validation). None otherwise: the caller builds an engine for this call and closes it."""
     if not live.keeping_engines() or cfg.actor_rollout_ref.rollout.name != "vllm":
         return None
     engine = live.engine_for(model_path)
     if engine is not None:
         return engine
-    held, borrowed = live.held_engine(), live.lookup(model_path)
-    if held is not None and borrowed is not None:  # another state's weights: load these in place
-        held.engine.load_weights(borrowed.module.named_parameters())
-        live.hold_engine(held.engine, model_path)
-        return held.engine
-    if held is not None:
-        live.keep_engines(False)  # on disk only (an older step's validation): start over from it
-        live.keep_engines(True)
-    engine = build_rollout_engine(cfg, model_path, sleep_mode=True)
+    held = live.held_engine()
+    if held is None:
+        engine = build_rollout_engine(cfg, model_path, resident=True)
+    else:
+        engine, borrowed = held.engine, live.lookup(model_path)
+        if borrowed is not None:
+            engine.sync_from(borrowed.module)
+        else:
+            engine.load_checkpoint(live.on_disk(model_path))
     live.hold_engine(engine, model_path)
     return engine
 

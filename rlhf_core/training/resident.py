@@ -158,6 +158,8 @@ class ResidentTrainer:
         self._capturing: Optional[tuple[int, concurrent.futures.Future]] = None
         """A capture of the just-committed state in progress, while the next rollout and score run."""
         self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-capture")
+        self.rollout_sync: dict[str, float] = {}
+        """The last sync of the kept rollout engine to the held actor: its seconds and log-prob gap."""
 
     # -- the update ------------------------------------------------------------------------------
 
@@ -180,6 +182,7 @@ class ResidentTrainer:
         metrics, outcome = train_iteration(cfg, k, data, self.actor, self.critic, self.dist, self.device,
                                            self.pad_id, progress=progress)
         self._held_now(k, cfg, outcome)
+        metrics.update(self.rollout_sync)  # the kept vLLM engine's sync to the new weights, checked
         metrics["perf/setup_seconds"] = setup
         metrics["perf/checkpoint_seconds"] = 0.0
         metrics["perf/peak_rss_gb"] = max(metrics.get("perf/peak_rss_gb", 0.0), peak_rss_gb())
@@ -423,21 +426,21 @@ class ResidentTrainer:
             return inference_copy(te)
 
     def _rollout_engine_sleeps(self) -> Optional[float]:
-        """A kept vLLM engine gives its GPU memory to the update (KV cache freed, weights offloaded);
-        returns the GiB that freed, measured (None: no engine kept)."""
+        """A kept vLLM engine pauses for the update and, where its platform can, gives its memory to it
+        (CUDA: KV cache freed, weights offloaded); returns the GiB that freed, measured (None: no
+        engine kept, or nothing freed: CPU)."""
         held = live.held_engine()
-        if held is None:
-            return None
-        before = held.engine.gpu_memory_in_use()
-        held.engine.sleep()
-        return (before - held.engine.gpu_memory_in_use()) / 2 ** 30
+        freed = held.engine.sleep() if held is not None else None
+        return freed / 2 ** 30 if freed is not None else None
 
     def _sync_rollout_engine(self, actor_dir: Path) -> None:
-        """The kept vLLM engine takes the held actor's weights in place (and wakes); no disk round trip."""
+        """The kept vLLM engine takes the held actor's weights in place (and wakes), checked against
+        the actor's own log-probs; no disk round trip. A ZeRO-3 actor is gathered for it."""
         held = live.held_engine()
         if held is None or self.actor is None:
             return
-        held.engine.load_weights(self.actor.module.named_parameters())
+        with _gathered(self.actor):
+            self.rollout_sync = held.engine.sync_from(self.actor.module)
         live.hold_engine(held.engine, actor_dir)
 
     def _withdraw(self) -> None:
@@ -550,6 +553,18 @@ def _nodes(cfg: RLHFConfig, run: RunDir, device: str) -> Optional[Nodes]:
     return Nodes(run, nnodes, per_node, addr, port, cfg.trainer.node_join_timeout_s, device)
 
 
+@contextlib.contextmanager
+def _gathered(te: TrainEngine) -> Iterator[None]:
+    """``te``'s whole parameters for the block (ZeRO-3 keeps only partitions otherwise)."""
+    if te.zero_stage != 3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(te.module.parameters()), modifier_rank=None):
+        yield
+
+
 def inference_copy(te: TrainEngine) -> torch.nn.Module:
     """A plain module (same class, config and attention) holding ``te``'s whole weights, on its
     device, gradients off. Every rank must call it: ZeRO-3 gathers the partitions."""
@@ -628,6 +643,23 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]
             live.keep_engines(False)
             live.provide_with(None)
             del _trainers[run.root]
+
+
+@contextlib.contextmanager
+def rollout_engine_kept(cfg: RLHFConfig) -> Iterator[None]:
+    """For the block (a flow run), keep the vLLM rollout engine the first generation builds, for
+    every later validation and rollout, when the resident trainer of ``resident_models`` will sync
+    it (one update process): one engine start per flow run. Closed at the end."""
+    keep = (cfg.actor_rollout_ref.rollout.name == "vllm" and resident_possible(cfg) is None
+            and update_world(cfg) == 1)
+    if not keep:
+        yield
+        return
+    live.keep_engines(True)
+    try:
+        yield
+    finally:
+        live.keep_engines(False)
 
 
 def settle_resident(cfg: RLHFConfig, run: RunDir, k: int, outcome: str) -> None:
