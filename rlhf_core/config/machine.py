@@ -82,4 +82,5 @@ def check_nodes(cfg: RLHFConfig) -> None:
                  "the whole run; on each other node run `rlhf node join --run-dir RUN --node-rank R` once")
     elif t.resident_models:
         say_once(f"config: trainer.nnodes={t.nnodes} with rollout engine {cfg.actor_rollout_ref.rollout.name!r}: "
-                 "the update's ranks start afresh each iteration (the worker group generates with hf only)")
+                 "the update's ranks start afresh each iteration (a worker group keeps vLLM engines on one machine "
+                 "only)")

@@ -161,7 +161,6 @@ class VLLMEngine:
         from transformers import AutoConfig, AutoTokenizer, GenerationConfig
         from vllm.platforms import current_platform
 
-        self.model_path = Path(model_path)
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
         try:
             generation_config = GenerationConfig.from_pretrained(model_path)
@@ -170,9 +169,8 @@ class VLLMEngine:
         # vLLM also stops on the generation config's EOS list (and keeps that token in token_ids)
         self.eos_ids = eos_token_ids(self.tokenizer, generation_config)
         self.shapes = checkpoint_shapes(model_path)  # what the engine loads: every later sync is checked against it
-        self.dtype, self.resident = dtype, resident
+        self.dtype, self.resident, self.external_launcher = dtype, resident, external_launcher
         self.cpu = current_platform.is_cpu()
-        self.frees_memory = resident and not self.cpu and current_platform.is_sleep_mode_available()
         params = sum(_numel(s) for s in self.shapes.values())
         self.cpu_threads = decode_threads(cpu_threads, params) if self.cpu else 0
         if resident and tensor_parallel_size > 1 and not external_launcher:
@@ -183,6 +181,7 @@ class VLLMEngine:
         self._paused = False  # asleep where nothing can be freed (CPU): generation refused all the same
         options = platform_options(cpu=self.cpu, sleep_available=current_platform.is_sleep_mode_available(),
                                    resident=resident)
+        self.frees_memory = bool(options.get("enable_sleep_mode"))  # sleep gives memory back (CUDA)
         if self.cpu and not os.environ.get(CPU_KV_CACHE_ENV):
             options["kv_cache_memory_bytes"] = self._cpu_kv_cache(AutoConfig.from_pretrained(model_path),
                                                                   rollout_tokens or 4 * (max_model_len or 4096))
@@ -200,7 +199,7 @@ class VLLMEngine:
         """Sample ``sampling.n`` responses per prompt; returns len(prompts) × n samples in order.
         Prompt i is seeded by ``derive_seed(sampling.seed, seed_indices[i])`` (default: i), so a share
         of a rollout samples what the whole rollout would for those prompts."""
-        if not prompt_token_ids:
+        if not prompt_token_ids and not self.external_launcher:  # an engine of several steps with the others
             return []
         if self.asleep:
             raise RLHFError("the vllm rollout engine is asleep: call wake_up() (or load_weights) before generate")

@@ -88,10 +88,15 @@ def resident_possible(cfg: RLHFConfig) -> Optional[str]:
         return "trainer.resident_models=false"
     if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
         return "LoRA (the rollout samples from merged weights, built from the adapter checkpoint)"
-    if update_world(cfg) > 1:  # the worker group's ranks generate with the hf engine
-        if cfg.actor_rollout_ref.rollout.name != "hf":
-            return (f"rollout engine {cfg.actor_rollout_ref.rollout.name!r} with several update processes (their "
-                    "worker group generates with the hf engine only)")
+    if update_world(cfg) > 1:  # the worker group's ranks generate (hf; vLLM: a rank of its engines each)
+        r = cfg.actor_rollout_ref.rollout
+        if r.name not in ("hf", "vllm"):
+            return f"rollout engine {r.name!r} with several update processes (their worker group generates)"
+        if r.name == "vllm" and cfg.trainer.nnodes > 1:
+            return "the vllm rollout engine with an update across several machines (not supported yet)"
+        if r.name == "vllm" and update_world(cfg) % r.tensor_model_parallel_size:
+            return (f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} does not divide the "
+                    f"{update_world(cfg)} update processes (their worker group holds the vLLM engines)")
         return None
     if (cfg.trainer.stage_processes or 1) > 1:  # (null: one per GPU of the update: one here)
         return (f"trainer.stage_processes={cfg.trainer.stage_processes} with one update process: the stages' "

@@ -21,18 +21,22 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed,
               pytest.mark.skipif(REASON is not None, reason=f"needs vLLM: {REASON}")]
 
 
-@pytest.fixture(scope="module")
-def vllm_run(prefect_server, demo_preset, vllm_model_dir, tmp_path_factory):
-    work = tmp_path_factory.mktemp("vllm_run")
+def rlhf_run(prefect_server, demo_preset, model_dir, work, *extra):
+    """Two iterations of the tiny demo with the vllm engine through `rlhf run`; (process, run dir)."""
     env = {**os.environ, "PREFECT_API_URL": prefect_server, "RLHF_HOME": str(work / ".rlhf"),
            "VLLM_LOGGING_LEVEL": "INFO"}  # vLLM's own log, to count its engine starts
     cmd = [sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset,
-           f"actor_rollout_ref.model.path={vllm_model_dir}", "actor_rollout_ref.model.warm_start.enable=false",
+           f"actor_rollout_ref.model.path={model_dir}", "actor_rollout_ref.model.warm_start.enable=false",
            "actor_rollout_ref.rollout.name=vllm", "trainer.total_iterations=2", "trainer.test_freq=2",
            "data.train_batch_size=8", "data.max_val_samples=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8",
-           "trainer.device=cpu", f"trainer.runs_root={work / 'runs'}", "--run-name", "vllm"]
+           "trainer.device=cpu", f"trainer.runs_root={work / 'runs'}", "--run-name", "vllm", *extra]
     proc = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=900)
     return proc, work / "runs" / "vllm"
+
+
+@pytest.fixture(scope="module")
+def vllm_run(prefect_server, demo_preset, vllm_model_dir, tmp_path_factory):
+    return rlhf_run(prefect_server, demo_preset, vllm_model_dir, tmp_path_factory.mktemp("vllm_run"))
 
 
 def test_two_iterations_run_on_one_engine(vllm_run):
@@ -60,3 +64,25 @@ def test_the_engine_samples_with_the_trainers_weights_after_every_update(vllm_ru
         assert gap < 1e-4, (k, gap)
         update = json.loads((run_dir / f"iter_{k}" / "manifest.json").read_text())["update"]["metrics"]
         assert update["rollout/weight_sync_logprob_max_diff"] < 1e-5
+
+
+def test_a_worker_group_keeps_the_engines_on_its_ranks(prefect_server, demo_preset, vllm_model_dir, tmp_path):
+    """trainer.nproc=2: the update's two ranks are a worker group for the whole run, and each holds
+    one rank of the run's vLLM engines (two engines of one rank, vLLM's external launcher beside
+    DeepSpeed): the rollouts and the validation after iteration 2 are dealt to them, and each rank
+    syncs its engine from the module it trains."""
+    proc, run_dir = rlhf_run(prefect_server, demo_preset, vllm_model_dir, tmp_path, "trainer.nproc=2")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert json.loads((run_dir / "last_good.json").read_text())["iteration"] == 2
+    log = proc.stdout + proc.stderr
+    # the flow process's engine for the validation before training, then one per rank for the run
+    assert log.count("Initializing a V1 LLM engine") == 3, log[-3000:]
+    for k in (1, 2):
+        rows = pq.read_table(run_dir / f"iter_{k}" / "advantages.parquet",
+                             columns=["engine", "rollout_log_probs", "old_log_probs"]).to_pylist()
+        assert {r["engine"] for r in rows} == {"vllm"}
+        gap = max(abs(a - b) for r in rows for a, b in zip(r["rollout_log_probs"], r["old_log_probs"], strict=True))
+        assert gap < 1e-4, (k, gap)
+        update = json.loads((run_dir / f"iter_{k}" / "manifest.json").read_text())["update"]["metrics"]
+        assert update["rollout/weight_sync_logprob_max_diff"] < 1e-5
+    assert (run_dir / "iter_2" / "validation.parquet").is_file()
