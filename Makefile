@@ -65,7 +65,7 @@ $(VLLM_STAMP): pyproject.toml
 test-vllm: export VLLM_CPU_KVCACHE_SPACE ?= 1
 test-vllm: export VLLM_HOST_IP ?= 127.0.0.1
 test-vllm: $(VLLM_STAMP)
-	$(VLLM_BIN)/python -m pytest -m "not server" $(VLLM_TESTS) $(PYTEST_ARGS)
+	$(VLLM_BIN)/python -m pytest $(VLLM_TESTS) $(PYTEST_ARGS)
 
 # Local Prefect server + worker + MLflow UI on 127.0.0.1 (deployments/README.md)
 .PHONY: services-up services-down services-status services-register
