@@ -20,7 +20,7 @@ The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while
 verl's in-process rollout does): it starts in seconds rather than the ~50 s of a spawned core, and
 ``collective_rpc`` hands the worker our function and tensors by reference. With torchrun several
 processes each hold one rank of an engine (``external_launcher=True``: tensor parallel within a
-group of ranks, data parallel across groups; ``rollout.parallel``).
+group of ranks, data parallel across groups; ``rollout.generate.launch_options``).
 
 Resident engine (``resident=True``): one engine for the whole run. During the update it sleeps
 where the platform can free its memory (CUDA: weights to host memory, KV cache dropped); afterwards

@@ -2,7 +2,7 @@
 
 Without it every iteration loads its models in every stage, builds both DeepSpeed engines, and
 writes (and hashes) a full checkpoint — at real sizes, most of the iteration. With it
-(``trainer.resident_models``, one update process, no LoRA, the hf rollout engine):
+(``trainer.resident_models``, one update process, no LoRA, the hf or vllm rollout engine):
 
     update k     the engines already hold the state k starts from; a host-memory snapshot of it is
                  taken (the rollback's), the RNG is set to that state's, PPO trains, and the new state
@@ -13,6 +13,9 @@ writes (and hashes) a full checkpoint — at real sizes, most of the iteration. 
                  the flow run) a full checkpoint is written by a background thread from a capture,
                  while the next iteration runs. Nothing else is written.
     rollback k   the snapshot is put back (no disk I/O): the engines hold k's starting state again.
+    vLLM         the run's one vLLM engine (``models.live``) pauses for each update (on CUDA, sleeps
+                 to free its memory) and takes each new or restored actor in place, checked
+                 against the actor's own log-probs (``rollout.vllm_engine.VLLMEngine.sync_from``).
     crash        a resume rebuilds what was only in memory: from the newest checkpoint before it,
                  each later committed iteration's update is replayed on its recorded advantages table
                  with its recorded config and the RNG chain, which on CPU reproduces the weights bit
@@ -632,7 +635,7 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]
                  "passes run on them", trainer.world)
     else:
         trainer = ResidentTrainer(run)
-        live.keep_engines(cfg.actor_rollout_ref.rollout.name == "vllm")  # one vLLM engine for the run
+        live.keep_engines(keeps_rollout_engine(cfg))  # one vLLM engine for the run
     _trainers[run.root] = trainer
     durable = False
     try:
@@ -650,14 +653,21 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]
             del _trainers[run.root]
 
 
+def keeps_rollout_engine(cfg: RLHFConfig) -> bool:
+    """Whether the flow process keeps one vLLM engine for the run: vLLM, resident models, one update
+    process (a worker group's ranks keep theirs: ``stages.group_entry``), no tensor parallel (that
+    needs processes of its own: those rollouts run under torchrun, ``stages.ranks``)."""
+    r = cfg.actor_rollout_ref.rollout
+    return (r.name == "vllm" and r.tensor_model_parallel_size == 1 and resident_possible(cfg) is None
+            and update_world(cfg) == 1)
+
+
 @contextlib.contextmanager
 def rollout_engine_kept(cfg: RLHFConfig) -> Iterator[None]:
     """For the block (a flow run), keep the vLLM rollout engine the first generation builds, for
     every later validation and rollout, when the resident trainer of ``resident_models`` will sync
     it (one update process): one engine start per flow run. Closed at the end."""
-    keep = (cfg.actor_rollout_ref.rollout.name == "vllm" and resident_possible(cfg) is None
-            and update_world(cfg) == 1)
-    if not keep:
+    if not keeps_rollout_engine(cfg):
         yield
         return
     live.keep_engines(True)
