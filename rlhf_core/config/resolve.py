@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal, Mapping, Optional
 
 from rlhf_core.algos import estimator_takes
+from rlhf_core.algos.rollout_correction import RolloutCorrection
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.schema import OptimConfig, RLHFConfig
 
@@ -246,3 +247,20 @@ def actor_updates(cfg: RLHFConfig, iteration: int) -> bool:
     """Whether training step ``iteration`` (1-based, verl's global_steps) updates the actor: verl's
     ``critic_warmup <= global_steps``, so critic_warmup=N trains only the critic in steps 1..N-1."""
     return cfg.trainer.critic_warmup <= iteration
+
+
+def rollout_correction(cfg: RLHFConfig) -> RolloutCorrection:
+    """algorithm.rollout_correction as the plain settings the math takes."""
+    c = cfg.algorithm.rollout_correction
+    return RolloutCorrection(rollout_is=c.rollout_is, rollout_is_threshold=c.rollout_is_threshold,
+                             rollout_is_batch_normalize=c.rollout_is_batch_normalize, rollout_rs=c.rollout_rs,
+                             rollout_rs_threshold=c.rollout_rs_threshold, bypass_mode=c.bypass_mode,
+                             loss_type=c.loss_type)
+
+
+def policy_loss_mode(cfg: RLHFConfig) -> str:
+    """The policy loss the update uses: bypass_mode when algorithm.rollout_correction.bypass_mode is on
+    (verl switches to it there), else actor.policy_loss.loss_mode."""
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        return "bypass_mode"
+    return cfg.actor_rollout_ref.actor.policy_loss.loss_mode
