@@ -117,8 +117,10 @@ class DataConfig(Section):
     """gsm8k/generic adapters: optional system message placed before the user turn."""
     val_fraction: float = 0.1
     """Share of rows held out for validation when val_files is empty (deterministic by seed)."""
-    max_val_samples: int = 256
-    """Cap on validation prompts (0 = no validation set): a few hundred is enough signal."""
+    max_val_samples: int = -1
+    """Our cap on validation prompts: -1 = every prompt of data.val_files (verl scores them all), and
+    at most 256 for a split of the training files (data.val_fraction); 0 = no validation set; N = at
+    most N. The summary says when a cap held prompts back."""
     train_max_samples: int = -1
     """verl: use at most this many training prompts (-1 = all)."""
     val_max_samples: int = -1
@@ -145,8 +147,8 @@ class DataConfig(Section):
     def check(self, key: str) -> None:
         require(self.train_batch_size > 0, f"{key}.train_batch_size", "must be > 0", self.train_batch_size)
         require(0 <= self.val_fraction < 1, f"{key}.val_fraction", "must be in [0, 1)", self.val_fraction)
-        require(self.max_val_samples >= 0, f"{key}.max_val_samples", "must be >= 0 (0 = no validation set)",
-                self.max_val_samples)
+        require(self.max_val_samples >= -1, f"{key}.max_val_samples",
+                "must be -1 (all), 0 (no validation set) or a positive cap", self.max_val_samples)
         require(self.max_prompt_length > 0, f"{key}.max_prompt_length", "must be > 0", self.max_prompt_length)
         require(self.max_response_length > 0, f"{key}.max_response_length", "must be > 0",
                 self.max_response_length)

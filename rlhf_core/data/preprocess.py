@@ -87,6 +87,8 @@ class PreprocessResult:
     """source file → the adapter its rows went through (what 'auto' picked)."""
     truncated: int = 0
     """Accepted prompts whose tokens data.truncation cut to data.max_prompt_length."""
+    notes: list[str] = field(default_factory=list)
+    """Lines the summary adds (a cap that held validation prompts back)."""
 
     @property
     def rows(self) -> dict[str, int]:
@@ -105,6 +107,7 @@ class PreprocessResult:
             lines.append(f"prompts truncated to data.max_prompt_length: {self.truncated} (column prompt_tokens_cut)")
         if self.id_source:
             lines.append(f"prompt_id from {self.id_source}")
+        lines += self.notes
         s = self.length_stats
         if s:
             lines.append(f"prompt length (tokens): min {s['min']:.0f} / mean {s['mean']:.1f} / "
@@ -329,18 +332,28 @@ def _split_key(seed: int, prompt_id: str) -> str:
     return hashlib.sha256(f"{seed}\x00{prompt_id}".encode("utf-8")).hexdigest()
 
 
-def validation_cap(data: DataConfig) -> tuple[int, str]:
-    """(most validation prompts, the key that sets it): data.max_val_samples, or data.val_max_samples
-    when that is set (> 0, as in verl) and smaller."""
-    if 0 < data.val_max_samples < data.max_val_samples:
-        return data.val_max_samples, "data.val_max_samples"
-    return data.max_val_samples, "data.max_val_samples"
+SPLIT_CAP = 256
+"""Most prompts a validation split carved out of the training files holds (data.val_fraction) while
+data.max_val_samples is -1: a few hundred are enough signal, and each costs a generation at every
+validation. Validation files (data.val_files) are scored whole, as verl scores them."""
+
+
+def validation_cap(data: DataConfig, separate_val: bool) -> tuple[Optional[int], str]:
+    """(most validation prompts or None for all, what sets it): the smaller of data.max_val_samples
+    (>= 0) and verl's data.val_max_samples (> 0); with neither set, all prompts of validation files,
+    or SPLIT_CAP for a split of the training files."""
+    caps = [(n, key) for n, key in ((data.max_val_samples, "data.max_val_samples"),
+                                    (data.val_max_samples, "data.val_max_samples"))
+            if n > 0 or (n == 0 and key == "data.max_val_samples")]
+    if caps:
+        return min(caps)
+    return (None, "") if separate_val else (SPLIT_CAP, f"a split of the training files holds at most {SPLIT_CAP}")
 
 
 def _validation_size(n: int, data: DataConfig) -> int:
     """val_fraction of n (rounded half up), capped by validation_cap, leaving at least one train row."""
     wanted = math.floor(data.val_fraction * n + 0.5)
-    return max(0, min(wanted, validation_cap(data)[0], n - 1))
+    return max(0, min(wanted, validation_cap(data, separate_val=False)[0], n - 1))
 
 
 def _ranks(candidates: list[_Candidate], seed: int) -> tuple[dict[int, int], dict[int, int]]:
@@ -366,8 +379,8 @@ def _assign_splits(candidates: list[_Candidate], data: DataConfig, separate_val:
         return [], [], []
     hashed, ordered = _ranks(candidates, data.seed)
     chosen = hashed if data.shuffle else ordered
-    cap, cap_key = validation_cap(data)
-    n_val = cap if separate_val else _validation_size(len(candidates), data)
+    cap, cap_key = validation_cap(data, separate_val)
+    n_val = (len(candidates) if cap is None else cap) if separate_val else _validation_size(len(candidates), data)
     train, val, rejects = [], [], []
     for i, c in enumerate(candidates):
         if c.group == "train" and (separate_val or hashed[i] > n_val):
@@ -375,7 +388,8 @@ def _assign_splits(candidates: list[_Candidate], data: DataConfig, separate_val:
         elif (chosen if separate_val else hashed)[i] <= n_val:
             val.append(c)
         else:
-            rejects.append(_Reject(c.seq, c.row, "over validation cap", f"over validation cap ({cap_key}={cap})"))
+            rejects.append(_Reject(c.seq, c.row, "over validation cap",
+                                   f"over validation cap ({cap_key}={cap}; -1 scores every validation prompt)"))
     train, over_train = _cap_train(train, {id(c): chosen[i] for i, c in enumerate(candidates)}, data)
     return train, val, rejects + over_train
 
@@ -471,6 +485,7 @@ def preprocess_rows(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[Ra
     id_source = _assign_prompt_ids(candidates)
     train, val, over_cap = _assign_splits(candidates, data, separate_val=val_rows is not None)
     rejects += over_cap
+    notes = _cap_notes(candidates, val, over_cap, data, separate_val=val_rows is not None)
     if len(train) + len(val) + len(rejects) != rows_in:  # the promise: no row is ever lost
         raise AssertionError(f"row accounting broken: train {len(train)} + val {len(val)} + rejected "
                              f"{len(rejects)} != rows in {rows_in}")
@@ -479,8 +494,24 @@ def preprocess_rows(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[Ra
         rejects=_rejects_table(rejects), rows_in=rows_in, files=files,
         reject_counts=dict(Counter(r.kind for r in rejects).most_common()),
         length_stats=prompt_length_stats([len(c.token_ids) for c in train + val]),
-        id_source=id_source, layouts=layouts, truncated=sum(c.tokens_cut > 0 for c in train + val),
+        id_source=id_source, layouts=layouts, truncated=sum(c.tokens_cut > 0 for c in train + val), notes=notes,
     )
+
+
+def _cap_notes(candidates: list[_Candidate], val: list[_Candidate], over_cap: list[_Reject], data: DataConfig,
+               separate_val: bool) -> list[str]:
+    """One line when a cap kept validation prompts out (validation files), or shrank the split."""
+    cap, key = validation_cap(data, separate_val)
+    held_back = sum(r.kind == "over validation cap" for r in over_cap)
+    if separate_val and held_back:
+        return [f"validation: {len(val)} of {len(val) + held_back} prompts of data.val_files ({key}={cap}); "
+                "-1 scores them all, as verl does"]
+    wanted = math.floor(data.val_fraction * len(candidates) + 0.5)
+    if not separate_val and cap is not None and wanted > len(val) and len(val) == cap:
+        setting = f"{key}={cap}" if key.startswith("data.") else key
+        return [f"validation: {len(val)} held-out prompts instead of data.val_fraction's {wanted} ({setting}; "
+                "data.max_val_samples sets it)"]
+    return []
 
 
 def preprocess_files(train_files: Sequence[str | Path], val_files: Sequence[str | Path], data: DataConfig,

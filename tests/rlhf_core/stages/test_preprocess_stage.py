@@ -40,7 +40,7 @@ def test_gsm8k_every_row_accounted_for_with_numeric_truths(gsm8k_run, gsm8k_trai
     rows = result.rows
     assert rows["input"] == GSM8K_ROWS
     assert rows["train"] + rows["val"] + rows["rejected"] == GSM8K_ROWS
-    assert rows["val"] == cfg.data.max_val_samples == 256  # 10 % of 7,473 is capped at 256
+    assert rows["val"] == 256 and cfg.data.max_val_samples == -1  # 10 % of 7,473: a split holds at most 256
     train, val, rejects = (pq.read_table(p) for p in (run.train_prompts, run.val_prompts, run.rejects))
     assert (train.num_rows, val.num_rows, rejects.num_rows) == (rows["train"], rows["val"], rows["rejected"])
     # every row is somewhere exactly once: accepted source rows and rejected source rows partition 0..N-1
