@@ -84,6 +84,10 @@ ROLLOUT = pa.schema([
     ("reward_source", pa.string()),      # the prompt's reward_source (data.reward_fn_key's value)
     ("extra_info", pa.string()),         # the prompt's extra_info JSON, for reward functions and queries
     ("uid", pa.string()),                # verl's uid: one per prompt of the iteration, shared by its n responses
+    # the engine's own log-probability of each sampled token, under the distribution it sampled from
+    # (verl's logprobs_mode=processed_logprobs: log_softmax(logits / temperature) after any top-k / top-p
+    # cut; a greedy rollout's at temperature 1); null for imported (offline) responses
+    ("rollout_log_probs", pa.list_(pa.float32())),
 ])
 
 # iter_K/scored.parquet = rollout columns + these

@@ -66,13 +66,17 @@ class GeneratedSample:
     finish_reason: str
     seed: Optional[int] = None
     """The seed that reproduces this sample (the generate call's seed, or the per-request seed)."""
+    log_probs: Optional[list[float]] = None
+    """The engine's log-probability of each token of ``token_ids`` under the distribution it sampled
+    it from (temperature, top-k and top-p applied: verl's processed_logprobs); None when unknown."""
 
 
 def copies_of_greedy(samples: list[GeneratedSample], n: int) -> list[GeneratedSample]:
     """One greedy sample per prompt → ``n`` per prompt (sample_index 0..n-1), in prompt order: what
     verl's repeated batch decodes to, without decoding the same thing n times."""
     return [GeneratedSample(prompt_index=s.prompt_index, sample_index=j, token_ids=list(s.token_ids), text=s.text,
-                            finish_reason=s.finish_reason, seed=s.seed)
+                            finish_reason=s.finish_reason, seed=s.seed,
+                            log_probs=None if s.log_probs is None else list(s.log_probs))
             for s in samples for j in range(n)]
 
 

@@ -257,6 +257,7 @@ def rollout_table(prompt_rows: Sequence[Mapping[str, Any]], samples: Sequence[Ge
         columns["reward_source"].append(row.get("reward_source") or row.get("data_source"))
         columns["extra_info"].append(row.get("extra_info") or "{}")
         columns["uid"].append(group_uid(iteration, s.prompt_index))
+        columns["rollout_log_probs"].append(s.log_probs)
     return pa.table(columns, schema=ROLLOUT)
 
 

@@ -75,17 +75,19 @@ class HFEngine:
         input_ids, attention_mask = self._left_pad(prompt_token_ids)  # (B, P) each
         self._check_length(input_ids.shape[1], sampling.max_new_tokens)
         devices = [torch.device(self.device).index or 0] if self.device.startswith("cuda") else []
+        recorder = SampledLogProbs()
         with torch.random.fork_rng(devices=devices), torch.inference_mode(), self._threads():
             torch.manual_seed(sampling.seed)
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
-                                      **self._generate_kwargs(sampling))  # (B·n, P + T)
+                                      **self._generate_kwargs(sampling, recorder))  # (B·m, P + T)
+            log_probs = recorder.finish(out[:, -1]).tolist()  # (B·m, T)
         new_tokens = out[:, input_ids.shape[1]:].tolist()  # (B·m, T), rows grouped per prompt
         m = self._sequences_per_prompt(sampling)
         trimmed = [trim_response(row, self.eos_ids) for row in new_tokens]
         texts = self.tokenizer.batch_decode([ids for ids, _ in trimmed], skip_special_tokens=True)
         samples = [
             GeneratedSample(prompt_index=row // m, sample_index=row % m, token_ids=ids,
-                            text=text, finish_reason=reason, seed=sampling.seed)
+                            text=text, finish_reason=reason, seed=sampling.seed, log_probs=log_probs[row][:len(ids)])
             for row, ((ids, reason), text) in enumerate(zip(trimmed, texts))
         ]
         return copies_of_greedy(samples, sampling.n) if sampling.greedy else samples
@@ -137,14 +139,19 @@ class HFEngine:
         """Rows ``generate`` returns per prompt: n sampled, one greedy (its copies are made after)."""
         return 1 if sampling.greedy else sampling.n
 
-    def _generate_kwargs(self, sampling: SamplingParams) -> dict:
+    def _generate_kwargs(self, sampling: SamplingParams, recorder: "SampledLogProbs") -> dict:
+        """``generate``'s arguments. Sampling's temperature / top-k / top-p go in as our own processors,
+        with the recorder after them: ``generate`` runs processors passed to it before the ones it
+        builds from these settings, so a recorder there would see the logits before the cut. The
+        processors, their order and the draws are those ``generate`` makes from the settings."""
+        from transformers import LogitsProcessorList
+
         common = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=self._sequences_per_prompt(sampling),
                       eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True)
         if sampling.greedy:
-            return dict(do_sample=False, **common)
-        return dict(do_sample=True, temperature=sampling.temperature, top_p=sampling.top_p,
-                    top_k=sampling.top_k if sampling.top_k > 0 else 0,  # 0 = no top-k filter in transformers
-                    **common)
+            return dict(do_sample=False, logits_processor=LogitsProcessorList([recorder]), **common)
+        processors = LogitsProcessorList([*sampling_warpers(sampling), recorder])
+        return dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0, logits_processor=processors, **common)
 
     def _check_length(self, prompt_width: int, max_new_tokens: int) -> None:
         if self.max_positions and prompt_width + max_new_tokens > self.max_positions:
@@ -152,3 +159,48 @@ class HFEngine:
                 f"longest prompt ({prompt_width} tokens) + max response ({max_new_tokens}) exceeds the model's "
                 f"{self.max_positions} positions; lower data.max_prompt_length or data.max_response_length")
 
+
+
+def sampling_warpers(sampling: SamplingParams) -> list:
+    """transformers' warpers for ``sampling``, in the order ``generate`` applies them (temperature,
+    top-k, top-p), each only when it changes the distribution, as ``generate`` builds them."""
+    from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+    warpers: list = []
+    if sampling.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(sampling.temperature))
+    if sampling.top_k > 0:  # -1 (and 0): no top-k cut
+        warpers.append(TopKLogitsWarper(top_k=sampling.top_k))
+    if sampling.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(top_p=sampling.top_p))
+    return warpers
+
+
+class SampledLogProbs:
+    """The last logits processor of a ``generate`` call: the log-probability of each drawn token
+    under the processed scores it was drawn from (verl's processed_logprobs), without keeping more
+    than one step of scores. A step's token is known only at the next call (as ``input_ids``' last
+    column) or, for the last step, from the output (``finish``).
+
+        (B, V) scores at step t  →  log_softmax kept  →  step t+1: entry of input_ids[:, -1]  →  (B, T)
+    """
+
+    def __init__(self) -> None:
+        self._last = None   # (B, V) log-softmax of the latest step's processed scores
+        self._steps: list = []  # per finished step: (B,) log-probs of the drawn tokens
+
+    def __call__(self, input_ids, scores):
+        import torch
+
+        if self._last is not None:
+            self._steps.append(self._last.gather(1, input_ids[:, -1:]).squeeze(1))
+        self._last = torch.log_softmax(scores.float(), dim=-1)
+        return scores
+
+    def finish(self, last_tokens):
+        """(B, T) log-probs of every generated column, given the output's last column (B,)."""
+        import torch
+
+        steps = self._steps + [self._last.gather(1, last_tokens[:, None]).squeeze(1)]
+        self._last, self._steps = None, []
+        return torch.stack(steps, dim=1)

@@ -144,7 +144,7 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
         table = pq.read_table(rollout_path)
         rows = table.to_pylist()
     _check_rollout(rows, rollout_path)
-    scored = with_uid(table)
+    scored = with_rollout_log_probs(with_uid(table))
     sequence = sequence_rewards(cfg, models, rows, run.train_prompts, rollout_path)
     rewards, extras = sequence.scores, sequence.extras
     baselines = (greedy_baselines(cfg, run, iteration, models, scored.column("uid").to_pylist())
@@ -183,6 +183,14 @@ def with_uid(table: pa.Table) -> pa.Table:
         return table
     uids = [f"{k}-{p}" for k, p in zip(table.column("iteration").to_pylist(), table.column("prompt_id").to_pylist())]
     return table.append_column("uid", pa.array(uids, pa.string()))
+
+
+def with_rollout_log_probs(table: pa.Table) -> pa.Table:
+    """The rollout table with its ``rollout_log_probs`` column; a table written before engines
+    recorded them gets nulls (unknown, as for imported responses)."""
+    if "rollout_log_probs" in table.column_names:
+        return table
+    return table.append_column("rollout_log_probs", pa.nulls(table.num_rows, SCORED.field("rollout_log_probs").type))
 
 
 def _where(path: Path, i: int, row: dict) -> str:

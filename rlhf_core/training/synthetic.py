@@ -55,6 +55,7 @@ def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, p
         "response_text": [""] * n, "response_token_ids": responses, "response_length": [len(r) for r in responses],
         "finish_reason": ["offline"] * n, "engine": ["offline"] * n, "sampling_seed": [seed] * n,
         "reward_source": ["synthetic"] * n, "extra_info": ["{}"] * n, "uid": [f"{iteration}-{i}" for i in range(n)],
+        "rollout_log_probs": [t.tolist() for t in old],  # as an fp32 hf rollout records them: the old log-probs
         "reward": [0.0] * n, "reward_extra": ["{}"] * n, "old_log_probs": [t.tolist() for t in old],
         "ref_log_probs": [t.tolist() for t in ref], "values": values, "reward_baseline": [None] * n,
         "token_level_rewards": [[0.0] * len(r) for r in responses], "advantages": advantages, "returns": returns,

@@ -139,6 +139,41 @@ def test_top_k_1_and_tiny_top_p_are_greedy(engine, prompts):
     assert [s.token_ids for s in sampled] != [s.token_ids for s in greedy]
 
 
+def processed_log_probs(model_dir, prompt, response, sampling):
+    """The reference: one forward over prompt + response, logits / T, top-k and top-p cut as
+    transformers' own warpers cut them, log-softmax, the response tokens' entries. (T,)"""
+    from transformers import AutoModelForCausalLM, TopKLogitsWarper, TopPLogitsWarper
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float()  # (T, V)
+    scores = logits if sampling.greedy else logits / sampling.temperature
+    if not sampling.greedy and sampling.top_k > 0:
+        scores = TopKLogitsWarper(sampling.top_k)(None, scores)
+    if not sampling.greedy and sampling.top_p < 1:
+        scores = TopPLogitsWarper(sampling.top_p)(None, scores)
+    return torch.log_softmax(scores, dim=-1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
+
+
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_new_tokens=10, n=2, seed=3),
+    SamplingParams(max_new_tokens=10, n=2, seed=3, temperature=0.6, top_k=20, top_p=0.8),
+    SamplingParams(max_new_tokens=10, greedy=True),
+], ids=["plain", "temperature-top_k-top_p", "greedy"])
+def test_samples_carry_the_log_probs_they_were_drawn_with(engine, prompts, tiny_model_dir, sampling):
+    """Each token's log-prob under the distribution it was drawn from (temperature, then top-k,
+    then top-p; greedy: the model's own), recorded while generating, batched and left-padded."""
+    samples = engine.generate(prompts, sampling)
+    for s in samples:
+        assert len(s.log_probs) == len(s.token_ids)
+        expected = processed_log_probs(tiny_model_dir, prompts[s.prompt_index], s.token_ids, sampling)
+        torch.testing.assert_close(torch.tensor(s.log_probs), expected, atol=1e-5, rtol=0)
+    if sampling.top_k > 0:  # the cut renormalises: every drawn token is likelier than the model says
+        plain = processed_log_probs(tiny_model_dir, prompts[0], samples[0].token_ids,
+                                    SamplingParams(temperature=sampling.temperature))
+        assert (torch.tensor(samples[0].log_probs) > plain).all()
+
+
 def test_left_padding_does_not_change_a_prompts_response(engine, prompts):
     sampling = SamplingParams(max_new_tokens=10, greedy=True)
     batched = engine.generate(prompts, sampling)

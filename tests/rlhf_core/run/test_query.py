@@ -40,7 +40,7 @@ def _scored_rows(k):
         rows.append({"prompt_id": p, "sample_index": 0, "iteration": k, "data_source": "arith", "ground_truth": "1",
                      "prompt_token_ids": [1, 2, 3], "response_text": f"answer {p}", "response_token_ids": [4, 5],
                      "response_length": 2, "finish_reason": "stop", "engine": "hf", "sampling_seed": 7,
-                     "reward_source": "arith", "extra_info": json.dumps({"question": f"q {p}"}), "uid": f"{k}-{p}",
+                     "reward_source": "arith", "extra_info": json.dumps({"question": f"q {p}"}), "uid": f"{k}-{p}", "rollout_log_probs": old,
                      "reward": REWARD[k][p], "reward_extra": "{}", "old_log_probs": old,
                      "ref_log_probs": [o - KL[k][p] for o in old], "values": [0.1, 0.2], "reward_baseline": None,
                      "token_level_rewards": [0.0, REWARD[k][p]], "advantages": [0.5, 0.5], "returns": [1.0, 1.0]})

@@ -102,6 +102,30 @@ def test_iterations_use_their_own_slot_and_seed(run_setup):
     assert {r["prompt_id"] for r in pq.read_table(run.rollout(2)).to_pylist()} == set(_slot_prompt_ids(run, 1))
 
 
+def test_rollout_log_probs_are_the_score_stages_old_log_probs_and_pass_into_the_scored_table(run_setup,
+                                                                                           tiny_model_dir):
+    """The hf engine records each sampled token's log-prob at the rollout temperature, from the
+    scores it sampled with (no extra forward); at fp32 it is the score stage's old_log_probs to
+    float precision, and the scored table carries the rollout's column unchanged."""
+    from rlhf_core.stages.init_critic import run_init_critic
+    from rlhf_core.stages.score import run_score
+
+    _, run, raw = run_setup
+    cfg = small_config(raw, tiny_model_dir, "actor_rollout_ref.rollout.temperature=0.7")
+    run_rollout(cfg, run, 1)
+    run_init_critic(cfg, run)
+    run_score(cfg, run, 1)
+    rollout = pq.read_table(run.rollout(1)).to_pylist()
+    scored = pq.read_table(run.scored(1)).to_pylist()
+    assert [r["rollout_log_probs"] for r in scored] == [r["rollout_log_probs"] for r in rollout]
+    worst = 0.0
+    for r in scored:
+        assert len(r["rollout_log_probs"]) == r["response_length"] == len(r["old_log_probs"])
+        assert all(lp <= 0.0 for lp in r["rollout_log_probs"])
+        worst = max([worst] + [abs(a - b) for a, b in zip(r["rollout_log_probs"], r["old_log_probs"])])
+    assert worst < 1e-5, worst
+
+
 def test_offline_import_through_the_stage(run_setup, tmp_path, tiny_model_dir):
     cfg, run, raw = run_setup
     prompts = pq.read_table(run.train_prompts).to_pylist()
@@ -118,6 +142,7 @@ def test_offline_import_through_the_stage(run_setup, tmp_path, tiny_model_dir):
     assert [(r["prompt_id"], r["engine"], r["finish_reason"]) for r in rows] == [
         (prompts[0]["prompt_id"], "offline", "offline"), (prompts[1]["prompt_id"], "offline", "offline")]
     assert rows[1]["ground_truth"] == prompts[1]["reward_model"]["ground_truth"]
+    assert [r["rollout_log_probs"] for r in rows] == [None, None]  # no engine sampled them
     rejects = pq.read_table(rollout_rejects_path(run, 1))
     assert rejects.schema.equals(REJECTS)
     assert rejects.column("reason").to_pylist() == ["row 2: prompt_id 'elsewhere-17' not in prompts/train.parquet"]

@@ -121,6 +121,12 @@ def test_score_stage_on_embedded_data(tmp_path, repo_root, tiny_model_dir, token
     assert not changed.skipped  # a reward setting changed: rescored
     assert [r["reward"] for r in pq.read_table(run.scored(1)).to_pylist()][:3] == [1.0, 0.5, 0.0]
 
+    # a rollout table written before engines recorded their log-probs: scored with them unknown
+    older = pq.read_table(run.rollout(1)).drop(["rollout_log_probs"])
+    pq.write_table(older, run.rollout(1))
+    run_score(cfg, run, 1, force=True)
+    assert pq.read_table(run.scored(1)).column("rollout_log_probs").null_count == 24
+
 
 def test_different_reference_and_reward_model(tmp_path, repo_root, tiny_model_dir, tokenizer):
     """A reference with other weights gets its own pass; reward_model.enable scores with the RM."""
