@@ -237,10 +237,10 @@ def update_rendezvous(cfg: RLHFConfig, environ: Mapping[str, str]) -> tuple[Opti
 
 
 def critic_loss_scale_factor(cfg: RLHFConfig) -> float:
-    """The critic's seq-mean-token-sum-norm divisor: verl's value loss passes no loss_scale_factor, so
-    it divides by the padded response width, data.max_response_length (actor.loss_scale_factor is the
-    actor's alone)."""
-    return float(cfg.data.max_response_length)
+    """The critic's seq-mean-token-sum-norm divisor: critic.loss_scale_factor, else the actor's
+    (verl 0.9.1 interpolates it), else the padded response width, data.max_response_length."""
+    factor = cfg.critic.loss_scale_factor
+    return float(factor) if factor is not None else loss_scale_factor(cfg)
 
 
 def actor_updates(cfg: RLHFConfig, iteration: int) -> bool:

@@ -462,8 +462,9 @@ class RolloutConfig(Section):
     """verl: responses sampled per prompt."""
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     """verl: sampling for validation."""
-    seed: int = 0
-    """Sampling seed; the iteration number is added so iterations differ but reruns match."""
+    seed: int = 42
+    """verl's default: the sampling seed; the iteration number is added so iterations differ but reruns
+    match."""
     generation_batch_tokens: int = 8192
     """hf engine: token budget of one generation batch (prompt + response slots)."""
     gpu_memory_utilization: float = 0.5
@@ -585,11 +586,16 @@ class CriticConfig(Section):
     loss_agg_mode: Optional[str] = None
     """verl: null = actor_rollout_ref.actor.loss_agg_mode (verl interpolates it), so the value loss
     weighs tokens as the policy loss does."""
+    loss_scale_factor: Optional[float] = None
+    """verl (0.9.1): the value loss's seq-mean-token-sum-norm divisor; null = the actor's
+    (actor.loss_scale_factor, verl interpolates it), else data.max_response_length."""
     grad_clip: float = 1.0
     """verl: the critic's gradient-norm clip."""
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def check(self, key: str) -> None:
+        require(self.loss_scale_factor is None or self.loss_scale_factor > 0, f"{key}.loss_scale_factor",
+                "must be > 0 (or null = the actor's)", self.loss_scale_factor)
         require(self.cliprange_value > 0, f"{key}.cliprange_value", "must be > 0", self.cliprange_value)
         if self.loss_agg_mode is not None:
             require_registered(AGG_MODES, f"{key}.loss_agg_mode", self.loss_agg_mode)
@@ -704,16 +710,18 @@ class FilterGroupsConfig(Section):
 
     enable: bool = False
     """verl's default (off): dynamic sampling costs extra rollouts per step, DAPO's opt-in."""
-    metric: Optional[str] = None
-    """verl: acc | score | seq_reward | seq_final_reward (required when enabled)."""
+    metric: Optional[str] = "reward"
+    """verl: reward (verl 0.9.1's default: the sequence score before any KL) | acc | score | seq_reward |
+    seq_final_reward."""
     max_num_gen_batches: int = 0
     """verl: draws of prompts before giving up (<= 0: no limit). Each draw is one pack slot; a rollout
     stops anyway once every slot was drawn (``rlhf_core.rollout.dynamic_sampling``)."""
 
     def check(self, key: str) -> None:
         if self.enable:
-            require(self.metric in ("acc", "score", "seq_reward", "seq_final_reward"), f"{key}.metric",
-                    "must be acc, score, seq_reward or seq_final_reward when filter_groups is enabled", self.metric)
+            require(self.metric in ("reward", "acc", "score", "seq_reward", "seq_final_reward"), f"{key}.metric",
+                    "must be reward, acc, score, seq_reward or seq_final_reward when filter_groups is enabled",
+                    self.metric)
 
 
 @dataclass

@@ -276,7 +276,8 @@ def aggregate(outcome: PPOOutcome) -> dict[str, float]:
         applied = [s for s in steps if s.get(f"{role}/step_applied", 1.0) > 0]
         out[f"{role}/num_steps"] = float(len(steps))
         out[f"{role}/skipped_steps"] = float(len(steps) - len(applied))
-        keys = {k for s in steps for k in s if k.startswith(role + "/") and k != f"{role}/step_applied"}
+        keys = {k for s in steps for k in s
+                if (k.startswith(role + "/") or k.startswith("rollout_corr/")) and k != f"{role}/step_applied"}
         for k in sorted(keys):
             pool = applied if k.endswith("/grad_norm") else steps
             values = [s[k] for s in pool if k in s and math.isfinite(s[k])]

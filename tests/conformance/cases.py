@@ -343,7 +343,7 @@ def dapo_manager_case(tokenizer_dir: str, tokenizer) -> dict:
 
 
 def all_cases(tokenizer_dir: str, tokenizer) -> list[dict]:
-    cases = (agg_cases() + policy_loss_cases() + value_loss_cases() + estimator_cases() + kl_cases()
+    cases = ([{"id": "config/ppo_trainer", "family": "config"}] + agg_cases() + policy_loss_cases() + value_loss_cases() + estimator_cases() + kl_cases()
              + kl_controller_cases() + kl_reward_cases() + rollout_correction_cases() + reward_cases()
              + [dapo_manager_case(tokenizer_dir, tokenizer)])
     ids = [c["id"] for c in cases]

@@ -300,3 +300,63 @@ def test_dapo_overlong_shaping(verl, tokenizer):
     _close(penalties, theirs["extra"]["overlong_reward"], "overlong_reward")
     assert [float(json.loads(e)["overlong"]) for e in shaped_extras] == theirs["extra"]["overlong"]
     assert any(p < 0 for p in penalties) and any(p == 0 for p in penalties), "the case must straddle the buffer"
+
+
+# ---------------------------------------------------------------------------------------------
+# verl 0.9.1's config: every key has a home here, and its default is verl's or documented
+# ---------------------------------------------------------------------------------------------
+
+PLACEHOLDERS = {"actor_rollout_ref.model.path", "critic.model.path", "data.train_files", "data.val_files",
+                "actor_rollout_ref.rollout.name", "trainer.n_gpus_per_node", "trainer.nnodes"}
+"""verl's placeholders (paths, the engine, the machine), not defaults to compare; docs/verl.md says
+what they are here."""
+
+
+def _home(key: str, schema: set[str]) -> str:
+    from rlhf_core.config import verl_keys as vk
+
+    if key in schema:
+        return "schema"
+    for name in ("RENAMED", "ONLY_DEFAULT", "NO_EFFECT"):
+        if vk.lookup(getattr(vk, name), key) is not None:
+            return name
+    return ""
+
+
+def test_every_verl_key_has_a_home(verl):
+    """A verl 0.9.1 user's command loads: each key of verl's generated PPO config is a field here,
+    moves to one (RENAMED), is refused unless at verl's default (ONLY_DEFAULT), or is named as having
+    no effect here with the reason (NO_EFFECT); and each ONLY_DEFAULT key's verl default is allowed."""
+    from rlhf_core.config import flatten, verl_keys as vk
+
+    _, theirs = verl("config/ppo_trainer")
+    schema = set(flatten(load_config()))
+    homeless = sorted(k for k, v in theirs["defaults"].items() if v != {} and not _home(k, schema))  # {}: a section
+    assert not homeless, f"verl 0.9.1 keys with no home here (add a field or a verl_keys entry): {homeless}"
+    for key, value in theirs["defaults"].items():
+        only = vk.lookup(vk.ONLY_DEFAULT, key)
+        if only is not None and not str(value).startswith("${"):
+            assert value in vk.ONLY_DEFAULT[only][0], f"{key}: verl's default {value!r} is refused here"
+
+
+def test_defaults_are_verls_or_documented(verl, repo_root):
+    """Every key this schema shares with verl 0.9.1 (directly or by RENAMED) has verl's default, or a
+    row in docs/verl.md's 'Defaults that differ' table (which names no key that agrees)."""
+    import re
+
+    from rlhf_core.config import flatten, verl_keys as vk
+
+    _, theirs = verl("config/ppo_trainer")
+    defaults = theirs["defaults"]
+    expected = {k: v for k, v in defaults.items() if v is not None}
+    for src, dst in vk.RENAMED.items():  # verl 0.9.1's reward.* hold what its legacy reward_model.* (null) did
+        if src in defaults and defaults.get(dst) is None:
+            expected[dst] = defaults[src]
+    ours = flatten(load_config())
+    shared = {k: v for k, v in expected.items()
+              if k in ours and k not in PLACEHOLDERS and not (isinstance(v, str) and (v.startswith("${") or v == "???"))}
+    section = (repo_root / "docs" / "verl.md").read_text().split("## Defaults that differ", 1)[1].split("\n## ", 1)[0]
+    documented = set(re.findall(r"^\| `([a-z_.0-9]+)`", section, flags=re.M))
+    differing = {k for k, v in shared.items() if ours[k] != v and not (isinstance(v, (int, float)) and ours[k] == v)}
+    assert not sorted(differing - documented), {k: (ours[k], shared[k]) for k in sorted(differing - documented)}
+    assert len(shared) > 100, f"only {len(shared)} shared defaults compared: the mapping broke"

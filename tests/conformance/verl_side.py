@@ -185,7 +185,30 @@ def dapo_manager(case):
     return {"reward_tensor": out["reward_tensor"], "extra": extra}
 
 
-FAMILIES = {f.__name__: f for f in (agg, policy_loss, value_loss, estimator, kl, kl_controller, kl_reward,
+def config(case):
+    """verl 0.9.1's generated PPO config (what main_ppo starts from), flattened: key → default as
+    written (an interpolation stays its ${...} text)."""
+    from pathlib import Path
+
+    import verl
+    from omegaconf import OmegaConf
+
+    tree = OmegaConf.to_container(OmegaConf.load(Path(verl.__file__).parent / "trainer" / "config"
+                                                 / "_generated_ppo_trainer.yaml"), resolve=False)
+    flat = {}
+
+    def walk(node, prefix):
+        for key, value in node.items():
+            if isinstance(value, dict) and value:
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(tree, "")
+    return {"defaults": {k: v for k, v in flat.items() if not k.endswith("_target_")}}
+
+
+FAMILIES = {f.__name__: f for f in (config, agg, policy_loss, value_loss, estimator, kl, kl_controller, kl_reward,
                                     rollout_correction, reward, dapo_manager)}
 
 
