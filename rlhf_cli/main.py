@@ -3,7 +3,7 @@
     rlhf config show [-c PRESET] [key=value ...]        print the resolved config
     rlhf run [-c PRESET] [key=value ...] [--run-name NAME] [--iterations N]
     rlhf run --resume RUN_DIR [key=value ...]           continue after the last committed iteration
-    rlhf demo [key=value ...]                           the main job on the embedded defaults
+    rlhf demo [--grpo] [--iterations N] [key=value ...] the main job on the embedded defaults
     rlhf stage NAME --run-dir RUN [--iteration K] [-c PRESET] [key=value ...]   rerun one stage
     rlhf rebuild RUN                                    rerun stale stages / override reruns with config.yaml
     rlhf status RUN                                     per-iteration stage table, last-good
@@ -69,6 +69,23 @@ def command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
     return getattr(importlib.import_module(module), name)
 
 
+PLANNED_FIRST = ("run", "demo")
+"""The commands whose config, inputs and run directory are checked before their module (Prefect,
+MLflow, DeepSpeed: 10-20 s of imports) loads, so a mistake is one line within seconds."""
+
+
+def plan_first(args: argparse.Namespace) -> argparse.Namespace:
+    """`rlhf run` / `rlhf demo` (as the run it stands for) with its plan made (``args.plan``) by the
+    module that loads neither Prefect nor MLflow; other commands as they are."""
+    if args.command not in PLANNED_FIRST:
+        return args
+    inspection = importlib.import_module("rlhf_cli.inspection")
+    if args.command == "demo":
+        args = inspection.demo_as_run(args)
+    args.plan = inspection.plan_run_command(args)
+    return args
+
+
 def runs_flows(args: argparse.Namespace) -> bool:
     return args.command in FLOW_COMMANDS and not getattr(args, "local", False)
 
@@ -126,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the main job on the embedded default data and tiny model")
     demo.add_argument("--run-name", help="run directory name (default: timestamp)")
+    demo.add_argument("--iterations", type=int, help="PPO iterations (default: the preset's 30)")
     demo.add_argument("--verbose", action="store_true", help="as for `rlhf run`")
     demo.add_argument("--grpo", action="store_true",
                       help="the same demo with GRPO and no critic: algorithm.adv_estimator=grpo "
@@ -343,6 +361,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         _on_ctrl_c(args.command)
     try:
         prepare_environment(args)
+        args = plan_first(args)  # a config mistake is one line before Prefect, MLflow, DeepSpeed load
         if argv is None and runs_flows(args):  # its start overlaps the command's imports (not in-process callers')
             prefect_server.prewarm(Path(os.environ["PREFECT_HOME"]))
         return command(args)(args) or 0
