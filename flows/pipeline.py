@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_valid
 from prefect import flow
 
 from rlhf_core.config import RLHFConfig, apply_overrides
+from rlhf_core.data.preprocess import preprocess_headline
 from rlhf_core.errors import CheckpointError
 from rlhf_core.run.lifecycle import KLGuardHalt, committed_iterations
 from rlhf_core.run.lock import RunLock
@@ -150,8 +151,11 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
     run_dir = str(plan.run.root)
     warm_start_task(plan.cfg, run_dir)
     init_critic_task(plan.cfg, run_dir)
-    preprocess_task(plan.cfg, run_dir, mlflow_run_id=mlflow_run_id)
-    cfg = resolve_iterations(plan)  # verl's total steps need the train prompt count: saved in config.yaml
+    prepared = preprocess_task(plan.cfg, run_dir, mlflow_run_id=mlflow_run_id)
+    if logs_to(plan.cfg, "console") and not prepared["skipped"]:
+        print(preprocess_headline(prepared["rows"], run_dir))
+    # too little to train on is refused here; verl's total steps need the train prompt count: saved in config.yaml
+    cfg = resolve_iterations(plan)
     pack_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
     if plan.resumed:
         redo_missed_validations(plan, cfg, mlflow_run_id)

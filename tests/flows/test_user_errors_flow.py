@@ -3,6 +3,7 @@ line, exit 3: no Prefect traceback above it, no 'Finished in state Failed' (issu
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -26,3 +27,53 @@ def test_a_kl_guard_halt_is_one_line_with_the_resume_command(prefect_server, dem
     assert "rlhf run --resume" in errors[0]
     assert "Traceback" not in out.stderr and "Finished in state Failed" not in out.stderr, out.stderr[-3000:]
     assert "KLGuardHalt" not in out.stderr, out.stderr[-3000:]
+
+
+def _gsm8k_like(path, short: int, long: int) -> str:
+    """``short`` problems that fit the demo's 128-token prompts and ``long`` ones that do not."""
+    rows = [{"question": f"Sam has {i} pens and buys {i + 2} more. How many pens does he have now?",
+             "answer": f"{i} + {i + 2} = {2 * i + 2}\n#### {2 * i + 2}"} for i in range(short)]
+    rows += [{"question": f"Problem {i}: " + "a long story about pens and pencils " * 40 + "How many?",
+              "answer": "#### 1"} for i in range(long)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_run_that_keeps_too_few_prompts_says_why_and_trains_nothing(prefect_server, demo_preset, tiny_overrides,
+                                                                   tmp_path, subprocess_env):
+    """Issue 29: 2 of 200 GSM8K rows accepted (196 too long), 0 for validation, trained, exit 0,
+    `val/accuracy 0.000`. Now: the preprocess line on the console, one error line, exit 2, no iteration."""
+    data = _gsm8k_like(tmp_path / "broken.jsonl", short=2, long=18)
+    runs = tmp_path / "runs"
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset, "--iterations", "1",
+                          *tiny_overrides(runs, f"data.train_files=[{data}]"), "--run-name", "broken"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env=subprocess_env(PREFECT_API_URL=prefect_server))
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (f"preprocess: 20 rows -> train 2, validation 0, rejected 18 (prompt too long 18); the rejected rows: "
+            f"rlhf query {runs / 'broken'} \"SELECT reason") in out.stdout, out.stdout
+    errors = [line for line in out.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "preprocess accepted 10.0% of the rows, under data.min_accepted_fraction=0.5" in errors[0]
+    assert "raise data.max_prompt_length=128" in errors[0], errors[0]
+    assert "Traceback" not in out.stderr and "val/accuracy" not in out.stdout, out.stderr[-3000:]
+    assert not (runs / "broken" / "iter_1").exists() and not (runs / "broken" / "iter_0").exists()
+
+
+def test_a_run_that_validates_on_no_prompt_is_refused(prefect_server, demo_preset, tiny_overrides, tmp_path,
+                                                      monkeypatch, capsys):
+    """Every row accepted but none held out for validation (val_fraction of 3 rounds to 0), while the
+    run validates: refused in one line (in-process `rlhf run`, the console script's code path)."""
+    from rlhf_cli.main import main
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_server)
+    data = _gsm8k_like(tmp_path / "three.jsonl", short=3, long=0)
+    runs = tmp_path / "runs"
+    code = main(["run", "-c", demo_preset, "--iterations", "1", "--run-name", "noval",
+                 *tiny_overrides(runs, f"data.train_files=[{data}]", "data.train_batch_size=2",
+                                 "actor_rollout_ref.actor.ppo_mini_batch_size=2")])
+    out = capsys.readouterr()
+    assert code == 2, out.err[-3000:]
+    assert "preprocess: 3 rows -> train 3, validation 0, none rejected" in out.out
+    errors = [line for line in out.err.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "no validation prompt was accepted" in errors[0], out.err[-3000:]
+    assert "trainer.test_freq=-1" in errors[0] and not (runs / "noval" / "iter_1").exists()
