@@ -77,3 +77,30 @@ def test_a_run_that_validates_on_no_prompt_is_refused(prefect_server, demo_prese
     errors = [line for line in out.err.splitlines() if line.startswith("rlhf: error:")]
     assert len(errors) == 1 and "no validation prompt was accepted" in errors[0], out.err[-3000:]
     assert "trainer.test_freq=-1" in errors[0] and not (runs / "noval" / "iter_1").exists()
+
+
+def test_a_reward_that_exits_or_overflows_float32_is_one_line(two_iterations, tmp_path, subprocess_env, capsys):
+    """Issue 29: a reward function calling sys.exit(0) made the command exit 0 with nothing printed;
+    a reward of 1e300 passed the finiteness check in float64 and was stored as inf in float32.
+    `rlhf stage score` on a copy of a finished run, through the console entry point (sys.exit) and
+    in-process (1e300)."""
+    import shutil
+
+    from rlhf_cli.main import main
+
+    run = shutil.copytree(two_iterations.pristine.root, tmp_path / "run")
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("import sys\n\ndef leaves(**kwargs):\n    sys.exit(0)\n\n"
+                       "def huge(**kwargs):\n    return 1e300\n")
+    argv = ["stage", "score", "--local", "--run-dir", str(run), "--iteration", "1", "--force",
+            f"custom_reward_function.path={rewards}"]
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", *argv, "custom_reward_function.name=leaves"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300, env=subprocess_env())
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "called sys.exit(0), which would end the run" in errors[0], out.stderr[-3000:]
+    assert "iter_1/rollout.parquet row 0" in errors[0] and "Traceback" not in out.stderr
+
+    assert main([*argv, "custom_reward_function.name=huge"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "returned 1e+300, beyond float32's range" in errors[0], errors
