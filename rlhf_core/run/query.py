@@ -307,7 +307,21 @@ def format_status(run: RunDir | str | Path) -> str:
         last_good = read_last_good(run)
         lines.append(f"last-good: iteration {last_good['iteration']} ({last_good['checkpoint']})" if last_good
                      else "last-good: none (the next iteration starts from the initial model)")
+        lines += uncommitted_lines(run)
     return "\n".join(lines + rerun_lines(run))
+
+
+def uncommitted_lines(run: RunDir) -> list[str]:
+    """The iterations after last-good (an interrupted or halted run leaves one; a running run is in
+    one) and what continues the run: a resume, which redoes them from last-good. A stage rerun is
+    not the way: it would leave them uncommitted."""
+    committed = _committed_or_none(run)
+    after = [k for k in run.iterations() if k >= 1 and k > (committed[-1] if committed else 0)]
+    if not after:
+        return []
+    which = f"iteration {after[0]}" if len(after) == 1 else f"iterations {after[0]}-{after[-1]}"
+    return [f"not committed: {which} (running, or stopped before its commit); `rlhf run --resume {run.root}` "
+            "continues from last-good and redoes it"]
 
 
 def rerun_lines(run: RunDir) -> list[str]:
@@ -353,6 +367,7 @@ def status_problems(run: RunDir) -> list[str]:
         run.read_json(run.kl_ctrl_path)
     except StateFileError as exc:
         problems.append(f"{exc}; a resume falls back to the last-good checkpoint's KL controller state")
+    committed = _committed_or_none(run)
     for k in run.iterations():
         try:
             manifest = run.read_json(run.manifest_path(k))
@@ -360,7 +375,8 @@ def status_problems(run: RunDir) -> list[str]:
             problems.append(f"{exc}; `rlhf stage <stage> --run-dir {run.root} --iteration {k} --force` rebuilds "
                             "that iteration's records")
             continue
-        if manifest is None and any(run.iter_dir(k).iterdir()):
+        uncommitted = k >= 1 and k > (committed[-1] if committed else 0)  # ``uncommitted_lines`` says what to do
+        if manifest is None and not uncommitted and any(run.iter_dir(k).iterdir()):
             problems.append(f"{run.manifest_path(k)} is missing: iteration {k}'s stages have no record (its files "
                             f"are there); rerun them with `rlhf stage <stage> --run-dir {run.root} --iteration {k}`")
     return problems
