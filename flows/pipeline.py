@@ -107,7 +107,7 @@ def _flow_run_name() -> str:
       on_crashed=[fail_misplaced_parameters])
 def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     """Run (or resume) a PPO RLHF run; returns {run_dir, mlflow_run_id (None without the mlflow
-    logger), last_good, metrics, export}."""
+    logger), tracking_failed (why MLflow stopped tracking it, if it did), last_good, metrics, export}."""
     prefect_artifacts.redact_prefect_logs()
     plan = plan_run(preset=None if params.resume else params.config, overrides=params.overrides,
                     iterations=params.iterations, run_name=params.run_name, resume=params.resume)
@@ -131,7 +131,9 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
             finish_tracking_task(mlflow_run_id, "FAILED", reason=f"{type(exc).__name__}: {exc}")
             raise
         finish_tracking_task(mlflow_run_id)
-    return {**summary, "mlflow_run_id": mlflow_run_id}
+    # tracking is a view: a failure was one line and cost nothing else; the closing block says it again
+    tracking_failed = mlflow_tracking.failure(mlflow_run_id) if logs_to(plan.cfg, "mlflow") else None
+    return {**summary, "mlflow_run_id": mlflow_run_id, "tracking_failed": tracking_failed}
 
 
 def close_interrupted(mlflow_run_id: Optional[str]) -> None:

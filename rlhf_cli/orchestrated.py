@@ -219,7 +219,10 @@ def where_to_look(summary: dict) -> str:
     MLflow and the Prefect UI, each with the command that opens it."""
     run_dir = summary["run_dir"]
     curve = RunDir(run_dir).learning_curve
-    if summary.get("mlflow_run_id"):
+    if summary.get("tracking_failed"):
+        mlflow = (f"tracking failed ({summary['tracking_failed']}); the run directory has every metric, "
+                  f"`rlhf run --resume {run_dir}` logs them into the store it then finds")
+    elif summary.get("mlflow_run_id"):
         uri = display_uri()
         mlflow = f"run {summary['mlflow_run_id']}: " + (run_url(summary["mlflow_run_id"]) or (
             f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000)"))

@@ -104,3 +104,31 @@ def test_a_reward_that_exits_or_overflows_float32_is_one_line(two_iterations, tm
     assert main([*argv, "custom_reward_function.name=huge"]) == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlhf: error:")]
     assert len(errors) == 1 and "returned 1e+300, beyond float32's range" in errors[0], errors
+
+
+def test_an_mlflow_store_replaced_mid_run_costs_one_line_not_the_run(prefect_server, demo_preset, tiny_overrides,
+                                                                    tmp_path, subprocess_env):
+    """Issue 29: the MLflow store replaced during a run: every iteration committed, then ~100 lines
+    of traceback, exit 1, no summary, no export. Now one warning line, and the run ends as without
+    MLflow: exit 0, last-good, the export, and the closing block saying tracking failed."""
+    import time
+
+    home, runs = tmp_path / "home", tmp_path / "runs"
+    (home / "models").mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset, "--iterations", "3",
+                             "--run-name", "ml", *tiny_overrides(runs)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=subprocess_env(PREFECT_API_URL=prefect_server, RLHF_HOME=str(home)))
+    deadline = time.monotonic() + 300
+    while not (runs / "ml" / "iter_1").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    store = home / "mlflow" / "mlflow.db"
+    store.rename(store.with_name("old.db"))  # a store replaced under the running command
+    store.write_text("not a database\n")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    failures = [line for line in err.splitlines() if "MLflow tracking failed" in line]
+    assert len(failures) == 1 and "is not tracked from here on: the run goes on" in failures[0], err[-3000:]
+    assert "Traceback" not in err and "ERROR" not in err, err[-3000:]
+    assert "last-good: iteration 3" in out and f"exported actor: {runs / 'ml' / 'export' / 'actor'}" in out, out
+    assert "MLflow          tracking failed (" in out and f"`rlhf run --resume {runs / 'ml'}` logs them" in out
