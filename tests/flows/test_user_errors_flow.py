@@ -4,6 +4,7 @@ line, exit 3: no Prefect traceback above it, no 'Finished in state Failed' (issu
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -27,6 +28,8 @@ def test_a_kl_guard_halt_is_one_line_with_the_resume_command(prefect_server, dem
     assert "rlhf run --resume" in errors[0]
     assert "Traceback" not in out.stderr and "Finished in state Failed" not in out.stderr, out.stderr[-3000:]
     assert "KLGuardHalt" not in out.stderr, out.stderr[-3000:]
+    shown = re.search(r"= (\S+) > trainer.kl_rollback_threshold = (\S+) ", errors[0])
+    assert shown and shown[1] != shown[2] and float(shown[2]) == 1e-9, errors[0]  # never rounded onto each other
 
 
 def _gsm8k_like(path, short: int, long: int) -> str:
