@@ -27,14 +27,18 @@ MLFLOW_TRACKING_URI is set).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from tqdm import tqdm
 
 from rlhf_cli import prefect_server, session
 from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
@@ -99,8 +103,26 @@ def prepare_environment(args: argparse.Namespace) -> None:
     home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level itself
     if args.command in ("run", "demo") and not getattr(args, "verbose", False):
         for key, value in {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "TQDM_DISABLE": "1",
-                           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}.items():
+                           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                           "PYTHONWARNINGS": QUIET_WARNINGS}.items():
             os.environ.setdefault(key, value)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.showwarning = _warning_line
+
+
+QUIET_WARNINGS = "ignore::FutureWarning"
+"""`rlhf run`'s quiet console (and the processes it starts): a library's notice of its own coming
+API change is for that library's users, the project's code, not for whoever runs a training
+(`--verbose` shows them). Every other warning is one line (``_warning_line``)."""
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """A Python warning as one line, 'rlhf: warning: <Category>: <message> (<file>:<line>)', written
+    between the progress bar's redraws (the default two lines landed after the bar, leaving a bare
+    `warnings.warn(` line on the terminal)."""
+    text = " ".join(str(message).split())
+    with tqdm.external_write_mode(file=sys.stderr):
+        print(f"rlhf: warning: {category.__name__}: {text} ({filename}:{lineno})", file=file or sys.stderr)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -359,7 +381,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log, handler, propagate = _console_logging(getattr(args, "verbose", False))
     if argv is None and runs_flows(args):  # the console script, on a command that runs flows
         _on_ctrl_c(args.command)
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(warnings.catch_warnings())  # an in-process caller gets its filters back
         prepare_environment(args)
         args = plan_first(args)  # a config mistake is one line before Prefect, MLflow, DeepSpeed load
         if argv is None and runs_flows(args):  # its start overlaps the command's imports (not in-process callers')
@@ -372,6 +396,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _after_interrupt(args.command, console=argv is None)
         return _user_error(exc)
     finally:
+        stack.close()
         log.removeHandler(handler)
         log.propagate = propagate
         if argv is None:

@@ -39,6 +39,7 @@ from rlhf_core.data.readers import RawRow, read_rows
 from rlhf_core.data.schemas import PROMPTS, REJECTS, encode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.paths import resolve_model_path
+from rlhf_core.progress import bar_disabled
 
 TOKENIZE_BATCH = 512
 """Prompts per batched chat-template + tokenizer call (fast tokenizers parallelise inside a batch)."""
@@ -218,9 +219,9 @@ def tokenize_prompts(tokenizer, conversations: Sequence[list[dict[str, str]]], p
 
     texts: list[str] = []
     ids: list[list[int]] = []
-    # ``disable`` only when asked: passed at all, it would override TQDM_DISABLE (`rlhf run`'s quiet console)
+    # shown unless the console is quiet (`rlhf run`) or the caller asks for none
     with tqdm(total=len(conversations), desc="tokenize prompts", unit="prompt",
-              **({} if progress else {"disable": True})) as bar:
+              disable=bar_disabled() if progress else True) as bar:
         for start in range(0, len(conversations), batch_size):
             batch = [list(c) for c in conversations[start:start + batch_size]]
             batch_texts = tokenizer.apply_chat_template(batch, tokenize=False, add_generation_prompt=True)

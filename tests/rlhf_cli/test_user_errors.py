@@ -275,3 +275,21 @@ def test_an_unusable_model_folder_is_one_line_before_any_run_directory(tmp_path,
                  f"actor_rollout_ref.model.path={folders['no_tokenizer']}",
                  f"actor_rollout_ref.model.tokenizer_path={tiny_model_dir}"]) == 0
     assert not runs.exists()
+
+
+def test_the_quiet_console_drops_library_deprecations_and_prints_other_warnings_in_one_line(tmp_path):
+    """Issue 29: LoRA runs left a bare `warnings.warn(` line on the terminal (transformers'
+    FutureWarning about is_gradient_checkpointing, which peft triggers: its first line landed behind
+    the progress bar). `rlhf run`'s console (not --verbose) drops FutureWarnings, in its own process
+    and the ones it starts, and prints any other warning as one line."""
+    code = ("import os, warnings; from rlhf_cli.main import parse_args, prepare_environment; "
+            "prepare_environment(parse_args(['run'])); "
+            "warnings.warn('`is_gradient_checkpointing` is deprecated', FutureWarning); "
+            "warnings.warn('look\\nhere', UserWarning); print(os.environ['PYTHONWARNINGS'])")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env["RLHF_HOME"] = str(tmp_path / "home")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("rlhf: warning: UserWarning: look here (<string>:1)"), lines
+    assert out.stdout.strip() == "ignore::FutureWarning"  # torchrun ranks and worker processes too
