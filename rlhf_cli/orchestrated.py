@@ -30,7 +30,7 @@ from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
 from rlhf_core.security import redact_text
-from tasks.mlflow_tracking import display_uri, run_url
+from tasks.mlflow_tracking import TRAINING_VIEW, display_uri, run_url, ui_path
 from tasks.prefect_artifacts import redact_prefect_logs
 
 
@@ -224,8 +224,9 @@ def where_to_look(summary: dict) -> str:
                   f"`rlhf run --resume {run_dir}` logs them into the store it then finds")
     elif summary.get("mlflow_run_id"):
         uri = display_uri()
+        page = ui_path(summary["mlflow_run_id"]) or f"#/experiments?{TRAINING_VIEW}"  # the runs view, not GenAI's
         mlflow = f"run {summary['mlflow_run_id']}: " + (run_url(summary["mlflow_run_id"]) or (
-            f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000)"))
+            f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000/{page})"))
     else:
         mlflow = "not tracked (trainer.logger has no mlflow)"
     reporting = session.REPORTING

@@ -12,8 +12,10 @@ to it as nested runs. Parameters are the flattened config. Metrics are logged wi
 per call (one SQLite transaction; separate ``log_metric`` calls cost ~20 ms each).
 
 Experiments are created as classic ML training experiments (the experiment tag
-``mlflow.experimentKind=custom_model_development``): MLflow 3's UI otherwise opens them as GenAI
-experiments (traces and evaluation runs) instead of the runs table and the metric charts.
+``mlflow.experimentKind=custom_model_development``). MLflow 3.17's UI reads that tag no more: it
+opens every experiment in the view of a workflow type chosen in its side bar, GenAI (traces) until
+a user switches, and a link's ``workflowType`` parameter overrides it. The addresses printed here
+carry ``TRAINING_VIEW`` so they open the runs table and the metric charts (``ui_path``).
 
 Tracking is a view, never the record: a failing MLflow call (a store replaced or wiped mid-run, a
 server gone) is one warning line, and tracking is off for the rest of that MLflow run
@@ -52,6 +54,8 @@ MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 MAX_PARAM_LENGTH = 6000
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 """MLflow 3's experiment type: a model-training experiment (runs, parameters, metric charts)."""
+TRAINING_VIEW = "workflowType=machine_learning"
+"""The MLflow UI's query parameter for its model-training view (3.17: the GenAI view otherwise)."""
 
 
 def tracking_uri() -> str:
@@ -336,9 +340,14 @@ def run_url(run_id: str) -> Optional[str]:
     asks for it)."""
     uri = display_uri()
     if uri.startswith("http"):
-        record = client().get_run(run_id)
-        return f"{uri.rstrip('/')}/#/experiments/{record.info.experiment_id}/runs/{run_id}"
+        return f"{uri.rstrip('/')}/{ui_path(run_id)}"
     return None
+
+
+@best_effort(None)
+def ui_path(run_id: str) -> str:
+    """The MLflow UI's address of a run, after the server's: its page in the training view."""
+    return f"#/experiments/{client().get_run(run_id).info.experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
 
 
 def params_of(run_id: str) -> dict[str, str]:
