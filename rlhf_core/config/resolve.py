@@ -176,8 +176,8 @@ def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
 
 def steps_per_epoch(cfg: RLHFConfig, train_prompts: int) -> int:
     """Training steps in one pass over the prompts: verl's dataloader drops the last partial batch.
-    Fewer prompts than one batch make one smaller step here (the pack stage plans one slot), where
-    verl's empty dataloader refuses to start."""
+    A run with fewer prompts than one batch is refused after preprocess, as verl's empty dataloader
+    refuses to start (``run.plan.check_prompt_supply``); counted alone, they make one smaller step."""
     if train_prompts <= 0:
         return 0
     return max(1, train_prompts // cfg.data.train_batch_size)

@@ -141,6 +141,10 @@ class DataConfig(Section):
     """verl: shuffle the training prompts each epoch (seeded by data.seed)."""
     dedup: bool = True
     """Drop exact duplicate prompts (kept: first occurrence; the rest go to rejects)."""
+    min_accepted_fraction: float = 0.5
+    """Our name: a run refuses to train when preprocess accepts less than this share of the rows it
+    read (rows over a sample cap not counted): losing most of the data is a wrong key or a too small
+    data.max_prompt_length far more often than data to train on. 0 turns the check off."""
     seed: int = 42
     """Seed for the train/validation split and the per-epoch prompt order."""
 
@@ -153,6 +157,8 @@ class DataConfig(Section):
         require(self.max_response_length > 0, f"{key}.max_response_length", "must be > 0",
                 self.max_response_length)
         require(len(self.train_files) > 0, f"{key}.train_files", "needs at least one file", self.train_files)
+        require(0 <= self.min_accepted_fraction <= 1, f"{key}.min_accepted_fraction", "must be in [0, 1] (0 = no check)",
+                self.min_accepted_fraction)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from rlhf_core.data.readers import RawRow, read_rows
 from rlhf_core.data.schemas import PROMPTS, REJECTS, encode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.paths import resolve_model_path
+from rlhf_core.progress import bar_disabled
 
 TOKENIZE_BATCH = 512
 """Prompts per batched chat-template + tokenizer call (fast tokenizers parallelise inside a batch)."""
@@ -92,8 +93,10 @@ class PreprocessResult:
 
     @property
     def rows(self) -> dict[str, int]:
+        """Rows in, accepted (train, val), rejected, and rejected by reason (``REJECTED_BY``<kind>)."""
         return {"input": self.rows_in, "train": self.train.num_rows, "val": self.val.num_rows,
-                "rejected": self.rejects.num_rows}
+                "rejected": self.rejects.num_rows,
+                **{f"{REJECTED_BY}{kind}": n for kind, n in self.reject_counts.items()}}
 
     def summary_lines(self) -> list[str]:
         lines = [f"files read: {len(self.files)}"]
@@ -113,6 +116,83 @@ class PreprocessResult:
             lines.append(f"prompt length (tokens): min {s['min']:.0f} / mean {s['mean']:.1f} / "
                          f"p50 {s['p50']:.0f} / p95 {s['p95']:.0f} / max {s['max']:.0f}")
         return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# enough prompts to train on: what the run checks once preprocess has counted them
+# ---------------------------------------------------------------------------------------------
+
+REJECTED_BY = "rejected/"
+"""Prefix of the per-reason counts among the stage's rows (``rejected/prompt too long``: 196)."""
+CAPS = ("over validation cap", "over train cap")
+"""Reject kinds that are sampling the user asked for (data.max_val_samples, train_max_samples),
+not data lost: left out of the accepted fraction."""
+REJECTS_SQL = "SELECT reason, count(*) AS n FROM rejects GROUP BY 1 ORDER BY 2 DESC"
+"""The query that lists the rejected rows' reasons (`rlhf query RUN "..."`; the rows themselves:
+SELECT source_file, source_row, reason FROM rejects)."""
+
+
+def rejected_by_reason(rows: dict[str, int]) -> dict[str, int]:
+    """Reject kind → count, from a preprocess record's rows (most frequent first, then by name)."""
+    found = [(key[len(REJECTED_BY):], n) for key, n in rows.items() if key.startswith(REJECTED_BY)]
+    return dict(sorted(found, key=lambda item: (-item[1], item[0])))
+
+
+def accepted_fraction(rows: dict[str, int]) -> float:
+    """Accepted (train + val) over the rows read, less those a sample cap left out; 1.0 with no rows."""
+    considered = rows.get("input", 0) - sum(rejected_by_reason(rows).get(kind, 0) for kind in CAPS)
+    return (rows.get("train", 0) + rows.get("val", 0)) / considered if considered > 0 else 1.0
+
+
+def preprocess_headline(rows: dict[str, int], run_root: str | Path) -> str:
+    """The preprocess stage in one line for the terminal of `rlhf run`: rows read, accepted into
+    train and validation, rejected by reason, and the query that lists the rejected rows."""
+    line = f"preprocess: {rows.get('input', 0)} rows -> train {rows.get('train', 0)}, validation {rows.get('val', 0)}"
+    reasons = rejected_by_reason(rows)
+    if not rows.get("rejected"):
+        return line + ", none rejected"
+    shown = ", ".join(f"{kind} {n}" for kind, n in reasons.items()) or "see the rejects table"
+    return (f"{line}, rejected {rows['rejected']} ({shown}); the rejected rows: "
+            f"rlhf query {run_root} \"{REJECTS_SQL}\"")
+
+
+def prompt_supply_problem(rows: dict[str, int], data: DataConfig, *, trains: bool, validates: bool,
+                          run_root: str | Path) -> Optional[str]:
+    """Why a run cannot train on what preprocess accepted (``rows``: its record), else None: less
+    than data.min_accepted_fraction of the rows accepted; fewer train prompts than one training
+    batch (``trains``: verl's dataloader, which drops the last partial batch, has no step then);
+    no validation prompt while the run validates (``validates``; its accuracy would read 0.000)."""
+    counts = f"{rows.get('input', 0)} rows -> train {rows.get('train', 0)}, validation {rows.get('val', 0)}"
+    reasons = rejected_by_reason(rows)
+    why = (f", rejected {rows['rejected']}: {', '.join(f'{k} {n}' for k, n in reasons.items())}; "
+           f"rlhf query {run_root} \"{REJECTS_SQL}\" lists them" if rows.get("rejected") and reasons else "")
+    fraction = accepted_fraction(rows)
+    broken_down = bool(reasons) or not rows.get("rejected")  # a record of an older version has no reasons
+    if broken_down and fraction < data.min_accepted_fraction:
+        return (f"preprocess accepted {fraction:.1%} of the rows, under data.min_accepted_fraction="
+                f"{data.min_accepted_fraction} ({counts}{why}); fix what rejects them"
+                f"{_fix_hint(reasons, data)}, or lower data.min_accepted_fraction (0 = no check)")
+    if trains and rows.get("train", 0) < data.train_batch_size:
+        return (f"{rows.get('train', 0)} train prompts are fewer than one training batch "
+                f"(data.train_batch_size={data.train_batch_size}; {counts}{why}): no training step can run; "
+                f"lower data.train_batch_size to at most {rows.get('train', 0)} (and ppo_mini_batch_size with it), "
+                f"or add prompts{_fix_hint(reasons, data, ' or keep more of them')}")
+    if validates and rows.get("val", 0) == 0:
+        return (f"the run validates (trainer.val_before_train, trainer.test_freq or trainer.kl_guard_val_prompts) "
+                f"but no validation prompt was accepted ({counts}{why}): its val/accuracy would read 0; give "
+                "data.val_files=[...], raise data.val_fraction or data.max_val_samples, or turn validation off "
+                "(trainer.val_before_train=false trainer.test_freq=-1)")
+    return None
+
+
+def _fix_hint(reasons: dict[str, int], data: DataConfig, lead: str = "") -> str:
+    """A pointer at the setting behind the most frequent reject kind, when one setting is behind it."""
+    top = next(iter(reasons), None)
+    if top == "prompt too long":
+        return f"{lead} (the most frequent reason is prompt too long: raise data.max_prompt_length={data.max_prompt_length})"
+    if top == "duplicate":
+        return f"{lead} (the most frequent reason is duplicate: data.dedup=false keeps repeated prompts)"
+    return lead
 
 
 # ---------------------------------------------------------------------------------------------
@@ -142,7 +222,9 @@ def tokenize_prompts(tokenizer, conversations: Sequence[list[dict[str, str]]], p
 
     texts: list[str] = []
     ids: list[list[int]] = []
-    with tqdm(total=len(conversations), desc="tokenize prompts", unit="prompt", disable=not progress) as bar:
+    # shown unless the console is quiet (`rlhf run`) or the caller asks for none
+    with tqdm(total=len(conversations), desc="tokenize prompts", unit="prompt",
+              disable=bar_disabled() if progress else True) as bar:
         for start in range(0, len(conversations), batch_size):
             batch = [list(c) for c in conversations[start:start + batch_size]]
             batch_texts = tokenizer.apply_chat_template(batch, tokenize=False, add_generation_prompt=True)

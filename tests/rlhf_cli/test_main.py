@@ -92,6 +92,7 @@ def test_a_run_ends_by_saying_where_to_look(tmp_path, monkeypatch):
     assert f"run directory   {tmp_path / 'run'}" in text
     assert str(tmp_path / "run" / "plots" / "learning_curve.png") in text
     assert f"--backend-store-uri sqlite:///{tmp_path / 'home' / 'mlflow' / 'mlflow.db'}" in text and "abc123" in text
+    assert "(then http://127.0.0.1:5000/#/experiments" in text and "?workflowType=machine_learning)" in text
     assert "make services-up" in text  # the demo's temporary Prefect server is gone by now
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")

@@ -153,3 +153,18 @@ def test_iteration_zero_is_the_initial_policys_validation(run):
     assert rows == [{"iteration": 0, "value": 0.3125}]
     wide = query.query(run, 'SELECT iteration FROM metrics_wide ORDER BY 1').column("iteration").to_pylist()
     assert wide == [0, 1, 2]
+
+
+def test_event_and_stage_times_are_timestamps_shown_as_dates(run, capsys):
+    """Issue 29: events.time showed as 1.79628e+09 in `rlhf query`. Times are timestamps now: SQL
+    compares them with dates, and the CLI prints them to the second."""
+    import re
+
+    from rlhf_cli.main import main
+
+    assert main(["query", str(run.root), "SELECT time, kind FROM events WHERE time > now() - INTERVAL 1 DAY "
+                                         "AND kind = 'rollback'"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^20\d\d-\d\d-\d\d \d\d:\d\d:\d\d\+00:00  rollback", out, re.M) and "e+09" not in out, out
+    started = query.query(run, "SELECT min(started_at) AS s FROM stages WHERE started_at IS NOT NULL")
+    assert str(started.schema.field("s").type).startswith("timestamp")
