@@ -8,11 +8,15 @@ import pytest
 import torch
 
 from rlhf_core.algos import POLICY_LOSSES, accepted_kwargs, get_policy_loss_fn
+from rlhf_core.algos.rollout_correction import RolloutCorrection
 
 MODES = ["gspo", "gpg", "clip_cov", "kl_cov", "geo_mean"]
+ALL_MODES = sorted(set(POLICY_LOSSES.names()) - {"vanilla"})
+"""Every mode for the contract tests (the transcriptions above cover MODES; tests/conformance covers all)."""
 AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KNOBS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, clip_cov_ratio=0.05, clip_cov_lb=1.0,
-             clip_cov_ub=5.0, kl_cov_ratio=0.05, ppo_kl_coef=0.1)
+             clip_cov_ub=5.0, kl_cov_ratio=0.05, ppo_kl_coef=0.1, dro_beta=0.5, tau_pos=1.0, tau_neg=1.05,
+             rollout_correction=RolloutCorrection(rollout_is="token", bypass_mode=True, loss_type="reinforce"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,7 +212,7 @@ def test_all_modes_are_registered():
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", sorted(set(ALL_MODES) - {"bypass_mode"}))  # bypass's weights are per call
 def test_micro_batch_shares_add_up_to_the_batch_loss(masks, mode, agg):
     mask, old, new, adv = _batch(masks, 2)
     # Per-call selections (clip_cov's draw, kl_cov's top-k) differ between splits by design (verl's
@@ -227,7 +231,7 @@ def test_micro_batch_shares_add_up_to_the_batch_loss(masks, mode, agg):
     torch.testing.assert_close(torch.cat(grads), full_grad, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_junk_at_padding_reaches_neither_loss_nor_gradient(masks, mode):
     mask, old, new, adv = _batch(masks, 3)
     gen = torch.Generator().manual_seed(7)
@@ -241,14 +245,14 @@ def test_junk_at_padding_reaches_neither_loss_nor_gradient(masks, mode):
         torch.testing.assert_close(dirty[1][name], clean[1][name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("mode", ["geo_mean"])
+@pytest.mark.parametrize("mode", ["geo_mean", "sapo"])
 def test_forced_aggregation_ignores_loss_agg_mode(masks, mode):
     mask, old, new, adv = _batch(masks, 4)
     losses = {float(_ours(mode, old, new, adv, mask, loss_agg_mode=agg)[0]) for agg in AGG_MODES}
     assert len(losses) == 1
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_all_masked_call_gives_zero_loss_and_metrics(mode):
     zeros = torch.zeros(2, 3, dtype=torch.float64)
     loss, metrics = _ours(mode, zeros, zeros.clone().requires_grad_(True), zeros, torch.zeros(2, 3, dtype=torch.bool))
