@@ -158,6 +158,16 @@ def test_config_notes_print_once_each_as_one_line(tmp_path):
     assert "trainer.logger=['console', 'wandb']" in out.stdout
 
 
+def test_demo_takes_iterations_as_run_does():
+    """Issue 29: `rlhf demo` had no --iterations (`rlhf run` has)."""
+    from rlhf_cli.inspection import GRPO_DEMO, demo_as_run
+    from rlhf_cli.main import parse_args
+
+    run = demo_as_run(parse_args(["demo", "--iterations", "2", "--grpo", "trainer.test_freq=1"]))
+    assert (run.command, run.iterations, run.resume) == ("run", 2, None) and run.preset.endswith("configs/demo.yaml")
+    assert run.overrides == [*GRPO_DEMO, "trainer.test_freq=1"]
+
+
 def test_overrides_may_follow_options():
     from rlhf_cli.main import parse_args
 

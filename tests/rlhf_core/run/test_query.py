@@ -43,7 +43,9 @@ def _scored_rows(k):
                      "reward_source": "arith", "extra_info": json.dumps({"question": f"q {p}"}), "uid": f"{k}-{p}", "rollout_log_probs": old,
                      "reward": REWARD[k][p], "reward_extra": "{}", "old_log_probs": old,
                      "ref_log_probs": [o - KL[k][p] for o in old], "values": [0.1, 0.2], "reward_baseline": None,
-                     "token_level_rewards": [0.0, REWARD[k][p]], "advantages": [0.5, 0.5], "returns": [1.0, 1.0]})
+                     "sum_pi_squared": None,
+                     "token_level_rewards": [0.0, REWARD[k][p]], "advantages": [0.5, 0.5], "returns": [1.0, 1.0],
+                     "rollout_is_weights": None, "response_mask": None})
     return rows
 
 
