@@ -19,7 +19,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 
-.PHONY: install demo test clean test-vllm
+.PHONY: install demo test test-verl test-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,8 +36,26 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
+# verl 0.9.1 in an environment of its own (its transformers range excludes ours): the conformance
+# step computes every verl-named quantity with verl's own functions there and compares (tests/conformance).
+VERL_VENV  ?= .venv-verl
+VERL_STAMP := $(VERL_VENV)/.installed
+VERL_DEPS  := packaging numpy ray codetiming omegaconf "tensordict>=0.8.0,<=0.10.0,!=0.9.0" \
+              "transformers>=5.5.3,<5.11,!=5.6.0" datasets pillow peft cachetools uvicorn fastapi
+
+$(VERL_STAMP):
+	test -x $(VERL_VENV)/bin/python || $(PYTHON) -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(VERL_VENV)/bin/python -m pip install --quiet $(TORCH_SPEC)
+	$(VERL_VENV)/bin/python -m pip install --quiet --no-deps verl==0.9.1 torchdata==0.11.0
+	$(VERL_VENV)/bin/python -m pip install --quiet $(VERL_DEPS)
+	touch $(VERL_STAMP)
+
+test-verl: $(STAMP) $(VERL_STAMP)
+	VERL_PYTHON=$(VERL_VENV)/bin/python RLHF_REQUIRE_VERL=1 $(BIN)/python -m pytest tests/conformance $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) runs .rlhf .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) runs .rlhf .pytest_cache .hypothesis
 
 # The vLLM rollout engine on CPU (docs/vllm.md): its own venv with vLLM's CPU build, kept apart from
 # .venv so `make test` never needs vLLM. Each pip command is separate on purpose: one joint resolve of

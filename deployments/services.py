@@ -40,6 +40,7 @@ from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.paths import project_root, state_dir
 from rlhf_core.security import redact_text
+from tasks.mlflow_tracking import TRAINING_VIEW
 from tasks.prefect_runs import mark_crashed, unfinished
 
 HOST = "127.0.0.1"
@@ -452,7 +453,8 @@ def url_lines(state: State) -> list[str]:
              f"Prefect API    {state.api_url}"]
     tracking = os.environ.get("MLFLOW_TRACKING_URI")
     if state.mlflow_url:
-        lines.append(f"MLflow UI      {state.mlflow_url}   (experiment = trainer.experiment_name, e.g. 'demo')")
+        lines.append(f"MLflow UI      {state.mlflow_url}/#/experiments?{TRAINING_VIEW}   (experiment = "
+                     "trainer.experiment_name, e.g. 'demo')")
     elif tracking and not tracking.startswith("sqlite:"):
         lines.append(f"MLflow         MLFLOW_TRACKING_URI={redact_text(tracking)} (its own UI)")
     else:

@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_valid
 from prefect import flow
 
 from rlhf_core.config import RLHFConfig, apply_overrides
+from rlhf_core.data.preprocess import preprocess_headline
 from rlhf_core.errors import CheckpointError
 from rlhf_core.run.lifecycle import KLGuardHalt, committed_iterations
 from rlhf_core.run.lock import RunLock
@@ -106,7 +107,7 @@ def _flow_run_name() -> str:
       on_crashed=[fail_misplaced_parameters])
 def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     """Run (or resume) a PPO RLHF run; returns {run_dir, mlflow_run_id (None without the mlflow
-    logger), last_good, metrics, export}."""
+    logger), tracking_failed (why MLflow stopped tracking it, if it did), last_good, metrics, export}."""
     prefect_artifacts.redact_prefect_logs()
     plan = plan_run(preset=None if params.resume else params.config, overrides=params.overrides,
                     iterations=params.iterations, run_name=params.run_name, resume=params.resume)
@@ -130,7 +131,9 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
             finish_tracking_task(mlflow_run_id, "FAILED", reason=f"{type(exc).__name__}: {exc}")
             raise
         finish_tracking_task(mlflow_run_id)
-    return {**summary, "mlflow_run_id": mlflow_run_id}
+    # tracking is a view: a failure was one line and cost nothing else; the closing block says it again
+    tracking_failed = mlflow_tracking.failure(mlflow_run_id) if logs_to(plan.cfg, "mlflow") else None
+    return {**summary, "mlflow_run_id": mlflow_run_id, "tracking_failed": tracking_failed}
 
 
 def close_interrupted(mlflow_run_id: Optional[str]) -> None:
@@ -150,8 +153,11 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
     run_dir = str(plan.run.root)
     warm_start_task(plan.cfg, run_dir)
     init_critic_task(plan.cfg, run_dir)
-    preprocess_task(plan.cfg, run_dir, mlflow_run_id=mlflow_run_id)
-    cfg = resolve_iterations(plan)  # verl's total steps need the train prompt count: saved in config.yaml
+    prepared = preprocess_task(plan.cfg, run_dir, mlflow_run_id=mlflow_run_id)
+    if logs_to(plan.cfg, "console") and not prepared["skipped"]:
+        print(preprocess_headline(prepared["rows"], run_dir))
+    # too little to train on is refused here; verl's total steps need the train prompt count: saved in config.yaml
+    cfg = resolve_iterations(plan)
     pack_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
     if plan.resumed:
         redo_missed_validations(plan, cfg, mlflow_run_id)

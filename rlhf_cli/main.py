@@ -3,7 +3,7 @@
     rlhf config show [-c PRESET] [key=value ...]        print the resolved config
     rlhf run [-c PRESET] [key=value ...] [--run-name NAME] [--iterations N]
     rlhf run --resume RUN_DIR [key=value ...]           continue after the last committed iteration
-    rlhf demo [key=value ...]                           the main job on the embedded defaults
+    rlhf demo [--grpo] [--iterations N] [key=value ...] the main job on the embedded defaults
     rlhf stage NAME --run-dir RUN [--iteration K] [-c PRESET] [key=value ...]   rerun one stage
     rlhf rebuild RUN                                    rerun stale stages / override reruns with config.yaml
     rlhf status RUN                                     per-iteration stage table, last-good
@@ -27,14 +27,18 @@ MLFLOW_TRACKING_URI is set).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib
 import logging
 import os
 import signal
 import sys
 import threading
+import warnings
 from pathlib import Path
 from typing import Callable, Optional, Sequence
+
+from tqdm import tqdm
 
 from rlhf_cli import prefect_server, session
 from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
@@ -69,6 +73,23 @@ def command(args: argparse.Namespace) -> Callable[[argparse.Namespace], int]:
     return getattr(importlib.import_module(module), name)
 
 
+PLANNED_FIRST = ("run", "demo")
+"""The commands whose config, inputs and run directory are checked before their module (Prefect,
+MLflow, DeepSpeed: 10-20 s of imports) loads, so a mistake is one line within seconds."""
+
+
+def plan_first(args: argparse.Namespace) -> argparse.Namespace:
+    """`rlhf run` / `rlhf demo` (as the run it stands for) with its plan made (``args.plan``) by the
+    module that loads neither Prefect nor MLflow; other commands as they are."""
+    if args.command not in PLANNED_FIRST:
+        return args
+    inspection = importlib.import_module("rlhf_cli.inspection")
+    if args.command == "demo":
+        args = inspection.demo_as_run(args)
+    args.plan = inspection.plan_run_command(args)
+    return args
+
+
 def runs_flows(args: argparse.Namespace) -> bool:
     return args.command in FLOW_COMMANDS and not getattr(args, "local", False)
 
@@ -82,8 +103,26 @@ def prepare_environment(args: argparse.Namespace) -> None:
     home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level itself
     if args.command in ("run", "demo") and not getattr(args, "verbose", False):
         for key, value in {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "TQDM_DISABLE": "1",
-                           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error"}.items():
+                           "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
+                           "PYTHONWARNINGS": QUIET_WARNINGS}.items():
             os.environ.setdefault(key, value)
+        warnings.filterwarnings("ignore", category=FutureWarning)
+        warnings.showwarning = _warning_line
+
+
+QUIET_WARNINGS = "ignore::FutureWarning"
+"""`rlhf run`'s quiet console (and the processes it starts): a library's notice of its own coming
+API change is for that library's users, the project's code, not for whoever runs a training
+(`--verbose` shows them). Every other warning is one line (``_warning_line``)."""
+
+
+def _warning_line(message, category, filename, lineno, file=None, line=None) -> None:
+    """A Python warning as one line, 'rlhf: warning: <Category>: <message> (<file>:<line>)', written
+    between the progress bar's redraws (the default two lines landed after the bar, leaving a bare
+    `warnings.warn(` line on the terminal)."""
+    text = " ".join(str(message).split())
+    with tqdm.external_write_mode(file=sys.stderr):
+        print(f"rlhf: warning: {category.__name__}: {text} ({filename}:{lineno})", file=file or sys.stderr)
 
 
 def _add_config_args(p: argparse.ArgumentParser) -> None:
@@ -126,6 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="the main job on the embedded default data and tiny model")
     demo.add_argument("--run-name", help="run directory name (default: timestamp)")
+    demo.add_argument("--iterations", type=int, help="PPO iterations (default: the preset's 30)")
     demo.add_argument("--verbose", action="store_true", help="as for `rlhf run`")
     demo.add_argument("--grpo", action="store_true",
                       help="the same demo with GRPO and no critic: algorithm.adv_estimator=grpo "
@@ -345,8 +385,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     log, handler, propagate = _console_logging(getattr(args, "verbose", False))
     if argv is None and runs_flows(args):  # the console script, on a command that runs flows
         _on_ctrl_c(args.command)
+    stack = contextlib.ExitStack()
     try:
+        stack.enter_context(warnings.catch_warnings())  # an in-process caller gets its filters back
         prepare_environment(args)
+        args = plan_first(args)  # a config mistake is one line before Prefect, MLflow, DeepSpeed load
         if argv is None and runs_flows(args):  # its start overlaps the command's imports (not in-process callers')
             prefect_server.prewarm(Path(os.environ["PREFECT_HOME"]))
         return command(args)(args) or 0
@@ -357,6 +400,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             return _after_interrupt(args.command, console=argv is None)
         return _user_error(exc)
     finally:
+        stack.close()
         log.removeHandler(handler)
         log.propagate = propagate
         if argv is None:

@@ -24,15 +24,13 @@ from deployments.services import main as services_main
 from flows.pipeline import PipelineParams, rlhf_pipeline
 from flows.stage import StageParams, rlhf_rebuild, rlhf_stage
 from rlhf_cli import prefect_server, session
-from rlhf_cli.inspection import require_run_dir
+from rlhf_cli.inspection import demo_as_run, plan_run_command, require_run_dir
 from rlhf_cli.local import print_result, stage_overrides
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import RLHFError
-from rlhf_core.paths import project_root
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.plan import plan_run
 from rlhf_core.security import redact_text
-from tasks.mlflow_tracking import display_uri, run_url
+from tasks.mlflow_tracking import TRAINING_VIEW, display_uri, run_url, ui_path
 from tasks.prefect_artifacts import redact_prefect_logs
 
 
@@ -184,9 +182,9 @@ def cmd_stage(args: argparse.Namespace) -> int:
 
 def cmd_run(args: argparse.Namespace) -> int:
     # fail on a bad name, preset, override or path here, before a Prefect server is started for nothing
+    # (``rlhf_cli.main`` planned already, before this module's imports: ``args.plan``)
     checked_params(PipelineParams, run_name=args.run_name, iterations=args.iterations)
-    plan = plan_run(preset=None if args.resume else args.preset, overrides=list(args.overrides),
-                    iterations=args.iterations, run_name=args.run_name, resume=args.resume)
+    plan = getattr(args, "plan", None) or plan_run_command(args)
     session.RUN_DIR = plan.run  # for the resume hint after Ctrl-C
     _quiet_deepspeed()
     _bind_server()
@@ -221,10 +219,14 @@ def where_to_look(summary: dict) -> str:
     MLflow and the Prefect UI, each with the command that opens it."""
     run_dir = summary["run_dir"]
     curve = RunDir(run_dir).learning_curve
-    if summary.get("mlflow_run_id"):
+    if summary.get("tracking_failed"):
+        mlflow = (f"tracking failed ({summary['tracking_failed']}); the run directory has every metric, "
+                  f"`rlhf run --resume {run_dir}` logs them into the store it then finds")
+    elif summary.get("mlflow_run_id"):
         uri = display_uri()
+        page = ui_path(summary["mlflow_run_id"]) or f"#/experiments?{TRAINING_VIEW}"  # the runs view, not GenAI's
         mlflow = f"run {summary['mlflow_run_id']}: " + (run_url(summary["mlflow_run_id"]) or (
-            f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000)"))
+            f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000/{page})"))
     else:
         mlflow = "not tracked (trainer.logger has no mlflow)"
     reporting = session.REPORTING
@@ -243,15 +245,8 @@ def where_to_look(summary: dict) -> str:
     return "\n".join(lines)
 
 
-GRPO_DEMO = ("algorithm.adv_estimator=grpo", "actor_rollout_ref.rollout.n=4")
-"""`rlhf demo --grpo`: the demo preset with GRPO, four responses per prompt normalised within their group."""
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
-    overrides = [*GRPO_DEMO, *args.overrides] if getattr(args, "grpo", False) else args.overrides
-    ns = argparse.Namespace(preset=str(project_root() / "configs" / "demo.yaml"), overrides=overrides,
-                            run_name=args.run_name, resume=None, iterations=None, verbose=args.verbose)
-    return cmd_run(ns)
+    return cmd_run(args if args.command == "run" else demo_as_run(args))
 
 
 def cmd_rebuild(args: argparse.Namespace) -> int:

@@ -164,12 +164,14 @@ def backfill_tracking_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: str) ->
 
 def backfill_metrics(cfg: RLHFConfig, run: RunDir, mlflow_run_id: str) -> list[int]:
     logged = {step for step, _ in mlflow_tracking.metric_history(mlflow_run_id, DONE_MARK)}
+    if mlflow_tracking.failure(mlflow_run_id):  # tracking is off for this run: said once already
+        return []
     missing = [k for k in committed_iterations(run) if k not in logged]
     for k in missing:
         numbers = iteration_numbers(cfg, run, k)
         save_iteration_metrics(run, k, numbers.metrics)
         mlflow_tracking.log_metrics(mlflow_run_id, numbers.batch, step=k)
-    if missing:
+    if missing and not mlflow_tracking.failure(mlflow_run_id):
         prefect_artifacts.logger().warning("MLflow was missing the metrics of committed iterations %s: logged them from "
                                    "the run directory", missing)
     return missing

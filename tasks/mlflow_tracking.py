@@ -12,8 +12,15 @@ to it as nested runs. Parameters are the flattened config. Metrics are logged wi
 per call (one SQLite transaction; separate ``log_metric`` calls cost ~20 ms each).
 
 Experiments are created as classic ML training experiments (the experiment tag
-``mlflow.experimentKind=custom_model_development``): MLflow 3's UI otherwise opens them as GenAI
-experiments (traces and evaluation runs) instead of the runs table and the metric charts.
+``mlflow.experimentKind=custom_model_development``). MLflow 3.17's UI reads that tag no more: it
+opens every experiment in the view of a workflow type chosen in its side bar, GenAI (traces) until
+a user switches, and a link's ``workflowType`` parameter overrides it. The addresses printed here
+carry ``TRAINING_VIEW`` so they open the runs table and the metric charts (``ui_path``).
+
+Tracking is a view, never the record: a failing MLflow call (a store replaced or wiped mid-run, a
+server gone) is one warning line, and tracking is off for the rest of that MLflow run
+(``best_effort``); the run trains, exports and reports its result as without it, and
+`rlhf run --resume RUN` logs every committed iteration again into the store it then finds.
 
 Nothing this module writes or prints carries a secret: the tracking URI's password
 (``http://user:PASSWORD@host``) is masked in ``RUN/tracking.json``, the logged address and the run
@@ -24,12 +31,14 @@ off (``MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT``): the CLI prints the masked URL 
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import os
 import re
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional, TypeVar
 
 from rlhf_core.config import RLHFConfig, flatten
 from rlhf_core.io.atomic import atomic_write_json
@@ -37,6 +46,7 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.io.timing import timed
 from rlhf_core.paths import state_dir
 from rlhf_core.security import redact, redact_text, redact_value
+from tasks import prefect_artifacts
 
 MLFLOW = "mlflow"
 """``io.timing`` kind of the per-iteration MLflow calls (the orchestration-overhead benchmark sums it)."""
@@ -44,6 +54,8 @@ MAX_PARAMS_PER_BATCH = 100  # MLflow's log_batch limit
 MAX_PARAM_LENGTH = 6000
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 """MLflow 3's experiment type: a model-training experiment (runs, parameters, metric charts)."""
+TRAINING_VIEW = "workflowType=machine_learning"
+"""The MLflow UI's query parameter for its model-training view (3.17: the GenAI view otherwise)."""
 
 
 def tracking_uri() -> str:
@@ -72,12 +84,72 @@ def artifact_root() -> Optional[str]:
 
 _CLIENTS: dict[str, Any] = {}
 
+# ---------------------------------------------------------------------------------------------
+# failures: one line, then tracking off for that MLflow run
+# ---------------------------------------------------------------------------------------------
+
+_FAILED: dict[Optional[str], str] = {}
+"""MLflow run id (None: a run that could not be opened) → the failure that turned its tracking off."""
+T = TypeVar("T")
+
+
+def failure(run_id: Optional[str]) -> Optional[str]:
+    """Why tracking of ``run_id`` is off (its first MLflow failure in this process), else None."""
+    return _FAILED.get(run_id)
+
+
+def _one_line(exc: BaseException) -> str:
+    """The root cause of ``exc`` (MLflow wraps the database's error in two layers of its own) as
+    'Type: first line of its message'."""
+    for _ in range(10):
+        inner = exc.__cause__ or exc.__context__
+        if inner is None:
+            break
+        exc = inner
+    lines = str(exc).strip().splitlines() or [""]
+    text = lines[0][:200] + ("…" if len(lines[0]) > 200 else "")
+    return f"{type(exc).__name__}: {text}"
+
+
+def _tracking_failed(run_id: Optional[str], doing: str, exc: Exception) -> None:
+    _FAILED[run_id] = f"{doing}: {_one_line(exc)}"
+    what = f"MLflow run {run_id}" if run_id else "this run"
+    prefect_artifacts.logger().warning(
+        "MLflow tracking failed (%s, %s) at %s; %s is not tracked from here on: the run goes on and the run "
+        "directory keeps every metric (`rlhf run --resume RUN` logs them into the store it then finds)",
+        doing, _one_line(exc), display_uri(), what)
+
+
+def best_effort(default: T) -> Callable[[Callable[..., T]], Callable[..., T]]:
+    """For a call whose first argument is an MLflow run id: once a call for that run failed (or
+    when it is None), later ones return ``default`` at once; a call that fails says so in one line
+    (``_tracking_failed``) and returns ``default``. The run's result never depends on MLflow."""
+    def wrap(fn: Callable[..., T]) -> Callable[..., T]:
+        @functools.wraps(fn)
+        def call(run_id: Optional[str], *args: Any, **kwargs: Any) -> T:
+            if run_id is None or run_id in _FAILED:
+                return default
+            try:
+                return fn(run_id, *args, **kwargs)
+            except Exception as exc:
+                _tracking_failed(run_id, fn.__name__, exc)
+                return default
+        return call
+    return wrap
+
+
+def _quiet_mlflow_store() -> None:
+    """MLflow's SQL store logs every database error with its traceback before raising it, and two
+    INFO lines whenever it creates a store: the failure reaches the console once, as our line."""
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
 
 def client():
     """One MlflowClient per tracking URI (the SQLite engine is created once)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
     # forced, not defaulted: MLflow's line shows the tracking URI's password; the CLI prints a masked URL
     os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
+    _quiet_mlflow_store()
     from mlflow.tracking import MlflowClient
 
     uri = tracking_uri()
@@ -123,9 +195,18 @@ def read_record(run: RunDir) -> Optional[dict]:
     return record
 
 
-def start_pipeline_run(run: RunDir, cfg: RLHFConfig, flow_run_id: Optional[str] = None) -> str:
+def start_pipeline_run(run: RunDir, cfg: RLHFConfig, flow_run_id: Optional[str] = None) -> Optional[str]:
     """The MLflow run of this run directory: reopened when it exists (resume), else created with the
-    flattened config as parameters. Returns its run id."""
+    flattened config as parameters. Returns its run id; None (one warning line) when MLflow fails:
+    the run goes on untracked."""
+    try:
+        return _start_pipeline_run(run, cfg, flow_run_id)
+    except Exception as exc:
+        _tracking_failed(None, "start_pipeline_run", exc)
+        return None
+
+
+def _start_pipeline_run(run: RunDir, cfg: RLHFConfig, flow_run_id: Optional[str]) -> str:
     from mlflow.entities import RunStatus
 
     c = client()
@@ -147,9 +228,18 @@ def start_pipeline_run(run: RunDir, cfg: RLHFConfig, flow_run_id: Optional[str] 
 
 
 def start_stage_run(run: RunDir, cfg: RLHFConfig, stage: str, iteration: Optional[int],
-                    flow_run_id: Optional[str] = None) -> str:
+                    flow_run_id: Optional[str] = None) -> Optional[str]:
     """A nested MLflow run for one `rlhf stage` rerun, under the run directory's pipeline run (a
-    top-level run when the directory has none yet)."""
+    top-level run when the directory has none yet); None (one warning line) when MLflow fails."""
+    try:
+        return _start_stage_run(run, cfg, stage, iteration, flow_run_id)
+    except Exception as exc:
+        _tracking_failed(None, "start_stage_run", exc)
+        return None
+
+
+def _start_stage_run(run: RunDir, cfg: RLHFConfig, stage: str, iteration: Optional[int],
+                     flow_run_id: Optional[str]) -> str:
     record = read_record(run)
     name = f"{stage}" + (f"-iter{iteration}" if iteration is not None else "")
     tags = {"rlhf.run_dir": str(run.root), "rlhf.stage": stage, "rlhf.rerun": "true"}
@@ -201,6 +291,7 @@ def mlflow_key(name: str) -> str:
     return _NOT_IN_MLFLOW_NAMES.sub("_", re.sub(r"/+", "/", name.replace("@", "_at_")))
 
 
+@best_effort(0)
 @timed(MLFLOW)
 def log_metrics(run_id: str, metrics: dict[str, float], step: Optional[int]) -> int:
     """One log_batch of every finite numeric metric at ``step`` (names: ``mlflow_key``). Returns
@@ -215,6 +306,7 @@ def log_metrics(run_id: str, metrics: dict[str, float], step: Optional[int]) -> 
     return len(batch)
 
 
+@best_effort(None)
 @timed(MLFLOW)
 def set_tags(run_id: str, tags: dict[str, Any]) -> None:
     from mlflow.entities import RunTag
@@ -222,31 +314,40 @@ def set_tags(run_id: str, tags: dict[str, Any]) -> None:
     client().log_batch(run_id, tags=[RunTag(k, v) for k, v in _safe_tags(tags).items()])
 
 
+@best_effort(None)
 @timed(MLFLOW)
 def log_artifact(run_id: str, path: Path, artifact_path: Optional[str] = None) -> None:
     client().log_artifact(run_id, str(path), artifact_path)
 
 
+@best_effort(None)
 @timed(MLFLOW)
 def finish(run_id: str, status: str = "FINISHED") -> None:
     """status: FINISHED | FAILED | KILLED."""
     client().set_terminated(run_id, status=status)
 
 
+@best_effort(())
 def metric_history(run_id: str, key: str) -> list[tuple[int, float]]:
     """[(step, value)] of one metric, for tests and reports."""
     return [(m.step, m.value) for m in client().get_metric_history(run_id, mlflow_key(key))]
 
 
+@best_effort(None)
 @timed(MLFLOW)
 def run_url(run_id: str) -> Optional[str]:
     """A browsable address when the tracking store is a server (its password masked: the browser
     asks for it)."""
     uri = display_uri()
     if uri.startswith("http"):
-        record = client().get_run(run_id)
-        return f"{uri.rstrip('/')}/#/experiments/{record.info.experiment_id}/runs/{run_id}"
+        return f"{uri.rstrip('/')}/{ui_path(run_id)}"
     return None
+
+
+@best_effort(None)
+def ui_path(run_id: str) -> str:
+    """The MLflow UI's address of a run, after the server's: its page in the training view."""
+    return f"#/experiments/{client().get_run(run_id).info.experiment_id}/runs/{run_id}?{TRAINING_VIEW}"
 
 
 def params_of(run_id: str) -> dict[str, str]:

@@ -12,23 +12,23 @@ Micro-batch / data-parallel convention (the one place it is written down)
 
 * ``global_num_tokens``: valid tokens in the whole mini-batch, summed over all micro-batches
   and all data-parallel ranks;
-* ``global_num_seqs``: rows with at least one valid token, likewise summed.
+* ``global_num_seqs``: rows of the mini-batch, likewise summed (verl's ``global_batch_size``: a
+  fully masked row counts in the denominator and adds 0 to the sum).
 
 Given them, each call returns its *share*: ``local_sum / global_count``. Summing the returned
 values over every micro-batch and every rank therefore yields exactly the full-batch loss, for
-every mode (``seq-mean-token-sum-norm`` divides by a constant, so its shares need no count). The
+every mode (``token-sum`` needs no count, and ``seq-mean-token-sum-norm`` only divides by a constant more). The
 trainer must then *sum* gradients over micro-batches (plain accumulation, no ``1/grad_accum``
 scaling) and, because DDP/FSDP/DeepSpeed *average* gradients over ranks, multiply the loss by
 ``dp_size`` before ``backward``. (verl's newer engine folds that ``dp_size`` factor into
 ``agg_loss``; we keep parallelism out of this module so it stays a pure function of its inputs.)
 Without global counts the result is the plain local value, as if the micro-batch were the batch.
 
-How this relates to verl's ``agg_loss`` (verl/trainer/ppo/core_algos.py): with the micro-batch
-being the whole mini-batch on one rank, every mode returns verl's value. verl's default (legacy)
-actor instead aggregates each micro-batch on its own and weights it by its share of the
-mini-batch's sequences; for ``token-mean`` that is a sequence-weighted mean of micro-batch token
-means, and for ``seq-mean-token-sum-norm`` a value that grows with the micro-batch size, so its
-gradient depends on how sequences are cut into micro-batches. Here it never does.
+How this relates to verl's ``agg_loss`` (verl/trainer/ppo/core_algos.py, 0.9.1): verl's trainer
+passes the same global counts (``batch_num_tokens``, ``global_batch_size``) and returns
+``local_sum / global_count * dp_size``; we leave the ``dp_size`` factor to the trainer. Per micro-batch
+and summed, every mode equals verl's (the conformance step, ``tests/conformance``, checks it against
+verl itself).
 """
 
 from __future__ import annotations
@@ -141,12 +141,17 @@ def _seq_mean_token_mean(loss_mat, valid, *, global_num_tokens=None, global_num_
 @register_agg_mode("seq-mean-token-sum-norm")
 def _seq_mean_token_sum_norm(loss_mat, valid, *, global_num_tokens=None, global_num_seqs=None,
                              loss_scale_factor=None):
-    # Dr. GRPO as verl implements it: every token sum over one constant (the configured response
-    # length), and no mean over sequences ("turns off seq-dim averaging", verl's docs/algo/grpo.md),
-    # so long and short responses are not re-weighted against each other. Being a plain sum, a
-    # micro-batch's share is its own value: no global count enters.
+    # Dr. GRPO as verl 0.9.1 aggregates it: seq-mean-token-sum divided by one constant (the
+    # configured response length), so long and short responses are not re-weighted by their length.
     scale = loss_mat.shape[-1] if loss_scale_factor is None else loss_scale_factor
-    return masked_sum(loss_mat, valid) / scale
+    return _seq_share(masked_sum(loss_mat, valid, dim=-1), valid, global_num_seqs) / scale
+
+
+@register_agg_mode("token-sum")
+def _token_sum(loss_mat, valid, *, global_num_tokens=None, global_num_seqs=None, loss_scale_factor=None):
+    # A plain sum over valid tokens: a micro-batch's share is its own sum, no count enters. The
+    # gradient grows with the batch's token count, so the learning rate must be set for it.
+    return masked_sum(loss_mat, valid)
 
 
 def agg_loss(
@@ -165,10 +170,12 @@ def agg_loss(
     * ``token-mean``: ``sum_it l_it m_it / N``, N = ``global_num_tokens`` or ``sum n_i``;
     * ``seq-mean-token-sum``: ``sum_{i in S} (sum_t l_it m_it) / M``;
     * ``seq-mean-token-mean``: ``sum_{i in S} (sum_t l_it m_it / n_i) / M``;
-    * ``seq-mean-token-sum-norm``: ``sum_i sum_t l_it m_it / c``, c = ``loss_scale_factor`` or T
-      (verl's name and fall-back; the trainer passes a constant, never a micro-batch's own T);
+    * ``seq-mean-token-sum-norm``: ``sum_{i in S} (sum_t l_it m_it) / (M c)``, c = ``loss_scale_factor``
+      or T (verl's name and fall-back; the trainer passes a constant, never a micro-batch's own T);
+    * ``token-sum``: ``sum_it l_it m_it`` (no denominator);
 
-    with M = ``global_num_seqs`` or ``|S|``. See the module docstring for how the global
+    with M = ``global_num_seqs`` (verl's global_batch_size: every row of the mini-batch, fully masked
+    ones included) or, without it, ``|S|``. See the module docstring for how the global
     counts make micro-batch results sum to the full-batch value. An all-masked input gives 0.
     """
     fn = AGG_MODES.get(loss_agg_mode)
@@ -183,7 +190,8 @@ def agg_loss(
 
 
 def global_counts(response_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(valid tokens, rows with >= 1 valid token) of a mask: the local terms that a trainer
-    sums over micro-batches (and all-reduces over ranks) to get the global counts."""
+    """(valid tokens, rows) of a mask: the local terms that a trainer sums over micro-batches (and
+    all-reduces over ranks) to get the global counts. Every row counts, fully masked ones too, as
+    verl's ``global_batch_size`` counts every sequence of the mini-batch."""
     valid = _valid(response_mask)
-    return valid.sum(), valid.any(dim=-1).sum()
+    return valid.sum(), torch.tensor(valid.shape[0], device=valid.device)

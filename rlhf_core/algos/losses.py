@@ -31,6 +31,7 @@ def compute_policy_loss(
     global_num_tokens: Optional[Count] = None,
     global_num_seqs: Optional[Count] = None,
     loss_scale_factor: Optional[Count] = None,
+    rollout_is_weights: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate with dual clip (Ye et al. 2020, https://arxiv.org/abs/1912.09729).
 
@@ -41,7 +42,8 @@ def compute_policy_loss(
         L = min(Lclip, -A * clip_ratio_c)  if A < 0   else Lclip
 
     The dual clip caps the loss of a negative-advantage token at ``c * |A|`` so one token whose
-    ratio exploded cannot dominate the update. Metrics: ``pg_clipfrac`` (valid tokens with
+    ratio exploded cannot dominate the update. ``rollout_is_weights`` (B, T), when given, multiply L
+    per token (rollout correction's importance weights, constants). Metrics: ``pg_clipfrac`` (valid tokens with
     L2 > L1), ``pg_clipfrac_lower`` (valid tokens with A < 0 and Lclip > -A * c, i.e. the
     dual-clip bound active), ``ppo_kl`` (mean of old_log_prob - log_prob, clamped as above).
     """
@@ -60,6 +62,8 @@ def compute_policy_loss(
     loss_dual = -advantages * clip_ratio_c
     negative = advantages < 0
     pg_losses = torch.where(negative, torch.minimum(loss_clip, loss_dual), loss_clip)
+    if rollout_is_weights is not None:
+        pg_losses = pg_losses * torch.where(valid, rollout_is_weights.detach(), torch.zeros_like(pg_losses))
     loss = agg_loss(
         loss_mat=pg_losses,
         loss_mask=response_mask,

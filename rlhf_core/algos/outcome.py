@@ -19,12 +19,12 @@ None of these estimators names ``values``: naming it would make a run build a cr
 
 from __future__ import annotations
 
-from typing import Union
+from typing import Mapping, Optional, Sequence, Union
 
 import numpy as np
 import torch
 
-from .advantage import discounted_reverse_cumsum
+from .advantage import compute_gae
 from .aggregation import masked_sum, masked_whiten
 from .registry import register_adv_estimator
 
@@ -262,26 +262,6 @@ def compute_reinforce_plus_plus_baseline_advantage(
     return advantages, advantages.clone()
 
 
-def _segment_returns(rewards: torch.Tensor, valid: torch.Tensor, gamma: Scalar) -> torch.Tensor:
-    """Discounted reward-to-go that restarts at every masked position, 0 at masked positions.
-
-    For valid t, ``G_t = sum_{t <= s < e_t} gamma**(s - t) r_s`` with e_t the first masked position
-    after t (or T): a masked token ends a segment, as verl's "reset after EOS" does. Computed as the
-    full discounted reverse cumsum minus its part past e_t (r is zeroed at masked positions, so
-    ``full[e_t]`` holds exactly that part), in float64 to keep the subtraction exact enough.
-    """
-    r = torch.where(valid, rewards.to(torch.float64), torch.zeros((), dtype=torch.float64, device=rewards.device))
-    full = discounted_reverse_cumsum(r, gamma)
-    length = r.shape[-1]
-    positions = torch.arange(length, device=r.device)
-    stops = torch.where(valid, torch.full_like(positions, length), positions)
-    segment_end = torch.flip(torch.cummin(torch.flip(stops, [-1]), dim=-1).values, [-1])
-    past_end = torch.gather(torch.nn.functional.pad(full, (0, 1)), 1, segment_end)
-    decay = torch.pow(torch.as_tensor(gamma, dtype=torch.float64, device=r.device), (segment_end - positions).double())
-    returns = full - decay * past_end
-    return torch.where(valid, returns, torch.zeros((), dtype=torch.float64, device=r.device))
-
-
 @register_adv_estimator("reinforce_plus_plus")
 def compute_reinforce_plus_plus_advantage(
     *,
@@ -290,16 +270,20 @@ def compute_reinforce_plus_plus_advantage(
     gamma: Scalar,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """REINFORCE++ (Hu 2025, https://arxiv.org/abs/2501.03262): returns are the discounted reward-to-go
-    ``G_t = r_t + gamma * G_{t+1}``, restarted after every masked position (verl's reset after EOS: a
-    hole inside a row cuts the sum, so tokens before the hole do not see rewards after it); the
-    advantages are the returns whitened over all valid tokens of the batch.
+    over each row's valid tokens, ``G_t = r_t + gamma * G_t'`` with t' the next valid token (a masked
+    position inside a row is skipped: it neither discounts nor adds its reward, as verl 0.9.1 carries
+    the running return through it); the advantages are the returns whitened over all valid tokens of
+    the batch. That is GAE with V = 0 and lambda = 1, which is how it is computed.
 
-    Edge cases: a fully masked row gives zeros and is left out of the whitening statistics; with
-    fewer than two valid tokens in the batch verl's whitening raises, ours gives advantage 0.
-    verl's returns hold ``r_t + gamma * G_{t+1}`` at a masked position t; ours hold 0 there.
+    Edge cases: returns and advantages are 0 at masked positions; a fully masked row gives zeros and
+    is left out of the whitening statistics; with fewer than two valid tokens in the batch verl's
+    whitening raises, ours gives advantage 0.
     """
     valid = _valid(response_mask)
-    returns = _segment_returns(token_level_rewards, valid, gamma)
+    dtype = _math_dtype(token_level_rewards.dtype)
+    rewards = token_level_rewards.to(dtype)
+    returns, _ = compute_gae(token_level_rewards=rewards, values=torch.zeros_like(rewards), response_mask=valid,
+                             gamma=gamma, lam=1.0)
     advantages = masked_whiten(returns, valid)
     return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
 
@@ -327,3 +311,186 @@ def compute_remax_advantage(
     returns = torch.where(valid, to_go, zero)
     advantages = torch.where(valid, to_go - reward_baselines.to(device=r.device, dtype=dtype).unsqueeze(-1), zero)
     return advantages.to(token_level_rewards.dtype), returns.to(token_level_rewards.dtype)
+
+
+# verl's vectorized GRPO computes the loop version's quantities (in float32 there).
+register_adv_estimator("grpo_vectorized")(compute_grpo_advantage)
+
+
+@register_adv_estimator("rloo_vectorized")
+def compute_rloo_vectorized_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's vectorized RLOO: ``rloo``'s leave-one-out advantage, except that a group of one gets 0
+    (``rloo`` keeps its raw score there). Returns equal the advantages."""
+    valid = _valid(response_mask)
+    scores = _scores(token_level_rewards, valid)
+    groups = _Groups(index, scores.shape[0], scores.device)
+    sizes = groups.size(scores)[groups.row_group]
+    per_row = (sizes * scores - groups.sum(scores)[groups.row_group]) / (sizes - 1).clamp(min=1) * (sizes > 1)
+    advantages = _broadcast(per_row, valid, token_level_rewards)
+    return advantages, advantages.clone()
+
+
+@register_adv_estimator("gdpo")
+def compute_gdpo_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    norm_adv_by_std_in_grpo: bool = True,
+    reward_components: Optional[Mapping[str, torch.Tensor]] = None,
+    reward_weights: Optional[Sequence[float]] = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (https://arxiv.org/abs/2601.05242): normalise each reward component within its group
+    before adding them up, so a large component cannot drown a small one.
+
+    ``reward_components``: name → (B,) score of each response (the keys of a dict-valued reward
+    function named by algorithm.gdpo_reward_keys, in that order); ``reward_weights`` one weight per
+    component (default 1). Each component gets GRPO's group normalisation; their weighted sum is
+    whitened over the batch's valid tokens. Without components (verl: no gdpo_reward_keys) the one
+    component is the response's score (the sum of ``token_level_rewards``). Returns equal the advantages.
+    """
+    valid = _valid(response_mask)
+    if reward_components:
+        components = [c.to(device=token_level_rewards.device) for c in reward_components.values()]
+    else:
+        components = [_scores(token_level_rewards, valid)]
+    weights = [1.0] * len(components) if reward_weights is None else list(reward_weights)
+    if len(weights) != len(components):
+        raise ValueError(f"gdpo: {len(weights)} reward weights for {len(components)} reward components; "
+                         "give algorithm.gdpo_reward_weights one weight per gdpo_reward_keys entry")
+    total = torch.zeros(valid.shape, dtype=_math_dtype(token_level_rewards.dtype), device=valid.device)
+    for weight, component in zip(weights, components):
+        per_token = _broadcast(component.to(total.dtype), _last_valid(valid), total)
+        normalised, _ = compute_grpo_advantage(token_level_rewards=per_token, response_mask=valid, index=index,
+                                               norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
+        total = total + weight * normalised
+    advantages = masked_whiten(total, valid).to(token_level_rewards.dtype)
+    return advantages, advantages.clone()
+
+
+def _last_valid(valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) bool: True at each row's last valid token (where a sequence score sits)."""
+    from_here = valid.flip(-1).long().cumsum(dim=-1).flip(-1)
+    return valid & (from_here == 1)
+
+
+def _reward_to_go(token_level_rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """(B, T) undiscounted sum of the rewards at valid positions from t to the end of the row."""
+    r = torch.where(valid, token_level_rewards, torch.zeros((), dtype=token_level_rewards.dtype))
+    return torch.flip(torch.cumsum(torch.flip(r, [-1]), dim=-1), [-1])
+
+
+def _path_variance(old_log_probs: torch.Tensor, sum_pi_squared: torch.Tensor, valid: torch.Tensor,
+                   rollout_is_weights: Optional[torch.Tensor]) -> torch.Tensor:
+    """(B, T) W_t = sum_{j <= t, j valid} ||s_j||^2 with ||s_j||^2 = 1 - 2 pi_j + sum_v pi_v^2 (the
+    squared norm of the score of token j's softmax), times rho_j^2 under truncated IS."""
+    per_token = 1 - 2 * torch.exp(old_log_probs) + sum_pi_squared
+    if rollout_is_weights is not None:
+        per_token = per_token * rollout_is_weights.square()
+    return torch.cumsum(torch.where(valid, per_token, torch.zeros((), dtype=per_token.dtype)), dim=-1)
+
+
+def _zero_longest_tail(baselines: torch.Tensor, rows: list[int], lengths: torch.Tensor) -> None:
+    """When one row of a group is strictly the longest, it alone reaches positions past the second
+    longest: its baseline there would be its own return, so it is set to 0 instead (in place)."""
+    ordered = sorted(int(lengths[i]) for i in rows)
+    longest = [i for i in rows if int(lengths[i]) == ordered[-1]]
+    if len(longest) == 1 and ordered[-1] > ordered[-2]:
+        baselines[longest[0], ordered[-2]:] = 0.0
+
+
+def _groups_of(index: np.ndarray) -> dict:
+    """group id → row indices, in order of first appearance."""
+    groups: dict = {}
+    for row, gid in enumerate(np.asarray(index).tolist()):
+        groups.setdefault(gid, []).append(row)
+    return groups
+
+
+@register_adv_estimator("optimal_token_baseline")
+def compute_optimal_token_baseline_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Optimal token baseline: a baseline per position t and group,
+    ``B_t = sum_i G_it W_it / (sum_i W_it + eps)`` over the group's rows i, with G the reward-to-go and
+    W the path-variance proxy (``_path_variance``: needs the sampling policy's log-probs and
+    ``sum_pi_squared`` = sum over the vocabulary of pi^2 at each token, actor.calculate_sum_pi_squared).
+    ``A_t = G_t - B_t``; returns are G. A group of one has baseline 0; ``handle_zero_tail`` zeroes the
+    baseline of a group's single longest row past the second-longest row's end.
+
+    Positions are the padded ones (t counts from each row's start), as verl's; 0 at masked positions.
+    """
+    valid = _valid(response_mask)
+    with torch.no_grad():
+        returns = _reward_to_go(token_level_rewards, valid)
+        w = torch.where(valid, _path_variance(old_log_probs, sum_pi_squared, valid, rollout_is_weights), 0.0)
+        lengths = valid.sum(dim=-1)
+        baselines = torch.zeros_like(returns)
+        for rows in _groups_of(index).values():
+            if len(rows) == 1:
+                continue
+            idx = torch.tensor(rows, device=returns.device)
+            per_step = (returns[idx] * w[idx]).sum(dim=0) / (w[idx].sum(dim=0) + epsilon)
+            baselines[idx] = per_step.to(baselines.dtype).unsqueeze(0).expand(len(rows), -1)
+            if handle_zero_tail:
+                _zero_longest_tail(baselines, rows, lengths)
+        zero = torch.zeros((), dtype=returns.dtype)
+        return torch.where(valid, returns - baselines, zero), returns
+
+
+@register_adv_estimator("tir_optimal_token_baseline")
+def compute_tir_optimal_token_baseline_advantage(
+    *,
+    token_level_rewards: torch.Tensor,
+    response_mask: torch.Tensor,
+    index: np.ndarray,
+    old_log_probs: torch.Tensor,
+    sum_pi_squared: torch.Tensor,
+    rollout_is_weights: Optional[torch.Tensor] = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The optimal token baseline for multi-turn rows (tool-integrated reasoning): as
+    ``optimal_token_baseline``, but position t counts valid tokens only (observation tokens inside a
+    row are skipped), so the baselines of rows whose turns interleave differently still align by how
+    much each has generated. Rows without valid tokens are left out of their group. Returns are the
+    reward-to-go at the original positions; advantages are 0 at masked positions.
+    """
+    valid = _valid(response_mask)
+    with torch.no_grad():
+        returns = _reward_to_go(token_level_rewards, valid)
+        w = _path_variance(old_log_probs, sum_pi_squared, valid, rollout_is_weights)
+        lengths = valid.sum(dim=-1)
+        width = int(lengths.max()) if lengths.numel() else 0
+        packed_w = returns.new_zeros((valid.shape[0], width))
+        packed_returns = returns.new_zeros((valid.shape[0], width))
+        compact = torch.arange(width, device=valid.device).unsqueeze(0) < lengths.unsqueeze(1)
+        packed_w[compact], packed_returns[compact] = w[valid], returns[valid]
+        baselines = torch.zeros_like(packed_returns)
+        groups = _groups_of(np.asarray(index)[lengths.cpu().numpy() > 0]) if width else {}
+        alive_rows = torch.nonzero(lengths > 0).flatten().tolist()
+        for members in groups.values():
+            rows = [alive_rows[m] for m in members]
+            if len(rows) == 1:
+                continue
+            idx = torch.tensor(rows, device=returns.device)
+            b_star = (packed_returns[idx] * packed_w[idx]).sum(dim=0) / (packed_w[idx].sum(dim=0) + epsilon)
+            baselines[idx] = b_star.to(baselines.dtype)
+            if handle_zero_tail:
+                _zero_longest_tail(baselines, rows, lengths)
+        advantages = torch.zeros_like(returns)
+        advantages[valid] = (packed_returns - baselines)[compact]
+        return advantages, returns

@@ -13,6 +13,7 @@ import difflib
 import functools
 import hashlib
 import json
+import re
 import types
 import typing
 from pathlib import Path
@@ -21,9 +22,20 @@ from typing import Any, Iterable, Literal, Union
 import yaml
 
 try:  # the C loader where PyYAML has it (a stage rereads config.yaml: ~2 ms; the pure-Python one is 10x that)
-    from yaml import CSafeLoader as SafeLoader
+    from yaml import CSafeLoader as _BaseLoader
 except ImportError:
-    from yaml import SafeLoader
+    from yaml import SafeLoader as _BaseLoader
+
+
+class SafeLoader(_BaseLoader):
+    """YAML 1.1 reads digits with an underscore as a number (``0.5_2`` → 0.52, ``5_2`` → 52), but verl's
+    rollout-correction bounds are written ``lower_upper``: here such a scalar stays the string it is."""
+
+
+SafeLoader.yaml_implicit_resolvers = {k: list(v) for k, v in _BaseLoader.yaml_implicit_resolvers.items()}
+for _first in "-+0123456789.":
+    SafeLoader.yaml_implicit_resolvers.setdefault(_first, []).insert(
+        0, ("tag:yaml.org,2002:str", re.compile(r"^[-+]?[0-9.][0-9._]*_[0-9._]*$")))
 
 from rlhf_core.config import verl_keys
 from rlhf_core.config.errors import ConfigError
@@ -127,7 +139,7 @@ def _coerce(value: Any, tp: Any, dotted: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
-        if isinstance(value, str):  # YAML 1.1 reads "1e-6" as a string
+        if isinstance(value, str) and "_" not in value:  # YAML 1.1 reads "1e-6" as a string
             try:
                 return float(value)
             except ValueError:
@@ -187,7 +199,7 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not sep or not key:
         raise ConfigError(f"bad override {text!r}: write it as dotted.key=value")
     try:
-        value = yaml.safe_load(raw) if raw.strip() else ""
+        value = yaml.load(raw, Loader=SafeLoader) if raw.strip() else ""
     except yaml.YAMLError:
         value = raw
     return key, value

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Literal, Mapping, Optional
 
 from rlhf_core.algos import estimator_takes
+from rlhf_core.algos.rollout_correction import RolloutCorrection
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.schema import OptimConfig, RLHFConfig
 
@@ -175,8 +176,8 @@ def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
 
 def steps_per_epoch(cfg: RLHFConfig, train_prompts: int) -> int:
     """Training steps in one pass over the prompts: verl's dataloader drops the last partial batch.
-    Fewer prompts than one batch make one smaller step here (the pack stage plans one slot), where
-    verl's empty dataloader refuses to start."""
+    A run with fewer prompts than one batch is refused after preprocess, as verl's empty dataloader
+    refuses to start (``run.plan.check_prompt_supply``); counted alone, they make one smaller step."""
     if train_prompts <= 0:
         return 0
     return max(1, train_prompts // cfg.data.train_batch_size)
@@ -236,13 +237,30 @@ def update_rendezvous(cfg: RLHFConfig, environ: Mapping[str, str]) -> tuple[Opti
 
 
 def critic_loss_scale_factor(cfg: RLHFConfig) -> float:
-    """The critic's seq-mean-token-sum-norm divisor: verl's value loss passes no loss_scale_factor, so
-    it divides by the padded response width, data.max_response_length (actor.loss_scale_factor is the
-    actor's alone)."""
-    return float(cfg.data.max_response_length)
+    """The critic's seq-mean-token-sum-norm divisor: critic.loss_scale_factor, else the actor's
+    (verl 0.9.1 interpolates it), else the padded response width, data.max_response_length."""
+    factor = cfg.critic.loss_scale_factor
+    return float(factor) if factor is not None else loss_scale_factor(cfg)
 
 
 def actor_updates(cfg: RLHFConfig, iteration: int) -> bool:
     """Whether training step ``iteration`` (1-based, verl's global_steps) updates the actor: verl's
     ``critic_warmup <= global_steps``, so critic_warmup=N trains only the critic in steps 1..N-1."""
     return cfg.trainer.critic_warmup <= iteration
+
+
+def rollout_correction(cfg: RLHFConfig) -> RolloutCorrection:
+    """algorithm.rollout_correction as the plain settings the math takes."""
+    c = cfg.algorithm.rollout_correction
+    return RolloutCorrection(rollout_is=c.rollout_is, rollout_is_threshold=c.rollout_is_threshold,
+                             rollout_is_batch_normalize=c.rollout_is_batch_normalize, rollout_rs=c.rollout_rs,
+                             rollout_rs_threshold=c.rollout_rs_threshold, bypass_mode=c.bypass_mode,
+                             loss_type=c.loss_type)
+
+
+def policy_loss_mode(cfg: RLHFConfig) -> str:
+    """The policy loss the update uses: bypass_mode when algorithm.rollout_correction.bypass_mode is on
+    (verl switches to it there), else actor.policy_loss.loss_mode."""
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        return "bypass_mode"
+    return cfg.actor_rollout_ref.actor.policy_loss.loss_mode

@@ -28,13 +28,14 @@ offload_policy keeps the model held for the run in host memory between passes (s
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional
+from typing import Literal, Optional, Union
 
 from rlhf_core.algos.registry import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, KL_ESTIMATORS, POLICY_LOSSES, Registry
 from rlhf_core.algos import kl as _kl  # noqa: F401  (registers the KL estimators)
 from rlhf_core.algos import advantage as _advantage  # noqa: F401  (registers the estimators)
 from rlhf_core.algos import losses as _losses  # noqa: F401  (registers the policy losses)
 from rlhf_core.algos import controllers as _controllers  # noqa: F401  (registers the KL controllers)
+from rlhf_core.algos.rollout_correction import parse_is_threshold, parse_rs_options, parse_rs_thresholds
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.notes import say_once
 from rlhf_core.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
@@ -116,8 +117,10 @@ class DataConfig(Section):
     """gsm8k/generic adapters: optional system message placed before the user turn."""
     val_fraction: float = 0.1
     """Share of rows held out for validation when val_files is empty (deterministic by seed)."""
-    max_val_samples: int = 256
-    """Cap on validation prompts (0 = no validation set): a few hundred is enough signal."""
+    max_val_samples: int = -1
+    """Our cap on validation prompts: -1 = every prompt of data.val_files (verl scores them all), and
+    at most 256 for a split of the training files (data.val_fraction); 0 = no validation set; N = at
+    most N. The summary says when a cap held prompts back."""
     train_max_samples: int = -1
     """verl: use at most this many training prompts (-1 = all)."""
     val_max_samples: int = -1
@@ -138,18 +141,24 @@ class DataConfig(Section):
     """verl: shuffle the training prompts each epoch (seeded by data.seed)."""
     dedup: bool = True
     """Drop exact duplicate prompts (kept: first occurrence; the rest go to rejects)."""
+    min_accepted_fraction: float = 0.5
+    """Our name: a run refuses to train when preprocess accepts less than this share of the rows it
+    read (rows over a sample cap not counted): losing most of the data is a wrong key or a too small
+    data.max_prompt_length far more often than data to train on. 0 turns the check off."""
     seed: int = 42
     """Seed for the train/validation split and the per-epoch prompt order."""
 
     def check(self, key: str) -> None:
         require(self.train_batch_size > 0, f"{key}.train_batch_size", "must be > 0", self.train_batch_size)
         require(0 <= self.val_fraction < 1, f"{key}.val_fraction", "must be in [0, 1)", self.val_fraction)
-        require(self.max_val_samples >= 0, f"{key}.max_val_samples", "must be >= 0 (0 = no validation set)",
-                self.max_val_samples)
+        require(self.max_val_samples >= -1, f"{key}.max_val_samples",
+                "must be -1 (all), 0 (no validation set) or a positive cap", self.max_val_samples)
         require(self.max_prompt_length > 0, f"{key}.max_prompt_length", "must be > 0", self.max_prompt_length)
         require(self.max_response_length > 0, f"{key}.max_response_length", "must be > 0",
                 self.max_response_length)
         require(len(self.train_files) > 0, f"{key}.train_files", "needs at least one file", self.train_files)
+        require(0 <= self.min_accepted_fraction <= 1, f"{key}.min_accepted_fraction", "must be in [0, 1] (0 = no check)",
+                self.min_accepted_fraction)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -325,9 +334,18 @@ class PolicyLossConfig(Section):
     """verl (kl_cov): share of tokens that get the KL penalty."""
     ppo_kl_coef: float = 0.1
     """verl (kl_cov): coefficient of that penalty."""
+    dro_beta: Optional[float] = None
+    """verl (dro): weight of the quadratic log-ratio penalty; required (> 0) with loss_mode=dro, which has
+    no sensible default (it sets how far a step may move from the sampling policy)."""
 
     def check(self, key: str) -> None:
         require_registered(POLICY_LOSSES, f"{key}.loss_mode", self.loss_mode)
+        if self.loss_mode == "dro":
+            require(self.dro_beta is not None and self.dro_beta > 0, f"{key}.dro_beta",
+                    "must be set > 0 with loss_mode=dro (e.g. 0.1)", self.dro_beta)
+        if self.loss_mode == "bypass_mode":
+            raise ConfigError(f"{key}.loss_mode=bypass_mode is selected by algorithm.rollout_correction.bypass_mode=true "
+                              "(as in verl, which also routes the correction settings to it); set that instead")
 
 
 @dataclass
@@ -359,10 +377,19 @@ class ActorConfig(Section):
     clip_ratio_c: float = 3.0
     """verl: dual-clip bound c (> 1) for negative advantages."""
     loss_agg_mode: str = "token-mean"
-    """verl: token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
+    """verl: token-mean | token-sum | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm."""
     loss_scale_factor: Optional[float] = None
     """verl: the divisor of seq-mean-token-sum-norm; null = data.max_response_length."""
     policy_loss: PolicyLossConfig = field(default_factory=PolicyLossConfig)
+    tau_pos: float = 1.0
+    """verl (sapo): the gate's temperature for tokens with a positive advantage; verl's default."""
+    tau_neg: float = 1.05
+    """verl (sapo): for the others; verl's default, a little sharper so that pushing a token down is
+    damped a little harder than pushing it up."""
+    calculate_sum_pi_squared: bool = False
+    """verl: the score stage also records sum over the vocabulary of pi^2 at each response token
+    (scored.parquet's sum_pi_squared), which the optimal_token_baseline estimators need. Off by
+    default as in verl: it is one more pass over the logits. Those estimators turn it on."""
     entropy_coeff: float = 0.0
     """verl: entropy bonus weight. 0 is verl's default: sampling at temperature 1 already explores, and
     a bonus is a recipe's choice (it pushes towards longer, noisier responses)."""
@@ -397,6 +424,8 @@ class ActorConfig(Section):
         require_registered(AGG_MODES, f"{key}.loss_agg_mode", self.loss_agg_mode)
         require(self.loss_scale_factor is None or self.loss_scale_factor > 0, f"{key}.loss_scale_factor",
                 "must be > 0 (or null = data.max_response_length)", self.loss_scale_factor)
+        require(self.tau_pos > 0, f"{key}.tau_pos", "must be > 0", self.tau_pos)
+        require(self.tau_neg > 0, f"{key}.tau_neg", "must be > 0", self.tau_neg)
 
 
 @dataclass
@@ -439,8 +468,9 @@ class RolloutConfig(Section):
     """verl: responses sampled per prompt."""
     val_kwargs: SamplingConfig = field(default_factory=SamplingConfig)
     """verl: sampling for validation."""
-    seed: int = 0
-    """Sampling seed; the iteration number is added so iterations differ but reruns match."""
+    seed: int = 42
+    """verl's default: the sampling seed; the iteration number is added so iterations differ but reruns
+    match."""
     generation_batch_tokens: int = 8192
     """hf engine: token budget of one generation batch (prompt + response slots)."""
     gpu_memory_utilization: float = 0.5
@@ -563,11 +593,16 @@ class CriticConfig(Section):
     loss_agg_mode: Optional[str] = None
     """verl: null = actor_rollout_ref.actor.loss_agg_mode (verl interpolates it), so the value loss
     weighs tokens as the policy loss does."""
+    loss_scale_factor: Optional[float] = None
+    """verl (0.9.1): the value loss's seq-mean-token-sum-norm divisor; null = the actor's
+    (actor.loss_scale_factor, verl interpolates it), else data.max_response_length."""
     grad_clip: float = 1.0
     """verl: the critic's gradient-norm clip."""
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
     def check(self, key: str) -> None:
+        require(self.loss_scale_factor is None or self.loss_scale_factor > 0, f"{key}.loss_scale_factor",
+                "must be > 0 (or null = the actor's)", self.loss_scale_factor)
         require(self.cliprange_value > 0, f"{key}.cliprange_value", "must be > 0", self.cliprange_value)
         if self.loss_agg_mode is not None:
             require_registered(AGG_MODES, f"{key}.loss_agg_mode", self.loss_agg_mode)
@@ -682,16 +717,59 @@ class FilterGroupsConfig(Section):
 
     enable: bool = False
     """verl's default (off): dynamic sampling costs extra rollouts per step, DAPO's opt-in."""
-    metric: Optional[str] = None
-    """verl: acc | score | seq_reward | seq_final_reward (required when enabled)."""
+    metric: Optional[str] = "reward"
+    """verl: reward (verl 0.9.1's default: the sequence score before any KL) | acc | score | seq_reward |
+    seq_final_reward."""
     max_num_gen_batches: int = 0
     """verl: draws of prompts before giving up (<= 0: no limit). Each draw is one pack slot; a rollout
     stops anyway once every slot was drawn (``rlhf_core.rollout.dynamic_sampling``)."""
 
     def check(self, key: str) -> None:
         if self.enable:
-            require(self.metric in ("acc", "score", "seq_reward", "seq_final_reward"), f"{key}.metric",
-                    "must be acc, score, seq_reward or seq_final_reward when filter_groups is enabled", self.metric)
+            require(self.metric in ("reward", "acc", "score", "seq_reward", "seq_final_reward"), f"{key}.metric",
+                    "must be reward, acc, score, seq_reward or seq_final_reward when filter_groups is enabled",
+                    self.metric)
+
+
+@dataclass
+class RolloutCorrectionConfig(Section):
+    """verl: correction for the gap between the rollout engine's policy and the trainer's (vLLM in bf16,
+    the trainer in fp32; rlhf_core.algos.rollout_correction). The engine's own log-probs are the rollout
+    table's rollout_log_probs; the gae stage turns them into importance weights and a rejection mask
+    (advantages.parquet's rollout_is_weights and response_mask), and reports the rollout_corr/ metrics
+    on every iteration that has them, whatever is enabled (verl's default: metrics only)."""
+
+    rollout_is: Optional[Literal["token", "sequence"]] = None
+    """verl: importance weights per token or per sequence; null (verl's default) = none."""
+    rollout_is_threshold: Union[float, str] = 2.0
+    """verl: an upper bound the weights are truncated to (truncated IS), or 'lower_upper' (e.g. '0.5_5.0')
+    outside which they become 0 (IcePop). verl's default 2.0."""
+    rollout_is_batch_normalize: bool = False
+    """verl: divide the weights by their batch mean (so they average 1). Off, as verl's default."""
+    rollout_rs: Optional[str] = None
+    """verl: rejection criteria, comma-separated (token_k1..3, seq_sum_k1..3, seq_mean_k1..3, seq_max_k2/3);
+    a rejected token (or sequence) leaves the response mask. null (verl's default) = none."""
+    rollout_rs_threshold: Optional[Union[float, str]] = None
+    """verl: one bound per criterion (comma-separated) or one for all; k1 criteria take a ratio pair
+    'lower_upper'. Required with rollout_rs."""
+    bypass_mode: bool = False
+    """verl: train against the rollout's own log-probs as the old policy (the score stage skips the
+    actor's pass) with loss_mode bypass_mode, which applies the correction inside the loss."""
+    loss_type: Literal["ppo_clip", "reinforce"] = "ppo_clip"
+    """verl (bypass_mode): ppo_clip (verl's default) or reinforce with explicit weights."""
+
+    def check(self, key: str) -> None:
+        try:
+            parse_is_threshold(self.rollout_is_threshold)
+            if self.rollout_rs is not None:
+                parse_rs_thresholds(parse_rs_options(self.rollout_rs), self.rollout_rs_threshold)
+        except ValueError as exc:
+            raise ConfigError(f"{key}: {exc}") from None
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the correction changes training (weights, rejection or bypass), not only reports."""
+        return self.rollout_is is not None or self.rollout_rs is not None or self.bypass_mode
 
 
 @dataclass
@@ -716,8 +794,21 @@ class AlgorithmConfig(Section):
     """verl: KL estimator for the in-reward penalty."""
     kl_ctrl: KLCtrlConfig = field(default_factory=KLCtrlConfig)
     filter_groups: FilterGroupsConfig = field(default_factory=FilterGroupsConfig)
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    gdpo_reward_keys: Optional[list[str]] = None
+    """verl (gdpo): the keys of a dict-valued reward function's result to normalise one by one (e.g.
+    [accuracy_reward, format_reward]); null = the one score."""
+    gdpo_reward_weights: Optional[list[float]] = None
+    """verl (gdpo): one weight per gdpo_reward_keys entry; null = 1 each."""
 
     def check(self, key: str) -> None:
+        if self.adv_estimator == "gdpo":
+            require(bool(self.gdpo_reward_keys), f"{key}.gdpo_reward_keys",
+                    "gdpo normalises each reward component on its own: list the keys of your reward function's "
+                    "dict result, e.g. [accuracy_reward, format_reward]", self.gdpo_reward_keys)
+        if self.gdpo_reward_weights is not None:
+            require(self.gdpo_reward_keys is not None and len(self.gdpo_reward_weights) == len(self.gdpo_reward_keys),
+                    f"{key}.gdpo_reward_weights", "needs one weight per gdpo_reward_keys entry", self.gdpo_reward_weights)
         require(0 <= self.gamma <= 1, f"{key}.gamma", "must be in [0, 1]", self.gamma)
         require(0 <= self.lam <= 1, f"{key}.lam", "must be in [0, 1]", self.lam)
         require_registered(ADV_ESTIMATORS, f"{key}.adv_estimator", self.adv_estimator)

@@ -62,7 +62,7 @@ def _validate_estimator(cfg: RLHFConfig) -> None:
 
 OVERLONG = "reward_model.overlong_buffer"
 FILTER_GROUPS = "algorithm.filter_groups"
-FILTER_METRICS = ("acc", "score", "seq_reward", "seq_final_reward")  # schema.FilterGroupsConfig checks it
+FILTER_METRICS = ("reward", "acc", "score", "seq_reward", "seq_final_reward")  # schema.FilterGroupsConfig checks it
 
 def check_overlong_buffer(cfg: RLHFConfig) -> None:
     """Refuse a buffer the formula cannot use: not shorter than the response budget (verl asserts

@@ -25,6 +25,18 @@ RENAMED: dict[str, str] = {
     C + "optim.clip_grad": C + "grad_clip",
     C + "optim.grad_clip": C + "grad_clip",
     "trainer.max_actor_ckpt_to_keep": "trainer.max_ckpt_to_keep",
+    # verl 0.9.1's reward section (reward.*) holds what the legacy reward_model.* / custom_reward_function.* held
+    "reward.custom_reward_function.path": "custom_reward_function.path",
+    "reward.custom_reward_function.name": "custom_reward_function.name",
+    "reward.reward_model.enable": "reward_model.enable",
+    "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    **{f"{section}.reward_kwargs.overlong_buffer_cfg.{name}": f"reward_model.overlong_buffer.{name}"
+       for section in ("reward", "reward_model") for name in ("enable", "len", "penalty_factor", "log")},
+    # verl 0.9.1's critic.fsdp (the engine config) beside critic.model.fsdp_config
+    C + "fsdp.param_offload": C + "model.fsdp_config.param_offload",
+    C + "fsdp.optimizer_offload": C + "model.fsdp_config.optimizer_offload",
+    C + "fsdp.offload_policy": C + "model.fsdp_config.offload_policy",
 }
 """old dotted key → its schema key. ``actor.policy_loss=<name>`` (a plain name where verl now has a
 section) is handled by the loader as ``actor.policy_loss.loss_mode``."""
@@ -33,6 +45,12 @@ _ENGINE = "a vLLM / FSDP engine knob; the HF engine and DeepSpeed here have no s
 _PERF = "a speed knob of verl's engines with no counterpart here; results do not depend on it"
 _DATA = "verl's data-loader plumbing; preprocess writes every prompt to Parquet up front"
 _LOG = "every rollout and validation row is already kept in the run directory's Parquet tables"
+_QUANT = "quantized training and rollout are not implemented; their settings are read only when enabled"
+_TEXT = "text-only prompts here"
+_DETERMINISTIC = "runs here are deterministic for a seed (fixed reduction order on CPU)"
+_LORA_ADAPTER = "LoRA starts from fresh adapters (model.lora_rank > 0); load a trained one by merging it first"
+_MEGATRON_LORA = "Megatron's LoRA settings; the FSDP ones (model.lora_rank, lora_alpha, target_modules) act here"
+_MANAGER = "reward functions are looked up by data source or custom_reward_function.path"
 
 NO_EFFECT: dict[str, str] = {
     "data.tokenizer": "the tokenizer is the actor's (actor_rollout_ref.model.tokenizer_path)",
@@ -77,7 +95,7 @@ NO_EFFECT: dict[str, str] = {
     R + "enable_chunked_prefill": _ENGINE, R + "enable_prefix_caching": _ENGINE, R + "load_format": _ENGINE,
     R + "disable_log_stats": _ENGINE, R + "engine_kwargs.": _ENGINE, R + "prompt_length": "it is data.max_prompt_length",
     R + "response_length": "it is data.max_response_length", R + "layered_summon": _ENGINE,
-    R + "calculate_log_probs": "old log-probs are always recomputed by the actor (score stage)",
+    R + "calculate_log_probs": "the rollout's own log-probs are always recorded (rollout_log_probs)",
     R + "logprobs_mode": _ENGINE, R + "scheduling_policy": _ENGINE, R + "profiler.": _PERF,
     R + "prometheus.": _PERF, R + "trace.": _LOG, R + "checkpoint_engine.": _ENGINE, R + "agent.": _ENGINE,
     R + "skip_tokenizer_init": _ENGINE, R + "multi_stage_wake_up": _ENGINE,
@@ -101,7 +119,7 @@ NO_EFFECT: dict[str, str] = {
     "reward_model.reward_loop_class_name": _ENGINE,
     "reward_manager.": "the naive reward manager (reward_model.reward_manager=naive)",
     "algorithm.use_pf_ppo": "not implemented; the batch is used as sampled",
-    "algorithm.pf_ppo.": "not implemented", "algorithm.rollout_correction.": "rollout and training share weights",
+    "algorithm.pf_ppo.": "not implemented",
     "trainer.balance_batch": "generation and micro-batches are balanced by token budget always",
     "trainer.log_val_generations": _LOG, "trainer.rollout_data_dir": _LOG, "trainer.validation_data_dir": _LOG,
     "trainer.esi_redundant_time": _PERF, "trainer.resume_mode": "resume with `rlhf run --resume RUN_DIR`",
@@ -115,6 +133,33 @@ NO_EFFECT: dict[str, str] = {
     "trainer.worker_nsight_options.": _PERF, "trainer.npu_profile.": _PERF,
     "global_profiler.": _PERF, "ray_kwargs.": "no Ray here", "ray_init.": "no Ray here",
     "transfer_queue.": _ENGINE,
+    # verl 0.9.1's engine sections and knobs
+    A + "fsdp_config.": _ENGINE, "actor_rollout_ref.ref.fsdp_config.": _ENGINE, C + "fsdp.": _ENGINE,
+    A + "qat.": _QUANT, A + "entropy_from_logits_chunk_size": _PERF, A + "pad_to_length": _PERF,
+    A + "use_fused_kernels": _PERF, A + "use_prefix_grouper": _PERF, A + "freeze_vision_tower": _TEXT,
+    "actor_rollout_ref.ref.entropy_from_logits_chunk_size": _PERF, "actor_rollout_ref.ref.pad_to_length": _PERF,
+    R + "nnodes": "the rollout runs where the flow runs", R + "n_gpus_per_node": "the rollout uses the run's GPUs",
+    R + "full_determinism": _DETERMINISTIC, R + "router_config_path": _ENGINE, R + "enable_rollout_routing_replay": _ENGINE,
+    R + "moe_load_balance_metrics_interval": _PERF, R + "quantization_config_file": _QUANT, R + "mtp": _ENGINE,
+    R + "qat": _QUANT, R + "disaggregation.": _ENGINE,
+    "actor_rollout_ref.model.lora_adapter_path": _LORA_ADAPTER, "actor_rollout_ref.model.mtp.": _ENGINE,
+    "actor_rollout_ref.model.lora.": _MEGATRON_LORA,
+    C + "model.hf_config_path": "the model's config.json is used as saved",
+    C + "model.custom_chat_template": "the tokenizer's own chat template is used", C + "model.exclude_modules": _ENGINE,
+    C + "model.lora_adapter_path": _LORA_ADAPTER, C + "model.use_liger": _PERF, C + "model.use_fused_kernels": _PERF,
+    C + "model.fused_kernel_options.": _PERF, C + "model.mtp.": _ENGINE, C + "model.lora.": _MEGATRON_LORA,
+    C + "forward_micro_batch_size": "the critic's forward passes are cut by critic.forward_micro_batch_size_per_gpu "
+                                     "or its token budget; results do not depend on it",
+    "data.function_tool_path": "multi-turn rollouts are off", "data.mm_processor_kwargs.": _TEXT, "data.image_patch_size": _TEXT, "data.audio_key": _TEXT,
+    "sandbox_fusion.": "no code sandbox here", "reward.num_workers": _PERF, "reward.reward_manager.source": _MANAGER,
+    "reward.reward_manager.module.": _MANAGER, "reward.reward_model.": _ENGINE, "reward.sandbox_fusion.": "no code sandbox here",
+    "reward_model.num_workers": _PERF, "reward_model.reward_loop_source": _ENGINE,
+    "reward_model.reward_loop_module_path": _ENGINE, "reward_model.reward_loop_class_name": _ENGINE,
+    "algorithm.filter_groups.max_inflight_gen_batches": "refill draws run one at a time here",
+    "trainer.checkpoint_callback_class": "checkpoints are written by the update stage",
+    "trainer.use_v1": "one trainer here: the staged flow", "trainer.v1.": "one trainer here: the staged flow, synchronous",
+    "distillation.": "distillation is off (distillation.enabled=false)",
+    "skip.": "skipping rollouts is off (skip.*.enable=false); rollout.name=offline reuses responses",
 }
 """verl key (or section prefix ending in '.') → why it changes nothing here."""
 
@@ -130,9 +175,18 @@ ONLY_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
     R + "skip_rollout": ((False,), "to reuse responses, use rollout.name=offline with rollout.offline_path"),
     R + "multi_turn.enable": ((False,), "multi-turn rollouts are not implemented; use false"),
     R + "quantization": ((None,), "quantized rollout is not implemented; leave it null"),
+    A + "optim.zero_indexed_step": ((True,), "the lr schedule counts training steps from 0 (iteration k trains at "
+                                             "lr(k - 1)), verl's default; leave it true"),
+    C + "optim.zero_indexed_step": ((True,), "the lr schedule counts training steps from 0, verl's default; leave it true"),
+    "distillation.enabled": ((False,), "distillation is not implemented; leave it false"),
+    "skip.rollout.enable": ((False,), "to reuse responses, use rollout.name=offline with rollout.offline_path"),
+    "skip.rollout_tq.enable": ((False,), "to reuse responses, use rollout.name=offline with rollout.offline_path"),
+    "skip.async_rollout.enable": ((False,), "to reuse responses, use rollout.name=offline with rollout.offline_path"),
+    A + "fsdp_config.ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not implemented; use 1"),
 }
 """verl key → (values that work here, the fix when another is given). Keys under a matched
 section that are not listed (e.g. rollout.multi_turn.format) have no effect once the switch is off."""
+
 
 
 def lookup(table: dict[str, Any], dotted: str) -> Optional[str]:

@@ -39,6 +39,7 @@ from rlhf_core.data.readers import RawRow, read_rows
 from rlhf_core.data.schemas import PROMPTS, REJECTS, encode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.paths import resolve_model_path
+from rlhf_core.progress import bar_disabled
 
 TOKENIZE_BATCH = 512
 """Prompts per batched chat-template + tokenizer call (fast tokenizers parallelise inside a batch)."""
@@ -87,11 +88,15 @@ class PreprocessResult:
     """source file → the adapter its rows went through (what 'auto' picked)."""
     truncated: int = 0
     """Accepted prompts whose tokens data.truncation cut to data.max_prompt_length."""
+    notes: list[str] = field(default_factory=list)
+    """Lines the summary adds (a cap that held validation prompts back)."""
 
     @property
     def rows(self) -> dict[str, int]:
+        """Rows in, accepted (train, val), rejected, and rejected by reason (``REJECTED_BY``<kind>)."""
         return {"input": self.rows_in, "train": self.train.num_rows, "val": self.val.num_rows,
-                "rejected": self.rejects.num_rows}
+                "rejected": self.rejects.num_rows,
+                **{f"{REJECTED_BY}{kind}": n for kind, n in self.reject_counts.items()}}
 
     def summary_lines(self) -> list[str]:
         lines = [f"files read: {len(self.files)}"]
@@ -105,11 +110,89 @@ class PreprocessResult:
             lines.append(f"prompts truncated to data.max_prompt_length: {self.truncated} (column prompt_tokens_cut)")
         if self.id_source:
             lines.append(f"prompt_id from {self.id_source}")
+        lines += self.notes
         s = self.length_stats
         if s:
             lines.append(f"prompt length (tokens): min {s['min']:.0f} / mean {s['mean']:.1f} / "
                          f"p50 {s['p50']:.0f} / p95 {s['p95']:.0f} / max {s['max']:.0f}")
         return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# enough prompts to train on: what the run checks once preprocess has counted them
+# ---------------------------------------------------------------------------------------------
+
+REJECTED_BY = "rejected/"
+"""Prefix of the per-reason counts among the stage's rows (``rejected/prompt too long``: 196)."""
+CAPS = ("over validation cap", "over train cap")
+"""Reject kinds that are sampling the user asked for (data.max_val_samples, train_max_samples),
+not data lost: left out of the accepted fraction."""
+REJECTS_SQL = "SELECT reason, count(*) AS n FROM rejects GROUP BY 1 ORDER BY 2 DESC"
+"""The query that lists the rejected rows' reasons (`rlhf query RUN "..."`; the rows themselves:
+SELECT source_file, source_row, reason FROM rejects)."""
+
+
+def rejected_by_reason(rows: dict[str, int]) -> dict[str, int]:
+    """Reject kind → count, from a preprocess record's rows (most frequent first, then by name)."""
+    found = [(key[len(REJECTED_BY):], n) for key, n in rows.items() if key.startswith(REJECTED_BY)]
+    return dict(sorted(found, key=lambda item: (-item[1], item[0])))
+
+
+def accepted_fraction(rows: dict[str, int]) -> float:
+    """Accepted (train + val) over the rows read, less those a sample cap left out; 1.0 with no rows."""
+    considered = rows.get("input", 0) - sum(rejected_by_reason(rows).get(kind, 0) for kind in CAPS)
+    return (rows.get("train", 0) + rows.get("val", 0)) / considered if considered > 0 else 1.0
+
+
+def preprocess_headline(rows: dict[str, int], run_root: str | Path) -> str:
+    """The preprocess stage in one line for the terminal of `rlhf run`: rows read, accepted into
+    train and validation, rejected by reason, and the query that lists the rejected rows."""
+    line = f"preprocess: {rows.get('input', 0)} rows -> train {rows.get('train', 0)}, validation {rows.get('val', 0)}"
+    reasons = rejected_by_reason(rows)
+    if not rows.get("rejected"):
+        return line + ", none rejected"
+    shown = ", ".join(f"{kind} {n}" for kind, n in reasons.items()) or "see the rejects table"
+    return (f"{line}, rejected {rows['rejected']} ({shown}); the rejected rows: "
+            f"rlhf query {run_root} \"{REJECTS_SQL}\"")
+
+
+def prompt_supply_problem(rows: dict[str, int], data: DataConfig, *, trains: bool, validates: bool,
+                          run_root: str | Path) -> Optional[str]:
+    """Why a run cannot train on what preprocess accepted (``rows``: its record), else None: less
+    than data.min_accepted_fraction of the rows accepted; fewer train prompts than one training
+    batch (``trains``: verl's dataloader, which drops the last partial batch, has no step then);
+    no validation prompt while the run validates (``validates``; its accuracy would read 0.000)."""
+    counts = f"{rows.get('input', 0)} rows -> train {rows.get('train', 0)}, validation {rows.get('val', 0)}"
+    reasons = rejected_by_reason(rows)
+    why = (f", rejected {rows['rejected']}: {', '.join(f'{k} {n}' for k, n in reasons.items())}; "
+           f"rlhf query {run_root} \"{REJECTS_SQL}\" lists them" if rows.get("rejected") and reasons else "")
+    fraction = accepted_fraction(rows)
+    broken_down = bool(reasons) or not rows.get("rejected")  # a record of an older version has no reasons
+    if broken_down and fraction < data.min_accepted_fraction:
+        return (f"preprocess accepted {fraction:.1%} of the rows, under data.min_accepted_fraction="
+                f"{data.min_accepted_fraction} ({counts}{why}); fix what rejects them"
+                f"{_fix_hint(reasons, data)}, or lower data.min_accepted_fraction (0 = no check)")
+    if trains and rows.get("train", 0) < data.train_batch_size:
+        return (f"{rows.get('train', 0)} train prompts are fewer than one training batch "
+                f"(data.train_batch_size={data.train_batch_size}; {counts}{why}): no training step can run; "
+                f"lower data.train_batch_size to at most {rows.get('train', 0)} (and ppo_mini_batch_size with it), "
+                f"or add prompts{_fix_hint(reasons, data, ' or keep more of them')}")
+    if validates and rows.get("val", 0) == 0:
+        return (f"the run validates (trainer.val_before_train, trainer.test_freq or trainer.kl_guard_val_prompts) "
+                f"but no validation prompt was accepted ({counts}{why}): its val/accuracy would read 0; give "
+                "data.val_files=[...], raise data.val_fraction or data.max_val_samples, or turn validation off "
+                "(trainer.val_before_train=false trainer.test_freq=-1)")
+    return None
+
+
+def _fix_hint(reasons: dict[str, int], data: DataConfig, lead: str = "") -> str:
+    """A pointer at the setting behind the most frequent reject kind, when one setting is behind it."""
+    top = next(iter(reasons), None)
+    if top == "prompt too long":
+        return f"{lead} (the most frequent reason is prompt too long: raise data.max_prompt_length={data.max_prompt_length})"
+    if top == "duplicate":
+        return f"{lead} (the most frequent reason is duplicate: data.dedup=false keeps repeated prompts)"
+    return lead
 
 
 # ---------------------------------------------------------------------------------------------
@@ -139,7 +222,9 @@ def tokenize_prompts(tokenizer, conversations: Sequence[list[dict[str, str]]], p
 
     texts: list[str] = []
     ids: list[list[int]] = []
-    with tqdm(total=len(conversations), desc="tokenize prompts", unit="prompt", disable=not progress) as bar:
+    # shown unless the console is quiet (`rlhf run`) or the caller asks for none
+    with tqdm(total=len(conversations), desc="tokenize prompts", unit="prompt",
+              disable=bar_disabled() if progress else True) as bar:
         for start in range(0, len(conversations), batch_size):
             batch = [list(c) for c in conversations[start:start + batch_size]]
             batch_texts = tokenizer.apply_chat_template(batch, tokenize=False, add_generation_prompt=True)
@@ -329,18 +414,28 @@ def _split_key(seed: int, prompt_id: str) -> str:
     return hashlib.sha256(f"{seed}\x00{prompt_id}".encode("utf-8")).hexdigest()
 
 
-def validation_cap(data: DataConfig) -> tuple[int, str]:
-    """(most validation prompts, the key that sets it): data.max_val_samples, or data.val_max_samples
-    when that is set (> 0, as in verl) and smaller."""
-    if 0 < data.val_max_samples < data.max_val_samples:
-        return data.val_max_samples, "data.val_max_samples"
-    return data.max_val_samples, "data.max_val_samples"
+SPLIT_CAP = 256
+"""Most prompts a validation split carved out of the training files holds (data.val_fraction) while
+data.max_val_samples is -1: a few hundred are enough signal, and each costs a generation at every
+validation. Validation files (data.val_files) are scored whole, as verl scores them."""
+
+
+def validation_cap(data: DataConfig, separate_val: bool) -> tuple[Optional[int], str]:
+    """(most validation prompts or None for all, what sets it): the smaller of data.max_val_samples
+    (>= 0) and verl's data.val_max_samples (> 0); with neither set, all prompts of validation files,
+    or SPLIT_CAP for a split of the training files."""
+    caps = [(n, key) for n, key in ((data.max_val_samples, "data.max_val_samples"),
+                                    (data.val_max_samples, "data.val_max_samples"))
+            if n > 0 or (n == 0 and key == "data.max_val_samples")]
+    if caps:
+        return min(caps)
+    return (None, "") if separate_val else (SPLIT_CAP, f"a split of the training files holds at most {SPLIT_CAP}")
 
 
 def _validation_size(n: int, data: DataConfig) -> int:
     """val_fraction of n (rounded half up), capped by validation_cap, leaving at least one train row."""
     wanted = math.floor(data.val_fraction * n + 0.5)
-    return max(0, min(wanted, validation_cap(data)[0], n - 1))
+    return max(0, min(wanted, validation_cap(data, separate_val=False)[0], n - 1))
 
 
 def _ranks(candidates: list[_Candidate], seed: int) -> tuple[dict[int, int], dict[int, int]]:
@@ -366,8 +461,8 @@ def _assign_splits(candidates: list[_Candidate], data: DataConfig, separate_val:
         return [], [], []
     hashed, ordered = _ranks(candidates, data.seed)
     chosen = hashed if data.shuffle else ordered
-    cap, cap_key = validation_cap(data)
-    n_val = cap if separate_val else _validation_size(len(candidates), data)
+    cap, cap_key = validation_cap(data, separate_val)
+    n_val = (len(candidates) if cap is None else cap) if separate_val else _validation_size(len(candidates), data)
     train, val, rejects = [], [], []
     for i, c in enumerate(candidates):
         if c.group == "train" and (separate_val or hashed[i] > n_val):
@@ -375,7 +470,8 @@ def _assign_splits(candidates: list[_Candidate], data: DataConfig, separate_val:
         elif (chosen if separate_val else hashed)[i] <= n_val:
             val.append(c)
         else:
-            rejects.append(_Reject(c.seq, c.row, "over validation cap", f"over validation cap ({cap_key}={cap})"))
+            rejects.append(_Reject(c.seq, c.row, "over validation cap",
+                                   f"over validation cap ({cap_key}={cap}; -1 scores every validation prompt)"))
     train, over_train = _cap_train(train, {id(c): chosen[i] for i, c in enumerate(candidates)}, data)
     return train, val, rejects + over_train
 
@@ -471,6 +567,7 @@ def preprocess_rows(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[Ra
     id_source = _assign_prompt_ids(candidates)
     train, val, over_cap = _assign_splits(candidates, data, separate_val=val_rows is not None)
     rejects += over_cap
+    notes = _cap_notes(candidates, val, over_cap, data, separate_val=val_rows is not None)
     if len(train) + len(val) + len(rejects) != rows_in:  # the promise: no row is ever lost
         raise AssertionError(f"row accounting broken: train {len(train)} + val {len(val)} + rejected "
                              f"{len(rejects)} != rows in {rows_in}")
@@ -479,8 +576,24 @@ def preprocess_rows(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[Ra
         rejects=_rejects_table(rejects), rows_in=rows_in, files=files,
         reject_counts=dict(Counter(r.kind for r in rejects).most_common()),
         length_stats=prompt_length_stats([len(c.token_ids) for c in train + val]),
-        id_source=id_source, layouts=layouts, truncated=sum(c.tokens_cut > 0 for c in train + val),
+        id_source=id_source, layouts=layouts, truncated=sum(c.tokens_cut > 0 for c in train + val), notes=notes,
     )
+
+
+def _cap_notes(candidates: list[_Candidate], val: list[_Candidate], over_cap: list[_Reject], data: DataConfig,
+               separate_val: bool) -> list[str]:
+    """One line when a cap kept validation prompts out (validation files), or shrank the split."""
+    cap, key = validation_cap(data, separate_val)
+    held_back = sum(r.kind == "over validation cap" for r in over_cap)
+    if separate_val and held_back:
+        return [f"validation: {len(val)} of {len(val) + held_back} prompts of data.val_files ({key}={cap}); "
+                "-1 scores them all, as verl does"]
+    wanted = math.floor(data.val_fraction * len(candidates) + 0.5)
+    if not separate_val and cap is not None and wanted > len(val) and len(val) == cap:
+        setting = f"{key}={cap}" if key.startswith("data.") else key
+        return [f"validation: {len(val)} held-out prompts instead of data.val_fraction's {wanted} ({setting}; "
+                "data.max_val_samples sets it)"]
+    return []
 
 
 def preprocess_files(train_files: Sequence[str | Path], val_files: Sequence[str | Path], data: DataConfig,

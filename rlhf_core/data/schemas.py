@@ -98,6 +98,7 @@ SCORED_EXTRA = [
     ("ref_log_probs", pa.list_(pa.float32())),
     ("values", pa.list_(pa.float32())),               # the critic's; zeros in a run without a critic
     ("reward_baseline", pa.float32()),               # score of the prompt's greedy response (remax), else null
+    ("sum_pi_squared", pa.list_(pa.float32())),      # sum over the vocabulary of pi^2 (actor.calculate_sum_pi_squared), else null
 ]
 SCORED = pa.schema(list(ROLLOUT) + [pa.field(n, t) for n, t in SCORED_EXTRA])
 
@@ -106,6 +107,8 @@ ADVANTAGES_EXTRA = [
     ("token_level_rewards", pa.list_(pa.float32())),  # score on the last token minus kl_coef·KL
     ("advantages", pa.list_(pa.float32())),           # GAE, whitened when algorithm.norm_adv
     ("returns", pa.list_(pa.float32())),              # un-whitened advantages + values
+    ("rollout_is_weights", pa.list_(pa.float32())),   # rollout correction's importance weights, else null
+    ("response_mask", pa.list_(pa.bool_())),          # false where rollout correction rejected a token, else null
 ]
 ADVANTAGES = pa.schema(list(SCORED) + [pa.field(n, t) for n, t in ADVANTAGES_EXTRA])
 

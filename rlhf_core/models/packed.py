@@ -218,13 +218,19 @@ def response_positions(packed: PackedRows, prompt_lengths: Sequence[int]
 
 
 def _chunked_logprobs(flat_logits: torch.Tensor, flat_labels: torch.Tensor, temperature: float,
-                      chunk_tokens: int) -> torch.Tensor:
-    """log softmax(logits / T)[label] per row of (N, V) logits, ``chunk_tokens`` rows at a time."""
+                      chunk_tokens: int, sum_pi_squared: bool = False) -> torch.Tensor:
+    """log softmax(logits / T)[label] per row of (N, V) logits, ``chunk_tokens`` rows at a time: (N,).
+    With ``sum_pi_squared`` (N, 2): the log-prob and sum over the vocabulary of softmax(logits / T)^2."""
     out = []
     for s in range(0, flat_logits.shape[0], chunk_tokens):
         chunk = flat_logits[s:s + chunk_tokens].float() / temperature
-        picked = chunk.gather(-1, flat_labels[s:s + chunk_tokens, None]).squeeze(-1)
-        out.append(picked - torch.logsumexp(chunk, dim=-1))
+        log_z = torch.logsumexp(chunk, dim=-1)
+        picked = chunk.gather(-1, flat_labels[s:s + chunk_tokens, None]).squeeze(-1) - log_z
+        if sum_pi_squared:
+            squares = torch.exp(2 * (chunk - log_z.unsqueeze(-1))).sum(dim=-1)
+            out.append(torch.stack([picked, squares], dim=-1))
+        else:
+            out.append(picked)
     return torch.cat(out)
 
 
@@ -253,16 +259,18 @@ def gather_response_logprobs(logits: torch.Tensor, packed: PackedRows, prompt_le
 
 
 def response_logprobs(model: torch.nn.Module, packed: PackedRows, prompt_lengths: Sequence[int],
-                      temperature: float = 1.0, chunk_tokens: int = 4096) -> dict[int, torch.Tensor]:
+                      temperature: float = 1.0, chunk_tokens: int = 4096,
+                      sum_pi_squared: bool = False) -> dict[int, torch.Tensor]:
     """``gather_response_logprobs`` of ``model``'s forward on ``packed``, with the LM head run on the
     response positions only (``packed_forward(positions=...)``): the same values, without the
-    prompt positions' (tokens, V) logits."""
+    prompt positions' (tokens, V) logits. With ``sum_pi_squared`` each entry is (n, 2): log-prob and
+    sum_v pi_v^2 of the same softmax."""
     rows, cols, owners = response_positions(packed, prompt_lengths)
     if not owners:
         return {}
     logits = packed_forward(model, packed, positions=(rows, cols))  # (N, V)
     labels = packed.input_ids[rows, cols + 1].to(logits.device)
-    return _split_by_owner(_chunked_logprobs(logits, labels, temperature, chunk_tokens), owners)
+    return _split_by_owner(_chunked_logprobs(logits, labels, temperature, chunk_tokens, sum_pi_squared), owners)
 
 
 def gather_response_values(values: torch.Tensor, packed: PackedRows,

@@ -10,15 +10,21 @@ verl's default reward calls it (Minerva-style checking, no strict box), for verl
    ``\\textbf{}``, ``\\overline{}``, ``\\boxed{}`` unwrapped, ``\\fracab`` / ``\\sqrta`` braced, '$'
    dropped, thousands separators removed from plain integers) and compared as strings.
 
-Result, as verl's: ``{"score": 1.0 | -1.0, "acc": bool, "pred": normalised prediction}`` (a wrong
-or missing answer scores −1).
+4. Without any "Answer:", the last ``\\boxed{...}`` (braces matched) in the last 100 of those
+   characters is the prediction, compared as it stands with the ground truth as it stands.
+
+Result, as verl's: ``{"score": 1.0 | -1.0, "acc": bool, "pred": the prediction}`` (a wrong or
+missing answer scores −1).
 """
 
 from __future__ import annotations
 
 import re
+from typing import Optional
 
 CLIP_CHARS = 300
+BOX_CHARS = 100
+BOX_OPEN = "\\boxed{"
 ANSWER_RE = re.compile(r"(?i)Answer\s*:\s*([^\n]+)")
 NO_ANSWER = "[INVALID]"
 
@@ -68,8 +74,28 @@ def prediction(solution_str: str) -> str:
     return normalize_final_answer(found[-1] if found else NO_ANSWER)
 
 
+def last_boxed(text: str) -> Optional[str]:
+    """The content of the last ``\\boxed{...}`` in ``text`` (its braces matched), None without one or
+    when it is not closed."""
+    start = text.rfind(BOX_OPEN)
+    if start < 0:
+        return None
+    depth = 0
+    for end in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[end], 0)
+        if text[end] == "}" and depth == 0:
+            return text[start + len(BOX_OPEN):end]
+    return None
+
+
 def compute_score(solution_str: str, ground_truth: str) -> dict:
-    """{"score": 1.0 when the prediction equals the normalised ground truth else −1.0, "acc", "pred"}."""
-    pred = prediction(solution_str)
+    """{"score": 1.0 when the prediction equals the ground truth else −1.0, "acc", "pred"}: the
+    "Answer:" line when there is one (both sides normalised), else the last box (both as they stand)."""
+    text = solution_str[-CLIP_CHARS:]
+    pred = prediction(text)
+    if pred == NO_ANSWER:
+        boxed = last_boxed(text[-BOX_CHARS:])
+        if boxed is not None:
+            return {"score": 1.0 if boxed == ground_truth else -1.0, "acc": boxed == ground_truth, "pred": boxed}
     correct = pred == normalize_final_answer(ground_truth)
     return {"score": 1.0 if correct else -1.0, "acc": correct, "pred": pred}

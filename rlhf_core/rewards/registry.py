@@ -43,6 +43,10 @@ from rlhf_core.errors import DataError
 from rlhf_core.paths import resolve_path
 from rlhf_core.rewards import dapo_math, gsm8k, hendrycks_math
 
+FLOAT32_MAX = 3.4028234663852886e38
+"""The largest finite float32: rewards are stored as float32 (the scored table), so a larger
+float64 score passes ``math.isfinite`` here and becomes inf there."""
+
 RewardFn = Callable[..., Union[float, dict]]
 """compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | dict"""
 
@@ -165,10 +169,16 @@ def verl_extra_info(extra_info: Any) -> dict:
 
 
 def _call_verl_style(fn: RewardFn, data_source, solution_str, ground_truth, extra_info=None):
-    """Call ``fn`` with verl's keyword arguments; an ``async def`` function is run to completion."""
-    result = fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                extra_info=verl_extra_info(extra_info))
-    return asyncio.run(result) if inspect.iscoroutine(result) else result
+    """Call ``fn`` with verl's keyword arguments; an ``async def`` function is run to completion. A
+    function that calls ``sys.exit`` would end the whole run, with its exit status (0: a run that
+    stops silently and reports success): that is a ``DataError`` here."""
+    try:
+        result = fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                    extra_info=verl_extra_info(extra_info))
+        return asyncio.run(result) if inspect.iscoroutine(result) else result
+    except SystemExit as exc:
+        raise DataError(f"the reward function {getattr(fn, '__name__', fn)!r} called sys.exit({exc.code!r}), "
+                        "which would end the run; return a score (raise an exception for an error)") from None
 
 
 def get_reward_fn(cfg: RLHFConfig) -> RewardFn:
@@ -254,4 +264,8 @@ def normalize_result(result: Any, where: str) -> tuple[float, str]:
     if not math.isfinite(score):
         raise DataError(f"{where}: the reward function returned a non-finite score ({score}); "
                         "NaN or inf would poison the advantages")
+    if abs(score) > FLOAT32_MAX:
+        raise DataError(f"{where}: the reward function returned {score:g}, beyond float32's range (±{FLOAT32_MAX:.4g}) "
+                        "in which the tables store rewards: it would be stored as inf and poison the advantages; "
+                        "return a score of a sensible scale")
     return score, json.dumps(extra, sort_keys=True, default=str)

@@ -12,6 +12,8 @@ it keeps the first train_batch_size kept groups in draw order (verl's ``batch[:t
 
 The metric of one response (``metric_values``), from where verl's trainer reads it:
 
+- ``reward`` (verl 0.9.1's default): the sequence score before any KL penalty, overlong penalty
+  included (verl: the reward manager's rm_scores summed);
 - ``acc``: reward_extra_info["acc"]: a float result's score, a dict result's ``acc`` key (before
   the overlong penalty; a dict result without ``acc`` is an error, as in verl);
 - ``score``: the reward function's own score (before the overlong penalty); verl reads a dict
@@ -53,7 +55,7 @@ def metric_values(metric: str, scores: Sequence[float], raw: Sequence[float],
                   acc: Sequence[Optional[float]], where: Sequence[str]) -> list[float]:
     """The filter metric of every response: ``scores`` shaped sequence scores, ``raw`` the reward
     function's own scores, ``acc`` verl's acc (None: the result had none); ``where`` names each row."""
-    if metric in ("seq_reward", "seq_final_reward"):  # no KL in the reward (check_filter_groups)
+    if metric in ("reward", "seq_reward", "seq_final_reward"):  # no KL in the reward (check_filter_groups)
         return [float(s) for s in scores]
     if metric == "score":
         return [float(s) for s in raw]

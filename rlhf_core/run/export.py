@@ -80,7 +80,9 @@ def export_actor(cfg: RLHFConfig, run: RunDir, out: Optional[Path] = None) -> Pa
         model.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         atomic_write_json(tmp / "export.json", {
-            "source_checkpoint": str(source), "iteration": record["iteration"], "merged_lora": is_lora_dir(source),
+            "source_checkpoint": str(source), "iteration": record["iteration"],
+            # a LoRA run's checkpoint actor/ holds the adapters merged already (the adapter is beside it)
+            "merged_lora": is_lora_dir(source) or cfg.actor_rollout_ref.model.lora_rank > 0,
             "val_accuracy": score, "val_iteration": val_iteration,
             "export_min_val_score": cfg.trainer.export_min_val_score, "time": time.time()})
     run.append_event("export", record["iteration"], path=str(out), val_accuracy=score)

@@ -201,6 +201,11 @@ class RunDir:
         """The config the update's ranks read (written by the parent before launching them)."""
         return self.iter_dir(k) / ".update_config.yaml"
 
+    def launch_log(self, name: str) -> Path:
+        """torchrun's whole output of a multi-process launch (``name``: 'update-iter_3', 'worker-group'):
+        an error says what failed in one line and names this file for the rest."""
+        return self.root / "logs" / f"{name}.log"
+
     def stage_ranks_dir(self, k: int, stage: str) -> Path:
         """Scratch of a stage run on several local processes (``stages.ranks``): the config they
         read and each rank's share of the outputs, removed once merged."""

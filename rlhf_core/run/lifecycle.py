@@ -417,11 +417,24 @@ def halt_message(run: RunDir, k: int, reason: str) -> str:
                 f"rolled back; last-good is {where}. Look for NaN/inf in iter_{k}/advantages.parquet and the "
                 f"update's metrics (iter_{k}/metrics.json), lower actor_rollout_ref.actor.optim.lr or fix the "
                 f"reward, then resume: rlhf run --resume {run.root}")
-    return (f"KL guard halted the run at iteration {k}: KL(actor‖ref) = {verdict.get('kl_mean', float('nan')):.4f} "
-            f"> trainer.kl_rollback_threshold = {verdict.get('threshold')} ({reason}). The iteration was rolled "
+    kl, on_val = verdict.get("kl_mean", float("nan")), verdict.get("val_kl_mean", float("-inf"))
+    what = "KL(actor‖ref) on validation prompts" if on_val > kl else "KL(actor‖ref)"
+    shown_kl, shown_threshold = shown_apart(max(kl, on_val), verdict.get("threshold", float("nan")))
+    return (f"KL guard halted the run at iteration {k}: {what} = {shown_kl} "
+            f"> trainer.kl_rollback_threshold = {shown_threshold} ({reason}). The iteration was rolled "
             f"back; last-good is {where}. To continue, lower the step size or raise the threshold and resume, "
             f"e.g.: rlhf run --resume {run.root} actor_rollout_ref.actor.optim.lr=<smaller> "
             f"(or trainer.on_kl_breach=retry, or trainer.kl_rollback_threshold=<larger>)")
+
+
+def shown_apart(value: float, bound: float) -> tuple[str, str]:
+    """``value`` and ``bound`` as text with enough significant digits (4 at least) that two unequal
+    numbers never read equal: a KL of 0.000312 over a threshold of 0.0003 printed "0.0003 > 0.0003"."""
+    for digits in range(4, 18):
+        a, b = f"{value:.{digits}g}", f"{bound:.{digits}g}"
+        if a != b or value == bound:
+            return a, b
+    return repr(value), repr(bound)
 
 
 def nonfinite_update(update_record: dict, kl: float) -> Optional[str]:

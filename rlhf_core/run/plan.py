@@ -28,12 +28,14 @@ from rlhf_core.config.inputs import check_inputs
 from rlhf_core.config.loader import parse_override, read_preset
 from rlhf_core.config.notes import say_once
 from rlhf_core.config.validate import LOGGERS_HERE
-from rlhf_core.errors import RLHFError
+from rlhf_core.data.preprocess import prompt_supply_problem
+from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.paths import resolve_path
 from rlhf_core.run.layout import RunDir, StateFileError, write_config
 from rlhf_core.run.lifecycle import committed_iterations, last_good_iteration, prepare_resume, prune_checkpoints
+from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.report import iteration_metrics
-from rlhf_core.run.schedule import stops_after_validation
+from rlhf_core.run.schedule import initial_validation_due, stops_after_validation
 from rlhf_core.stages.base import refuse_out_of_date
 
 
@@ -126,9 +128,26 @@ def rederive_steps(overrides: Sequence[str]) -> list[str]:
 
 
 def resolve_iterations(plan: RunPlan) -> RLHFConfig:
-    """After preprocess: ``fill_total_iterations`` for the plan's run (``plan.cfg`` updated)."""
+    """After preprocess: ``check_prompt_supply``, then ``fill_total_iterations`` for the plan's run
+    (``plan.cfg`` updated)."""
+    check_prompt_supply(plan.cfg, plan.run)
     plan.cfg = fill_total_iterations(plan.cfg, plan.run)
     return plan.cfg
+
+
+def check_prompt_supply(cfg: RLHFConfig, run: RunDir) -> None:
+    """Refuse (``DataError``, one line with the counts, the reasons and the fix) a run whose
+    preprocess kept too little to train on (``data.preprocess.prompt_supply_problem``): under
+    data.min_accepted_fraction of its rows, fewer train prompts than one batch, or no validation
+    prompt while it validates. Such a run used to train on what was left and exit 0."""
+    rows = (read_manifest(run, None).get("preprocess") or {}).get("rows")
+    if not rows:  # preprocess has not recorded counts here (tables written by other means)
+        return
+    validates = initial_validation_due(cfg) or cfg.trainer.test_freq > 0 or cfg.trainer.kl_guard_val_prompts > 0
+    problem = prompt_supply_problem(rows, cfg.data, trains=not stops_after_validation(cfg), validates=validates,
+                                    run_root=run.root)
+    if problem:
+        raise DataError(problem)
 
 
 def fill_total_iterations(cfg: RLHFConfig, run: RunDir) -> RLHFConfig:

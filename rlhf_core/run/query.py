@@ -15,7 +15,8 @@ iteration (each row carries its ``iteration``):
     metrics             iter_*/iteration_metrics.json (every stage's metrics), long: iteration, name, value
     metrics_wide        the same, one row per iteration, one column per metric ("reward/mean", …)
     stages              every manifest record: iteration (NULL = setup), stage, status, seconds, …
-    events              events.jsonl: time, kind, iteration, details (JSON of the other fields)
+                        (started_at / finished_at / skipped_at: timestamps, UTC)
+    events              events.jsonl: time (a timestamp, UTC), kind, iteration, details (JSON of the other fields)
 
     rlhf query runs/demo "SELECT iteration, avg(reward) FROM scored GROUP BY 1 ORDER BY 1"
 """
@@ -23,6 +24,7 @@ iteration (each row carries its ``iteration``):
 from __future__ import annotations
 
 import json
+from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Optional
 
@@ -102,6 +104,15 @@ def metrics_wide_table(run: RunDir) -> pa.Table:
     return pa.table(columns) if by_iter else pa.table({"iteration": pa.array([], pa.int32())})
 
 
+TIMESTAMP = pa.timestamp("ms", tz="UTC")
+"""The run's epoch seconds (manifests, events) as the views show them: SQL compares them with
+`now() - INTERVAL 1 HOUR`, and `rlhf query` prints them as dates, not 1.79628e+09."""
+
+
+def _when(seconds: Any) -> Optional[datetime]:
+    return datetime.fromtimestamp(seconds, tz=timezone.utc) if isinstance(seconds, (int, float)) else None
+
+
 def stages_table(run: RunDir) -> pa.Table:
     rows = []
     committed = set(_committed_or_none(run))
@@ -113,21 +124,22 @@ def stages_table(run: RunDir) -> pa.Table:
         for stage, rec in manifest.items():
             rows.append({"iteration": k, "stage": stage, "status": rec.get("status"),
                          "seconds": rec.get("seconds"), "config_hash": rec.get("config_hash"),
-                         "started_at": rec.get("started_at"), "finished_at": rec.get("finished_at"),
-                         "skipped_at": rec.get("skipped_at"), "committed": (k in committed) if stage == "guard" else None,
+                         "started_at": _when(rec.get("started_at")), "finished_at": _when(rec.get("finished_at")),
+                         "skipped_at": _when(rec.get("skipped_at")),
+                         "committed": (k in committed) if stage == "guard" else None,
                          "metrics": json.dumps(rec.get("metrics", {}), sort_keys=True)})
     schema = pa.schema([("iteration", pa.int32()), ("stage", pa.string()), ("status", pa.string()),
-                        ("seconds", pa.float64()), ("config_hash", pa.string()), ("started_at", pa.float64()),
-                        ("finished_at", pa.float64()), ("skipped_at", pa.float64()), ("committed", pa.bool_()),
+                        ("seconds", pa.float64()), ("config_hash", pa.string()), ("started_at", TIMESTAMP),
+                        ("finished_at", TIMESTAMP), ("skipped_at", TIMESTAMP), ("committed", pa.bool_()),
                         ("metrics", pa.string())])
     return pa.Table.from_pylist(rows, schema=schema)
 
 
 def events_table(run: RunDir) -> pa.Table:
-    rows = [{"time": e.get("time"), "kind": e.get("kind"), "iteration": e.get("iteration"),
+    rows = [{"time": _when(e.get("time")), "kind": e.get("kind"), "iteration": e.get("iteration"),
              "details": json.dumps({k: v for k, v in e.items() if k not in ("time", "kind", "iteration")},
                                    sort_keys=True, default=str)} for e in run.events()]
-    schema = pa.schema([("time", pa.float64()), ("kind", pa.string()), ("iteration", pa.int32()),
+    schema = pa.schema([("time", TIMESTAMP), ("kind", pa.string()), ("iteration", pa.int32()),
                         ("details", pa.string())])
     return pa.Table.from_pylist(rows, schema=schema)
 
@@ -178,6 +190,8 @@ def format_table(table: pa.Table, max_rows: int = 50, max_width: int = 40, missi
     def cell(v: Any) -> str:
         if isinstance(v, float):
             text = f"{v:.6g}"
+        elif isinstance(v, datetime):  # to the second: the run's clock, not 1.79628e+09
+            text = v.isoformat(sep=" ", timespec="seconds")
         else:
             text = missing if v is None else str(v)
         return text if len(text) <= max_width else text[: max_width - 1] + "…"
@@ -307,7 +321,21 @@ def format_status(run: RunDir | str | Path) -> str:
         last_good = read_last_good(run)
         lines.append(f"last-good: iteration {last_good['iteration']} ({last_good['checkpoint']})" if last_good
                      else "last-good: none (the next iteration starts from the initial model)")
+        lines += uncommitted_lines(run)
     return "\n".join(lines + rerun_lines(run))
+
+
+def uncommitted_lines(run: RunDir) -> list[str]:
+    """The iterations after last-good (an interrupted or halted run leaves one; a running run is in
+    one) and what continues the run: a resume, which redoes them from last-good. A stage rerun is
+    not the way: it would leave them uncommitted."""
+    committed = _committed_or_none(run)
+    after = [k for k in run.iterations() if k >= 1 and k > (committed[-1] if committed else 0)]
+    if not after:
+        return []
+    which = f"iteration {after[0]}" if len(after) == 1 else f"iterations {after[0]}-{after[-1]}"
+    return [f"not committed: {which} (running, or stopped before its commit); `rlhf run --resume {run.root}` "
+            "continues from last-good and redoes it"]
 
 
 def rerun_lines(run: RunDir) -> list[str]:
@@ -353,6 +381,7 @@ def status_problems(run: RunDir) -> list[str]:
         run.read_json(run.kl_ctrl_path)
     except StateFileError as exc:
         problems.append(f"{exc}; a resume falls back to the last-good checkpoint's KL controller state")
+    committed = _committed_or_none(run)
     for k in run.iterations():
         try:
             manifest = run.read_json(run.manifest_path(k))
@@ -360,7 +389,8 @@ def status_problems(run: RunDir) -> list[str]:
             problems.append(f"{exc}; `rlhf stage <stage> --run-dir {run.root} --iteration {k} --force` rebuilds "
                             "that iteration's records")
             continue
-        if manifest is None and any(run.iter_dir(k).iterdir()):
+        uncommitted = k >= 1 and k > (committed[-1] if committed else 0)  # ``uncommitted_lines`` says what to do
+        if manifest is None and not uncommitted and any(run.iter_dir(k).iterdir()):
             problems.append(f"{run.manifest_path(k)} is missing: iteration {k}'s stages have no record (its files "
                             f"are there); rerun them with `rlhf stage <stage> --run-dir {run.root} --iteration {k}`")
     return problems

@@ -150,7 +150,8 @@ def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[
                            pad_id: int = 0, row_tokens: int = ROW_TOKENS, packed: bool = True,
                            budget_key: str = BUDGET_KEY, desc: str = "log-probs",
                            throughput: Optional[Throughput] = None,
-                           progress: Optional[bool] = None, share: Optional[Share] = None) -> list[torch.Tensor]:
+                           progress: Optional[bool] = None, share: Optional[Share] = None,
+                           sum_pi_squared: bool = False) -> list[torch.Tensor]:
     """log p(response token t | sequence before it) under ``model`` at ``temperature``.
 
     Args:
@@ -163,15 +164,16 @@ def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[
         packed: several sequences per row (use_remove_padding) or one padded sequence per row.
         budget_key: the config key named when a sequence does not fit the token budget.
         share: (rank, world): only this process's micro-batches of the whole plan (``own_micro_batches``).
+        sum_pi_squared: also sum_v pi_v^2 of the same softmax (verl's actor.calculate_sum_pi_squared).
     Returns:
-        N float32 CPU tensors, tensor i of shape (len(sequences[i]) - P_i,) (None for the sequences of
-        other processes' micro-batches when ``share`` is given).
+        N float32 CPU tensors, tensor i of shape (len(sequences[i]) - P_i,), or (.., 2) with
+        ``sum_pi_squared`` (None for the sequences of other processes' micro-batches when ``share`` is given).
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 to define log-probs, got {temperature}")
 
     def score(layout):
-        return response_logprobs(model, layout, prompt_lengths, temperature=temperature)
+        return response_logprobs(model, layout, prompt_lengths, temperature=temperature, sum_pi_squared=sum_pi_squared)
 
     return _packed_passes(model, sequences, prompt_lengths, budget, score, pad_id=pad_id, row_tokens=row_tokens,
                           packed=packed, budget_key=budget_key, desc=desc, throughput=throughput,

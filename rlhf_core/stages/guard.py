@@ -26,7 +26,7 @@ from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.models import live
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.lifecycle import nonfinite_update
+from rlhf_core.run.lifecycle import nonfinite_update, shown_apart
 from rlhf_core.run.models import reference_path
 from rlhf_core.scoring.policy_kl import actor_ref_kl, response_kl
 from rlhf_core.stages.base import StageResult, execute_stage
@@ -104,8 +104,9 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         metrics["guard/breach"] = float(verdict["decision"] == "rollback")
         metrics["guard/nonfinite_update"] = float(nonfinite is not None)
         metrics["guard/threshold"] = float(threshold)
-        line = (f"KL(actor‖ref) per-token mean {kl['kl_mean']:.4f} "
-                f"{'>' if guarded > threshold else '<='} threshold {threshold:g} → {verdict['decision']}"
+        shown, bound = shown_apart(guarded, threshold)
+        line = (f"KL(actor‖ref) per-token mean {shown}{' (validation prompts)' if guarded > kl['kl_mean'] else ''} "
+                f"{'>' if guarded > threshold else '<='} threshold {bound} → {verdict['decision']}"
                 + (f" ({verdict['reason']})" if "reason" in verdict else ""))
         return StageResult(stage="guard", iteration=k, outputs={"verdict": str(run.verdict(k))},
                            rows={"responses": int(kl["num_responses"]), "tokens": int(kl["num_tokens"])}, metrics=metrics,

@@ -34,10 +34,11 @@ def score_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Pa
     """This rank's micro-batches of the score stage's model passes (old/ref log-probs, values)."""
     rows = pq.read_table(run.rollout(iteration), columns=["prompt_token_ids", "response_token_ids"]).to_pylist()
     meter = Throughput()
-    old, ref, values, ref_reused = score.model_passes(cfg, score.model_paths(cfg, run, iteration), rows, meter,
-                                                      share=(rank, world))
-    _write_share(out, {"old_log_probs": old, "ref_log_probs": ref, "values": values}, ref_reused=ref_reused,
-                 tokens=meter.tokens, seconds=meter.seconds)
+    passes = score.model_passes(cfg, score.model_paths(cfg, run, iteration), rows, meter, share=(rank, world))
+    columns = {"old_log_probs": passes.old_log_probs, "ref_log_probs": passes.ref_log_probs, "values": passes.values}
+    if passes.sum_pi_squared is not None:
+        columns["sum_pi_squared"] = passes.sum_pi_squared
+    _write_share(out, columns, ref_reused=passes.ref_reused, tokens=meter.tokens, seconds=meter.seconds)
 
 
 def guard_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:

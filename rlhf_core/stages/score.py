@@ -38,6 +38,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
+from rlhf_core.algos import estimator_takes
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.resolve import (
     MicroBatching, critic_use_remove_padding, critic_value_batching, frozen_param_offload, micro_batching,
@@ -72,9 +73,13 @@ CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_rew
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    """CONFIG_SECTIONS, plus the estimator when it makes the stage score greedy baselines (the key
-    set then differs, so switching to or from remax reruns the stage; other estimator changes do not)."""
-    return CONFIG_SECTIONS + (("algorithm.adv_estimator",) if needs_baseline_rollout(cfg) else ())
+    """CONFIG_SECTIONS, bypass mode, and the estimator when it makes the stage score greedy baselines or
+    sum_pi_squared (the key set then differs, so switching to or from remax reruns the stage; other
+    estimator changes do not)."""
+    extra = ("algorithm.rollout_correction.bypass_mode",)  # which log-probs are the old policy
+    if needs_baseline_rollout(cfg) or estimator_takes(cfg.algorithm.adv_estimator, "sum_pi_squared"):
+        extra += ("algorithm.adv_estimator",)
+    return CONFIG_SECTIONS + extra
 
 
 @dataclass
@@ -145,10 +150,15 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
     baselines = (greedy_baselines(cfg, run, iteration, models, scored.column("uid").to_pylist())
                  if needs_baseline_rollout(cfg) else [None] * len(rows))
     meter = Throughput()
-    old, ref, values, ref_reused = _passes(cfg, run, iteration, models, rows, meter)
+    passes = _passes(cfg, run, iteration, models, rows, meter)
+    old, ref, values, ref_reused = passes.old_log_probs, passes.ref_log_probs, passes.values, passes.ref_reused
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        old = _rollout_log_probs(rows, rollout_path)  # verl's bypass mode: the engine's own are the old policy
     _check_lengths(rows, {"old_log_probs": old, "ref_log_probs": ref, "values": values})
+    sums = passes.sum_pi_squared if passes.sum_pi_squared is not None else [None] * len(rows)
     for name, column in [("reward", rewards), ("reward_extra", extras), ("old_log_probs", old),
-                         ("ref_log_probs", ref), ("values", values), ("reward_baseline", baselines)]:
+                         ("ref_log_probs", ref), ("values", values), ("reward_baseline", baselines),
+                         ("sum_pi_squared", sums)]:
         scored = scored.append_column(name, pa.array(column, type=SCORED.field(name).type))
     out = run.scored(iteration)
     atomic_write_parquet(out, scored, schema=SCORED)
@@ -379,11 +389,33 @@ def _passes(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths, ro
     meter.seconds += max(float(s["seconds"]) for s in shares)  # the ranks ran side by side
     # each rank ran its micro-batches of the one-process plans: the one-process values, bit for bit
     columns = [merge_shares(shares, name, len(rows)) for name in ("old_log_probs", "ref_log_probs", "values")]
-    return (*columns, all(bool(s["ref_reused"]) for s in shares))
+    sums = merge_shares(shares, "sum_pi_squared", len(rows)) if needs_sum_pi_squared(cfg) else None
+    return Passes(*columns, all(bool(s["ref_reused"]) for s in shares), sums)
 
 
-def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter, share: Optional[Share] = None):
-    """(old log-probs, ref log-probs, values, whether ref reused the actor's), each a list of lists;
+@dataclass
+class Passes:
+    """The score stage's model passes, each a list (one entry per response) of per-token lists."""
+
+    old_log_probs: list
+    ref_log_probs: list
+    values: list
+    ref_reused: bool
+    """Whether the reference log-probs are the actor's (the same weights)."""
+    sum_pi_squared: Optional[list] = None
+    """sum_v pi_v^2 under the actor, when ``needs_sum_pi_squared``."""
+
+
+def needs_sum_pi_squared(cfg: RLHFConfig) -> bool:
+    """verl's actor.calculate_sum_pi_squared, and always when the estimator reads it (verl refuses to
+    start without the key there; computing it is what the user meant)."""
+    return (cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
+            or estimator_takes(cfg.algorithm.adv_estimator, "sum_pi_squared"))
+
+
+def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
+                 share: Optional[Share] = None) -> Passes:
+    """The actor's old log-probs (and sum_pi_squared), the reference's log-probs and the critic's values;
     with ``share`` = (rank, world) only that process's micro-batches of each pass (None elsewhere)."""
     device = scoring_device(cfg.trainer.device)
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
@@ -404,7 +436,14 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter, s
 
     # shared: the actor the rollout just sampled from, which the guard measures next
     actor = load_causal_lm(models.actor, device, dtype, role="actor", shared=True, attention=actor_attention)
-    old = logprobs(actor, "actor")
+    sums = None
+    if needs_sum_pi_squared(cfg):  # one pass gives both: log-prob and sum_v pi^2 of the same softmax
+        both = compute_token_logprobs(actor, temperature=temperature, pad_id=_pad_id(actor), desc="actor log-probs",
+                                      sum_pi_squared=True, **common("actor"))
+        old = _as_lists([None if t is None else t[:, 0] for t in both])
+        sums = _as_lists([None if t is None else t[:, 1] for t in both])
+    else:
+        old = logprobs(actor, "actor")
     alive = weakref.ref(actor)
     del actor
     release(alive, device)
@@ -417,14 +456,24 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter, s
             ref = logprobs(reference, "reference")
         release(weakref.ref(reference), device)
     if models.critic is None:  # a critic-free estimator: the column keeps its shape, nobody reads it
-        return old, ref, [None if x is None else [0.0] * len(x) for x in old], ref_reused
+        return Passes(old, ref, [None if x is None else [0.0] * len(x) for x in old], ref_reused, sums)
     critic = load_critic(models.critic, device, dtype, attention=cfg.critic.model.override_config.attn_implementation)
     values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common("critic"))
     values = _as_lists(values)
     alive = weakref.ref(critic)  # the critic changes every iteration: not worth caching
     del critic
     release(alive, device)
-    return old, ref, values, ref_reused
+    return Passes(old, ref, values, ref_reused, sums)
+
+
+def _rollout_log_probs(rows: list[dict], path: Path) -> list[list[float]]:
+    """The rollout engine's own log-probs of every response (bypass mode's old policy)."""
+    missing = [i for i, r in enumerate(rows) if r.get("rollout_log_probs") is None]
+    if missing:
+        raise DataError(f"{path} row {missing[0]}: no rollout_log_probs (the offline engine records none), which "
+                        "algorithm.rollout_correction.bypass_mode=true trains against; rerun rollout with the hf or "
+                        "vllm engine, or turn bypass_mode off")
+    return [list(r["rollout_log_probs"]) for r in rows]
 
 
 def _as_lists(tensors: list[Optional[torch.Tensor]]) -> list[Optional[list[float]]]:

@@ -106,7 +106,7 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
                     metrics = train_update(cfg, run, iteration)
             count_update_io(metrics, time.perf_counter() - launched, separate_processes=nproc > 1)
         rows = pq.ParquetFile(run.advantages(iteration)).metadata.num_rows
-        shown = ", ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in STAGE_METRICS if k in metrics)
+        shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in STAGE_METRICS if k in metrics)  # actor/, critic/ kept apart
         return StageResult(
             stage="update", iteration=iteration,
             outputs={"checkpoint": str(run.checkpoint(iteration)), "state": str(run.state_record(iteration)),

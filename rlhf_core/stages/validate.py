@@ -34,6 +34,7 @@ import pyarrow.parquet as pq
 from rlhf_core.config import RLHFConfig
 from rlhf_core.data.packing import Share
 from rlhf_core.data.schemas import VALIDATION
+from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import policy_after
@@ -126,7 +127,10 @@ def score_samples(cfg: RLHFConfig, rows: list[dict], samples: list) -> tuple[lis
         row = rows[s.prompt_index]
         where = f"validation prompt {row['prompt_id']}"
         truth = (row.get("reward_model") or {}).get("ground_truth")
-        result = reward_fn(routing_value(row, key=key, where=where), s.text, truth, row.get("extra_info"))
+        try:
+            result = reward_fn(routing_value(row, key=key, where=where), s.text, truth, row.get("extra_info"))
+        except DataError as exc:  # e.g. a function that called sys.exit: name the row, as the score stage does
+            raise type(exc)(f"{where}: {exc}") from None
         score, extra = normalize_result(result, where=where)
         scores.append(score)
         extras.append(json.loads(extra))

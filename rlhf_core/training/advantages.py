@@ -13,8 +13,9 @@ the controller that chooses it, and its state on disk, belong to the gae stage.
 
 from __future__ import annotations
 
+import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
@@ -25,11 +26,15 @@ import torch
 from rlhf_core.algos import (
     accepted_kwargs, apply_kl_penalty, estimator_takes, get_adv_estimator, masked_whiten,
 )
+from rlhf_core.algos.rollout_correction import RolloutCorrection, correct_rollout
 from rlhf_core.config import ConfigError
 from rlhf_core.data.schemas import ADVANTAGES_EXTRA, SCORED
 from rlhf_core.errors import DataError
 
 PER_TOKEN_INPUTS = ("old_log_probs", "ref_log_probs", "values")
+OPTIONAL_PER_TOKEN = ("rollout_log_probs", "sum_pi_squared")
+"""Per-token columns a scored table may hold: all rows or none (the offline engine records no
+rollout log-probs; sum_pi_squared only with actor.calculate_sum_pi_squared)."""
 
 
 @dataclass(frozen=True)
@@ -45,14 +50,29 @@ class AdvantageSettings:
     norm_adv_by_std_in_grpo: bool = True
     use_critic: bool = True
     """Whether the run has a critic (``config.resolve.uses_critic``): its values metrics are reported."""
+    gdpo_reward_keys: Optional[tuple[str, ...]] = None
+    """gdpo's reward components: keys of the reward function's dict result (the scored reward_extra)."""
+    gdpo_reward_weights: Optional[tuple[float, ...]] = None
+    rollout_correction: RolloutCorrection = RolloutCorrection()
+    """algorithm.rollout_correction: applied here (weights, rejection) unless in bypass mode, where the
+    loss applies it; its metrics are reported whenever the table has the rollout's log-probs."""
 
     @classmethod
     def from_algorithm(cls, algorithm: Any) -> "AdvantageSettings":
         """From ``cfg.algorithm`` (an ``AlgorithmConfig``)."""
+        c = algorithm.rollout_correction
+        correction = RolloutCorrection(rollout_is=c.rollout_is, rollout_is_threshold=c.rollout_is_threshold,
+                                       rollout_is_batch_normalize=c.rollout_is_batch_normalize,
+                                       rollout_rs=c.rollout_rs, rollout_rs_threshold=c.rollout_rs_threshold,
+                                       bypass_mode=c.bypass_mode, loss_type=c.loss_type)
         return cls(adv_estimator=algorithm.adv_estimator, gamma=float(algorithm.gamma), lam=float(algorithm.lam),
                    norm_adv=bool(algorithm.norm_adv), use_kl_in_reward=bool(algorithm.use_kl_in_reward),
                    kl_penalty=algorithm.kl_penalty,
-                   norm_adv_by_std_in_grpo=bool(algorithm.norm_adv_by_std_in_grpo))
+                   norm_adv_by_std_in_grpo=bool(algorithm.norm_adv_by_std_in_grpo),
+                   gdpo_reward_keys=tuple(algorithm.gdpo_reward_keys) if algorithm.gdpo_reward_keys else None,
+                   gdpo_reward_weights=(tuple(algorithm.gdpo_reward_weights)
+                                        if algorithm.gdpo_reward_weights else None),
+                   rollout_correction=correction)
 
 
 @dataclass
@@ -63,10 +83,14 @@ class ScoredBatch:
     old_log_probs: torch.Tensor   # (B, T) float32, 0 at padding
     ref_log_probs: torch.Tensor   # (B, T) float32, 0 at padding
     values: torch.Tensor          # (B, T) float32, 0 at padding
-    response_mask: torch.Tensor   # (B, T) bool, True for t < response_length
+    response_mask: torch.Tensor   # (B, T) bool, True for t < response_length (minus rejected tokens)
     lengths: np.ndarray           # (B,) int64 response lengths
     index: np.ndarray             # (B,) object: verl's uid, the group (prompt) of each response
     reward_baselines: Optional[torch.Tensor] = None  # (B,) float32: remax's greedy-response scores
+    rollout_log_probs: Optional[torch.Tensor] = None  # (B, T) the rollout engine's own, when recorded
+    sum_pi_squared: Optional[torch.Tensor] = None     # (B, T) sum_v pi_v^2, when the score stage recorded it
+    rollout_is_weights: Optional[torch.Tensor] = None  # (B, T) rollout correction's importance weights
+    reward_components: Optional[dict[str, torch.Tensor]] = None  # gdpo: key → (B,) component scores
 
 
 @dataclass
@@ -164,10 +188,12 @@ def scored_batch(table: pa.Table, source: str = "scored table") -> ScoredBatch:
     width = max(int(lengths.max()), 1)  # T >= 1 keeps the (B, T) maths defined when every response is empty
     padded = {n: pad_list_column(table, n, lengths, width, source) for n in PER_TOKEN_INPUTS}
     mask = torch.arange(width).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)
+    optional = {n: pad_list_column(table, n, lengths, width, source) for n in OPTIONAL_PER_TOKEN
+                if n in table.column_names and table.column(n).null_count < table.num_rows}
     return ScoredBatch(scores=torch.from_numpy(scores), old_log_probs=padded["old_log_probs"],
                        ref_log_probs=padded["ref_log_probs"], values=padded["values"], response_mask=mask,
                        lengths=lengths, index=_group_index(table, source),
-                       reward_baselines=_reward_baselines(table, source))
+                       reward_baselines=_reward_baselines(table, source), **optional)
 
 
 def _group_index(table: pa.Table, source: str) -> np.ndarray:
@@ -222,22 +248,70 @@ def _estimator(name: str):
 def estimate_advantages(batch: ScoredBatch, rewards: torch.Tensor,
                         settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
     """(advantages, returns), both (B, T) and 0 at padding; advantages whitened over the batch's
-    valid tokens when ``settings.norm_adv``, returns never (they are the critic's targets)."""
+    valid tokens when ``settings.norm_adv``, returns never (they are the critic's targets). The
+    estimator is offered every input the batch has and takes those it names."""
     estimator = _estimator(settings.adv_estimator)
     offered = dict(token_level_rewards=rewards, values=batch.values, response_mask=batch.response_mask,
                    gamma=settings.gamma, lam=settings.lam, index=batch.index,
-                   norm_adv_by_std_in_grpo=settings.norm_adv_by_std_in_grpo)
-    if estimator_takes(settings.adv_estimator, "reward_baselines"):
-        if batch.reward_baselines is None:
-            raise DataError(f"algorithm.adv_estimator={settings.adv_estimator} needs each prompt's greedy baseline "
-                            "score (reward_baseline), which this scored table lacks; rerun rollout and score")
-        offered["reward_baselines"] = batch.reward_baselines
+                   norm_adv_by_std_in_grpo=settings.norm_adv_by_std_in_grpo, old_log_probs=batch.old_log_probs,
+                   rollout_is_weights=batch.rollout_is_weights, reward_components=batch.reward_components,
+                   reward_weights=settings.gdpo_reward_weights)
+    for name, column, fix in (("reward_baselines", "reward_baseline", "rerun rollout and score"),
+                              ("sum_pi_squared", "sum_pi_squared", "rerun the score stage with this estimator")):
+        if estimator_takes(settings.adv_estimator, name):
+            value = getattr(batch, name)
+            if value is None:
+                raise DataError(f"algorithm.adv_estimator={settings.adv_estimator} needs the scored table's "
+                                f"{column} column, which this table lacks; {fix}")
+            offered[name] = value
     advantages, returns = estimator(**accepted_kwargs(estimator, offered))
     # verl whitens GAE's advantages; every critic-free estimator normalises (or not) on its own.
     if settings.norm_adv and estimator_takes(settings.adv_estimator, "values"):
         advantages = masked_whiten(advantages, batch.response_mask)
     zero = torch.zeros((), dtype=advantages.dtype)
     return torch.where(batch.response_mask, advantages, zero), torch.where(batch.response_mask, returns, zero)
+
+
+def apply_rollout_correction(batch: ScoredBatch, settings: AdvantageSettings,
+                             source: str) -> tuple[ScoredBatch, dict[str, float]]:
+    """verl's decoupled rollout correction on the batch: importance weights and a rejection mask from
+    the rollout engine's log-probs against the trainer's (old_log_probs), and the rollout_corr/
+    metrics. In bypass mode the loss does it (nothing here); without the engine's log-probs there is
+    nothing to correct, which is an error only when a correction was asked for."""
+    correction = settings.rollout_correction
+    if correction.bypass_mode:
+        return batch, {}
+    if batch.rollout_log_probs is None:
+        if correction.rollout_is is not None or correction.rollout_rs is not None:
+            raise DataError(f"{source} has no rollout_log_probs (the engine's own log-probs; the offline engine "
+                            "records none), so algorithm.rollout_correction cannot weight or reject anything; "
+                            "rerun rollout with the hf or vllm engine, or set rollout_is and rollout_rs to null")
+        return batch, {}
+    if not bool(batch.response_mask.any()):
+        return batch, {}
+    weights, mask, metrics = correct_rollout(old_log_prob=batch.old_log_probs.double(),
+                                             rollout_log_prob=batch.rollout_log_probs.double(),
+                                             response_mask=batch.response_mask, settings=correction)
+    corrected = replace(batch, response_mask=mask.bool(),
+                        rollout_is_weights=None if weights is None else weights.float())
+    return corrected, {k: float(v) for k, v in metrics.items()}
+
+
+def reward_components(table: pa.Table, keys: tuple[str, ...], source: str) -> dict[str, torch.Tensor]:
+    """gdpo's components: key → (B,) the reward function's dict result at that key, per response
+    (the scored reward_extra JSON). A response without one of the keys is named in the error."""
+    extras = table.column("reward_extra").to_pylist()
+    out: dict[str, list[float]] = {key: [] for key in keys}
+    for i, text in enumerate(extras):
+        info = json.loads(text or "{}")
+        for key in keys:
+            value = info.get(key)
+            if not isinstance(value, (int, float)):
+                raise DataError(f"{_where(table, i, source)}: reward_extra has no number at {key!r} "
+                                f"(algorithm.gdpo_reward_keys); the reward function must return a dict holding "
+                                f"every gdpo key, e.g. {{'score': ..., {key!r}: ...}}")
+            out[key].append(float(value))
+    return {key: torch.tensor(values, dtype=torch.float32) for key, values in out.items()}
 
 
 def _stats(prefix: str, selected: torch.Tensor) -> dict[str, float]:
@@ -299,19 +373,38 @@ def advantage_metrics(batch: ScoredBatch, rewards: torch.Tensor, advantages: tor
 
 def compute_advantages(table: pa.Table, *, kl_coef: float, settings: AdvantageSettings,
                        source: str = "scored table") -> AdvantageOutput:
-    """Scored table → advantages table (SCORED columns + token_level_rewards, advantages, returns).
+    """Scored table → advantages table (SCORED columns + token_level_rewards, advantages, returns,
+    and rollout correction's rollout_is_weights / response_mask, null when it did not apply).
 
     ``kl_coef`` is the KL coefficient to use; it is ignored (0) unless ``settings.use_kl_in_reward``.
     ``source`` names the table in error messages.
     """
     batch = scored_batch(table, source)
+    if settings.gdpo_reward_keys and estimator_takes(settings.adv_estimator, "reward_components"):
+        batch = replace(batch, reward_components=reward_components(table, settings.gdpo_reward_keys, source))
     coef = float(kl_coef) if settings.use_kl_in_reward else 0.0
     rewards, kl_mean = shaped_rewards(batch, kl_coef=coef, kind=settings.kl_penalty)
+    batch, correction_metrics = apply_rollout_correction(batch, settings, source)
     advantages, returns = estimate_advantages(batch, rewards, settings)
     out = table.select(SCORED.names)
     for (name, _), tensor in zip(ADVANTAGES_EXTRA, (rewards, advantages, returns)):
         out = out.append_column(name, unpad(tensor, batch.lengths))
+    weights = None if batch.rollout_is_weights is None else unpad(batch.rollout_is_weights, batch.lengths)
+    out = out.append_column("rollout_is_weights", weights if weights is not None else
+                            pa.nulls(table.num_rows, pa.list_(pa.float32())))
+    rejected = settings.rollout_correction.rollout_rs is not None and not settings.rollout_correction.bypass_mode
+    out = out.append_column("response_mask", unpad_mask(batch.response_mask, batch.lengths) if rejected else
+                            pa.nulls(table.num_rows, pa.list_(pa.bool_())))
     metrics = advantage_metrics(batch, rewards, advantages, returns, kl_coef=coef, kl_mean=kl_mean,
                                 kl_in_reward=settings.use_kl_in_reward, use_critic=settings.use_critic)
+    metrics.update(correction_metrics)
     return AdvantageOutput(table=out, metrics=metrics, kl_mean=kl_mean, num_responses=table.num_rows,
                            num_groups=len(set(batch.index.tolist())))
+
+
+def unpad_mask(mask: torch.Tensor, lengths: np.ndarray) -> pa.ListArray:
+    """(B, T) bool → list<bool> array whose entry i is ``mask[i, :lengths[i]]``."""
+    keep = torch.arange(mask.shape[1]).unsqueeze(0) < torch.from_numpy(lengths).unsqueeze(1)
+    flat = mask[keep].cpu().numpy()
+    offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32)
+    return pa.ListArray.from_arrays(pa.array(offsets, pa.int32()), pa.array(flat, pa.bool_()))

@@ -24,6 +24,8 @@ from rlhf_core.errors import DataError
 from rlhf_core.models.packed import AttentionMode, pack_rows
 
 PER_TOKEN_COLUMNS = ("old_log_probs", "ref_log_probs", "values", "advantages", "returns")
+CORRECTION_COLUMNS = ("rollout_is_weights", "response_mask")
+"""Rollout correction's per-token columns: null in a table written without it (or before it existed)."""
 
 ROW_WIDTH_RULE = "longest sequence of the mini-batch"
 """How wide a packed row inside a micro-batch may be. With a dense 4-D mask attention costs L² per row
@@ -47,9 +49,16 @@ class PPOData:
     """column name → N float32 arrays, array i of length len(response_ids[i])."""
     groups: Optional[list[str]] = None
     """prompt_id of each row: a prompt's responses form one group (None: every row its own)."""
+    kept: Optional[list[np.ndarray]] = None
+    """Rollout correction's response mask (N bool arrays, False = rejected token), None without
+    rejection sampling: then every response token counts."""
 
     def __len__(self) -> int:
         return len(self.response_ids)
+
+    def counted(self, i: int) -> int:
+        """Response tokens of row i that the losses count (all, unless rejection removed some)."""
+        return len(self.response_ids[i]) if self.kept is None else int(self.kept[i].sum())
 
     @property
     def lengths(self) -> list[int]:
@@ -83,24 +92,28 @@ def read_advantages(path: str | Path) -> PPOData:
     if not path.is_file():
         raise DataError(f"{path} not found: run the gae stage for this iteration first")
     columns = ["prompt_id", "prompt_token_ids", "response_token_ids", "response_length", *PER_TOKEN_COLUMNS]
+    columns += [c for c in CORRECTION_COLUMNS if c in pq.read_schema(path).names]
     try:
         table = pq.read_table(path, columns=columns)
     except (KeyError, ValueError) as exc:  # pyarrow names the missing column
         raise DataError(f"{path}: not an advantages table ({exc}); rerun the gae stage") from None
     data = table.to_pydict()
-    per_token = {c: [np.asarray(v, dtype=np.float32) for v in data[c]] for c in PER_TOKEN_COLUMNS}
+    present = [c for c in CORRECTION_COLUMNS if c in data and table.column(c).null_count < table.num_rows]
+    per_token = {c: [np.asarray(v, dtype=np.float32) for v in data[c]]
+                 for c in [*PER_TOKEN_COLUMNS, *(c for c in present if c != "response_mask")]}
+    kept = ([np.asarray(v, dtype=bool) for v in data["response_mask"]] if "response_mask" in present else None)
     for i, (resp, n) in enumerate(zip(data["response_token_ids"], data["response_length"])):
         if len(resp) != n:
             raise DataError(f"{path} row {i}: {len(resp)} response tokens but response_length={n}")
         if not data["prompt_token_ids"][i]:
             raise DataError(f"{path} row {i}: empty prompt_token_ids (a response needs a prompt to condition on)")
-        for c in PER_TOKEN_COLUMNS:
-            if len(per_token[c][i]) != n:
-                raise DataError(f"{path} row {i}: column {c} has {len(per_token[c][i])} entries, "
+        for c, arrays in [*per_token.items(), ("response_mask", kept or [])]:
+            if arrays and len(arrays[i]) != n:
+                raise DataError(f"{path} row {i}: column {c} has {len(arrays[i])} entries, "
                                 f"response_length is {n}; rerun the gae stage")
     return PPOData(prompt_ids=[list(p) for p in data["prompt_token_ids"]],
                    response_ids=[list(r) for r in data["response_token_ids"]], per_token=per_token,
-                   groups=[str(g) for g in data["prompt_id"]])
+                   groups=[str(g) for g in data["prompt_id"]], kept=kept)
 
 
 def mini_batches(order: Sequence[int], size: int, *, shuffle: bool, seed: str | int, epoch: int) -> list[list[int]]:
@@ -175,8 +188,8 @@ class MicroBatch:
     packed: "object"  # rlhf_core.models.packed.PackedRows over local sequence indices 0..B-1
     prompt_lengths: list[int]  # (B,)
     order: list[int]  # (B,) table row of each local sequence
-    tensors: dict[str, torch.Tensor]  # PER_TOKEN_COLUMNS → (B, T) float32, zero past each response
-    response_mask: torch.Tensor  # (B, T) bool
+    tensors: dict[str, torch.Tensor]  # PER_TOKEN_COLUMNS (+ rollout_is_weights) → (B, T) float32, 0 past each response
+    response_mask: torch.Tensor  # (B, T) bool: the response's tokens, less those rollout correction rejected
     weight: float = 1.0
     """0.0 for a filler micro-batch on a rank with no data left: it only keeps collectives in step."""
 
@@ -207,15 +220,18 @@ def build_micro_batch(data: PPOData, layout: list[list[int]], pad_id: int,
     sequences = [data.sequence(i) for i in order]
     packed = pack_rows([[local[i] for i in row] for row in layout], sequences, pad_id, mode=mode)
     T = max((len(data.response_ids[i]) for i in order), default=0)
-    tensors = {c: _pad([data.per_token[c][i] for i in order], T) for c in PER_TOKEN_COLUMNS}
+    tensors = {c: _pad([data.per_token[c][i] for i in order], T) for c in data.per_token}
     lengths = torch.tensor([len(data.response_ids[i]) for i in order])
     mask = torch.arange(T)[None, :] < lengths[:, None]
+    if data.kept is not None:
+        mask &= _pad([data.kept[i].astype(np.float32) for i in order], T) > 0
     return MicroBatch(packed=packed, prompt_lengths=[len(data.prompt_ids[i]) for i in order], order=order,
                       tensors=tensors, response_mask=mask, weight=weight)
 
 
 def global_counts(data: PPOData, rows: Sequence[int]) -> tuple[int, int]:
-    """(response tokens, sequences with >= 1 response token) of a whole mini-batch, all ranks
-    together. Every rank reads the full table, so this needs no communication."""
-    n = [len(data.response_ids[i]) for i in rows]
-    return sum(n), sum(1 for x in n if x > 0)
+    """(response tokens, sequences) of a whole mini-batch, all ranks together: verl's
+    ``batch_num_tokens`` and ``global_batch_size`` (which counts every sequence, an empty one too).
+    Every rank reads the full table, so this needs no communication. Tokens rollout correction
+    rejected do not count (they are out of the loss mask, as in verl)."""
+    return sum(data.counted(i) for i in rows), len(rows)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -41,6 +42,7 @@ from rlhf_core.config import RLHFConfig, resolve
 from rlhf_core.config.loader import read_preset
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.progress import quiet_console
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lifecycle import last_good_iteration
 
@@ -102,6 +104,82 @@ class LaunchResult:
     tail: list[str]
     """The last lines of the launch's output."""
     user_errors: list[str]
+    log: Optional[Path] = None
+    """The whole output (``LaunchOutput``)."""
+
+    def failure(self, what: str) -> str:
+        """The launch's failure in one line: what failed, why, where the whole output is."""
+        return failure_line(what, self.returncode, self.tail, self.log)
+
+
+class LaunchOutput:
+    """torchrun's output as it comes: every line into ``log`` (the whole of it, named by the error
+    after a failure), the last lines and the ranks' user errors kept, and each line passed through
+    to stderr, except on `rlhf run`'s quiet console, which gets only the ranks' own `rlhf:` lines
+    (torchrun's failure dump, tracebacks and library chatter stay in the log)."""
+
+    def __init__(self, log: Optional[Path] = None):
+        self.tail: collections.deque[str] = collections.deque(maxlen=25)
+        self.user_errors: list[str] = []
+        self.log = log
+        self._quiet = quiet_console()
+        self._file = None
+        if log is not None:
+            log.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(log, "a", encoding="utf-8", errors="replace")
+            self._file.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')} ---\n")
+
+    def feed(self, line: str) -> None:
+        if self._file is not None:
+            self._file.write(line)
+            self._file.flush()
+        if not self._quiet or line.startswith("rlhf:"):
+            sys.stderr.write(line)
+        self.tail.append(line.rstrip())
+        if USER_ERROR in line:
+            self.user_errors.append(line.split(USER_ERROR, 1)[1].strip())
+
+    def close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def result(self, returncode: int) -> LaunchResult:
+        return LaunchResult(returncode, list(self.tail), list(self.user_errors), self.log)
+
+
+_EXCEPTION_LINE = re.compile(r"^[\w.]*(Error|Exception|Interrupt)\b.*: \S")
+
+
+def root_cause(lines: list[str]) -> Optional[str]:
+    """What torchrun's failure dump names as the root cause ('rank 1 exited with -9 (SIGKILL):
+    Signal 9 (SIGKILL) received by PID 11393'), else the last exception line of a rank's
+    traceback, else None."""
+    start = next((i for i in range(len(lines) - 1, -1, -1) if lines[i].startswith("Root Cause")), None)
+    if start is not None:
+        fields = {}
+        for line in lines[start + 1:]:
+            key, sep, value = line.strip().partition(":")
+            if sep and key.strip() in ("rank", "exitcode", "traceback") and key.strip() not in fields:
+                fields[key.strip()] = " ".join(value.split())
+        if "rank" in fields:
+            why = fields.get("traceback", "")
+            why = "" if why.startswith(("<N/A>", "To enable traceback")) else f": {why}"
+            return f"rank {fields['rank']} exited with {fields.get('exitcode', '?')}{why}"
+    for line in reversed(lines):
+        if _EXCEPTION_LINE.match(line.strip()) and "ChildFailedError" not in line:
+            return line.strip()
+    return None
+
+
+def failure_line(what: str, returncode: int, tail: list[str], log: Optional[Path]) -> str:
+    """'<what> failed (exit N): <root cause>; torchrun's whole output: <log>' (without a log, the
+    last lines follow instead)."""
+    cause = root_cause(tail)
+    line = f"{what} failed (exit {returncode})" + (f": {cause}" if cause else "")
+    if log is not None:
+        return f"{line}; torchrun's whole output: {log}"
+    return f"{line}; last output:\n" + "\n".join(tail)
 
 
 def rank_env(nproc_per_node: int) -> dict[str, str]:
@@ -136,23 +214,23 @@ def _target(request: UpdateRequest, run: RunDir) -> list[str]:
 
 
 def stream(cmd: list[str], env: dict[str, str], watch: Optional[Callable[[subprocess.Popen], None]] = None,
-           ) -> LaunchResult:
-    """Run ``cmd``, passing its output through to stderr; ``watch(proc)`` runs beside it in a thread."""
-    tail: collections.deque[str] = collections.deque(maxlen=25)
-    user_errors: list[str] = []
-    with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
-        if watch is not None:
-            threading.Thread(target=watch, args=(proc,), daemon=True).start()
-        try:
-            for line in proc.stdout:
-                sys.stderr.write(line)
-                tail.append(line.rstrip())
-                if USER_ERROR in line:
-                    user_errors.append(line.split(USER_ERROR, 1)[1].strip())
-        except KeyboardInterrupt:
-            stop(proc)
-            raise
-    return LaunchResult(proc.returncode, list(tail), user_errors)
+           log: Optional[Path] = None) -> LaunchResult:
+    """Run ``cmd``, its output through ``LaunchOutput`` (into ``log``); ``watch(proc)`` runs beside it
+    in a thread."""
+    output = LaunchOutput(log)
+    try:
+        with subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) as proc:
+            if watch is not None:
+                threading.Thread(target=watch, args=(proc,), daemon=True).start()
+            try:
+                for line in proc.stdout:
+                    output.feed(line)
+            except KeyboardInterrupt:
+                stop(proc)
+                raise
+    finally:
+        output.close()
+    return output.result(proc.returncode)
 
 
 def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
@@ -168,12 +246,12 @@ def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 def launch_single_node(run: RunDir, iteration: int, config_file: Path, nproc: int) -> None:
     """Run the update on ``nproc`` ranks of this machine and wait."""
-    result = stream(single_node_command(run, iteration, config_file, nproc), rank_env(nproc))
+    result = stream(single_node_command(run, iteration, config_file, nproc), rank_env(nproc),
+                    log=run.launch_log(f"update-iter_{iteration}"))
     if result.returncode != 0:
         if result.user_errors:  # its message already names the file/key and the fix
             raise RLHFError(result.user_errors[0])
-        raise RLHFError(f"update on {nproc} ranks failed (exit {result.returncode}); last output:\n"
-                        + "\n".join(result.tail))
+        raise RLHFError(result.failure(f"update of iteration {iteration} on {nproc} ranks"))
 
 
 # node 0 of several ----------------------------------------------------------------------------
@@ -295,9 +373,8 @@ def launch_failure(run: RunDir, request: UpdateRequest, result: LaunchResult,
                          + (f" ({result.user_errors[0]})" if result.user_errors else ""))
     if result.user_errors:
         return RLHFError(result.user_errors[0])
-    return RLHFError(f"{where} failed (exit {result.returncode}); every node joined. Check that node 0's "
-                     f"{request.master_addr}:{request.master_port} is reachable from each node; last output:\n"
-                     + "\n".join(result.tail))
+    return RLHFError(f"{result.failure(where)} (every node joined: check that node 0's "
+                     f"{request.master_addr}:{request.master_port} is reachable from each node)")
 
 
 def launch_nodes(run: RunDir, request: UpdateRequest) -> None:
@@ -305,7 +382,8 @@ def launch_nodes(run: RunDir, request: UpdateRequest) -> None:
     watch = NodeWatch(run, request, DEAD_AFTER_S)
     publish_request(run, request)
     try:
-        result = stream(node_command(request, run, 0), rank_env(request.nproc_per_node), watch)
+        result = stream(node_command(request, run, 0), rank_env(request.nproc_per_node), watch,
+                        log=run.launch_log(f"update-iter_{request.iteration}"))
     finally:
         withdraw_request(run)
     if result.returncode != 0:

@@ -29,6 +29,7 @@ from typing import Callable, Optional
 import torch
 
 from rlhf_core.algos import accepted_kwargs, agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
+from rlhf_core.algos.rollout_correction import RolloutCorrection
 from rlhf_core.io.atomic import fault_point
 from rlhf_core.models.packed import packing_attention_mode
 from rlhf_core.progress import bar_disabled
@@ -58,21 +59,35 @@ class ActorLoss:
     """The rollout temperature: old log-probs were computed at it, so the ratio must be too."""
     loss_scale_factor: Optional[float] = None
     """seq-mean-token-sum-norm's constant divisor (``config.resolve.loss_scale_factor``)."""
-    loss_mode_settings: tuple[tuple[str, float], ...] = ()
-    """actor.policy_loss's per-mode knobs (clip_cov_ratio, kl_cov_ratio, ...), each offered to the
-    loss function, which takes those it names."""
+    loss_mode_settings: tuple[tuple[str, object], ...] = ()
+    """Per-mode knobs (actor.policy_loss's clip_cov_ratio, kl_cov_ratio, dro_beta, ..., actor.tau_pos /
+    tau_neg), each offered to the loss function, which takes those it names."""
+    rollout_correction: Optional[RolloutCorrection] = None
+    """algorithm.rollout_correction, which bypass_mode's loss applies inside the loss."""
+
+    def policy_loss(self, *, log_prob: torch.Tensor, tensors: dict[str, torch.Tensor], mask: torch.Tensor,
+                    n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The registered policy loss of ``loss_mode`` on one micro-batch, offered every input and knob
+        (it takes those it names): the mini-batch's global counts, the rollout-correction weights
+        when the table has them."""
+        fn = get_policy_loss_fn(self.loss_mode)
+        offered = dict(old_log_prob=tensors["old_log_probs"], log_prob=log_prob, advantages=tensors["advantages"],
+                       response_mask=mask, clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
+                       clip_ratio_c=self.clip_ratio_c, rollout_is_weights=tensors.get("rollout_is_weights"),
+                       rollout_correction=self.rollout_correction, **self._counts(n_tok, n_seq),
+                       **dict(self.loss_mode_settings))
+        return fn(**accepted_kwargs(fn, offered))
+
+    def _counts(self, n_tok: int, n_seq: int) -> dict:
+        return dict(loss_agg_mode=self.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
+                    loss_scale_factor=self.loss_scale_factor)
 
     def __call__(self, engine, mb: MicroBatch, n_tok: int, n_seq: int):
         log_prob, entropy = actor_forward(engine, mb, self.temperature, entropy_grad=self.entropy_coeff != 0)
         t = {k: v.to(log_prob.device) for k, v in mb.tensors.items()}
         mask = mb.response_mask.to(log_prob.device)
-        counts = dict(loss_agg_mode=self.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
-                      loss_scale_factor=self.loss_scale_factor)
-        policy_loss = get_policy_loss_fn(self.loss_mode)
-        pg_loss, pg = policy_loss(**accepted_kwargs(policy_loss, dict(
-            old_log_prob=t["old_log_probs"], log_prob=log_prob, advantages=t["advantages"], response_mask=mask,
-            clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
-            clip_ratio_c=self.clip_ratio_c, **counts, **dict(self.loss_mode_settings))))
+        counts = self._counts(n_tok, n_seq)
+        pg_loss, pg = self.policy_loss(log_prob=log_prob, tensors=t, mask=mask, n_tok=n_tok, n_seq=n_seq)
         ent_loss = agg_loss(loss_mat=entropy, loss_mask=mask, **counts)
         loss, kl_loss = pg_loss, torch.zeros((), device=log_prob.device)
         if self.entropy_coeff != 0:
@@ -83,8 +98,8 @@ class ActorLoss:
             loss = loss + self.kl_loss_coef * kl_loss
         share = mask.sum() / max(n_tok, 1)  # token means of this micro-batch → its share of the mini-batch's
         sums = {"actor/pg_loss": pg_loss, "actor/kl_loss": kl_loss, "actor/entropy": ent_loss}
-        for k in ("pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"):
-            sums[f"actor/{k}"] = pg[k] * share
+        for k, v in pg.items():  # pg_clipfrac, pg_clipfrac_lower, ppo_kl; bypass_mode's rollout_corr/...
+            sums[k if "/" in k else f"actor/{k}"] = v * share
         return loss, {k: v.detach().float() for k, v in sums.items()}
 
     def step_metrics(self) -> dict[str, float]:
@@ -99,14 +114,19 @@ class CriticLoss:
     loss_scale_factor: Optional[float] = None
     """seq-mean-token-sum-norm's constant divisor (``config.resolve.critic_loss_scale_factor``)."""
 
+    def value_loss(self, *, vpreds: torch.Tensor, tensors: dict[str, torch.Tensor], mask: torch.Tensor,
+                   n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The clipped value loss on one micro-batch with the mini-batch's global counts."""
+        return compute_value_loss(vpreds=vpreds, values=tensors["values"], returns=tensors["returns"],
+                                  response_mask=mask, cliprange_value=self.cliprange_value,
+                                  loss_agg_mode=self.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
+                                  loss_scale_factor=self.loss_scale_factor)
+
     def __call__(self, engine, mb: MicroBatch, n_tok: int, n_seq: int):
         vpreds = critic_forward(engine, mb)
         t = {k: v.to(vpreds.device) for k, v in mb.tensors.items()}
         mask = mb.response_mask.to(vpreds.device)
-        vf_loss, m = compute_value_loss(vpreds=vpreds, values=t["values"], returns=t["returns"], response_mask=mask,
-                                        cliprange_value=self.cliprange_value, loss_agg_mode=self.loss_agg_mode,
-                                        global_num_tokens=n_tok, global_num_seqs=n_seq,
-                                        loss_scale_factor=self.loss_scale_factor)
+        vf_loss, m = self.value_loss(vpreds=vpreds, tensors=t, mask=mask, n_tok=n_tok, n_seq=n_seq)
         share = mask.sum() / max(n_tok, 1)
         sums = {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": m["vf_clipfrac"] * share,
                 "critic/vpred_mean": torch.where(mask, vpreds, 0.0).sum() / max(n_tok, 1)}
@@ -256,7 +276,8 @@ def aggregate(outcome: PPOOutcome) -> dict[str, float]:
         applied = [s for s in steps if s.get(f"{role}/step_applied", 1.0) > 0]
         out[f"{role}/num_steps"] = float(len(steps))
         out[f"{role}/skipped_steps"] = float(len(steps) - len(applied))
-        keys = {k for s in steps for k in s if k.startswith(role + "/") and k != f"{role}/step_applied"}
+        keys = {k for s in steps for k in s
+                if (k.startswith(role + "/") or k.startswith("rollout_corr/")) and k != f"{role}/step_applied"}
         for k in sorted(keys):
             pool = applied if k.endswith("/grad_norm") else steps
             values = [s[k] for s in pool if k in s and math.isfinite(s[k])]

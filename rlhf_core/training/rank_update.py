@@ -98,13 +98,15 @@ def micro_batch_plan(cfg: RLHFConfig, role: str = "actor", world_size: int = 1) 
 def actor_loss_from_config(cfg: RLHFConfig) -> ActorLoss:
     a = cfg.actor_rollout_ref.actor
     low, high = resolve.clip_ratios(cfg)
+    knobs = {f.name: getattr(a.policy_loss, f.name) for f in fields(a.policy_loss) if f.name != "loss_mode"}
+    correction = resolve.rollout_correction(cfg)
     return ActorLoss(
         clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
-        loss_mode=a.policy_loss.loss_mode, entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
+        loss_mode=resolve.policy_loss_mode(cfg), entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
         kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, temperature=cfg.actor_rollout_ref.rollout.temperature,
         loss_scale_factor=resolve.loss_scale_factor(cfg),
-        loss_mode_settings=tuple((f.name, float(getattr(a.policy_loss, f.name))) for f in fields(a.policy_loss)
-                                 if f.name != "loss_mode"))
+        loss_mode_settings=tuple(sorted({**knobs, "tau_pos": a.tau_pos, "tau_neg": a.tau_neg}.items())),
+        rollout_correction=correction if correction.bypass_mode else None)
 
 
 def critic_loss_from_config(cfg: RLHFConfig) -> CriticLoss:

@@ -475,7 +475,8 @@ class GroupTrainer:
         self.world = update_world(cfg)
         device = resolve_device(cfg.trainer.device)
         self.group = WorkerGroup(GROUP_ENTRY, self.world, ["--run-dir", str(run.root), "--device", device],
-                                 what=f"worker group of {self.world} update processes", nodes=_nodes(cfg, run, device))
+                                 what=f"worker group of {self.world} update processes", nodes=_nodes(cfg, run, device),
+                                 log=run.launch_log("worker-group"))
         self.holds: Optional[int] = None
         """The iteration whose state the ranks hold (None: none built yet; 0: the initial models)."""
         self._published: Optional[tuple[int, Path]] = None

@@ -60,4 +60,6 @@ def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, p
         "ref_log_probs": [t.tolist() for t in ref], "values": values, "reward_baseline": [None] * n,
         "token_level_rewards": [[0.0] * len(r) for r in responses], "advantages": advantages, "returns": returns,
     }
-    return pa.table(cols).cast(ADVANTAGES)
+    for field in ADVANTAGES:  # optional columns (rollout log-probs, rollout correction, ...) stay null
+        cols.setdefault(field.name, pa.nulls(n, field.type))
+    return pa.table(cols).select(ADVANTAGES.names).cast(ADVANTAGES)

@@ -30,7 +30,6 @@ the coordinator, which gets it too, decides (it asks them to leave, then kills w
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import datetime
 import json
@@ -41,11 +40,12 @@ import threading
 import time
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
-from rlhf_core.training.nodes import (DEAD_AFTER_S, POLL_S, USER_ERROR, LaunchResult, NodeWatch, UpdateRequest,
+from rlhf_core.training.nodes import (DEAD_AFTER_S, POLL_S, LaunchOutput, NodeWatch, UpdateRequest, failure_line,
                                      group_request, launch_failure, node_command, publish_request, rank_env,
                                      withdraw_request)
 
@@ -74,21 +74,20 @@ class RankFailure(Exception):
         return self.message
 
 
-class _Output:
-    """Passes torchrun's output through to stderr in a thread, keeping its tail and user errors."""
+class _Output(LaunchOutput):
+    """torchrun's output through ``LaunchOutput`` (into ``log``), read by a thread of its own."""
 
-    def __init__(self, proc: subprocess.Popen):
-        self.tail: collections.deque[str] = collections.deque(maxlen=25)
-        self.user_errors: list[str] = []
+    def __init__(self, proc: subprocess.Popen, log: Optional[Path]):
+        super().__init__(log)
         self._thread = threading.Thread(target=self._pump, args=(proc,), name="worker-group-output", daemon=True)
         self._thread.start()
 
     def _pump(self, proc: subprocess.Popen) -> None:
-        for line in proc.stdout:
-            sys.stderr.write(line)
-            self.tail.append(line.rstrip())
-            if USER_ERROR in line:
-                self.user_errors.append(line.split(USER_ERROR, 1)[1].strip())
+        try:
+            for line in proc.stdout:
+                self.feed(line)
+        finally:
+            self.close()
 
     def join(self, timeout: float) -> None:
         self._thread.join(timeout)
@@ -114,10 +113,11 @@ class WorkerGroup:
     commands, stop them. One command at a time (the flow's stages run one after the other)."""
 
     def __init__(self, entry: str, world: int, args: Sequence[str] = (), *, what: str = "worker group",
-                 nodes: Optional[Nodes] = None):
+                 nodes: Optional[Nodes] = None, log: Optional[Path] = None):
         """``entry``: the module every rank runs (or a script's path, ending in .py), given
         ``--store HOST:PORT`` and ``args``; it calls ``serve``. With ``nodes`` the ranks span
-        machines, each node's running the group entry (``nodes.GROUP_ENTRY``)."""
+        machines, each node's running the group entry (``nodes.GROUP_ENTRY``). ``log``: where
+        torchrun's whole output goes (a failure is one line naming it)."""
         import torch.distributed as tdist
 
         self.world, self.what, self.nodes = world, what, nodes
@@ -138,7 +138,7 @@ class WorkerGroup:
         # coordinator's own error (or the kill) already says what happened
         env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
         self._proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self._output = _Output(self._proc)
+        self._output = _Output(self._proc, log)
         self._seq = 0
         self.alive = True
         try:
@@ -198,14 +198,12 @@ class WorkerGroup:
     def _failure(self, how: str) -> RLHFError:
         """The error of a group whose torchrun (or, across nodes, another node) is gone: a rank's own
         one-line error first, then what the nodes' records say, else the output's tail."""
-        tail = list(self._output.tail)
+        result = self._output.result(self._proc.poll() if self._proc.poll() is not None else -1)
         if self._request is not None:
-            result = LaunchResult(self._proc.poll() if self._proc.poll() is not None else -1, tail,
-                                  list(self._output.user_errors))
             return launch_failure(self.nodes.run, self._request, result, self._watch)
         if self._output.user_errors:
             return RLHFError(self._output.user_errors[0])
-        return RLHFError(f"the {self.what} {how} (exit {self._proc.returncode}); last output:\n" + "\n".join(tail))
+        return RLHFError(result.failure(f"the {self.what} ({how})"))
 
     def _wait_for(self, keys: list[str], timeout_s: Optional[float], what: str, any_of: bool = False) -> None:
         """Until every key is set (``any_of``: one of them); fails when torchrun ends first (or
@@ -220,8 +218,8 @@ class WorkerGroup:
                 if self._watch.check():  # another node failed, or stopped beating
                     raise self._failure(f"lost a node during {what!r}")
             if timeout_s is not None and time.monotonic() - started > timeout_s:
-                raise RLHFError(f"the {self.what}'s {self.world} processes did not {what} within {timeout_s:.0f} s; "
-                                "last output:\n" + "\n".join(self._output.tail))
+                raise RLHFError(failure_line(f"the {self.what}'s {self.world} processes did not {what} within "
+                                             f"{timeout_s:.0f} s, they", -1, list(self._output.tail), self._output.log))
             time.sleep(delay)
             delay = min(delay * 2, 0.02)  # sub-millisecond replies stay fast, long ones cost no CPU
 

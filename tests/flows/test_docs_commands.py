@@ -9,6 +9,10 @@ has to be sorted when it is written. Every inline `rlhf ...` of the same files n
 options the real parser has, and the ones that are whole read-only commands (status, query, export,
 config show) run.
 
+The README's CPU smoke recipe for a real model runs with stand-ins for what this machine lacks
+(``STAND_INS``: the tiny model for Qwen2.5-0.5B-Instruct, verl-format Parquet written from the
+embedded data for GSM8K's), every override as written.
+
 The run is the session's 2-iteration tiny pipeline run (``two_iterations.pristine``, a copy taken
 before other tests rerun its stages): ``runs/<run>``, ``RUN`` and ``K`` stand for it and iteration 2.
 `rlhf ...` runs in this process through the console entry point's function (``rlhf_cli.main.main``,
@@ -44,6 +48,7 @@ _QWEN = ("needs Qwen2.5-0.5B-Instruct in the Hugging Face cache, verl's GSM8K Pa
 SKIPPED = {
     "make demo": "creates .venv and runs the 30-iteration demo (~2 min); tests/flows/test_pipeline_flow.py runs "
                  "the same flow on the tiny model",
+    "make test-verl": "builds verl 0.9.1's environment and runs tests/conformance: CI's own step after make test",
     "make test": "runs this whole suite",
     ".venv/bin/rlhf demo --grpo": "a 30-iteration GRPO run (~3.5 min); tests/flows/test_demo_grpo.py runs it shortened",
     "rlhf run -c configs/demo.yaml": "a 30-iteration demo run (~2 min); its config is checked here with `rlhf config "
@@ -65,6 +70,12 @@ SKIPPED = {
     "pip install prefect-kubernetes": "installs packages and starts a worker in a Kubernetes cluster",
 }
 """Command prefix → why it does not run in the test suite."""
+
+QWEN_GSM8K = "rlhf run -c configs/gsm8k.yaml actor_rollout_ref.model.path=Qwen/Qwen2.5-0.5B-Instruct"
+SMOKE_MARK = "trainer.total_training_steps=1"
+"""The README's CPU smoke recipe: the GSM8K preset on a real model, shrunk to one step. It runs."""
+STAND_INS = ("Qwen/Qwen2.5-0.5B-Instruct", "$HOME/data/gsm8k/")
+"""What the smoke recipe names that this machine lacks (a hub model, verl's GSM8K Parquet)."""
 
 NOT_COMMANDS = {
     ("docs/architecture.md", "rlhf_core   the library"): "the layer diagram",
@@ -183,7 +194,47 @@ def run(two_iterations, monkeypatch) -> Path:
     return two_iterations.pristine.root
 
 
-def test_every_fenced_block_runs_as_written_or_says_why_not(run):
+def is_smoke_recipe(command: str) -> bool:
+    return command.startswith(QWEN_GSM8K) and SMOKE_MARK in command
+
+
+def with_stand_ins(command: str, model: Path, data: Path) -> str:
+    """The smoke recipe with the tiny model and local Parquet in place of ``STAND_INS``."""
+    hub_model, gsm8k = STAND_INS
+    return command.replace(hub_model, str(model)).replace(gsm8k, f"{data}/")
+
+
+def gsm8k_stand_in(out: Path, repo: Path = REPO) -> Path:
+    """train.parquet (8 prompts) and test.parquet (8) in verl's GSM8K layout, from the embedded data."""
+    import json
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    lines = (repo / "data" / "arith" / "train.jsonl").read_text().splitlines()[:16]
+    rows = [{"data_source": "openai/gsm8k", "ability": "math",
+             "prompt": [{"role": "user", "content": r["question"] + " Let's think step by step and output the "
+                                                                    "final answer after \"####\"."}],
+             "reward_model": {"style": "rule", "ground_truth": r["answer"].rsplit("####", 1)[1].strip()},
+             "extra_info": {"index": i}} for i, r in enumerate(json.loads(line) for line in lines)]
+    out.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.Table.from_pylist(rows[:8]), out / "train.parquet")
+    pq.write_table(pa.Table.from_pylist(rows[8:]), out / "test.parquet")
+    return out
+
+
+def run_smoke_recipe(command: str, tmp_path: Path, model: Path) -> tuple[int, str]:
+    """The smoke recipe as written but for ``STAND_INS``, from an empty directory (its runs go there)."""
+    data = gsm8k_stand_in(tmp_path / "gsm8k")
+    cwd = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        return run_rlhf(shlex.split(with_stand_ins(command, model, data))[1:])
+    finally:
+        os.chdir(cwd)
+
+
+def test_every_fenced_block_runs_as_written_or_says_why_not(run, tmp_path, tiny_model_dir):
     unsorted, failed, ran = [], [], []
     for where, lang, body in fenced_blocks():
         first = body.strip().splitlines()[0]
@@ -196,7 +247,12 @@ def test_every_fenced_block_runs_as_written_or_says_why_not(run):
         elif lang in ("bash", "sh", "shell", "console"):
             for command in shell_commands(body):
                 why = skip_reason(command)
-                if why is None:
+                if is_smoke_recipe(command):
+                    code, out = run_smoke_recipe(command, tmp_path, tiny_model_dir)
+                    if code != 0 or "last-good: iteration 1" not in out:
+                        failed.append(f"{where}: {command} (tiny model, local Parquet) → exit {code}\n{out[-2000:]}")
+                    ran.append(command)
+                elif why is None:
                     code, out = run_command(command, run)
                     if code != 0:
                         failed.append(f"{where}: {command} → exit {code}\n{out[-2000:]}")
@@ -210,7 +266,8 @@ def test_every_fenced_block_runs_as_written_or_says_why_not(run):
     assert not unsorted, "blocks that neither run nor say why not (add them to SKIPPED / NOT_COMMANDS):\n" + \
         "\n".join(unsorted)
     assert not failed, "commands that do not run as written:\n" + "\n\n".join(failed)
-    assert len(ran) >= 6, ran  # the DuckDB one-liner, the four queries, `rlhf config show`
+    assert len(ran) >= 7, ran  # the DuckDB one-liner, the four queries, `rlhf config show`, the smoke recipe
+    assert any(is_smoke_recipe(command) for command in ran), "the README's CPU smoke recipe did not run"
 
 
 def config_check(where: str, command: str) -> list[str]:
@@ -269,7 +326,8 @@ def parses(argv: list[str]) -> bool:
 # pictures checked against the run and the checkout
 # ---------------------------------------------------------------------------------------------
 
-WHILE_WRITING = {"run.lock": "exists only while a process writes the run"}
+WHILE_WRITING = {"run.lock": "exists only while a process writes the run",
+                 "logs": "only after an update on several processes (torchrun's output)"}
 
 
 def run_tree_entries(body: str) -> list[str]:

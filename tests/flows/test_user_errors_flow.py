@@ -3,6 +3,8 @@ line, exit 3: no Prefect traceback above it, no 'Finished in state Failed' (issu
 
 from __future__ import annotations
 
+import json
+import re
 import subprocess
 import sys
 
@@ -26,3 +28,110 @@ def test_a_kl_guard_halt_is_one_line_with_the_resume_command(prefect_server, dem
     assert "rlhf run --resume" in errors[0]
     assert "Traceback" not in out.stderr and "Finished in state Failed" not in out.stderr, out.stderr[-3000:]
     assert "KLGuardHalt" not in out.stderr, out.stderr[-3000:]
+    shown = re.search(r"= (\S+) > trainer.kl_rollback_threshold = (\S+) ", errors[0])
+    assert shown and shown[1] != shown[2] and float(shown[2]) == 1e-9, errors[0]  # never rounded onto each other
+
+
+def _gsm8k_like(path, short: int, long: int) -> str:
+    """``short`` problems that fit the demo's 128-token prompts and ``long`` ones that do not."""
+    rows = [{"question": f"Sam has {i} pens and buys {i + 2} more. How many pens does he have now?",
+             "answer": f"{i} + {i + 2} = {2 * i + 2}\n#### {2 * i + 2}"} for i in range(short)]
+    rows += [{"question": f"Problem {i}: " + "a long story about pens and pencils " * 40 + "How many?",
+              "answer": "#### 1"} for i in range(long)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_a_run_that_keeps_too_few_prompts_says_why_and_trains_nothing(prefect_server, demo_preset, tiny_overrides,
+                                                                   tmp_path, subprocess_env):
+    """Issue 29: 2 of 200 GSM8K rows accepted (196 too long), 0 for validation, trained, exit 0,
+    `val/accuracy 0.000`. Now: the preprocess line on the console, one error line, exit 2, no iteration."""
+    data = _gsm8k_like(tmp_path / "broken.jsonl", short=2, long=18)
+    runs = tmp_path / "runs"
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset, "--iterations", "1",
+                          *tiny_overrides(runs, f"data.train_files=[{data}]"), "--run-name", "broken"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env=subprocess_env(PREFECT_API_URL=prefect_server))
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (f"preprocess: 20 rows -> train 2, validation 0, rejected 18 (prompt too long 18); the rejected rows: "
+            f"rlhf query {runs / 'broken'} \"SELECT reason") in out.stdout, out.stdout
+    errors = [line for line in out.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "preprocess accepted 10.0% of the rows, under data.min_accepted_fraction=0.5" in errors[0]
+    assert "raise data.max_prompt_length=128" in errors[0], errors[0]
+    assert "Traceback" not in out.stderr and "val/accuracy" not in out.stdout, out.stderr[-3000:]
+    assert not (runs / "broken" / "iter_1").exists() and not (runs / "broken" / "iter_0").exists()
+
+
+def test_a_run_that_validates_on_no_prompt_is_refused(prefect_server, demo_preset, tiny_overrides, tmp_path,
+                                                      monkeypatch, capsys):
+    """Every row accepted but none held out for validation (val_fraction of 3 rounds to 0), while the
+    run validates: refused in one line (in-process `rlhf run`, the console script's code path)."""
+    from rlhf_cli.main import main
+
+    monkeypatch.setenv("PREFECT_API_URL", prefect_server)
+    data = _gsm8k_like(tmp_path / "three.jsonl", short=3, long=0)
+    runs = tmp_path / "runs"
+    code = main(["run", "-c", demo_preset, "--iterations", "1", "--run-name", "noval",
+                 *tiny_overrides(runs, f"data.train_files=[{data}]", "data.train_batch_size=2",
+                                 "actor_rollout_ref.actor.ppo_mini_batch_size=2")])
+    out = capsys.readouterr()
+    assert code == 2, out.err[-3000:]
+    assert "preprocess: 3 rows -> train 3, validation 0, none rejected" in out.out
+    errors = [line for line in out.err.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "no validation prompt was accepted" in errors[0], out.err[-3000:]
+    assert "trainer.test_freq=-1" in errors[0] and not (runs / "noval" / "iter_1").exists()
+
+
+def test_a_reward_that_exits_or_overflows_float32_is_one_line(two_iterations, tmp_path, subprocess_env, capsys):
+    """Issue 29: a reward function calling sys.exit(0) made the command exit 0 with nothing printed;
+    a reward of 1e300 passed the finiteness check in float64 and was stored as inf in float32.
+    `rlhf stage score` on a copy of a finished run, through the console entry point (sys.exit) and
+    in-process (1e300)."""
+    import shutil
+
+    from rlhf_cli.main import main
+
+    run = shutil.copytree(two_iterations.pristine.root, tmp_path / "run")
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("import sys\n\ndef leaves(**kwargs):\n    sys.exit(0)\n\n"
+                       "def huge(**kwargs):\n    return 1e300\n")
+    argv = ["stage", "score", "--local", "--run-dir", str(run), "--iteration", "1", "--force",
+            f"custom_reward_function.path={rewards}"]
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", *argv, "custom_reward_function.name=leaves"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300, env=subprocess_env())
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "called sys.exit(0), which would end the run" in errors[0], out.stderr[-3000:]
+    assert "iter_1/rollout.parquet row 0" in errors[0] and "Traceback" not in out.stderr
+
+    assert main([*argv, "custom_reward_function.name=huge"]) == 2
+    errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "returned 1e+300, beyond float32's range" in errors[0], errors
+
+
+def test_an_mlflow_store_replaced_mid_run_costs_one_line_not_the_run(prefect_server, demo_preset, tiny_overrides,
+                                                                    tmp_path, subprocess_env):
+    """Issue 29: the MLflow store replaced during a run: every iteration committed, then ~100 lines
+    of traceback, exit 1, no summary, no export. Now one warning line, and the run ends as without
+    MLflow: exit 0, last-good, the export, and the closing block saying tracking failed."""
+    import time
+
+    home, runs = tmp_path / "home", tmp_path / "runs"
+    (home / "models").mkdir(parents=True)
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset, "--iterations", "3",
+                             "--run-name", "ml", *tiny_overrides(runs)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=subprocess_env(PREFECT_API_URL=prefect_server, RLHF_HOME=str(home)))
+    deadline = time.monotonic() + 300
+    while not (runs / "ml" / "iter_1").exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    store = home / "mlflow" / "mlflow.db"
+    store.rename(store.with_name("old.db"))  # a store replaced under the running command
+    store.write_text("not a database\n")
+    out, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err[-3000:]
+    failures = [line for line in err.splitlines() if "MLflow tracking failed" in line]
+    assert len(failures) == 1 and "is not tracked from here on: the run goes on" in failures[0], err[-3000:]
+    assert "Traceback" not in err and "ERROR" not in err, err[-3000:]
+    assert "last-good: iteration 3" in out and f"exported actor: {runs / 'ml' / 'export' / 'actor'}" in out, out
+    assert "MLflow          tracking failed (" in out and f"`rlhf run --resume {runs / 'ml'}` logs them" in out

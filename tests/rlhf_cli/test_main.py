@@ -92,6 +92,7 @@ def test_a_run_ends_by_saying_where_to_look(tmp_path, monkeypatch):
     assert f"run directory   {tmp_path / 'run'}" in text
     assert str(tmp_path / "run" / "plots" / "learning_curve.png") in text
     assert f"--backend-store-uri sqlite:///{tmp_path / 'home' / 'mlflow' / 'mlflow.db'}" in text and "abc123" in text
+    assert "(then http://127.0.0.1:5000/#/experiments" in text and "?workflowType=machine_learning)" in text
     assert "make services-up" in text  # the demo's temporary Prefect server is gone by now
 
     monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:4200/api")
@@ -155,6 +156,16 @@ def test_config_notes_print_once_each_as_one_line(tmp_path):
     assert sum("max_grad_norm is read as" in line for line in notes) == 1
     assert "WARNING" not in out.stderr
     assert "trainer.logger=['console', 'wandb']" in out.stdout
+
+
+def test_demo_takes_iterations_as_run_does():
+    """Issue 29: `rlhf demo` had no --iterations (`rlhf run` has)."""
+    from rlhf_cli.inspection import GRPO_DEMO, demo_as_run
+    from rlhf_cli.main import parse_args
+
+    run = demo_as_run(parse_args(["demo", "--iterations", "2", "--grpo", "trainer.test_freq=1"]))
+    assert (run.command, run.iterations, run.resume) == ("run", 2, None) and run.preset.endswith("configs/demo.yaml")
+    assert run.overrides == [*GRPO_DEMO, "trainer.test_freq=1"]
 
 
 def test_overrides_may_follow_options():

@@ -31,3 +31,27 @@ def test_status_shows_dashes_and_the_validation_score(tmp_path, capsys):
     cells = dict(zip(names, first.split())), dict(zip(names, second.split()))
     assert (cells[0]["val_acc"], cells[0]["val_score"], cells[0]["kl"]) == ("-", "-", "-")
     assert (cells[1]["val_acc"], cells[1]["val_score"], cells[1]["reward"]) == ("0.5", "0.625", "0.5")
+
+
+def test_status_after_ctrl_c_advises_the_resume_not_a_stage_rerun(tmp_path, capsys):
+    """Issue 29: Ctrl-C right after iteration 3 began (only its KL controller snapshot written) made
+    `rlhf status` report a problem and advise `rlhf stage <stage> ... --iteration 3`, while the
+    interrupt line said `rlhf run --resume`, which is what continues the run."""
+    from rlhf_core.io.atomic import atomic_write_json
+    from rlhf_core.run.lifecycle import commit_iteration
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.config_path.write_text(to_yaml(load_config(None, [])))
+    for k in (1, 2):
+        for stage in ("rollout", "score", "gae", "update", "guard"):
+            record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h")
+        run.checkpoint(k).joinpath("actor").mkdir(parents=True)
+        commit_iteration(run, k)
+    atomic_write_json(run.kl_snapshot(3), {"kl_coef": 0.001})
+    assert main(["status", str(run.root)]) == 0
+    out = capsys.readouterr().out
+    assert "problem:" not in out and "rlhf stage" not in out, out
+    assert "last-good: iteration 2 (iter_2/checkpoint)" in out
+    assert (f"not committed: iteration 3 (running, or stopped before its commit); `rlhf run --resume {run.root}` "
+            "continues from last-good") in out

@@ -192,3 +192,104 @@ def test_a_preset_that_is_not_utf8_is_one_line(tmp_path, capsys):
     assert main(["config", "show", "-c", str(preset)]) == 2
     line = one_error_line(capsys.readouterr().err)
     assert "latin1.yaml: line 2 holds bytes that are not UTF-8 (\\xe9); save the preset as UTF-8" in line, line
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 29: `rlhf run` checks its config and model folders before Prefect, MLflow and DeepSpeed load
+# ---------------------------------------------------------------------------------------------
+
+HEAVY = ("prefect", "mlflow", "deepspeed", "flows", "tasks")
+
+
+def test_a_config_mistake_in_run_and_demo_is_found_before_prefect_mlflow_and_deepspeed_load(tmp_path):
+    """`rlhf run` used to import the flows (Prefect, MLflow, DeepSpeed) before it read its config:
+    a typo took 10-23 s to show (`rlhf config show`: 3 s). Now its one line comes first."""
+    code = ("import sys; from rlhf_cli.main import main; "
+            f"codes = [main(['run', 'algorithm.kl_ctrl.kl_cof=0.1', 'trainer.runs_root={tmp_path / 'runs'}']), "
+            "main(['demo', '--iterations', '0'])]; "
+            f"print(codes, sorted(m for m in {HEAVY!r} if m in sys.modules))")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=120)
+    assert out.stdout.strip() == "[2, 2] []", out.stdout + out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert "unknown config key 'algorithm.kl_ctrl.kl_cof'" in errors[0] and "kl_ctrl.kl_coef" in errors[0]
+    assert "--iterations 0" in errors[1] and "N >= 1" in errors[1]
+    assert not (tmp_path / "runs").exists()
+
+
+def _model_folders(tmp_path: Path, tiny: Path, other: Path) -> dict[str, Path]:
+    """An empty folder, a config without weights, weights of another model, no tokenizer."""
+    import shutil
+
+    folders = {name: tmp_path / name for name in ("empty", "config_only", "other_weights", "no_tokenizer")}
+    for folder in folders.values():
+        folder.mkdir()
+    shutil.copy(tiny / "config.json", folders["config_only"])
+    shutil.copytree(tiny, folders["other_weights"], dirs_exist_ok=True)
+    shutil.copy(other / "model.safetensors", folders["other_weights"])
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(tiny / name, folders["no_tokenizer"])
+    return folders
+
+
+@pytest.fixture(scope="module")
+def other_tiny(tmp_path_factory) -> Path:
+    """A tiny model of another shape (hidden size 32 where the tiny model has 64)."""
+    from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("other") / "m", TinyModelSpec(hidden_size=32, num_hidden_layers=1))
+
+
+def test_an_unusable_model_folder_is_one_line_before_any_run_directory(tmp_path, tiny_model_dir, other_tiny, capsys):
+    """An existing but empty model folder cost 206 lines, three tracebacks, a run directory and a
+    FAILED MLflow run. The console script, on the empty folder: one line, nothing made. The other
+    kinds in-process (the same code path)."""
+    folders = _model_folders(tmp_path, tiny_model_dir, other_tiny)
+    runs, home = tmp_path / "runs", tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["RLHF_HOME"] = str(home)
+    exe = Path(sys.executable).parent / "rlhf"
+    out = subprocess.run([str(exe), "run", f"actor_rollout_ref.model.path={folders['empty']}",
+                          f"trainer.runs_root={runs}"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=120)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr
+    line = one_error_line(out.stderr)
+    assert f"actor_rollout_ref.model.path: {folders['empty']} is not a usable model folder" in line, line
+    assert "no config.json; no weights; no tokenizer files; it holds nothing" in line
+    assert "a model folder must hold config.json" in line and "tokenizer.json" in line
+    assert not runs.exists() and not (home / "mlflow").exists()
+    assert not (home / "prefect" / "temporary-server.log").exists()
+
+    expected = {"config_only": "(no weights; no tokenizer files; it holds config.json)",
+                "other_weights": "its weights do not fit its config.json (qwen2: no token embedding of "
+                                 "[vocab_size, hidden_size] = [512, 64]",
+                "no_tokenizer": "(no tokenizer files; it holds config.json, model.safetensors)"}
+    for name, words in expected.items():
+        assert main(["run", f"actor_rollout_ref.model.path={folders[name]}", f"trainer.runs_root={runs}"]) == 2
+        line = one_error_line(capsys.readouterr().err)
+        assert f"{folders[name]} is not a usable model folder" in line and words in line, line
+    # a critic needs no tokenizer of its own; a separate tokenizer_path lets the actor's folder go without one
+    assert main(["config", "show", f"critic.model.path={folders['no_tokenizer']}",
+                 f"actor_rollout_ref.model.path={folders['no_tokenizer']}",
+                 f"actor_rollout_ref.model.tokenizer_path={tiny_model_dir}"]) == 0
+    assert not runs.exists()
+
+
+def test_the_quiet_console_drops_library_deprecations_and_prints_other_warnings_in_one_line(tmp_path):
+    """Issue 29: LoRA runs left a bare `warnings.warn(` line on the terminal (transformers'
+    FutureWarning about is_gradient_checkpointing, which peft triggers: its first line landed behind
+    the progress bar). `rlhf run`'s console (not --verbose) drops FutureWarnings, in its own process
+    and the ones it starts, and prints any other warning as one line."""
+    code = ("import os, warnings; from rlhf_cli.main import parse_args, prepare_environment; "
+            "prepare_environment(parse_args(['run'])); "
+            "warnings.warn('`is_gradient_checkpointing` is deprecated', FutureWarning); "
+            "warnings.warn('look\\nhere', UserWarning); print(os.environ['PYTHONWARNINGS'])")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+    env["RLHF_HOME"] = str(tmp_path / "home")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert out.returncode == 0, out.stderr
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("rlhf: warning: UserWarning: look here (<string>:1)"), lines
+    assert out.stdout.strip() == "ignore::FutureWarning"  # torchrun ranks and worker processes too

@@ -49,5 +49,5 @@ def test_retries_are_bounded_then_the_run_halts(tmp_path):
 def test_halt_policy_halts_at_once(tmp_path):
     cfg, run = _rolled_back_run(tmp_path, "trainer.on_kl_breach=halt")
     outcome = handle_breach_task.fn(cfg, str(run.root), 2, attempt=1)
-    assert outcome["action"] == "halt" and "0.7000 > trainer.kl_rollback_threshold" in outcome["message"]
+    assert outcome["action"] == "halt" and "KL(actor‖ref) = 0.7 > trainer.kl_rollback_threshold = 0.05 (" in outcome["message"]
     assert run.read_json(run.kl_ctrl_path)["value"] == 0.01  # nothing changed for a retry

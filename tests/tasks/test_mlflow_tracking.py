@@ -118,3 +118,13 @@ def test_experiments_are_training_experiments_and_a_chosen_kind_is_kept(run):
     chosen = mlflow_tracking.client().create_experiment("unit-kind-chosen", tags={kind: "finetuning"})
     mlflow_tracking.experiment_id("unit-kind-chosen")
     assert mlflow_tracking.client().get_experiment(chosen).tags[kind] == "finetuning"
+
+
+def test_the_printed_addresses_open_mlflows_training_view(run):
+    """Issue 29: MLflow 3.17's UI opened the experiment on its GenAI traces view: it follows a
+    workflow type chosen in its side bar (GenAI until switched), not the experiment's tag; the
+    `workflowType` parameter of a link overrides it."""
+    cfg = load_config(None, ["trainer.experiment_name=unit-view"])
+    run_id = mlflow_tracking.start_pipeline_run(run, cfg)
+    exp = mlflow_tracking.client().get_run(run_id).info.experiment_id
+    assert mlflow_tracking.ui_path(run_id) == f"#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning"

@@ -19,7 +19,7 @@ from rlhf_core.algos import (
 )
 
 SETTINGS = settings(max_examples=40, deadline=None)
-MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
 
 def _case(seed, batch, length, masks, dtype=torch.float64):
@@ -32,18 +32,19 @@ def _naive_agg(loss, mask, mode, scale=None):
     """Straight from the definitions, row by row in Python."""
     rows = [loss[i][mask[i]] for i in range(loss.shape[0])]
     alive = [r for r in rows if r.numel() > 0]
+    flat = torch.cat(rows)
     if mode == "token-mean":
-        flat = torch.cat(rows)
         return flat.mean() if flat.numel() else torch.tensor(0.0, dtype=loss.dtype)
+    if mode == "token-sum":
+        return flat.sum()
     if not alive:
         return torch.tensor(0.0, dtype=loss.dtype)
+    if mode == "seq-mean-token-mean":
+        return torch.stack([r.mean() for r in alive]).mean()
+    seq_mean_token_sum = torch.stack([r.sum() for r in alive]).mean()
     if mode == "seq-mean-token-sum":
-        per_row = [r.sum() for r in alive]
-    elif mode == "seq-mean-token-mean":
-        per_row = [r.mean() for r in alive]
-    else:  # no mean over sequences: verl's "turns off seq-dim averaging"
-        return torch.stack([r.sum() / (loss.shape[-1] if scale is None else scale) for r in alive]).sum()
-    return torch.stack(per_row).mean()
+        return seq_mean_token_sum
+    return seq_mean_token_sum / (loss.shape[-1] if scale is None else scale)  # Dr. GRPO: over a constant
 
 
 @SETTINGS
@@ -116,14 +117,15 @@ def test_agg_modes_match_their_definitions_and_ignore_masked_values(masks, seed,
 def test_micro_batch_shares_sum_to_full_batch(masks, seed, batch, length, mode, n_parts):
     gen, loss, mask = _case(seed, batch, length, masks)
     loss = loss.requires_grad_(True)
-    full = agg_loss(loss_mat=loss, loss_mask=mask, loss_agg_mode=mode)
+    num_tokens, num_seqs = global_counts(mask)
+    full = agg_loss(loss_mat=loss, loss_mask=mask, loss_agg_mode=mode, global_num_tokens=num_tokens,
+                    global_num_seqs=num_seqs)
     (full_grad,) = torch.autograd.grad(full, loss)
 
     # Random contiguous split of a shuffled batch, as a sampler + micro-batcher would do.
     order = torch.randperm(batch, generator=gen)
     cuts = sorted(torch.randint(0, batch + 1, (n_parts - 1,), generator=gen).tolist())
     parts = [order[a:b] for a, b in zip([0] + cuts, cuts + [batch])]
-    num_tokens, num_seqs = global_counts(mask)
     total = sum(
         agg_loss(
             loss_mat=loss[idx],
@@ -161,19 +163,22 @@ def test_unknown_mode_lists_valid_modes():
 
 
 def _verl_agg(loss, mask, mode, dp_size=1, batch_num_tokens=None, global_batch_size=None, loss_scale_factor=None):
-    """verl's agg_loss, written out from its formulas (float mask, sums of loss * mask, 1e-8 guard)."""
+    """verl 0.9.1's agg_loss, written out from its formulas (float mask, sums of loss * mask, 1e-8
+    guard). A fast unit test; tests/conformance compares against verl itself."""
     m = mask.to(loss.dtype)
     if mode == "token-mean":
         n = m.sum() if batch_num_tokens is None else batch_num_tokens
         return (loss * m).sum() / n * dp_size
-    if mode == "seq-mean-token-sum-norm":
-        c = mask.shape[-1] if loss_scale_factor is None else loss_scale_factor
-        return (loss * m).sum(-1).sum() / c
+    if mode == "token-sum":
+        return (loss * m).sum() * dp_size
     counts = m.sum(-1)
-    per_row = (loss * m).sum(-1) if mode == "seq-mean-token-sum" else (loss * m).sum(-1) / (counts + 1e-8)
+    per_row = (loss * m).sum(-1) if mode != "seq-mean-token-mean" else (loss * m).sum(-1) / (counts + 1e-8)
     alive = (counts > 0).to(loss.dtype)
     b = alive.sum() if global_batch_size is None else global_batch_size
-    return (per_row * alive).sum() / b * dp_size
+    value = (per_row * alive).sum() / b * dp_size
+    if mode == "seq-mean-token-sum-norm":
+        value = value / (mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    return value
 
 
 def _gapped_case(masks, seed, batch, length):
@@ -216,8 +221,7 @@ def test_micro_batch_shares_give_verls_mini_batch_gradient_on_any_split(masks, s
     """The trainer's recipe (shares with global counts, gradients summed over micro-batches, loss
     × dp_size, averaged over ranks as DDP/DeepSpeed do) gives the loss and gradient of verl's
     agg_loss over the whole mini-batch, for every mode and any cut into ranks and micro-batches.
-    verl's newer engine (global batch_num_tokens / global_batch_size) does the same for all modes but
-    seq-mean-token-sum-norm, where it omits dp_size and so divides by the world size."""
+    verl's engine (global batch_num_tokens / global_batch_size, dp_size in the loss) gives the same numbers."""
     gen, loss, mask = _gapped_case(masks, seed, batch, length)
     c = float(length + 3)
     n_tok, n_seq = global_counts(mask)
@@ -229,10 +233,9 @@ def test_micro_batch_shares_give_verls_mini_batch_gradient_on_any_split(masks, s
     (g_ours,), (g_full,) = torch.autograd.grad(ours, loss), torch.autograd.grad(full, loss)
     torch.testing.assert_close(ours, full, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(g_ours, g_full, rtol=1e-6, atol=1e-6)
-    if mode != "seq-mean-token-sum-norm":  # verl's new engine: the same numbers
-        engine = sum(_verl_agg(loss[i], mask[i], mode, dp_size=dp, batch_num_tokens=n_tok, global_batch_size=batch,
-                               loss_scale_factor=c) for rank in _split(gen, batch, dp, parts) for i in rank) / dp
-        torch.testing.assert_close(engine, full, rtol=1e-6, atol=1e-6)
+    engine = sum(_verl_agg(loss[i], mask[i], mode, dp_size=dp, batch_num_tokens=n_tok, global_batch_size=batch,
+                           loss_scale_factor=c) for rank in _split(gen, batch, dp, parts) for i in rank) / dp
+    torch.testing.assert_close(engine, full, rtol=1e-6, atol=1e-6)
 
 
 @SETTINGS

@@ -1,5 +1,6 @@
-"""Policy-loss modes (gspo, gpg, clip_cov, kl_cov, geo_mean) against transcriptions of verl's
-definitions: loss value, the three metrics and the gradient w.r.t. log_prob, in float64."""
+"""Policy-loss modes (gspo, gpg, clip_cov, kl_cov, geo_mean) against transcriptions of verl 0.9.1's
+definitions: loss value, the three metrics and the gradient w.r.t. log_prob, in float64. Fast unit
+tests; the authority is tests/conformance, which calls verl itself."""
 
 from __future__ import annotations
 
@@ -7,11 +8,15 @@ import pytest
 import torch
 
 from rlhf_core.algos import POLICY_LOSSES, accepted_kwargs, get_policy_loss_fn
+from rlhf_core.algos.rollout_correction import RolloutCorrection
 
 MODES = ["gspo", "gpg", "clip_cov", "kl_cov", "geo_mean"]
-AGG_MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+ALL_MODES = sorted(set(POLICY_LOSSES.names()) - {"vanilla"})
+"""Every mode for the contract tests (the transcriptions above cover MODES; tests/conformance covers all)."""
+AGG_MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KNOBS = dict(clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, clip_cov_ratio=0.05, clip_cov_lb=1.0,
-             clip_cov_ub=5.0, kl_cov_ratio=0.05, ppo_kl_coef=0.1)
+             clip_cov_ub=5.0, kl_cov_ratio=0.05, ppo_kl_coef=0.1, dro_beta=0.5, tau_pos=1.0, tau_neg=1.05,
+             rollout_correction=RolloutCorrection(rollout_is="token", bypass_mode=True, loss_type="reinforce"))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -28,22 +33,25 @@ def ref_agg(loss_mat, mask, mode, num_tokens=None, num_seqs=None, scale=None):
     m = mask.to(loss_mat.dtype)
     if mode == "token-mean":
         return (loss_mat * m).sum() / (m.sum() if num_tokens is None else num_tokens)
-    if mode == "seq-mean-token-sum-norm":
-        return (loss_mat * m).sum() / (m.shape[-1] if scale is None else scale)
+    if mode == "token-sum":
+        return (loss_mat * m).sum()
     per_seq = (loss_mat * m).sum(-1)
     if mode == "seq-mean-token-mean":
         per_seq = per_seq / (m.sum(-1) + 1e-8)
     alive = (m.sum(-1) > 0).to(loss_mat.dtype)
-    return (per_seq * alive).sum() / (alive.sum() if num_seqs is None else num_seqs)
+    value = (per_seq * alive).sum() / (alive.sum() if num_seqs is None else num_seqs)
+    if mode == "seq-mean-token-sum-norm":
+        value = value / (m.shape[-1] if scale is None else scale)
+    return value
 
 
-def ref_gspo(old, new, adv, mask, low, high, **_):
+def ref_gspo(old, new, adv, mask, low, high, agg, scale, **_):
     log_ratio = new - old
     seq = (log_ratio * mask).sum(-1) / mask.sum(-1).clamp(min=1)
     token = torch.clamp(new - new.detach() + seq.detach().unsqueeze(-1), max=10.0)
     ratio = torch.exp(token)
     plain, clipped = -adv * ratio, -adv * torch.clamp(ratio, 1 - low, 1 + high)
-    loss = ref_agg(torch.maximum(plain, clipped), mask, "seq-mean-token-mean")
+    loss = ref_agg(torch.maximum(plain, clipped), mask, agg, scale=scale)
     return loss, {"pg_clipfrac": _mm((clipped > plain).double(), mask), "pg_clipfrac_lower": 0.0,
                   "ppo_kl": _mm(-log_ratio, mask)}
 
@@ -157,10 +165,6 @@ def test_matches_verl(masks, mode, agg, seed):
     loss, metrics, grad = _loss_and_grad(
         lambda lp: _ours(mode, old, lp, adv, mask, loss_agg_mode=agg, loss_scale_factor=scale), new)
     ref_loss, ref_metrics, ref_grad = _loss_and_grad(lambda lp: _ref(mode, old, lp, adv, mask, agg, scale), new)
-    if mode == "geo_mean":
-        # verl's plain mean also counts fully masked rows (loss 0); ours averages over rows with tokens.
-        rows = mask.any(-1).sum().clamp(min=1)
-        ref_loss, ref_grad = ref_loss * mask.shape[0] / rows, ref_grad * mask.shape[0] / rows
     torch.testing.assert_close(loss, ref_loss, rtol=0, atol=1e-6)
     torch.testing.assert_close(grad, ref_grad, rtol=0, atol=1e-6)
     assert set(metrics) == {"pg_clipfrac", "pg_clipfrac_lower", "ppo_kl"}
@@ -196,19 +200,27 @@ def test_geo_mean_equals_verl_without_fully_masked_rows(masks):
 # ---------------------------------------------------------------------------------------------
 
 
+def test_gspo_follows_loss_agg_mode(masks):
+    """verl 0.9.1 aggregates gspo with the actor's loss_agg_mode (earlier verl forced seq-mean-token-mean)."""
+    mask, old, new, adv = _batch(masks, 4)
+    losses = {agg: float(_ours("gspo", old, new, adv, mask, loss_agg_mode=agg)[0]) for agg in AGG_MODES}
+    assert len(set(losses.values())) == len(AGG_MODES)
+
+
 def test_all_modes_are_registered():
     assert set(MODES) <= set(POLICY_LOSSES.names())
 
 
 @pytest.mark.parametrize("agg", AGG_MODES)
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", sorted(set(ALL_MODES) - {"bypass_mode"}))  # bypass's weights are per call
 def test_micro_batch_shares_add_up_to_the_batch_loss(masks, mode, agg):
     mask, old, new, adv = _batch(masks, 2)
     # Per-call selections (clip_cov's draw, kl_cov's top-k) differ between splits by design (verl's
     # per-micro-batch semantics): switch them off to check the aggregation alone.
     knobs = dict(loss_agg_mode=agg, loss_scale_factor=20.0, clip_cov_lb=1e9, ppo_kl_coef=0.0)
-    full, _, full_grad = _loss_and_grad(lambda lp: _ours(mode, old, lp, adv, mask, **knobs), new)
-    n_tok, n_seq = mask.sum(), mask.any(-1).sum()
+    n_tok, n_seq = mask.sum(), mask.shape[0]
+    full, _, full_grad = _loss_and_grad(lambda lp: _ours(mode, old, lp, adv, mask, **knobs, global_num_tokens=n_tok,
+                                                         global_num_seqs=n_seq), new)
     parts, grads = [], []
     for rows in (slice(0, 5), slice(5, None)):
         part, _, grad = _loss_and_grad(lambda lp: _ours(mode, old[rows], lp, adv[rows], mask[rows], **knobs,
@@ -219,7 +231,7 @@ def test_micro_batch_shares_add_up_to_the_batch_loss(masks, mode, agg):
     torch.testing.assert_close(torch.cat(grads), full_grad, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_junk_at_padding_reaches_neither_loss_nor_gradient(masks, mode):
     mask, old, new, adv = _batch(masks, 3)
     gen = torch.Generator().manual_seed(7)
@@ -233,14 +245,14 @@ def test_junk_at_padding_reaches_neither_loss_nor_gradient(masks, mode):
         torch.testing.assert_close(dirty[1][name], clean[1][name], rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("mode", ["gspo", "geo_mean"])
+@pytest.mark.parametrize("mode", ["geo_mean", "sapo"])
 def test_forced_aggregation_ignores_loss_agg_mode(masks, mode):
     mask, old, new, adv = _batch(masks, 4)
     losses = {float(_ours(mode, old, new, adv, mask, loss_agg_mode=agg)[0]) for agg in AGG_MODES}
     assert len(losses) == 1
 
 
-@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("mode", ALL_MODES)
 def test_all_masked_call_gives_zero_loss_and_metrics(mode):
     zeros = torch.zeros(2, 3, dtype=torch.float64)
     loss, metrics = _ours(mode, zeros, zeros.clone().requires_grad_(True), zeros, torch.zeros(2, 3, dtype=torch.bool))

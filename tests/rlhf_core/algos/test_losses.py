@@ -127,10 +127,10 @@ def test_masked_positions_change_neither_loss_nor_gradient(masks, seed, batch, l
 def test_micro_batches_with_global_counts_sum_to_full_batch_losses(masks, seed, batch, length, mode):
     _, mask, old, new, adv = _batch(seed, batch, length, masks)
     num_tokens, num_seqs = global_counts(mask)
-    full_pg, _ = _policy(old, new, adv, mask, loss_agg_mode=mode)
-    full_vf, _ = _value(adv, old, new, mask, loss_agg_mode=mode)
-    cut = batch // 2
     shares = dict(loss_agg_mode=mode, global_num_tokens=num_tokens, global_num_seqs=num_seqs)
+    full_pg, _ = _policy(old, new, adv, mask, **shares)
+    full_vf, _ = _value(adv, old, new, mask, **shares)
+    cut = batch // 2
     split_pg = sum(_policy(old[s], new[s], adv[s], mask[s], **shares)[0] for s in (slice(0, cut), slice(cut, None)))
     split_vf = sum(_value(adv[s], old[s], new[s], mask[s], **shares)[0] for s in (slice(0, cut), slice(cut, None)))
     torch.testing.assert_close(split_pg, full_pg)

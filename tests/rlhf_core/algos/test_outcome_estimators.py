@@ -111,12 +111,14 @@ def ref_reinforce_plus_plus_baseline(r, mask, index):
 
 
 def ref_reinforce_plus_plus(r, mask, gamma):
+    """verl 0.9.1: a masked step carries the running return through unchanged."""
+    m = mask.to(r.dtype)
     returns = torch.zeros_like(r)
     running = torch.zeros(r.shape[0], dtype=r.dtype)
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
-        returns[:, t] = running
-        running = running * mask[:, t]  # a masked step restarts the sum
+        new = r[:, t] + gamma * running
+        returns[:, t] = new * m[:, t]
+        running = new * m[:, t] + running * (1 - m[:, t])
     return _ref_whiten(returns, mask) * mask, returns
 
 
@@ -293,12 +295,12 @@ def test_grpo_passk_rewards_only_the_best_by_its_margin():
     torch.testing.assert_close(adv[:, 0], torch.tensor([0.0, 0.4, 0.0, 0.0, 0.0], dtype=torch.float64))
 
 
-def test_reinforce_plus_plus_restarts_the_return_at_a_hole():
-    r = torch.tensor([[1.0, 2.0, 0.0, 4.0]], dtype=torch.float64)
+def test_reinforce_plus_plus_carries_the_return_through_a_hole():
+    r = torch.tensor([[1.0, 2.0, 9.0, 4.0]], dtype=torch.float64)
     mask = torch.tensor([[True, True, False, True]])
     _, returns = _call("reinforce_plus_plus", r, mask, gamma=0.5)
-    # Tokens before the hole do not see the reward after it (verl's reset after EOS).
-    torch.testing.assert_close(returns, torch.tensor([[2.0, 2.0, 0.0, 4.0]], dtype=torch.float64))
+    # The hole neither discounts nor adds its reward (9): G_1 = 2 + 0.5 * 4, G_0 = 1 + 0.5 * G_1.
+    torch.testing.assert_close(returns, torch.tensor([[3.0, 4.0, 0.0, 4.0]], dtype=torch.float64))
 
 
 def test_remax_returns_pass_through_holes_and_ignore_gamma():

@@ -83,3 +83,41 @@ def test_cross_section_rules_stay_in_validate():
     ActorConfig(ppo_mini_batch_size=512).check("actor_rollout_ref.actor")
     with pytest.raises(ConfigError, match=r"ppo_mini_batch_size=512: .* <= data.train_batch_size=256"):
         load_config(None, ["data.train_batch_size=256", "actor_rollout_ref.actor.ppo_mini_batch_size=512"])
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=dro"], r"policy_loss\.dro_beta=None: must be set > 0 with loss_mode=dro"),
+    (["actor_rollout_ref.actor.policy_loss.loss_mode=bypass_mode"],
+     r"loss_mode=bypass_mode is selected by algorithm\.rollout_correction\.bypass_mode=true"),
+    (["algorithm.adv_estimator=gdpo"], r"algorithm\.gdpo_reward_keys=None: gdpo normalises each reward component"),
+    (["algorithm.gdpo_reward_keys=[acc]", "algorithm.gdpo_reward_weights=[1.0,2.0]"],
+     r"gdpo_reward_weights=.*one weight per gdpo_reward_keys entry"),
+    (["algorithm.rollout_correction.rollout_is_threshold=5_2"],
+     r"algorithm\.rollout_correction: rollout_is_threshold '5_2': bounds must be positive with lower <= upper"),
+    (["algorithm.rollout_correction.rollout_rs=seq_max_k1", "algorithm.rollout_correction.rollout_rs_threshold=2"],
+     r"algorithm\.rollout_correction: rollout_rs 'seq_max_k1': unknown criterion \['seq_max_k1'\]; valid: token_k1"),
+    (["algorithm.rollout_correction.rollout_rs=token_k2"],
+     r"algorithm\.rollout_correction: rollout_rs_threshold must be set when rollout_rs is"),
+    (["algorithm.rollout_correction.rollout_rs=token_k3", "algorithm.rollout_correction.rollout_rs_threshold=0.5_2"],
+     r"rollout_rs_threshold '0\.5_2' for token_k3: one positive upper bound \(no '_'\)"),
+    (["algorithm.rollout_correction.rollout_is=tokens"], r"rollout_is: expected one of 'token', 'sequence' or null"),
+    (["data.max_val_samples=-2"], r"data\.max_val_samples=-2: must be -1 \(all\), 0 \(no validation set\)"),
+])
+def test_verl_0_9_1_keys_are_checked_at_load(overrides, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, overrides)
+
+
+def test_verl_0_9_1_keys_load_with_verls_values():
+    cfg = load_config(None, ["actor_rollout_ref.actor.policy_loss.loss_mode=dro",
+                             "actor_rollout_ref.actor.policy_loss.dro_beta=0.1", "actor_rollout_ref.actor.tau_pos=1.2",
+                             "algorithm.rollout_correction.rollout_is=sequence",
+                             "algorithm.rollout_correction.rollout_is_threshold=0.5_5.0",
+                             "algorithm.rollout_correction.rollout_rs=token_k1,seq_mean_k3",
+                             "algorithm.rollout_correction.rollout_rs_threshold=0.5_2.0,0.01",
+                             "actor_rollout_ref.actor.loss_agg_mode=token-sum"])
+    c = cfg.algorithm.rollout_correction
+    assert (c.rollout_is, c.rollout_is_threshold, c.rollout_rs_threshold) == ("sequence", "0.5_5.0", "0.5_2.0,0.01")
+    assert c.enabled and cfg.actor_rollout_ref.actor.policy_loss.dro_beta == 0.1
+    assert load_config(None, ["algorithm.rollout_correction.rollout_is_threshold=3"]).algorithm.rollout_correction \
+        .rollout_is_threshold == 3.0

@@ -74,7 +74,7 @@ def test_every_bad_row_is_rejected_with_reason_and_row(tmp_path, tokenizer):
     assert reasons[6].startswith("prompt too long (") and "> 128 tokens" in reasons[6]
     assert reasons[7] == "duplicate of row 0"
     assert reasons[8].startswith("not a JSON object")
-    assert result.rows == {"input": 10, "train": 2, "val": 0, "rejected": 8}
+    assert {k: v for k, v in result.rows.items() if "/" not in k} == {"input": 10, "train": 2, "val": 0, "rejected": 8}
     assert [r["source_row"] for r in result.train.to_pylist()] == [0, 9]
     raw = {r["source_row"]: r["raw"] for r in result.rejects.to_pylist()}
     assert raw[1] == '{"question": "Ava has' and "\ufffd" in raw[2]
@@ -174,9 +174,31 @@ def test_validation_files_are_capped_and_the_rest_rejected(tmp_path, tokenizer):
     train = write_jsonl(tmp_path / "train.jsonl", [problem(i) for i in range(10)])
     val = write_jsonl(tmp_path / "val.jsonl", [problem(i) for i in range(100, 106)])
     result = run([train], DataConfig(max_val_samples=4), tokenizer, val_files=[val])
-    assert result.rows == {"input": 16, "train": 10, "val": 4, "rejected": 2}
-    assert set(result.rejects.column("reason").to_pylist()) == {"over validation cap (data.max_val_samples=4)"}
+    assert {k: v for k, v in result.rows.items() if "/" not in k} == {"input": 16, "train": 10, "val": 4, "rejected": 2}
+    assert set(result.rejects.column("reason").to_pylist()) == {
+        "over validation cap (data.max_val_samples=4; -1 scores every validation prompt)"}
     assert set(result.val.column("source_file").to_pylist()) == {val}
+    assert ("validation: 4 of 6 prompts of data.val_files (data.max_val_samples=4); -1 scores them all, as verl does"
+            in result.summary_lines())
+
+
+def test_validation_files_are_scored_whole_by_default(tmp_path, tokenizer):
+    """verl scores every prompt of data.val_files: no default cap (300 > the 256 a split may hold)."""
+    train = write_jsonl(tmp_path / "train.jsonl", [problem(i) for i in range(10)])
+    val = write_jsonl(tmp_path / "val.jsonl", [problem(i) for i in range(100, 400)])
+    result = run([train], DataConfig(), tokenizer, val_files=[val])
+    assert {k: v for k, v in result.rows.items() if "/" not in k} == {"input": 310, "train": 10, "val": 300, "rejected": 0}
+    assert not any(line.startswith("validation:") for line in result.summary_lines())
+    capped = run([train], DataConfig(val_max_samples=50), tokenizer, val_files=[val])  # verl's own cap
+    assert capped.rows["val"] == 50
+
+
+def test_a_capped_split_says_so(tmp_path, tokenizer):
+    rows = [problem(i) for i in range(3000)]
+    result, val = _val_ids(rows, DataConfig(val_fraction=0.1), tokenizer, tmp_path / "a.jsonl")
+    assert len(val) == 256 and result.train.num_rows == 3000 - 256
+    assert ("validation: 256 held-out prompts instead of data.val_fraction's 300 (a split of the training files "
+            "holds at most 256; data.max_val_samples sets it)") in result.summary_lines()
 
 
 def test_ids_from_source_when_unique_else_hashes_and_dedup_off_keeps_ids_unique(tmp_path, tokenizer):
@@ -205,7 +227,7 @@ def test_rows_api_without_files(tokenizer, tmp_path):
     """preprocess_rows takes any RawRow iterable (e.g. a reader's output), no run directory needed."""
     path = write_jsonl(tmp_path / "x.jsonl", [problem(i) for i in range(4)])
     result = preprocess_rows(read_rows(path), None, DataConfig(val_fraction=0.25), tokenizer, progress=False)
-    assert result.rows == {"input": 4, "train": 3, "val": 1, "rejected": 0}
+    assert {k: v for k, v in result.rows.items() if "/" not in k} == {"input": 4, "train": 3, "val": 1, "rejected": 0}
     stats = result.length_stats
     assert stats["min"] <= stats["p50"] <= stats["p95"] <= stats["max"] and stats["min"] <= stats["mean"]
     lines = "\n".join(result.summary_lines())

@@ -167,6 +167,17 @@ def test_normalize_result():
         normalize_result(float("nan"), "row 1")
     with pytest.raises(DataError, match="return a number"):
         normalize_result("high", "row 2")
+    assert normalize_result(-3.0e38, "row 3")[0] == -3.0e38  # within float32
+    with pytest.raises(DataError, match=r"row 4: .*returned -1e\+300, beyond float32's range"):
+        normalize_result(-1e300, "row 4")  # finite in float64, -inf in the float32 table
+
+
+def test_a_reward_function_that_calls_sys_exit_is_a_data_error(tmp_path):
+    path = tmp_path / "leaving.py"
+    path.write_text("import sys\n\ndef compute_score(**kwargs):\n    sys.exit(0)\n")
+    fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={path}"]))
+    with pytest.raises(DataError, match=r"'compute_score' called sys.exit\(0\), which would end the run"):
+        fn("arith", "#### 1", "1")
 
 
 def test_routing_value_prefers_reward_source_then_the_key_column():
@@ -178,3 +189,16 @@ def test_routing_value_prefers_reward_source_then_the_key_column():
     assert routing_value(row, {"ability": "x"}, key="ability", where="r") == "x"  # older tables: the column
     with pytest.raises(ConfigError, match="data.reward_fn_key='nope': row 3 has no value"):
         routing_value(row, {}, key="nope", where="row 3")
+
+
+def test_validation_names_the_prompt_whose_reward_function_called_sys_exit(tmp_path):
+    from types import SimpleNamespace
+
+    from rlhf_core.stages.validate import score_samples
+
+    path = tmp_path / "leaving.py"
+    path.write_text("import sys\n\ndef compute_score(**kwargs):\n    sys.exit(3)\n")
+    cfg = load_config(None, [f"custom_reward_function.path={path}"])
+    rows = [{"prompt_id": "p7", "data_source": "arith", "reward_model": {"ground_truth": "1"}}]
+    with pytest.raises(DataError, match=r"^validation prompt p7: the reward function 'compute_score' called sys.exit\(3\)"):
+        score_samples(cfg, rows, [SimpleNamespace(prompt_index=0, text="#### 1")])

@@ -69,3 +69,13 @@ def test_lora_adapter_is_merged(tmp_path, tiny_model_dir):
         assert not torch.allclose(merged(ids).logits, AutoModelForCausalLM.from_pretrained(tiny_model_dir)(ids).logits)
     assert not (out / "adapter_config.json").exists()
     assert run.read_json(out / "export.json")["merged_lora"] is True
+
+
+def test_a_lora_runs_checkpoint_is_exported_as_merged(tmp_path, tiny_model_dir):
+    """Issue 29: a LoRA run's checkpoint actor/ holds the adapters merged in (the adapter is saved
+    beside it), and export.json said "merged_lora": false for it."""
+    run = _run(tmp_path, [1.0])
+    shutil.copytree(tiny_model_dir, run.checkpoint(1) / "actor")  # what a LoRA update writes as actor/
+    write_last_good(run, 1)
+    out = export_actor(load_config(None, ["actor_rollout_ref.model.lora_rank=4"]), run)
+    assert run.read_json(out / "export.json")["merged_lora"] is True

@@ -183,6 +183,8 @@ def test_alerts_and_table_row():
     header = report.format_iteration_header()
     row = report.format_iteration_row({"iteration": 3, "reward/mean": 0.5, "kl/mean": 0.01})
     assert len(row) == len(header) and row.split()[:2] == ["3", "0.500"] and row.split()[2] == "-"
+    # a column that moves in the demo (its clip fraction is 0.000 on every row: issue 29)
+    assert header.split() == ["iter", "reward", "acc", "kl", "entropy", "grad_norm", "seconds"]
 
 
 def test_curve_redrawn_every_curve_freq_after_the_last_and_after_a_rollback(tmp_path):

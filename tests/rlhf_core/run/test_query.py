@@ -43,7 +43,9 @@ def _scored_rows(k):
                      "reward_source": "arith", "extra_info": json.dumps({"question": f"q {p}"}), "uid": f"{k}-{p}", "rollout_log_probs": old,
                      "reward": REWARD[k][p], "reward_extra": "{}", "old_log_probs": old,
                      "ref_log_probs": [o - KL[k][p] for o in old], "values": [0.1, 0.2], "reward_baseline": None,
-                     "token_level_rewards": [0.0, REWARD[k][p]], "advantages": [0.5, 0.5], "returns": [1.0, 1.0]})
+                     "sum_pi_squared": None,
+                     "token_level_rewards": [0.0, REWARD[k][p]], "advantages": [0.5, 0.5], "returns": [1.0, 1.0],
+                     "rollout_is_weights": None, "response_mask": None})
     return rows
 
 
@@ -153,3 +155,18 @@ def test_iteration_zero_is_the_initial_policys_validation(run):
     assert rows == [{"iteration": 0, "value": 0.3125}]
     wide = query.query(run, 'SELECT iteration FROM metrics_wide ORDER BY 1').column("iteration").to_pylist()
     assert wide == [0, 1, 2]
+
+
+def test_event_and_stage_times_are_timestamps_shown_as_dates(run, capsys):
+    """Issue 29: events.time showed as 1.79628e+09 in `rlhf query`. Times are timestamps now: SQL
+    compares them with dates, and the CLI prints them to the second."""
+    import re
+
+    from rlhf_cli.main import main
+
+    assert main(["query", str(run.root), "SELECT time, kind FROM events WHERE time > now() - INTERVAL 1 DAY "
+                                         "AND kind = 'rollback'"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"^20\d\d-\d\d-\d\d \d\d:\d\d:\d\d\+00:00  rollback", out, re.M) and "e+09" not in out, out
+    started = query.query(run, "SELECT min(started_at) AS s FROM stages WHERE started_at IS NOT NULL")
+    assert str(started.schema.field("s").type).startswith("timestamp")

@@ -209,3 +209,19 @@ def test_guard_on_validation_prompts_samples_from_the_new_actor(tmp_path, tiny_m
     guard.run_guard(cfg, run, 1)
     verdict = lifecycle.read_verdict(run, 1)
     assert verdict["val_kl_mean"] == pytest.approx(val["val_kl_mean"]) and verdict["decision"] == "commit"
+
+
+@pytest.mark.parametrize("verdict, shown", [
+    ({"kl_mean": 0.00031, "threshold": 0.0003}, "KL(actor‖ref) = 0.00031 > trainer.kl_rollback_threshold = 0.0003 ("),
+    ({"kl_mean": 0.0000123401, "threshold": 0.00001234}, "= 1.23401e-05 > trainer.kl_rollback_threshold = 1.234e-05 ("),
+    ({"kl_mean": 0.01, "val_kl_mean": 0.0503, "threshold": 0.05},
+     "KL(actor‖ref) on validation prompts = 0.0503 > trainer.kl_rollback_threshold = 0.05 ("),
+])
+def test_the_halt_line_never_rounds_the_kl_onto_the_threshold(tmp_path, verdict, shown):
+    """Issue 29: the halt line read "KL = 0.0003 > threshold = 0.0003"; it shows as many digits as
+    tell the two apart, and the KL that breached (the validation prompts' when theirs did)."""
+    from rlhf_core.io.atomic import atomic_write_json
+
+    run = RunDir(tmp_path / "run")
+    atomic_write_json(run.verdict(1), {"iteration": 1, "decision": "rollback", **verdict})
+    assert shown in lifecycle.halt_message(run, 1, "trainer.on_kl_breach=halt")

@@ -40,7 +40,7 @@ def test_gsm8k_every_row_accounted_for_with_numeric_truths(gsm8k_run, gsm8k_trai
     rows = result.rows
     assert rows["input"] == GSM8K_ROWS
     assert rows["train"] + rows["val"] + rows["rejected"] == GSM8K_ROWS
-    assert rows["val"] == cfg.data.max_val_samples == 256  # 10 % of 7,473 is capped at 256
+    assert rows["val"] == 256 and cfg.data.max_val_samples == -1  # 10 % of 7,473: a split holds at most 256
     train, val, rejects = (pq.read_table(p) for p in (run.train_prompts, run.val_prompts, run.rejects))
     assert (train.num_rows, val.num_rows, rejects.num_rows) == (rows["train"], rows["val"], rows["rejected"])
     # every row is somewhere exactly once: accepted source rows and rejected source rows partition 0..N-1
@@ -143,7 +143,7 @@ def test_overlong_prompt_stops_the_stage_unless_filtered_or_cut(tmp_path, tiny_m
     assert read_manifest(run, None)["preprocess"]["metrics"]["data/prompts_truncated"] == 1
     assert pq.read_table(run.train_prompts).column("prompt_tokens_cut").to_pylist()[0] == 0
     filtered = run_preprocess(apply_overrides(cfg, ["data.filter_overlong_prompts=true"]), run)
-    assert filtered.rows == {"input": 2, "train": 1, "val": 0, "rejected": 1}
+    assert filtered.rows == {"input": 2, "train": 1, "val": 0, "rejected": 1, "rejected/prompt too long": 1}
 
 
 def test_missing_file_names_the_key_and_the_file(tmp_path, tiny_model_dir):
@@ -151,3 +151,61 @@ def test_missing_file_names_the_key_and_the_file(tmp_path, tiny_model_dir):
                              f"actor_rollout_ref.model.path={tiny_model_dir}"])
     with pytest.raises(DataError, match=r"data\.train_files: file\(s\) not found: .*nope\.jsonl"):
         run_preprocess(cfg, RunDir(tmp_path / "run"))
+
+
+# ---------------------------------------------------------------------------------------------
+# issue 29: too little left to train on (the run refuses after preprocess: rlhf_core.run.plan)
+# ---------------------------------------------------------------------------------------------
+
+
+def _rows(train: int, val: int, **rejected: int) -> dict[str, int]:
+    reasons = {f"rejected/{kind.replace('_', ' ')}": n for kind, n in rejected.items()}
+    return {"input": train + val + sum(rejected.values()), "train": train, "val": val,
+            "rejected": sum(rejected.values()), **reasons}
+
+
+BATCH_8 = ("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_size=8")
+
+
+@pytest.mark.parametrize("rows, overrides, words", [
+    (_rows(2, 0, prompt_too_long=196, duplicate=2), [],
+     ["accepted 1.0% of the rows, under data.min_accepted_fraction=0.5", "prompt too long 196, duplicate 2",
+      'rlhf query RUN "SELECT reason, count(*)', "raise data.max_prompt_length=512"]),
+    (_rows(2, 0, prompt_too_long=196, duplicate=2), ["data.min_accepted_fraction=0"],
+     ["2 train prompts are fewer than one training batch (data.train_batch_size=1024",
+      "lower data.train_batch_size to at most 2"]),
+    (_rows(40, 0), [*BATCH_8], ["the run validates", "no validation prompt was accepted",
+                                                 "data.val_files=[...]", "trainer.test_freq=-1"]),
+    # capped rows are sampling asked for, not data lost: 10 accepted of 1000 read is no problem here
+    (_rows(8, 2, over_validation_cap=990), [*BATCH_8], None),
+    (_rows(40, 0), [*BATCH_8, "trainer.val_before_train=false"], None),
+    (_rows(1, 1), ["trainer.val_only=true"], None),  # validation only: no training batch needed
+])
+def test_a_run_refuses_too_little_to_train_on(rows, overrides, words):
+    from rlhf_core.data.preprocess import prompt_supply_problem
+    from rlhf_core.run.schedule import initial_validation_due, stops_after_validation
+
+    cfg = load_config(None, overrides)
+    validates = initial_validation_due(cfg) or cfg.trainer.test_freq > 0
+    problem = prompt_supply_problem(rows, cfg.data, trains=not stops_after_validation(cfg), validates=validates,
+                                    run_root="RUN")
+    if words is None:
+        assert problem is None
+    else:
+        assert problem is not None and all(w in problem for w in words), problem
+
+
+def test_the_preprocess_record_counts_rejects_by_reason_for_the_console_line(tmp_path, tiny_model_dir):
+    from rlhf_core.data.preprocess import preprocess_headline
+
+    rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(3)]
+    rows += [{"question": "pens " * 300, "answer": "#### 1"}, {"question": "What is 0 + 1?", "answer": "#### 1"}]
+    run = RunDir(tmp_path / "run")
+    result = run_preprocess(_small_cfg(tmp_path, tiny_model_dir, rows, "data.val_fraction=0.0",
+                                       "data.max_prompt_length=128", "data.filter_overlong_prompts=true"), run)
+    recorded = read_manifest(run, None)["preprocess"]["rows"]
+    assert recorded == result.rows == {"input": 5, "train": 3, "val": 0, "rejected": 2,
+                                       "rejected/prompt too long": 1, "rejected/duplicate": 1}
+    line = preprocess_headline(recorded, run.root)
+    assert line.startswith("preprocess: 5 rows -> train 3, validation 0, rejected 2 (duplicate 1, prompt too long 1)")
+    assert f'rlhf query {run.root} "SELECT reason, count(*) AS n FROM rejects' in line

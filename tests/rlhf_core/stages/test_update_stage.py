@@ -72,6 +72,8 @@ def test_update_trains_at_every_zero_stage_and_writes_a_verified_checkpoint(stag
     assert len(record["steps"]["actor"]) == 2 and record["metrics"] == result.metrics
     assert read_last_good(run) is None  # the KL guard moves last_good, not the update
     assert run_update(cfg, run, 1).skipped
+    # the summary names whose gradient norm each is (issue 29: it printed `grad_norm=` twice)
+    assert "actor/grad_norm=" in result.summary[0] and "critic/grad_norm=" in result.summary[0]
 
 
 def test_second_iteration_continues_the_first_iterations_optimizer(tiny_model_dir, tmp_path):

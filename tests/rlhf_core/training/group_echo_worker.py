@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 import time
 
 from rlhf_core.errors import RLHFError
@@ -28,6 +29,7 @@ def main() -> None:
         "user_error": lambda c: fail_on(c, RLHFError),
         "bug": lambda c: fail_on(c, ZeroDivisionError),
         "exit": lambda c: os._exit(3) if rank == c["rank"] else None,
+        "killed": lambda c: os.kill(os.getpid(), signal.SIGKILL) if rank == c["rank"] else None,
         "close": lambda c: None,
     }
     serve(args.store, rank, handlers, last="close", user_errors=(RLHFError,))

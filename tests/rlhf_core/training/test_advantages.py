@@ -211,3 +211,54 @@ def test_kl_penalty_metrics_only_when_the_kl_is_in_the_reward():
     assert with_kl["actor/reward_kl_penalty_coeff"] == pytest.approx(0.05)
     without = compute_advantages(table, kl_coef=0.05, settings=AdvantageSettings(use_kl_in_reward=False)).metrics
     assert "actor/reward_kl_penalty" not in without and "actor/reward_kl_penalty_coeff" not in without
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout correction (algorithm.rollout_correction) in the gae step
+# ---------------------------------------------------------------------------------------------
+
+
+def _with_rollout_log_probs(table: pa.Table, shift: list[float]) -> pa.Table:
+    """The engine's own log-probs: the trainer's plus a per-response shift (a bf16 engine, say)."""
+    old = table.column("old_log_probs").to_pylist()
+    rollout = [[x + s for x in row] for row, s in zip(old, shift)]
+    index = table.schema.get_field_index("rollout_log_probs")
+    return table.set_column(index, "rollout_log_probs", pa.array(rollout, pa.list_(pa.float32())))
+
+
+def _correction(**kw):
+    from rlhf_core.algos.rollout_correction import RolloutCorrection
+
+    return AdvantageSettings(norm_adv=False, rollout_correction=RolloutCorrection(**kw))
+
+
+def test_the_mismatch_metrics_come_whenever_the_rollout_recorded_log_probs():
+    table = _with_rollout_log_probs(scored_table(random_responses(3, [4, 2, 5])), [0.0, 0.0, 0.0])
+    out = compute_advantages(table, kl_coef=0.0, settings=NO_WHITEN)
+    assert out.metrics["rollout_corr/kl"] == pytest.approx(0.0, abs=1e-7)
+    assert out.metrics["rollout_corr/ppl_ratio"] == pytest.approx(1.0, abs=1e-6)
+    assert out.table.column("rollout_is_weights").null_count == 3  # nothing asked for: no weights, no mask
+    assert out.table.column("response_mask").null_count == 3
+    plain = compute_advantages(scored_table(random_responses(3, [4, 2, 5])), kl_coef=0.0, settings=NO_WHITEN)
+    assert not any(k.startswith("rollout_corr/") for k in plain.metrics)  # offline rows: nothing to measure
+
+
+def test_token_weights_and_rejection_reach_the_advantages_table():
+    table = _with_rollout_log_probs(scored_table(random_responses(4, [3, 3, 3])), [0.0, -1.0, 0.05])
+    # row 1: the trainer's policy is e times the engine's on every token (ratio 2.72 > 2 → truncated to 2);
+    # token_k1 with ratio bounds [0.9, 1.5] rejects row 1's tokens and keeps the others
+    out = compute_advantages(table, kl_coef=0.0, settings=_correction(
+        rollout_is="token", rollout_is_threshold=2.0, rollout_rs="token_k1", rollout_rs_threshold="0.9_1.5"))
+    weights = out.table.column("rollout_is_weights").to_pylist()
+    kept = out.table.column("response_mask").to_pylist()
+    assert weights[0] == pytest.approx([1.0] * 3) and weights[1] == pytest.approx([2.0] * 3)
+    assert weights[2] == pytest.approx([np.exp(-0.05)] * 3, rel=1e-5)
+    assert kept == [[True] * 3, [False] * 3, [True] * 3]
+    assert out.table.column("advantages").to_pylist()[1] == [0.0, 0.0, 0.0]  # rejected: out of the estimator's mask
+    assert out.metrics["rollout_corr/rollout_rs_masked_fraction"] == pytest.approx(1 / 3)
+
+
+def test_a_correction_without_the_rollouts_log_probs_is_refused():
+    with pytest.raises(DataError, match="no rollout_log_probs.*offline engine"):
+        compute_advantages(scored_table(random_responses(5, [2, 2])), kl_coef=0.0,
+                           settings=_correction(rollout_is="sequence"))

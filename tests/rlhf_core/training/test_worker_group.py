@@ -71,6 +71,28 @@ def test_a_rank_that_dies_is_an_error_not_a_hang(group):
     assert time.monotonic() - started < 120 and not group.alive
 
 
+def test_a_killed_rank_is_one_line_naming_the_cause_and_the_log(subprocess_env, monkeypatch, tmp_path, capfd):
+    """Issue 29: a killed rank's error carried torchrun's whole failure dump (~40 lines, twice on
+    the console). Now one line: the root cause torchrun names, and the log with the rest; on the
+    quiet console of `rlhf run` (TQDM_DISABLE) the dump is not passed through either."""
+    for key, value in {**subprocess_env(), "TQDM_DISABLE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    for key in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    log = tmp_path / "logs" / "group.log"
+    group = WorkerGroup(WORKER, 2, what="test group", log=log)
+    try:
+        with pytest.raises(RLHFError) as caught:
+            group.call("killed", rank=1)
+    finally:
+        group.kill()
+    message = str(caught.value)
+    assert "\n" not in message and message.startswith("the test group (ended during 'killed') failed"), message
+    assert "rank 1 (local_rank: 1) exited with -9" in message and "Signal 9 (SIGKILL)" in message, message
+    assert message.endswith(f"torchrun's whole output: {log}") and "Root Cause" in log.read_text()
+    assert "Root Cause" not in capfd.readouterr().err
+
+
 COORDINATOR = f"""
 import json, os, sys
 sys.path.insert(0, {str(Path(__file__).resolve().parents[3])!r})

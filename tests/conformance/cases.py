@@ -1,0 +1,351 @@
+"""The inputs both sides of the conformance step compute on: seeded float64 tensors with the shapes
+that break naive code (uneven interleaved groups, groups of one, gapped masks, fully masked rows,
+ties), and the knobs of every mode.
+
+A case is a dict: ``id`` (unique, names the case in a failure), ``family`` (which function of
+``verl_side`` runs it) and its inputs. Our side rebuilds the same call from the same dict.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from rlhf_core.algos import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, POLICY_LOSSES, kl_estimator_names
+
+DT = torch.float64
+POLICY_KNOBS = {
+    "clip_ratio_low": 0.2, "clip_ratio_high": 0.28, "clip_ratio_c": 3.0, "tau_pos": 1.0, "tau_neg": 1.05,
+    "policy_loss": {"clip_cov_ratio": 0.05, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.05,
+                    "ppo_kl_coef": 0.1, "dro_beta": 0.5},
+}
+BYPASS_SETTINGS = [
+    {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": None, "rollout_rs_threshold": None,
+     "bypass_mode": True, "loss_type": "ppo_clip", "rollout_is_batch_normalize": False},
+    {"rollout_is": "sequence", "rollout_is_threshold": "0.5_5.0", "rollout_rs": "token_k1,seq_mean_k3",
+     "rollout_rs_threshold": "0.6_1.6,0.05", "bypass_mode": True, "loss_type": "reinforce",
+     "rollout_is_batch_normalize": True},
+]
+CORRECTION_SETTINGS = [
+    {"rollout_is": "token", "rollout_is_threshold": 2.0},
+    {"rollout_is": "token", "rollout_is_threshold": "0.5_1.5", "rollout_is_batch_normalize": True},
+    {"rollout_is": "sequence", "rollout_is_threshold": 3.0},
+    {"rollout_is": "sequence", "rollout_is_threshold": 4.0, "rollout_is_batch_normalize": True},
+    {"rollout_rs": "token_k1", "rollout_rs_threshold": "0.7_1.4"},
+    {"rollout_rs": "token_k2,token_k3", "rollout_rs_threshold": "0.02,0.03"},
+    {"rollout_rs": "seq_sum_k1,seq_sum_k2,seq_sum_k3", "rollout_rs_threshold": "1.5,0.1,0.2"},
+    {"rollout_rs": "seq_mean_k1,seq_mean_k2,seq_mean_k3", "rollout_rs_threshold": "0.9_1.1,0.01,0.01"},
+    {"rollout_rs": "seq_max_k2,seq_max_k3", "rollout_rs_threshold": "0.05"},
+    {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k3",
+     "rollout_rs_threshold": 0.02},
+    {},
+]
+ONE_MICRO_BATCH = {"geo_mean": "verl 0.9.1's geo_mean takes a plain mean over each micro-batch's rows and "
+                               "ignores the mini-batch's counts, so its loss depends on how the mini-batch is cut; "
+                               "ours is the mean over the mini-batch's rows (docs/verl.md). With one micro-batch "
+                               "they are equal, and that is what is compared."}
+STD_ALWAYS = {name: "verl 0.9.1's trainer passes algorithm.norm_adv_by_std_in_grpo to grpo alone, so this "
+                     "estimator always divides by the group's std there; ours follows the setting (docs/verl.md). "
+                     "With the default (true) they are equal, and that is what is compared."
+              for name in ("grpo_vectorized", "gdpo")}
+KL_CONTROLLER_SETTINGS = {"fixed": {"kl_coef": 0.05, "target_kl": 0.1, "horizon": 10000},
+                          "adaptive": {"kl_coef": 0.2, "target_kl": 0.02, "horizon": 1000}}
+
+
+# ---------------------------------------------------------------------------------------------
+# random inputs
+# ---------------------------------------------------------------------------------------------
+
+
+def gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def prefix_mask(g: torch.Generator, batch: int, length: int, *, empty_rows: int = 0) -> torch.Tensor:
+    """Each row's valid tokens are a prefix of random length (1..T); ``empty_rows`` rows have none."""
+    lengths = torch.randint(1, length + 1, (batch,), generator=g)
+    lengths[:empty_rows] = 0
+    return torch.arange(length).unsqueeze(0) < lengths.unsqueeze(1)
+
+
+def gapped_mask(g: torch.Generator, batch: int, length: int, *, empty_rows: int = 0) -> torch.Tensor:
+    """A prefix mask with random holes inside the prefixes (observation spans), every non-empty row
+    keeping at least its first token."""
+    mask = prefix_mask(g, batch, length) & (torch.rand(batch, length, generator=g) > 0.3)
+    mask[:, 0] = True
+    mask[:empty_rows] = False
+    return mask
+
+
+def groups(g: torch.Generator, batch: int) -> np.ndarray:
+    """Uneven groups (sizes 1, 2, 3, 5, ...) whose rows interleave, as uid strings."""
+    sizes, total = [], 0
+    while total < batch:
+        size = min([1, 2, 3, 5][int(torch.randint(0, 4, (1,), generator=g))], batch - total)
+        sizes.append(size)
+        total += size
+    ids = [f"uid-{k}" for k, size in enumerate(sizes) for _ in range(size)]
+    order = torch.randperm(batch, generator=g).tolist()
+    return np.array([ids[i] for i in order], dtype=object)
+
+
+def pairs_of_groups(g: torch.Generator, batch: int) -> np.ndarray:
+    """Interleaved groups of at least two rows (grpo_passk needs two per group)."""
+    ids = [f"uid-{i // 2}" for i in range(batch)]
+    if batch % 2:
+        ids[-1] = ids[-2]
+    order = torch.randperm(batch, generator=g).tolist()
+    return np.array([ids[i] for i in order], dtype=object)
+
+
+def tied_scores(g: torch.Generator, batch: int) -> torch.Tensor:
+    """Scores from a small set, so ties within groups and all-equal groups occur."""
+    return torch.tensor([0.0, 0.5, 1.0, 1.0])[torch.randint(0, 4, (batch,), generator=g)].to(DT)
+
+
+def log_probs(g: torch.Generator, batch: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(old, new) log-probabilities: negative, new = old plus a token and a row drift, so that ratios
+    leave every clip range for some tokens and rows."""
+    old = -(torch.rand(batch, length, generator=g, dtype=DT) * 3.0 + 0.02)
+    drift = 0.3 * torch.randn(batch, length, generator=g, dtype=DT) + 0.2 * torch.randn(batch, 1, generator=g, dtype=DT)
+    return old, torch.clamp(old + drift, max=-1e-3)
+
+
+def parts_of(g: torch.Generator, batch: int, n: int) -> list[list[int]]:
+    """A random cut of the rows into ``n`` micro-batches (none empty)."""
+    order = torch.randperm(batch, generator=g).tolist()
+    cuts = sorted(torch.randperm(batch - 1, generator=g)[: n - 1].add(1).tolist())
+    return [order[a:b] for a, b in zip([0] + cuts, cuts + [batch])]
+
+
+def zero_outside(mask: torch.Tensor, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """verl's tensors hold 0 at padding; ours must not depend on it, verl's may."""
+    return [torch.where(mask, t, torch.zeros((), dtype=t.dtype)) for t in tensors]
+
+
+# ---------------------------------------------------------------------------------------------
+# the cases
+# ---------------------------------------------------------------------------------------------
+
+
+def agg_cases() -> list[dict]:
+    cases = []
+    for mode in AGG_MODES.names():
+        for seed in range(3):
+            g = gen(100 + seed)
+            batch, length = 11, 13
+            mask = gapped_mask(g, batch, length, empty_rows=1 if seed else 0)
+            loss = torch.randn(batch, length, generator=g, dtype=DT)
+            (loss,) = zero_outside(mask, loss)
+            scale = None if seed == 0 else 20
+            parts = None if seed == 0 else parts_of(g, batch, 3)
+            cases.append({"id": f"agg/{mode}/{seed}", "family": "agg", "mode": mode, "loss": loss, "mask": mask,
+                          "scale": scale, "parts": parts})
+    return cases
+
+
+def _policy_inputs(seed: int, batch: int = 12, length: int = 15) -> dict:
+    g = gen(200 + seed)
+    mask = gapped_mask(g, batch, length, empty_rows=1)
+    old, new = log_probs(g, batch, length)
+    adv = 2 * torch.randn(batch, 1, generator=g, dtype=DT) + 0.5 * torch.randn(batch, length, generator=g, dtype=DT)
+    weights = torch.rand(batch, length, generator=g, dtype=DT) * 1.5 + 0.5
+    old, new, adv, weights = zero_outside(mask, old, new, adv, weights)
+    return {"mask": mask, "old_log_prob": old, "log_prob": new, "advantages": adv, "weights": weights,
+            "parts": parts_of(g, batch, 3)}
+
+
+def policy_loss_cases() -> list[dict]:
+    cases = []
+    for mode in POLICY_LOSSES.names():
+        settings = BYPASS_SETTINGS if mode == "bypass_mode" else [None]
+        for agg in AGG_MODES.names():
+            for seed, weighted in ((0, False), (1, True)):
+                for k, correction in enumerate(settings):
+                    inputs = _policy_inputs(seed)
+                    if not weighted or mode == "bypass_mode":  # bypass computes its own weights
+                        inputs["weights"] = None
+                    if mode in ONE_MICRO_BATCH:
+                        inputs["parts"] = [sorted(i for part in inputs["parts"] for i in part)]
+                    knobs = dict(POLICY_KNOBS, rollout_correction=correction)
+                    cases.append({"id": f"policy_loss/{mode}/{agg}/{seed}{'/w' if weighted else ''}/{k}",
+                                  "family": "policy_loss", "mode": mode, "agg": agg,
+                                  "scale": 20 if agg == "seq-mean-token-sum-norm" else None,
+                                  "knobs": knobs, "seed": 1234 + seed, **inputs})
+    return cases
+
+
+def value_loss_cases() -> list[dict]:
+    cases = []
+    for agg in AGG_MODES.names():
+        g = gen(300)
+        batch, length = 10, 12
+        mask = gapped_mask(g, batch, length, empty_rows=1)
+        values = torch.randn(batch, length, generator=g, dtype=DT)
+        vpreds = values + 0.8 * torch.randn(batch, length, generator=g, dtype=DT)
+        returns = values + torch.randn(batch, length, generator=g, dtype=DT)
+        vpreds, values, returns = zero_outside(mask, vpreds, values, returns)
+        cases.append({"id": f"value_loss/{agg}", "family": "value_loss", "agg": agg, "mask": mask,
+                      "vpreds": vpreds, "values": values, "returns": returns, "cliprange": 0.5,
+                      "scale": 20 if agg == "seq-mean-token-sum-norm" else None, "parts": parts_of(g, batch, 3)})
+    return cases
+
+
+def _estimator_case(name: str, seed: int, mask_kind: str, *, gdpo_keys=None, is_weights=False,
+                    norm_by_std=True) -> dict:
+    g = gen(400 + seed)
+    batch, length, prompt = 14, 12, 3
+    mask = (gapped_mask if mask_kind == "gapped" else prefix_mask)(g, batch, length)
+    index = pairs_of_groups(g, batch) if name == "grpo_passk" else groups(g, batch)
+    scores = tied_scores(g, batch) if seed % 2 == 0 else torch.randn(batch, generator=g, dtype=DT)
+    last = mask & (mask.flip(-1).long().cumsum(-1).flip(-1) == 1)
+    rewards = torch.where(last, scores.unsqueeze(-1), torch.zeros((), dtype=DT))
+    rewards = rewards - 0.01 * torch.rand(batch, length, generator=g, dtype=DT) * mask  # a KL-shaped reward
+    values = torch.randn(batch, length, generator=g, dtype=DT)
+    old = -(torch.rand(batch, length, generator=g, dtype=DT) * 3 + 0.01)
+    sum_pi_squared = torch.exp(old).square() + torch.rand(batch, length, generator=g, dtype=DT) * 0.3
+    rewards, values, old, sum_pi_squared = zero_outside(mask, rewards, values, old, sum_pi_squared)
+    components = {}
+    if gdpo_keys:
+        components = {key: np.array(torch.randint(0, 3, (batch,), generator=g).double().div(2).tolist())
+                      for key in gdpo_keys}
+    weights = torch.rand(batch, length, generator=g, dtype=DT) * 1.5 + 0.5 if is_weights else None
+    response_mask = mask.to(DT)
+    return {"id": f"estimator/{name}/{seed}/{mask_kind}{'/is' if is_weights else ''}{'/keys' if gdpo_keys else ''}"
+                  f"{'' if norm_by_std else '/nostd'}",
+            "family": "estimator", "name": name, "token_level_rewards": rewards, "response_mask": response_mask,
+            "values": values, "old_log_probs": old, "sum_pi_squared": sum_pi_squared, "index": index,
+            "reward_baselines": torch.rand(batch, generator=g, dtype=DT),
+            "rollout_is_weights": None if weights is None else weights * response_mask,
+            "prompts": torch.ones(batch, prompt, dtype=torch.long),
+            "attention_mask": torch.cat([torch.ones(batch, prompt, dtype=torch.long), mask.long()], dim=-1),
+            "components": components, "gdpo_keys": list(gdpo_keys) if gdpo_keys else None,
+            "gdpo_weights": [1.0, 0.5] if gdpo_keys else None, "gamma": 0.97, "lam": 0.9,
+            "norm_by_std": norm_by_std}
+
+
+def estimator_cases() -> list[dict]:
+    cases = []
+    for name in ADV_ESTIMATORS.names():
+        if name == "gdpo":  # verl's trainer needs the component keys; it places each at (valid tokens - 1)
+            cases += [_estimator_case(name, seed, "prefix", gdpo_keys=("acc", "fmt")) for seed in range(3)]
+            continue
+        for seed in range(2):
+            for kind in ("prefix", "gapped"):
+                cases.append(_estimator_case(name, seed, kind))
+        if name in ("grpo", "grpo_passk"):  # see STD_ALWAYS for the others
+            cases.append(_estimator_case(name, 5, "prefix", norm_by_std=False))
+        if name in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+            cases.append(_estimator_case(name, 3, "prefix", is_weights=True))
+    return cases
+
+
+def kl_cases() -> list[dict]:
+    g = gen(500)
+    logprob, ref = log_probs(g, 6, 9)
+    ref = ref - 2.0 * torch.rand(6, 9, generator=g, dtype=DT) * (torch.rand(6, 9, generator=g) > 0.8)  # a few far apart
+    return [{"id": f"kl/{kind}", "family": "kl", "kind": kind, "logprob": logprob, "ref_logprob": ref}
+            for kind in kl_estimator_names()]
+
+
+def kl_controller_cases() -> list[dict]:
+    updates = [(0.001, 32), (0.05, 64), (0.5, 64), (0.02, 16), (0.0, 128), (0.03, 256)]
+    return [{"id": f"kl_controller/{kind}", "family": "kl_controller", "type": kind, "updates": updates,
+             **KL_CONTROLLER_SETTINGS[kind]} for kind in KL_CONTROLLERS.names()]
+
+
+def kl_reward_cases() -> list[dict]:
+    cases = []
+    for kind in ("kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"):
+        for ctrl in KL_CONTROLLERS.names():
+            g = gen(600)
+            batch, length = 9, 11
+            mask = prefix_mask(g, batch, length)
+            old, ref = log_probs(g, batch, length)
+            scores = torch.randn(batch, generator=g, dtype=DT)
+            last = mask & (mask.flip(-1).long().cumsum(-1).flip(-1) == 1)
+            token_scores = torch.where(last, scores.unsqueeze(-1), torch.zeros((), dtype=DT))
+            old, ref = zero_outside(mask, old, ref)
+            cases.append({"id": f"kl_reward/{kind}/{ctrl}", "family": "kl_reward", "kind": kind, "type": ctrl,
+                          **KL_CONTROLLER_SETTINGS[ctrl], "token_level_scores": token_scores, "scores": scores,
+                          "old_log_probs": old, "ref_log_prob": ref, "response_mask": mask.to(DT)})
+    return cases
+
+
+def rollout_correction_cases() -> list[dict]:
+    cases = []
+    for k, settings in enumerate(CORRECTION_SETTINGS):
+        for seed in range(2):
+            g = gen(700 + seed)
+            batch, length = 13, 10
+            mask = (gapped_mask if seed else prefix_mask)(g, batch, length, empty_rows=1)
+            rollout, train = log_probs(g, batch, length)
+            train = train - 0.3 * (torch.rand(batch, 1, generator=g, dtype=DT) > 0.7)  # some rows far off
+            rollout, train = zero_outside(mask, rollout, train)
+            full = {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": False,
+                    "rollout_rs": None, "rollout_rs_threshold": None, **settings}
+            cases.append({"id": f"rollout_correction/{k}/{seed}", "family": "rollout_correction",
+                          "old_log_prob": train, "rollout_log_prob": rollout, "response_mask": mask.to(DT),
+                          "settings": full})
+    return cases
+
+
+REWARD_ROWS = {
+    "openai/gsm8k": [
+        ("Let's add. 3 + 4 = 7\n#### 7", "7"), ("#### 7", "8"), ("The answer is 7.", "7"),
+        ("#### 1,234", "1234"), ("#### -5", "-5"), ("#### 3.5", "3.5"), ("#### 12 and then #### 13", "13"),
+        ("#### $42", "42"), ("", "1"), ("####42", "42"), ("#### 0042", "42"), ("so #### 10.", "10"),
+    ],
+    "lighteval/MATH": [
+        (r"so the answer is \boxed{\frac{1}{2}}", r"\frac{1}{2}"), (r"\boxed{0.5}", r"\frac{1}{2}"),
+        (r"\boxed{2}", "2"), (r"\boxed 2", "2"), (r"\fbox{3}", "3"), (r"no box 3", "3"),
+        (r"\boxed{x^2+1}", "x^2 + 1"), (r"\boxed{\dfrac{3}{4}}", r"\frac34"), (r"\boxed{10\%}", "10"),
+        (r"\boxed{\text{(A)}}", "A"), (r"\boxed{1,000}", "1000"), (r"\boxed{ \sqrt{2} }", r"\sqrt2"),
+    ],
+    "DigitalLearningGmbH/MATH-lighteval": [(r"\boxed{5}", "5"), (r"\boxed{6}", "5")],
+    "HuggingFaceH4/MATH-500": [(r"\boxed{\pi}", r"\pi"), (r"\boxed{3.14}", r"\pi")],
+    "math_dapo": [
+        ("Answer: 42", "42"), ("Answer: 41", "42"), (r"\boxed{42}", "42"), ("The answer is 42", "42"),
+        ("Answer: \\frac{1}{2}", "\\frac{1}{2}"), ("Answer: 1/2", "\\frac{1}{2}"), ("Answer: 3,000", "3000"),
+        ("blah " * 400 + "Answer: 7", "7"), ("Answer: x = 5", "5"), ("Answer: $5$", "5"),
+    ],
+    "math": [("Answer: 12", "12"), ("Answer: 13", "12")],
+    "math_dapo_reasoning": [("Answer: 12", "12")],
+    "aime2024": [("Answer: 204", "204"), ("Answer: 33", "204")],
+    "aime_2025_extra": [("Answer: 9", "9")],
+}
+
+
+def reward_cases() -> list[dict]:
+    rows = [(source, solution, truth) for source, pairs in REWARD_ROWS.items() for solution, truth in pairs]
+    return [{"id": "reward/default_compute_score", "family": "reward", "rows": rows}]
+
+
+def dapo_manager_case(tokenizer_dir: str, tokenizer) -> dict:
+    """verl's DAPO reward manager with the overlong buffer on: responses around the buffer's edge."""
+    texts = ["Answer: 12", "So the answer is #### 12 " + "x" * 40, "Answer: 7" + " words" * 30, "Answer: 12"]
+    truths = ["12", "12", "7", "13"]
+    prompt_ids = tokenizer("What is 5 + 7?")["input_ids"]
+    responses = [tokenizer(t)["input_ids"] + [tokenizer.eos_token_id] for t in texts]
+    width = max(len(r) for r in responses)
+    pad = tokenizer.pad_token_id
+    padded = torch.tensor([r + [pad] * (width - len(r)) for r in responses])
+    prompts = torch.tensor([prompt_ids] * len(texts))
+    attention = torch.cat([torch.ones_like(prompts), (torch.arange(width) < torch.tensor(
+        [len(r) for r in responses]).unsqueeze(1)).long()], dim=-1)
+    lengths = sorted(len(r) for r in responses)
+    max_len = lengths[-1] + 2
+    return {"id": "dapo_manager/overlong", "family": "dapo_manager", "tokenizer": tokenizer_dir,
+            "prompts": prompts, "responses": padded, "attention_mask": attention,
+            "data_source": ["math_dapo"] * len(texts), "ground_truth": truths, "max_resp_len": max_len,
+            "overlong": {"enable": True, "len": max_len - lengths[1], "penalty_factor": 1.5, "log": True},
+            "response_lengths": [len(r) for r in responses]}
+
+
+def all_cases(tokenizer_dir: str, tokenizer) -> list[dict]:
+    cases = ([{"id": "config/ppo_trainer", "family": "config"}] + agg_cases() + policy_loss_cases() + value_loss_cases() + estimator_cases() + kl_cases()
+             + kl_controller_cases() + kl_reward_cases() + rollout_correction_cases() + reward_cases()
+             + [dapo_manager_case(tokenizer_dir, tokenizer)])
+    ids = [c["id"] for c in cases]
+    assert len(ids) == len(set(ids)), "case ids must be unique"
+    return cases
