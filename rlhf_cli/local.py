@@ -71,8 +71,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 def cmd_build_tiny(args: argparse.Namespace) -> int:
 
-    spec = TinyModelSpec(hidden_size=args.hidden_size, num_hidden_layers=args.layers,
-                         vocab_size=args.vocab_size, seed=args.seed)
+    spec = TinyModelSpec(hidden_size=args.hidden_size, num_hidden_layers=args.layers, vocab_size=args.vocab_size,
+                         num_attention_heads=args.heads, num_key_value_heads=args.kv_heads, seed=args.seed)
     path = build_tiny_model(args.out, spec)
     print(f"tiny model + tokenizer written to {path}")
     return 0

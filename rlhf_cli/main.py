@@ -197,6 +197,10 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--out", type=Path, required=True)
     tiny.add_argument("--hidden-size", type=int, default=64)
     tiny.add_argument("--layers", type=int, default=2)
+    tiny.add_argument("--heads", type=int, default=4,
+                      help="attention heads (head size = hidden size / heads; vLLM's CPU kernels need 32, 64, 80, ...: "
+                           "--heads 2 --kv-heads 1 for the vllm engine on CPU)")
+    tiny.add_argument("--kv-heads", type=int, default=2, help="key/value heads (must divide --heads)")
     tiny.add_argument("--vocab-size", type=int, default=512)
     tiny.add_argument("--seed", type=int, default=0)
     node = sub.add_parser("node", help="multi-node updates (trainer.nnodes > 1)").add_subparsers(

@@ -39,6 +39,16 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny")
 
 
+@pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory) -> Path:
+    """The tiny model with head_dim 32 (2 heads of 32, one KV head): vLLM's CPU attention kernels
+    take head sizes 32, 64, 80, ... and refuse the default tiny model's 16."""
+    from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
+
+    spec = TinyModelSpec(hidden_size=64, num_attention_heads=2, num_key_value_heads=1)
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny_vllm", spec)
+
+
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 

@@ -114,8 +114,10 @@ def advantages_table(model_dir: Path, prompts, responses, device: str, budget: i
         "finish_reason": ["length"] * n, "engine": ["hf"] * n, "sampling_seed": [0] * n, "reward": [0.0] * n,
         "reward_extra": ["{}"] * n, "old_log_probs": lp, "ref_log_probs": lp, "values": [[0.0] * len(r) for r in responses],
         "token_level_rewards": [[0.0] * len(r) for r in responses], "advantages": adv, "returns": adv,
+        "reward_source": ["bench"] * n, "extra_info": ["{}"] * n, "uid": [f"1-{i}" for i in range(n)],
+        "rollout_log_probs": lp, "reward_baseline": [None] * n,
     }
-    return pa.table(cols).cast(ADVANTAGES)
+    return pa.table({name: cols[name] for name in ADVANTAGES.names}).cast(ADVANTAGES)
 
 
 def update(model_dir: Path, home: Path, table, args, device: str) -> dict:

@@ -1,11 +1,11 @@
 """A resident vLLM engine against a cold start, at Qwen2.5-0.5B's shape (random weights) on one GPU.
 
-Today's rollout builds a new ``vllm.LLM`` for every rollout and every validation; the resident engine
-(``VLLMEngine(..., sleep_mode=True)``) is built once and, every iteration, sleeps through the update
-and takes the updated weights in memory. This prints, side by side: the cold start (building the
-engine), sleep, load_weights (which wakes weights, writes them, then wakes the KV cache), and a plain
-sleep → wake_up, the GPU memory in use before and after each sleep, and the ratio cold start /
-(sleep + load_weights). Each round also checks the engine: greedy tokens after sleep → wake_up equal
+Without resident models the rollout builds a new ``vllm.LLM`` for every rollout and every validation;
+the resident engine (``VLLMEngine(..., resident=True)``) is built once and, every iteration, sleeps
+through the update and takes the updated weights in memory. This prints, side by side: the cold
+start (building the engine), sleep, load_weights (which checks every name and shape, wakes the
+weights, writes them through vLLM's reload, then wakes the KV cache), and a plain sleep → wake_up,
+the GPU memory in use before and after each sleep, and the ratio cold start / (sleep + load_weights). Each round also checks the engine: greedy tokens after sleep → wake_up equal
 those before; after loading perturbed weights they differ; loading the originals back restores them.
 
     python benchmarks/gpu/bench_vllm_resident.py                  # on a GPU machine with vllm installed
@@ -53,6 +53,14 @@ def actor_weights(model_dir: Path):
     return weights
 
 
+def in_use() -> int:
+    """Bytes in use on the GPU by every process (vLLM's sleep pool is outside torch's allocator)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return total - free
+
+
 def timed(fn) -> float:
     import torch
 
@@ -90,14 +98,14 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 512, (args.prompts, 32), generator=g).tolist()
 
-    before_engine = VLLMEngine.gpu_memory_in_use()
+    before_engine = in_use()
     started = time.perf_counter()
     engine = VLLMEngine(model_dir, gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_model_len=args.max_model_len, dtype="bf16", seed=0, sleep_mode=True)
+                        max_model_len=args.max_model_len, dtype="bf16", seed=0, resident=True)
     cold = time.perf_counter() - started
     numbers: dict = {"vllm": vllm.__version__, "params": params, "layers": args.layers,
                      "gpu": torch.cuda.get_device_name(), "cold_start_seconds": cold,
-                     "engine_gpu_gib": (VLLMEngine.gpu_memory_in_use() - before_engine) / GiB, "rounds": []}
+                     "engine_gpu_gib": (in_use() - before_engine) / GiB, "rounds": []}
     base = greedy_tokens(engine, prompts, args.new_tokens)
     original = actor_weights(model_dir)
     noise = torch.Generator(device="cuda").manual_seed(1)
@@ -105,9 +113,9 @@ def main() -> None:
                  .to(t.dtype) for n, t in original.items()}
 
     for r in range(args.rounds):
-        row: dict = {"in_use_awake_gib": VLLMEngine.gpu_memory_in_use() / GiB}
+        row: dict = {"in_use_awake_gib": in_use() / GiB}
         row["sleep_seconds"] = timed(engine.sleep)
-        row["in_use_asleep_gib"] = VLLMEngine.gpu_memory_in_use() / GiB
+        row["in_use_asleep_gib"] = in_use() / GiB
         row["wake_up_seconds"] = timed(engine.wake_up)  # same weights back (the rollback-free path)
         same = greedy_tokens(engine, prompts, args.new_tokens) == base
         engine.sleep()

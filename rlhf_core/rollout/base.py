@@ -14,10 +14,11 @@ never call a model to generate.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 from dataclasses import dataclass, field
-from typing import Optional, Protocol, Sequence, runtime_checkable
+from typing import Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 from rlhf_core.errors import RLHFError
 
@@ -149,6 +150,34 @@ def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
         raise RLHFError("the tokenizer defines no EOS token, so responses could never stop; set eos_token "
                         "in the model's tokenizer_config.json")
     return ids
+
+
+SMALL_MODEL_PARAMS = 100_000_000
+"""Below this many parameters an engine decodes on one CPU thread: the per-token matmuls are too
+small to split, and extra threads spin-wait on a shared machine."""
+
+
+def decode_threads(configured: int, params: int) -> int:
+    """rollout.cpu_threads as an engine applies it on CPU: the configured count, else (0 = auto)
+    one thread for a small model and torch's default (0: unchanged) for a larger one."""
+    return configured or (1 if params < SMALL_MODEL_PARAMS else 0)
+
+
+@contextlib.contextmanager
+def torch_threads(threads: int) -> Iterator[None]:
+    """torch's intra-op thread count set to ``threads`` for the block, then restored (0: unchanged).
+    The count is process-wide: an engine sets it for its own calls only."""
+    import torch
+
+    if not threads:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 @dataclass

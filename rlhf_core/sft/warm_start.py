@@ -36,7 +36,7 @@ from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_dir
 from rlhf_core.io.hashing import sha256_file, sha256_tree
 from rlhf_core.paths import resolve_model_path, resolve_path, state_dir
-from rlhf_core.rollout.hf import SMALL_MODEL_PARAMS
+from rlhf_core.rollout.base import SMALL_MODEL_PARAMS
 from rlhf_core.sft.evaluation import sample_responses, score_responses
 
 SFT_FORMAT_VERSION = 1

@@ -11,7 +11,8 @@ and runs the coordinator's commands in step with the others:
     settle    commit (a save when due: every rank writes its shard) or rollback (snapshot put back)
     hold      hold iteration K's state, rebuilt by replay when only its record is left, and saved
     share     this rank's share of a stage's model passes (``stages.rank_entry``), borrowing the
-              module the rank trains
+              module the rank trains; with vLLM, generating on this rank's rank of the run's
+              engines (kept for the flow run, synced in place by the trainer after each update)
     publish   rank 0 writes the held weights as model directories (for the flow process's own loads)
     close     the last-good state made durable when asked, then leave
 """
@@ -29,6 +30,7 @@ import yaml
 
 from rlhf_core.config import RLHFConfig, config_from_dict
 from rlhf_core.errors import RLHFError, disk_full_as_user_error
+from rlhf_core.models import live
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.rank_entry import STAGES
 from rlhf_core.training.checkpoint import full_state_dict, save_tokenizer
@@ -82,6 +84,9 @@ class Rank:
         if rank >= world:
             return None
         stage, k = command["stage"], command["iteration"]
+        # vLLM: this rank keeps its rank of the run's engines for the whole flow run (built by the first
+        # generation; the trainer syncs it after each update)
+        live.keep_engines(_config(command).actor_rollout_ref.rollout.name == "vllm")
         before = torch.get_num_threads()
         torch.set_num_threads(command["threads"])
         try:
@@ -104,7 +109,10 @@ class Rank:
         return None
 
     def close(self, command: dict) -> None:
-        self.trainer.close(make_durable=command["durable"])
+        try:
+            self.trainer.close(make_durable=command["durable"])
+        finally:
+            live.keep_engines(False)  # this rank's rank of the vLLM engines, if it kept one
         return None
 
 

@@ -14,7 +14,10 @@ at 2 and 4 processes); sharding the rows instead would change which sequences sh
 and with it the last bits of a float32 sum.
 
 The rollout (HF engine) and validation deal whole generation batches instead
-(``rollout.generate.own_batches``), each numbered and seeded as in one process.
+(``rollout.generate.own_batches``), each numbered and seeded as in one process. With vLLM each
+process is one rank of an engine of rollout.tensor_model_parallel_size ranks (vLLM's external
+launcher); the engines deal the prompts of the one-engine call by token load, each prompt seeded by
+its place in that call (``rollout.generate.own_prompts``, ``vllm_processes``).
 
 The number of processes is ``stage_processes``: ``trainer.stage_processes`` when set, else every
 GPU of the node the update uses (verl's ``trainer.n_gpus_per_node``), else 1 (the CPU). In a flow
@@ -40,7 +43,8 @@ from rlhf_core.config.resolve import update_world_size
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_text
 from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingParams
-from rlhf_core.rollout.generate import own_batches
+from rlhf_core.models import live
+from rlhf_core.rollout.generate import generation_engine, own_batches
 from rlhf_core.run.layout import RunDir
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.nodes import stream
@@ -119,6 +123,37 @@ def merge_samples(shares: list[dict[str, np.ndarray]], plan: list[list[int]], pr
     owner = {b: r for r in range(world) for b in own_batches(plan, prompt_rows, sampling, r, world)}
     return [GeneratedSample(**next(by_rank[owner[b]])) for b, batch in enumerate(plan)
             for _ in range(len(batch) * sampling.n)]
+
+
+def generation_processes(cfg: RLHFConfig, run: RunDir, batches: int) -> int:
+    """Processes a generation (rollout, validation) is dealt to; 0 = this process. The hf engine's
+    generation batches go to ``share_processes``; vLLM's prompts to every rank of the run's worker
+    group, whose ranks keep the engines for the whole flow run, else to one engine kept in this
+    process (``models.live``), else to ``vllm_processes``."""
+    name = generation_engine(cfg)
+    group = active_group(run)
+    if name == "vllm" and group is not None:  # each rank holds a rank of the run's engines: all take part
+        return group.world
+    if name == "vllm":
+        return 0 if live.keeping_engines() else vllm_processes(cfg)
+    return share_processes(cfg, run, batches) if name == "hf" else 0
+
+
+def vllm_processes(cfg: RLHFConfig) -> int:
+    """Processes a vLLM generation runs on when no engine is kept for the run: engines of
+    rollout.tensor_model_parallel_size ranks, ``stage_processes`` // TP of them (at least one);
+    0 = one engine in this process."""
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    world = tp * max(1, stage_processes(cfg) // tp)
+    return world if world > 1 else 0
+
+
+def merge_engine_samples(shares: list[dict[str, np.ndarray]], flat: Sequence[int]) -> list[GeneratedSample]:
+    """The vLLM engines' samples (each engine's first rank's, as JSON) back in the one-engine order:
+    by place in ``flat`` (the one-engine call's prompt order), then sample index."""
+    place = {position: k for k, position in enumerate(flat)}
+    samples = [GeneratedSample(**s) for share in shares for s in json.loads(str(share["samples"]))]
+    return sorted(samples, key=lambda s: (place[s.prompt_index], s.sample_index))
 
 
 def merged_stats(shares: list[dict[str, np.ndarray]], batches: int) -> GenerationStats:

@@ -46,8 +46,8 @@ from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.models import actor_path, reference_path
 from rlhf_core.rollout.generate import (
-    PROMPT_COLUMNS, build_rollout_engine, generate_responses, generation_plan, group_uid, kept_engine, read_prompt_rows,
-    rollout_metrics, rollout_table, sampling_from_config, tokenizer_path_for,
+    PROMPT_COLUMNS, build_rollout_engine, generate_responses, generation_engine, generation_plan, group_uid,
+    kept_engine, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config, tokenizer_path_for,
 )
 from rlhf_core.paths import resolve_path
 from rlhf_core.rollout.base import GeneratedSample, GenerationStats, RolloutEngine, SamplingParams, derive_seed
@@ -57,7 +57,7 @@ from rlhf_core.rollout.dynamic_sampling import (
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
 from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.ranks import merge_samples, merged_stats, run_on_ranks, share_processes
+from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, merged_stats, run_on_ranks
 from rlhf_core.stages.score import ModelPaths, reward_model_paths, sequence_rewards
 from rlhf_core.training.resident import ensure_state
 
@@ -261,8 +261,8 @@ def _generate_draw(cfg: RLHFConfig, run: RunDir, iteration: int, engines: StageE
     """One draw's samples (prompt_index into ``prompt_rows``) and stats. The iteration's own draw
     runs on every local process as before; the rank entry knows only that draw, so later draws
     (dynamic sampling) run in this process."""
-    world = share_processes(cfg, run, len(batches)) if cfg.actor_rollout_ref.rollout.name == "hf" else 0
-    if first and world:
+    world = generation_processes(cfg, run, len(batches)) if first else 0
+    if world:
         return _generate_on_ranks(cfg, run, iteration, prompt_rows, sampling, batches, world)
     return generate_responses(cfg, engines.model_dir, prompt_rows, sampling, batches, engine=engines.get(),
                               desc=desc or f"rollout iter {iteration}")
@@ -357,6 +357,8 @@ def _generate_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, prompt_rows
     in batch order, are the one-process samples."""
     shares = run_on_ranks(cfg, run, iteration, "rollout", world)
     plan = generation_plan(cfg, prompt_rows, sampling, batches)
+    if generation_engine(cfg) == "vllm":
+        return merge_engine_samples(shares, [i for batch in plan for i in batch]), merged_stats(shares, 1)
     return merge_samples(shares, plan, prompt_rows, sampling), merged_stats(shares, len(plan))
 
 

@@ -49,7 +49,7 @@ from rlhf_core.rollout.generate import (
     val_sampling_from_config,
 )
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.ranks import merge_samples, run_on_ranks, share_processes
+from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, run_on_ranks
 from rlhf_core.training.resident import ensure_state
 
 
@@ -93,13 +93,17 @@ def _val_sampling(cfg: RLHFConfig, seed_offset: Any, sampling: Optional[Sampling
 
 
 def validation_samples(cfg: RLHFConfig, run: RunDir, k: int, actor: Path) -> tuple[list[dict], list]:
-    """``sample_val_responses`` at val_kwargs sampling, on ``stage_processes`` local processes with the
-    HF engine (each its share of the generation batches, seeded as in one process: the same samples)."""
+    """``sample_val_responses`` at val_kwargs sampling, on ``generation_processes`` local processes
+    (hf: each its share of the generation batches; vLLM: each engine its share of the prompts; all
+    seeded as in one process)."""
     sampling = val_sampling_from_config(cfg, seed=0)  # seed set from rollout.seed by _val_sampling
-    if generation_engine(cfg) == "hf" and share_processes(cfg, run, sys.maxsize):
+    if generation_processes(cfg, run, sys.maxsize):
         rows, seeded = _val_rows(cfg, run), _val_sampling(cfg, "validation", sampling)
         plan = generation_plan(cfg, rows, seeded)
-        world = share_processes(cfg, run, len(plan))
+        world = generation_processes(cfg, run, len(plan))
+        if world and generation_engine(cfg) == "vllm":
+            shares = run_on_ranks(cfg, run, k, "validate", world)
+            return rows, merge_engine_samples(shares, [i for batch in plan for i in batch])
         if world:
             shares = run_on_ranks(cfg, run, k, "validate", world)
             return rows, merge_samples(shares, plan, rows, seeded)

@@ -2,7 +2,7 @@
 
 Without it every iteration loads its models in every stage, builds both DeepSpeed engines, and
 writes (and hashes) a full checkpoint — at real sizes, most of the iteration. With it
-(``trainer.resident_models``, one update process, no LoRA, the hf rollout engine):
+(``trainer.resident_models``, one update process, no LoRA, the hf or vllm rollout engine):
 
     update k     the engines already hold the state k starts from; a host-memory snapshot of it is
                  taken (the rollback's), the RNG is set to that state's, PPO trains, and the new state
@@ -13,6 +13,9 @@ writes (and hashes) a full checkpoint — at real sizes, most of the iteration. 
                  the flow run) a full checkpoint is written by a background thread from a capture,
                  while the next iteration runs. Nothing else is written.
     rollback k   the snapshot is put back (no disk I/O): the engines hold k's starting state again.
+    vLLM         the run's one vLLM engine (``models.live``) pauses for each update (on CUDA, sleeps
+                 to free its memory) and takes each new or restored actor in place, checked
+                 against the actor's own log-probs (``rollout.vllm_engine.VLLMEngine.sync_from``).
     crash        a resume rebuilds what was only in memory: from the newest checkpoint before it,
                  each later committed iteration's update is replayed on its recorded advantages table
                  with its recorded config and the RNG chain, which on CPU reproduces the weights bit
@@ -88,10 +91,15 @@ def resident_possible(cfg: RLHFConfig) -> Optional[str]:
         return "trainer.resident_models=false"
     if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
         return "LoRA (the rollout samples from merged weights, built from the adapter checkpoint)"
-    if update_world(cfg) > 1:  # the worker group's ranks generate with the hf engine
-        if cfg.actor_rollout_ref.rollout.name != "hf":
-            return (f"rollout engine {cfg.actor_rollout_ref.rollout.name!r} with several update processes (their "
-                    "worker group generates with the hf engine only)")
+    if update_world(cfg) > 1:  # the worker group's ranks generate (hf; vLLM: a rank of its engines each)
+        r = cfg.actor_rollout_ref.rollout
+        if r.name not in ("hf", "vllm"):
+            return f"rollout engine {r.name!r} with several update processes (their worker group generates)"
+        if r.name == "vllm" and cfg.trainer.nnodes > 1:
+            return "the vllm rollout engine with an update across several machines (not supported yet)"
+        if r.name == "vllm" and update_world(cfg) % r.tensor_model_parallel_size:
+            return (f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} does not divide the "
+                    f"{update_world(cfg)} update processes (their worker group holds the vLLM engines)")
         return None
     if (cfg.trainer.stage_processes or 1) > 1:  # (null: one per GPU of the update: one here)
         return (f"trainer.stage_processes={cfg.trainer.stage_processes} with one update process: the stages' "
@@ -158,6 +166,8 @@ class ResidentTrainer:
         self._capturing: Optional[tuple[int, concurrent.futures.Future]] = None
         """A capture of the just-committed state in progress, while the next rollout and score run."""
         self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-capture")
+        self.rollout_sync: dict[str, float] = {}
+        """The last sync of the kept rollout engine to the held actor: its seconds and log-prob gap."""
 
     # -- the update ------------------------------------------------------------------------------
 
@@ -180,6 +190,7 @@ class ResidentTrainer:
         metrics, outcome = train_iteration(cfg, k, data, self.actor, self.critic, self.dist, self.device,
                                            self.pad_id, progress=progress)
         self._held_now(k, cfg, outcome)
+        metrics.update(self.rollout_sync)  # the kept vLLM engine's sync to the new weights, checked
         metrics["perf/setup_seconds"] = setup
         metrics["perf/checkpoint_seconds"] = 0.0
         metrics["perf/peak_rss_gb"] = max(metrics.get("perf/peak_rss_gb", 0.0), peak_rss_gb())
@@ -423,21 +434,21 @@ class ResidentTrainer:
             return inference_copy(te)
 
     def _rollout_engine_sleeps(self) -> Optional[float]:
-        """A kept vLLM engine gives its GPU memory to the update (KV cache freed, weights offloaded);
-        returns the GiB that freed, measured (None: no engine kept)."""
+        """A kept vLLM engine pauses for the update and, where its platform can, gives its memory to it
+        (CUDA: KV cache freed, weights offloaded); returns the GiB that freed, measured (None: no
+        engine kept, or nothing freed: CPU)."""
         held = live.held_engine()
-        if held is None:
-            return None
-        before = held.engine.gpu_memory_in_use()
-        held.engine.sleep()
-        return (before - held.engine.gpu_memory_in_use()) / 2 ** 30
+        freed = held.engine.sleep() if held is not None else None
+        return freed / 2 ** 30 if freed is not None else None
 
     def _sync_rollout_engine(self, actor_dir: Path) -> None:
-        """The kept vLLM engine takes the held actor's weights in place (and wakes); no disk round trip."""
+        """The kept vLLM engine takes the held actor's weights in place (and wakes), checked against
+        the actor's own log-probs; no disk round trip. A ZeRO-3 actor is gathered for it."""
         held = live.held_engine()
         if held is None or self.actor is None:
             return
-        held.engine.load_weights(self.actor.module.named_parameters())
+        with _gathered(self.actor):
+            self.rollout_sync = held.engine.sync_from(self.actor.module)
         live.hold_engine(held.engine, actor_dir)
 
     def _withdraw(self) -> None:
@@ -551,6 +562,18 @@ def _nodes(cfg: RLHFConfig, run: RunDir, device: str) -> Optional[Nodes]:
     return Nodes(run, nnodes, per_node, addr, port, cfg.trainer.node_join_timeout_s, device)
 
 
+@contextlib.contextmanager
+def _gathered(te: TrainEngine) -> Iterator[None]:
+    """``te``'s whole parameters for the block (ZeRO-3 keeps only partitions otherwise)."""
+    if te.zero_stage != 3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(te.module.parameters()), modifier_rank=None):
+        yield
+
+
 def inference_copy(te: TrainEngine) -> torch.nn.Module:
     """A plain module (same class, config and attention) holding ``te``'s whole weights, on its
     device, gradients off. Every rank must call it: ZeRO-3 gathers the partitions."""
@@ -613,7 +636,7 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]
                  "passes run on them", trainer.world)
     else:
         trainer = ResidentTrainer(run)
-        live.keep_engines(cfg.actor_rollout_ref.rollout.name == "vllm")  # one vLLM engine for the run
+        live.keep_engines(keeps_rollout_engine(cfg))  # one vLLM engine for the run
     _trainers[run.root] = trainer
     durable = False
     try:
@@ -629,6 +652,30 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]
             live.keep_engines(False)
             live.provide_with(None)
             del _trainers[run.root]
+
+
+def keeps_rollout_engine(cfg: RLHFConfig) -> bool:
+    """Whether the flow process keeps one vLLM engine for the run: vLLM, resident models, one update
+    process (a worker group's ranks keep theirs: ``stages.group_entry``), no tensor parallel (that
+    needs processes of its own: those rollouts run under torchrun, ``stages.ranks``)."""
+    r = cfg.actor_rollout_ref.rollout
+    return (r.name == "vllm" and r.tensor_model_parallel_size == 1 and resident_possible(cfg) is None
+            and update_world(cfg) == 1)
+
+
+@contextlib.contextmanager
+def rollout_engine_kept(cfg: RLHFConfig) -> Iterator[None]:
+    """For the block (a flow run), keep the vLLM rollout engine the first generation builds, for
+    every later validation and rollout, when the resident trainer of ``resident_models`` will sync
+    it (one update process): one engine start per flow run. Closed at the end."""
+    if not keeps_rollout_engine(cfg):
+        yield
+        return
+    live.keep_engines(True)
+    try:
+        yield
+    finally:
+        live.keep_engines(False)
 
 
 def settle_resident(cfg: RLHFConfig, run: RunDir, k: int, outcome: str) -> None:

@@ -139,28 +139,13 @@ def test_top_k_1_and_tiny_top_p_are_greedy(engine, prompts):
     assert [s.token_ids for s in sampled] != [s.token_ids for s in greedy]
 
 
-def processed_log_probs(model_dir, prompt, response, sampling):
-    """The reference: one forward over prompt + response, logits / T, top-k and top-p cut as
-    transformers' own warpers cut them, log-softmax, the response tokens' entries. (T,)"""
-    from transformers import AutoModelForCausalLM, TopKLogitsWarper, TopPLogitsWarper
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(torch.tensor([prompt + response])).logits[0, len(prompt) - 1:-1].float()  # (T, V)
-    scores = logits if sampling.greedy else logits / sampling.temperature
-    if not sampling.greedy and sampling.top_k > 0:
-        scores = TopKLogitsWarper(sampling.top_k)(None, scores)
-    if not sampling.greedy and sampling.top_p < 1:
-        scores = TopPLogitsWarper(sampling.top_p)(None, scores)
-    return torch.log_softmax(scores, dim=-1).gather(1, torch.tensor(response)[:, None]).squeeze(1)
-
-
 @pytest.mark.parametrize("sampling", [
     SamplingParams(max_new_tokens=10, n=2, seed=3),
     SamplingParams(max_new_tokens=10, n=2, seed=3, temperature=0.6, top_k=20, top_p=0.8),
     SamplingParams(max_new_tokens=10, greedy=True),
 ], ids=["plain", "temperature-top_k-top_p", "greedy"])
-def test_samples_carry_the_log_probs_they_were_drawn_with(engine, prompts, tiny_model_dir, sampling):
+def test_samples_carry_the_log_probs_they_were_drawn_with(engine, prompts, tiny_model_dir, sampling,
+                                                          processed_log_probs):
     """Each token's log-prob under the distribution it was drawn from (temperature, then top-k,
     then top-p; greedy: the model's own), recorded while generating, batched and left-padded."""
     samples = engine.generate(prompts, sampling)
