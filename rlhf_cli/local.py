@@ -6,17 +6,18 @@
 from __future__ import annotations
 
 import argparse
+import sys
 
 from rlhf_cli.inspection import require_run_dir
 from rlhf_core.errors import RLHFError
 from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
 from rlhf_core.run.export import export_actor
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.lifecycle import last_good_iteration
+from rlhf_core.run.migrate import migrate
 from rlhf_core.run.lock import RunLock
-from rlhf_core.run.plan import resolve_run_config, stage_config
+from rlhf_core.run.plan import resolve_run_config, saved_config, stage_config
 from rlhf_core.stages.registry import get_stage
-from rlhf_core.training.resident import ensure_state
+from rlhf_core.stages.repair import prepare_export
 
 
 def print_result(result: dict) -> None:
@@ -63,7 +64,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     run = RunDir(args.run_dir)
     cfg = resolve_run_config(run.root, None, args.overrides)
     with RunLock(run):
-        ensure_state(cfg, run, last_good_iteration(run))  # a crash may have left it only in its record
+        migrate(run, saved_config(run))
+        for line in prepare_export(run, saved_config(run)):  # damage rebuilt; a crash's record-only state written
+            print(f"rlhf: {line}", file=sys.stderr)
         path = export_actor(cfg, run, args.out)
     print(f"exported the last-good actor to {path}")
     return 0
