@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from rlhf_cli.inspection import require_run_dir
 from rlhf_core.errors import RLHFError
@@ -64,9 +63,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     run = RunDir(args.run_dir)
     cfg = resolve_run_config(run.root, None, args.overrides)
     with RunLock(run):
-        migrate(run, saved_config(run))
-        for line in prepare_export(run, saved_config(run)):  # damage rebuilt; a crash's record-only state written
-            print(f"rlhf: {line}", file=sys.stderr)
+        saved = saved_config(run)
+        migrate(run, saved)
+        prepare_export(run, saved)  # damage rebuilt (each said in one line); a crash's record-only state written
         path = export_actor(cfg, run, args.out)
     print(f"exported the last-good actor to {path}")
     return 0

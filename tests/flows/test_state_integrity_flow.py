@@ -178,17 +178,21 @@ def test_a_deleted_kl_controller_state_is_rebuilt_not_reset(base, rlhf, tmp_path
 
 def test_a_damaged_kl_controller_state_of_a_replayed_iteration_is_rebuilt(base, rlhf, tmp_path, same_weights):
     """Issue 28, 5: garbage in the KL state of last-good 3, whose checkpoint is gone (a replay is
-    due): status and the resume say the same thing, the resume rebuilds it and replays iteration 3."""
+    due): status, export and resume say the same thing; the export rebuilds it and replays iteration
+    3 (the replay never reads the KL state) to the same weights, and the resume finds nothing left."""
     run = _copy(base, tmp_path)
     run.kl_state(3).write_text("{not json")
     shutil.rmtree(run.checkpoint(3))
     [problem] = _problems(_status(rlhf, run))
     assert problem.startswith("problem: iter_3/kl_ctrl.json changed since gae wrote it") and \
         "a resume reruns gae of iteration 3" in problem
-    proc = _resume(rlhf, run, 3)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc = rlhf("export", str(run.root))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "iter_3/kl_ctrl.json changed since gae wrote it" in proc.stderr
     assert run.read_json(run.kl_state(3)) == base.read_json(base.kl_state(3))
-    same_weights(run.checkpoint(3), base.checkpoint(3))  # replayed (for the export) to the same bits
+    same_weights(run.checkpoint(3), base.checkpoint(3))  # replayed to the same bits, then exported
+    proc = _resume(rlhf, run, 3)
+    assert proc.returncode == 0 and not _warnings(proc), proc.stderr[-3000:]
     assert not _problems(_status(rlhf, run))
 
 
@@ -259,9 +263,10 @@ def test_a_failed_background_checkpoint_write_stops_the_run_before_the_next_comm
 @pytest.mark.parametrize("damage", ["deleted advantages", "tampered advantages", "tampered state record"])
 def test_a_damaged_replay_input_is_rebuilt_before_the_replay(base, rlhf, tmp_path, same_weights, damage):
     """Issue 28, 6 and 7: iterations 2 and 3 live only in their records (checkpoints deleted) and
-    iteration 2's replay input is deleted or changed: status names it, the resume reruns the stage
-    that wrote it (the same bytes as recorded), then replays 2 and 3 from checkpoint 1 to the same
-    weights — never a traceback, a dead end or a replay of a changed table."""
+    iteration 2's replay input is deleted or changed: status names it; the export (which needs
+    last-good on disk) reruns the stage that wrote it (the same bytes as recorded), then replays 2
+    and 3 from checkpoint 1 to the same weights — never a traceback, a dead end or a replay of a
+    changed table; a resume afterwards finds nothing left to do."""
     run = _copy(base, tmp_path)
     for k in (2, 3):
         shutil.rmtree(run.checkpoint(k))
@@ -276,12 +281,13 @@ def test_a_damaged_replay_input_is_rebuilt_before_the_replay(base, rlhf, tmp_pat
     path, stage = ("iter_2/state.json", "update") if "state" in damage else ("iter_2/advantages.parquet", "gae")
     [problem] = _problems(_status(rlhf, run))
     assert problem.startswith(f"problem: {path} ") and f"a resume reruns {stage} of iteration 2" in problem
-    proc = _resume(rlhf, run, 3)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert any(f"{path} " in w and f"rebuilt by rerunning {stage} of iteration 2" in w for w in _warnings(proc))
-    assert committed_iterations(run) == [1, 2, 3]
+    proc = rlhf("export", str(run.root))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert f"{path} " in proc.stderr and f"rebuilt by rerunning {stage} of iteration 2" in proc.stderr
     same_weights(run.checkpoint(3), base.checkpoint(3))
-    assert not _problems(_status(rlhf, run))
+    proc = _resume(rlhf, run, 3)
+    assert proc.returncode == 0 and not _warnings(proc), proc.stderr[-3000:]
+    assert committed_iterations(run) == [1, 2, 3] and not _problems(_status(rlhf, run))
 
 
 def test_a_changed_committed_table_is_noticed_and_rebuilt(base, rlhf, tmp_path):
