@@ -1,7 +1,8 @@
 """A process killed in the middle of iteration 2 (after the update, before the guard's verdict) and
 `rlhf run --resume` finish the run with nothing lost: finished stages are reused, not redone (the
 update's state, which was only in memory, is rebuilt from its record by replay) — with a critic
-(gae) and without one (grpo)."""
+(gae) and without one (grpo). And a kill in iteration 5 of 6 at save_freq=3 resumes to every
+metric of the uninterrupted run (issue 28, 10)."""
 
 from __future__ import annotations
 
@@ -99,19 +100,27 @@ def _numbers(run: RunDir, k: int) -> dict:
     return {key: value for key, value in run.read_json(run.iteration_metrics(k)).items() if not key.startswith(TIMING)}
 
 
+SAVE_EVERY_3 = ("trainer.save_freq=3", "trainer.test_freq=-1", "trainer.logger=[console]")
+
+
+@pytest.fixture(scope="module")
+def six_iterations(prefect_server, flow_run, tmp_path_factory) -> RunDir:
+    """Six uninterrupted iterations with a save point every 3 (and at the end)."""
+    return RunDir(flow_run(tmp_path_factory.mktemp("six"), "run", *SAVE_EVERY_3, iterations=6)["run_dir"])
+
+
 @pytest.mark.parametrize("at", ["iter_5/scored.parquet", "iter_5/guard.json"])
-def test_a_kill_in_iteration_5_between_save_points_resumes_to_the_same_numbers(flow_run, killed_run, rlhf,
+def test_a_kill_in_iteration_5_between_save_points_resumes_to_the_same_numbers(six_iterations, killed_run, rlhf,
                                                                                tmp_path, at):
     """Killed in iteration 5 of 6 with a save point every 3: iteration 4 lived only in memory. The
-    resume rebuilds it from checkpoint 3 by replay, and every iteration's numbers (every metric but
-    timings) equal the uninterrupted run's, bit for bit."""
-    extra = ("trainer.save_freq=3", "trainer.test_freq=-1", "trainer.logger=[console]")
-    reference = RunDir(flow_run(tmp_path / "ref", "run", *extra, iterations=6)["run_dir"])
-    run = killed_run(tmp_path / "runs", "run", *extra, iterations=6, at=at)
+    resume rebuilds it from checkpoint 3 by replay (and, killed before the verdict, iteration 5's
+    update too), and every iteration's numbers (every metric but timings) equal the uninterrupted
+    run's, bit for bit."""
+    run = killed_run(tmp_path / "runs", "run", *SAVE_EVERY_3, iterations=6, at=at)
     assert read_last_good(run)["iteration"] == 4 and not run.checkpoint(4).exists()
     proc = rlhf("run", "--resume", str(run.root))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for k in range(1, 7):
-        got, want = _numbers(run, k), _numbers(reference, k)
+        got, want = _numbers(run, k), _numbers(six_iterations, k)
         assert got == want, (k, {key: (got.get(key), want.get(key)) for key in set(got) | set(want)
                                  if got.get(key) != want.get(key)})
