@@ -112,7 +112,7 @@ def worker(run_dir: Path, until: int, fault: dict) -> None:
     plan = plan_run(resume=run_dir)
     with RunLock(plan.run):
         open_run(plan)
-        for stage in ("preprocess", "pack"):
+        for stage in ("init_critic", "preprocess", "pack"):
             get_stage(stage).load()(plan.cfg, plan.run, None)
         for k in range(plan.first_iteration, until + 1):
             if k == until:  # the driver's random-time kill counts from here

@@ -85,8 +85,9 @@ def migrate(run: RunDir, cfg: RLHFConfig) -> Optional[str]:
     for k in run.iterations():
         run.legacy_kl_snapshot(k).unlink(missing_ok=True)
     atomic_write_json(run.format_path, {"format": RUN_FORMAT})
-    message = (f"upgraded {run.root} to run-directory format {RUN_FORMAT}: the KL controller state of "
-               f"iterations {moved or 'none'} is now each gae's output")
+    message = (f"upgraded {run.root} to run-directory format {RUN_FORMAT}: " +
+               (f"the KL controller state of iterations {moved} is now each gae's output" if moved else
+                "nothing to move"))
     run.append_event("migrated", None, to=RUN_FORMAT, message=message)
     return message
 
