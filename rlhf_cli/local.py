@@ -10,7 +10,7 @@ import argparse
 from rlhf_cli.inspection import require_run_dir
 from rlhf_core.errors import RLHFError
 from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
-from rlhf_core.run.export import export_actor
+from rlhf_core.run.export import check_export_allowed, export_actor
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.migrate import migrate
 from rlhf_core.run.lock import RunLock
@@ -65,6 +65,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     with RunLock(run):
         saved = saved_config(run)
         migrate(run, saved)
+        check_export_allowed(cfg, run)  # a refusal first: before any repair works for nothing
         prepare_export(run, saved)  # damage rebuilt (each said in one line); a crash's record-only state written
         path = export_actor(cfg, run, args.out)
     print(f"exported the last-good actor to {path}")

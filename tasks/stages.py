@@ -22,7 +22,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import RLHFConfig
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.export import ExportRefused, export_actor
+from rlhf_core.run.export import ExportRefused, check_export_allowed, export_actor
 from rlhf_core.run.lifecycle import read_verdict, settle
 from rlhf_core.run.manifest import mark_skipped
 from rlhf_core.run.report import stage_numbers
@@ -152,6 +152,7 @@ def export_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: Optional[str] = No
     run = RunDir(run_dir)
     log = prefect_artifacts.logger()
     try:
+        check_export_allowed(cfg, run)  # a refusal first: before any repair works for nothing
         for line in prepare_export(run, cfg):  # damage rebuilt; a crash's record-only state written
             log.warning(line)
         path = export_actor(cfg, run)
