@@ -26,7 +26,7 @@ without the SFT warm start, ``--iterations`` + 1 iterations, with its own SQLite
 
 Definition, per iteration k:
   wall_k     = rollout.started_at(k+1) - rollout.started_at(k)   (everything the flow did for k:
-               begin/finish-iteration tasks, validation when due, transactions, MLflow, Prefect)
+               finish-iteration tasks, validation when due, transactions, MLflow, Prefect)
   compute_k  = sum over k's stage bodies (rollout, score, gae, update, guard, validate) of
                ``seconds - io_seconds`` from iter_k/manifest.json: the body's wall time minus the
                model/tokenizer loads, checkpoint writes, the update's setup (process group, model
@@ -37,7 +37,7 @@ The last iteration has no successor, so it only serves as the end mark of the on
 
 The overhead is split by source (they add up to wall - compute): the Prefect task-run wrapper
 (task-run time as the Prefect server recorded it minus the task function's own time), flow code
-outside any task run (including Prefect's task submission), begin/finish-iteration bodies (MLflow,
+outside any task run (including Prefect's task submission), finish-iteration bodies (MLflow,
 artifacts, learning curve, rest), the stage tasks' own reporting (MLflow, Prefect artifacts, rest),
 the manifest bookkeeping around each stage body (input/output hashing, manifest reads and writes),
 and the stage bodies' I/O by kind. Work of the flow's background reporter (an iteration's MLflow
@@ -158,10 +158,10 @@ def account(k: int, m: dict, window: tuple[float, float], runs: list, spans: lis
         "Prefect task-run wrapper": task_run_time - task_fn,
         "flow code outside task runs (incl. task submission)": wall - covered([(s, e) for _, s, e in runs], window),
     }
-    for label, kinds in (("begin/finish-iteration", ("task:begin-iteration", "task:finish-iteration", "task:kl-breach")),
+    for label, kinds in (("finish-iteration, kl-breach", ("task:finish-iteration", "task:kl-breach")),
                          ("stage tasks' reporting", None)):
         own = [t for t in tasks if (t.kind in kinds if kinds else t.kind not in
-                                    ("task:begin-iteration", "task:finish-iteration", "task:kl-breach"))]
+                                    ("task:finish-iteration", "task:kl-breach"))]
         fn_time = sum(clipped(t.start, t.end, window) for t in own)
         if kinds is None:
             fn_time -= sum(clipped(sp.start, sp.end, window) for sp in stage_calls)

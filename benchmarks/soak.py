@@ -5,17 +5,18 @@
 A seeded schedule gives every iteration one fault (or none):
 
     kill_point   the worker process dies (os._exit(137), like SIGKILL) at a named fault point of the
-                 iteration (a before_rename of one of its outputs, its manifest, kl_ctrl.json or
-                 last_good.json); recovery: resume.
+                 iteration (a before_rename of one of its outputs, its manifest, its KL controller
+                 state or last_good.json); recovery: resume.
     kill_time    SIGKILL of the worker at a random time while it runs the iteration; recovery: resume.
     corrupt      after the iteration commits, one file of its checkpoint gets a flipped byte or is cut
-                 in half; recovery: resume, which must detect it and fall back to the previous
-                 checkpoint and rerun the iteration.
+                 in half; recovery: resume, which must detect it and rebuild the checkpoint by replaying
+                 the iteration's update from its record (or, failing that, fall back and rerun it).
     nan          the iteration's advantages table gets NaN rows after gae; the update must skip the
                  step and the guard roll back ("non-finite update"); recovery: the retry commits.
 
 Each worker is a separate process (``--worker``) that resumes the run as ``rlhf run --resume`` does
-(``plan_run`` + ``open_run`` under the run lock: temporaries cleaned, last-good verified) and runs
+(``plan_run`` + ``open_run`` under the run lock: temporaries cleaned, the committed lineage
+verified and repaired) and runs
 the flow's iteration loop in-process without Prefect. At the end every iteration must be committed
 with its rollbacks recorded with reasons, every table and JSON file readable, every rollout complete,
 last-good verified, no temporary left: the table printed counts faults injected, recovered and data
@@ -78,7 +79,7 @@ def poison_advantages(run, k: int) -> None:
 
 
 def run_iteration(cfg, run, k: int, fault: dict) -> None:
-    from rlhf_core.run.lifecycle import begin_iteration, commit_iteration, discard_checkpoint, read_verdict
+    from rlhf_core.run.lifecycle import commit_iteration, discard_checkpoint, read_verdict
     from rlhf_core.run.lifecycle import rollback_iteration
     from rlhf_core.stages.guard import run_guard
     from rlhf_core.run.lifecycle import prune_checkpoints
@@ -87,7 +88,6 @@ def run_iteration(cfg, run, k: int, fault: dict) -> None:
     if fault.get("point"):  # armed only now, so earlier iterations of this worker are not hit
         os.environ["RLHF_FAULT"] = fault["point"]
     for attempt in itertools.count(1):
-        begin_iteration(run, k)
         for stage in ("rollout", "score", "gae"):
             get_stage(stage).load()(cfg, run, k)
         if fault.get("nan") and attempt == 1:
@@ -112,7 +112,7 @@ def worker(run_dir: Path, until: int, fault: dict) -> None:
     plan = plan_run(resume=run_dir)
     with RunLock(plan.run):
         open_run(plan)
-        for stage in ("preprocess", "pack"):
+        for stage in ("init_critic", "preprocess", "pack"):
             get_stage(stage).load()(plan.cfg, plan.run, None)
         for k in range(plan.first_iteration, until + 1):
             if k == until:  # the driver's random-time kill counts from here
@@ -224,10 +224,10 @@ def soak(iterations: int, seed: int, work: Path) -> dict:
                 what = corrupt_checkpoint(run, k, rng)
                 injected[kind] += 1
                 notes.append(f"iteration {k}: corrupted {what}")
-                before = sum(e["kind"] == "checkpoint_corrupt_fallback" for e in run.events())
+                before = sum(e["kind"] in ("repaired", "fallback") for e in run.events())
                 _require(launch(run.root, k, {}) == 0, f"resume after corrupting iteration {k} failed")
-                fell_back = sum(e["kind"] == "checkpoint_corrupt_fallback" for e in run.events()) > before
-                recovered[kind] += int(fell_back and _committed(run, k))
+                noticed = sum(e["kind"] in ("repaired", "fallback") for e in run.events()) > before
+                recovered[kind] += int(noticed and _committed(run, k))
         done = k if kind != "none" or k == iterations else done
     if done < iterations:
         _require(launch(run.root, iterations, {}) == 0, "final run failed")
@@ -258,14 +258,14 @@ def data_lost(run, cfg, iterations: int) -> dict[str, list[str]]:
     import pyarrow.parquet as pq
 
     from rlhf_core.io.atomic import TMP_MARK
-    from rlhf_core.run.manifest import read_manifest
-    from rlhf_core.run.lifecycle import read_last_good
+    from rlhf_core.run.lifecycle import committed_iterations, read_last_good
     from rlhf_core.io.checksums import verify_checkpoint
 
     lost: dict[str, list[str]] = {"iterations": [], "unreadable": [], "rows": [], "reasons": [], "temporaries": [],
                                   "last_good": []}
+    committed = committed_iterations(run)
     for k in range(1, iterations + 1):
-        if not read_manifest(run, k).get("guard", {}).get("committed"):
+        if k not in committed:
             lost["iterations"].append(str(k))
         if pq.ParquetFile(run.rollout(k)).metadata.num_rows != cfg.data.train_batch_size:
             lost["rows"].append(f"iter_{k}/rollout.parquet")

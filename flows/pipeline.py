@@ -3,8 +3,8 @@
     rollout → score → gae → update → kl-guard → settle → (validate) → finish-iteration
 
 where settle acts on the guard's verdict (``rlhf_core.run.lifecycle.settle``): commit moves
-last_good.json (one atomic rename); rollback discards the new checkpoint and restores the KL
-controller. After a rollback, ``trainer.on_kl_breach`` decides: retry the iteration (smaller learning rate, larger KL coefficient,
+last_good.json (one atomic rename); rollback discards the new checkpoint (the KL controller's
+state is gae's output: the retry's gae starts again from the committed predecessor's). After a rollback, ``trainer.on_kl_breach`` decides: retry the iteration (smaller learning rate, larger KL coefficient,
 at most ``trainer.max_rollbacks`` times) or halt the flow run with a message saying how to go on.
 The flow holds the run directory's lock; it contains wiring only (decisions live in rlhf_core).
 
@@ -42,12 +42,13 @@ from tasks import mlflow_tracking, prefect_artifacts
 from tasks.breach import handle_breach_task
 from tasks.prefect_runs import claim_run_directory, fail_misplaced_parameters
 from tasks.iteration import (
-    backfill_tracking_task, begin_iteration_task, finish_iteration_task, finish_tracking_task, publish_iteration,
+    backfill_tracking_task, finish_iteration_task, finish_tracking_task, publish_iteration,
     start_tracking_task,
 )
 from tasks.background_publisher import Reporter
 from tasks.stages import (
-    export_task, gae_task, guard_task, init_critic_task, pack_task, preprocess_task, rollout_task, score_task,
+    export_task, gae_task, guard_task, init_critic_task, make_durable_task, pack_task, preprocess_task, rollout_task,
+    score_task,
     settle_task, update_task, validate_task, warm_start_task,
 )
 
@@ -166,6 +167,7 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
         if initial_validation_due(cfg):  # the policy the run starts from, at its step (0 for a new run)
             metrics = validate_before_training(plan, cfg, mlflow_run_id)
         if not plan.iterations():  # trainer.val_only, or nothing left to run on resume
+            make_durable_task(cfg, run_dir)  # as a training flow run leaves it: last-good on disk
             return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
                     "export": None}
         settle_heap()  # every module is imported by now: keep the GC from rescanning them each iteration
@@ -253,7 +255,6 @@ def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional
     (finish-iteration does). Raises KLGuardHalt when the breach policy stops the run."""
     quiet = dict(mlflow_run_id=mlflow_run_id, report=False)
     for attempt in itertools.count(1):
-        begin_iteration_task(run_dir, k)
         results = [rollout_task(cfg, run_dir, k, **quiet), score_task(cfg, run_dir, k, **quiet),
                    gae_task(cfg, run_dir, k, **quiet)]
         results.append(update_task(cfg, run_dir, k, **quiet))

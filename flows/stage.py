@@ -6,9 +6,8 @@ only: config.yaml is never changed by a rerun (the stage's manifest record lists
 ``rlhf_rebuild`` (`rlhf rebuild RUN`) reruns what they left out of date with config.yaml. Its MLflow
 run is nested under the run directory's pipeline run, opened once the stage did work: a stage found
 up to date is skipped without a nested run, alerts or an iteration report. A guard rerun acts on
-its verdict on disk: commit moves last_good; a breach discards the iteration's checkpoint and
-restores the KL controller (an iteration that is already committed is only re-measured, never
-rolled back by hand).
+its verdict on disk: commit moves last_good; a breach discards the iteration's checkpoint (an
+iteration that is already committed is only re-measured, never rolled back by hand).
 """
 
 from __future__ import annotations

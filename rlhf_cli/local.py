@@ -10,13 +10,13 @@ import argparse
 from rlhf_cli.inspection import require_run_dir
 from rlhf_core.errors import RLHFError
 from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
-from rlhf_core.run.export import export_actor
+from rlhf_core.run.export import check_export_allowed, export_actor
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.lifecycle import last_good_iteration
+from rlhf_core.run.migrate import migrate
 from rlhf_core.run.lock import RunLock
-from rlhf_core.run.plan import resolve_run_config, stage_config
+from rlhf_core.run.plan import resolve_run_config, saved_config, stage_config
 from rlhf_core.stages.registry import get_stage
-from rlhf_core.training.resident import ensure_state
+from rlhf_core.stages.repair import prepare_export
 
 
 def print_result(result: dict) -> None:
@@ -63,7 +63,10 @@ def cmd_export(args: argparse.Namespace) -> int:
     run = RunDir(args.run_dir)
     cfg = resolve_run_config(run.root, None, args.overrides)
     with RunLock(run):
-        ensure_state(cfg, run, last_good_iteration(run))  # a crash may have left it only in its record
+        saved = saved_config(run)
+        migrate(run, saved)
+        check_export_allowed(cfg, run)  # a refusal first: before any repair works for nothing
+        prepare_export(run, saved)  # damage rebuilt (each said in one line); a crash's record-only state written
         path = export_actor(cfg, run, args.out)
     print(f"exported the last-good actor to {path}")
     return 0

@@ -80,3 +80,9 @@ def disk_full_as_user_error(path: Path) -> Iterator[None]:
         if is_disk_full(exc):
             raise disk_full_error(path) from exc
         raise
+
+
+def first_clause(exc: BaseException) -> str:
+    """An error's message up to its first "; " (ours go on to advise, which a caller that says what it
+    does instead replaces), else its type's name."""
+    return str(exc).split("; ")[0] or type(exc).__name__

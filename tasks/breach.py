@@ -13,6 +13,7 @@ from prefect.cache_policies import NO_CACHE
 
 from rlhf_core.config import RLHFConfig, apply_overrides
 from rlhf_core.io import timing
+from rlhf_core.io.atomic import fault_point
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import halt_message, read_verdict, retry_overrides
 from rlhf_core.run.plan import save_config
@@ -53,7 +54,8 @@ def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
                       "guard/rollback_attempt": float(attempt)})
         mlflow_tracking.log_metrics(mlflow_run_id, batch, step=k)
     if t.on_kl_breach == "retry" and attempt <= t.max_rollbacks:
-        overrides, changes = retry_overrides(cfg, run, k)
+        overrides, changes = retry_overrides(cfg)
+        fault_point("retry:before_config")  # kill tests: the retry decided, its changes not saved yet
         save_config(run, apply_overrides(cfg, overrides))
         run.append_event("retry", k, attempt=attempt, changes=changes)
         text = ", ".join(f"{key} {old:.3g} → {new:.3g}" for key, (old, new) in changes.items()) or "no change"

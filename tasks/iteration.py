@@ -1,5 +1,5 @@
-"""Bookkeeping tasks around the stages: the MLflow run's lifecycle, the start and the close of an
-iteration (KL controller snapshot; metrics, learning curve, artifacts, alerts, checkpoint pruning)."""
+"""Bookkeeping tasks around the stages: the MLflow run's lifecycle and the close of an iteration
+(metrics, learning curve, artifacts, alerts, checkpoint pruning)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import RLHFConfig
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.lifecycle import begin_iteration, committed_iterations, prune_checkpoints
+from rlhf_core.run.lifecycle import committed_iterations, prune_checkpoints
 from rlhf_core.run.report import ALERT_KINDS, alert_history, iteration_alerts, iteration_numbers, save_iteration_metrics, stage_numbers
 from rlhf_core.run.schedule import curve_due
 from tasks import mlflow_tracking, prefect_artifacts
@@ -50,14 +50,6 @@ def finish_tracking_task(mlflow_run_id: Optional[str], status: str = "FINISHED",
     if reason:
         mlflow_tracking.set_tags(mlflow_run_id, {"halt_reason": reason})
     mlflow_tracking.finish(mlflow_run_id, status)
-
-
-@task(name="begin-iteration", task_run_name="begin-iter{iteration}", **NO_RESULTS)
-def begin_iteration_task(run_dir: str, iteration: int) -> dict:
-    """Snapshot the KL controller before the iteration (restored by a rollback, or after a crash
-    inside gae so a resumed gae does not update it twice)."""
-    with timing.span("task:begin-iteration"):
-        return begin_iteration(RunDir(run_dir), iteration)
 
 
 DONE_MARK = "perf/iteration_seconds"

@@ -22,12 +22,13 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import RLHFConfig
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.export import ExportRefused, export_actor
-from rlhf_core.run.lifecycle import last_good_iteration, read_verdict, settle
+from rlhf_core.run.export import ExportRefused, check_export_allowed, export_actor
+from rlhf_core.run.lifecycle import read_verdict, settle
 from rlhf_core.run.manifest import mark_skipped
 from rlhf_core.run.report import stage_numbers
 from rlhf_core.stages.registry import get_stage
-from rlhf_core.training.resident import ensure_state, settle_resident
+from rlhf_core.stages.repair import Unrepairable, make_last_good_durable, prepare_export
+from rlhf_core.training.resident import check_background_writes, settle_resident
 from tasks import mlflow_tracking, prefect_artifacts
 
 NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)
@@ -116,7 +117,7 @@ def score_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = Fals
 @task(name="gae", task_run_name="gae-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
 def gae_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
              mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
-    """KL-in-reward penalty and GAE → iter_K/advantages.parquet (updates the KL controller)."""
+    """KL-in-reward penalty and GAE → iter_K/advantages.parquet and the KL controller state it hands on."""
     return execute("gae", cfg, run_dir, iteration, force, mlflow_run_id, report)
 
 
@@ -151,9 +152,11 @@ def export_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: Optional[str] = No
     run = RunDir(run_dir)
     log = prefect_artifacts.logger()
     try:
-        ensure_state(cfg, run, last_good_iteration(run))  # written at the flow's end; a crash leaves a record
+        check_export_allowed(cfg, run)  # a refusal first: before any repair works for nothing
+        for line in prepare_export(run, cfg):  # damage rebuilt; a crash's record-only state written
+            log.warning(line)
         path = export_actor(cfg, run)
-    except ExportRefused as exc:
+    except (ExportRefused, Unrepairable) as exc:
         log.warning("export refused: %s", exc)
         prefect_artifacts.markdown(f"### export refused\n\n{exc}", key=prefect_artifacts.artifact_key(run, "export"))
         if mlflow_run_id:
@@ -166,14 +169,26 @@ def export_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: Optional[str] = No
     return {"exported": True, "path": str(path)}
 
 
+@task(name="make-durable", **NO_RESULTS)
+def make_durable_task(cfg: RLHFConfig, run_dir: str) -> Optional[str]:
+    """Last-good's checkpoint written when its state is only in its record (a flow run with nothing
+    left to train does what a training one does at its end)."""
+    line = make_last_good_durable(RunDir(run_dir), cfg)
+    if line:
+        prefect_artifacts.logger().info(line)
+    return line
+
+
 @task(name="settle", task_run_name="settle-iter{iteration}", **NO_RESULTS)
 def settle_task(cfg: RLHFConfig, run_dir: str, iteration: int, policy: str, attempt: int) -> str:
     """Act on iteration K's verdict: commit (last_good.json moves, one atomic rename) or roll back
-    (the checkpoint discarded, the KL controller restored), then tell the resident trainer (a
-    commit may start a background save, a rollback puts its in-memory snapshot back). Never
-    retried: it decides a commit."""
+    (the checkpoint discarded), then tell the resident trainer (a commit may start a background
+    save, a rollback puts its in-memory snapshot back). First the background save of an earlier
+    commit must have succeeded: a failed one stops the run here, in one line. Never retried: it
+    decides a commit."""
     with timing.span("task:settle"):
         run = RunDir(run_dir)
+        check_background_writes(run)  # a save that failed stops the run before anything commits on top of it
         outcome = settle(run, iteration, policy=policy, attempt=attempt)
         settle_resident(cfg, run, iteration, outcome)
         return outcome

@@ -4,7 +4,8 @@
 
 Only the last-good actor is exported (the one the KL guard committed), and only when the latest
 validation accuracy is at least ``trainer.export_min_val_score``; otherwise ``ExportRefused`` names
-the score. A LoRA actor (a peft adapter directory) is merged into its base model first, so the
+the score. Its checkpoint is verified against its sha256 manifest first: the callers rebuild what
+is damaged (``stages.repair.prepare_export``), and what still does not verify is never exported. A LoRA actor (a peft adapter directory) is merged into its base model first, so the
 export loads with plain ``AutoModelForCausalLM.from_pretrained``.
 """
 
@@ -17,6 +18,7 @@ from typing import Optional
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.io.atomic import atomic_dir, atomic_write_json
+from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.run.lifecycle import last_good_iteration, read_last_good
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.query import read_iteration_metrics
@@ -73,6 +75,10 @@ def export_actor(cfg: RLHFConfig, run: RunDir, out: Optional[Path] = None) -> Pa
     source = run.root / record["checkpoint"] / "actor"
     if not source.is_dir():
         raise CheckpointError(f"last-good actor {source} is missing; rerun the run with --resume")
+    try:
+        verify_checkpoint(source.parent)  # never export what no longer matches its hashes
+    except CheckpointError as exc:
+        raise CheckpointError(f"refusing to export {run.root}: {exc}") from None
     out = Path(out) if out else run.exported_actor
     model = load_merged_actor(source)
     tokenizer = AutoTokenizer.from_pretrained(source)

@@ -1,6 +1,7 @@
 """The run directory: the only module that spells a file or folder name of a run.
 
     runs/<name>/
+      format.json                 the run directory's format version (run.migrate upgrades older ones)
       config.yaml                 resolved config of the run (what `rlhf config show` prints)
       run.lock                    the writer's lease (host, pid, start, last renewal): valid across
                                   machines sharing the directory (run.lock)
@@ -12,17 +13,17 @@
       prompts/rejects.parquet     rows that were not accepted, each with its reason
       pack/generation_batches.parquet   token-budget generation batches over the train prompts
       pack/summary.json           packing statistics
-      kl_ctrl.json                KL controller state (survives resume)
       last_good.json              the commit log: every committed iteration, in order; the last one is
                                   last-good (the only record of "committed": run.lifecycle)
       events.jsonl                rollbacks, skips, alerts
       models/critic_init/         the initial critic (stage init_critic)
       iter_<k>/manifest.json      per-iteration stages (rollout, score, gae, update, guard, validate)
-      iter_<k>/kl_ctrl_before.json  KL controller state before the iteration (restored by a rollback)
       iter_<k>/rollout.parquet    responses (rollout_rejects.parquet: offline rows not accepted;
                                   rollout_baseline.parquet: remax's greedy response per prompt)
       iter_<k>/scored.parquet     rewards, old/ref log-probs, values
       iter_<k>/advantages.parquet token rewards (KL penalty), advantages, returns
+      iter_<k>/kl_ctrl.json       the KL controller state gae used and the one it hands on (gae's
+                                  output: the next iteration reads it from its committed predecessor)
       iter_<k>/checkpoint/        actor (HF safetensors), critic, DeepSpeed state, manifest: written every
                                   trainer.save_freq iterations and at the end (each with resident models)
       iter_<k>/state.json         the state the update produced: its lineage id, what it started from,
@@ -108,8 +109,9 @@ class RunDir:
         return self.pack_dir / "summary.json"
 
     @property
-    def kl_ctrl_path(self) -> Path:
-        return self.root / "kl_ctrl.json"
+    def format_path(self) -> Path:
+        """The run directory's format version (``run.migrate``)."""
+        return self.root / "format.json"
 
     @property
     def last_good_path(self) -> Path:
@@ -188,8 +190,9 @@ class RunDir:
     def verdict(self, k: int) -> Path:
         return self.iter_dir(k) / "guard.json"
 
-    def kl_snapshot(self, k: int) -> Path:
-        return self.iter_dir(k) / "kl_ctrl_before.json"
+    def kl_state(self, k: int) -> Path:
+        """The KL controller state iteration k's gae used and the one it hands on (``stages.gae``)."""
+        return self.iter_dir(k) / "kl_ctrl.json"
 
     def validation(self, k: int) -> Path:
         return self.iter_dir(k) / "validation.parquet"
@@ -250,6 +253,16 @@ class RunDir:
             if p.is_dir() and suffix.isdigit():
                 found.append(int(suffix))
         return sorted(found)
+
+    # run directories of format 1 (read only by run.migrate) --------------------------------------
+    @property
+    def legacy_kl_ctrl_path(self) -> Path:
+        """Format 1: the run's one KL controller state, rewritten by every gae."""
+        return self.root / "kl_ctrl.json"
+
+    def legacy_kl_snapshot(self, k: int) -> Path:
+        """Format 1: the KL controller state iteration k started from."""
+        return self.iter_dir(k) / "kl_ctrl_before.json"
 
     # small state ------------------------------------------------------------------------------
     def read_json(self, path: Path, default: Any = None) -> Any:

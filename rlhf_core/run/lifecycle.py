@@ -1,15 +1,16 @@
-"""The lifecycle of a run's iterations: begin, commit, roll back, retry, halt, resume, fall back,
-prune — and the KL controller's state. The only module that writes last_good.json, kl_ctrl.json
-and the KL snapshots; stages and flows ask it, never decide a commit themselves.
+"""The lifecycle of a run's iterations: commit, roll back, retry, halt, fall back, prune. The only
+module that writes last_good.json; stages and flows ask it, never decide a commit themselves.
 
-    begin(k)        snapshot the KL controller before k (once); after a crash inside gae, put it back
     settle(k)       act on the guard's verdict: commit, or roll back
     commit(k)       ONE atomic rename of last_good.json, the commit log (below)
-    roll back(k)    mark gae/update/guard rolled_back (one manifest write), restore the KL
-                    controller, discard k's checkpoint, append the event; every step idempotent
-    retry / halt    after a rollback, ``trainer.on_kl_breach`` (the overrides, the message)
-    resume          clean temporaries, rebuild a lost commit log, verify last-good (fall back to the
-                    newest intact commit), prune
+    roll back(k)    mark gae/update/guard rolled_back (one manifest write), discard k's checkpoint
+                    and state record, append the event; every step idempotent. Nothing else: the
+                    KL controller's state is an output of gae (``stages.gae``), and a retry's gae
+                    starts again from the committed predecessor's
+    retry / halt    after a rollback, ``trainer.on_kl_breach``: the retry's changes are config
+                    overrides saved in one write of config.yaml (``retry_overrides``), or the message
+    fall back(g)    what cannot be rebuilt ends the lineage: the commit log is cut after g
+                    (``stages.repair`` decides, ``run.integrity`` finds what is damaged)
     prune           committed checkpoints that are neither last-good nor kept save points
 
 Durable and replayable. With resident models (``trainer.resident_models``) most committed iterations
@@ -44,13 +45,12 @@ from typing import Any, Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import CheckpointError, RLHFError
-from rlhf_core.io.atomic import TMP_MARK, atomic_write_json, clean_temporaries
+from rlhf_core.io.atomic import TMP_MARK, atomic_write_json
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lock import RunLock
 from rlhf_core.run.manifest import read_manifest, write_manifest
 from rlhf_core.run.schedule import save_due
 from rlhf_core.stages.registry import ROLLED_BACK_STAGES
-from rlhf_core.io.checksums import verify_checkpoint
 
 
 class KLGuardHalt(RLHFError):
@@ -75,20 +75,13 @@ def read_last_good(run: RunDir) -> Optional[dict]:
         raise StateFileError(f"{run.last_good_path} is not a commit log (expected {{\"iteration\": K, "
                              f"\"checkpoint\": ..., \"committed\": [...]}}); `rlhf run --resume {run.root}` "
                              "rebuilds it from the guard verdicts")
-    if "committed" not in record:  # a run directory from before the commit log: the manifests said it
-        record = {**record, "committed": _legacy_committed(run, int(record["iteration"]))}
     return record
 
 
 def _is_commit_log(record: Any) -> bool:
     return (isinstance(record, dict) and isinstance(record.get("iteration"), int)
-            and isinstance(record.get("checkpoint"), str)
-            and all(isinstance(k, int) for k in record.get("committed", [record.get("iteration")])))
-
-
-def _legacy_committed(run: RunDir, last_good: int) -> list[int]:
-    return [k for k in run.iterations() if k < last_good and read_manifest(run, k).get("guard", {}).get("committed")
-            ] + [last_good]
+            and isinstance(record.get("checkpoint"), str) and isinstance(record.get("committed"), list)
+            and all(isinstance(k, int) for k in record["committed"]))
 
 
 def committed_iterations(run: RunDir) -> list[int]:
@@ -146,7 +139,7 @@ def state_exists(run: RunDir, k: int) -> bool:
 
 def newest_durable(run: RunDir, through: int) -> int:
     """The newest committed iteration at or before ``through`` whose checkpoint directory is on disk
-    (0: none, the initial models). Existence only: ``verified_last_good`` checks the contents at resume."""
+    (0: none, the initial models). Existence only: ``run.integrity`` checks the contents at resume."""
     for k in reversed([k for k in committed_iterations(run) if k <= through]):
         if (run.checkpoint(k) / "actor").is_dir():
             return k
@@ -174,116 +167,6 @@ def policy_after(run: RunDir, k: int) -> Optional[Path]:
     """The checkpoint holding the policy as it was after step ``k``: the latest commit at or before
     ``k`` (None: the initial models). What validation after step k measures."""
     return checkpoint_before(run, k + 1)
-
-
-# ---------------------------------------------------------------------------------------------
-# begin / KL controller state
-# ---------------------------------------------------------------------------------------------
-
-
-def kl_state(run: RunDir) -> Optional[dict]:
-    """The KL controller's current state (None: fresh, from the config). A damaged kl_ctrl.json
-    falls back to the last-good checkpoint's copy, with one warning line and an event."""
-    try:
-        state = run.read_json(run.kl_ctrl_path)
-    except StateFileError as exc:
-        state = _kl_state_from_last_good(run)
-        _warn(run, "kl_ctrl_fallback", f"{exc}; using the last-good checkpoint's KL controller state "
-                                       f"({'value ' + repr(state.get('value')) if state else 'fresh from the config'})")
-        write_kl_state(run, state)
-        return state
-    if state is not None and not (isinstance(state, dict) and isinstance(state.get("value"), (int, float))):
-        raise StateFileError(f"{run.kl_ctrl_path} holds {state!r}, not a KL controller state (a \"value\"); delete it "
-                             "to restart the coefficient at algorithm.kl_ctrl.kl_coef")
-    return state
-
-
-def write_kl_state(run: RunDir, state: Optional[dict]) -> None:
-    """The one writer of kl_ctrl.json (None removes it: a fresh controller)."""
-    if state is None:
-        run.kl_ctrl_path.unlink(missing_ok=True)
-    else:
-        atomic_write_json(run.kl_ctrl_path, state)
-
-
-def write_kl_snapshot(run: RunDir, k: int, state: Optional[dict]) -> None:
-    """The one writer of iter_k/kl_ctrl_before.json: the state iteration ``k`` starts from."""
-    atomic_write_json(run.kl_snapshot(k), {"state": state})
-
-
-def take_kl_snapshot(run: RunDir, k: int) -> bool:
-    """Record the current state as the state before iteration ``k``, unless already recorded."""
-    if run.kl_snapshot(k).is_file():
-        return False
-    write_kl_snapshot(run, k, kl_state(run))
-    return True
-
-
-def kl_state_before(run: RunDir, k: int) -> Optional[dict]:
-    """The controller state iteration ``k`` starts from (None: a fresh controller from the config)."""
-    snapshot = run.kl_snapshot(k)
-    record = run.read_json(snapshot)
-    if not isinstance(record, dict) or "state" not in record:
-        raise StateFileError(f"{snapshot} is not a KL controller snapshot (expected {{\"state\": ...}}); delete it to "
-                             f"start iteration {k} from {run.kl_ctrl_path}")
-    return record["state"]
-
-
-def later_started_iteration(run: RunDir, k: int) -> Optional[int]:
-    """The first iteration after ``k`` that already took its KL snapshot (started from kl_ctrl.json)."""
-    return next((j for j in run.iterations() if j > k and run.kl_snapshot(j).is_file()), None)
-
-
-def persist_kl_controller(run: RunDir, k: int, state: dict) -> Optional[int]:
-    """After gae of ``k`` stepped the controller: write its state, unless a later iteration already
-    started from the file (a rerun of an old iteration must not rewind the run's controller).
-    Returns that later iteration, or None when written."""
-    later = later_started_iteration(run, k)
-    if later is None:
-        write_kl_state(run, state)
-    return later
-
-
-def begin_iteration(run: RunDir, k: int) -> dict:
-    """Record the KL controller state as it was before iteration ``k`` (once), and when the gae
-    stage of ``k`` has not completed, put that state back: a crash inside gae may have updated the
-    controller without recording the stage, and rerunning gae must not update it twice."""
-    current = kl_state(run)
-    if not run.kl_snapshot(k).is_file():
-        write_kl_snapshot(run, k, current)
-        return {"snapshot": "taken", "state": current}
-    saved = kl_state_before(run, k)
-    gae_done = read_manifest(run, k).get("gae", {}).get("status") == "done"
-    if not gae_done and saved != current:
-        write_kl_state(run, saved)
-        return {"snapshot": "restored", "state": saved}
-    return {"snapshot": "kept", "state": current}
-
-
-def restore_kl_controller(run: RunDir, k: int) -> Optional[dict]:
-    """Put kl_ctrl.json back to its state before iteration ``k`` (from the snapshot, else from the
-    last-good checkpoint's trainer_state.json). Returns the restored state (None = fresh)."""
-    state = kl_state_before(run, k) if run.kl_snapshot(k).is_file() else _kl_state_from_last_good(run)
-    write_kl_state(run, state)
-    return state
-
-
-def _kl_state_from_last_good(run: RunDir) -> Optional[dict]:
-    return _kl_state_in(run, last_good_checkpoint(run))
-
-
-def _kl_state_in(run: RunDir, ckpt: Optional[Path]) -> Optional[dict]:
-    """The KL controller state a checkpoint saved, or its state record when the checkpoint is not on
-    disk (None: no checkpoint, or none readable)."""
-    if ckpt is None:
-        return None
-    k = run.checkpoint_iteration(ckpt)
-    try:
-        if not (ckpt / "trainer_state.json").is_file() and k is not None:
-            return (run.read_json(run.state_record(k)) or {}).get("kl_ctrl")
-        return (run.read_json(ckpt / "trainer_state.json") or {}).get("kl_ctrl")
-    except StateFileError:
-        return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -327,12 +210,13 @@ def commit_iteration(run: RunDir, k: int) -> dict:
     return record
 
 
-def discard_checkpoint(run: RunDir, k: int) -> bool:
+def discard_checkpoint(run: RunDir, k: int, *, damaged: bool = False) -> bool:
     """Remove iteration ``k``'s checkpoint: renamed to a temporary name first (one atomic step, so
     no reader ever sees half a checkpoint; ``clean_temporaries`` removes a crash's leftover), then
-    deleted. Refuses to touch the last-good checkpoint. Returns whether anything was removed."""
+    deleted. Refuses to touch the last-good checkpoint unless it is ``damaged`` (its state is then
+    rebuilt by replay from its record). Returns whether anything was removed."""
     checkpoint = run.checkpoint(k)
-    if last_good_iteration(run) == k:
+    if last_good_iteration(run) == k and not damaged:
         raise CheckpointError(f"refusing to discard {checkpoint}: it is the last-good checkpoint")
     if not checkpoint.exists():
         return False
@@ -344,8 +228,9 @@ def discard_checkpoint(run: RunDir, k: int) -> bool:
 
 def rollback_iteration(run: RunDir, k: int, *, policy: str, attempt: int) -> dict:
     """Undo iteration ``k``: its gae/update/guard records ``rolled_back`` (first: after that, a
-    resume redoes them whatever else a crash left), the KL controller back to its state before k,
-    the checkpoint discarded, the event appended. Each step is idempotent."""
+    resume redoes them whatever else a crash left), the checkpoint discarded, the event appended.
+    Each step is idempotent. The KL controller needs nothing: its state is gae's output, and the
+    retry's gae starts again from the committed predecessor's."""
     if k in committed_iterations(run):
         raise CheckpointError(f"iteration {k} is committed: a committed iteration is never rolled back")
     verdict = read_verdict(run, k) or {}
@@ -355,14 +240,13 @@ def rollback_iteration(run: RunDir, k: int, *, policy: str, attempt: int) -> dic
             manifest[stage]["status"] = "rolled_back"
             manifest[stage]["rollback_attempt"] = attempt
     write_manifest(run, k, manifest)
-    restored = restore_kl_controller(run, k)
     discard_checkpoint(run, k)
     run.state_record(k).unlink(missing_ok=True)  # the discarded state is nobody's to rebuild
     last_good = read_last_good(run)
     return run.append_event(
         "rollback", k, reason=verdict.get("reason", "KL above threshold"), kl=verdict.get("kl_mean"),
         val_kl=verdict.get("val_kl_mean"), threshold=verdict.get("threshold"), attempt=attempt, policy=policy,
-        last_good=last_good.get("iteration") if last_good else None, kl_ctrl_restored=restored)
+        last_good=last_good.get("iteration") if last_good else None)
 
 
 def rollback_count(run: RunDir, k: int, since: float = 0.0) -> int:
@@ -376,35 +260,24 @@ def rollback_count(run: RunDir, k: int, since: float = 0.0) -> int:
 # ---------------------------------------------------------------------------------------------
 
 
-def retry_overrides(cfg: RLHFConfig, run: RunDir, k: int) -> tuple[list[str], dict[str, Any]]:
-    """What a retry of iteration ``k`` changes: the actor learning rate divided by
-    trainer.retry_lr_divisor (a config override) and the KL coefficient multiplied by
-    trainer.retry_kl_coef_multiplier (in the controller state and its pre-iteration snapshot, so a
-    second rollback starts from the raised value). Returns (overrides, {change: (old, new)})."""
+def retry_overrides(cfg: RLHFConfig) -> tuple[list[str], dict[str, Any]]:
+    """What a retry changes, as config overrides the caller saves in one write of config.yaml
+    (nothing else holds them, so a kill before that write leaves the run as it was): the actor
+    learning rate divided by trainer.retry_lr_divisor, the KL coefficients multiplied by
+    trainer.retry_kl_coef_multiplier (the reward's through trainer.kl_coef_scale, which scales
+    the controller's value from then on; the loss's directly). Returns (overrides, {key: (old, new)})."""
     t = cfg.trainer
     changes: dict[str, Any] = {}
-    overrides: list[str] = []
     if t.retry_lr_divisor > 1:
         old = cfg.actor_rollout_ref.actor.optim.lr
-        overrides.append(f"actor_rollout_ref.actor.optim.lr={old / t.retry_lr_divisor!r}")
         changes["actor_rollout_ref.actor.optim.lr"] = (old, old / t.retry_lr_divisor)
     if t.retry_kl_coef_multiplier > 1:
-        state = kl_state(run)
-        if state is not None:
-            old = float(state["value"])
-            state = {**state, "value": old * t.retry_kl_coef_multiplier}
-            write_kl_state(run, state)
-            write_kl_snapshot(run, k, state)
-            changes["kl_ctrl.value"] = (old, state["value"])
-        else:  # no controller state yet: the coefficient still comes from the config
-            old = cfg.algorithm.kl_ctrl.kl_coef
-            overrides.append(f"algorithm.kl_ctrl.kl_coef={old * t.retry_kl_coef_multiplier!r}")
-            changes["algorithm.kl_ctrl.kl_coef"] = (old, old * t.retry_kl_coef_multiplier)
+        if cfg.algorithm.use_kl_in_reward:
+            changes["trainer.kl_coef_scale"] = (t.kl_coef_scale, t.kl_coef_scale * t.retry_kl_coef_multiplier)
         if cfg.actor_rollout_ref.actor.use_kl_loss:
             old = cfg.actor_rollout_ref.actor.kl_loss_coef
-            overrides.append(f"actor_rollout_ref.actor.kl_loss_coef={old * t.retry_kl_coef_multiplier!r}")
             changes["actor_rollout_ref.actor.kl_loss_coef"] = (old, old * t.retry_kl_coef_multiplier)
-    return overrides, changes
+    return [f"{key}={new!r}" for key, (_, new) in changes.items()], changes
 
 
 def halt_message(run: RunDir, k: int, reason: str) -> str:
@@ -453,17 +326,6 @@ def nonfinite_update(update_record: dict, kl: float) -> Optional[str]:
 # ---------------------------------------------------------------------------------------------
 # resume / fall back
 # ---------------------------------------------------------------------------------------------
-
-
-def prepare_resume(run: RunDir) -> dict:
-    """Before a resume continues: leftovers of interrupted writes removed, a lost or damaged commit
-    log rebuilt from the guard verdicts, last-good verified (a damaged or missing checkpoint falls
-    back to the newest intact commit). Returns what was done, for the resume event."""
-    removed = clean_temporaries(run.root)
-    rebuilt = rebuild_commit_log(run)
-    fallback = verified_last_good(run)
-    return {"cleaned": [str(p) for p in removed], "rebuilt_commit_log": rebuilt,
-            "fell_back_from": (fallback or {}).get("fell_back_from")}
 
 
 def commit_log_problem(run: RunDir) -> Optional[str]:
@@ -519,99 +381,35 @@ def rebuild_commit_log(run: RunDir) -> Optional[list[int]]:
     return committed
 
 
-def verified_last_good(run: RunDir) -> Optional[dict]:
-    """The commit log after checking the last-good checkpoint against its sha256 manifest; when that
-    checkpoint is damaged or missing, fall back to the newest earlier committed checkpoint that
-    verifies.
-
-    A fallback from iteration b to g (< b) puts the run back as if g were the last commit: the
-    gae/update/guard records of g+1..b become ``stale`` (they rerun; rollout and score stay valid,
-    they started from g's models), the KL controller returns to its state before g+1, the commit
-    log is cut after g (one atomic write), and a ``checkpoint_corrupt_fallback`` event and a stderr
-    line say so. Each step is idempotent, so a crash in between is repaired by resuming again.
-    A missing last-good directory is damaged, never "pruned". Raises ``CheckpointError`` naming
-    every damaged file when no committed checkpoint verifies and some earlier ones are gone (pruned,
-    or deleted by hand); when every commit is there but damaged, the run falls back to the initial
-    models.
-    """
-    record = read_last_good(run)
-    if not record:
-        return record
-    committed = list(record["committed"])
-    errors: list[str] = []
-    damaged: set[int] = set()
-    unavailable = 0  # pruned, or deleted by hand: not damaged, but nothing to fall back to either
-    for k in reversed(committed):
-        ckpt = run.checkpoint(k)
-        if not ckpt.is_dir():
-            if is_replayable(run, k):
-                continue  # not durable: rebuilt by replay from the checkpoint found below
-            if k != committed[-1]:
-                unavailable += 1
-                continue
-            errors.append(f"iteration {k}: {ckpt} is missing")  # last-good itself: never "pruned"
-            damaged.add(k)
-            continue
-        try:
-            verify_checkpoint(ckpt)
-        except CheckpointError as exc:
-            errors.append(f"iteration {k}: {exc}")
-            damaged.add(k)
-            continue
-        return _keep_or_fall_back(run, record, committed, k, damaged, errors)
-    if not unavailable:  # no commit verifies: start again from the initial models (and replay what can be)
-        return _keep_or_fall_back(run, record, committed, 0, damaged, errors)
-    raise CheckpointError(
-        f"no committed checkpoint of {run.root} verifies:\n  " + "\n  ".join(errors or ["(none kept)"])
-        + f"\n({unavailable} earlier commit(s) pruned or deleted); keep more checkpoints (trainer.save_freq=1, "
-        "trainer.max_ckpt_to_keep>=2) or start a new run")
-
-
-def _keep_or_fall_back(run: RunDir, record: dict, committed: list[int], base: int, damaged: set[int],
-                       errors: list[str]) -> dict:
-    """From the intact checkpoint of ``base`` (0: the initial models), the commits after it that can
-    be replayed in order — none damaged, each with its state record — are kept; the run falls back to
-    the last of them when that is not last-good."""
-    good = base
-    for j in (j for j in committed if j > base):
-        if j in damaged or not is_replayable(run, j):
-            break
-        good = j
-    if good == committed[-1]:
-        return record
-    return _fall_back(run, committed, good, errors)
-
-
-def _fall_back(run: RunDir, committed: list[int], good: int, errors: list[str]) -> dict:
-    bad = committed[-1]
+def fall_back(run: RunDir, good: int, reason: str) -> str:
+    """Put the run back as if ``good`` (0: the initial models) were its last commit, because of
+    ``reason`` (what cannot be rebuilt, naming its own file and iteration): the gae/update/guard
+    records of the commits after it become ``stale`` (they rerun; a rollout or score is reused only
+    where its inputs, the state it started from included, come out the same), the commit log is cut
+    after it (one atomic write), their checkpoints are discarded, and a ``fallback`` event and a
+    warning line say so. Each step is idempotent, so a crash in between is repaired by resuming
+    again. Returns the line."""
+    committed = committed_iterations(run)
+    bad = committed[-1] if committed else good
     on_disk = set(run.iterations())
-    for j in range(good + 1, bad + 1):  # undo the commits after ``good``: they rerun from its models
-        if j not in on_disk:
-            continue
-        manifest = read_manifest(run, j)
+    for j in (j for j in committed if j > good and j in on_disk):
+        try:
+            manifest = read_manifest(run, j)
+        except StateFileError:
+            manifest = {}  # rebuilt by the stages that rerun
         for stage in ROLLED_BACK_STAGES:
             if stage in manifest:
                 manifest[stage]["status"] = "stale"
-        if "guard" in manifest:
-            manifest["guard"]["checkpoint_corrupt"] = any(e.startswith(f"iteration {j}:") for e in errors)
         write_manifest(run, j, manifest)
-    write_kl_state(run, _kl_state_after(run, good))
-    record = _write_log(run, [k for k in committed if k <= good]) or {"iteration": 0, "checkpoint": None,
-                                                                       "committed": []}
-    target = f"the checkpoint of iteration {good}" if good else "the initial models (no checkpoint verifies)"
-    message = (f"last-good checkpoint of iteration {bad} is damaged ({errors[0].split(': ', 1)[1]}); falling back "
-               f"to {target}: iterations {good + 1}..{bad} will be rerun")
-    run.append_event("checkpoint_corrupt_fallback", good, corrupt_iteration=bad, errors=errors, message=message)
+    _write_log(run, [k for k in committed if k <= good])
+    for j in (j for j in committed if j > good):  # their updates rerun and write new ones
+        discard_checkpoint(run, j)
+    target = f"iteration {good}" if good else "the initial models"
+    again = f"iteration {bad} will be rerun" if bad == good + 1 else f"iterations {good + 1}..{bad} will be rerun"
+    message = f"{reason}: falling back to {target}; {again}"
+    run.append_event("fallback", good, last_good_before=bad, message=message)
     print(f"rlhf: warning: {message}", file=sys.stderr)
-    return {**record, "fell_back_from": bad, "message": message}
-
-
-def _kl_state_after(run: RunDir, good: int) -> Optional[dict]:
-    """The KL controller state the iteration after ``good`` starts from: its snapshot when it took
-    one, else the state saved in ``good``'s checkpoint (None: fresh, before any commit)."""
-    if run.kl_snapshot(good + 1).is_file():
-        return kl_state_before(run, good + 1)
-    return _kl_state_in(run, run.checkpoint(good) if good else None)
+    return message
 
 
 def _warn(run: RunDir, kind: str, message: str) -> None:

@@ -29,6 +29,10 @@ from rlhf_core.stages.registry import DOWNSTREAM, SETUP_STAGES
 from rlhf_core.io.timing import MANIFEST, timed
 
 
+STATE_DIGEST = "state:"
+"""How a recorded digest names a checkpoint by the lineage id of its state (``path_digest``)."""
+
+
 def read_manifest(run: RunDir, iteration: Optional[int]) -> dict[str, Any]:
     with timed(MANIFEST):
         return run.read_json(run.manifest_path(iteration), default={}) or {}
@@ -51,7 +55,7 @@ def path_digest(run: RunDir, path: Path) -> Optional[str]:
         record = run.read_json(run.state_record(k))
         if record and record.get("id"):
             inside = Path(path).resolve().relative_to(run.checkpoint(k).resolve())
-            return f"state:{record['id']}" + ("" if str(inside) == "." else f"/{inside}")
+            return f"{STATE_DIGEST}{record['id']}" + ("" if str(inside) == "." else f"/{inside}")
     if not Path(path).exists():
         return None
     return sha256_tree(path)
@@ -66,9 +70,14 @@ def hash_paths(run: RunDir, paths: list[Path]) -> dict[str, str]:
         digest = path_digest(run, p)
         if digest is None:
             raise FileNotFoundError(f"stage input {p} does not exist: run the stage that produces it first")
-        key = str(p.relative_to(run.root)) if p.is_relative_to(run.root) else str(p)
-        out[key] = digest
+        out[record_key(run, p)] = digest
     return out
+
+
+def record_key(run: RunDir, path: str | Path) -> str:
+    """How a record names a path: relative to the run directory, absolute outside it."""
+    p = Path(path).resolve()
+    return str(p.relative_to(run.root)) if p.is_relative_to(run.root) else str(p)
 
 
 def is_up_to_date(run: RunDir, iteration: Optional[int], stage: str, inputs: dict[str, str],

@@ -13,7 +13,7 @@ Checkpoint layout (written by the update stage)::
     iter_<k>/checkpoint/actor/        Hugging Face causal LM (safetensors) + tokenizer
     iter_<k>/checkpoint/critic/       Hugging Face token-classification value model (1 label)
     iter_<k>/checkpoint/deepspeed/    optimizer / scheduler state for exact resume
-    iter_<k>/checkpoint/trainer_state.json   KL controller state, RNG, data position
+    iter_<k>/checkpoint/trainer_state.json   RNG, data position
     iter_<k>/checkpoint/manifest.json        sha256 of every file above
 """
 

@@ -32,11 +32,14 @@ from rlhf_core.data.preprocess import prompt_supply_problem
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.paths import resolve_path
 from rlhf_core.run.layout import RunDir, StateFileError, write_config
-from rlhf_core.run.lifecycle import committed_iterations, last_good_iteration, prepare_resume, prune_checkpoints
+from rlhf_core.io.atomic import clean_temporaries
+from rlhf_core.run.lifecycle import committed_iterations, last_good_iteration, prune_checkpoints, rebuild_commit_log
+from rlhf_core.run.migrate import migrate, stamp
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.report import iteration_metrics
 from rlhf_core.run.schedule import initial_validation_due, stops_after_validation
 from rlhf_core.stages.base import refuse_out_of_date
+from rlhf_core.stages.repair import repair_run
 
 
 @dataclass
@@ -175,11 +178,33 @@ def open_run(plan: RunPlan) -> None:
     """Save the run's config (a resume's overrides included) and note a resume in the event log."""
     plan.run.root.mkdir(parents=True, exist_ok=True)
     if plan.resumed:
-        repaired = prepare_resume(plan.run)  # temporaries, a lost commit log, a damaged last-good checkpoint
+        repaired = prepare_resume(plan.run)
         plan.first_iteration = resume_point(plan.run)
         plan.run.append_event("resume", plan.first_iteration, **repaired,
                               closed=close_committed(plan.cfg, plan.run))
+    else:
+        stamp(plan.run)
     write_config(plan.run, to_yaml(plan.cfg))
+
+
+def prepare_resume(run: RunDir) -> dict:
+    """Before a resume continues, under the run lock: leftovers of interrupted writes removed, the
+    directory upgraded to the current format, a lost or damaged commit log rebuilt from the guard
+    verdicts, and every damaged artifact of the committed lineage rebuilt by its producer or fallen
+    back from (``stages.repair``), each said in one line. Returns what was done, for the resume event."""
+    removed = clean_temporaries(run.root)
+    saved = saved_config(run)
+    migrated = migrate(run, saved)
+    rebuilt = rebuild_commit_log(run)
+    repairs = repair_run(run, saved)
+    return {"cleaned": [str(p) for p in removed], "migrated": migrated, "rebuilt_commit_log": rebuilt,
+            "repairs": repairs}
+
+
+def saved_config(run: RunDir) -> RLHFConfig:
+    """The run's config as config.yaml holds it (what its iterations ran with, before any overrides
+    of the command at hand)."""
+    return resolve_run_config(run.root, None, ())
 
 
 def close_committed(cfg: RLHFConfig, run: RunDir) -> list[int]:
@@ -216,8 +241,10 @@ def stage_config(run: RunDir, preset: Optional[str], overrides: Sequence[str]) -
     if not run.config_path.is_file():
         cfg = resolve_run_config(None, preset, overrides)
         run.root.mkdir(parents=True, exist_ok=True)
+        stamp(run)
         save_config(run, cfg)
         return fill_total_iterations(cfg, run)
+    migrate(run, saved_config(run))
     saved = fill_total_iterations(resolve_run_config(run.root, None, ()), run)  # saves only the run's own config
     cfg = apply_overrides(saved, overrides) if preset is None else resolve_run_config(None, preset, overrides)
     if cfg.trainer.total_iterations is None and saved.trainer.total_iterations is not None:

@@ -32,7 +32,9 @@ import pyarrow as pa
 
 from rlhf_core.data import schemas
 from rlhf_core.run.layout import RunDir, StateFileError
-from rlhf_core.run.lifecycle import commit_log_problem, committed_iterations, read_last_good
+from rlhf_core.run.integrity import damaged_checkpoints, find_damage
+from rlhf_core.run.lifecycle import commit_log_problem, committed_iterations, last_good_iteration, read_last_good
+from rlhf_core.run.migrate import outdated
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.stages.base import out_of_date, stage_label
 from rlhf_core.stages.registry import ITERATION_STAGES, SETUP_STAGES
@@ -270,6 +272,7 @@ def status_table(run: RunDir | str | Path) -> list[dict[str, Any]]:
     score; None where not measured), rollbacks, checkpoint presence."""
     run = run if isinstance(run, RunDir) else RunDir(run)
     committed = _committed_or_none(run)
+    damaged = damaged_checkpoints(run)
     rollbacks: dict[int, int] = {}
     for e in run.events():
         if e.get("kind") == "rollback" and e.get("iteration") is not None:
@@ -292,9 +295,16 @@ def status_table(run: RunDir | str | Path) -> list[dict[str, Any]]:
         row["val_score"] = metrics.get("val/reward_mean")  # the mean validation reward (verl's val-core mean@n)
         row["rollbacks"] = rollbacks.get(k, 0)
         row["checkpoint"] = (run.checkpoint(k) / "actor").is_dir()
+        row["checkpoint_damaged"] = k in damaged
         row["last_good"] = bool(committed and committed[-1] == k)
         rows.append(row)
     return rows
+
+
+def _checkpoint_cell(row: dict[str, Any]) -> str:
+    if row["checkpoint_damaged"]:
+        return "damaged"  # never "last-good": status_problems says what a resume does about it
+    return ("last-good" if row["last_good"] else "kept") if row["checkpoint"] else "-"
 
 
 def format_status(run: RunDir | str | Path) -> str:
@@ -308,8 +318,8 @@ def format_status(run: RunDir | str | Path) -> str:
     rows = status_table(run)
     if rows:
         table = pa.Table.from_pylist([
-            {**{k: v for k, v in r.items() if k not in ("checkpoint", "last_good")},
-             "ckpt": ("last-good" if r["last_good"] else "kept") if r["checkpoint"] else "-"}
+            {**{k: v for k, v in r.items() if k not in ("checkpoint", "checkpoint_damaged", "last_good")},
+             "ckpt": _checkpoint_cell(r)}
             for r in rows])
         lines.append(format_table(table, max_rows=10_000, missing="-").rsplit("\n", 1)[0])
     else:
@@ -367,22 +377,26 @@ def _metrics_or_empty(run: RunDir, k: int) -> dict[str, Any]:
 
 
 def status_problems(run: RunDir) -> list[str]:
-    """What `rlhf status` must say is wrong with the run's state files (one line each): the commit
-    log, the KL controller state, iteration manifests that are missing or damaged."""
+    """What `rlhf status` must say is wrong with the run (one line each): an old directory format,
+    the commit log, every committed artifact that does not verify (``run.integrity``: the same check
+    a resume and an export make) with what a resume does about it, iteration manifests that are
+    missing or damaged."""
+    outdated_format = outdated(run)
+    if outdated_format:
+        return [outdated_format]
     problems = []
     try:
         read_manifest(run, None)
     except StateFileError as exc:
         problems.append(f"{exc}; `rlhf stage <setup stage> --run-dir {run.root} --force` rebuilds its records")
     log = commit_log_problem(run)
+    committed: list[int] = []
     if log:
         problems.append(log)
-    try:
-        run.read_json(run.kl_ctrl_path)
-    except StateFileError as exc:
-        problems.append(f"{exc}; a resume falls back to the last-good checkpoint's KL controller state")
-    committed = _committed_or_none(run)
-    for k in run.iterations():
+    else:
+        committed, last_good = committed_iterations(run), last_good_iteration(run)
+        problems += [f"{d.describe(run)}; {d.remedy(run, last_good)}" for d in find_damage(run)]
+    for k in (k for k in run.iterations() if k not in committed):  # committed ones: find_damage's
         try:
             manifest = run.read_json(run.manifest_path(k))
         except StateFileError as exc:

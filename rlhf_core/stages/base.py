@@ -23,9 +23,10 @@ from rlhf_core.config import RLHFConfig, config_hash, flatten
 from rlhf_core.config.loader import flatten_tree, read_preset
 from rlhf_core.errors import RLHFError
 from rlhf_core.io import timing
-from rlhf_core.run.layout import RunDir
-from rlhf_core.run.manifest import hash_paths, is_up_to_date, mark_downstream_stale, read_manifest, record_stage
-from rlhf_core.stages.registry import REPORT_ORDER, SETUP_STAGES
+from rlhf_core.run.layout import RunDir, StateFileError
+from rlhf_core.run.manifest import (hash_paths, is_up_to_date, mark_downstream_stale, read_manifest, record_key,
+                                     record_stage)
+from rlhf_core.stages.registry import REPORT_ORDER, REPORT_OUTPUTS, SETUP_STAGES
 
 
 @dataclass
@@ -78,7 +79,7 @@ def _execute(stage: str, cfg: RLHFConfig, run: RunDir, iteration: Optional[int],
         return StageResult(stage=stage, iteration=iteration, outputs=rec.get("outputs_paths", {}),
                            rows=rec.get("rows", {}), metrics=rec.get("metrics", {}), skipped=True,
                            summary=[f"{stage}: up to date (same inputs and config), skipped"])
-    previously_done = read_manifest(run, iteration).get(stage, {}).get("status") in ("done", "stale")
+    previous = read_manifest(run, iteration).get(stage) or {}
     started = time.time()
     with timing.tally() as io_by_kind:
         result = body()
@@ -86,9 +87,10 @@ def _execute(stage: str, cfg: RLHFConfig, run: RunDir, iteration: Optional[int],
     result.io_seconds = min(sum(io_by_kind.values()), result.seconds)
     output_paths = [Path(p) for p in result.outputs.values()]
     overrides = config_overrides(cfg, run, config_sections)
+    recorded = hash_paths(run, output_paths)
     record_stage(
         run, iteration, stage,
-        status="done", inputs=input_hashes, outputs=hash_paths(run, output_paths),
+        status="done", inputs=input_hashes, outputs=recorded,
         outputs_paths=result.outputs, config_hash=cfg_hash, rows=result.rows,
         metrics=result.metrics, seconds=result.seconds, io_seconds=result.io_seconds,
         io={kind: round(s, 6) for kind, s in sorted(io_by_kind.items())}, started_at=started,
@@ -96,11 +98,23 @@ def _execute(stage: str, cfg: RLHFConfig, run: RunDir, iteration: Optional[int],
     )
     if overrides:
         result.summary.append(f"with overrides {' '.join(overrides)} (config.yaml unchanged)")
-    if previously_done:
-        stale = mark_downstream_stale(run, iteration, stage)
+    if previous.get("status") in ("done", "stale"):
+        changed = changed_outputs(run, stage, previous.get("outputs") or {}, recorded, result.outputs)
+        stale = mark_downstream_stale(run, iteration, stage) if changed else []
         if stale:
-            result.summary.append(f"marked stale: {', '.join(stale)}")
+            result.summary.append(f"marked stale: {', '.join(stale)} ({', '.join(changed)} changed)")
+        elif not changed:
+            result.summary.append("its outputs are the same bytes as before: nothing downstream is stale")
     return result
+
+
+def changed_outputs(run: RunDir, stage: str, before: dict[str, str], after: dict[str, str],
+                    paths: dict[str, str]) -> list[str]:
+    """The outputs of a rerun whose digest differs from the previous run's (missing ones included),
+    leaving out the stage's report outputs (``registry.REPORT_OUTPUTS``): what makes the stages
+    computed from them stale."""
+    reports = {record_key(run, paths[key]) for key in REPORT_OUTPUTS.get(stage, ()) if key in paths}
+    return [rel for rel in sorted(set(before) | set(after)) if before.get(rel) != after.get(rel) and rel not in reports]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -140,7 +154,10 @@ def out_of_date(run: RunDir, through: int) -> list[tuple[Optional[int], str, str
     is stale or ran with overrides, in the order a run runs them (setup first; None = setup)."""
     found = []
     for k in [None, *(k for k in run.iterations() if k <= through)]:
-        manifest = read_manifest(run, k)
+        try:
+            manifest = read_manifest(run, k)
+        except StateFileError:
+            continue  # damaged: `rlhf status` names it, and a resume falls back from it (stages.repair)
         for stage in (SETUP_STAGES if k is None else REPORT_ORDER):
             record = manifest.get(stage) or {}
             if record.get("status") == "stale":

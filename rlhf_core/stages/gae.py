@@ -9,13 +9,15 @@ takes one step with the iteration's measured KL and B = number of responses
 (``algorithm.gamma``, ``algorithm.lam``) and the whitening (``algorithm.norm_adv``) are in
 ``rlhf_core.training.advantages``.
 
-KL controller state (``RunDir.kl_ctrl_path`` = kl_ctrl.json, the controller's ``state_dict()``):
-iteration K always starts from the state recorded before K in ``iter_K/kl_ctrl_before.json``
-(``run.lifecycle.take_kl_snapshot``; taken here when the flow's begin-iteration has not taken it). So a
-rerun of K (forced, after a crash, after a rollback) uses the same coefficient, writes the same
-table and leaves the same state: the controller never steps twice for one iteration. A retry after
-a KL-guard rollback edits that snapshot (a raised coefficient), which this stage then uses.
-A stored state gives the coefficient; ``target_kl`` and ``horizon`` come from the current config.
+KL controller state: an output of this stage, ``iter_K/kl_ctrl.json`` = {"used": the controller
+state iteration K started from, "scale": trainer.kl_coef_scale, "next": the state after its step}.
+Iteration K starts from the "next" of its committed predecessor (the latest committed iteration
+before K whose gae wrote one; none: a fresh controller at algorithm.kl_ctrl.kl_coef), an input of
+the stage like the scored table. So a rerun of K (forced, after a crash, after a rollback) uses the
+same coefficient and writes the same file, the controller never steps twice for one iteration, a
+rollback needs nothing put back (the predecessor did not change), and the coefficient used is
+``used.value × scale`` (a retry raises the scale in config.yaml). A stored state gives the value;
+``target_kl`` and ``horizon`` come from the current config.
 
 Metrics (``advantages.advantage_metrics``): verl's ``critic/rewards|advantages|returns|values/{mean,max,min}``
 and ``critic/vf_explained_var`` with verl's reductions, ``actor/reward_kl_penalty`` and
@@ -39,35 +41,63 @@ from rlhf_core.config.resolve import uses_critic
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.data.schemas import ADVANTAGES
 from rlhf_core.errors import DataError, RLHFError
-from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.run.layout import RunDir
-from rlhf_core.run.lifecycle import kl_state_before, persist_kl_controller, take_kl_snapshot
+from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
+from rlhf_core.run.layout import RunDir, StateFileError
+from rlhf_core.run.lifecycle import committed_iterations
+from rlhf_core.run.manifest import read_manifest
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, execute_stage
 
-CONFIG_SECTIONS = ("algorithm.",)
+CONFIG_SECTIONS = ("algorithm.", "trainer.kl_coef_scale")
 
 
 def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
-    """Advantages of iteration ``iteration``; skipped when its scored table, KL snapshot and
-    ``algorithm.*`` config are unchanged."""
+    """Advantages of iteration ``iteration``; skipped when its scored table, the KL controller
+    state it starts from and the ``algorithm.*`` config are unchanged."""
     if iteration is None or iteration < 1:
         raise RLHFError("gae is a per-iteration stage: give --iteration K (K >= 1)")
     scored = run.scored(iteration)
     if not scored.is_file():
         raise DataError(f"{scored} not found: run `rlhf stage score --run-dir {run.root} "
                         f"--iteration {iteration}` first")
-    if cfg.algorithm.use_kl_in_reward:
-        # Before hashing the inputs: the snapshot is an input, and the first run must hash what a rerun will.
-        take_kl_snapshot(run, iteration)
-    snapshot = run.kl_snapshot(iteration)
-    inputs = [scored] + ([snapshot] if snapshot.is_file() else [])
+    source = controller_source(run, iteration) if cfg.algorithm.use_kl_in_reward else None
+    inputs = [scored] + ([source] if source is not None else [])
 
     def body() -> StageResult:
-        return _gae(cfg, run, iteration)
+        return _gae(cfg, run, iteration, source)
 
     return execute_stage(stage="gae", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
                          config_sections=CONFIG_SECTIONS, body=body, force=force)
+
+
+def controller_source(run: RunDir, k: int) -> Optional[Path]:
+    """The KL state file iteration ``k`` starts from: that of the latest committed iteration before
+    ``k`` whose gae wrote one (its manifest records it as an output), None for a fresh controller.
+    A recorded file that is gone is an error naming it, never a silent restart at kl_coef."""
+    for j in reversed([j for j in committed_iterations(run) if j < k]):
+        path = run.kl_state(j)
+        if str(path.relative_to(run.root)) not in (read_manifest(run, j).get("gae") or {}).get("outputs", {}):
+            continue  # that iteration ran without the KL in the reward: the controller did not move
+        if not path.is_file():
+            raise StateFileError(f"{path} is missing: iteration {k} starts from the KL controller state iteration "
+                                 f"{j}'s gae wrote there; `rlhf run --resume {run.root}` rebuilds it (it reruns that "
+                                 "gae)")
+        return path
+    return None
+
+
+def read_controller_state(run: RunDir, path: Path) -> dict:
+    """The "next" state in a KL state file (what the following iteration starts from)."""
+    try:
+        record = run.read_json(path)
+    except StateFileError as exc:
+        raise StateFileError(f"{exc}; `rlhf run --resume {run.root}` rebuilds it (it reruns the gae that wrote "
+                             "it)") from None
+    state = record.get("next") if isinstance(record, dict) else None
+    if not isinstance(state, dict) or not isinstance(state.get("value"), (int, float)):
+        raise StateFileError(f"{path} holds {record!r}, not a KL controller state ({{\"used\": ..., \"next\": "
+                             f"{{\"value\": ...}}}}); `rlhf run --resume {run.root}` rebuilds it")
+    return state
 
 
 def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path):
@@ -76,13 +106,11 @@ def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path):
     coef = ctrl.kl_coef
     if state is not None:
         if not isinstance(state, dict) or not isinstance(state.get("value"), (int, float)):
-            raise DataError(f"{source}: KL controller state {state!r} has no numeric \"value\"; restore the file "
-                            "or delete it to restart the coefficient at algorithm.kl_ctrl.kl_coef")
+            raise DataError(f"{source}: KL controller state {state!r} has no numeric \"value\"")
         if state.get("type") != ctrl.type:
             raise ConfigError(
                 f"{source} holds a {state.get('type')!r} KL controller but algorithm.kl_ctrl.type={ctrl.type!r}; "
-                f"set algorithm.kl_ctrl.type={state.get('type')} to continue this run's controller, or delete "
-                f"{source.name} (and kl_ctrl.json) to restart the coefficient at algorithm.kl_ctrl.kl_coef")
+                f"set algorithm.kl_ctrl.type={state.get('type')} to continue this run's controller")
         coef = float(state["value"])
     return make_kl_controller(ctrl.type, coef, ctrl.target_kl, ctrl.horizon)
 
@@ -92,31 +120,36 @@ def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _gae(cfg: RLHFConfig, run: RunDir, k: int) -> StageResult:
+def _gae(cfg: RLHFConfig, run: RunDir, k: int, source: Optional[Path]) -> StageResult:
     settings = replace(AdvantageSettings.from_algorithm(cfg.algorithm), use_critic=uses_critic(cfg))
     controller = None
     if settings.use_kl_in_reward:
-        controller = kl_controller_for(cfg, kl_state_before(run, k), run.kl_snapshot(k))
-    used = controller.value if controller is not None else 0.0
+        start = read_controller_state(run, source) if source is not None else None
+        controller = kl_controller_for(cfg, start, source or run.kl_state(k))
+    scale = cfg.trainer.kl_coef_scale
+    used = controller.value * scale if controller is not None else 0.0
     with timed(TABLE_READ):
         scored = pq.read_table(run.scored(k))
     out = compute_advantages(scored, kl_coef=used, settings=settings, source=str(run.scored(k)))
     path = atomic_write_parquet(run.advantages(k), out.table, schema=ADVANTAGES)
+    outputs = {"advantages": str(path)}
     metrics = dict(out.metrics)
     kl_lines = [f"KL not in the reward (algorithm.use_kl_in_reward=false): token reward = score on the last "
                 f"token; KL({settings.kl_penalty}) of the rollout policy to the reference "
                 f"{out.kl_mean:.5f} per token"]
     if controller is not None:
+        before = controller.state_dict()
         controller.update(current_kl=out.kl_mean, n_steps=out.num_responses)
-        metrics["kl/coef_next"] = controller.value
-        later = persist_kl_controller(run, k, controller.state_dict())
+        metrics["kl/coef_next"] = controller.value * scale
+        atomic_write_json(run.kl_state(k), {"iteration": k, "used": before, "scale": scale,
+                                            "next": controller.state_dict()})
+        outputs["kl_ctrl"] = str(run.kl_state(k))
+        scaled = f" × trainer.kl_coef_scale {scale:g}" if scale != 1 else ""
         kl_lines = [f"KL in reward: {settings.kl_penalty} estimator, coefficient {used:.6g} "
-                    f"({cfg.algorithm.kl_ctrl.type}); measured KL {out.kl_mean:.5f} per token → next "
-                    f"coefficient {controller.value:.6g}"]
-        if later is not None:
-            kl_lines.append(f"{run.kl_ctrl_path.name} left as is: iteration {later} already started from it")
+                    f"({cfg.algorithm.kl_ctrl.type}{scaled}); measured KL {out.kl_mean:.5f} per token → next "
+                    f"coefficient {controller.value * scale:.6g}"]
     tokens = int(out.table.column("response_length").to_numpy().sum())
-    return StageResult(stage="gae", iteration=k, outputs={"advantages": str(path)},
+    return StageResult(stage="gae", iteration=k, outputs=outputs,
                        rows={"advantages": out.num_responses, "tokens": tokens},
                        metrics=metrics, summary=_summary(settings, out, metrics, kl_lines, path))
 

@@ -9,6 +9,7 @@ and runs the coordinator's commands in step with the others:
 
     update    iteration K's PPO update (rank 0 writes metrics.json and state.json)
     settle    commit (a save when due: every rank writes its shard) or rollback (snapshot put back)
+    writes    wait for this rank's background save, raising its failure (before every commit)
     hold      hold iteration K's state, rebuilt by replay when only its record is left, and saved
     share     this rank's share of a stage's model passes (``stages.rank_entry``), borrowing the
               module the rank trains; with vLLM, generating on this rank's rank of the run's
@@ -53,7 +54,7 @@ class Rank:
 
     def handlers(self) -> dict:
         ops = {"update": self.update, "settle": self.settle, "hold": self.hold, "share": self.share,
-               "publish": self.publish, "close": self.close}
+               "publish": self.publish, "writes": self.writes, "close": self.close}
         return {name: self._disk_full_in_one_line(op) for name, op in ops.items()}
 
     def _disk_full_in_one_line(self, op):
@@ -78,6 +79,10 @@ class Rank:
         self.trainer.hold_recorded(command["iteration"])
         self.trainer.save_held(wait=True)  # rebuilt once: a later crash starts from here
         return {"holds": self.trainer.holds}
+
+    def writes(self, command: dict) -> None:
+        self.trainer.check_writes()
+        return None
 
     def share(self, command: dict) -> None:
         rank, world = self.dist.rank, command["world"]

@@ -64,6 +64,11 @@ DOWNSTREAM = {name: ITERATION_STAGES[i + 1:] + (("validate",) if i <= ITERATION_
               for i, name in enumerate(ITERATION_STAGES)} | {"validate": ()}
 """Per stage of an iteration, the stages of the same iteration computed from its outputs, which a rerun
 makes stale: the later iteration stages, and validate up to the update (it measures the update's checkpoint)."""
+REPORT_OUTPUTS = {"update": ("metrics",)}
+"""Outputs (by their key in the stage's result) that report on the others: they carry timings, so a
+rerun never writes them byte for byte, while the rest of what they hold follows from the other
+outputs (the same state record means the same training). A rerun whose other outputs are unchanged
+leaves everything downstream as it was."""
 ROLLED_BACK_STAGES = ("gae", "update", "guard")
 """Stages whose outputs a rollback invalidates. Rollout and score stay valid: they were computed
 from the last-good actor, which the rollback keeps, so a retry reuses them."""

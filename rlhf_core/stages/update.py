@@ -98,6 +98,7 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
         if trainer is not None:  # the flow keeps the engines: they hold the state this iteration starts from
             metrics = trainer.update(cfg, iteration)  # times its own I/O (setup, snapshot, replay) in io.timing
         else:
+            resident.ensure_state(cfg, run, lineage.start_iteration(run, iteration))  # a start only in its record
             with timing.opaque():  # the trainer times its own I/O: counted below from its metrics
                 if nproc > 1:
                     launch_ranks(cfg, run, iteration, nnodes, per_node)

@@ -11,7 +11,7 @@ not at all).
       deepspeed/critic_shard.rank{r}-of-{N}.{safetensors,json}
       deepspeed/{actor,critic}_state.json                Adam step, lr position, counters (rank 0)
       rng.safetensors             torch RNG state(s)
-      trainer_state.json          KL controller, python/numpy RNG, data position, run facts
+      trainer_state.json          python/numpy RNG, data position, run facts
       manifest.json               {"files": {relative path: {"sha256", "bytes"}}}
 
 No rank gathers the optimizer state: each writes the partition it owns (``train_state``), so the
@@ -446,11 +446,12 @@ class BackgroundWriter:
     most one write is in flight: ``submit`` waits for the previous one (and re-raises its error).
     ``on_done(directory)`` runs in the writer thread after the atomic rename. With several ranks,
     every rank submits its part (``staging`` from ``prepare_staging``); ZeRO-3 cannot (its weights
-    are gathered collectively: ``save_checkpoint`` in step instead)."""
+    are gathered collectively: ``save_checkpoint`` in step instead). A failed write is kept until
+    ``wait`` hands it over, as a ``CheckpointError`` naming the directory: nothing else clears it."""
 
     def __init__(self) -> None:
         self._thread: Optional[threading.Thread] = None
-        self._error: Optional[BaseException] = None
+        self._error: Optional[tuple[Path, BaseException]] = None
 
     def submit(self, directory: str | Path, state: TrainState, *, actor: TrainEngine, critic: Optional[TrainEngine],
                tokenizer_path: Path, trainer_state: dict[str, Any],
@@ -479,20 +480,25 @@ class BackgroundWriter:
             if on_done is not None:
                 on_done(directory)
         except BaseException as exc:  # handed to the trainer by wait()
-            self._error = exc
+            self._error = (directory, exc)
 
     @property
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def wait(self) -> None:
-        """Block until the write in flight (if any) is done; re-raise its error."""
+    def idle(self) -> None:
+        """Block until the write in flight (if any) is done, leaving a failure for ``wait``."""
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+
+    def wait(self) -> None:
+        """Block until the write in flight (if any) is done; raise its failure (once)."""
+        self.idle()
         if self._error is not None:
-            error, self._error = self._error, None
-            raise error
+            (directory, error), self._error = self._error, None
+            raise CheckpointError(f"writing {directory} in the background failed: "
+                                  f"{str(error) or type(error).__name__}") from error
 
     def close(self) -> None:
         self.wait()

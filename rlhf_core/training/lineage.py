@@ -2,7 +2,7 @@
 
     {"iteration": k, "id": sha256, "start": j, "parent": id of j's state (null for the initial models),
      "inputs": {path: digest}, "config": the whole config the update trained with,
-     "kl_ctrl": the KL controller state it saved, "weights_sample": sha256}
+     "weights_sample": sha256}
 
 The id is a hash of the update's inputs — the advantages table's bytes, the id of the state it
 started from (or the initial models' sha256), the config sections it depends on — so it names the
@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import torch
 
@@ -103,13 +103,13 @@ def weights_sample(modules: Sequence[torch.nn.Module]) -> str:
 
 
 def write_state_record(cfg: RLHFConfig, run: RunDir, k: int, *, needs_total_steps: bool,
-                       kl_ctrl: Optional[dict], sample: str) -> dict[str, Any]:
+                       sample: str) -> dict[str, Any]:
     """Write ``iter_k/state.json`` for the state iteration ``k``'s update just produced."""
     start = start_iteration(run, k)
     parent = (run.read_json(run.state_record(start)) or {}).get("id") if start else None  # None: a run from before
     ident, inputs = state_id(cfg, run, k, needs_total_steps)
     record = {"iteration": k, "id": ident, "start": start, "parent": parent, "inputs": inputs,
-              "config": to_dict(cfg), "kl_ctrl": kl_ctrl, "weights_sample": sample}  # no clock: reruns compare equal
+              "config": to_dict(cfg), "weights_sample": sample}  # no clock: reruns compare equal
     atomic_write_json(run.state_record(k), record)
     return record
 

@@ -263,7 +263,6 @@ def trainer_state(cfg: RLHFConfig, run: RunDir, iteration: int, sources: UpdateS
         "iteration": iteration,
         "data_position": {"iteration": iteration, "epochs": cfg.actor_rollout_ref.actor.ppo_epochs,
                           "optimizer_steps_this_iteration": steps, "next_iteration": iteration + 1},
-        "kl_ctrl": run.read_json(run.kl_ctrl_path),
         "sources": {"actor": str(sources.actor), "adapter": str(sources.adapter) if sources.adapter else None,
                     "critic": str(sources.critic) if sources.critic else None, "resumed_from": str(sources.resume) if sources.resume else None},
         "lora": None if sources.adapter is None and cfg.actor_rollout_ref.model.lora_rank <= 0 else {
@@ -349,7 +348,7 @@ def finish_update(cfg: RLHFConfig, run: RunDir, iteration: int, metrics: dict[st
     atomic_write_json(run.metrics(iteration), {"iteration": iteration, "stage": "update", "metrics": metrics,
                                                "steps": outcome.steps})
     write_state_record(cfg, run, iteration, needs_total_steps=schedule_needs_total_steps(cfg),
-                       kl_ctrl=run.read_json(run.kl_ctrl_path), sample=weights_sample([te.module for te in present(actor, critic)]))
+                       sample=weights_sample([te.module for te in present(actor, critic)]))
 
 
 def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Optional[bool] = None) -> dict[str, Any]:

@@ -50,7 +50,7 @@ import torch
 
 from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve, to_yaml
 from rlhf_core.config.machine import cuda_devices
-from rlhf_core.errors import CheckpointError, RLHFError
+from rlhf_core.errors import CheckpointError, RLHFError, first_clause
 from rlhf_core.io import timing
 from rlhf_core.io.hashing import sha256_tree
 from rlhf_core.models import live
@@ -168,6 +168,8 @@ class ResidentTrainer:
         self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-capture")
         self.rollout_sync: dict[str, float] = {}
         """The last sync of the kept rollout engine to the held actor: its seconds and log-prob gap."""
+        self._saving: Optional[tuple[int, concurrent.futures.Future]] = None
+        """The save of a committed state handed to the writer from the copier thread (``check_writes``)."""
 
     # -- the update ------------------------------------------------------------------------------
 
@@ -248,11 +250,25 @@ class ResidentTrainer:
                                tokenizer_path=tokenizer, trainer_state=snap.trainer_state or {}, dist=self.dist,
                                staging=staging)
 
-        handed = self._copier.submit(write)
+        self._saving = (k, self._copier.submit(write))
         if wait:
-            handed.result()
-            self.writer.wait()
+            self.check_writes()
         return self.run.checkpoint(k)
+
+    def check_writes(self) -> None:
+        """Wait for the background save in flight (if any) and raise its failure as one line naming
+        the checkpoint and the resume: called before every commit, so a save that failed stops the
+        run before anything is committed on top of the state it did not make durable."""
+        saving, self._saving = self._saving, None
+        try:
+            if saving is not None:
+                saving[1].result()  # the hand-over to the writer (it re-raises an earlier write's failure)
+            self.writer.wait()
+        except Exception as exc:
+            k = saving[0] if saving is not None else self.holds
+            raise CheckpointError(f"{first_clause(exc)}; iteration {k} is committed but not durable and nothing after "
+                                  f"it was committed: free the cause and resume with `rlhf run --resume "
+                                  f"{self.run.root}` (it rebuilds iteration {k}'s state by replay)") from exc
 
     def _capture_soon(self, reuse: Optional[Snapshot] = None) -> None:
         """Start copying the held state to host memory on the copier thread. Safe while other
@@ -265,7 +281,7 @@ class ResidentTrainer:
 
         def copy() -> Snapshot:
             if reuse is not None:
-                writer.wait()
+                writer.idle()  # its buffers may still be written from; a failure stays for check_writes
             return Snapshot(k, capture(engines, pin_memory=pin, reuse=reuse.state if reuse else None), rng,
                             held_state)
 
@@ -277,11 +293,11 @@ class ResidentTrainer:
         try:
             if make_durable and self.holds and self.before is None and self.holds in committed_iterations(self.run):
                 self.save_held()
-            self._copier.shutdown(wait=True)
-            self._capturing = None
-            self.writer.wait()
+            self.check_writes()
         finally:
-            self.writer.close()
+            self._copier.shutdown(wait=True)
+            self._capturing = self._saving = None
+            self.writer.idle()
             self._withdraw()
             self.actor = self.critic = None
             self.before = self.captured = None
@@ -359,8 +375,8 @@ class ResidentTrainer:
                                   f"changed since; resume from its checkpoint instead (trainer.save_freq=1 keeps every one)")
         self.rng = rng_state()
         self.holds = i
-        self.trainer_state = {**trainer_state(cfg, self.run, i, resolve_sources(cfg, self.run, i),
-                                              len(outcome.steps.get("actor", []))), "kl_ctrl": record.get("kl_ctrl")}
+        self.trainer_state = trainer_state(cfg, self.run, i, resolve_sources(cfg, self.run, i),
+                                           len(outcome.steps.get("actor", [])))
         self._offer()
 
     def drop_engines(self) -> None:
@@ -496,6 +512,10 @@ class GroupTrainer:
         if holds != self.holds:
             self._unpublish()
         self.holds = holds
+
+    def check_writes(self) -> None:
+        """``ResidentTrainer.check_writes`` on every rank (each writes its own shard in the background)."""
+        self._call("writes", None)
 
     def ensure(self, k: int) -> bool:
         """Make the ranks hold iteration ``k``'s state; when they did not, it is rebuilt there by
@@ -638,20 +658,30 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]
         trainer = ResidentTrainer(run)
         live.keep_engines(keeps_rollout_engine(cfg))  # one vLLM engine for the run
     _trainers[run.root] = trainer
-    durable = False
     try:
-        yield trainer
-        durable = True
-    except Exception:
-        durable = True  # a failed stage leaves the committed state intact: write it
-        raise
-    finally:
         try:
-            trainer.close(make_durable=durable)
-        finally:
-            live.keep_engines(False)
-            live.provide_with(None)
-            del _trainers[run.root]
+            yield trainer
+        except BaseException as exc:
+            # a failed stage leaves the committed state intact: write it (not after Ctrl-C); a failure
+            # of that write is logged, not raised over the error that ended the run
+            try:
+                trainer.close(make_durable=isinstance(exc, Exception))
+            except Exception as closing:
+                log.warning("while stopping after %s: %s", type(exc).__name__, closing)
+            raise
+        trainer.close(make_durable=True)  # a failed background write stops the run here, in one line
+    finally:
+        live.keep_engines(False)
+        live.provide_with(None)
+        del _trainers[run.root]
+
+
+def check_background_writes(run: RunDir) -> None:
+    """Before a commit: this process's resident trainer's background save (if any) finished, or its
+    failure raised (``ResidentTrainer.check_writes``)."""
+    trainer = active(run)
+    if trainer is not None:
+        trainer.check_writes()
 
 
 def keeps_rollout_engine(cfg: RLHFConfig) -> bool:

@@ -205,3 +205,17 @@ def score_rerun_rebuilds(tmp_path, subprocess_env):
         assert all(after[c].equals(before[c]) for c in before.column_names)
 
     return check
+
+
+@pytest.fixture
+def rlhf(prefect_server, subprocess_env):
+    """``rlhf(*args, **env)``: the real command line in a child process, on the test Prefect server."""
+    import subprocess
+    import sys
+
+    def run(*args: str, **env: str) -> "subprocess.CompletedProcess":
+        return subprocess.run([sys.executable, "-m", "rlhf_cli.main", *args],
+                              env=subprocess_env(PREFECT_API_URL=prefect_server, **env),
+                              capture_output=True, text=True, timeout=900)
+
+    return run

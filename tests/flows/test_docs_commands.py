@@ -79,7 +79,7 @@ STAND_INS = ("Qwen/Qwen2.5-0.5B-Instruct", "$HOME/data/gsm8k/")
 
 NOT_COMMANDS = {
     ("docs/architecture.md", "rlhf_core   the library"): "the layer diagram",
-    ("docs/architecture.md", "begin-iteration"): "the lifecycle of one iteration, as a diagram",
+    ("docs/architecture.md", "rollout → score → gae"): "the lifecycle of one iteration and of a resume, as a diagram",
     ("docs/checkpoints.md", '{"iteration": k'): "the fields of iter_k/state.json, as a sketch",
     ("deployments/README.md", "Prefect UI"): "the addresses `services up` prints",
 }

@@ -86,11 +86,12 @@ def test_cli_rerun_of_score_reproduces_the_table(two_iterations, monkeypatch, ca
     assert main(argv) == 0
     assert "[score iteration 1] skipped (up to date)" in capsys.readouterr().out
     assert main(argv + ["--force"]) == 0
-    assert "[score iteration 1] done" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[score iteration 1] done" in out and "nothing downstream is stale" in out  # the same bytes
     assert pq.read_table(run.scored(1)).equals(before)
     rows = {r["iteration"]: r for r in status_table(run)}
-    assert [rows[1][s] for s in ("score", "gae", "update")] == ["done", "stale", "stale"]
-    assert rows[2]["rollout"] == "stale"
+    assert [rows[1][s] for s in ("score", "gae", "update")] == ["done", "done", "done"]
+    assert rows[2]["rollout"] == "done"
     nested = mlflow_tracking.child_runs(two_iterations.summary["mlflow_run_id"])
     assert {r.info.run_name for r in nested} == {"score-iter1"}
 

@@ -1,7 +1,8 @@
 """A process killed in the middle of iteration 2 (after the update, before the guard's verdict) and
 `rlhf run --resume` finish the run with nothing lost: finished stages are reused, not redone (the
 update's state, which was only in memory, is rebuilt from its record by replay) — with a critic
-(gae) and without one (grpo)."""
+(gae) and without one (grpo). And a kill in iteration 5 of 6 at save_freq=3 resumes to every
+metric of the uninterrupted run (issue 28, 10)."""
 
 from __future__ import annotations
 
@@ -65,8 +66,8 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
     assert not list(run.root.rglob("*.tmp-*"))
     kinds = [e["kind"] for e in run.events()]
     assert "stale_lock_cleared" in kinds and kinds.count("resume") == 2
-    # the KL controller continues from the state the killed process's gae left
-    assert run.read_json(run.kl_ctrl_path) == run.read_json(run.checkpoint(2) / "trainer_state.json")["kl_ctrl"]
+    # the KL controller: iteration 2's gae (kept) started from committed iteration 1's state
+    assert run.read_json(run.kl_state(2))["used"] == run.read_json(run.kl_state(1))["next"]
     # one MLflow run, each iteration's metrics logged once
     for key in ("reward/mean", "kl/mean", "actor/pg_loss"):
         assert [s for s, _ in mlflow_tracking.metric_history(first["mlflow_run_id"], key)] == [1, 2], key
@@ -89,3 +90,37 @@ def test_kill_during_an_iteration_then_resume(prefect_server, demo_preset, tiny_
 def _row(run, iteration):
     """The status row of one iteration (iteration 0 holds the initial policy's validation)."""
     return {r["iteration"]: r for r in status_table(run)}[iteration]
+
+
+TIMING = ("perf/", "timing_s/")
+"""Metrics that measure time, memory or the machine: the only ones a resume may change."""
+
+
+def _numbers(run: RunDir, k: int) -> dict:
+    return {key: value for key, value in run.read_json(run.iteration_metrics(k)).items() if not key.startswith(TIMING)}
+
+
+SAVE_EVERY_3 = ("trainer.save_freq=3", "trainer.test_freq=-1", "trainer.logger=[console]")
+
+
+@pytest.fixture(scope="module")
+def six_iterations(prefect_server, flow_run, tmp_path_factory) -> RunDir:
+    """Six uninterrupted iterations with a save point every 3 (and at the end)."""
+    return RunDir(flow_run(tmp_path_factory.mktemp("six"), "run", *SAVE_EVERY_3, iterations=6)["run_dir"])
+
+
+@pytest.mark.parametrize("at", ["iter_5/scored.parquet", "iter_5/guard.json"])
+def test_a_kill_in_iteration_5_between_save_points_resumes_to_the_same_numbers(six_iterations, killed_run, rlhf,
+                                                                               tmp_path, at):
+    """Killed in iteration 5 of 6 with a save point every 3: iteration 4 lived only in memory. The
+    resume rebuilds it from checkpoint 3 by replay (and, killed before the verdict, iteration 5's
+    update too), and every iteration's numbers (every metric but timings) equal the uninterrupted
+    run's, bit for bit."""
+    run = killed_run(tmp_path / "runs", "run", *SAVE_EVERY_3, iterations=6, at=at)
+    assert read_last_good(run)["iteration"] == 4 and not run.checkpoint(4).exists()
+    proc = rlhf("run", "--resume", str(run.root))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for k in range(1, 7):
+        got, want = _numbers(run, k), _numbers(six_iterations, k)
+        assert got == want, (k, {key: (got.get(key), want.get(key)) for key in set(got) | set(want)
+                                 if got.get(key) != want.get(key)})

@@ -52,7 +52,7 @@ def test_kl_breach_rolls_back_then_halts_or_retries(prefect_server, demo_preset,
     assert f"rlhf run --resume {run.root}" in message
     assert read_last_good(run)["iteration"] == 1 and not run.checkpoint(2).exists()
     assert tree_digest(run.checkpoint(1)) == last_good_files
-    assert run.read_json(run.kl_ctrl_path) == run.read_json(run.kl_snapshot(2))["state"]
+    assert _row(run, 2)["gae"] == "rolled_back"  # the KL controller state it wrote is nobody's to start from
     kinds = [(e["kind"], e["iteration"]) for e in run.events()]
     assert ("rollback", 2) in kinds and ("halt", 2) in kinds
     assert _row(run, 2)["update"] == "rolled_back"
@@ -68,6 +68,9 @@ def test_kl_breach_rolls_back_then_halts_or_retries(prefect_server, demo_preset,
     kinds = [e["kind"] for e in run.events() if e["iteration"] == 2]
     assert [kinds.count(k) for k in ("rollback", "halt", "retry", "commit")] == [2, 1, 1, 1]
     assert _row(run, 2)["guard"] == "committed" and _row(run, 2)["rollbacks"] == 2
+    # the retry started from committed iteration 1's KL controller state, its coefficient doubled
+    kl = run.read_json(run.kl_state(2))
+    assert kl["used"] == run.read_json(run.kl_state(1))["next"] and kl["scale"] == 2.0
     assert mlflow_tracking.client().get_run(run_id).info.status == "FINISHED"
     assert [s for s, v in mlflow_tracking.metric_history(run_id, "guard/rollback")] == [2, 2]
     with get_client(sync_client=True) as client:

@@ -6,6 +6,7 @@ import pytest
 
 from rlhf_cli.main import build_parser, main
 from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.io.checksums import write_checksums
 from rlhf_core.run.manifest import record_stage
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
 from rlhf_core.run.layout import RunDir
@@ -21,6 +22,7 @@ def run(tmp_path):
             record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h")
         atomic_write_json(run.metrics(k), {"reward/mean": 0.1 * k, "kl/mean": 0.01, "val/accuracy": 0.125 * k})
     run.checkpoint(1).joinpath("actor").mkdir(parents=True)
+    write_checksums(run.checkpoint(1))  # sealed, as the update seals it: status and export verify it
     write_last_good(run, 1)
     return run
 

@@ -15,15 +15,13 @@ from tasks.breach import handle_breach_task
 
 def _rolled_back_run(tmp_path, *overrides):
     cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-3", "trainer.retry_lr_divisor=100",
-                             "trainer.retry_kl_coef_multiplier=2", *overrides])
+                             "trainer.retry_kl_coef_multiplier=2", "algorithm.use_kl_in_reward=true", *overrides])
     run = RunDir(tmp_path / "run")
     run.checkpoint(1).joinpath("actor").mkdir(parents=True)
     write_last_good(run, 1)
     write_config(run, to_yaml(cfg))
     record_stage(run, 2, "update", status="rolled_back", inputs={}, outputs={}, config_hash="h")
-    atomic_write_json(run.iter_dir(2) / "guard.json", {"kl_mean": 0.7, "threshold": 0.05, "decision": "rollback"})
-    atomic_write_json(run.iter_dir(2) / "kl_ctrl_before.json", {"state": {"type": "fixed", "value": 0.01}})
-    atomic_write_json(run.kl_ctrl_path, {"type": "fixed", "value": 0.01})
+    atomic_write_json(run.verdict(2), {"kl_mean": 0.7, "threshold": 0.05, "decision": "rollback"})
     return cfg, run
 
 
@@ -32,9 +30,9 @@ def test_retry_lowers_the_learning_rate_and_raises_the_kl_coefficient(tmp_path):
     outcome = handle_breach_task.fn(cfg, str(run.root), 2, attempt=1)
     assert outcome["action"] == "retry"
     assert outcome["changes"]["actor_rollout_ref.actor.optim.lr"] == pytest.approx((1e-3, 1e-5))
-    assert run.read_json(run.kl_ctrl_path)["value"] == pytest.approx(0.02)
-    saved = resolve_run_config(run.root, None, [])  # a resume continues with the smaller step
+    saved = resolve_run_config(run.root, None, [])  # a resume continues with the smaller step and the larger KL
     assert saved.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-5)
+    assert saved.trainer.kl_coef_scale == 2.0
     assert [e["kind"] for e in run.events()] == ["commit", "retry"]  # commit: iteration 1, by the setup
 
 
@@ -50,4 +48,4 @@ def test_halt_policy_halts_at_once(tmp_path):
     cfg, run = _rolled_back_run(tmp_path, "trainer.on_kl_breach=halt")
     outcome = handle_breach_task.fn(cfg, str(run.root), 2, attempt=1)
     assert outcome["action"] == "halt" and "KL(actor‖ref) = 0.7 > trainer.kl_rollback_threshold = 0.05 (" in outcome["message"]
-    assert run.read_json(run.kl_ctrl_path)["value"] == 0.01  # nothing changed for a retry
+    assert resolve_run_config(run.root, None, []) == cfg  # nothing changed for a retry

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from rlhf_core.config import load_config
+from rlhf_core.errors import CheckpointError
+from rlhf_core.io.checksums import write_checksums
 from rlhf_core.run.export import ExportRefused, export_actor, latest_val_score
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
@@ -37,6 +39,7 @@ def test_full_actor_export(tmp_path, tiny_model_dir):
 
     run = _run(tmp_path, [0.5])
     shutil.copytree(tiny_model_dir, run.checkpoint(1) / "actor")
+    write_checksums(run.checkpoint(1))
     write_last_good(run, 1)
     out = export_actor(load_config(None, ["trainer.export_min_val_score=0.5"]), run)
     assert out == run.root / "export" / "actor"
@@ -45,6 +48,20 @@ def test_full_actor_export(tmp_path, tiny_model_dir):
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), ref.state_dict().values()))
     assert run.read_json(out / "export.json")["merged_lora"] is False
     assert (out / "tokenizer_config.json").is_file()
+
+
+def test_a_checkpoint_that_does_not_verify_is_never_exported(tmp_path, tiny_model_dir):
+    run = _run(tmp_path, [0.5])
+    shutil.copytree(tiny_model_dir, run.checkpoint(1) / "actor")
+    write_checksums(run.checkpoint(1))
+    write_last_good(run, 1)
+    weights = run.checkpoint(1) / "actor" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-8] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"refusing to export .*model.safetensors is corrupt"):
+        export_actor(load_config(None, ["trainer.export_min_val_score=0.5"]), run)
+    assert not run.exported_actor.exists()
 
 
 def test_lora_adapter_is_merged(tmp_path, tiny_model_dir):
@@ -59,6 +76,7 @@ def test_lora_adapter_is_merged(tmp_path, tiny_model_dir):
     peft.save_pretrained(adapter_dir)
     shutil.copy(tiny_model_dir / "tokenizer.json", adapter_dir)
     shutil.copy(tiny_model_dir / "tokenizer_config.json", adapter_dir)
+    write_checksums(run.checkpoint(1))
     write_last_good(run, 1)
     out = export_actor(load_config(None), run, tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(out).eval()

@@ -1,6 +1,6 @@
 """The iteration lifecycle (rlhf_core.run.lifecycle): settle a verdict (commit moves the commit log;
-rollback discards the checkpoint and restores the KL controller), the KL controller snapshot,
-retry settings, and which checkpoint an iteration started from."""
+rollback discards the checkpoint), retry settings, a fall back, and which checkpoint an iteration
+started from."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from rlhf_core.config import load_config
+from rlhf_core.config import apply_overrides, load_config
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run import lifecycle
@@ -48,18 +48,16 @@ def test_settle_commit_moves_the_commit_log_once(tmp_path):
     assert run.events()[-1]["previous_last_good"] == 1
 
 
-def test_settle_rollback_discards_the_checkpoint_and_restores_the_kl_controller(tmp_path):
+def test_settle_rollback_discards_the_checkpoint(tmp_path):
     run = RunDir(tmp_path / "run")
     _trained_iteration(run, 1, "commit")
     lifecycle.settle(run, 1, policy="halt", attempt=1)
-    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.01, "target_kl": 0.02, "horizon": 100}')
-    lifecycle.begin_iteration(run, 2)
-    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.5, "target_kl": 0.02, "horizon": 100}')  # gae moved it
     _trained_iteration(run, 2, "rollback")
+    atomic_write_json(run.kl_state(2), {"used": {"type": "fixed", "value": 0.01}, "scale": 1.0,
+                                        "next": {"type": "fixed", "value": 0.01}})
 
     assert lifecycle.settle(run, 2, policy="retry", attempt=1) == "rollback"
     assert not run.checkpoint(2).exists() and not list(run.iter_dir(2).glob("checkpoint*"))
-    assert run.read_json(run.kl_ctrl_path)["value"] == 0.01
     assert {s: (r["status"], r["rollback_attempt"]) for s, r in read_manifest(run, 2).items()} == {
         s: ("rolled_back", 1) for s in ("gae", "update", "guard")}
     assert lifecycle.committed_iterations(run) == [1] and run.checkpoint(1).is_dir()  # last-good untouched
@@ -68,8 +66,7 @@ def test_settle_rollback_discards_the_checkpoint_and_restores_the_kl_controller(
     assert event["policy"] == "retry" and lifecycle.rollback_count(run, 2) == 1
     # settling again (a crash after the rollback) leaves the same state
     lifecycle.settle(run, 2, policy="retry", attempt=1)
-    assert not run.checkpoint(2).exists() and run.read_json(run.kl_ctrl_path)["value"] == 0.01
-    assert lifecycle.committed_iterations(run) == [1]
+    assert not run.checkpoint(2).exists() and lifecycle.committed_iterations(run) == [1]
 
 
 def test_settle_without_a_verdict_names_the_guard_stage(tmp_path):
@@ -104,56 +101,38 @@ def test_discard_refuses_the_last_good_checkpoint(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
-# KL controller snapshot and retries
+# retries and falling back
 # ---------------------------------------------------------------------------------------------
 
 
-def test_begin_iteration_restores_the_controller_when_gae_did_not_finish(tmp_path):
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.1, "target_kl": 0.02, "horizon": 100}')
-    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "taken"
-    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.2, "target_kl": 0.02, "horizon": 100}')
-    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "restored"  # a crash inside gae
-    assert run.read_json(run.kl_ctrl_path)["value"] == 0.1
-    run.kl_ctrl_path.write_text('{"type": "adaptive", "value": 0.2, "target_kl": 0.02, "horizon": 100}')
-    record_stage(run, 3, "gae", status="done", inputs={}, outputs={}, config_hash="x")
-    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "kept"  # gae finished: its update stands
-    assert run.read_json(run.kl_ctrl_path)["value"] == 0.2
-
-
-def test_restore_without_a_controller_state_removes_it(tmp_path):
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    lifecycle.begin_iteration(run, 1)  # no kl_ctrl.json yet: iteration 1 starts from the config
-    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.3}')
-    assert lifecycle.restore_kl_controller(run, 1) is None
-    assert not run.kl_ctrl_path.exists()
-
-
-def test_retry_overrides_divide_lr_and_multiply_the_kl_coefficient(tmp_path):
-    run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.01}')
-    lifecycle.begin_iteration(run, 2)
+def test_retry_overrides_divide_lr_and_multiply_the_kl_coefficients(tmp_path):
     cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-4", "trainer.retry_lr_divisor=10",
-                             "trainer.retry_kl_coef_multiplier=4"])
-    overrides, changes = lifecycle.retry_overrides(cfg, run, 2)
-    assert overrides == ["actor_rollout_ref.actor.optim.lr=1e-05"]
-    assert changes["kl_ctrl.value"] == (0.01, 0.04)
-    assert run.read_json(run.kl_ctrl_path)["value"] == 0.04
-    # a second rollback restores the raised coefficient, not the original one
-    assert lifecycle.restore_kl_controller(run, 2)["value"] == 0.04
+                             "trainer.retry_kl_coef_multiplier=4", "algorithm.use_kl_in_reward=true",
+                             "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01"])
+    overrides, changes = lifecycle.retry_overrides(cfg)
+    assert overrides == ["actor_rollout_ref.actor.optim.lr=1e-05", "trainer.kl_coef_scale=4.0",
+                         "actor_rollout_ref.actor.kl_loss_coef=0.04"]
+    assert changes["trainer.kl_coef_scale"] == (1.0, 4.0)
+    again, _ = lifecycle.retry_overrides(apply_overrides(cfg, overrides))  # a second retry multiplies again
+    assert "trainer.kl_coef_scale=16.0" in again
+    # nothing is written: the caller saves them in one write of config.yaml
+    assert not list(tmp_path.iterdir())
 
 
-def test_retry_without_controller_state_overrides_the_config_coefficient(tmp_path):
+def test_fall_back_cuts_the_log_marks_the_later_updates_stale_and_names_what_broke(tmp_path, capsys):
     run = RunDir(tmp_path / "run")
-    run.root.mkdir()
-    cfg = load_config(None, ["algorithm.kl_ctrl.kl_coef=0.002", "trainer.retry_lr_divisor=1",
-                             "trainer.retry_kl_coef_multiplier=3"])
-    overrides, changes = lifecycle.retry_overrides(cfg, run, 1)
-    assert overrides == ["algorithm.kl_ctrl.kl_coef=0.006"]
-    assert "actor_rollout_ref.actor.optim.lr" not in changes
+    for k in (1, 2, 3):
+        _trained_iteration(run, k, "commit")
+        lifecycle.commit_iteration(run, k)
+    line = lifecycle.fall_back(run, 1, "iter_2/state.json is missing and cannot be rebuilt (x)")
+    assert line == ("iter_2/state.json is missing and cannot be rebuilt (x): falling back to iteration 1; "
+                    "iterations 2..3 will be rerun")
+    assert capsys.readouterr().err.strip() == f"rlhf: warning: {line}"
+    assert lifecycle.committed_iterations(run) == [1]
+    for k in (2, 3):
+        assert {s: r["status"] for s, r in read_manifest(run, k).items()} == {s: "stale" for s in ("gae", "update",
+                                                                                                   "guard")}
+    assert run.events()[-1]["kind"] == "fallback" and run.events()[-1]["last_good_before"] == 3
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""The stage contract: skip unchanged stages, rerun on changed input/config/output, mark downstream stale."""
+"""The stage contract: skip unchanged stages, rerun on changed input/config/output, mark downstream stale
+when a rerun changed an output (a rerun that writes the same bytes leaves everything as it was)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from rlhf_core.stages.base import StageResult, execute_stage
 def _stage(run, cfg, name, iteration, src, out, calls, force=False):
     def body():
         calls.append(name)
-        atomic_write_parquet(out, pa.table({"v": [src.read_bytes()]}))
+        atomic_write_parquet(out, pa.table({"v": [src.read_bytes()], "seed": [cfg.data.seed]}))
         return StageResult(stage=name, iteration=iteration, outputs={"out": str(out)}, rows={"out": 1})
 
     return execute_stage(stage=name, cfg=cfg, run=run, iteration=iteration, inputs=[src],
@@ -60,6 +61,10 @@ def test_iteration_rerun_marks_later_iterations_stale(tmp_path):
         _stage(run, cfg, "rollout", k, src, run.rollout(k), calls)
         _stage(run, cfg, "score", k, run.rollout(k), run.scored(k), calls)
     assert run.iterations() == [1, 2]
+    same = _stage(run, cfg, "rollout", 1, src, run.rollout(1), calls, force=True)  # the same bytes again
+    assert not same.skipped and "nothing downstream is stale" in same.summary[-1]
+    assert {r["status"] for k in (1, 2) for r in read_manifest(run, k).values()} == {"done"}
+    atomic_write_text(src, "y")
     _stage(run, cfg, "rollout", 1, src, run.rollout(1), calls, force=True)
     assert read_manifest(run, 1)["score"]["status"] == "stale"
     assert read_manifest(run, 2)["rollout"]["status"] == "stale"

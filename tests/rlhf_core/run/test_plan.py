@@ -16,6 +16,7 @@ from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.manifest import read_manifest, record_stage
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
 from rlhf_core.run.layout import RunDir
+from rlhf_core.stages.registry import ITERATION_STAGES
 from rlhf_core.io.checksums import write_checksums as write_checkpoint_manifest
 
 
@@ -49,11 +50,14 @@ def test_schedule():
 
 
 def _fake_checkpoint(run: RunDir, k: int) -> None:
-    """iter_k/checkpoint with an actor file and its sha256 manifest: what commit and resume check."""
+    """iter_k/checkpoint with an actor file and its sha256 manifest, and a record of each stage of
+    the iteration: what commit and resume check."""
     actor = run.checkpoint(k) / "actor"
     actor.mkdir(parents=True)
     (actor / "model.safetensors").write_bytes(b"weights %d" % k)
     write_checkpoint_manifest(run.checkpoint(k))
+    for stage in ITERATION_STAGES:
+        record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h")
 
 
 def _train_prompts(run: RunDir, n: int) -> None:

@@ -10,6 +10,7 @@ import pytest
 
 from rlhf_core.run import query
 from rlhf_core.data import schemas
+from rlhf_core.io.checksums import write_checksums
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.run.manifest import record_stage
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
@@ -68,6 +69,8 @@ def run(tmp_path):
             record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h", seconds=1.0,
                          metrics={"x": 1.0})
     run.checkpoint(1).joinpath("actor").mkdir(parents=True)
+    run.checkpoint(1).joinpath("actor", "model.safetensors").write_bytes(b"weights")
+    write_checksums(run.checkpoint(1))  # sealed, as the update seals it: status verifies it
     write_last_good(run, 1)
     run.append_event("rollback", 2, kl=0.3, threshold=0.05, attempt=1)
     return run
@@ -138,6 +141,15 @@ def test_status_table_states(run):
     assert rows[2]["reward"] == pytest.approx(2 / 3) and not rows[2]["checkpoint"]
     text = query.format_status(run)
     assert "last-good: iteration 1 (iter_1/checkpoint)" in text and "rolled_back" in text
+    weights = run.checkpoint(1) / "actor" / "model.safetensors"
+    weights.write_bytes(b"weighty")  # damaged: never called last-good, and the problem says what a resume does
+    rows = {r["iteration"]: r for r in query.status_table(run)}
+    assert rows[1]["checkpoint_damaged"]
+    text = query.format_status(run)
+    [row] = [line.split() for line in text.splitlines() if line.split()[:1] == ["1"]]
+    assert "last-good: iteration" not in text and row[-1] == "damaged"
+    assert f"problem: iter_1/checkpoint is damaged (checkpoint file {weights} is corrupt: its sha256 does not " \
+           f"match {run.checkpoint(1) / 'manifest.json'}); a resume rebuilds it by replaying iteration 1's update" in text
 
 
 def test_format_table_truncates():

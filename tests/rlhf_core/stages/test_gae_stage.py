@@ -1,5 +1,6 @@
-"""The gae stage: scored table → advantages table, the KL controller's state in the run directory (one
-step per iteration, however often the stage reruns), the guard's snapshot/retry contract, the CLI."""
+"""The gae stage: scored table → advantages table and the KL controller state it hands on (one step
+per iteration, however often the stage reruns; the next iteration starts from its committed
+predecessor's), what a rollback and a retry do to it, the CLI."""
 
 from __future__ import annotations
 
@@ -13,12 +14,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.run import lifecycle
-from rlhf_core.config import ConfigError, load_config
+from rlhf_core.config import ConfigError, apply_overrides, load_config
 from rlhf_core.data.schemas import ADVANTAGES, PROMPTS, ROLLOUT, SCORED
 from rlhf_core.errors import DataError
-from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.run.manifest import read_manifest
-from rlhf_core.run.layout import RunDir
+from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
+from rlhf_core.run.manifest import read_manifest, set_status
+from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.stages.gae import run_gae
 
 DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
@@ -46,6 +47,16 @@ def config(*overrides):
     return load_config(None, list(overrides))
 
 
+def commit(run: RunDir, *iterations: int) -> None:
+    """The commit log only (what gae asks: which committed iteration a later one starts from)."""
+    atomic_write_json(run.last_good_path, {"iteration": iterations[-1], "time": 0.0, "committed": list(iterations),
+                                           "checkpoint": str(run.checkpoint(iterations[-1]).relative_to(run.root))})
+
+
+def kl_state(run: RunDir, k: int) -> dict:
+    return json.loads(run.kl_state(k).read_text())
+
+
 def advantages(run: RunDir, k: int) -> list[dict]:
     return pq.read_table(run.advantages(k)).to_pylist()
 
@@ -65,7 +76,7 @@ def test_schema_lengths_and_hand_computed_advantages_without_kl(tmp_path):
             assert row["token_level_rewards"] == [0.0] * (n - 1) + [src["reward"]]
             assert row["returns"] == pytest.approx([src["reward"]] * n, abs=1e-6)
             assert row["advantages"] == pytest.approx([src["reward"] - v for v in src["values"]], abs=1e-6)
-    assert not run.kl_ctrl_path.exists() and not run.kl_snapshot(1).exists()  # controller untouched
+    assert not run.kl_state(1).exists()  # no controller: nothing to hand on
     assert result.metrics["kl/coef"] == 0.0 and "kl/coef_next" not in result.metrics
     assert "actor/reward_kl_penalty" not in result.metrics  # verl logs it only with the KL in the reward
     sums = [src["reward"] for src in scored if src["response_length"]]  # token rewards = score: sums = scores
@@ -90,27 +101,32 @@ def test_adaptive_controller_steps_once_per_iteration_and_reruns_are_identical(t
     # measured KL ~ 0.3 > target 0.05: the error clips at +0.2, and 5 responses of a 40-sample horizon
     kl = first.metrics["kl/in_reward_mean"]
     assert kl == pytest.approx(0.3, abs=0.05)
-    state = json.loads(run.kl_ctrl_path.read_text())
-    assert state == {"type": "adaptive", "value": pytest.approx(0.1 * (1 + 0.2 * 5 / 40)), "target_kl": 0.05,
-                     "horizon": 40.0}
-    assert first.metrics["kl/coef"] == 0.1 and first.metrics["kl/coef_next"] == pytest.approx(state["value"])
+    state = kl_state(run, 1)
+    assert state["used"] == {"type": "adaptive", "value": 0.1, "target_kl": 0.05, "horizon": 40.0}
+    assert state["next"] == {"type": "adaptive", "value": pytest.approx(0.1 * (1 + 0.2 * 5 / 40)), "target_kl": 0.05,
+                             "horizon": 40.0}
+    assert state["scale"] == 1.0
+    assert first.metrics["kl/coef"] == 0.1 and first.metrics["kl/coef_next"] == pytest.approx(state["next"]["value"])
     assert first.metrics["actor/reward_kl_penalty"] == kl and first.metrics["actor/reward_kl_penalty_coeff"] == 0.1
-    assert json.loads(run.kl_snapshot(1).read_text()) == {"state": None}
+    assert read_manifest(run, 1)["gae"]["outputs"]["iter_1/kl_ctrl.json"]  # an output like the table
 
     assert run_gae(cfg, run, 1).skipped  # unchanged inputs: nothing reruns, nothing steps
     again = run_gae(cfg, run, 1, force=True)
-    assert advantages(run, 1) == rows and json.loads(run.kl_ctrl_path.read_text()) == state
+    assert advantages(run, 1) == rows and kl_state(run, 1) == state
     assert again.metrics == first.metrics
 
+    commit(run, 1)
     write_scored(run, 2, seed=1, kl_shift=0.0)  # KL ~ 0 < target: the coefficient goes down
     second = run_gae(cfg, run, 2)
-    assert second.metrics["kl/coef"] == pytest.approx(state["value"])
-    after_two = json.loads(run.kl_ctrl_path.read_text())
-    assert after_two["value"] == pytest.approx(state["value"] * (1 - 0.2 * 5 / 40))
-    # Rerunning iteration 1 now reproduces its table but must not rewind the run's controller.
+    assert second.metrics["kl/coef"] == state["next"]["value"]  # from the committed predecessor's output
+    assert "iter_1/kl_ctrl.json" in read_manifest(run, 2)["gae"]["inputs"]
+    after_two = kl_state(run, 2)
+    assert after_two["next"]["value"] == pytest.approx(state["next"]["value"] * (1 - 0.2 * 5 / 40))
+    # rerunning iteration 1 now reproduces its table and its state: iteration 2 stays up to date
     old = run_gae(cfg, run, 1, force=True)
-    assert advantages(run, 1) == rows and json.loads(run.kl_ctrl_path.read_text()) == after_two
-    assert any("iteration 2 already started" in line for line in old.summary)
+    assert advantages(run, 1) == rows and kl_state(run, 1) == state
+    assert any("nothing downstream is stale" in line for line in old.summary)
+    assert run_gae(cfg, run, 2).skipped and kl_state(run, 2) == after_two
 
 
 def test_fixed_controller_never_moves(tmp_path):
@@ -120,7 +136,8 @@ def test_fixed_controller_never_moves(tmp_path):
         write_scored(run, k, seed=k)
         result = run_gae(cfg, run, k)
         assert result.metrics["kl/coef"] == result.metrics["kl/coef_next"] == 0.02
-    assert json.loads(run.kl_ctrl_path.read_text()) == {"type": "fixed", "value": 0.02}
+        commit(run, *range(1, k + 1))
+    assert kl_state(run, 2)["next"] == {"type": "fixed", "value": 0.02}
 
 
 def test_whitened_advantages_have_zero_mean_unit_std_over_valid_tokens(tmp_path):
@@ -137,26 +154,28 @@ def test_whitened_advantages_have_zero_mean_unit_std_over_valid_tokens(tmp_path)
     assert [r["returns"] for r in advantages(run, 1)] == [r["returns"] for r in rows]
 
 
-def test_guard_snapshot_rollback_and_retry_contract(tmp_path):
-    """The flow's begin-iteration snapshot is what gae starts from; a rollback restores kl_ctrl.json; the
-    retry's raised coefficient (written into the snapshot) is what the rerun uses."""
+def test_a_rollback_needs_nothing_and_a_retry_scales_the_coefficient(tmp_path):
+    """The retry of iteration 2 starts again from committed iteration 1's state; its raised
+    coefficient is the config's trainer.kl_coef_scale (what a retry saves), and the controller's own
+    value steps as before, so the next iteration carries the raised coefficient on."""
     run = RunDir(tmp_path / "run")
-    run.root.mkdir(parents=True)
-    start = {"type": "adaptive", "value": 0.2, "target_kl": 0.05, "horizon": 40.0}
-    run.kl_ctrl_path.write_text(json.dumps(start))
-    write_scored(run, 3)
-    cfg = config(*ADAPTIVE, "trainer.retry_kl_coef_multiplier=2.0")
-    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "taken"
-    assert run_gae(cfg, run, 3).metrics["kl/coef"] == 0.2  # the stored value, not algorithm.kl_ctrl.kl_coef
-    assert json.loads(run.kl_ctrl_path.read_text())["value"] == pytest.approx(0.2 * 1.025)
+    cfg = config(*ADAPTIVE, "trainer.retry_kl_coef_multiplier=2.0", "trainer.retry_lr_divisor=1")
+    write_scored(run, 1)
+    run_gae(cfg, run, 1)
+    commit(run, 1)
+    start = kl_state(run, 1)["next"]
+    write_scored(run, 2)
+    assert run_gae(cfg, run, 2).metrics["kl/coef"] == start["value"]
+    first_try = kl_state(run, 2)
 
-    lifecycle.rollback_iteration(run, 3, policy="retry", attempt=1)
-    assert json.loads(run.kl_ctrl_path.read_text()) == start
-    lifecycle.retry_overrides(cfg, run, 3)  # kl_ctrl.json and the snapshot now hold 0.4
-    assert lifecycle.begin_iteration(run, 3)["snapshot"] == "kept"
-    retried = run_gae(cfg, run, 3)
-    assert not retried.skipped and retried.metrics["kl/coef"] == pytest.approx(0.4)
-    assert json.loads(run.kl_ctrl_path.read_text())["value"] == pytest.approx(0.4 * 1.025)
+    set_status(run, 2, "gae", "rolled_back")  # what lifecycle.rollback_iteration does to the record
+    overrides, changes = lifecycle.retry_overrides(cfg)
+    assert overrides == ["trainer.kl_coef_scale=2.0"] and changes == {"trainer.kl_coef_scale": (1.0, 2.0)}
+    retried = run_gae(apply_overrides(cfg, overrides), run, 2)
+    assert not retried.skipped and retried.metrics["kl/coef"] == pytest.approx(2 * start["value"])
+    state = kl_state(run, 2)
+    assert state["used"] == start and state["scale"] == 2.0 and state["next"] == first_try["next"]
+    assert retried.metrics["kl/coef_next"] == pytest.approx(2 * state["next"]["value"])
 
 
 def test_clear_errors(tmp_path):
@@ -164,10 +183,18 @@ def test_clear_errors(tmp_path):
     with pytest.raises(DataError, match="rlhf stage score"):
         run_gae(config(), run, 1)
     write_scored(run, 1)
-    run.kl_ctrl_path.write_text('{"type": "fixed", "value": 0.3}')
+    run_gae(config("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=fixed"), run, 1)
+    commit(run, 1)
+    write_scored(run, 2)
     with pytest.raises(ConfigError, match="algorithm.kl_ctrl.type=fixed"):
-        run_gae(config("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"), run, 1)
-    assert not run.advantages(1).exists()
+        run_gae(config("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=adaptive"), run, 2)
+    assert not run.advantages(2).exists()
+    run.kl_state(1).unlink()  # never a silent restart at algorithm.kl_ctrl.kl_coef
+    with pytest.raises(StateFileError, match=r"iter_1/kl_ctrl.json is missing.*rlhf run --resume"):
+        run_gae(config("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=fixed"), run, 2)
+    run.kl_state(1).write_text("{not json")
+    with pytest.raises(StateFileError, match=r"kl_ctrl.json is damaged.*rlhf run --resume"):
+        run_gae(config("algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl.type=fixed"), run, 2)
 
 
 def test_gae_from_the_cli(tmp_path, capsys):

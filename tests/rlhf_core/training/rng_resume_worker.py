@@ -14,7 +14,7 @@ import sys
 
 from rlhf_core.config import load_config, to_yaml
 from rlhf_core.run.layout import RunDir, write_config
-from rlhf_core.run.lifecycle import begin_iteration, settle
+from rlhf_core.run.lifecycle import settle
 from rlhf_core.run.plan import fill_total_iterations
 from rlhf_core.stages.registry import ITERATION_STAGES, SETUP_STAGES, get_stage
 
@@ -27,7 +27,6 @@ def main(run_dir: str, first: int, last: int, until: str, preset: str, overrides
         get_stage(name).load()(cfg, run, None)
         cfg = fill_total_iterations(cfg, run)
     for k in range(first, last + 1):
-        begin_iteration(run, k)
         stages = ITERATION_STAGES[:ITERATION_STAGES.index(until) + 1] if k == last else ITERATION_STAGES
         for name in stages:
             result = get_stage(name).load()(cfg, run, k)

@@ -296,7 +296,9 @@ def test_a_failed_background_write_surfaces_on_wait(make_engines, tiny_model_dir
     writer = BackgroundWriter()
     writer.submit(tmp_path / "a_file" / "ckpt", capture([actor, critic]), actor=actor, critic=critic,
                   tokenizer_path=tiny_model_dir, trainer_state={})
-    with pytest.raises(OSError):
+    writer.idle()  # waiting without taking the failure leaves it for wait()
+    with pytest.raises(CheckpointError, match=r"writing .*a_file/ckpt in the background failed") as info:
         writer.wait()
+    assert isinstance(info.value.__cause__, OSError)
     writer.wait()  # reported once
     assert not (tmp_path / "a_file" / "ckpt").exists()
