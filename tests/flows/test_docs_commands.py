@@ -48,6 +48,8 @@ _QWEN = ("needs Qwen2.5-0.5B-Instruct in the Hugging Face cache, verl's GSM8K Pa
 SKIPPED = {
     "make demo": "creates .venv and runs the 30-iteration demo (~2 min); tests/flows/test_pipeline_flow.py runs "
                  "the same flow on the tiny model",
+    ".venv-vllm/bin/rlhf": "needs the vLLM CPU environment that make test-vllm builds; tests/flows/test_vllm_flow.py "
+                           "runs the same flow there",
     "make test-verl": "builds verl 0.9.1's environment and runs tests/conformance: CI's own step after make test",
     "make test": "runs this whole suite",
     ".venv/bin/rlhf demo --grpo": "a 30-iteration GRPO run (~3.5 min); tests/flows/test_demo_grpo.py runs it shortened",

@@ -38,6 +38,7 @@ def test_status_after_ctrl_c_advises_the_resume_not_a_stage_rerun(tmp_path, caps
     `rlhf status` report a problem and advise `rlhf stage <stage> ... --iteration 3`, while the
     interrupt line said `rlhf run --resume`, which is what continues the run."""
     from rlhf_core.io.atomic import atomic_write_json
+    from rlhf_core.io.checksums import write_checksums
     from rlhf_core.run.lifecycle import commit_iteration
 
     run = RunDir(tmp_path / "run")
@@ -47,8 +48,10 @@ def test_status_after_ctrl_c_advises_the_resume_not_a_stage_rerun(tmp_path, caps
         for stage in ("rollout", "score", "gae", "update", "guard"):
             record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h")
         run.checkpoint(k).joinpath("actor").mkdir(parents=True)
+        write_checksums(run.checkpoint(k))  # a sealed checkpoint, as the update leaves it
         commit_iteration(run, k)
-    atomic_write_json(run.kl_snapshot(3), {"kl_coef": 0.001})
+    run.iter_dir(3).mkdir()
+    run.rollout(3).write_bytes(b"PAR1")  # iteration 3 began: its rollout was being written when Ctrl-C came
     assert main(["status", str(run.root)]) == 0
     out = capsys.readouterr().out
     assert "problem:" not in out and "rlhf stage" not in out, out

@@ -94,6 +94,7 @@ def test_a_lora_runs_checkpoint_is_exported_as_merged(tmp_path, tiny_model_dir):
     beside it), and export.json said "merged_lora": false for it."""
     run = _run(tmp_path, [1.0])
     shutil.copytree(tiny_model_dir, run.checkpoint(1) / "actor")  # what a LoRA update writes as actor/
+    write_checksums(run.checkpoint(1))
     write_last_good(run, 1)
     out = export_actor(load_config(None, ["actor_rollout_ref.model.lora_rank=4"]), run)
     assert run.read_json(out / "export.json")["merged_lora"] is True
