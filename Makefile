@@ -19,7 +19,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 
-.PHONY: install demo test test-verl test-vllm clean
+.PHONY: install demo test test-verl test-vllm venv-verl venv-vllm clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -51,6 +51,8 @@ $(VERL_STAMP):
 	$(VERL_VENV)/bin/python -m pip install --quiet $(VERL_DEPS)
 	touch $(VERL_STAMP)
 
+venv-verl: $(VERL_STAMP)
+
 test-verl: $(STAMP) $(VERL_STAMP)
 	VERL_PYTHON=$(VERL_VENV)/bin/python RLHF_REQUIRE_VERL=1 $(BIN)/python -m pytest tests/conformance $(PYTEST_ARGS)
 
@@ -78,6 +80,8 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_BIN)/python -m pip uninstall --quiet --yes torchvision torchaudio torchcodec triton
 	$(VLLM_BIN)/python -m pip install --quiet fastapi==0.150.0
 	touch $(VLLM_STAMP)
+
+venv-vllm: $(VLLM_STAMP)
 
 # vLLM's CPU settings for these machines: 1 GiB of KV cache, loopback for its own rendezvous
 test-vllm: export VLLM_CPU_KVCACHE_SPACE ?= 1

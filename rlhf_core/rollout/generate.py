@@ -223,7 +223,7 @@ def kept_engine(cfg: RLHFConfig, model_path: str | Path, **launch: Any) -> Optio
         if borrowed is not None:
             engine.sync_from(borrowed.module)
         else:
-            engine.load_checkpoint(live.on_disk(model_path))
+            engine.load_model_dir(live.on_disk(model_path))
     live.hold_engine(engine, model_path)
     return engine
 

@@ -298,7 +298,7 @@ class VLLMEngine:
         self.wake_up()  # a sleeping KV cache comes back empty: nothing stale in it
         return len(weights)
 
-    def load_checkpoint(self, model_dir: str | Path) -> int:
+    def load_model_dir(self, model_dir: str | Path) -> int:
         """``load_weights`` from a checkpoint directory on disk (an older state, e.g. a validation
         of a step the trainer no longer holds)."""
         return self.load_weights(read_checkpoint(model_dir))

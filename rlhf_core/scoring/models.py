@@ -45,10 +45,11 @@ def _require_model_dir(path: Path, role: str) -> None:
 
 def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, role: str = "actor", *,
                    shared: bool = False, attention: Optional[str] = None):
-    """``AutoModelForCausalLM`` in eval mode, attention ``attention`` (an implementation name or
-    'auto', see ``rlhf_core.models.attention``: stages pass the config's, so scoring, update and
-    guard share one kernel). ``shared=True``: possibly an already loaded, shared model from
-    ``scoring.cache`` (gradients off) — only for code that never changes its weights."""
+    """``AutoModelForCausalLM`` in eval mode with gradients off, attention ``attention`` (an
+    implementation name or 'auto', see ``rlhf_core.models.attention``: stages pass the config's, so
+    scoring, update and guard share one kernel). ``shared=True``: possibly an already loaded, shared
+    model from ``scoring.cache`` — only for code that never changes its weights. Gradients off as
+    on a module the trainer lends (``training.resident``): both give the same bits."""
     path = Path(path)
     held = _borrow(path, "causal_lm", device, dtype)
     if held is not None:
@@ -60,11 +61,11 @@ def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, r
     def load():
         with timed(MODEL_LOAD):
             model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
-            return model.to(device).eval()
+            return model.to(device).eval().requires_grad_(False)
 
     if not shared:
         return load()
-    return cache.shared("causal_lm", path, device.type, (str(device), str(dtype), attention), _frozen(load))
+    return cache.shared("causal_lm", path, device.type, (str(device), str(dtype), attention), load)
 
 
 @contextlib.contextmanager
@@ -105,7 +106,8 @@ def load_tokenizer(path: str | Path, *, shared: bool = False):
 
 
 def _borrow(path: Path, kind: str, device: torch.device, dtype: torch.dtype):
-    """The trainer's own module when it holds ``path``'s state (``models.live``), in eval mode; None
+    """The trainer's own module when it holds ``path``'s state (``models.live``), in eval mode with
+    gradients off (as it is lent); None
     otherwise. It must already sit on ``device`` in ``dtype`` — the update trains in the dtype scoring
     uses (``scoring_dtype``) — else the caller would score other arithmetic than it asked for."""
     held = live.lookup(path)
@@ -116,15 +118,6 @@ def _borrow(path: Path, kind: str, device: torch.device, dtype: torch.dtype):
         raise CheckpointError(f"{path} is held in memory as {first.dtype} on {first.device}, but {dtype} on "
                               f"{device} was asked for; set trainer.resident_models=false to load it from disk")
     return held.module.eval()
-
-
-def _frozen(load):
-    def frozen():
-        model = load()
-        model.requires_grad_(False)
-        return model
-
-    return frozen
 
 
 def release(model_ref: "weakref.ref", device: torch.device) -> None:
@@ -145,7 +138,7 @@ def release(model_ref: "weakref.ref", device: torch.device) -> None:
 
 def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype, attention: str = "auto"):
     """The value model: ``AutoModelForTokenClassification`` with one label, eval mode (no dropout),
-    attention as ``load_causal_lm``'s."""
+    gradients off and attention as ``load_causal_lm``'s."""
     from transformers import AutoModelForTokenClassification
 
     path = Path(path)
@@ -157,7 +150,7 @@ def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype, atte
     with timed(MODEL_LOAD):
         model = AutoModelForTokenClassification.from_pretrained(
             path, num_labels=1, dtype=dtype, attn_implementation=resolve_attention(attention, device))
-        return model.to(device).eval()
+        return model.to(device).eval().requires_grad_(False)
 
 
 def weights_fingerprint(path: str | Path) -> Optional[str]:

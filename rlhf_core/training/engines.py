@@ -173,6 +173,9 @@ class TrainEngine:
     dtype: str  # "fp32" | "bf16" | "fp16"
     lora: Optional[LoraSettings] = None
     lr_schedule_step: int = 0
+    trainable: frozenset[str] = frozenset()
+    """Names of the parameters the optimizer trains, fixed when the engine is built: a module lent
+    to the stages has its gradients switched off meanwhile (``training.resident``)."""
 
     @property
     def module(self) -> torch.nn.Module:
@@ -189,7 +192,7 @@ class TrainEngine:
         return getattr(opt, "optimizer", opt)
 
     def named_trainable(self) -> list[tuple[str, torch.nn.Parameter]]:
-        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+        return [(n, p) for n, p in self.module.named_parameters() if n in self.trainable]
 
     @property
     def lr(self) -> float:
@@ -236,7 +239,8 @@ def build_train_engine(role: str, model: torch.nn.Module, optim: OptimConfig, ds
     optimizer = make_optimizer(params, optim, cpu_adam=uses_cpu_adam(ds_config, device))
     engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config)
     te = TrainEngine(role=role, engine=engine, schedule=schedule,
-                     base_lrs=[optim.lr] * len(optimizer.param_groups), dtype=dtype)
+                     base_lrs=[optim.lr] * len(optimizer.param_groups), dtype=dtype,
+                     trainable=frozenset(n for n, p in engine.module.named_parameters() if p.requires_grad))
     te.set_lr_schedule_step(0)
     return te
 

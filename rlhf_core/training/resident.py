@@ -170,6 +170,8 @@ class ResidentTrainer:
         """The last sync of the kept rollout engine to the held actor: its seconds and log-prob gap."""
         self._saving: Optional[tuple[int, concurrent.futures.Future]] = None
         """The save of a committed state handed to the writer from the copier thread (``check_writes``)."""
+        self._lent_flags: list[tuple[torch.nn.Parameter, bool]] = []
+        """``requires_grad`` of each parameter of the engines' modules while they are lent frozen."""
 
     # -- the update ------------------------------------------------------------------------------
 
@@ -435,10 +437,21 @@ class ResidentTrainer:
         if not self.serve or not self.holds:
             return
         ckpt = self.run.checkpoint(self.holds)
-        live.hold(ckpt / "actor", live.LiveModel(self._servable(self.actor), "causal_lm", self.tokenizer))
+        live.hold(ckpt / "actor", live.LiveModel(self._lend(self.actor), "causal_lm", self.tokenizer))
         if self.critic is not None:
-            live.hold(ckpt / "critic", live.LiveModel(self._servable(self.critic), "critic", self.tokenizer))
+            live.hold(ckpt / "critic", live.LiveModel(self._lend(self.critic), "critic", self.tokenizer))
         self._sync_rollout_engine(ckpt / "actor")
+
+    def _lend(self, te: TrainEngine) -> torch.nn.Module:
+        """``_servable(te)`` with gradients off until ``_withdraw``, as every model a stage loads
+        from disk has them: ATen's matmul takes another summation path for a weight that requires
+        grad, so a borrowed module would give other bits than its checkpoint reloaded after a crash
+        (a resumed run's log-probs would differ from the uninterrupted run's in the last digit)."""
+        module = self._servable(te)
+        if module is te.module:
+            self._lent_flags += [(p, p.requires_grad) for p in module.parameters()]
+            module.requires_grad_(False)
+        return module
 
     def _servable(self, te: TrainEngine) -> torch.nn.Module:
         """The module a stage may borrow: the engine's own, except a ZeRO-3 engine's on several
@@ -469,6 +482,9 @@ class ResidentTrainer:
 
     def _withdraw(self) -> None:
         live.drop(self.run.root)
+        for param, requires_grad in self._lent_flags:  # the trainable parameters train again
+            param.requires_grad_(requires_grad)
+        self._lent_flags = []
         for te in present(self.actor, self.critic):  # a borrower left them in eval mode
             te.module.train()
 

@@ -4,6 +4,7 @@ the worker's flow-run process does with the parameters the Run form sends, befor
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -76,12 +77,11 @@ def test_missing_data_or_base_model_fails_before_copying(tmp_path):
     assert not runs.exists()
 
 
-def test_retrain_starts_from_the_newest_export_on_its_own_snapshot(tmp_path):
+def test_retrain_starts_from_the_newest_export_on_its_own_snapshot(tmp_path, tiny_model_dir):
     runs = tmp_path / "runs"
     for name, when in (("older", 1.0), ("newer", 2.0)):
         actor = runs / name / "export" / "actor"
-        actor.mkdir(parents=True)
-        (actor / "config.json").write_text("{}")
+        shutil.copytree(tiny_model_dir, actor)  # a usable model folder: the retrain checks its base model
         (actor / "export.json").write_text(json.dumps({"iteration": 1, "time": when}))
     data = tmp_path / "prompts.jsonl"
     data.write_text((REPO / "data" / "arith" / "train.jsonl").read_text().splitlines()[0] + "\n")

@@ -150,7 +150,8 @@ def test_auto_picks_per_file_and_waits_for_a_readable_row(tmp_path, tokenizer):
                    '{"question": "Sam has 2 and 2. How many?", "answer": "#### 4"}\n')
     result = run([verl, str(raw)], DataConfig(val_fraction=0.0), tokenizer)
     assert result.layouts == {verl: "verl", str(raw): "gsm8k"}
-    assert result.rows == {"input": 6, "train": 4, "val": 0, "rejected": 2}
+    assert result.rows == {"input": 6, "train": 4, "val": 0, "rejected": 2,
+                           "rejected/malformed JSON": 1, "rejected/missing answer": 1}
     reasons = result.rejects.column("reason").to_pylist()
     assert reasons[0].startswith("malformed JSON") and reasons[1] == "missing answer: no 'answer' field"
 
@@ -253,11 +254,13 @@ def test_train_and_val_max_samples(tmp_path, tokenizer):
     train = write_verl_parquet(tmp_path / "train.parquet", rows[:30])
     val = write_verl_parquet(tmp_path / "val.parquet", rows[30:])
     first = run([train], DataConfig(train_max_samples=12, val_max_samples=4, shuffle=False), tokenizer, val=[val])
-    assert first.rows == {"input": 40, "train": 12, "val": 4, "rejected": 24}
+    assert first.rows == {"input": 40, "train": 12, "val": 4, "rejected": 24,
+                          "rejected/over train cap": 18, "rejected/over validation cap": 6}
     assert first.train.column("source_row").to_pylist() == list(range(12))  # shuffle off: the first N, as verl
     assert first.val.column("source_row").to_pylist() == list(range(4))
     assert set(first.rejects.column("reason").to_pylist()) == {
-        "over train cap (data.train_max_samples=12)", "over validation cap (data.val_max_samples=4)"}
+        "over train cap (data.train_max_samples=12)",
+        "over validation cap (data.val_max_samples=4; -1 scores every validation prompt)"}
     shuffled = run([train], DataConfig(train_max_samples=12, val_max_samples=4, shuffle=True), tokenizer, val=[val])
     picked = shuffled.train.column("source_row").to_pylist()
     assert len(picked) == 12 and picked == sorted(picked) and picked != list(range(12))  # seeded pick, file order

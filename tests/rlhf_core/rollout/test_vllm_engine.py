@@ -197,11 +197,11 @@ def test_pause_resume_and_a_checkpoint_from_disk(resident, prompts, vllm_model_d
     moved = trainer(vllm_model_dir, scale=0.5, seed=3)
     moved.save_pretrained(tmp_path / "older")
     resident.sleep()
-    assert resident.load_checkpoint(tmp_path / "older") == 26 and not resident.asleep  # loading wakes it
+    assert resident.load_model_dir(tmp_path / "older") == 26 and not resident.asleep  # loading wakes it
     probe = probe_tokens(512)
     gap = (torch.tensor(resident.prompt_log_probs(probe)) - trainer_log_probs(moved, probe)).abs().max()
     assert gap < 1e-5
-    resident.load_checkpoint(vllm_model_dir)
+    resident.load_model_dir(vllm_model_dir)
     assert draws(resident, prompts) == base
 
 

@@ -120,7 +120,7 @@ def test_packed_grad_forward_matches_scoring_log_probs_entropy_and_values(ppo_da
     from rlhf_core.scoring.models import load_causal_lm, load_critic
     from rlhf_core.training.forward import actor_forward, critic_forward
 
-    actor = load_causal_lm(tiny_model_dir, torch.device("cpu"), torch.float32)
+    actor = load_causal_lm(tiny_model_dir, torch.device("cpu"), torch.float32).requires_grad_()  # trained here: loads come frozen
     critic = load_critic(critic_init_dir, torch.device("cpu"), torch.float32)
     rows = [[0, 1, 2], [3], [4, 5]]
     mb = build_micro_batch(ppo_data, rows, pad_id=0)

@@ -1,0 +1,52 @@
+"""The resident trainer lends its modules to the stages (rollout, score, guard) between updates. A
+lent module must compute the bits its checkpoint gives when loaded from disk — a resumed run loads
+it, the uninterrupted run borrows it, and their numbers must agree — and must train as before once
+it is withdrawn."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rlhf_core.models import live
+from rlhf_core.rollout.base import SamplingParams
+from rlhf_core.rollout.hf import HFEngine
+from rlhf_core.run.layout import RunDir
+from rlhf_core.scoring.models import load_causal_lm
+from rlhf_core.training.resident import ResidentTrainer
+
+pytestmark = pytest.mark.deepspeed
+
+
+def _lending_trainer(run: RunDir, actor, critic, dist) -> ResidentTrainer:
+    """A resident trainer holding ``actor``/``critic`` as iteration 1's state."""
+    trainer = ResidentTrainer(run)
+    trainer.actor, trainer.critic, trainer.dist, trainer.holds = actor, critic, dist, 1
+    return trainer
+
+
+def test_a_lent_module_gives_the_bits_of_its_reloaded_checkpoint(make_engines, dist, tmp_path):
+    _, actor, critic = make_engines(0)
+    trained = {n for n, _ in actor.named_trainable()}
+    run = RunDir(tmp_path / "run")
+    saved = tmp_path / "saved_actor"
+    actor.module.save_pretrained(saved)
+    trainer = _lending_trainer(run, actor, critic, dist)
+    trainer._offer()
+    try:
+        lent = live.lookup(run.checkpoint(1) / "actor")
+        assert lent is not None and lent.module is actor.module
+        assert not any(p.requires_grad for p in actor.module.parameters())  # lent frozen, as loads are
+        assert {n for n, _ in actor.named_trainable()} == trained  # the optimizer's view is unchanged
+
+        prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20, 21]]
+        sampling = SamplingParams(max_new_tokens=12, n=2, seed=3)
+        borrowed = HFEngine(run.checkpoint(1) / "actor", tokenizer_path=saved).generate(prompts, sampling)
+        live.drop()
+        loaded = HFEngine(saved).generate(prompts, sampling)
+        assert [s.token_ids for s in borrowed] == [s.token_ids for s in loaded]
+        assert [s.log_probs for s in borrowed] == [s.log_probs for s in loaded]  # bit for bit
+        assert not load_causal_lm(saved, torch.device("cpu"), torch.float32).model.embed_tokens.weight.requires_grad
+    finally:
+        trainer._withdraw()
+    assert {n for n, p in actor.module.named_parameters() if p.requires_grad} == trained  # trains again
