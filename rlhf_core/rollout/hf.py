@@ -12,7 +12,8 @@ from typing import Optional
 
 from rlhf_core.errors import RLHFError
 from rlhf_core.rollout.base import (
-    GeneratedSample, SamplingParams, copies_of_greedy, decode_threads, eos_token_ids, torch_threads, trim_response,
+    GeneratedSample, SamplingParams, copies_of_greedy, decode_threads, eos_token_ids, largest_matrix, torch_threads,
+    trim_response,
 )
 from rlhf_core.scoring.models import load_causal_lm, load_tokenizer, release
 
@@ -34,8 +35,8 @@ class HFEngine:
     """``AutoModelForCausalLM.generate`` over one batch per call.
 
     dtype 'auto' is fp32 on CPU (no fast bf16 on CPUs without avx512_bf16) and bf16 on CUDA.
-    ``cpu_threads`` 0 = auto: one thread for models under 100 M parameters (their per-token matmuls
-    are too small to split, and extra threads spin-wait on a shared machine), else torch's default.
+    ``cpu_threads`` 0 = auto: one thread for a model whose weight matrices are small (``decode_threads``:
+    its per-token matmuls are too small to split), else torch's default.
     """
 
     name = "hf"
@@ -64,7 +65,7 @@ class HFEngine:
         # shared model this is the same assignment every engine makes: the union of the same EOS ids.)
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self.cpu_threads = decode_threads(cpu_threads, model.num_parameters())
+        self.cpu_threads = decode_threads(cpu_threads, largest_matrix(p.shape for p in model.parameters()))
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GeneratedSample]:
         """Sample ``sampling.n`` responses per prompt; returns len(prompts) × n samples in order."""

@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 from rlhf_core.errors import RLHFError
 from rlhf_core.rollout.base import (
     FINISH_LENGTH, FINISH_STOP, GeneratedSample, SamplingParams, copies_of_greedy, decode_threads, derive_seed,
-    eos_token_ids, torch_threads, trim_response,
+    eos_token_ids, largest_matrix, torch_threads, trim_response,
 )
 from rlhf_core.rollout.weight_sync import (
     check_against, checkpoint_shapes, log_prob_gap, prepare_named_tensors, probe_tokens, read_checkpoint,
@@ -171,8 +171,7 @@ class VLLMEngine:
         self.shapes = checkpoint_shapes(model_path)  # what the engine loads: every later sync is checked against it
         self.dtype, self.resident, self.external_launcher = dtype, resident, external_launcher
         self.cpu = current_platform.is_cpu()
-        params = sum(_numel(s) for s in self.shapes.values())
-        self.cpu_threads = decode_threads(cpu_threads, params) if self.cpu else 0
+        self.cpu_threads = decode_threads(cpu_threads, largest_matrix(self.shapes.values())) if self.cpu else 0
         if resident and tensor_parallel_size > 1 and not external_launcher:
             # its workers would be other processes, which collective_rpc cannot hand our tensors
             raise RLHFError("a resident vllm engine with tensor_model_parallel_size > 1 runs one rank per process "
@@ -360,13 +359,6 @@ class VLLMEngine:
             # stopped on another of the model's stop tokens (generation_config eos list): keep it
             return ids, FINISH_STOP
         return ids, reason
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for dim in shape:
-        n *= dim
-    return n
 
 
 def _sampled_log_prob(entry: Optional[dict], token: int) -> float:

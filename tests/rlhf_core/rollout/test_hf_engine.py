@@ -8,7 +8,7 @@ import torch
 
 from rlhf_core.errors import RLHFError
 from rlhf_core.rollout.base import (
-    FINISH_LENGTH, FINISH_STOP, SamplingParams, derive_seed, get_engine, trim_response,
+    FINISH_LENGTH, FINISH_STOP, SamplingParams, decode_threads, derive_seed, get_engine, largest_matrix, trim_response,
 )
 from rlhf_core.rollout.hf import HFEngine
 
@@ -224,3 +224,13 @@ def test_derive_seed_is_stable_and_separates_labels():
 ])
 def test_trim_response(row, eos, expected):
     assert trim_response(row, eos) == expected
+
+
+def test_decode_threads_follow_the_largest_matmul_not_the_parameter_count(engine):
+    """The tiny model decodes on one thread; a model of Qwen2.5-0.5B's layer shape (896 x 4864) on
+    torch's default even when cut to 60 M parameters; a configured count always wins."""
+    assert engine.cpu_threads == 1
+    half_b = [(896, 896), (128, 896), (4864, 896), (896, 4864), (896,), (512, 896)]
+    assert largest_matrix(half_b) == 4864 * 896 and decode_threads(0, largest_matrix(half_b)) == 0
+    assert decode_threads(0, largest_matrix([(64, 176), (512, 64), (64,)])) == 1
+    assert decode_threads(3, largest_matrix(half_b)) == 3 and largest_matrix([(5,)]) == 0
