@@ -47,7 +47,7 @@ What is measured, --mode update:
   update tokens/s = real (non-pad) prompt+response tokens × epochs / training-phase seconds, for both.
 Each side runs in a fresh process, one after the other, ``--repeats`` times interleaved; medians are
 reported. TRL runs at each ``--trl-threads`` setting (default: 1 thread, and torch's own choice = all
-cores); ours runs as the update stage would (1 thread per model under 100 M parameters, the critic and
+cores); ours runs as the update stage would (1 thread per model whose largest weight matrix is under 1 M elements, the critic and
 the actor at the same time when there are >= 2 cores: ``trainer.concurrent_critic_actor``), so the
 ratio against TRL at all cores compares both using the whole machine.
 Results and their analysis: docs/benchmarks.md §3.
@@ -371,7 +371,7 @@ def main() -> None:
     parser.add_argument("--trl-threads", type=int, nargs="+",
                         help="torch thread settings to run TRL at (0 = torch's own choice, all cores; default: 2 in "
                              "iteration mode, 1 and 0 in update mode); each is reported with its own ratio. Ours "
-                             "picks its threads itself (1 per model under 100 M parameters, the critic and the actor "
+                             "picks its threads itself (1 per model of small matmuls, models.threads; the critic and the actor "
                              "at the same time on >= 2 cores)")
     parser.add_argument("--repeats", type=int, default=3, help="runs per side (interleaved); medians are reported")
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "rlhf-bench-trl-venv")

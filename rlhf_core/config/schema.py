@@ -923,7 +923,7 @@ class TrainerConfig(Section):
     concurrent_critic_actor: Literal["auto", "always", "never"] = "auto"
     """Train the critic and the actor at the same time, one thread each, in a one-process update (their
     updates only share the fixed advantages table, so the weights and metrics are the same as one
-    after the other). 'auto': on CPU when both run on one thread (models under 100 M parameters) and
+    after the other). 'auto': on CPU when both run on one thread (a model of small matmuls, ``models.threads``) and
     there are at least 2 cores — the tiny model's update then takes ~0.6x the time. Needs one process."""
     seed: int = 1
     """Global seed (model init, shuffles)."""

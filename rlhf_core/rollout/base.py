@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 from rlhf_core.errors import RLHFError
+from rlhf_core.models.threads import small_matmuls
 
 FINISH_STOP = "stop"      # the response ends with an EOS token (included in its token ids)
 FINISH_LENGTH = "length"  # hit max_new_tokens without EOS
@@ -155,25 +156,11 @@ def eos_token_ids(tokenizer, generation_config=None) -> list[int]:
 SMALL_MODEL_PARAMS = 100_000_000
 """Below this many parameters the SFT warm start trains on one CPU thread (``sft.warm_start``)."""
 
-SMALL_MATMUL = 1_000_000
-"""An engine decodes on one CPU thread when the largest weight matrix of its model has fewer elements:
-each token's matmuls are then too small to split, and extra threads spin-wait on a shared machine
-(tiny model, 64 x 176: 3,600 tokens/s on 1 thread vs 220 on 2 busy cores). The rule follows the work
-of one matmul, not the parameter count: at Qwen2.5-0.5B's layer shape (896 x 4864) cut to 4 layers
-(60 M parameters), 8 prompts of 86 tokens and 32 new tokens decode in 1.82 s on 2 threads vs 2.76 s
-on 1 (medians of 4, interleaved)."""
-
-
 def decode_threads(configured: int, largest_matrix: int) -> int:
     """rollout.cpu_threads as an engine applies it on CPU: the configured count, else (0 = auto)
-    one thread when the model's largest weight matrix has under ``SMALL_MATMUL`` elements and
-    torch's default (0: unchanged) otherwise."""
-    return configured or (1 if largest_matrix < SMALL_MATMUL else 0)
-
-
-def largest_matrix(shapes: Iterable[Sequence[int]]) -> int:
-    """Elements of the largest 2-D weight among ``shapes`` (0 when there is none)."""
-    return max((int(a) * int(b) for a, b in (s for s in shapes if len(s) == 2)), default=0)
+    one thread for a model of small matmuls (``models.threads``) and torch's default (0: unchanged)
+    otherwise."""
+    return configured or (1 if small_matmuls(largest_matrix) else 0)
 
 
 @contextlib.contextmanager

@@ -11,8 +11,9 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_core.errors import RLHFError
+from rlhf_core.models.threads import module_largest_matrix
 from rlhf_core.rollout.base import (
-    GeneratedSample, SamplingParams, copies_of_greedy, decode_threads, eos_token_ids, largest_matrix, torch_threads,
+    GeneratedSample, SamplingParams, copies_of_greedy, decode_threads, eos_token_ids, torch_threads,
     trim_response,
 )
 from rlhf_core.scoring.models import load_causal_lm, load_tokenizer, release
@@ -65,7 +66,7 @@ class HFEngine:
         # shared model this is the same assignment every engine makes: the union of the same EOS ids.)
         self.model.generation_config = GenerationConfig(eos_token_id=self.eos_ids, pad_token_id=self.pad_id)
         self.max_positions = getattr(model.config, "max_position_embeddings", None)
-        self.cpu_threads = decode_threads(cpu_threads, largest_matrix(p.shape for p in model.parameters()))
+        self.cpu_threads = decode_threads(cpu_threads, module_largest_matrix(model))
 
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingParams) -> list[GeneratedSample]:
         """Sample ``sampling.n`` responses per prompt; returns len(prompts) × n samples in order."""

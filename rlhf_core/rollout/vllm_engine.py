@@ -38,9 +38,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
 from rlhf_core.errors import RLHFError
+from rlhf_core.models.threads import largest_matrix
 from rlhf_core.rollout.base import (
     FINISH_LENGTH, FINISH_STOP, GeneratedSample, SamplingParams, copies_of_greedy, decode_threads, derive_seed,
-    eos_token_ids, largest_matrix, torch_threads, trim_response,
+    eos_token_ids, torch_threads, trim_response,
 )
 from rlhf_core.rollout.weight_sync import (
     check_against, checkpoint_shapes, log_prob_gap, prepare_named_tensors, probe_tokens, read_checkpoint,

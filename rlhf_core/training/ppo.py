@@ -158,7 +158,7 @@ def train_step(te: TrainEngine, data: PPOData, rows: list[int], plan: MicroBatch
         te.engine.set_gradient_accumulation_boundary(j == len(layouts) - 1)
         loss, stats = loss_fn(te.engine, mb, n_tok, n_seq)
         # DeepSpeed averages over ranks; the shares were computed for a sum over ranks
-        te.engine.backward(loss * (mb.weight * dist.world_size))
+        te.backward(loss * (mb.weight * dist.world_size))
         for k, v in stats.items():
             sums[k] += v.cpu().double() * mb.weight
         tokens += mb.num_tokens if mb.weight else 0

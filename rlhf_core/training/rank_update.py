@@ -34,6 +34,7 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import checkpoint_before
 from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.models.attention import resolve_attention
+from rlhf_core.models.threads import module_largest_matrix, small_matmuls
 from rlhf_core.run.models import (
     actor_path, critic_backbone, critic_path, initial_actor_path, reference_path, reward_model_path,
 )
@@ -202,21 +203,17 @@ def start_rng(cfg: RLHFConfig, sources: UpdateSources) -> None:
         seed_rng(cfg.trainer.seed)
 
 
-SMALL_MODEL_PARAMS = 100_000_000
-"""Below this many actor parameters a CPU update runs on one thread per rank: the tiny model's matmuls
-are too small to split, and on a shared machine extra OpenMP threads spin-wait (measured on the tiny
-model with 2 busy cores: 4 steps took 0.18 s on 1 thread, 13 s on 2). Same rule as the hf rollout."""
-
-
 @contextlib.contextmanager
-def cpu_threads(device: str, num_params: int, world_size: int) -> Iterator[int]:
-    """Set torch's (process-wide) thread count for the update, restoring it afterwards."""
+def cpu_threads(device: str, largest: int, world_size: int) -> Iterator[int]:
+    """Set torch's (process-wide) thread count for the update, restoring it afterwards: one thread per
+    rank for a model of small matmuls (``models.threads``: its largest weight matrix), else the rank's
+    share of the cores."""
     before = torch.get_num_threads()
     if device != "cpu":
         yield before
         return
     cores = max(1, (os.cpu_count() or 1) // world_size)
-    threads = 1 if num_params < SMALL_MODEL_PARAMS else min(before, cores)
+    threads = 1 if small_matmuls(largest) else min(before, cores)
     torch.set_num_threads(threads)
     try:
         yield threads
@@ -309,15 +306,13 @@ def open_engines(cfg: RLHFConfig, run: RunDir, sources: UpdateSources, device: s
     check_update_memory(cfg, shapes, device, world_size, resident=resident,
                         announce=int(os.environ.get("RANK", "0")) == 0)
     actor, critic = build_engines(cfg, sources, device, world_size, training_steps(cfg, run))
-    with cpu_threads(device, parameter_count(actor), world_size):
+    with cpu_threads(device, module_largest_matrix(actor.module), world_size):
         if sources.resume is not None:
             resume_optimizers(sources.resume, present(actor, critic), pad_id)
         start_rng(cfg, sources)
     return actor, critic, pad_id
 
 
-def parameter_count(actor: TrainEngine) -> int:
-    return sum(getattr(p, "ds_numel", p.numel()) for p in actor.module.parameters())  # ZeRO-3: full size
 
 
 def train_iteration(cfg: RLHFConfig, iteration: int, data: PPOData, actor: TrainEngine, critic: Optional[TrainEngine],
@@ -326,7 +321,7 @@ def train_iteration(cfg: RLHFConfig, iteration: int, data: PPOData, actor: Train
     """PPO on one iteration's data with engines that already hold the state it starts from (weights,
     optimizer, lr position) and with the RNG set to that state's; returns (metrics, ppo outcome).
     The one training loop of both designs: a fresh update process and the resident trainer."""
-    with cpu_threads(device, parameter_count(actor), dist.world_size) as threads:
+    with cpu_threads(device, module_largest_matrix(actor.module), dist.world_size) as threads:
         roles = role_schedules(cfg, actor, critic, iteration, dist.world_size)
         concurrent = concurrent_roles(cfg.trainer.concurrent_critic_actor, device, threads, dist.world_size)
         outcome = run_ppo(roles, data, seed=f"{cfg.trainer.seed}:{iteration}", dist=dist, pad_id=pad_id,
@@ -366,7 +361,7 @@ def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Opti
     metrics, outcome = train_iteration(cfg, iteration, data, actor, critic, dist, device, pad_id, progress=progress)
     state = trainer_state(cfg, run, iteration, sources, len(outcome.steps.get("actor", [])))
     saving = time.perf_counter()
-    with cpu_threads(device, parameter_count(actor), dist.world_size):
+    with cpu_threads(device, module_largest_matrix(actor.module), dist.world_size):
         save_checkpoint(run.checkpoint(iteration), actor=actor, critic=critic, tokenizer_path=sources.tokenizer,
                         trainer_state=state, dist=dist, lora_base=sources.actor if actor.lora else None)
     metrics["perf/setup_seconds"] = setup_seconds  # process group, data, models, engines, optimizer state

@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from rlhf_core.errors import RLHFError
+from rlhf_core.models.threads import largest_matrix
 from rlhf_core.rollout.base import (
-    FINISH_LENGTH, FINISH_STOP, SamplingParams, decode_threads, derive_seed, get_engine, largest_matrix, trim_response,
+    FINISH_LENGTH, FINISH_STOP, SamplingParams, decode_threads, derive_seed, get_engine, trim_response,
 )
 from rlhf_core.rollout.hf import HFEngine
 

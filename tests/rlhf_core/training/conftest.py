@@ -10,7 +10,7 @@ import pytest
 
 @pytest.fixture(scope="module", autouse=True)
 def _one_thread():
-    """The update runs the tiny model on one thread (see training.update.cpu_threads); the tests that
+    """The update runs the tiny model on one thread (see training.rank_update.cpu_threads); the tests that
     drive engines directly do the same, or OpenMP spin-waits dominate on a busy 2-core machine."""
     import torch
 

@@ -162,3 +162,23 @@ def test_kl_loss_pulls_the_actor_toward_the_reference(make_engines, tiny_model_d
         kls.append(m["actor/kl_loss"])
     assert kls[0] > 0 and all(b < a for a, b in zip(kls, kls[1:])), kls
     assert kls[-1] < 0.2 * kls[0], kls
+
+
+def test_one_process_at_zero_0_accumulates_without_deepspeeds_all_reduce(make_engines, ppo_data, tiny_model_dir, dist):
+    """A group of one has nothing to reduce: the backward skips DeepSpeed's flatten / all-reduce / copy
+    back (``TrainEngine.backward``) and the accumulated gradient is still the full-batch one."""
+    from rlhf_core.training.engines import full_gradients
+
+    data = _with_noisy_ref(ppo_data)
+    rows = [0, 3, 4, 7]
+    loss = LOSSES["token-mean"]
+    ref_grads, _, _ = _reference_actor_grads(tiny_model_dir, data, rows, loss)
+    _, actor, _ = make_engines(0, "actor_rollout_ref.actor.optim.lr=1e-30")
+    reductions = []
+    real = actor.engine.allreduce_gradients
+    actor.engine.allreduce_gradients = lambda *a, **k: reductions.append(1) or real(*a, **k)
+    captured = {}
+    train_step(actor, data, rows, PLANS["dynamic, one sequence-sized budget"], loss, dist, pad_id=0,
+               on_gradients=lambda te: captured.update(full_gradients(te)))
+    assert reductions == [] and dist.world_size == 1
+    assert _max_rel_diff(captured, ref_grads) < 1e-5
