@@ -388,7 +388,8 @@ def _passes(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths, ro
     meter.tokens += sum(int(s["tokens"]) for s in shares)
     meter.seconds += max(float(s["seconds"]) for s in shares)  # the ranks ran side by side
     # each rank ran its micro-batches of the one-process plans: the one-process values, bit for bit
-    columns = [merge_shares(shares, name, len(rows)) for name in ("old_log_probs", "ref_log_probs", "values")]
+    columns = [[None] * len(rows) if name == "old_log_probs" and takes_old_from_rollout(cfg, models)
+               else merge_shares(shares, name, len(rows)) for name in ("old_log_probs", "ref_log_probs", "values")]
     sums = merge_shares(shares, "sum_pi_squared", len(rows)) if needs_sum_pi_squared(cfg) else None
     return Passes(*columns, all(bool(s["ref_reused"]) for s in shares), sums)
 
@@ -413,6 +414,14 @@ def needs_sum_pi_squared(cfg: RLHFConfig) -> bool:
             or estimator_takes(cfg.algorithm.adv_estimator, "sum_pi_squared"))
 
 
+def takes_old_from_rollout(cfg: RLHFConfig, models: ModelPaths) -> bool:
+    """Whether the stage skips the actor's pass: verl's bypass mode takes the rollout engine's own
+    log-probs as the old policy, so the pass would only be thrown away — unless it is needed for
+    sum_pi_squared, or as the reference (the reference's weights are the actor's, as in iteration 1)."""
+    return (cfg.algorithm.rollout_correction.bypass_mode and not needs_sum_pi_squared(cfg)
+            and not same_weights(models.actor, models.reference))
+
+
 def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
                  share: Optional[Share] = None) -> Passes:
     """The actor's old log-probs (and sum_pi_squared), the reference's log-probs and the critic's values;
@@ -434,19 +443,22 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
         return _as_lists(compute_token_logprobs(model, temperature=temperature, pad_id=_pad_id(model),
                                                 desc=f"{role} log-probs", **common(role)))
 
-    # shared: the actor the rollout just sampled from, which the guard measures next
-    actor = load_causal_lm(models.actor, device, dtype, role="actor", shared=True, attention=actor_attention)
     sums = None
-    if needs_sum_pi_squared(cfg):  # one pass gives both: log-prob and sum_v pi^2 of the same softmax
-        both = compute_token_logprobs(actor, temperature=temperature, pad_id=_pad_id(actor), desc="actor log-probs",
-                                      sum_pi_squared=True, **common("actor"))
-        old = _as_lists([None if t is None else t[:, 0] for t in both])
-        sums = _as_lists([None if t is None else t[:, 1] for t in both])
+    if takes_old_from_rollout(cfg, models):
+        old = [None] * len(rows)  # the caller takes the rollout's log-probs
     else:
-        old = logprobs(actor, "actor")
-    alive = weakref.ref(actor)
-    del actor
-    release(alive, device)
+        # shared: the actor the rollout just sampled from, which the guard measures next
+        actor = load_causal_lm(models.actor, device, dtype, role="actor", shared=True, attention=actor_attention)
+        if needs_sum_pi_squared(cfg):  # one pass gives both: log-prob and sum_v pi^2 of the same softmax
+            both = compute_token_logprobs(actor, temperature=temperature, pad_id=_pad_id(actor),
+                                          desc="actor log-probs", sum_pi_squared=True, **common("actor"))
+            old = _as_lists([None if t is None else t[:, 0] for t in both])
+            sums = _as_lists([None if t is None else t[:, 1] for t in both])
+        else:
+            old = logprobs(actor, "actor")
+        alive = weakref.ref(actor)
+        del actor
+        release(alive, device)
     ref_reused = same_weights(models.actor, models.reference)
     if ref_reused:
         ref = [None if x is None else list(x) for x in old]
@@ -456,7 +468,7 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
             ref = logprobs(reference, "reference")
         release(weakref.ref(reference), device)
     if models.critic is None:  # a critic-free estimator: the column keeps its shape, nobody reads it
-        return Passes(old, ref, [None if x is None else [0.0] * len(x) for x in old], ref_reused, sums)
+        return Passes(old, ref, [None if x is None else [0.0] * len(x) for x in ref], ref_reused, sums)
     critic = load_critic(models.critic, device, dtype, attention=cfg.critic.model.override_config.attn_implementation)
     values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common("critic"))
     values = _as_lists(values)

@@ -157,6 +157,47 @@ def test_different_reference_and_reward_model(tmp_path, repo_root, tiny_model_di
     assert not any("identical weights" in line for line in result.summary)
 
 
+def test_bypass_mode_takes_the_rollouts_log_probs_without_an_actor_pass(tmp_path, repo_root, tiny_model_dir,
+                                                                        tokenizer, monkeypatch):
+    """verl's bypass mode: the engine's own log-probs are the old policy, so the actor's pass is not
+    run at all (unless the reference has the actor's weights, as in iteration 1: then it is the
+    reference's pass)."""
+    from rlhf_core.stages import score
+
+    ref_dir = tmp_path / "ref"
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.5)
+    model.save_pretrained(ref_dir)
+    run = RunDir(tmp_path / "run")
+    write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 3), n_samples=2)
+    table = pq.read_table(run.rollout(1))
+    engine_lps = [[-0.25 - 0.01 * t for t in range(n)] for n in table.column("response_length").to_pylist()]
+    table = table.set_column(table.schema.get_field_index("rollout_log_probs"), "rollout_log_probs",
+                             pa.array(engine_lps, type=ROLLOUT.field("rollout_log_probs").type))
+    atomic_write_parquet(run.rollout(1), table, schema=ROLLOUT)
+    loads = []
+    real = score.load_causal_lm
+    monkeypatch.setattr(score, "load_causal_lm", lambda *a, **k: loads.append(k.get("role")) or real(*a, **k))
+
+    cfg = demo_config(tiny_model_dir, f"actor_rollout_ref.ref.model_path={ref_dir}",
+                      "algorithm.rollout_correction.bypass_mode=true")
+    run_init_critic(cfg, run)
+    run_score(cfg, run, 1)
+    rows = pq.read_table(run.scored(1)).to_pylist()
+    flat = [x for lps in engine_lps for x in lps]
+    assert [x for r in rows for x in r["old_log_probs"]] == pytest.approx(flat, abs=1e-6)
+    assert all(r["ref_log_probs"] != r["old_log_probs"] for r in rows)
+    assert "actor" not in loads  # no actor pass
+
+    same = demo_config(tiny_model_dir, "algorithm.rollout_correction.bypass_mode=true")  # ref = actor
+    run_score(same, run, 1, force=True)
+    rows = pq.read_table(run.scored(1)).to_pylist()
+    assert loads.count("actor") == 1 and [x for r in rows for x in r["old_log_probs"]] == pytest.approx(flat, abs=1e-6)
+    assert all(r["ref_log_probs"] != r["old_log_probs"] for r in rows)  # the reference pass, not the engine's
+
+
 def test_score_from_the_cli_on_gsm8k_prompts(tmp_path, gsm8k_train, tiny_model_dir, tokenizer, capsys):
     from rlhf_cli.main import main
 
