@@ -82,7 +82,7 @@ def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional
                           dtype=trainer_dtype(cfg), seed=r.seed, max_model_len=max_model_len,
                           tokenizer_path=tokenizer_path, resident=resident, cpu_threads=r.cpu_threads,
                           rollout_tokens=sequences * max_model_len, external_launcher=external_launcher)
-    return engine_cls(model_path, device=cfg.trainer.device, tokenizer_path=tokenizer_path,
+    return engine_cls(model_path, device=cfg.trainer.device, tokenizer_path=tokenizer_path, dtype=trainer_dtype(cfg),
                       cpu_threads=r.cpu_threads, attention=cfg.actor_rollout_ref.model.override_config.attn_implementation)
 
 

@@ -35,7 +35,8 @@ def resolve_device(device: str = "auto") -> str:
 class HFEngine:
     """``AutoModelForCausalLM.generate`` over one batch per call.
 
-    dtype 'auto' is fp32 on CPU (no fast bf16 on CPUs without avx512_bf16) and bf16 on CUDA.
+    dtype 'auto' is fp32 on CPU and bf16 on CUDA; the rollout passes the actor's training dtype, so the
+    engine borrows the trainer's module as it is held.
     ``cpu_threads`` 0 = auto: one thread for a model whose weight matrices are small (``decode_threads``:
     its per-token matmuls are too small to split), else torch's default.
     """

@@ -31,10 +31,11 @@ def scoring_device(preference: str = "auto") -> torch.device:
 
 def scoring_dtype(device: torch.device, deepspeed_dtype: str = "auto") -> torch.dtype:
     """The dtype the update stage trains in, so old log-probs and the first update's log-probs come
-    from the same arithmetic: fp32 on CPU (no fast bf16 here), else the DeepSpeed dtype (auto = bf16)."""
-    if device.type == "cpu":
-        return torch.float32
-    return {"fp32": torch.float32, "fp16": torch.float16}.get(deepspeed_dtype, torch.bfloat16)
+    from the same arithmetic (and a module the trainer lends is the one asked for): the DeepSpeed
+    dtype, whose 'auto' is fp32 on CPU and bf16 on CUDA."""
+    if deepspeed_dtype == "auto":
+        return torch.float32 if device.type == "cpu" else torch.bfloat16
+    return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[deepspeed_dtype]
 
 
 def _require_model_dir(path: Path, role: str) -> None:

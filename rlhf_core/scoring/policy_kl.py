@@ -15,7 +15,7 @@ from rlhf_core.errors import RLHFError
 from rlhf_core.io.timing import MODEL_LOAD, timed
 from rlhf_core.models.packed import pack_rows, packed_forward, packing_attention_mode, response_positions
 from rlhf_core.data.packing import Share
-from rlhf_core.scoring.logprobs import own_micro_batches, plan_micro_batches
+from rlhf_core.scoring.logprobs import compute_token_logprobs, own_micro_batches, plan_micro_batches
 from rlhf_core.scoring.models import (
     is_lora_dir, load_causal_lm, load_merged_actor, reference_policy, scoring_device, scoring_dtype,
 )
@@ -44,6 +44,24 @@ def response_kl(token_kls: list, sampled_k1: Optional[list] = None) -> dict[str,
     if sampled_k1 is not None:
         flat = [float(x) for row in sampled_k1 for x in row]
         out["kl_k1_sampled"] = sum(flat) / len(flat) if flat else 0.0
+    return out
+
+
+def importance_weighted_kl(new: list, old: list, ref: list) -> list:
+    """One-sample estimate of the exact per-position KL(new ‖ ref) from tokens the old policy sampled:
+
+        kl_t ≈ ρ_t · ((r_t − 1) − log r_t),   ρ_t = p_new(y_t)/p_old(y_t),   r_t = p_ref(y_t)/p_new(y_t)
+
+    Over y_t ~ p_old its mean is Σ_v p_new(v) · ((p_ref(v)/p_new(v) − 1) − log(p_ref(v)/p_new(v))) =
+    Σ_v p_new(v) log(p_new(v)/p_ref(v)), the quantity ``token_kl`` sums exactly; every term is >= 0
+    (Schulman's k3, importance-weighted to the new policy). Inputs: per-sequence (n_i,) log-probs of
+    the sampled tokens; returns per-sequence (n_i,) float64 tensors.
+    """
+    out = []
+    for lp_new, lp_old, lp_ref in zip(new, old, ref):
+        lp_new, lp_old, lp_ref = (torch.as_tensor(x, dtype=torch.float64) for x in (lp_new, lp_old, lp_ref))
+        log_r = lp_ref - lp_new
+        out.append(torch.exp(lp_new - lp_old) * (torch.expm1(log_r) - log_r))
     return out
 
 
@@ -106,6 +124,21 @@ def actor_ref_kl(cfg: RLHFConfig, actor_dir: Path, ref_dir: Path, sequences: lis
     with reference_policy(ref_dir, device, dtype, attention, frozen_param_offload(cfg, "ref")) as ref:
         return token_kl(actor, ref, sequences, prompt_lengths, budget=budget, temperature=rollout.temperature,
                         pad_id=pad_id, share=share)
+
+
+def actor_sampled_log_probs(cfg: RLHFConfig, actor_dir: Path, sequences: list[list[int]],
+                            prompt_lengths: list[int]) -> list:
+    """The actor in ``actor_dir``'s log-probs of the sampled response tokens: one no-grad forward, on
+    the scoring device and dtype, with the rollout's temperature and the actor's scoring budget."""
+    device = scoring_device(cfg.trainer.device)
+    dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
+    actor = load_actor_for_kl(actor_dir, device, dtype, cfg.actor_rollout_ref.model.override_config.attn_implementation)
+    pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
+    return compute_token_logprobs(actor, sequences, prompt_lengths, micro_batching(cfg, "rollout"),
+                                  temperature=cfg.actor_rollout_ref.rollout.temperature, pad_id=pad_id,
+                                  packed=cfg.actor_rollout_ref.model.use_remove_padding,
+                                  budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
+                                  desc="guard: actor log-probs")
 
 
 def load_actor_for_kl(actor_dir: Path, device, dtype, attention: str = "auto"):

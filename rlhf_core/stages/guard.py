@@ -28,26 +28,27 @@ from rlhf_core.models import live
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import nonfinite_update, shown_apart
 from rlhf_core.run.models import reference_path
-from rlhf_core.scoring.policy_kl import actor_ref_kl, response_kl
+from rlhf_core.scoring.policy_kl import actor_ref_kl, actor_sampled_log_probs, importance_weighted_kl, response_kl
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes
 from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
 from rlhf_core.training.resident import ensure_state
 
-GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts",
+GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts", "trainer.kl_guard_estimator",
                   "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.log_prob",
                   "actor_rollout_ref.model", "actor_rollout_ref.ref", "trainer.device")
 
 
-def load_scored_sequences(path: Path) -> tuple[list[list[int]], list[int], list[list[float]]]:
+def load_scored_sequences(path: Path, column: str = "ref_log_probs") -> tuple[list[list[int]], list[int], list[list[float]]]:
+    """(sequences, prompt lengths, ``column``'s per-token lists) of the responses with tokens."""
     with timed(TABLE_READ):
-        table = pq.read_table(path, columns=["prompt_token_ids", "response_token_ids", "ref_log_probs"])
+        table = pq.read_table(path, columns=["prompt_token_ids", "response_token_ids", column])
     prompts = table.column("prompt_token_ids").to_pylist()
     responses = table.column("response_token_ids").to_pylist()
-    refs = table.column("ref_log_probs").to_pylist()
+    values = table.column(column).to_pylist()
     keep = [i for i, r in enumerate(responses) if r]  # an empty response has no token to score
     return ([prompts[i] + responses[i] for i in keep], [len(prompts[i]) for i in keep],
-            [refs[i] for i in keep])
+            [values[i] for i in keep])
 
 
 def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] = None) -> dict[str, float]:
@@ -60,6 +61,12 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
         raise CheckpointError(f"no trained actor at {actor_dir}: run `rlhf stage update --run-dir {run.root} "
                               f"--iteration {k}` before the guard")
     sequences, prompt_lengths, ref_log_probs = load_scored_sequences(run.scored(k))
+    if cfg.trainer.kl_guard_estimator == "sampled":  # one actor pass, against the stored log-probs
+        old_log_probs = load_scored_sequences(run.scored(k), "old_log_probs")[2]
+        sampled = actor_sampled_log_probs(cfg, actor_dir, sequences, prompt_lengths)
+        kls = importance_weighted_kl(sampled, old_log_probs, ref_log_probs)
+        k1 = [[a - b for a, b in zip(new.tolist(), ref)] for new, ref in zip(sampled, ref_log_probs)]
+        return {**response_kl(kls, k1), "estimator": "sampled"}
     world = share_processes(cfg, run, len(sequences))
     if world and actor_dir == run.checkpoint(k) / "actor":
         # each process measures its micro-batches of the one-process plan: the same values, bit for bit
@@ -105,7 +112,8 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         metrics["guard/nonfinite_update"] = float(nonfinite is not None)
         metrics["guard/threshold"] = float(threshold)
         shown, bound = shown_apart(guarded, threshold)
-        line = (f"KL(actor‖ref) per-token mean {shown}{' (validation prompts)' if guarded > kl['kl_mean'] else ''} "
+        estimate = " (sampled estimate)" if kl.get("estimator") == "sampled" else ""
+        line = (f"KL(actor‖ref) per-token mean{estimate} {shown}{' (validation prompts)' if guarded > kl['kl_mean'] else ''} "
                 f"{'>' if guarded > threshold else '<='} threshold {bound} → {verdict['decision']}"
                 + (f" ({verdict['reason']})" if "reason" in verdict else ""))
         return StageResult(stage="guard", iteration=k, outputs={"verdict": str(run.verdict(k))},

@@ -55,7 +55,8 @@ def resolve_device(preference: str = "auto") -> str:
 
 
 def resolve_dtype(dtype: str, device: str) -> str:
-    """deepspeed_config.dtype: 'auto' = fp32 on CPU (no fast bf16 kernels there), bf16 on CUDA."""
+    """deepspeed_config.dtype: 'auto' = fp32 on CPU (the tiny demo's; bf16 pays on AVX512-BF16 / AMX cores
+    at real layer shapes, set explicitly), bf16 on CUDA."""
     if dtype == "auto":
         return "fp32" if device == "cpu" else "bf16"
     if dtype not in DTYPES:

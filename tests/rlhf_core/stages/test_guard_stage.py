@@ -221,3 +221,65 @@ def test_the_halt_line_never_rounds_the_kl_onto_the_threshold(tmp_path, verdict,
     run = RunDir(tmp_path / "run")
     atomic_write_json(run.verdict(1), {"iteration": 1, "decision": "rollback", **verdict})
     assert shown in lifecycle.halt_message(run, 1, "trainer.on_kl_breach=halt")
+
+
+# ---------------------------------------------------------------------------------------------
+# the sampled estimator (trainer.kl_guard_estimator=sampled): one actor pass
+# ---------------------------------------------------------------------------------------------
+
+def test_importance_weighted_kl_averages_to_the_exact_kl_over_the_old_policys_draws():
+    """Weighting each possible token by p_old gives exactly Σ_v p_new (log p_new − log p_ref)."""
+    g = torch.Generator().manual_seed(0)
+    p_old, p_new, p_ref = (torch.log_softmax(torch.randn(50, generator=g, dtype=torch.float64), 0) for _ in range(3))
+    every_token = policy_kl.importance_weighted_kl([p_new], [p_old], [p_ref])[0]  # one "draw" per vocab entry
+    assert (every_token >= 0).all()
+    expected = float((p_new.exp() * (p_new - p_ref)).sum())
+    assert float((p_old.exp() * every_token).sum()) == pytest.approx(expected, rel=1e-12)
+
+
+def _sampled_run(tmp_path, tiny_model_dir, actor_scale, n=48, new_tokens=12):
+    """iter_1 with responses really sampled from the tiny model (the old policy and the reference),
+    their old and reference log-probs stored as the score stage stores them, and a perturbed actor."""
+    from rlhf_core.rollout.base import SamplingParams
+    from rlhf_core.rollout.hf import HFEngine
+    from rlhf_core.scoring import compute_token_logprobs
+
+    run = RunDir(tmp_path / "run")
+    prompts = [[5 + i % 7, 9 + i % 5, 20 + i % 11, 31] for i in range(n)]
+    samples = HFEngine(tiny_model_dir).generate(prompts, SamplingParams(max_new_tokens=new_tokens, n=1, seed=4))
+    seqs = [p + s.token_ids for p, s in zip(prompts, samples)]
+    plens = [len(p) for p in prompts]
+    ref_lp = compute_token_logprobs(_load(tiny_model_dir), seqs, plens, budget=4096, temperature=1.0)
+    pq.write_table(pa.table({"prompt_token_ids": prompts, "response_token_ids": [s.token_ids for s in samples],
+                             "ref_log_probs": [t.tolist() for t in ref_lp],
+                             "old_log_probs": [t.tolist() for t in ref_lp]}),
+                   (run.iter_dir(1).mkdir(parents=True), run.scored(1))[1])
+    actor_dir = run.checkpoint(1) / "actor"
+    actor_dir.parent.mkdir(parents=True)
+    _perturbed_copy(tiny_model_dir, actor_dir, actor_scale)
+    (run.checkpoint(1) / "trainer_state.json").write_text("{}")
+    for stage in ("gae", "update"):
+        record_stage(run, 1, stage, status="done", inputs={}, outputs={}, config_hash="x", metrics={})
+    return run
+
+
+def test_the_sampled_guard_estimates_the_exact_kl_and_still_rolls_back(tmp_path, tiny_model_dir):
+    run = _sampled_run(tmp_path, tiny_model_dir, actor_scale=1.0)
+    exact = guard.measure_kl(_cfg(tiny_model_dir), run, 1)
+    sampled = guard.measure_kl(_cfg(tiny_model_dir, "trainer.kl_guard_estimator=sampled"), run, 1)
+    assert sampled["estimator"] == "sampled" and sampled["num_tokens"] == exact["num_tokens"]
+    assert exact["kl_mean"] > 0.01
+    assert sampled["kl_mean"] == pytest.approx(exact["kl_mean"], rel=0.25)  # one draw per position, 500+ tokens
+    assert sampled["kl_k1_sampled"] == pytest.approx(exact["kl_k1_sampled"], rel=1e-5)  # the same actor log-probs
+
+    cfg = _cfg(tiny_model_dir, "trainer.kl_guard_estimator=sampled",
+               f"trainer.kl_rollback_threshold={sampled['kl_mean'] / 2}")
+    result = guard.run_guard(cfg, run, 1)
+    assert lifecycle.read_verdict(run, 1)["decision"] == "rollback" and result.metrics["guard/breach"] == 1.0
+    assert "(sampled estimate)" in result.summary[0]
+
+
+def test_the_sampled_guard_measures_zero_for_an_unchanged_actor(tmp_path, tiny_model_dir):
+    run = _sampled_run(tmp_path, tiny_model_dir, actor_scale=0.0, n=6)
+    kl = guard.measure_kl(_cfg(tiny_model_dir, "trainer.kl_guard_estimator=sampled"), run, 1)
+    assert kl["kl_mean"] == pytest.approx(0.0, abs=1e-6) and kl["kl_max"] == pytest.approx(0.0, abs=1e-6)

@@ -50,3 +50,31 @@ def test_a_lent_module_gives_the_bits_of_its_reloaded_checkpoint(make_engines, d
     finally:
         trainer._withdraw()
     assert {n for n, p in actor.module.named_parameters() if p.requires_grad} == trained  # trains again
+
+
+def test_a_bf16_trainer_lends_its_modules_to_the_rollout_and_the_guard_on_a_cpu(make_engines, dist, tmp_path,
+                                                                                 tiny_model_dir):
+    """deepspeed_config.dtype=bf16 on a CPU (fast on AVX512-BF16 / AMX cores): the rollout engine and the
+    scoring/guard passes ask for the trainer's dtype, so they borrow its bf16 module instead of refusing
+    it ("held in memory as bfloat16, but float32 was asked for")."""
+    from rlhf_core.rollout.generate import build_rollout_engine
+    from rlhf_core.scoring.models import scoring_device, scoring_dtype
+    from rlhf_core.scoring.policy_kl import load_actor_for_kl
+
+    bf16 = [f"{role}.deepspeed_config.dtype=bf16" for role in ("actor_rollout_ref.actor", "critic")]
+    cfg, actor, critic = make_engines(1, *bf16, f"actor_rollout_ref.model.tokenizer_path={tiny_model_dir}")
+    assert next(actor.module.parameters()).dtype == torch.bfloat16
+    run = RunDir(tmp_path / "run")
+    trainer = _lending_trainer(run, actor, critic, dist)
+    trainer._offer()
+    try:
+        device = scoring_device(cfg.trainer.device)
+        dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
+        assert load_actor_for_kl(run.checkpoint(1) / "actor", device, dtype) is actor.module
+        engine = build_rollout_engine(cfg, run.checkpoint(1) / "actor")
+        assert engine.model is actor.module
+        samples = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=4, n=1, seed=0))
+        assert len(samples[0].token_ids) > 0
+    finally:
+        trainer._withdraw()
+        live.drop()
