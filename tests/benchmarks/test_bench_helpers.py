@@ -45,3 +45,29 @@ def test_overhead_columns_add_up_to_wall_minus_compute():
     assert sum(columns.values()) == pytest.approx(row["overhead"])
     assert columns["ckpt writes"] == pytest.approx(0.2)  # checkpoint_write is BODY_IO's second kind
     assert columns["orchestration"] == pytest.approx(0.07)
+
+
+def test_real_shape_table_leaves_out_the_warm_up_and_divides_trls_wall_by_ours():
+    import bench_real_shape
+
+    def run(walls, **phase):
+        return {"iterations": [{"wall": w, "width": 32, **phase} for w in walls]}
+
+    ours = [run([30.0, 5.0, 6.0, 7.0], rollout=1.0, score=1.0, gae=0.0, update=2.0, guard=0.5,
+                **{"around the stages": 0.1})]
+    trl = [{**run([40.0, 9.0, 9.0, 12.0], generation=2.0, scoring=2.0, update=4.0, rest=0.2),
+            "trl_version": "1.12.0", "threads": 2}]
+    spec = {"batch": 8, "prompt_tokens": 86.0, "response_length": 32, "dtype": "bf16", "exact_guard": False}
+    text = bench_real_shape.table(4, 60.0, ours, trl, spec)
+    assert "**9.00 s** | **6.00 s**" in text and "**1.50x**" in text  # medians of iterations 2+
+    assert "sampled KL guard" in text and "bf16" in text
+
+
+def test_real_shape_settings_are_valid_config():
+    import bench_real_shape
+    from rlhf_core.config import load_config
+
+    cfg = load_config(str(BENCH.parent / "configs/demo.yaml"), [
+        *bench_real_shape.BYPASS, *bench_real_shape.SAMPLED_GUARD, *bench_real_shape.BF16])
+    assert cfg.algorithm.rollout_correction.bypass_mode and cfg.trainer.kl_guard_estimator == "sampled"
+    assert cfg.critic.deepspeed_config.dtype == "bf16" == cfg.actor_rollout_ref.actor.deepspeed_config.dtype
