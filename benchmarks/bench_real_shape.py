@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +48,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
-from bench_vs_trl import _trl_models, ensure_trl_venv, median  # noqa: E402  (stdlib-only at import: the TRL venv imports it too)
+from bench_vs_trl import _trl_models, ensure_trl_venv, median, run_worker  # noqa: E402  (stdlib-only at import: the TRL venv imports it too)
 
 OUR_PHASES = ("rollout", "score", "gae", "update", "guard")
 BYPASS = ("algorithm.rollout_correction.bypass_mode=true",)
@@ -159,16 +158,6 @@ def ours_worker(spec: dict, out: Path) -> None:
 
 # ----------------------------------------------------------------------------- driver
 
-def run_worker(python: str, role: str, spec: dict, work: Path, env: dict) -> dict:
-    spec_path, out = work / f"{role}_spec.json", work / f"{role}.json"
-    spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([python, __file__, "--worker", role, str(spec_path), str(out)], env=env,
-                          capture_output=True, text=True)
-    if proc.returncode != 0:
-        sys.exit(f"error: the {role} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
-
-
 def measured(runs: list[dict]) -> list[dict]:
     """Every run's iterations after the first (warm-up) one."""
     return [it for r in runs for it in r["iterations"][1:]]
@@ -242,12 +231,12 @@ def main() -> None:
             ours, trl = [], []
             for repeat in range(args.repeats):
                 if args.only != "trl" or "prompts" not in spec:
-                    result = run_worker(sys.executable, "ours", spec, work, env)
+                    result = run_worker(sys.executable, "ours", spec, work, env, __file__)
                     spec["prompts"] = result["prompts"]  # TRL samples from exactly these prompts, in this order
                     if args.only != "trl":
                         ours.append(result)
                 if args.only != "ours":
-                    trl.append(run_worker(trl_python, "trl", spec, work, env))
+                    trl.append(run_worker(trl_python, "trl", spec, work, env, __file__))
                 print(f"{layers} layers, {dtype}: run {repeat + 1}/{args.repeats} done", file=sys.stderr)
             spec["prompt_tokens"] = sum(map(len, spec["prompts"])) / len(spec["prompts"])
             params = parameter_count(model_dir) / 1e6

@@ -272,10 +272,11 @@ def arith_prompts(model_dir: Path, n: int, source: str = "data/arith/train.jsonl
                                         tokenize=False), add_special_tokens=False)["input_ids"] for r in rows]
 
 
-def run_worker(python: str, role: str, spec: dict, work: Path, env: dict) -> dict:
+def run_worker(python: str, role: str, spec: dict, work: Path, env: dict, script: str = __file__) -> dict:
+    """Run ``script --worker role`` with ``python`` in a fresh process; its JSON result."""
     spec_path, out = work / f"{role}_spec.json", work / f"{role}.json"
     spec_path.write_text(json.dumps(spec))
-    proc = subprocess.run([python, __file__, "--worker", role, str(spec_path), str(out)], env=env,
+    proc = subprocess.run([python, script, "--worker", role, str(spec_path), str(out)], env=env,
                           capture_output=True, text=True)
     if proc.returncode != 0:
         sys.exit(f"error: the {role} worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")

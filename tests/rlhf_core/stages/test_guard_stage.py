@@ -115,6 +115,12 @@ def _scored_run(tmp_path, tiny_model_dir, actor_scale):
     })
     run.iter_dir(1).mkdir(parents=True)
     pq.write_table(table, run.scored(1))
+    return _trained(run, tiny_model_dir, actor_scale)
+
+
+def _trained(run, tiny_model_dir, actor_scale):
+    """iter_1's checkpoint: the tiny model perturbed by ``actor_scale`` (0 = identical), with gae and
+    update recorded as done."""
     actor_dir = run.checkpoint(1) / "actor"
     actor_dir.parent.mkdir(parents=True)
     if actor_scale:
@@ -254,13 +260,7 @@ def _sampled_run(tmp_path, tiny_model_dir, actor_scale, n=48, new_tokens=12):
                              "ref_log_probs": [t.tolist() for t in ref_lp],
                              "old_log_probs": [t.tolist() for t in ref_lp]}),
                    (run.iter_dir(1).mkdir(parents=True), run.scored(1))[1])
-    actor_dir = run.checkpoint(1) / "actor"
-    actor_dir.parent.mkdir(parents=True)
-    _perturbed_copy(tiny_model_dir, actor_dir, actor_scale)
-    (run.checkpoint(1) / "trainer_state.json").write_text("{}")
-    for stage in ("gae", "update"):
-        record_stage(run, 1, stage, status="done", inputs={}, outputs={}, config_hash="x", metrics={})
-    return run
+    return _trained(run, tiny_model_dir, actor_scale)
 
 
 def test_the_sampled_guard_estimates_the_exact_kl_and_still_rolls_back(tmp_path, tiny_model_dir):
