@@ -307,7 +307,7 @@ class DeepSpeedConfig(Section):
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """'auto' = fp32 on CPU, bf16 on CUDA. The whole run follows it: rollout, scoring and the KL guard
     run in the actor's training dtype. On a CPU with AVX512-BF16 or AMX, bf16 (with zero_stage=1) is
-    the fast choice at real layer shapes — a 0.5B-shaped 4-layer model's iteration 8.9 s -> 5.5 s — while
+    the fast choice at real layer shapes — a 0.5B-shaped 4-layer model's iteration 9.8 s -> 5.0 s — while
     a tiny model is faster in fp32 (docs/benchmarks.md §8)."""
     offload_optimizer: bool = False
     """Keep Adam's state in host memory (what fsdp_config.optimizer_offload maps to). Off, as verl's FSDP
@@ -883,7 +883,7 @@ class TrainerConfig(Section):
     reference. 'sampled': the new actor's forward alone, against the reference and old log-probs the
     score stage stored: per token ρ·((r − 1) − log r), ρ = p_new/p_old, r = p_ref/p_new on the sampled
     token, an unbiased, never negative one-sample estimate of the same per-position KL (noisier on
-    few tokens; a 0.5B-shaped 4-layer iteration's guard 0.69 s -> 0.35 s in bf16)."""
+    few tokens; a 0.5B-shaped 4-layer iteration's guard 0.69 s -> 0.37 s in bf16)."""
     kl_guard_val_prompts: int = 0
     """Also measure KL(actor‖ref) on this many validation prompts, sampled from the new actor (an
     on-policy check; 0 = guard on the iteration's responses only, which costs no generation)."""
