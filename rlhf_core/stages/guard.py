@@ -39,16 +39,17 @@ GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts
                   "actor_rollout_ref.model", "actor_rollout_ref.ref", "trainer.device")
 
 
-def load_scored_sequences(path: Path, column: str = "ref_log_probs") -> tuple[list[list[int]], list[int], list[list[float]]]:
-    """(sequences, prompt lengths, ``column``'s per-token lists) of the responses with tokens."""
+def load_scored_sequences(path: Path, *columns: str) -> tuple:
+    """(sequences, prompt lengths, then per column of ``columns`` (default: ref_log_probs) its
+    per-token lists) of the responses with tokens, in one read."""
+    columns = columns or ("ref_log_probs",)
     with timed(TABLE_READ):
-        table = pq.read_table(path, columns=["prompt_token_ids", "response_token_ids", column])
+        table = pq.read_table(path, columns=["prompt_token_ids", "response_token_ids", *columns])
     prompts = table.column("prompt_token_ids").to_pylist()
     responses = table.column("response_token_ids").to_pylist()
-    values = table.column(column).to_pylist()
     keep = [i for i, r in enumerate(responses) if r]  # an empty response has no token to score
-    return ([prompts[i] + responses[i] for i in keep], [len(prompts[i]) for i in keep],
-            [values[i] for i in keep])
+    lists = [[values[i] for i in keep] for values in (table.column(c).to_pylist() for c in columns)]
+    return ([prompts[i] + responses[i] for i in keep], [len(prompts[i]) for i in keep], *lists)
 
 
 def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] = None) -> dict[str, float]:
@@ -60,13 +61,14 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
     if not actor_dir.is_dir() and not live.available(actor_dir):
         raise CheckpointError(f"no trained actor at {actor_dir}: run `rlhf stage update --run-dir {run.root} "
                               f"--iteration {k}` before the guard")
-    sequences, prompt_lengths, ref_log_probs = load_scored_sequences(run.scored(k))
     if cfg.trainer.kl_guard_estimator == "sampled":  # one actor pass, against the stored log-probs
-        old_log_probs = load_scored_sequences(run.scored(k), "old_log_probs")[2]
+        sequences, prompt_lengths, ref_log_probs, old_log_probs = load_scored_sequences(
+            run.scored(k), "ref_log_probs", "old_log_probs")
         sampled = actor_sampled_log_probs(cfg, actor_dir, sequences, prompt_lengths)
         kls = importance_weighted_kl(sampled, old_log_probs, ref_log_probs)
         k1 = [[a - b for a, b in zip(new.tolist(), ref)] for new, ref in zip(sampled, ref_log_probs)]
         return {**response_kl(kls, k1), "estimator": "sampled"}
+    sequences, prompt_lengths, ref_log_probs = load_scored_sequences(run.scored(k))
     world = share_processes(cfg, run, len(sequences))
     if world and actor_dir == run.checkpoint(k) / "actor":
         # each process measures its micro-batches of the one-process plan: the same values, bit for bit

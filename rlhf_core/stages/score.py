@@ -388,10 +388,11 @@ def _passes(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths, ro
     meter.tokens += sum(int(s["tokens"]) for s in shares)
     meter.seconds += max(float(s["seconds"]) for s in shares)  # the ranks ran side by side
     # each rank ran its micro-batches of the one-process plans: the one-process values, bit for bit
-    columns = [[None] * len(rows) if name == "old_log_probs" and takes_old_from_rollout(cfg, models)
+    ref_reused = all(bool(s["ref_reused"]) for s in shares)
+    columns = [[None] * len(rows) if name == "old_log_probs" and takes_old_from_rollout(cfg, ref_reused)
                else merge_shares(shares, name, len(rows)) for name in ("old_log_probs", "ref_log_probs", "values")]
     sums = merge_shares(shares, "sum_pi_squared", len(rows)) if needs_sum_pi_squared(cfg) else None
-    return Passes(*columns, all(bool(s["ref_reused"]) for s in shares), sums)
+    return Passes(*columns, ref_reused, sums)
 
 
 @dataclass
@@ -414,12 +415,11 @@ def needs_sum_pi_squared(cfg: RLHFConfig) -> bool:
             or estimator_takes(cfg.algorithm.adv_estimator, "sum_pi_squared"))
 
 
-def takes_old_from_rollout(cfg: RLHFConfig, models: ModelPaths) -> bool:
+def takes_old_from_rollout(cfg: RLHFConfig, ref_reused: bool) -> bool:
     """Whether the stage skips the actor's pass: verl's bypass mode takes the rollout engine's own
     log-probs as the old policy, so the pass would only be thrown away — unless it is needed for
     sum_pi_squared, or as the reference (the reference's weights are the actor's, as in iteration 1)."""
-    return (cfg.algorithm.rollout_correction.bypass_mode and not needs_sum_pi_squared(cfg)
-            and not same_weights(models.actor, models.reference))
+    return cfg.algorithm.rollout_correction.bypass_mode and not needs_sum_pi_squared(cfg) and not ref_reused
 
 
 def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
@@ -444,7 +444,8 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
                                                 desc=f"{role} log-probs", **common(role)))
 
     sums = None
-    if takes_old_from_rollout(cfg, models):
+    ref_reused = same_weights(models.actor, models.reference)
+    if takes_old_from_rollout(cfg, ref_reused):
         old = [None] * len(rows)  # the caller takes the rollout's log-probs
     else:
         # shared: the actor the rollout just sampled from, which the guard measures next
@@ -459,7 +460,6 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
         alive = weakref.ref(actor)
         del actor
         release(alive, device)
-    ref_reused = same_weights(models.actor, models.reference)
     if ref_reused:
         ref = [None if x is None else list(x) for x in old]
     else:
