@@ -124,7 +124,7 @@ RUN_FILE_NAMES = re.compile(
     r"""["'](?:last_good\.json|kl_ctrl\.json|kl_ctrl_before\.json|events\.jsonl|run\.lock|config\.yaml|"""
     r"""rollout\.parquet|scored\.parquet|advantages\.parquet|guard\.json|validation\.parquet|"""
     r"""iteration_metrics\.json|learning_curve\.png|generation_batches\.parquet|rejects\.parquet|"""
-    r"""rollout_rejects\.parquet|train\.parquet|val\.parquet|\.update_config\.yaml|iter_)["']""")
+    r"""rollout_rejects\.parquet|train\.parquet|val\.parquet|iter_)["']""")
 
 
 @pytest.mark.parametrize("layer", LAYERS)

@@ -1,5 +1,5 @@
 """Rollout and update throughput of a ~0.5B-parameter Qwen2-shaped model (Qwen2.5-0.5B's shape, random
-weights) on one GPU: HF batched ``generate`` tokens/s, then our PPO update (``train_update``, the body of
+weights) on one GPU: HF batched ``generate`` tokens/s, then our PPO update (``update_once``, the body of
 ``rlhf stage update``: critic and actor through DeepSpeed, bf16) tokens/s and model FLOPs utilisation.
 
     python benchmarks/gpu/bench_h200.py                 # on the GPU machine (benchmarks/gpu/bench_h200.sh)
@@ -125,7 +125,7 @@ def update(model_dir: Path, home: Path, table, args, device: str) -> dict:
     from rlhf_core.data.schemas import ADVANTAGES
     from rlhf_core.io.atomic import atomic_write_parquet
     from rlhf_core.run.layout import RunDir
-    from rlhf_core.training.rank_update import train_update
+    from rlhf_core.training.resident import update_once
 
     run = RunDir(home / "run")
     atomic_write_parquet(run.advantages(1), table, ADVANTAGES)
@@ -136,7 +136,7 @@ def update(model_dir: Path, home: Path, table, args, device: str) -> dict:
         f"actor_rollout_ref.actor.ppo_epochs={args.epochs}",
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.token_budget}",
         f"actor_rollout_ref.actor.deepspeed_config.zero_stage={args.zero}", f"critic.deepspeed_config.zero_stage={args.zero}"])
-    return train_update(cfg, run, 1, progress=False)
+    return update_once(cfg, run, 1, progress=False)
 
 
 def main() -> None:

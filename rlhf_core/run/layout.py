@@ -200,10 +200,6 @@ class RunDir:
     def iteration_metrics(self, k: int) -> Path:
         return self.iter_dir(k) / "iteration_metrics.json"
 
-    def update_config(self, k: int) -> Path:
-        """The config the update's ranks read (written by the parent before launching them)."""
-        return self.iter_dir(k) / ".update_config.yaml"
-
     def launch_log(self, name: str) -> Path:
         """torchrun's whole output of a multi-process launch (``name``: 'update-iter_3', 'worker-group'):
         an error says what failed in one line and names this file for the rest."""

@@ -1,8 +1,10 @@
-"""Entry point of each rank of a run's worker group (``training.worker_group``), started once per
-flow run by ``training.resident.GroupTrainer`` when the update spans several processes:
+"""Entry point of each rank of a run's worker group (``training.worker_group``), started by
+``training.resident.GroupTrainer`` when the update spans several processes — once per flow run, or
+with ``--one-update`` for one update outside a flow (`rlhf stage update`, ``resident.update_once``:
+its trainers are not kept, the update writes its checkpoint at once, then the group closes):
 
     torchrun --standalone --nproc_per_node N -m rlhf_core.stages.group_entry \
-        --store 127.0.0.1:PORT --run-dir RUN --device cpu|cuda
+        --store 127.0.0.1:PORT --run-dir RUN --device cpu|cuda [--one-update]
 
 Every rank keeps a ``ResidentTrainer`` (its engines, its rollback snapshot, its optimizer shard)
 and runs the coordinator's commands in step with the others:
@@ -48,9 +50,9 @@ def _config(command: dict) -> RLHFConfig:
 class Rank:
     """One rank's command handlers (see the module docstring)."""
 
-    def __init__(self, run: RunDir, dist: DistInfo):
+    def __init__(self, run: RunDir, dist: DistInfo, *, kept: bool = True):
         self.run, self.dist = run, dist
-        self.trainer = ResidentTrainer(run)
+        self.trainer = ResidentTrainer(run, kept=kept)
 
     def handlers(self) -> dict:
         ops = {"update": self.update, "settle": self.settle, "hold": self.hold, "share": self.share,
@@ -126,11 +128,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--store", required=True, help="the coordinator's TCPStore, HOST:PORT")
     parser.add_argument("--run-dir", type=Path, required=True)
     parser.add_argument("--device", choices=("cpu", "cuda"), required=True)
+    parser.add_argument("--one-update", action="store_true",
+                        help="a group for one update (`rlhf stage update`): its checkpoint written at once, nothing kept")
     args = parser.parse_args(argv)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # "cuda" below = this rank's GPU
     dist = init_distributed(args.device)
-    rank = Rank(RunDir(args.run_dir), dist)
+    rank = Rank(RunDir(args.run_dir), dist, kept=not args.one_update)
     try:
         serve(args.store, dist.rank, rank.handlers(), last="close", user_errors=(RLHFError,))
     finally:

@@ -1,6 +1,7 @@
-"""The update's torchrun launch, on one machine or on several through torchrun's own rendezvous.
+"""Where a worker group's ranks start (``training.worker_group``): on this machine alone, or on
+several through torchrun's own rendezvous.
 
-One machine (trainer.nnodes=1): ``torchrun --standalone --nproc_per_node N``, as always.
+One machine (trainer.nnodes=1): ``torchrun --standalone --nproc_per_node N``.
 
 Several machines (trainer.nnodes > 1), with torchrun's static rendezvous (node ranks given, so the
 global rank order — and with it the result — is the same on every run):
@@ -14,12 +15,14 @@ global rank order — and with it the result — is the same on every run):
      for every node, then fails naming the           records its exit status, waits for the next one;
      ones without a record and what to run there;    leaves when the run is finished or on Ctrl-C
      stops when a node fails or its heartbeat stops)
-    removes the request when its torchrun ends
+    removes the request when the group ends
 
-The run directory is the only channel, so it must be on storage every node sees at the same path
-(a shared filesystem): the request, the update's config, the checkpoint shards each node's ranks
-write and rank 0's metrics all pass through it. Model and data paths in the config must resolve on
-every node too. Node 0's address and port come from ``config.resolve.update_rendezvous``.
+A request is a whole worker group: the ranks keeping a flow run's models, or the ranks of one
+update started by `rlhf stage update` (``training.resident.update_once``). Its commands pass
+through node 0's TCPStore; the run directory carries the request, the checkpoint shards each node's
+ranks write and rank 0's metrics, so it must be on storage every node sees at the same path (a
+shared filesystem). Model and data paths in the config must resolve on every node too. Node 0's
+address and port come from ``config.resolve.update_rendezvous``.
 """
 
 from __future__ import annotations
@@ -46,12 +49,11 @@ from rlhf_core.progress import quiet_console
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lifecycle import last_good_iteration
 
-LAUNCH_MODULE = "rlhf_core.training.launch"
 GROUP_ENTRY = "rlhf_core.stages.group_entry"
 """The module every rank of a worker group runs (``training.worker_group``): the run's ranks kept
 for a whole flow run instead of one launch per update."""
 USER_ERROR = "rlhf: error: "
-"""How a rank's user error begins (``training.launch``): its message already names the key and the fix."""
+"""How a rank's user error begins: its message already names the key and the fix."""
 FAILED_NODE_GRACE_S = 10.0
 """After another node records a failed exit, how long node 0's torchrun may still end by itself
 before it is stopped (its ranks would otherwise wait on the dead ranks' collectives)."""
@@ -66,13 +68,10 @@ a loaded shared filesystem may delay a few)."""
 
 @dataclass(frozen=True)
 class UpdateRequest:
-    """One multi-node launch of iteration ``iteration``'s update, as every node runs it."""
+    """One multi-node launch of a worker group (``GROUP_ENTRY``), as every node runs it."""
 
     launch_id: str
     """Unique per launch: a joiner runs each launch id once."""
-    iteration: int
-    config: str
-    """The update's config file, relative to the run directory (each node mounts it where it may)."""
     nnodes: int
     nproc_per_node: int
     master_addr: str
@@ -80,22 +79,24 @@ class UpdateRequest:
     join_timeout_s: int
     created_at: float
     """Node 0's clock (time.time()) when the request was written."""
-    group_store: Optional[str] = None
-    """Set for a worker group (the ranks of a whole flow run, ``GROUP_ENTRY``): the coordinator's
-    TCPStore, HOST:PORT; ``iteration`` and ``config`` are then unused."""
+    store: str
+    """The coordinator's TCPStore, HOST:PORT: the group's commands."""
     device: str = "cpu"
-    """A worker group's device type (cpu or cuda)."""
+    """The group's device type (cpu or cuda)."""
+    iteration: int = 0
+    """0: the group keeping a flow run's models; K: a group started for iteration K's update alone
+    (``training.resident.update_once``)."""
 
     @property
     def what(self) -> str:
         """What node 0's errors call this launch."""
-        first = "the run's worker group" if self.group_store else f"update of iteration {self.iteration}"
+        first = f"update of iteration {self.iteration}" if self.iteration else "the run's worker group"
         return f"{first} on {self.nnodes} nodes (launch {self.launch_id})"
 
     @property
     def label(self) -> str:
         """What a joiner's lines call this launch."""
-        return f"launch {self.launch_id} ({'the worker group' if self.group_store else f'iteration {self.iteration}'})"
+        return f"launch {self.launch_id} ({f'iteration {self.iteration}' if self.iteration else 'the worker group'})"
 
 
 @dataclass(frozen=True)
@@ -187,16 +188,6 @@ def rank_env(nproc_per_node: int) -> dict[str, str]:
     return dict(os.environ, OMP_NUM_THREADS=str(max(1, (os.cpu_count() or 1) // nproc_per_node)))
 
 
-def _launch_args(run: RunDir, iteration: int, config_file: Path) -> list[str]:
-    return ["-m", LAUNCH_MODULE, "--run-dir", str(run.root), "--iteration", str(iteration), "--config", str(config_file)]
-
-
-def single_node_command(run: RunDir, iteration: int, config_file: Path, nproc: int) -> list[str]:
-    """torchrun on this machine alone (its own rendezvous on a free local port)."""
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1",
-            f"--nproc_per_node={nproc}", *_launch_args(run, iteration, config_file)]
-
-
 def node_command(request: UpdateRequest, run: RunDir, node_rank: int) -> list[str]:
     """torchrun for node ``node_rank`` of ``request`` (static rendezvous at node 0's address; its
     timeout bounds both node 0's wait for the others and theirs for node 0)."""
@@ -208,9 +199,8 @@ def node_command(request: UpdateRequest, run: RunDir, node_rank: int) -> list[st
 
 
 def _target(request: UpdateRequest, run: RunDir) -> list[str]:
-    if request.group_store:
-        return ["-m", GROUP_ENTRY, "--store", request.group_store, "--run-dir", str(run.root), "--device", request.device]
-    return _launch_args(run, request.iteration, run.root / request.config)
+    return ["-m", GROUP_ENTRY, "--store", request.store, "--run-dir", str(run.root), "--device", request.device,
+            *(["--one-update"] if request.iteration else [])]
 
 
 def stream(cmd: list[str], env: dict[str, str], watch: Optional[Callable[[subprocess.Popen], None]] = None,
@@ -244,25 +234,7 @@ def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
         proc.wait()
 
 
-def launch_single_node(run: RunDir, iteration: int, config_file: Path, nproc: int) -> None:
-    """Run the update on ``nproc`` ranks of this machine and wait."""
-    result = stream(single_node_command(run, iteration, config_file, nproc), rank_env(nproc),
-                    log=run.launch_log(f"update-iter_{iteration}"))
-    if result.returncode != 0:
-        if result.user_errors:  # its message already names the file/key and the fix
-            raise RLHFError(result.user_errors[0])
-        raise RLHFError(result.failure(f"update of iteration {iteration} on {nproc} ranks"))
-
-
 # node 0 of several ----------------------------------------------------------------------------
-def new_request(run: RunDir, iteration: int, config_file: Path, nnodes: int, nproc_per_node: int,
-                master_addr: str, master_port: int, join_timeout_s: int) -> UpdateRequest:
-    return UpdateRequest(launch_id=uuid.uuid4().hex[:12], iteration=iteration,
-                         config=str(config_file.relative_to(run.root)), nnodes=nnodes, nproc_per_node=nproc_per_node,
-                         master_addr=master_addr, master_port=master_port, join_timeout_s=join_timeout_s,
-                         created_at=time.time())
-
-
 def node0_address(cfg: RLHFConfig) -> tuple[str, int]:
     """(host, port) where the nodes of a multi-node launch meet (``config.resolve.update_rendezvous``)."""
     addr, port = resolve.update_rendezvous(cfg, os.environ)
@@ -272,11 +244,11 @@ def node0_address(cfg: RLHFConfig) -> tuple[str, int]:
 
 
 def group_request(nnodes: int, nproc_per_node: int, master_addr: str, master_port: int, join_timeout_s: int,
-                  store: str, device: str) -> UpdateRequest:
-    """A launch of the run's worker group on every node: its ranks stay up until the flow run ends."""
-    return UpdateRequest(launch_id=uuid.uuid4().hex[:12], iteration=0, config="", nnodes=nnodes,
-                         nproc_per_node=nproc_per_node, master_addr=master_addr, master_port=master_port,
-                         join_timeout_s=join_timeout_s, created_at=time.time(), group_store=store, device=device)
+                  store: str, device: str, iteration: int = 0) -> UpdateRequest:
+    """A launch of a worker group on every node: its ranks stay up until the group is closed."""
+    return UpdateRequest(launch_id=uuid.uuid4().hex[:12], nnodes=nnodes, nproc_per_node=nproc_per_node,
+                         master_addr=master_addr, master_port=master_port, join_timeout_s=join_timeout_s,
+                         created_at=time.time(), store=store, device=device, iteration=iteration)
 
 
 def publish_request(run: RunDir, request: UpdateRequest) -> None:
@@ -375,19 +347,6 @@ def launch_failure(run: RunDir, request: UpdateRequest, result: LaunchResult,
         return RLHFError(result.user_errors[0])
     return RLHFError(f"{result.failure(where)} (every node joined: check that node 0's "
                      f"{request.master_addr}:{request.master_port} is reachable from each node)")
-
-
-def launch_nodes(run: RunDir, request: UpdateRequest) -> None:
-    """Run node 0's part of ``request``: publish it, run torchrun as node rank 0, withdraw it."""
-    watch = NodeWatch(run, request, DEAD_AFTER_S)
-    publish_request(run, request)
-    try:
-        result = stream(node_command(request, run, 0), rank_env(request.nproc_per_node), watch,
-                        log=run.launch_log(f"update-iter_{request.iteration}"))
-    finally:
-        withdraw_request(run)
-    if result.returncode != 0:
-        raise launch_failure(run, request, result, watch)
 
 
 # the other nodes ------------------------------------------------------------------------------

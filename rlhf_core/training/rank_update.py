@@ -1,9 +1,10 @@
-"""One iteration's PPO update on one rank: advantages table in, checkpoint and metrics out.
+"""One iteration's PPO update on one rank: the engines, the training loop, what rank 0 records.
 
-``train_update`` is what every rank runs (in the stage's own process for one rank, under torchrun
-for several). It starts from the last-good iteration — its actor, critic and optimizer state, so
-iteration k+1 continues the AdamW moments and the lr schedule of iteration k — or from the initial
-models before any commit. Rank 0 writes ``iter_K/checkpoint/`` and ``iter_K/metrics.json``.
+``train_iteration`` is the one training loop; ``training.resident`` runs it in the trainer that
+holds the engines (kept for a flow run, or made for one update). An update starts from the
+last-good iteration — its actor, critic and optimizer state, so iteration k+1 continues the AdamW
+moments and the lr schedule of iteration k — or from the initial models before any commit. Rank 0
+writes ``iter_K/metrics.json`` and ``iter_K/state.json`` (``finish_update``).
 
 As verl's trainer: the critic trains first, then the actor unless the step is a critic warm-up step
 (``config.resolve.actor_updates``; the actor's weights, optimizer state and lr position are then
@@ -14,10 +15,8 @@ each role's lr schedule moves one step per iteration it trained in.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import resource
-import time
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator, Optional
@@ -39,9 +38,9 @@ from rlhf_core.run.models import (
     actor_path, critic_backbone, critic_path, initial_actor_path, reference_path, reward_model_path,
 )
 from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, PPOData, check_budget, read_advantages
-from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, save_checkpoint, seed_rng
-from rlhf_core.training.distributed import DistInfo, all_reduce, init_distributed
-from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device, resolve_dtype, torch_dtype
+from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, seed_rng
+from rlhf_core.training.distributed import DistInfo, all_reduce
+from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_dtype, torch_dtype
 from rlhf_core.training.lineage import weights_sample, write_state_record
 from rlhf_core.training.memory import Shapes, check_update_memory
 from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, present, load_actor_model, load_critic_model,
@@ -344,31 +343,3 @@ def finish_update(cfg: RLHFConfig, run: RunDir, iteration: int, metrics: dict[st
                                                "steps": outcome.steps})
     write_state_record(cfg, run, iteration, needs_total_steps=schedule_needs_total_steps(cfg),
                        sample=weights_sample([te.module for te in present(actor, critic)]))
-
-
-def train_update(cfg: RLHFConfig, run: RunDir, iteration: int, *, progress: Optional[bool] = None) -> dict[str, Any]:
-    """Run the PPO update of ``iteration`` on this rank in engines built for it; returns the
-    per-iteration metrics (the same on every rank). Writes ``run.checkpoint(iteration)``,
-    ``run.metrics(iteration)`` and ``run.state_record(iteration)`` (rank 0)."""
-    reset_peak_rss()
-    started = time.perf_counter()
-    device = resolve_device(cfg.trainer.device)
-    dist = init_distributed(device)
-    data = check_update_data(cfg, run, iteration, dist.world_size)
-    sources = resolve_sources(cfg, run, iteration)
-    actor, critic, pad_id = open_engines(cfg, run, sources, device, dist.world_size)
-    setup_seconds = time.perf_counter() - started
-    metrics, outcome = train_iteration(cfg, iteration, data, actor, critic, dist, device, pad_id, progress=progress)
-    state = trainer_state(cfg, run, iteration, sources, len(outcome.steps.get("actor", [])))
-    saving = time.perf_counter()
-    with cpu_threads(device, module_largest_matrix(actor.module), dist.world_size):
-        save_checkpoint(run.checkpoint(iteration), actor=actor, critic=critic, tokenizer_path=sources.tokenizer,
-                        trainer_state=state, dist=dist, lora_base=sources.actor if actor.lora else None)
-    metrics["perf/setup_seconds"] = setup_seconds  # process group, data, models, engines, optimizer state
-    metrics["perf/checkpoint_seconds"] = time.perf_counter() - saving
-    finish_update(cfg, run, iteration, metrics, outcome, actor, critic, dist)
-    return metrics
-
-
-def read_update_metrics(run: RunDir, iteration: int) -> dict[str, float]:
-    return json.loads(run.metrics(iteration).read_text())["metrics"]

@@ -63,7 +63,8 @@ from rlhf_core.training.distributed import DistInfo, init_distributed
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device
 from rlhf_core.training.engines import LoraSettings, TrainEngine, present
 from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, weights_sample
-from rlhf_core.training.rank_update import (check_update_data, finish_update, open_engines, peak_rss_gb,
+from rlhf_core.models.threads import module_largest_matrix
+from rlhf_core.training.rank_update import (check_update_data, cpu_threads, finish_update, open_engines, peak_rss_gb,
                                             reset_peak_rss, resolve_sources, trainer_state, train_iteration,
                                             training_steps)
 from rlhf_core.training.train_state import TrainState, capture, restore
@@ -74,6 +75,8 @@ SNAPSHOT = "state_snapshot"
 """io.timing kind: copying the engines' state to host memory (the rollback snapshot, a save's capture)."""
 REPLAY = "state_replay"
 """io.timing kind: rebuilding a state that was only in memory (after a crash, or for a CLI rerun)."""
+PROCESS_LAUNCH = "process_launch"
+"""io.timing kind: starting a worker group's processes (interpreters, imports, the process group)."""
 
 Rng = tuple[dict, dict]
 log = logging.getLogger("rlhf.resident")
@@ -141,10 +144,13 @@ def engine_key(cfg: RLHFConfig, device: str, world_size: int, run: RunDir) -> st
 class ResidentTrainer:
     """The engines of one run, kept between iterations (see the module docstring)."""
 
-    def __init__(self, run: RunDir, *, serve: bool = True):
+    def __init__(self, run: RunDir, *, kept: bool = True):
         self.run = run
-        self.serve = serve
-        """Offer the held state to the stages (``models.live``); a helper that only rebuilds does not."""
+        self.kept = kept
+        """Kept for a flow run: the held state is offered to the stages (``models.live``), each update
+        keeps a rollback snapshot and writes no checkpoint until a save point. Not kept (one update or
+        one rebuild, then closed): nothing is offered or snapshot, and each update writes its
+        checkpoint at once (``update_once``)."""
         self.actor: Optional[TrainEngine] = None
         self.critic: Optional[TrainEngine] = None
         self.dist: Optional[DistInfo] = None
@@ -183,8 +189,9 @@ class ResidentTrainer:
         start = start_iteration(self.run, k)
         self.hold(cfg, start)
         data = check_update_data(cfg, self.run, k, self.dist.world_size)
-        with timing.timed(SNAPSHOT):
-            self.before = self._snapshot_of_held()
+        if self.kept:
+            with timing.timed(SNAPSHOT):
+                self.before = self._snapshot_of_held()
         self.captured = None
         self._set_learning_rates(cfg)
         self._start_rng(cfg)
@@ -196,13 +203,25 @@ class ResidentTrainer:
         self._held_now(k, cfg, outcome)
         metrics.update(self.rollout_sync)  # the kept vLLM engine's sync to the new weights, checked
         metrics["perf/setup_seconds"] = setup
-        metrics["perf/checkpoint_seconds"] = 0.0
+        metrics["perf/checkpoint_seconds"] = 0.0 if self.kept else self._write_checkpoint(cfg, k)
         metrics["perf/peak_rss_gb"] = max(metrics.get("perf/peak_rss_gb", 0.0), peak_rss_gb())
-        metrics["perf/resident"] = 1.0
+        if self.kept:
+            metrics["perf/resident"] = 1.0
         if freed is not None:
             metrics["perf/rollout_engine_freed_gb"] = freed
         finish_update(cfg, self.run, k, metrics, outcome, self.actor, self.critic, self.dist)
         return metrics
+
+    def _write_checkpoint(self, cfg: RLHFConfig, k: int) -> float:
+        """Write the state update ``k`` just produced as ``iter_k/checkpoint`` now, every rank its
+        part (the guard decides later whether it is kept); returns the seconds it took."""
+        started = time.perf_counter()
+        lora_base = resolve_sources(cfg, self.run, k).actor if self.actor.lora else None
+        with timing.timed(timing.CHECKPOINT_WRITE), \
+                cpu_threads(self.device, module_largest_matrix(self.actor.module), self.dist.world_size):
+            save_checkpoint(self.run.checkpoint(k), actor=self.actor, critic=self.critic, tokenizer_path=self.tokenizer,
+                            trainer_state=self.trainer_state or {}, dist=self.dist, lora_base=lora_base)
+        return time.perf_counter() - started
 
     def _held_now(self, k: int, cfg: RLHFConfig, outcome: Any) -> None:
         self.rng = rng_state()
@@ -341,7 +360,7 @@ class ResidentTrainer:
         sources = resolve_sources(cfg, self.run, base + 1)
         # resident: the engines stay beside the rollout and scoring of every iteration (on every rank of a group)
         self.actor, self.critic, self.pad_id = open_engines(cfg, self.run, sources, device, dist.world_size,
-                                                            resident=True)
+                                                            resident=self.kept)
         self.dist, self.device, self.key = dist, device, key
         self.tokenizer = resolve_sources(cfg, self.run, 1).tokenizer  # never pruned, unlike a checkpoint's copy
         self.rng = rng_state() if base else None  # open_engines set the checkpoint's RNG (or seeded it)
@@ -434,7 +453,7 @@ class ResidentTrainer:
     def _offer(self) -> None:
         """Serve the held state for its checkpoint directory (the initial models are on disk already)."""
         self._withdraw()
-        if not self.serve or not self.holds:
+        if not self.kept or not self.holds:
             return
         ckpt = self.run.checkpoint(self.holds)
         live.hold(ckpt / "actor", live.LiveModel(self._lend(self.actor), "causal_lm", self.tokenizer))
@@ -502,13 +521,19 @@ class GroupTrainer:
     process's handle on them and holds no model; anything the flow process must load itself is
     published for it on first ask (a ``models.live.Provider``)."""
 
-    def __init__(self, cfg: RLHFConfig, run: RunDir):
+    def __init__(self, cfg: RLHFConfig, run: RunDir, *, one_update: int = 0):
+        """``one_update``: K for a group started for iteration K's update alone (its ranks' trainers
+        are not kept: ``ResidentTrainer.kept``); 0 for the group keeping a flow run's models."""
         self.run = run
         self.world = update_world(cfg)
         device = resolve_device(cfg.trainer.device)
-        self.group = WorkerGroup(GROUP_ENTRY, self.world, ["--run-dir", str(run.root), "--device", device],
-                                 what=f"worker group of {self.world} update processes", nodes=_nodes(cfg, run, device),
-                                 log=run.launch_log("worker-group"))
+        args = ["--run-dir", str(run.root), "--device", device, *(["--one-update"] if one_update else [])]
+        what = (f"update of iteration {one_update} on {self.world} processes" if one_update
+                else f"worker group of {self.world} update processes")
+        started = time.perf_counter()
+        self.group = WorkerGroup(GROUP_ENTRY, self.world, args, what=what, nodes=_nodes(cfg, run, device, one_update),
+                                 log=run.launch_log(f"update-iter_{one_update}" if one_update else "worker-group"))
+        timing.add(PROCESS_LAUNCH, time.perf_counter() - started)
         self.holds: Optional[int] = None
         """The iteration whose state the ranks hold (None: none built yet; 0: the initial models)."""
         self._published: Optional[tuple[int, Path]] = None
@@ -520,6 +545,7 @@ class GroupTrainer:
         result = self._call("update", cfg, iteration=k)[0]
         self.holds = result["holds"]
         timing.add(timing.UPDATE_SETUP, float(result["metrics"].get("perf/setup_seconds", 0.0)))
+        timing.add(timing.CHECKPOINT_WRITE, float(result["metrics"].get("perf/checkpoint_seconds", 0.0)))
         return result["metrics"]
 
     def settle(self, cfg: RLHFConfig, k: int, outcome: str) -> None:
@@ -589,13 +615,13 @@ class GroupTrainer:
             raise RuntimeError(f"rank {exc.rank} of the {self.group.what} failed in {op!r}:\n{exc.message}") from None
 
 
-def _nodes(cfg: RLHFConfig, run: RunDir, device: str) -> Optional[Nodes]:
+def _nodes(cfg: RLHFConfig, run: RunDir, device: str, one_update: int) -> Optional[Nodes]:
     """Where the group's ranks run when the update spans machines (None: this one alone)."""
     nnodes, per_node = resolve.update_nodes(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
     if nnodes == 1:
         return None
     addr, port = node0_address(cfg)
-    return Nodes(run, nnodes, per_node, addr, port, cfg.trainer.node_join_timeout_s, device)
+    return Nodes(run, nnodes, per_node, addr, port, cfg.trainer.node_join_timeout_s, device, one_update)
 
 
 @contextlib.contextmanager
@@ -749,7 +775,7 @@ def ensure_state(cfg: RLHFConfig, run: RunDir, k: Optional[int]) -> bool:
     recorded = recorded_config(read_state_record(run, k))
     if update_world(recorded) > 1:
         return _rebuild_in_group(recorded, run, k)
-    builder = ResidentTrainer(run, serve=False)
+    builder = ResidentTrainer(run, kept=False)
     try:
         builder.hold_recorded(k)
         save_checkpoint(ckpt, actor=builder.actor, critic=builder.critic, tokenizer_path=builder.tokenizer,
@@ -758,6 +784,21 @@ def ensure_state(cfg: RLHFConfig, run: RunDir, k: Optional[int]) -> bool:
     finally:
         builder.close(make_durable=False)
     return True
+
+
+def update_once(cfg: RLHFConfig, run: RunDir, k: int, *, progress: Optional[bool] = None) -> dict[str, Any]:
+    """Iteration ``k``'s update where no flow run keeps the models (`rlhf stage update`, a run that
+    cannot keep them: ``resident_possible``): the same trainer as a flow run's, made for this one
+    update and closed after it — in this process, or as a worker group of the update's processes —
+    which writes ``iter_k/checkpoint`` at once. Returns the update's metrics."""
+    trainer: Trainer = (GroupTrainer(cfg, run, one_update=k) if update_world(cfg) > 1
+                        else ResidentTrainer(run, kept=False))
+    try:
+        if isinstance(trainer, GroupTrainer):
+            return trainer.update(cfg, k)
+        return trainer.update(cfg, k, progress=progress)
+    finally:
+        trainer.close(make_durable=False)
 
 
 def _with_rng(state: TrainState, rng: Optional[Rng]) -> TrainState:

@@ -106,6 +106,8 @@ class Nodes:
     master_port: int
     join_timeout_s: int
     device: str
+    iteration: int = 0
+    """0: a group keeping a flow run's models; K: a group for iteration K's update alone."""
 
 
 class WorkerGroup:
@@ -130,7 +132,7 @@ class WorkerGroup:
             cmd, env = _one_node_command(entry, world, store, args), rank_env(world)
         else:  # node 0's part of a launch every other node's joiner runs too
             self._request = group_request(nodes.nnodes, nodes.nproc_per_node, nodes.master_addr, nodes.master_port,
-                                          nodes.join_timeout_s, store, nodes.device)
+                                          nodes.join_timeout_s, store, nodes.device, nodes.iteration)
             self._watch = NodeWatch(nodes.run, self._request, DEAD_AFTER_S)
             publish_request(nodes.run, self._request)
             cmd, env = node_command(self._request, nodes.run, 0), rank_env(nodes.nproc_per_node)

@@ -30,11 +30,11 @@ from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.run.lifecycle import commit_iteration
 from rlhf_core.stages.init_critic import run_init_critic
-from rlhf_core.stages.update import config_sections, launch_ranks, run_update
+from rlhf_core.stages.update import config_sections, run_update
 from rlhf_core.training.distributed import free_port
 from rlhf_core.training import nodes
-from rlhf_core.training.nodes import LaunchResult, NodeWatch, launch_failure, new_request
-from rlhf_core.training.resident import resident_possible
+from rlhf_core.training.nodes import LaunchResult, NodeWatch, group_request, launch_failure
+from rlhf_core.training.resident import resident_possible, update_once
 from rlhf_core.training.synthetic import synthetic_advantages
 
 CRITIC_FREE = "algorithm.adv_estimator=grpo"
@@ -140,12 +140,13 @@ def test_a_node_that_never_joins_fails_node_0_naming_it_and_the_command(tiny_mod
     run.iter_dir(1).mkdir(parents=True)
     started = time.monotonic()
     with pytest.raises(RLHFError) as err:
-        launch_ranks(cfg, run, 1, 2, 1)
+        update_once(cfg, run, 1)
     assert time.monotonic() - started < 30
     message = str(err.value)
+    assert "update of iteration 1 on 2 nodes" in message
     assert "node(s) 1 did not join within trainer.node_join_timeout_s=1s" in message
     assert f"rlhf node join --run-dir {run.root} --node-rank 1" in message and "every node sees" in message
-    assert not run.update_request.exists() and not run.update_config(1).exists()
+    assert not run.update_request.exists()
 
 
 def test_the_joiner_leaves_on_ctrl_c(tmp_path, subprocess_env):
@@ -216,10 +217,15 @@ def test_the_rendezvous_keys_do_not_change_the_updates_config_hash(tiny_model_di
     assert config_hash(other_world, config_sections(other_world)) != config_hash(base, config_sections(base))
 
 
+def _request(iteration: int, nnodes: int = 2, master_addr: str = "127.0.0.1"):
+    """A launch of the group for ``iteration``'s update alone (its store never listened on)."""
+    return group_request(nnodes, 1, master_addr, 4000, join_timeout_s=60, store=f"{master_addr}:4001", device="cpu",
+                         iteration=iteration)
+
+
 def test_a_node_whose_ranks_failed_is_named_in_node_0s_error(tmp_path):
     run = RunDir(tmp_path / "run")
-    request = new_request(run, 3, run.update_config(3), nnodes=3, nproc_per_node=1, master_addr="10.0.0.1",
-                          master_port=4000, join_timeout_s=60)
+    request = _request(3, nnodes=3, master_addr="10.0.0.1")
     atomic_write_json(run.node_record(request.launch_id, 1), {"status": "exited", "exit": 0})
     atomic_write_json(run.node_record(request.launch_id, 2), {"status": "exited", "exit": 1})
     message = str(launch_failure(run, request, LaunchResult(1, ["..."], [])))
@@ -233,8 +239,7 @@ def test_node_0_stops_when_a_joined_node_stops_beating(tmp_path, monkeypatch):
     monkeypatch.setattr(nodes, "FAILED_NODE_GRACE_S", 0.0)
     monkeypatch.setattr(nodes, "HEARTBEAT_S", 0.1)
     run = RunDir(tmp_path / "run")
-    request = new_request(run, 1, run.update_config(1), nnodes=3, nproc_per_node=1, master_addr="127.0.0.1",
-                          master_port=4000, join_timeout_s=60)
+    request = _request(1, nnodes=3)
     done = threading.Event()
     beating = threading.Thread(target=nodes._beat, args=(run, request, 1, done))  # node 1 keeps beating
     beating.start()
@@ -264,16 +269,14 @@ def _wait_for(lines: list[str], text: str, timeout_s: float = 10.0) -> None:
 def test_the_joiner_never_takes_a_launch_twice_nor_a_stale_one_and_leaves_on_a_halt(tiny_model_dir, tmp_path):
     run = RunDir(tmp_path / "run")
     write_config(run, to_yaml(_config(tiny_model_dir, *_two_nodes(4000))))
-    taken = new_request(run, 1, run.update_config(1), nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
-                        master_port=4000, join_timeout_s=60)
+    taken = _request(1)
     atomic_write_json(run.node_record(taken.launch_id, 1), {"status": "exited", "exit": 0})  # a joiner before a restart
     atomic_write_json(run.update_request, asdict(taken))
     said_lines: list[str] = []
     joiner = threading.Thread(target=nodes.join, args=(run, 1, said_lines.append), daemon=True)
     joiner.start()
     _wait_for(said_lines, f"launch {taken.launch_id} (iteration 1) was already joined by this node")
-    stale = new_request(run, 2, run.update_config(2), nnodes=2, nproc_per_node=1, master_addr="127.0.0.1",
-                        master_port=4000, join_timeout_s=60)
+    stale = _request(2)
     atomic_write_json(run.update_request, {**asdict(stale), "created_at": time.time() - 61})
     _wait_for(said_lines, f"skipping launch {stale.launch_id} (iteration 2): older than its join timeout")
     run.append_event("halt", 2, reason="KL above the threshold")
