@@ -83,7 +83,7 @@ def run_iteration(cfg, run, k: int, fault: dict) -> None:
     from rlhf_core.run.lifecycle import rollback_iteration
     from rlhf_core.stages.guard import run_guard
     from rlhf_core.run.lifecycle import prune_checkpoints
-    from rlhf_core.stages.registry import get_stage
+    from rlhf_core.run.stage_order import get_stage
 
     if fault.get("point"):  # armed only now, so earlier iterations of this worker are not hit
         os.environ["RLHF_FAULT"] = fault["point"]
@@ -106,8 +106,8 @@ def run_iteration(cfg, run, k: int, fault: dict) -> None:
 
 def worker(run_dir: Path, until: int, fault: dict) -> None:
     from rlhf_core.run.lock import RunLock
-    from rlhf_core.run.plan import open_run, plan_run
-    from rlhf_core.stages.registry import get_stage
+    from rlhf_core.control.plan import open_run, plan_run
+    from rlhf_core.run.stage_order import get_stage
 
     plan = plan_run(resume=run_dir)
     with RunLock(plan.run):

@@ -33,7 +33,7 @@ from rlhf_core.data.preprocess import preprocess_headline
 from rlhf_core.errors import CheckpointError
 from rlhf_core.run.lifecycle import KLGuardHalt, committed_iterations
 from rlhf_core.run.lock import RunLock
-from rlhf_core.run.plan import RunPlan, logs_to, open_run, plan_run, resolve_iterations
+from rlhf_core.control.plan import RunPlan, logs_to, open_run, plan_run, resolve_iterations
 from rlhf_core.run.report import format_iteration_header, format_iteration_row, iteration_metrics
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
 from rlhf_core.security import redact_text

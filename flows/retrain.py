@@ -9,7 +9,7 @@
     record-retrain   → RUN/retrain.json + MLflow tags: which export and which data bytes it started from
 
 The reference policy defaults to the actor's initial model, so each retrain's KL is measured
-against the model it started from. Wiring only: the decisions live in rlhf_core.run.retrain_inputs.
+against the model it started from. Wiring only: the decisions live in rlhf_core.control.retrain_inputs.
 
     rlhf_retrain(RetrainParams(base_model="last-exported", iterations=4))       (Python)
 """
@@ -29,7 +29,7 @@ from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lock import RunLock
 from rlhf_core.paths import resolve_path
-from rlhf_core.run.retrain_inputs import LAST_EXPORTED, SNAPSHOTS_DIR, check_inputs, resolve_base_model, retrain_run_name, runs_root_of, snapshot_files
+from rlhf_core.control.retrain_inputs import LAST_EXPORTED, SNAPSHOTS_DIR, check_inputs, resolve_base_model, retrain_run_name, runs_root_of, snapshot_files
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.prefect_runs import fail_misplaced_parameters
 

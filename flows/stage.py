@@ -23,16 +23,16 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.lifecycle import last_good_iteration, require_reachable, rollback_count, settle
 from rlhf_core.run.lock import RunLock
-from rlhf_core.run.plan import logs_to, resume_point, stage_config
+from rlhf_core.control.plan import logs_to, resume_point, stage_config
 from rlhf_core.stages.base import out_of_date, stage_label
-from rlhf_core.stages.registry import STAGES
+from rlhf_core.run.stage_order import STAGES
 from flows.pipeline import recorded_overrides
 from tasks import prefect_artifacts
 from tasks.prefect_runs import claim_run_directory
 from tasks.iteration import finish_iteration_task, finish_tracking_task, start_tracking_task
 from tasks.stages import STAGE_TASKS
 
-StageName = Literal[tuple(STAGES)]  # the registry's names, in its order (the Run form's choices)
+StageName = Literal[tuple(STAGES)]  # the stage order's names, in its order (the Run form's choices)
 
 
 class StageParams(BaseModel):

@@ -17,11 +17,11 @@ import pyarrow.csv as pacsv
 
 from rlhf_core.config import flatten, to_yaml
 from rlhf_core.paths import project_root
-from rlhf_core.config.inputs import check_inputs
+from rlhf_core.run.inputs import check_inputs
 from rlhf_core.errors import RLHFError, disk_full_as_user_error
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.plan import RunPlan, note_loggers, plan_run, resolve_run_config
-from rlhf_core.run.query import csv_ready, format_status, format_table, query
+from rlhf_core.control.plan import RunPlan, note_loggers, plan_run, resolve_run_config
+from rlhf_core.control.query import csv_ready, format_status, format_table, query
 
 
 def require_run_dir(path: Path) -> None:
@@ -58,7 +58,7 @@ def demo_as_run(args: argparse.Namespace) -> argparse.Namespace:
 
 
 def plan_run_command(args: argparse.Namespace) -> RunPlan:
-    """`rlhf run`'s plan (``rlhf_core.run.plan.plan_run``): a bad key, value, preset or path, a missing
+    """`rlhf run`'s plan (``rlhf_core.control.plan.plan_run``): a bad key, value, preset or path, a missing
     or unusable model folder, a run directory that exists, each one line here, before the command
     imports Prefect, MLflow and DeepSpeed (seconds, not the 10-20 s those take). Writes nothing."""
     if args.iterations is not None and args.iterations < 1:

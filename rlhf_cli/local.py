@@ -10,12 +10,12 @@ import argparse
 from rlhf_cli.inspection import require_run_dir
 from rlhf_core.errors import RLHFError
 from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
-from rlhf_core.run.export import check_export_allowed, export_actor
+from rlhf_core.control.export import check_export_allowed, export_actor
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.migrate import migrate
 from rlhf_core.run.lock import RunLock
-from rlhf_core.run.plan import resolve_run_config, saved_config, stage_config
-from rlhf_core.stages.registry import get_stage
+from rlhf_core.control.plan import resolve_run_config, saved_config, stage_config
+from rlhf_core.run.stage_order import get_stage
 from rlhf_core.stages.repair import prepare_export
 
 

@@ -7,7 +7,7 @@
     rlhf stage NAME --run-dir RUN [--iteration K] [-c PRESET] [key=value ...]   rerun one stage
     rlhf rebuild RUN                                    rerun stale stages / override reruns with config.yaml
     rlhf status RUN                                     per-iteration stage table, last-good
-    rlhf query RUN "SQL"                                DuckDB over the whole run (see rlhf_core.run.query)
+    rlhf query RUN "SQL"                                DuckDB over the whole run (see rlhf_core.control.query)
     rlhf export RUN [key=value ...]                     save the last-good actor in HF format
     rlhf model build-tiny --out DIR                     build the local tiny model + tokenizer
     rlhf node join --run-dir RUN --node-rank R          on node R of a trainer.nnodes > 1 run: its ranks
@@ -43,7 +43,7 @@ from tqdm import tqdm
 from rlhf_cli import prefect_server, session
 from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
 from rlhf_core.paths import state_dir
-from rlhf_core.stages.registry import STAGES
+from rlhf_core.run.stage_order import STAGES
 
 # quiet, offline defaults for every entry point (a user's explicit setting wins)
 for _key, _value in {

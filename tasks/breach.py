@@ -16,7 +16,7 @@ from rlhf_core.io import timing
 from rlhf_core.io.atomic import fault_point
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import halt_message, read_verdict, retry_overrides
-from rlhf_core.run.plan import save_config
+from rlhf_core.control.plan import save_config
 from rlhf_core.run.report import iteration_numbers
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.events import emit_alert

@@ -19,7 +19,7 @@ from typing import Any, Optional
 
 from rlhf_core.run.layout import RunDir
 from rlhf_core.io.timing import timed
-from rlhf_core.run.query import metrics_table
+from rlhf_core.control.query import metrics_table
 from rlhf_core.run.report import CLIPFRAC_LOW
 from rlhf_core.security import redact, redact_text
 

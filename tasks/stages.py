@@ -22,11 +22,11 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import RLHFConfig
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.export import ExportRefused, check_export_allowed, export_actor
+from rlhf_core.control.export import ExportRefused, check_export_allowed, export_actor
 from rlhf_core.run.lifecycle import read_verdict, settle
 from rlhf_core.run.manifest import mark_skipped
 from rlhf_core.run.report import stage_numbers
-from rlhf_core.stages.registry import get_stage
+from rlhf_core.run.stage_order import get_stage
 from rlhf_core.stages.repair import Unrepairable, make_last_good_durable, prepare_export
 from rlhf_core.training.resident import check_background_writes, settle_resident
 from tasks import mlflow_tracking, prefect_artifacts

@@ -1,6 +1,7 @@
 """The floor plan, checked: imports point one way (rlhf_core ← tasks ← flows ← deployments ←
-rlhf_cli), no import cycles, no project import hidden inside a function, and the run directory's
-file names spelled in one module (rlhf_core/run/layout.py).
+rlhf_cli, and inside rlhf_core its subpackages in the order docs/architecture.md shows), no import
+cycles, no project import hidden inside a function, and the run directory's file names spelled in
+one module (rlhf_core/run/layout.py).
 
 Read from the source with ``ast`` (every import, function-local ones included), so a cycle closed
 by a late import fails here as well as one at module top.
@@ -17,6 +18,10 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 LAYERS = ("rlhf_core", "tasks", "flows", "deployments", "rlhf_cli")
 """Lowest first: a module may import its own layer and the layers before it."""
+INNER = ("foundation", "io", "models", "algos", "config", "data", "scoring", "rewards", "run", "training",
+         "rollout", "sft", "stages", "control")
+"""rlhf_core's subpackages, lowest first: a module may import its own subpackage and those before it.
+"foundation" = the modules at rlhf_core's top (errors, paths, progress, security)."""
 ORCHESTRATION = ("prefect", "mlflow")
 """Libraries only the Prefect layer and above may import (the library runs without them)."""
 
@@ -75,6 +80,40 @@ def test_imports_point_one_way():
             if rank == 0 and top in ORCHESTRATION:
                 wrong.append(f"{path.relative_to(REPO)}:{node.lineno}: the library imports {names[0]}")
     assert not wrong, "\n".join(wrong)
+
+
+def _inner(module: str) -> str:
+    """The subpackage of an rlhf_core module, as INNER names it."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 2 or (REPO / "rlhf_core" / parts[1]).is_dir() else "foundation"
+
+
+def test_rlhf_core_subpackages_import_in_one_order():
+    """Components → run state → training → rollout → sft → stages → control: an import the other way
+    is how a cycle between subpackages starts, even before it closes."""
+    unknown = {_inner(m) for m in MODULES if m.startswith("rlhf_core.")} - set(INNER)
+    assert not unknown, f"subpackages missing from INNER (and docs/architecture.md): {sorted(unknown)}"
+    wrong = []
+    for module, path in MODULES.items():
+        if not module.startswith("rlhf_core."):
+            continue
+        rank = INNER.index(_inner(module))
+        for node, names, _ in _imports(path):
+            target = _owner(names[0]) or (_owner(names[1]) if len(names) > 1 else None)
+            if target is None or not target.startswith("rlhf_core."):
+                continue
+            if INNER.index(_inner(target)) > rank:
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno} ({_inner(module)}) imports {target} "
+                             f"({_inner(target)})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_the_architecture_doc_shows_the_inner_order():
+    """docs/architecture.md's table of rlhf_core's subpackages lists them in INNER's order."""
+    doc = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")
+    rows = re.findall(r"^\| (\d+) \| `?([a-z_]+)`? \|", doc, flags=re.MULTILINE)
+    assert [name for _, name in rows] == list(INNER), rows
+    assert [int(n) for n, _ in rows] == list(range(1, len(INNER) + 1))
 
 
 def test_no_import_cycles():

@@ -17,7 +17,7 @@ from rlhf_core.config.notes import say_once
 from rlhf_core.config.resolve import micro_batching, needs_baseline_rollout, uses_critic
 from rlhf_core.config.schema import LOGGERS_HERE, DeepSpeedConfig, RLHFConfig, Section, require
 
-__all__ = ["LOGGERS_HERE", "effective_deepspeed", "validate"]  # run/plan.py reads LOGGERS_HERE here
+__all__ = ["LOGGERS_HERE", "effective_deepspeed", "validate"]  # control/plan.py reads LOGGERS_HERE here
 
 
 def validate(cfg: RLHFConfig) -> None:

@@ -25,7 +25,7 @@ from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lifecycle import committed_iterations, is_replayable
 from rlhf_core.run.manifest import STATE_DIGEST, path_digest, read_manifest, record_key
-from rlhf_core.stages.registry import ITERATION_STAGES, REPORT_ORDER
+from rlhf_core.run.stage_order import ITERATION_STAGES, REPORT_ORDER
 
 
 @dataclass(frozen=True)

@@ -50,7 +50,7 @@ from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lock import RunLock
 from rlhf_core.run.manifest import read_manifest, write_manifest
 from rlhf_core.run.schedule import save_due
-from rlhf_core.stages.registry import ROLLED_BACK_STAGES
+from rlhf_core.run.stage_order import ROLLED_BACK_STAGES
 
 
 class KLGuardHalt(RLHFError):

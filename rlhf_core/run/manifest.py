@@ -25,7 +25,7 @@ from typing import Any, Optional
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.hashing import sha256_tree
 from rlhf_core.run.layout import RunDir
-from rlhf_core.stages.registry import DOWNSTREAM, SETUP_STAGES
+from rlhf_core.run.stage_order import DOWNSTREAM, SETUP_STAGES
 from rlhf_core.io.timing import MANIFEST, timed
 
 

@@ -19,16 +19,58 @@ Checkpoint layout (written by the update stage)::
 
 from __future__ import annotations
 
+import hashlib
+import json
+from dataclasses import asdict
 from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.resolve import uses_critic
 from rlhf_core.errors import CheckpointError, RLHFError
-from rlhf_core.paths import resolve_model_path
+from rlhf_core.io.hashing import sha256_file, sha256_tree
+from rlhf_core.paths import resolve_model_path, resolve_path, state_dir
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import checkpoint_before, last_good_checkpoint
-from rlhf_core.sft.warm_start import is_complete, warm_start_path
+
+
+# ---------------------------------------------------------------------------------------------
+# where the warm start (``sft.warm_start``) lives: cached outside the run, keyed by its inputs
+# ---------------------------------------------------------------------------------------------
+
+SFT_FORMAT_VERSION = 1
+"""Bumped when the warm start's training procedure changes, so old cached warm starts are not reused."""
+
+# data settings that change which prompts are trained on or how they are tokenized
+_DATA_KEYS = ("adapter", "prompt_key", "question_key", "answer_key", "id_key", "instruction", "system_prompt",
+              "val_fraction", "max_val_samples", "train_max_samples", "val_max_samples", "max_prompt_length",
+              "max_response_length", "filter_overlong_prompts", "truncation", "dedup", "seed", "data_source")
+
+
+def warm_start_key(cfg) -> dict:
+    """Everything the warm-started weights depend on: base model files, data file contents, the
+    data settings that shape the prompts, the SFT settings, the procedure version."""
+    base = resolve_model_path(cfg.actor_rollout_ref.model.path)
+    files = {"train": [sha256_file(resolve_path(p)) for p in cfg.data.train_files],
+             "val": [sha256_file(resolve_path(p)) for p in cfg.data.val_files]}
+    return {"version": SFT_FORMAT_VERSION, "base_model": sha256_tree(base), "data_files": files,
+            "data": {k: getattr(cfg.data, k) for k in _DATA_KEYS},
+            "sft": asdict(cfg.actor_rollout_ref.model.warm_start)}
+
+
+def warm_start_path(cfg, out_root: Optional[str | Path] = None) -> Path:
+    """Where the warm start for ``cfg`` lives (exists or not): <root>/<base name>-sft-<hash16>."""
+    root = Path(out_root) if out_root is not None else state_dir() / "models"
+    blob = json.dumps(warm_start_key(cfg), sort_keys=True, default=str)
+    digest = hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
+    base_name = Path(cfg.actor_rollout_ref.model.path).name or "model"
+    return root / f"{base_name}-sft-{digest}"
+
+
+def is_complete(path: Path) -> bool:
+    """A finished warm start: written atomically, so its record file means everything is there."""
+    return (path / "warm_start.json").is_file() and (path / "config.json").is_file()
+
 
 
 def initial_actor_path(cfg: RLHFConfig) -> Path:

@@ -17,7 +17,7 @@ from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import committed_iterations
 from rlhf_core.run.manifest import read_manifest
-from rlhf_core.stages.registry import ITERATION_STAGES, REPORT_ORDER, SETUP_STAGES
+from rlhf_core.run.stage_order import ITERATION_STAGES, REPORT_ORDER, SETUP_STAGES
 
 
 ALIASES = {

@@ -1,1 +1,1 @@
-"""Every stage of a run, setup ones included; ``registry`` holds their one order."""
+"""Every stage of a run, setup ones included (their one order: ``rlhf_core.run.stage_order``)."""

@@ -26,7 +26,7 @@ from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.manifest import (hash_paths, is_up_to_date, mark_downstream_stale, read_manifest, record_key,
                                      record_stage)
-from rlhf_core.stages.registry import REPORT_ORDER, REPORT_OUTPUTS, SETUP_STAGES
+from rlhf_core.run.stage_order import REPORT_ORDER, REPORT_OUTPUTS, SETUP_STAGES
 
 
 @dataclass
@@ -111,7 +111,7 @@ def _execute(stage: str, cfg: RLHFConfig, run: RunDir, iteration: Optional[int],
 def changed_outputs(run: RunDir, stage: str, before: dict[str, str], after: dict[str, str],
                     paths: dict[str, str]) -> list[str]:
     """The outputs of a rerun whose digest differs from the previous run's (missing ones included),
-    leaving out the stage's report outputs (``registry.REPORT_OUTPUTS``): what makes the stages
+    leaving out the stage's report outputs (``run.stage_order.REPORT_OUTPUTS``): what makes the stages
     computed from them stale."""
     reports = {record_key(run, paths[key]) for key in REPORT_OUTPUTS.get(stage, ()) if key in paths}
     return [rel for rel in sorted(set(before) | set(after)) if before.get(rel) != after.get(rel) and rel not in reports]

@@ -34,7 +34,7 @@ from rlhf_core.run.lifecycle import (committed_iterations, discard_checkpoint, f
                                     last_good_iteration)
 from rlhf_core.run.manifest import read_manifest, write_manifest
 from rlhf_core.stages.base import changed_outputs
-from rlhf_core.stages.registry import get_stage
+from rlhf_core.run.stage_order import get_stage
 from rlhf_core.training.lineage import read_state_record, recorded_config
 from rlhf_core.training.resident import ensure_state
 

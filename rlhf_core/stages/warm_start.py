@@ -16,7 +16,7 @@ import time
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.config.inputs import model_keys
+from rlhf_core.run.inputs import model_keys
 from rlhf_core.models.tiny import ensure_tiny_model
 from rlhf_core.paths import TINY, locate_model
 from rlhf_core.run.layout import RunDir

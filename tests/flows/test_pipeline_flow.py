@@ -8,8 +8,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.config import flatten
-from rlhf_core.run.plan import resolve_run_config
-from rlhf_core.run.query import read_iteration_metrics, status_table
+from rlhf_core.control.plan import resolve_run_config
+from rlhf_core.control.query import read_iteration_metrics, status_table
 from tasks import mlflow_tracking
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]

@@ -31,7 +31,7 @@ from rlhf_cli.main import main
 from rlhf_cli.orchestrated import EXIT_SERVER_GONE
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lock import RunLock
-from rlhf_core.run.plan import plan_run
+from rlhf_core.control.plan import plan_run
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow]
 

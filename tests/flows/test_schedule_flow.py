@@ -10,7 +10,7 @@ import yaml
 
 from flows.pipeline import PipelineParams, rlhf_pipeline
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.query import read_iteration_metrics
+from rlhf_core.control.query import read_iteration_metrics
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 

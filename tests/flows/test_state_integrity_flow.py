@@ -29,7 +29,7 @@ from rlhf_cli.main import main
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import committed_iterations, read_last_good
 from rlhf_core.run.manifest import read_manifest
-from rlhf_core.run.plan import resolve_run_config
+from rlhf_core.control.plan import resolve_run_config
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 

@@ -56,8 +56,8 @@ def tiny_overrides(model_dir: Path, runs_root: Path) -> list[str]:
 def run_stage_here(run: RunDir, stage: str, k: int | None = None) -> None:
     """Run one stage in this process from the run's saved config, holding the run lock (which clears
     the stale lock a killed process left)."""
-    from rlhf_core.run.plan import resolve_run_config
-    from rlhf_core.stages.registry import get_stage
+    from rlhf_core.control.plan import resolve_run_config
+    from rlhf_core.run.stage_order import get_stage
 
     cfg = resolve_run_config(run.root, None, [])
     with RunLock(run):

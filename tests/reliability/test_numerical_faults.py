@@ -59,7 +59,7 @@ def scored_run(tmp_path_factory, tiny_model_dir) -> Path:
     """A tiny run after gae of iteration 1 (4 prompts, one PPO mini-batch: one actor step)."""
     from rlhf_core.config import load_config, to_yaml
     from rlhf_core.run.layout import write_config
-    from rlhf_core.stages.registry import get_stage
+    from rlhf_core.run.stage_order import get_stage
 
     base = tmp_path_factory.mktemp("nan_run")
     overrides = [f"actor_rollout_ref.model.path={tiny_model_dir}", f"trainer.runs_root={base}",
@@ -100,7 +100,7 @@ def test_nan_advantages_skip_the_step_and_the_guard_rolls_back(scored_run, tmp_p
     from safetensors.torch import load_file
 
     from rlhf_core.stages.guard import run_guard
-    from rlhf_core.run.plan import resolve_run_config
+    from rlhf_core.control.plan import resolve_run_config
     from rlhf_core.stages.update import run_update
 
     run = RunDir(shutil.copytree(scored_run, tmp_path / "run"))

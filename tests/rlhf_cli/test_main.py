@@ -74,7 +74,7 @@ def test_core_and_the_cli_module_import_neither_prefect_nor_mlflow():
     import subprocess
     import sys
 
-    code = ("import sys, rlhf_cli.main, rlhf_core.stages.guard, rlhf_core.run.query, rlhf_core.run.export, rlhf_core.run.plan, "
+    code = ("import sys, rlhf_cli.main, rlhf_core.stages.guard, rlhf_core.control.query, rlhf_core.control.export, rlhf_core.control.plan, "
             "rlhf_core.stages.validate; rlhf_cli.main.build_parser(); "
             "print(sorted(m for m in ('prefect', 'mlflow', 'tasks', 'flows') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

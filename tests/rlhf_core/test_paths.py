@@ -10,7 +10,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from rlhf_core.config import ConfigError, load_config
-from rlhf_core.config.inputs import check_inputs
+from rlhf_core.run.inputs import check_inputs
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.warm_start import run_warm_start
 from rlhf_core.paths import (

@@ -9,7 +9,7 @@ from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.manifest import record_stage
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
 from rlhf_core.run.layout import RunDir, write_config
-from rlhf_core.run.plan import resolve_run_config
+from rlhf_core.control.plan import resolve_run_config
 from tasks.breach import handle_breach_task
 
 

@@ -17,7 +17,7 @@ from rlhf_core.run import migrate
 from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.run.lifecycle import committed_iterations
 from rlhf_core.run.manifest import read_manifest, record_stage
-from rlhf_core.run.plan import resolve_run_config
+from rlhf_core.control.plan import resolve_run_config
 
 ADAPTIVE = {"type": "adaptive", "target_kl": 0.02, "horizon": 10000.0}
 

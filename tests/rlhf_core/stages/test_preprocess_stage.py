@@ -154,7 +154,7 @@ def test_missing_file_names_the_key_and_the_file(tmp_path, tiny_model_dir):
 
 
 # ---------------------------------------------------------------------------------------------
-# issue 29: too little left to train on (the run refuses after preprocess: rlhf_core.run.plan)
+# issue 29: too little left to train on (the run refuses after preprocess: rlhf_core.control.plan)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -15,8 +15,8 @@ import sys
 from rlhf_core.config import load_config, to_yaml
 from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.run.lifecycle import settle
-from rlhf_core.run.plan import fill_total_iterations
-from rlhf_core.stages.registry import ITERATION_STAGES, SETUP_STAGES, get_stage
+from rlhf_core.control.plan import fill_total_iterations
+from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES, get_stage
 
 
 def main(run_dir: str, first: int, last: int, until: str, preset: str, overrides: list[str]) -> None:

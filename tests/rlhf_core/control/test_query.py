@@ -8,7 +8,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from rlhf_core.run import query
+from rlhf_core.control import query
 from rlhf_core.data import schemas
 from rlhf_core.io.checksums import write_checksums
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet

@@ -21,7 +21,7 @@ from rlhf_core.io.atomic import atomic_dir, atomic_write_json
 from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.run.lifecycle import last_good_iteration, read_last_good
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.query import read_iteration_metrics
+from rlhf_core.control.query import read_iteration_metrics
 from rlhf_core.scoring.models import is_lora_dir, load_merged_actor
 from rlhf_core.stages.base import StagesOutOfDate, refuse_out_of_date
 

@@ -7,7 +7,7 @@ import pytest
 
 from rlhf_core.run import report
 from rlhf_core.run import schedule
-from rlhf_core.run import plan
+from rlhf_core.control import plan
 from rlhf_core.run import lifecycle
 from rlhf_core.config import load_config
 from rlhf_core.data import schemas
@@ -16,7 +16,7 @@ from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.manifest import read_manifest, record_stage
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
 from rlhf_core.run.layout import RunDir
-from rlhf_core.stages.registry import ITERATION_STAGES
+from rlhf_core.run.stage_order import ITERATION_STAGES
 from rlhf_core.io.checksums import write_checksums as write_checkpoint_manifest
 
 

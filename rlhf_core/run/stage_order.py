@@ -1,5 +1,7 @@
 """The stages and their one order: name → "module:function", imported when the stage runs (so
-`rlhf --help` stays fast and a stage's heavy dependencies load only when that stage runs).
+`rlhf --help` stays fast and a stage's heavy dependencies load only when that stage runs). It lives
+with the run's state because the manifests, the lifecycle and the integrity check below the stages
+need the order; it imports no stage.
 
 Every stage function has the contract
     run_<stage>(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, force: bool = False) -> StageResult

@@ -26,7 +26,7 @@ from typing import Optional, Sequence
 
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.io.atomic import atomic_path, atomic_write_json
-from rlhf_core.config.inputs import check_inputs
+from rlhf_core.run.inputs import check_inputs
 from rlhf_core.io.hashing import sha256_file
 from rlhf_core.paths import resolve_path
 

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 from rlhf_core.config import ConfigError, RLHFConfig, apply_overrides, config_from_dict, load_config, to_yaml
 from rlhf_core.config import resolve
-from rlhf_core.config.inputs import check_inputs
+from rlhf_core.run.inputs import check_inputs
 from rlhf_core.config.loader import parse_override, read_preset
 from rlhf_core.config.notes import say_once
 from rlhf_core.config.validate import LOGGERS_HERE

@@ -10,7 +10,7 @@ import torch
 from rlhf_core.config import load_config
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.checksums import write_checksums
-from rlhf_core.run.export import ExportRefused, export_actor, latest_val_score
+from rlhf_core.control.export import ExportRefused, export_actor, latest_val_score
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
 from rlhf_core.run.layout import RunDir

@@ -37,7 +37,7 @@ from rlhf_core.run.lifecycle import commit_log_problem, committed_iterations, la
 from rlhf_core.run.migrate import outdated
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.stages.base import out_of_date, stage_label
-from rlhf_core.stages.registry import ITERATION_STAGES, SETUP_STAGES
+from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES
 
 PARQUET_VIEWS = {
     "rollouts": (RunDir.rollout, schemas.ROLLOUT),
