@@ -19,9 +19,10 @@ ZeRO stage changed). Under ZeRO-3 the last rank's partition carries padding past
 
 ``capture(..., reuse=old)`` overwrites a released capture's buffers instead of allocating new host
 memory (fresh pages are what a copy mostly costs: measured ~6x slower than copying into existing
-buffers). Everything is read through direct views of the optimizer's flat partitions (what
-DeepSpeed's ``safe_get_local_*`` read, without their copy to the compute device), so ``restore``
-writes land in the live state also under optimizer offload.
+buffers). ZeRO-3 state is read and written through DeepSpeed's public ``safe_get/set_local_*``
+(the write lands in the optimizer's own partition, also when it is offloaded or swapped out);
+ZeRO-1/2, for which DeepSpeed has no local API, through direct views of the flat fp32 partition at
+the place its fragment mapping records.
 
 In fp32 the master weights are equal to the weights after every step (DeepSpeed copies them
 across), so they are not stored twice: ``restore`` rebuilds them from the restored weights. Before
@@ -118,8 +119,10 @@ class Fragment:
     numel: int
     full_numel: int
     shape: tuple[int, ...]
-    view: Callable[[Optional[str]], Optional[torch.Tensor]]
-    """view(key) -> the live 1-D fp32 tensor (key None: the master weights); None without state."""
+    read: Callable[[Optional[str]], Optional[torch.Tensor]]
+    """read(key) -> this rank's 1-D fp32 part (key None: the master weights); None without state."""
+    write: Callable[[Optional[str], torch.Tensor], None]
+    """write(key, value): put this rank's part back (the same keys as ``read``)."""
 
 
 def _zero3(p) -> bool:
@@ -144,20 +147,43 @@ def _flat_view(base: torch.optim.Optimizer, flat: torch.Tensor, start: int, n: i
     return view
 
 
+def _written_through(view: Callable[[Optional[str]], Optional[torch.Tensor]]):
+    def write(key, value):
+        view(key).copy_(value)
+
+    return write
+
+
+def _zero3_fragment(name: str, p) -> Fragment:
+    """A ZeRO-3 partition's optimizer state through DeepSpeed's public local API (which also swaps
+    NVMe-offloaded state in and out); its offset = this rank's place in the padded flat parameter."""
+    from deepspeed.utils import (safe_get_local_fp32_param, safe_get_local_optimizer_state,
+                                 safe_set_local_fp32_param, safe_set_local_optimizer_state)
+
+    def read(key):
+        return safe_get_local_fp32_param(p) if key is None else safe_get_local_optimizer_state(p, key)
+
+    def write(key, value):
+        if key is None:
+            safe_set_local_fp32_param(p, value)
+        else:
+            safe_set_local_optimizer_state(p, value, key)
+
+    n = p.ds_tensor.numel()
+    return Fragment(name, p, _group_rank(p) * n, n, p.ds_numel, tuple(p.ds_shape), read, write)
+
+
 def fragments(te: TrainEngine) -> list[Fragment]:
-    """Every trainable parameter's optimizer fragment on this rank, in ``named_trainable`` order."""
+    """Every trainable parameter's optimizer fragment on this rank, in ``named_trainable`` order.
+    ZeRO-3 reads and writes through DeepSpeed's ``safe_get/set_local_*``; ZeRO-1/2 have no local
+    API (only the ``safe_get_full_*`` ones, a collective per parameter), so their fragments are views
+    into the flat fp32 partition at the place DeepSpeed's own fragment mapping records."""
     base = te.base_optimizer
     out = []
     flats = None
     for name, p in te.named_trainable():
         if _zero3(p):
-            # the partition's place in the optimizer's flat fp32 sub-group, as DeepSpeed's own
-            # safe_get_local_* read it, but as a view (those copy to the compute device first,
-            # so writing into their result would be lost under optimizer offload)
-            opt = te.engine.optimizer
-            group, start, n = opt.grad_position[opt.get_param_id(p)]
-            view = _flat_view(base, opt.fp32_partitioned_groups_flat[group], start, n)
-            out.append(Fragment(name, p, _group_rank(p) * n, n, p.ds_numel, tuple(p.ds_shape), view))
+            out.append(_zero3_fragment(name, p))
         elif hasattr(p, "_hp_mapping"):
             m = p._hp_mapping
             if m is None:  # this rank's partition holds none of this parameter
@@ -165,13 +191,14 @@ def fragments(te: TrainEngine) -> list[Fragment]:
             flats = flats if flats is not None else _flat_hp_partitions(te)
             n = m.hp_fragment_address.numel
             view = _flat_view(base, flats[m.param_group_index], m.hp_fragment_address.start, n)
-            out.append(Fragment(name, p, m.lp_fragment_address.start, n, p.numel(), tuple(p.shape), view))
+            out.append(Fragment(name, p, m.lp_fragment_address.start, n, p.numel(), tuple(p.shape), view,
+                                _written_through(view)))
         else:
             def view(key, p=p):
                 state = base.state.get(p)
                 return state[key].view(-1) if key is not None and state else None
 
-            out.append(Fragment(name, p, 0, p.numel(), p.numel(), tuple(p.shape), view))
+            out.append(Fragment(name, p, 0, p.numel(), p.numel(), tuple(p.shape), view, _written_through(view)))
     return out
 
 
@@ -226,11 +253,11 @@ def role_views(te: TrainEngine, world_size: int) -> tuple[dict[str, torch.Tensor
     for f in fragments(te):
         layout[f.name] = [f.offset, f.numel, f.full_numel, list(f.shape)]
         for key in MOMENT_KEYS if has_state else ():
-            view = f.view(key)
+            view = f.read(key)
             if view is not None:  # stage 0: a parameter that never had a gradient has no state
                 optim[f.name + SEP + key] = view
         if _stores_master(te):
-            optim[f.name + SEP + MASTER_KEY] = f.view(None)
+            optim[f.name + SEP + MASTER_KEY] = f.read(None)
     meta = {**counters(te), "micro_steps": int(te.engine.micro_steps), "has_state": has_state,
             "world_size": world_size, "fragments": layout, "params": shapes, "partitioned": partitioned, "tied": tied,
             "stores_master": _stores_master(te)}
@@ -319,20 +346,19 @@ def restore_optim(te: TrainEngine, optim: dict[str, torch.Tensor], meta: dict) -
                     v.zero_()
     for f in frags:
         for key in MOMENT_KEYS if meta["has_state"] else ():
-            saved, live = optim.get(f.name + SEP + key), f.view(key)
+            saved, live = optim.get(f.name + SEP + key), f.read(key)
             if (saved is None) != (live is None):
                 raise ValueError(f"{te.role}: {f.name} has {'no' if saved is None else ''} saved {key} "
                                  f"but {'no' if live is None else ''} live one")
             if live is not None:
-                live.copy_(saved)
-        master = f.view(None)
-        if master is None:
+                f.write(key, saved)
+        if f.read(None) is None:
             continue  # stage 0 fp32: the parameter is its own master
         saved = optim.get(f.name + SEP + MASTER_KEY)
         if saved is None:
             saved = (f.param.ds_tensor.data.view(-1) if _zero3(f.param)
                      else f.param.data.view(-1).narrow(0, f.offset, f.numel))
-        master.copy_(saved)
+        f.write(None, saved)
     if meta["has_state"]:
         for state in base.state.values():
             state["step"].fill_(float(meta["adam_step"]))

@@ -38,7 +38,7 @@ def dtype_overrides(dtype):
 
 
 @pytest.mark.parametrize("warm", [True, False], ids=["after-a-step", "before-any-step"])
-@pytest.mark.parametrize("stage, dtype", CASES)
+@pytest.mark.parametrize("stage, dtype", CASES + [(3, "bf16")])  # ZeRO-3 bf16: the fp32 master through DeepSpeed's local API
 def test_restore_then_step_equals_the_step_after_capture(stage, dtype, warm, make_engines, ppo_data, dist,
                                                          full_params):
     from rlhf_core.training.optim_state import adam_step_count
