@@ -152,8 +152,8 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
     """Setup stages, the training-step count, the validation before training, then the iteration
     loop; prints one table row per iteration when trainer.logger has console."""
     run_dir = str(plan.run.root)
-    warm_start_task(plan.cfg, run_dir)
-    init_critic_task(plan.cfg, run_dir)
+    warm_start_task(plan.cfg, run_dir, report=False)
+    init_critic_task(plan.cfg, run_dir, report=False)
     prepared = preprocess_task(plan.cfg, run_dir, mlflow_run_id=mlflow_run_id)
     if logs_to(plan.cfg, "console") and not prepared["skipped"]:
         print(preprocess_headline(prepared["rows"], run_dir))

@@ -1,4 +1,5 @@
-"""One Prefect task per stage: a thin wrapper over the core stage function.
+"""One Prefect task per stage, built from the stage's declaration (``run.stage_order.STAGES``): a
+thin wrapper over the core stage function.
 
 Each task resolves the run directory, calls ``run_<stage>(cfg, run, iteration, force)``, logs the
 stage's metrics to MLflow (one batch, step = iteration) and publishes a markdown artifact with the
@@ -23,10 +24,10 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
 from rlhf_core.control.export import ExportRefused, check_export_allowed, export_actor
-from rlhf_core.run.lifecycle import read_verdict, settle
+from rlhf_core.run.lifecycle import settle
 from rlhf_core.run.manifest import mark_skipped
 from rlhf_core.run.report import stage_numbers
-from rlhf_core.run.stage_order import get_stage
+from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES, STAGES, StageSpec
 from rlhf_core.stages.repair import Unrepairable, make_last_good_durable, prepare_export
 from rlhf_core.training.resident import check_background_writes, settle_resident
 from tasks import mlflow_tracking, prefect_artifacts
@@ -49,100 +50,41 @@ IO_RETRIES = dict(retries=2, retry_delay_seconds=3, retry_condition_fn=transient
 NO_RESULTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
-def execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int], force: bool,
-            mlflow_run_id: Optional[str], report: bool = True) -> dict[str, Any]:
-    """Run one stage, log it, and report it (MLflow metrics, Prefect artifact) when ``report``."""
-    with timing.span(f"task:{stage}"):
-        return _execute(stage, cfg, run_dir, iteration, force, mlflow_run_id, report)
+def _stage_task(spec: StageSpec):
+    """The Prefect task of ``spec``: run the stage, log it, and report it (MLflow metrics, a Prefect
+    artifact) when ``report``."""
+
+    def run_stage(cfg: RLHFConfig, run_dir: str, iteration: Optional[int] = None, force: bool = False,
+                  mlflow_run_id: Optional[str] = None, report: bool = True) -> dict[str, Any]:
+        with timing.span(f"task:{spec.name}"):
+            run = RunDir(run_dir)
+            result = spec.load()(cfg, run, iteration, force=force)
+            log = prefect_artifacts.logger()
+            if result.skipped:
+                mark_skipped(run, iteration, spec.name)
+            elif mlflow_run_id and report:
+                mlflow_tracking.log_metrics(mlflow_run_id, stage_numbers(run, iteration, spec.name), step=iteration)
+            where = f" iteration {iteration}" if iteration is not None else ""
+            log.info("[%s%s] %s", spec.name, where,
+                     "skipped (up to date)" if result.skipped else f"done in {result.seconds:.1f}s")
+            for line in result.summary:
+                log.info("  %s", line)
+            out = result.to_dict()
+            if report:
+                prefect_artifacts.markdown(prefect_artifacts.stage_markdown(out), description=f"{spec.name}{where}")
+            return out
+
+    run_stage.__name__ = run_stage.__qualname__ = f"{spec.name}_task"  # Prefect keys a task by its function
+    run_stage.__doc__ = spec.help
+    naming = {"task_run_name": f"{spec.task}-iter{{iteration}}"} if spec.per_iteration else {}
+    return task(name=spec.task, **naming, **NO_RESULTS, **(IO_RETRIES if spec.retries else {}))(run_stage)
 
 
-def _execute(stage: str, cfg: RLHFConfig, run_dir: str, iteration: Optional[int], force: bool,
-             mlflow_run_id: Optional[str], report: bool) -> dict[str, Any]:
-    run = RunDir(run_dir)
-    result = get_stage(stage).load()(cfg, run, iteration, force=force)
-    log = prefect_artifacts.logger()
-    if result.skipped:
-        mark_skipped(run, iteration, stage)
-    elif mlflow_run_id and report:
-        mlflow_tracking.log_metrics(mlflow_run_id, stage_numbers(run, iteration, stage),
-                             step=iteration)
-    where = f" iteration {iteration}" if iteration is not None else ""
-    log.info("[%s%s] %s", stage, where, "skipped (up to date)" if result.skipped else f"done in {result.seconds:.1f}s")
-    for line in result.summary:
-        log.info("  %s", line)
-    out = result.to_dict()
-    if report:
-        prefect_artifacts.markdown(prefect_artifacts.stage_markdown(out), description=f"{stage}{where}")
-    return out
-
-
-@task(name="warm-start", **NO_RESULTS)
-def warm_start_task(cfg: RLHFConfig, run_dir: str, force: bool = False, mlflow_run_id: Optional[str] = None) -> dict:
-    """The initial policy: the tiny model built, the SFT warm start trained when enabled (both cached)."""
-    return execute("warm_start", cfg, run_dir, None, force, mlflow_run_id, report=False)
-
-
-@task(name="init-critic", **NO_RESULTS, **IO_RETRIES)
-def init_critic_task(cfg: RLHFConfig, run_dir: str, force: bool = False, mlflow_run_id: Optional[str] = None) -> dict:
-    """The initial critic → models/critic_init/ (once per run)."""
-    return execute("init_critic", cfg, run_dir, None, force, mlflow_run_id, report=False)
-
-
-@task(name="preprocess", **NO_RESULTS, **IO_RETRIES)
-def preprocess_task(cfg: RLHFConfig, run_dir: str, force: bool = False, mlflow_run_id: Optional[str] = None) -> dict:
-    """Raw prompt files → prompts/train.parquet, val.parquet, rejects.parquet."""
-    return execute("preprocess", cfg, run_dir, None, force, mlflow_run_id)
-
-
-@task(name="pack", **NO_RESULTS, **IO_RETRIES)
-def pack_task(cfg: RLHFConfig, run_dir: str, force: bool = False, mlflow_run_id: Optional[str] = None) -> dict:
-    """Train prompts → token-budget generation batches."""
-    return execute("pack", cfg, run_dir, None, force, mlflow_run_id)
-
-
-@task(name="rollout", task_run_name="rollout-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
-def rollout_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-                 mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
-    """Sample responses from the last-good actor → iter_K/rollout.parquet."""
-    return execute("rollout", cfg, run_dir, iteration, force, mlflow_run_id, report)
-
-
-@task(name="score", task_run_name="score-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
-def score_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-               mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
-    """Rewards, old/ref log-probs and values → iter_K/scored.parquet."""
-    return execute("score", cfg, run_dir, iteration, force, mlflow_run_id, report)
-
-
-@task(name="gae", task_run_name="gae-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
-def gae_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-             mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
-    """KL-in-reward penalty and GAE → iter_K/advantages.parquet and the KL controller state it hands on."""
-    return execute("gae", cfg, run_dir, iteration, force, mlflow_run_id, report)
-
-
-@task(name="update", task_run_name="update-iter{iteration}", **NO_RESULTS)
-def update_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-                mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
-    """PPO update of actor and critic → iter_K/checkpoint/. Never retried."""
-    return execute("update", cfg, run_dir, iteration, force, mlflow_run_id, report)
-
-
-@task(name="kl-guard", task_run_name="kl-guard-iter{iteration}", **NO_RESULTS)
-def guard_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-               mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
-    """Measure KL(actor‖ref) of the new actor → the verdict (commit / rollback) in iter_K/guard.json.
-    Acting on it is ``settle_task``'s."""
-    out = execute("guard", cfg, run_dir, iteration, force, mlflow_run_id, report)
-    out["verdict"] = read_verdict(RunDir(run_dir), iteration)
-    return out
-
-
-@task(name="validate", task_run_name="validate-iter{iteration}", **NO_RESULTS, **IO_RETRIES)
-def validate_task(cfg: RLHFConfig, run_dir: str, iteration: int, force: bool = False,
-                  mlflow_run_id: Optional[str] = None, report: bool = True) -> dict:
-    """Sampled accuracy of the current actor on the validation prompts (val/accuracy)."""
-    return execute("validate", cfg, run_dir, iteration, force, mlflow_run_id, report)
+STAGE_TASKS = {name: _stage_task(spec) for name, spec in STAGES.items()}
+"""One Prefect task per stage, built from its declaration (``run.stage_order.STAGES``)."""
+warm_start_task, init_critic_task, preprocess_task, pack_task = (STAGE_TASKS[s] for s in SETUP_STAGES)
+rollout_task, score_task, gae_task, update_task, guard_task, validate_task = (
+    STAGE_TASKS[s] for s in (*ITERATION_STAGES, "validate"))
 
 
 @task(name="export", **NO_RESULTS, **IO_RETRIES)
@@ -192,9 +134,3 @@ def settle_task(cfg: RLHFConfig, run_dir: str, iteration: int, policy: str, atte
         outcome = settle(run, iteration, policy=policy, attempt=attempt)
         settle_resident(cfg, run, iteration, outcome)
         return outcome
-
-
-STAGE_TASKS = {
-    "warm_start": warm_start_task, "init_critic": init_critic_task, "preprocess": preprocess_task, "pack": pack_task, "rollout": rollout_task, "score": score_task,
-    "gae": gae_task, "update": update_task, "guard": guard_task, "validate": validate_task,
-}

@@ -20,10 +20,19 @@ from rlhf_core.errors import RLHFError
 
 @dataclass(frozen=True)
 class StageSpec:
+    """One stage, declared once: the Prefect task (``tasks.stages``), the CLI command (`rlhf stage
+    NAME`), the single-stage flow's choices and the docs are built from it."""
+
     name: str
-    target: str  # "module:function"
+    target: str
+    """The stage function, "module:function" (``run_<stage>(cfg, run, iteration, force)``)."""
     per_iteration: bool
     help: str
+    task: str
+    """The Prefect task's name (its runs are named "<task>-iter<K>" for a per-iteration stage)."""
+    retries: bool = True
+    """Retried on a transient I/O error: never the update (its optimizer step is not idempotent) nor
+    the guard (its verdict decides a commit), nor the warm start (it trains)."""
 
     def load(self) -> Callable:
         module, _, fn = self.target.partition(":")
@@ -34,25 +43,30 @@ STAGES: dict[str, StageSpec] = {
     s.name: s
     for s in [
         StageSpec("warm_start", "rlhf_core.stages.warm_start:run_warm_start", False,
-                  "the initial policy: builds the tiny model, runs the SFT warm start when enabled"),
+                  "the initial policy: builds the tiny model, runs the SFT warm start when enabled",
+                  task="warm-start", retries=False),
         StageSpec("init_critic", "rlhf_core.stages.init_critic:run_init_critic", False,
-                  "the initial critic: the backbone with a fresh value head → models/critic_init/"),
+                  "the initial critic: the backbone with a fresh value head → models/critic_init/",
+                  task="init-critic"),
         StageSpec("preprocess", "rlhf_core.stages.preprocess:run_preprocess", False,
-                  "raw prompts (JSONL/Parquet/CSV) → prompts/train.parquet, val.parquet, rejects.parquet"),
+                  "raw prompts (JSONL/Parquet/CSV) → prompts/train.parquet, val.parquet, rejects.parquet",
+                  task="preprocess"),
         StageSpec("pack", "rlhf_core.stages.pack:run_pack", False,
-                  "token-budget bin packing of prompts into generation batches"),
+                  "token-budget bin packing of prompts into generation batches", task="pack"),
         StageSpec("rollout", "rlhf_core.stages.rollout:run_rollout", True,
-                  "generate responses (hf / vllm) or import offline ones → iter_K/rollout.parquet"),
+                  "generate responses (hf / vllm) or import offline ones → iter_K/rollout.parquet", task="rollout"),
         StageSpec("score", "rlhf_core.stages.score:run_score", True,
-                  "rewards + old/ref log-probs + values → iter_K/scored.parquet"),
+                  "rewards + old/ref log-probs + values → iter_K/scored.parquet", task="score"),
         StageSpec("gae", "rlhf_core.stages.gae:run_gae", True,
-                  "KL-in-reward penalty + GAE advantages → iter_K/advantages.parquet"),
+                  "KL-in-reward penalty + GAE advantages → iter_K/advantages.parquet", task="gae"),
         StageSpec("update", "rlhf_core.stages.update:run_update", True,
-                  "PPO update of actor and critic with DeepSpeed → iter_K/checkpoint/"),
+                  "PPO update of actor and critic with DeepSpeed → iter_K/checkpoint/", task="update", retries=False),
         StageSpec("guard", "rlhf_core.stages.guard:run_guard", True,
-                  "KL(actor‖ref) of the new actor vs the threshold → the verdict iter_K/guard.json"),
+                  "KL(actor‖ref) of the new actor vs the threshold → the verdict iter_K/guard.json",
+                  task="kl-guard", retries=False),
         StageSpec("validate", "rlhf_core.stages.validate:run_validate", True,
-                  "sampled accuracy of iteration K's actor on the validation prompts → iter_K/validation.parquet"),
+                  "sampled accuracy of iteration K's actor on the validation prompts → iter_K/validation.parquet",
+                  task="validate"),
     ]
 }
 """Every stage, in the order a run runs them."""

@@ -66,46 +66,41 @@ def execute_stage(
     unrelated override does not force a rerun. ``force`` reruns regardless.
     """
     with timing.span("stage_call"):
-        return _execute(stage, cfg, run, iteration, inputs, config_sections, body, force)
-
-
-def _execute(stage: str, cfg: RLHFConfig, run: RunDir, iteration: Optional[int], inputs: Iterable[Path],
-             config_sections: Iterable[str], body: Callable[[], StageResult], force: bool) -> StageResult:
-    config_sections = tuple(config_sections)
-    input_hashes = hash_paths(run, list(inputs))
-    cfg_hash = config_hash(cfg, config_sections)
-    if not force and is_up_to_date(run, iteration, stage, input_hashes, cfg_hash):
-        rec = read_manifest(run, iteration)[stage]
-        return StageResult(stage=stage, iteration=iteration, outputs=rec.get("outputs_paths", {}),
-                           rows=rec.get("rows", {}), metrics=rec.get("metrics", {}), skipped=True,
-                           summary=[f"{stage}: up to date (same inputs and config), skipped"])
-    previous = read_manifest(run, iteration).get(stage) or {}
-    started = time.time()
-    with timing.tally() as io_by_kind:
-        result = body()
-    result.seconds = time.time() - started
-    result.io_seconds = min(sum(io_by_kind.values()), result.seconds)
-    output_paths = [Path(p) for p in result.outputs.values()]
-    overrides = config_overrides(cfg, run, config_sections)
-    recorded = hash_paths(run, output_paths)
-    record_stage(
-        run, iteration, stage,
-        status="done", inputs=input_hashes, outputs=recorded,
-        outputs_paths=result.outputs, config_hash=cfg_hash, rows=result.rows,
-        metrics=result.metrics, seconds=result.seconds, io_seconds=result.io_seconds,
-        io={kind: round(s, 6) for kind, s in sorted(io_by_kind.items())}, started_at=started,
-        **({"overrides": overrides} if overrides else {}),
-    )
-    if overrides:
-        result.summary.append(f"with overrides {' '.join(overrides)} (config.yaml unchanged)")
-    if previous.get("status") in ("done", "stale"):
-        changed = changed_outputs(run, stage, previous.get("outputs") or {}, recorded, result.outputs)
-        stale = mark_downstream_stale(run, iteration, stage) if changed else []
-        if stale:
-            result.summary.append(f"marked stale: {', '.join(stale)} ({', '.join(changed)} changed)")
-        elif not changed:
-            result.summary.append("its outputs are the same bytes as before: nothing downstream is stale")
-    return result
+        config_sections = tuple(config_sections)
+        input_hashes = hash_paths(run, list(inputs))
+        cfg_hash = config_hash(cfg, config_sections)
+        if not force and is_up_to_date(run, iteration, stage, input_hashes, cfg_hash):
+            rec = read_manifest(run, iteration)[stage]
+            return StageResult(stage=stage, iteration=iteration, outputs=rec.get("outputs_paths", {}),
+                               rows=rec.get("rows", {}), metrics=rec.get("metrics", {}), skipped=True,
+                               summary=[f"{stage}: up to date (same inputs and config), skipped"])
+        previous = read_manifest(run, iteration).get(stage) or {}
+        started = time.time()
+        with timing.tally() as io_by_kind:
+            result = body()
+        result.seconds = time.time() - started
+        result.io_seconds = min(sum(io_by_kind.values()), result.seconds)
+        output_paths = [Path(p) for p in result.outputs.values()]
+        overrides = config_overrides(cfg, run, config_sections)
+        recorded = hash_paths(run, output_paths)
+        record_stage(
+            run, iteration, stage,
+            status="done", inputs=input_hashes, outputs=recorded,
+            outputs_paths=result.outputs, config_hash=cfg_hash, rows=result.rows,
+            metrics=result.metrics, seconds=result.seconds, io_seconds=result.io_seconds,
+            io={kind: round(s, 6) for kind, s in sorted(io_by_kind.items())}, started_at=started,
+            **({"overrides": overrides} if overrides else {}),
+        )
+        if overrides:
+            result.summary.append(f"with overrides {' '.join(overrides)} (config.yaml unchanged)")
+        if previous.get("status") in ("done", "stale"):
+            changed = changed_outputs(run, stage, previous.get("outputs") or {}, recorded, result.outputs)
+            stale = mark_downstream_stale(run, iteration, stage) if changed else []
+            if stale:
+                result.summary.append(f"marked stale: {', '.join(stale)} ({', '.join(changed)} changed)")
+            elif not changed:
+                result.summary.append("its outputs are the same bytes as before: nothing downstream is stale")
+        return result
 
 
 def changed_outputs(run: RunDir, stage: str, before: dict[str, str], after: dict[str, str],
