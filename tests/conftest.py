@@ -19,6 +19,18 @@ GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
 
 
 @pytest.fixture(scope="session")
+def prefect_server():
+    """One temporary Prefect server + SQLite database for the whole test session, shared by every
+    test that needs a server; yields its API URL (subprocesses get it as PREFECT_API_URL so they
+    report to the same server)."""
+    import prefect.settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=90):
+        yield prefect.settings.PREFECT_API_URL.value()
+
+
+@pytest.fixture(scope="session")
 def repo_root() -> Path:
     return REPO_ROOT
 

@@ -95,21 +95,12 @@ def _assert_failed_with_what_to_send(flow_run, state) -> None:
     assert sent == {"parameters": {"params": {"config": "configs/demo.yaml", "iterations": 3}}}
 
 
-def test_flat_parameters_fail_the_flow_run_with_what_to_send(prefect_test_server):
+def test_flat_parameters_fail_the_flow_run_with_what_to_send(prefect_server):
     _assert_failed_with_what_to_send(*asyncio.run(_engine_then_hooks({"config": "configs/demo.yaml", "iterations": 3})))
 
 
 @pytest.mark.server
-def test_through_a_real_process_worker(prefect_test_server, request):
+def test_through_a_real_process_worker(prefect_server, request):
     if "server" not in (request.config.getoption("markexpr") or ""):
         pytest.skip("a flow-run process and a worker (1-3 minutes): run with -m server")
     _assert_failed_with_what_to_send(*asyncio.run(_run_once({"config": "configs/demo.yaml", "iterations": 3})))
-
-
-@pytest.fixture(scope="module")
-def prefect_test_server():
-    """A temporary Prefect server for this module (the deployments' services stack is minutes)."""
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=90):
-        yield

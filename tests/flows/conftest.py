@@ -1,5 +1,5 @@
-"""One Prefect test server for the whole session, and a tiny configuration that runs the whole
-pipeline on CPU in about a minute per two iterations."""
+"""A tiny configuration that runs the whole pipeline on CPU in about a minute per two iterations,
+and helpers that compare whole runs (the session's one Prefect server is ``tests/conftest.py``'s)."""
 
 from __future__ import annotations
 
@@ -13,17 +13,6 @@ import pytest
 from rlhf_core.run.layout import RunDir
 
 DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
-
-
-@pytest.fixture(scope="session")
-def prefect_server():
-    """A temporary Prefect server + SQLite database shared by every flow test; yields its API URL
-    (subprocesses get it as PREFECT_API_URL so they report to the same server)."""
-    import prefect.settings
-    from prefect.testing.utilities import prefect_test_harness
-
-    with prefect_test_harness(server_startup_timeout=90):
-        yield prefect.settings.PREFECT_API_URL.value()
 
 
 @pytest.fixture(scope="session")
