@@ -45,7 +45,11 @@ offloaded is checked against the host memory of all ranks together.
 
 Not counted: the CUDA context and allocator fragmentation (~1-3 GiB a GPU), DeepSpeed's bucket
 buffers, the Python process itself. ``tests/rlhf_core/training/test_memory.py`` compares the state
-terms with the measured peak of a real 2-rank CPU update.
+terms with the measured peak of a real 2-rank CPU update, and with DeepSpeed's own model-state
+estimators (``estimate_zero2/3_model_states_mem_needs``) where those apply: they cover ZeRO-2 and
+ZeRO-3 in 16-bit mixed precision without offload, and agree byte for byte there; they do not model
+fp32 training (how this runs on CPU), ZeRO-0/1, bf16 at ZeRO-1 (DeepSpeed's BF16 optimizer), the
+activations, the logits or the scoring and rollout phases, which is why the estimate is ours.
 """
 
 from __future__ import annotations

@@ -71,6 +71,26 @@ def test_zero3_on_8_ranks_holds_an_eighth_of_every_state_term():
     assert one == {"actor parameters": 2 * P, "actor gradients": 4 * P, "actor optimizer": 12 * P}
 
 
+@pytest.mark.parametrize("ranks", [1, 2, 8])
+def test_mixed_precision_model_states_equal_deepspeeds_own_estimators(ranks):
+    """DeepSpeed's estimators cover ZeRO-2 and ZeRO-3 in 16-bit mixed precision without offload (they
+    do not model fp32 training, which runs here on CPU, nor ZeRO-0/1): there our per-rank model
+    states are theirs, byte for byte — at ZeRO-3 less the gathered largest layer, which they add as
+    working memory and we count with the micro-batch."""
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    P, largest = 7_615_616_512, 136_134_656  # Qwen2.5-7B: all parameters, its embedding matrix
+
+    def ours(stage: int) -> int:
+        return sum(t.device for t in train_state("actor", P, P, Placement(stage, ranks, "bf16")))
+
+    _, zero2 = estimate_zero2_model_states_mem_needs(P, num_gpus_per_node=ranks, cpu_offload=False)
+    _, zero3, working = estimate_zero3_model_states_mem_needs(P, largest, num_gpus_per_node=ranks, cpu_offload=False)
+    assert abs(ours(2) - zero2) <= 8  # rounding of the per-rank division
+    assert abs(ours(3) - (zero3 - working)) <= 8
+
+
 def test_optimizer_offload_moves_the_optimizer_state_and_fp32_gradients_to_the_host():
     P = 1_000_000
     kept = {t.name: t for t in train_state("critic", P, P, Placement(2, 4, "bf16"))}
