@@ -70,7 +70,7 @@ class Rank:
 
     def update(self, command: dict) -> dict[str, Any]:
         metrics = self.trainer.update(_config(command), command["iteration"],
-                                      progress=None if self.dist.is_main else False)
+                                      progress=command.get("progress") if self.dist.is_main else False)
         return {"holds": self.trainer.holds, "metrics": metrics if self.dist.is_main else None}
 
     def settle(self, command: dict) -> dict[str, Any]:

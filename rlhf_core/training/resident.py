@@ -26,6 +26,11 @@ writes (and hashes) a full checkpoint — at real sizes, most of the iteration. 
 The engine state lives in this process only; the run directory stays the durable lineage (tables,
 manifests, state records, checkpoints at save points).
 
+Every update runs in this one trainer. Where no flow run keeps one (`rlhf stage update`, or a run
+that cannot keep its models: ``resident_possible``), ``update_once`` makes a trainer that is not
+kept (``ResidentTrainer.kept``): it holds the start state the same way, trains with the same loop,
+writes the checkpoint at once, takes no rollback snapshot, lends nothing, and is closed after.
+
 With several update processes on one machine the same trainer runs on each of them: a worker
 group of torchrun ranks started once per flow run (``GroupTrainer``, ``training.worker_group``,
 ``stages.group_entry``), which the flow process commands and which also runs the stages' model
@@ -358,7 +363,7 @@ class ResidentTrainer:
         started = time.perf_counter()
         # resolve_sources(k) = the state k starts from: base's checkpoint, or the initial models
         sources = resolve_sources(cfg, self.run, base + 1)
-        # resident: the engines stay beside the rollout and scoring of every iteration (on every rank of a group)
+        # kept: the engines stay beside the rollout and scoring of every iteration (on every rank of a group)
         self.actor, self.critic, self.pad_id = open_engines(cfg, self.run, sources, device, dist.world_size,
                                                             resident=self.kept)
         self.dist, self.device, self.key = dist, device, key
@@ -539,10 +544,11 @@ class GroupTrainer:
         self._published: Optional[tuple[int, Path]] = None
         self._copies = 0
 
-    def update(self, cfg: RLHFConfig, k: int) -> dict[str, Any]:
-        """Iteration ``k``'s PPO update on every rank (``ResidentTrainer.update``); rank 0's metrics."""
+    def update(self, cfg: RLHFConfig, k: int, *, progress: Optional[bool] = None) -> dict[str, Any]:
+        """Iteration ``k``'s PPO update on every rank (``ResidentTrainer.update``; ``progress``: rank
+        0's bars); rank 0's metrics."""
         self._unpublish()
-        result = self._call("update", cfg, iteration=k)[0]
+        result = self._call("update", cfg, iteration=k, progress=progress)[0]
         self.holds = result["holds"]
         timing.add(timing.UPDATE_SETUP, float(result["metrics"].get("perf/setup_seconds", 0.0)))
         timing.add(timing.CHECKPOINT_WRITE, float(result["metrics"].get("perf/checkpoint_seconds", 0.0)))
@@ -794,8 +800,6 @@ def update_once(cfg: RLHFConfig, run: RunDir, k: int, *, progress: Optional[bool
     trainer: Trainer = (GroupTrainer(cfg, run, one_update=k) if update_world(cfg) > 1
                         else ResidentTrainer(run, kept=False))
     try:
-        if isinstance(trainer, GroupTrainer):
-            return trainer.update(cfg, k)
         return trainer.update(cfg, k, progress=progress)
     finally:
         trainer.close(make_durable=False)
