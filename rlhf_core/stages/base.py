@@ -65,42 +65,55 @@ def execute_stage(
     ``config_sections`` are the dotted prefixes the stage depends on (e.g. ``("data.",)``), so an
     unrelated override does not force a rerun. ``force`` reruns regardless.
     """
-    with timing.span("stage_call"):
+    with timing.span("stage_call"):  # the body is called from here: three frames below the stage's Prefect task
         config_sections = tuple(config_sections)
         input_hashes = hash_paths(run, list(inputs))
         cfg_hash = config_hash(cfg, config_sections)
         if not force and is_up_to_date(run, iteration, stage, input_hashes, cfg_hash):
-            rec = read_manifest(run, iteration)[stage]
-            return StageResult(stage=stage, iteration=iteration, outputs=rec.get("outputs_paths", {}),
-                               rows=rec.get("rows", {}), metrics=rec.get("metrics", {}), skipped=True,
-                               summary=[f"{stage}: up to date (same inputs and config), skipped"])
+            return _skipped(run, iteration, stage)
         previous = read_manifest(run, iteration).get(stage) or {}
         started = time.time()
         with timing.tally() as io_by_kind:
             result = body()
         result.seconds = time.time() - started
         result.io_seconds = min(sum(io_by_kind.values()), result.seconds)
-        output_paths = [Path(p) for p in result.outputs.values()]
-        overrides = config_overrides(cfg, run, config_sections)
-        recorded = hash_paths(run, output_paths)
-        record_stage(
-            run, iteration, stage,
-            status="done", inputs=input_hashes, outputs=recorded,
-            outputs_paths=result.outputs, config_hash=cfg_hash, rows=result.rows,
-            metrics=result.metrics, seconds=result.seconds, io_seconds=result.io_seconds,
-            io={kind: round(s, 6) for kind, s in sorted(io_by_kind.items())}, started_at=started,
-            **({"overrides": overrides} if overrides else {}),
-        )
-        if overrides:
-            result.summary.append(f"with overrides {' '.join(overrides)} (config.yaml unchanged)")
-        if previous.get("status") in ("done", "stale"):
-            changed = changed_outputs(run, stage, previous.get("outputs") or {}, recorded, result.outputs)
-            stale = mark_downstream_stale(run, iteration, stage) if changed else []
-            if stale:
-                result.summary.append(f"marked stale: {', '.join(stale)} ({', '.join(changed)} changed)")
-            elif not changed:
-                result.summary.append("its outputs are the same bytes as before: nothing downstream is stale")
+        _record(cfg, run, stage, iteration, result, config_sections, input_hashes, cfg_hash, io_by_kind, started,
+                previous)
         return result
+
+
+def _skipped(run: RunDir, iteration: Optional[int], stage: str) -> StageResult:
+    """The result of an up-to-date stage, from its manifest record."""
+    rec = read_manifest(run, iteration)[stage]
+    return StageResult(stage=stage, iteration=iteration, outputs=rec.get("outputs_paths", {}),
+                       rows=rec.get("rows", {}), metrics=rec.get("metrics", {}), skipped=True,
+                       summary=[f"{stage}: up to date (same inputs and config), skipped"])
+
+
+def _record(cfg: RLHFConfig, run: RunDir, stage: str, iteration: Optional[int], result: StageResult,
+            config_sections: tuple[str, ...], input_hashes: dict[str, str], cfg_hash: str,
+            io_by_kind: dict[str, float], started: float, previous: dict) -> None:
+    """The stage's manifest record (its outputs hashed), its overrides said, and — for a rerun whose
+    outputs changed — the stages computed from them marked stale."""
+    overrides = config_overrides(cfg, run, config_sections)
+    recorded = hash_paths(run, [Path(p) for p in result.outputs.values()])
+    record_stage(
+        run, iteration, stage,
+        status="done", inputs=input_hashes, outputs=recorded,
+        outputs_paths=result.outputs, config_hash=cfg_hash, rows=result.rows,
+        metrics=result.metrics, seconds=result.seconds, io_seconds=result.io_seconds,
+        io={kind: round(s, 6) for kind, s in sorted(io_by_kind.items())}, started_at=started,
+        **({"overrides": overrides} if overrides else {}),
+    )
+    if overrides:
+        result.summary.append(f"with overrides {' '.join(overrides)} (config.yaml unchanged)")
+    if previous.get("status") in ("done", "stale"):
+        changed = changed_outputs(run, stage, previous.get("outputs") or {}, recorded, result.outputs)
+        stale = mark_downstream_stale(run, iteration, stage) if changed else []
+        if stale:
+            result.summary.append(f"marked stale: {', '.join(stale)} ({', '.join(changed)} changed)")
+        elif not changed:
+            result.summary.append("its outputs are the same bytes as before: nothing downstream is stale")
 
 
 def changed_outputs(run: RunDir, stage: str, before: dict[str, str], after: dict[str, str],
