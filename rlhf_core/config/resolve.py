@@ -100,19 +100,20 @@ def micro_batching(cfg: RLHFConfig, role: Role, world_size: int = 1) -> MicroBat
     reward_model micro_batch_size_per_gpu; use_dynamic_bsz null = the critic's;
                  budget = critic.forward_max_token_len_per_gpu (null = critic.ppo_max_token_len_per_gpu)
     """
+    # each role reads only its own keys and their fall-backs: what a stage reads is what it hashes
     arr, a, c = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.critic
-    critic_dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
-    critic_forward_budget = c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu
     if role == "actor":
         return MicroBatching(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu,
                              _per_gpu(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, world_size))
+    if role in ("critic", "reward_model"):
+        critic_dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
     if role == "critic":
         return MicroBatching(critic_dynamic, c.ppo_max_token_len_per_gpu,
                              _per_gpu(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size, world_size))
     if role == "reward_model":
         rm = cfg.reward_model
         dynamic = critic_dynamic if rm.use_dynamic_bsz is None else rm.use_dynamic_bsz
-        return MicroBatching(dynamic, critic_forward_budget,
+        return MicroBatching(dynamic, c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu,
                              _per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size))
     src = arr.rollout if role == "rollout" else arr.ref
     dynamic = a.use_dynamic_bsz if src.log_prob_use_dynamic_bsz is None else src.log_prob_use_dynamic_bsz

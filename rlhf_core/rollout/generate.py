@@ -17,7 +17,7 @@ from typing import Any, Mapping, Optional, Sequence
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_core.config import RLHFConfig, effective_deepspeed
+from rlhf_core.config import RLHFConfig
 from rlhf_core.config.notes import say_once
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
@@ -89,7 +89,8 @@ def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional
 def trainer_dtype(cfg: RLHFConfig) -> str:
     """The actor's training dtype (fp32 / bf16 / fp16): what a vLLM engine must run at for its
     log-probs to be the trainer's (vLLM's own "auto" would run an fp32 checkpoint at bf16)."""
-    return resolve_dtype(effective_deepspeed(cfg).dtype, resolve_device(cfg.trainer.device))
+    # the raw key: the FSDP flags effective_deepspeed folds in move offload, never the dtype
+    return resolve_dtype(cfg.actor_rollout_ref.actor.deepspeed_config.dtype, resolve_device(cfg.trainer.device))
 
 
 def generation_engine(cfg: RLHFConfig) -> str:

@@ -48,7 +48,12 @@ from rlhf_core.run.manifest import read_manifest
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, execute_stage
 
-CONFIG_SECTIONS = ("algorithm.", "trainer.kl_coef_scale")
+CONFIG_SECTIONS = ("algorithm.", "trainer.kl_coef_scale", "critic.enable")
+
+
+def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
+    """The config this stage's output depends on (its manifest's config hash)."""
+    return CONFIG_SECTIONS
 
 
 def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
@@ -67,7 +72,7 @@ def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force
         return _gae(cfg, run, iteration, source)
 
     return execute_stage(stage="gae", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
-                         config_sections=CONFIG_SECTIONS, body=body, force=force)
+                         config_sections=config_sections(cfg), body=body, force=force)
 
 
 def controller_source(run: RunDir, k: int) -> Optional[Path]:

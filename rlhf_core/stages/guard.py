@@ -36,7 +36,10 @@ from rlhf_core.training.resident import ensure_state
 
 GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts", "trainer.kl_guard_estimator",
                   "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.log_prob",
-                  "actor_rollout_ref.model", "actor_rollout_ref.ref", "trainer.device")
+                  "actor_rollout_ref.model", "actor_rollout_ref.ref", "trainer.device",
+                  # the scoring dtype, and the log-prob budgets' fall-back (``resolve.micro_batching``)
+                  "actor_rollout_ref.actor.deepspeed_config.dtype", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
+                  "actor_rollout_ref.actor.use_dynamic_bsz")
 
 
 def load_scored_sequences(path: Path, *columns: str) -> tuple:
@@ -86,6 +89,11 @@ def decide(kl: float, threshold: float) -> str:
     return "commit" if kl <= threshold else "rollback"
 
 
+def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
+    """The config this stage's output depends on (its manifest's config hash)."""
+    return GUARD_SECTIONS
+
+
 def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
     """Measure iteration ``iteration``'s KL and write the verdict (iter_k/guard.json).
 
@@ -124,7 +132,7 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
 
     return execute_stage(stage="guard", cfg=cfg, run=run, iteration=k,
                          inputs=[run.scored(k), run.checkpoint(k) / "actor"],
-                         config_sections=GUARD_SECTIONS, body=body, force=force)
+                         config_sections=config_sections(cfg), body=body, force=force)
 
 
 def measure_val_kl(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:

@@ -22,7 +22,13 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.run.models import critic_backbone
 from rlhf_core.stages.base import StageResult, execute_stage
 
-CONFIG_SECTIONS = ("critic.model.", "actor_rollout_ref.model.", "trainer.seed")
+CONFIG_SECTIONS = ("critic.model.", "actor_rollout_ref.model.", "trainer.seed", "critic.enable", "algorithm.adv_estimator")
+"""The critic's backbone and seed, and whether the run has a critic at all (``resolve.uses_critic``)."""
+
+
+def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
+    """The config this stage's output depends on (its manifest's config hash)."""
+    return CONFIG_SECTIONS
 
 
 def run_init_critic(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None,
@@ -49,4 +55,4 @@ def run_init_critic(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = Non
         return StageResult(stage="init_critic", outputs={"critic_init": str(out)}, skipped=True,
                            summary=[f"initial critic {out} already built"])
     return execute_stage(stage="init_critic", cfg=cfg, run=run, iteration=None, inputs=[],
-                         config_sections=CONFIG_SECTIONS, body=body, force=force)
+                         config_sections=config_sections(cfg), body=body, force=force)

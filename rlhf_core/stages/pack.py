@@ -263,6 +263,11 @@ def _training_line(m: dict[str, float], cfg: RLHFConfig) -> str:
             f"(padded per bin: {m['pack/train_padded_bins_efficiency']:.1%}) vs {fixed}")
 
 
+def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
+    """The config this stage's output depends on (its manifest's config hash)."""
+    return CONFIG_KEYS
+
+
 def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
     """Plan the run's generation batches (see the module docstring); writes
     pack/generation_batches.parquet (schema GENERATION_BATCHES) and pack/summary.json."""
@@ -301,7 +306,7 @@ def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, forc
         )
 
     return execute_stage(stage="pack", cfg=cfg, run=run, iteration=None, inputs=[run.train_prompts],
-                         config_sections=CONFIG_KEYS, body=body, force=force)
+                         config_sections=config_sections(cfg), body=body, force=force)
 
 
 def _config_value(cfg: RLHFConfig, dotted: str):

@@ -33,6 +33,11 @@ def _resolve_files(paths: list[str], key: str) -> list[Path]:
     return resolved
 
 
+def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
+    """The config this stage's output depends on (its manifest's config hash)."""
+    return CONFIG_SECTIONS
+
+
 def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None,
                    force: bool = False) -> StageResult:
     """Preprocess ``cfg.data.train_files`` (and ``val_files``) into the run's prompts tables."""
@@ -61,7 +66,7 @@ def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None
         )
 
     return execute_stage(stage="preprocess", cfg=cfg, run=run, iteration=None, inputs=train_files + val_files,
-                         config_sections=CONFIG_SECTIONS, body=body, force=force)
+                         config_sections=config_sections(cfg), body=body, force=force)
 
 
 def _metrics(result: PreprocessResult) -> dict[str, float]:

@@ -61,8 +61,9 @@ from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, m
 from rlhf_core.stages.score import ModelPaths, reward_model_paths, sequence_rewards
 from rlhf_core.training.resident import ensure_state
 
-CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.")
-"""What every rollout reads."""
+CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.",
+                   "actor_rollout_ref.actor.deepspeed_config.dtype")
+"""What every rollout reads (the engine runs at the trainer's dtype: ``generate.trainer_dtype``)."""
 FILTER_SECTIONS = ("algorithm.filter_groups.", "algorithm.use_kl_in_reward", "reward_model.", "custom_reward_function.")
 """What a rollout that filters groups also reads: the filter and the reward function's settings."""
 BASELINE_SECTIONS = ("algorithm.adv_estimator",)

@@ -55,7 +55,9 @@ from rlhf_core.training.resident import ensure_state
 
 VALIDATION_SECTIONS = ("data.max_response_length", "data.reward_fn_key", "actor_rollout_ref.rollout.val_kwargs.",
                        "actor_rollout_ref.rollout.seed", "actor_rollout_ref.rollout.name",
-                       "custom_reward_function.")
+                       "custom_reward_function.", "actor_rollout_ref.model.",
+                       "actor_rollout_ref.rollout.cpu_threads", "actor_rollout_ref.rollout.generation_batch_tokens",
+                       "actor_rollout_ref.actor.deepspeed_config.dtype")
 CORRECT_AT = 1.0
 """A response counts as correct when its reward is at least this (the rule-based score of a right answer)."""
 
@@ -205,6 +207,11 @@ def validation_metrics(data_sources: Sequence[str], prompt_ids: Sequence[str], v
     return out
 
 
+def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
+    """The config this stage's output depends on (its manifest's config hash)."""
+    return VALIDATION_SECTIONS
+
+
 def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
     """Decode the validation prompts with the actor after ``iteration`` (val_kwargs sampling); write
     iter_k/validation.parquet; metrics under our names and verl's."""
@@ -236,7 +243,7 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
                                     f"{sampling.n} ({how}; actor {actor})"])
 
     return execute_stage(stage="validate", cfg=cfg, run=run, iteration=k, inputs=[run.val_prompts, actor],
-                         config_sections=VALIDATION_SECTIONS, body=body, force=force)
+                         config_sections=config_sections(cfg), body=body, force=force)
 
 
 def _our_metrics(rows: list[dict], samples: list, scores: list[float]) -> dict[str, float]:

@@ -36,7 +36,7 @@ from rlhf_core.training.engines import LoraSettings
 CONFIG_SECTIONS = ("actor_rollout_ref.model.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.temperature",
                    "actor_rollout_ref.rollout.n", "critic.", "data.max_response_length", "data.train_batch_size",
                    "trainer.seed", "trainer.nproc", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.device",
-                   "trainer.critic_warmup")
+                   "trainer.critic_warmup", "algorithm.adv_estimator", "algorithm.rollout_correction.")
 STEP_SECTIONS = ("trainer.total_iterations", "trainer.total_training_steps", "trainer.total_epochs")
 """The run's length enters the update only through a cosine or ratio warm-up lr schedule."""
 

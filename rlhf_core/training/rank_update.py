@@ -293,17 +293,23 @@ def check_update_data(cfg: RLHFConfig, run: RunDir, iteration: int, world_size: 
     return data
 
 
+def refuse_what_cannot_fit(cfg: RLHFConfig, device: str, world_size: int, resident: bool) -> None:
+    """A config whose memory estimate does not fit the device is refused before any engine is built
+    (``memory.check_update_memory``); it reads every model's shape, and changes no output."""
+    # the initial models' shapes: a later checkpoint has the same ones, and one held only in memory has no file
+    shapes = Shapes.read(initial_actor_path(cfg), critic_backbone(cfg) if resolve.uses_critic(cfg) else None,
+                         reference_path(cfg), reward_model_path(cfg))
+    check_update_memory(cfg, shapes, device, world_size, resident=resident,
+                        announce=int(os.environ.get("RANK", "0")) == 0)
+
+
 def open_engines(cfg: RLHFConfig, run: RunDir, sources: UpdateSources, device: str, world_size: int, *,
                  resident: bool = False) -> tuple[TrainEngine, Optional[TrainEngine], int]:
     """(actor, critic, pad id): engines built on ``sources``' weights, with the optimizer state and
     the RNG of the checkpoint they start from (``sources.resume``), else fresh and seeded. A config
     whose memory estimate does not fit the device is refused first (``memory.check_update_memory``)."""
     pad_id = _pad_id(sources.actor)
-    # the initial models' shapes: a later checkpoint has the same ones, and one held only in memory has no file
-    shapes = Shapes.read(initial_actor_path(cfg), critic_backbone(cfg) if resolve.uses_critic(cfg) else None,
-                         reference_path(cfg), reward_model_path(cfg))
-    check_update_memory(cfg, shapes, device, world_size, resident=resident,
-                        announce=int(os.environ.get("RANK", "0")) == 0)
+    refuse_what_cannot_fit(cfg, device, world_size, resident)
     actor, critic = build_engines(cfg, sources, device, world_size, training_steps(cfg, run))
     with cpu_threads(device, module_largest_matrix(actor.module), world_size):
         if sources.resume is not None:
