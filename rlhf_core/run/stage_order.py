@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 from rlhf_core.errors import RLHFError
 
@@ -33,10 +33,22 @@ class StageSpec:
     retries: bool = True
     """Retried on a transient I/O error: never the update (its optimizer step is not idempotent) nor
     the guard (its verdict decides a commit), nor the warm start (it trains)."""
+    share: Optional[str] = None
+    """The function each process runs for its share of the stage's model passes when they are spread
+    over several ("module:function", ``stages.rank_entry``); None: the stage runs in one process."""
 
     def load(self) -> Callable:
-        module, _, fn = self.target.partition(":")
-        return getattr(importlib.import_module(module), fn)
+        return _function(self.target)
+
+    def load_share(self) -> Callable:
+        if self.share is None:
+            raise RLHFError(f"stage {self.name!r} has no model passes to spread over several processes")
+        return _function(self.share)
+
+
+def _function(target: str) -> Callable:
+    module, _, fn = target.partition(":")
+    return getattr(importlib.import_module(module), fn)
 
 
 STAGES: dict[str, StageSpec] = {
@@ -54,19 +66,21 @@ STAGES: dict[str, StageSpec] = {
         StageSpec("pack", "rlhf_core.stages.pack:run_pack", False,
                   "token-budget bin packing of prompts into generation batches", task="pack"),
         StageSpec("rollout", "rlhf_core.stages.rollout:run_rollout", True,
-                  "generate responses (hf / vllm) or import offline ones → iter_K/rollout.parquet", task="rollout"),
+                  "generate responses (hf / vllm) or import offline ones → iter_K/rollout.parquet", task="rollout",
+                  share="rlhf_core.stages.rollout:rollout_share"),
         StageSpec("score", "rlhf_core.stages.score:run_score", True,
-                  "rewards + old/ref log-probs + values → iter_K/scored.parquet", task="score"),
+                  "rewards + old/ref log-probs + values → iter_K/scored.parquet", task="score",
+                  share="rlhf_core.stages.score:score_share"),
         StageSpec("gae", "rlhf_core.stages.gae:run_gae", True,
                   "KL-in-reward penalty + GAE advantages → iter_K/advantages.parquet", task="gae"),
         StageSpec("update", "rlhf_core.stages.update:run_update", True,
                   "PPO update of actor and critic with DeepSpeed → iter_K/checkpoint/", task="update", retries=False),
         StageSpec("guard", "rlhf_core.stages.guard:run_guard", True,
                   "KL(actor‖ref) of the new actor vs the threshold → the verdict iter_K/guard.json",
-                  task="kl-guard", retries=False),
+                  task="kl-guard", retries=False, share="rlhf_core.stages.guard:guard_share"),
         StageSpec("validate", "rlhf_core.stages.validate:run_validate", True,
                   "sampled accuracy of iteration K's actor on the validation prompts → iter_K/validation.parquet",
-                  task="validate"),
+                  task="validate", share="rlhf_core.stages.validate:validate_share"),
     ]
 }
 """Every stage, in the order a run runs them."""

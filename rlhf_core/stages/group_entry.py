@@ -13,7 +13,7 @@ and runs the coordinator's commands in step with the others:
     settle    commit (a save when due: every rank writes its shard) or rollback (snapshot put back)
     writes    wait for this rank's background save, raising its failure (before every commit)
     hold      hold iteration K's state, rebuilt by replay when only its record is left, and saved
-    share     this rank's share of a stage's model passes (``stages.rank_entry``), borrowing the
+    share     this rank's share of a stage's model passes (the stage's ``share`` function), borrowing the
               module the rank trains; with vLLM, generating on this rank's rank of the run's
               engines (kept for the flow run, synced in place by the trainer after each update)
     publish   rank 0 writes the held weights as model directories (for the flow process's own loads)
@@ -35,10 +35,9 @@ from rlhf_core.config import RLHFConfig, config_from_dict
 from rlhf_core.errors import RLHFError, disk_full_as_user_error
 from rlhf_core.models import live
 from rlhf_core.run.layout import RunDir
-from rlhf_core.stages.rank_entry import STAGES
+from rlhf_core.run.stage_order import get_stage
 from rlhf_core.training.checkpoint import full_state_dict, save_tokenizer
 from rlhf_core.training.distributed import DistInfo, init_distributed, shutdown_distributed
-from rlhf_core.training.engines import present
 from rlhf_core.training.resident import ResidentTrainer
 from rlhf_core.training.worker_group import serve
 
@@ -97,7 +96,8 @@ class Rank:
         before = torch.get_num_threads()
         torch.set_num_threads(command["threads"])
         try:
-            STAGES[stage](_config(command), self.run, k, rank, world, self.run.stage_rank_share(k, stage, rank))
+            get_stage(stage).load_share()(_config(command), self.run, k, rank, world,
+                                          self.run.stage_rank_share(k, stage, rank))
         finally:
             torch.set_num_threads(before)
         return None

@@ -30,7 +30,7 @@ from rlhf_core.run.lifecycle import nonfinite_update, shown_apart
 from rlhf_core.run.models import reference_path
 from rlhf_core.scoring.policy_kl import actor_ref_kl, actor_sampled_log_probs, importance_weighted_kl, response_kl
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes
+from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
 from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
 from rlhf_core.training.resident import ensure_state
 
@@ -143,3 +143,11 @@ def measure_val_kl(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
         return {}
     samples = sample_val_responses(cfg, run, run.checkpoint(k) / "actor", limit=n, seed_offset=k)
     return val_kl_from_samples(cfg, samples, run.checkpoint(k) / "actor")
+
+
+def guard_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
+    """This rank's micro-batches of the KL guard's measurement (exact per-token KL, sampled log-probs)."""
+    sequences, prompt_lengths, _ = load_scored_sequences(run.scored(iteration))
+    kls, sampled = actor_ref_kl(cfg, run.checkpoint(iteration) / "actor", reference_path(cfg), sequences,
+                                prompt_lengths, share=(rank, world))
+    write_share(out, {"kl": kls, "sampled": sampled})

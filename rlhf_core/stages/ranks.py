@@ -28,9 +28,11 @@ module it trains.
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
+from pathlib import Path
 import sys
 from typing import Sequence
 
@@ -41,7 +43,7 @@ from rlhf_core.config import RLHFConfig, to_yaml
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.config.resolve import update_world_size
 from rlhf_core.errors import RLHFError
-from rlhf_core.io.atomic import atomic_write_text
+from rlhf_core.io.atomic import atomic_write_bytes, atomic_write_text
 from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingParams
 from rlhf_core.models import live
 from rlhf_core.rollout.generate import generation_engine, own_batches
@@ -186,3 +188,19 @@ def merge_shares(shares: list[dict[str, np.ndarray]], column: str, total: int) -
     if missing:
         raise RLHFError(f"the ranks returned no {column} for rows {missing[:5]} (of {total}); rerun the stage")
     return out
+
+
+def write_share(out: Path, columns: dict[str, list], **scalars) -> None:
+    """Each column's owned rows (``<name>_index``) as flat float32 values with their lengths."""
+    arrays = {name: np.array(value) for name, value in scalars.items()}
+    for name, column in columns.items():
+        mine = [i for i, v in enumerate(column) if v is not None]
+        arrays[f"{name}_index"] = np.array(mine, dtype=np.int64)
+        arrays[name], arrays[f"{name}_lengths"] = flatten([_floats(column[i]) for i in mine])
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    atomic_write_bytes(out, buffer.getvalue())  # the parent reads only complete shares
+
+
+def _floats(values) -> list[float]:
+    return values.tolist() if isinstance(values, torch.Tensor) else list(values)

@@ -26,6 +26,8 @@ Length metrics use verl's names: ``response_length/{mean,max,min,clip_ratio}`` a
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -57,7 +59,8 @@ from rlhf_core.rollout.dynamic_sampling import (
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
 from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, merged_stats, run_on_ranks
+from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, merge_samples, merged_stats, run_on_ranks,
+                                    write_share)
 from rlhf_core.stages.score import ModelPaths, reward_model_paths, sequence_rewards
 from rlhf_core.training.resident import ensure_state
 
@@ -418,3 +421,13 @@ def _stats(name: str, lengths: list[int], budget: int) -> dict[str, float]:
     clipped = sum(n == budget for n in lengths) / max(len(lengths), 1)
     return {f"{name}/mean": sum(values) / len(values), f"{name}/max": float(max(values)),
             f"{name}/min": float(min(values)), f"{name}/clip_ratio": clipped}
+
+
+def rollout_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
+    """This rank's generation batches of the rollout (HF engine), seeded as in one process."""
+    _, _, batches, prompt_rows = iteration_prompts(run, iteration)
+    samples, stats = generate_responses(cfg, actor_path(cfg, run, iteration), prompt_rows,
+                                        iteration_sampling(cfg, iteration), batches,
+                                        desc=f"rollout iter {iteration} rank {rank}", share=(rank, world))
+    write_share(out, {}, samples=json.dumps([dataclasses.asdict(s) for s in samples]),
+                 generated_tokens=stats.generated_tokens, seconds=stats.seconds, load_seconds=stats.load_seconds)

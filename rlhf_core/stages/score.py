@@ -66,7 +66,7 @@ from rlhf_core.scoring import (
 from rlhf_core.data.packing import Share
 from rlhf_core.scoring.models import load_tokenizer, reference_policy, release
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes
+from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
 from rlhf_core.training.resident import ensure_state
 
 CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
@@ -551,3 +551,14 @@ def _summary(rows, metrics, meter, ref_reused: bool, out: Path) -> list[str]:
                  f"{meter.seconds:.1f}s)")
     lines.append(f"wrote {out}")
     return lines
+
+
+def score_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
+    """This rank's micro-batches of the score stage's model passes (old/ref log-probs, values)."""
+    rows = pq.read_table(run.rollout(iteration), columns=["prompt_token_ids", "response_token_ids"]).to_pylist()
+    meter = Throughput()
+    passes = model_passes(cfg, model_paths(cfg, run, iteration), rows, meter, share=(rank, world))
+    columns = {"old_log_probs": passes.old_log_probs, "ref_log_probs": passes.ref_log_probs, "values": passes.values}
+    if passes.sum_pi_squared is not None:
+        columns["sum_pi_squared"] = passes.sum_pi_squared
+    write_share(out, columns, ref_reused=passes.ref_reused, tokens=meter.tokens, seconds=meter.seconds)

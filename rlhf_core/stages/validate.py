@@ -20,6 +20,7 @@ when present, else ``reward``; its mean@n and best@n/* are ``val-core``, everyth
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 from collections import defaultdict
@@ -49,7 +50,7 @@ from rlhf_core.rollout.generate import (
     val_sampling_from_config,
 )
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, run_on_ranks
+from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, run_on_ranks, write_share
 from rlhf_core.training.resident import ensure_state
 
 
@@ -263,3 +264,10 @@ def val_kl_from_samples(cfg: RLHFConfig, samples: tuple[list[dict], list], actor
     kls, _ = actor_ref_kl(cfg, actor_dir, reference_path(cfg), sequences, prompt_lengths)
     kl = response_kl(kls)
     return {"val_kl_mean": kl["kl_mean"], "val_kl_tokens": float(kl["num_tokens"])}
+
+
+def validate_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
+    """This rank's generation batches of validation (HF engine), seeded as in one process."""
+    _, samples = sample_val_responses(cfg, run, validation_actor(cfg, run, iteration),
+                                      sampling=val_sampling_from_config(cfg, seed=0), share=(rank, world))
+    write_share(out, {}, samples=json.dumps([dataclasses.asdict(s) for s in samples]))
