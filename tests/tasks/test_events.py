@@ -71,45 +71,45 @@ def webhook():
 
 
 @pytest.mark.prefect
-def test_events_arrive_and_the_automation_notifies(tmp_path, webhook, prefect_server):
+def test_events_arrive_and_the_automation_notifies(tmp_path, webhook):
     from prefect.client.orchestration import get_client
-    from prefect.events.clients import PrefectEventsClient
     from prefect.events.filters import EventFilter, EventNameFilter, EventResourceFilter
     from prefect.events.worker import EventsWorker
+    from prefect.testing.utilities import prefect_test_harness
 
     url, received = webhook
     secret = "hf_" + "Zq8Lr2Wx" * 4  # a Hugging Face-style token in an override the message quotes
     run = RunDir(tmp_path / "runs" / "demo-run")
-    # Prefect keeps one events worker per process, bound to the server it first saw: another
-    # server's (a temporary one of an earlier test) would get these events
-    EventsWorker.set_client_override(PrefectEventsClient, api_url=prefect_server)
-    automation_id = None
-    try:
-        _, automation_id = create_alerting(url, kind="webhook")
-        time.sleep(1.0)  # the trigger service reads new automations on its own loop
-        emitted = [emit_alert(run, "val-drop", 3, "val/accuracy fell to 0.4"),
-                   emit_alert(run, "halt", 4, f"halted: rlhf run --resume RUN trainer.project_name=team-{secret}",
-                              reason="x")]
-        assert all(e is not None for e in emitted)
-        EventsWorker.drain_all()
-        names = set()
-        with get_client(sync_client=True) as client:
-            for _ in range(120):
-                page = client.request("POST", "/events/filter", json={"filter": EventFilter(
-                    event=EventNameFilter(prefix=[EVENT_PREFIX]),
-                    resource=EventResourceFilter(id=[run_resource(run)["prefect.resource.id"]]),
-                ).model_dump(mode="json")}).json()
-                names = {e["event"] for e in page["events"]}
-                stored = json.dumps(page["events"])
-                if len(names) == 2 and len(received) >= 2:
-                    break
-                time.sleep(0.25)
-    finally:
-        EventsWorker.drain_all()
-        EventsWorker.set_client_override(None)
-        if automation_id is not None:  # the server outlives this test: nothing else may notify this webhook
+    with prefect_test_harness(server_startup_timeout=90):
+        import prefect.settings
+        from prefect.events.clients import PrefectEventsClient
+
+        # Prefect keeps one events worker per process, bound to the server it first saw: an earlier
+        # test's server (gone now) would get these events
+        EventsWorker.set_client_override(PrefectEventsClient, api_url=prefect.settings.PREFECT_API_URL.value())
+        try:
+            create_alerting(url, kind="webhook")
+            time.sleep(1.0)  # the trigger service reads new automations on its own loop
+            emitted = [emit_alert(run, "val-drop", 3, "val/accuracy fell to 0.4"),
+                       emit_alert(run, "halt", 4, f"halted: rlhf run --resume RUN trainer.project_name=team-{secret}",
+                                  reason="x")]
+            assert all(e is not None for e in emitted)
+            EventsWorker.drain_all()
+            names = set()
             with get_client(sync_client=True) as client:
-                client.delete_automation(automation_id)
+                for _ in range(120):
+                    page = client.request("POST", "/events/filter", json={"filter": EventFilter(
+                        event=EventNameFilter(prefix=[EVENT_PREFIX]),
+                        resource=EventResourceFilter(id=[run_resource(run)["prefect.resource.id"]]),
+                    ).model_dump(mode="json")}).json()
+                    names = {e["event"] for e in page["events"]}
+                    stored = json.dumps(page["events"])
+                    if len(names) == 2 and len(received) >= 2:
+                        break
+                    time.sleep(0.25)
+        finally:
+            EventsWorker.drain_all()
+            EventsWorker.set_client_override(None)
     assert names == {"rlhf.alert.val-drop", "rlhf.alert.halt"}  # the events arrived
     assert secret not in stored and secret not in json.dumps(received) and "team-" in stored  # masked at this sink
     subjects = sorted(r["subject"] for r in received)  # and the automation fired once per event
