@@ -3,8 +3,8 @@ finished run (issue 18: several did not run as written).
 
 Every fenced block is accounted for: its commands run (bash: each command; sql: each statement
 through `rlhf query RUN`), or it is a picture that is checked against the run (the run-directory
-tree, the package layout), or it is listed in ``NOT_COMMANDS`` / ``SKIPPED`` with the reason it
-cannot run in the test suite. A block or command that is none of these fails the test, so a new one
+tree, the package layout), or it is a python example that a named test runs (``RUN_ELSEWHERE``), or it
+is listed in ``NOT_COMMANDS`` / ``SKIPPED`` with the reason it cannot run in the test suite. A block or command that is none of these fails the test, so a new one
 has to be sorted when it is written. Every inline `rlhf ...` of the same files names a command and
 options the real parser has, and the ones that are whole read-only commands (status, query, export,
 config show) run.
@@ -86,6 +86,13 @@ NOT_COMMANDS = {
     ("deployments/README.md", "Prefect UI"): "the addresses `services up` prints",
 }
 """(file, first line) of a fenced block → what it shows instead of commands."""
+
+RUN_ELSEWHERE = {
+    ("README.md", '@register_adv_estimator("sign_of_reward")'): "tests/test_readme_extending.py",
+    ("README.md", "def compute_score("): "tests/test_readme_extending.py",
+}
+"""(file, start of the first line) of a python example → the test that runs it as written (an example
+is code a user pastes into a module of theirs, not a command)."""
 
 READ_ONLY = {"status", "query", "export", "config"}
 """Inline commands that run when they are whole commands; the others start flow runs, servers or
@@ -261,6 +268,9 @@ def test_every_fenced_block_runs_as_written_or_says_why_not(run, tmp_path, tiny_
                     ran.append(command)
                 elif command.startswith("rlhf run -c configs/demo.yaml"):
                     failed += config_check(where, command)
+        elif runner_of(where, first):
+            if not (REPO / runner_of(where, first)).is_file():
+                failed.append(f"{where}: the example {first!r} names {runner_of(where, first)}, which does not exist")
         elif picture_check(where, first):
             failed += picture_check(where, first)(run)
         elif not any(where == f and first.startswith(p) for f, p in NOT_COMMANDS):
@@ -270,6 +280,10 @@ def test_every_fenced_block_runs_as_written_or_says_why_not(run, tmp_path, tiny_
     assert not failed, "commands that do not run as written:\n" + "\n\n".join(failed)
     assert len(ran) >= 7, ran  # the DuckDB one-liner, the four queries, `rlhf config show`, the smoke recipe
     assert any(is_smoke_recipe(command) for command in ran), "the README's CPU smoke recipe did not run"
+
+
+def runner_of(where: str, first: str) -> str | None:
+    return next((test for (f, start), test in RUN_ELSEWHERE.items() if f == where and first.startswith(start)), None)
 
 
 def config_check(where: str, command: str) -> list[str]:
