@@ -143,17 +143,13 @@ def _route(routes: dict[str, RewardFn], data_source, solution_str, ground_truth,
 
 def routing_value(*rows: dict, key: str, where: str) -> Any:
     """The value that picks a row's reward function: ``reward_source`` (preprocess's value of the
-    data.reward_fn_key column, carried into every table) of the first of ``rows`` that holds one,
-    else the ``key`` column itself (tables written before reward_source existed). ``rows``: the
-    response's row, then its prompt's; ``where`` names the row in the error."""
+    data.reward_fn_key column, carried into every table) of the first of ``rows`` that holds one.
+    ``rows``: the response's row, then its prompt's; ``where`` names the row in the error."""
     for row in rows:
         if row.get("reward_source") is not None:
             return row["reward_source"]
-    for row in rows:
-        if row.get(key) is not None:
-            return row[key]
     raise ConfigError(f"data.reward_fn_key={key!r}: {where} has no value in column {key!r}; name a column of "
-                      "the prompt files (verl's default: data_source)")
+                      "the prompt files (verl's default: data_source) and rerun preprocess")
 
 
 def verl_extra_info(extra_info: Any) -> dict:

@@ -114,6 +114,11 @@ class RunDir:
         return self.root / "format.json"
 
     @property
+    def format_journal(self) -> Path:
+        """The tables an upgrade to format 3 has staged and not yet put in place (``run.migrate``)."""
+        return self.root / "format_upgrade.json"
+
+    @property
     def last_good_path(self) -> Path:
         return self.root / "last_good.json"
 

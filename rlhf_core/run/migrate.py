@@ -7,28 +7,48 @@ a stage, an export) before it reads anything else. Nothing else in the code know
        retry multiplied both); a commit log may lack its "committed" list (the guard records said)
     2  the KL controller's state is an output of each iteration's gae, ``iter_k/kl_ctrl.json``
        {"used", "scale", "next"}, read by the next iteration from its committed predecessor
-       (``stages.gae``); a retry raises trainer.kl_coef_scale in config.yaml instead
+       (``stages.gae``); a retry raises trainer.kl_coef_scale in config.yaml instead. Tables may
+       lack columns added since: the prompts ``reward_source``; the rollout, greedy-baseline and
+       scored tables ``uid`` (or hold nulls there), ``rollout_log_probs``, ``reward_source``,
+       ``extra_info``
+    3  every prompts, rollout and scored table has every column of its schema (``data.schemas``)
 
 Upgrading 1 → 2 writes each gae's KL state from what it recorded (the coefficient it used and the
 next one, in its manifest record's metrics; the controller's type and settings from its snapshot),
 adds the file to the gae record's outputs and the predecessor's to its inputs, so integrity checks
 and reruns treat it as any other output, then removes the old files. Idempotent: a kill part-way
 is finished by the next command.
+
+Upgrading 2 → 3 gives each table the columns it lacks, with what the readers of format 2 made of
+their absence: ``reward_source`` = the data.reward_fn_key column (the prompt's, else the row's own);
+``uid`` = "<iteration>-<prompt_id>" (grouping by prompt, as before uids); ``rollout_log_probs`` null
+(unknown, as for imported responses); ``extra_info`` = the prompt's. Each rewritten table's new
+sha256 replaces its old one in every manifest record, so nothing reruns and integrity checks still
+hold. A table that no longer matches its recorded hash is left alone: it is damage, and its stage
+reruns (in the current format) as for any damage. The rewrites are staged beside the tables and
+listed in ``format_upgrade.json`` before any is put in place, so a kill part-way is finished by the
+next command.
 """
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Optional
+
+import pyarrow as pa
+import pyarrow.parquet as pq
 
 from rlhf_core.algos import make_kl_controller
 from rlhf_core.config import RLHFConfig
+from rlhf_core.data.schemas import PROMPTS, ROLLOUT, SCORED
 from rlhf_core.errors import RLHFError
-from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.io.hashing import sha256_tree
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.manifest import read_manifest, record_key, write_manifest
 
-RUN_FORMAT = 2
+RUN_FORMAT = 3
 """The format this code writes (see the module docstring)."""
 
 
@@ -54,7 +74,8 @@ def outdated(run: RunDir) -> Optional[str]:
     """Why the directory needs upgrading before this code reads it (for `rlhf status`), else None (also
     for an older one that holds nothing the upgrade would change)."""
     version = run_format(run)
-    if version == RUN_FORMAT or (version == 1 and not _holds_format_1_state(run)):
+    holds_old = (version == 1 and _holds_format_1_state(run)) or (version < 3 and bool(_old_tables(run)))
+    if version == RUN_FORMAT or not holds_old:
         return None
     return (f"{run.root} is in run-directory format {version}; any command that writes it (`rlhf run --resume "
             f"{run.root}`, a stage) upgrades it to format {RUN_FORMAT} first")
@@ -71,25 +92,37 @@ def _holds_format_1_state(run: RunDir) -> bool:
 
 
 def migrate(run: RunDir, cfg: RLHFConfig) -> Optional[str]:
-    """Upgrade ``run`` to ``RUN_FORMAT`` (``cfg``: its saved config, for the KL controller settings
-    a format-1 snapshot did not keep). Returns one line saying what was done, or None."""
+    """Upgrade ``run`` to ``RUN_FORMAT``, one format at a time (``cfg``: its saved config, for the KL
+    controller settings a format-1 snapshot did not keep and the data.reward_fn_key of its tables).
+    Returns one line saying what was done, or None."""
     version = run_format(run)
     if version == RUN_FORMAT:
         return None
     if version > RUN_FORMAT:
         raise RLHFError(f"{run.root} is in run-directory format {version}, newer than this rlhf-dag reads "
                         f"({RUN_FORMAT}); use the version that wrote it")
+    done = []
+    if version < 2:
+        moved = _upgrade_from_1(run, cfg)
+        done.append(f"the KL controller state of iterations {moved} is now each gae's output" if moved else
+                    "no KL controller state to move")
+    if version < 3:
+        tables = _tables_from_2(run, cfg)
+        done.append(f"{len(tables)} table(s) given the columns they lacked ({', '.join(tables)})" if tables else
+                    "every table already had its columns")
+    message = f"upgraded {run.root} to run-directory format {RUN_FORMAT}: " + "; ".join(done)
+    run.append_event("migrated", None, to=RUN_FORMAT, message=message)
+    return message
+
+
+def _upgrade_from_1(run: RunDir, cfg: RLHFConfig) -> list[int]:
     moved = _kl_states_from_1(run, cfg)
     _full_commit_log(run)
     run.legacy_kl_ctrl_path.unlink(missing_ok=True)
     for k in run.iterations():
         run.legacy_kl_snapshot(k).unlink(missing_ok=True)
-    atomic_write_json(run.format_path, {"format": RUN_FORMAT})
-    message = (f"upgraded {run.root} to run-directory format {RUN_FORMAT}: " +
-               (f"the KL controller state of iterations {moved} is now each gae's output" if moved else
-                "nothing to move"))
-    run.append_event("migrated", None, to=RUN_FORMAT, message=message)
-    return message
+    atomic_write_json(run.format_path, {"format": 2})
+    return moved
 
 
 def _kl_states_from_1(run: RunDir, cfg: RLHFConfig) -> list[int]:
@@ -140,3 +173,133 @@ def _full_commit_log(run: RunDir) -> None:
     committed = [k for k in run.iterations() if 1 <= k < last
                  and read_manifest(run, k).get("guard", {}).get("committed")] + [last]
     atomic_write_json(run.last_good_path, {**record, "committed": committed})
+
+
+# ---------------------------------------------------------------------------------------------
+# 2 → 3: every table has every column of its schema
+# ---------------------------------------------------------------------------------------------
+
+
+def _table_schemas(run: RunDir) -> list[tuple[Path, pa.Schema]]:
+    """The tables format 3 completes, prompts first (the others take columns from them)."""
+    tables = [(run.train_prompts, PROMPTS), (run.val_prompts, PROMPTS)]
+    for k in (k for k in run.iterations() if k >= 1):
+        tables += [(run.rollout(k), ROLLOUT), (run.rollout_baseline(k), ROLLOUT), (run.scored(k), SCORED)]
+    return [(path, schema) for path, schema in tables if path.is_file()]
+
+
+def _lacks(path: Path, schema: pa.Schema) -> bool:
+    if any(name not in pq.read_schema(path).names for name in schema.names):
+        return True
+    return "uid" in schema.names and pq.read_table(path, columns=["uid"]).column("uid").null_count > 0
+
+
+def _old_tables(run: RunDir) -> list[Path]:
+    return [path for path, schema in _table_schemas(run) if _lacks(path, schema)]
+
+
+def _tables_from_2(run: RunDir, cfg: RLHFConfig) -> list[str]:
+    """Complete every table (see the module docstring); the relative paths of those rewritten."""
+    plan = run.read_json(run.format_journal) or _stage_tables(run, cfg)
+    for rel in plan:
+        staged = _staged(run.root / rel)
+        if staged.is_file():
+            os.replace(staged, run.root / rel)
+    _replace_digests(run, plan)
+    atomic_write_json(run.format_path, {"format": 3})
+    run.format_journal.unlink(missing_ok=True)
+    return list(plan)
+
+
+def _staged(path: Path) -> Path:
+    return path.with_name(path.name + ".format3")
+
+
+def _stage_tables(run: RunDir, cfg: RLHFConfig) -> dict[str, dict[str, str]]:
+    """Write each completed table beside its original and list them, {relative path: {"from": old
+    sha256, "to": new sha256}}, in the journal; nothing is put in place yet."""
+    recorded = _recorded_outputs(run)
+    prompts: dict[str, dict] = {}
+    plan = {}
+    for path, schema in _table_schemas(run):
+        table = pq.read_table(path)
+        rel = record_key(run, path)
+        if schema is PROMPTS:
+            table = _complete_prompts(table, cfg.data.reward_fn_key) if _lacks(path, schema) else table
+            if path == run.train_prompts:
+                prompts = {r["prompt_id"]: r for r in table.select(["prompt_id", "reward_source", "extra_info"])
+                           .to_pylist()}
+        if not _lacks(path, schema):
+            continue
+        old = sha256_tree(path)
+        if recorded.get(rel, old) != old:
+            continue  # damaged since its stage wrote it: that stage reruns, in the current format
+        if schema is not PROMPTS:
+            table = _complete_responses(table, prompts, cfg.data.reward_fn_key)
+        atomic_write_parquet(_staged(path), _in_schema_order(table, schema))
+        plan[rel] = {"from": old, "to": sha256_tree(_staged(path))}
+    atomic_write_json(run.format_journal, plan)
+    return plan
+
+
+def _recorded_outputs(run: RunDir) -> dict[str, str]:
+    """{relative path: sha256} of every stage output the manifests record."""
+    out = {}
+    for k in [None, *run.iterations()]:
+        for record in read_manifest(run, k).values():
+            if isinstance(record, dict):
+                out.update(record.get("outputs") or {})
+    return out
+
+
+def _replace_digests(run: RunDir, plan: dict[str, dict[str, str]]) -> None:
+    """Every manifest record's input or output naming a rewritten table gets its new sha256."""
+    for k in [None, *run.iterations()]:
+        manifest, changed = read_manifest(run, k), False
+        for record in manifest.values():
+            for side in ("inputs", "outputs"):
+                digests = record.get(side) if isinstance(record, dict) else None
+                for rel, change in plan.items():
+                    if digests and digests.get(rel) == change["from"]:
+                        digests[rel], changed = change["to"], True
+        if changed:
+            write_manifest(run, k, manifest)
+
+
+def _complete_prompts(table: pa.Table, key: str) -> pa.Table:
+    """A prompts table with ``reward_source``: its data.reward_fn_key column as text."""
+    values = table.column(key).to_pylist() if key in table.column_names else [None] * table.num_rows
+    return _set(table, "reward_source", [None if v is None else str(v) for v in values], pa.string())
+
+
+def _complete_responses(table: pa.Table, prompts: dict[str, dict], key: str) -> pa.Table:
+    """A rollout or scored table with ``uid``, ``rollout_log_probs``, ``reward_source`` and ``extra_info``."""
+    names, rows = table.column_names, table.num_rows
+    ids = table.column("prompt_id").to_pylist()
+    prompt_of = [prompts.get(p, {}) for p in ids]
+    if "reward_source" not in names:
+        own = table.column(key).to_pylist() if key in names else [None] * rows
+        table = _set(table, "reward_source", [p.get("reward_source") or (None if v is None else str(v))
+                                              for p, v in zip(prompt_of, own)], pa.string())
+    if "extra_info" not in names:
+        table = _set(table, "extra_info", [p.get("extra_info") or "{}" for p in prompt_of], pa.string())
+    if "rollout_log_probs" not in names:
+        table = _set(table, "rollout_log_probs", [None] * rows, ROLLOUT.field("rollout_log_probs").type)
+    uids = table.column("uid").to_pylist() if "uid" in names else [None] * rows
+    grouped = [f"{k}-{p}" for k, p in zip(table.column("iteration").to_pylist(), ids)]
+    return _set(table, "uid", [u if u is not None else g for u, g in zip(uids, grouped)], pa.string())
+
+
+def _set(table: pa.Table, name: str, values: list, type_: pa.DataType) -> pa.Table:
+    column = pa.array(values, type_)
+    if name in table.column_names:
+        return table.set_column(table.column_names.index(name), name, column)
+    return table.append_column(name, column)
+
+
+def _in_schema_order(table: pa.Table, schema: pa.Schema) -> pa.Table:
+    """The schema's columns in its order, cast to its types, then any others the table holds."""
+    names = [n for n in schema.names if n in table.column_names]
+    names += [n for n in table.column_names if n not in schema.names]
+    types = [schema.field(n).type if n in schema.names else table.schema.field(n).type for n in names]
+    return pa.table([table.column(n).cast(t) for n, t in zip(names, types)], names=names)

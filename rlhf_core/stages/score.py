@@ -44,7 +44,7 @@ from rlhf_core.config.resolve import (
     MicroBatching, critic_use_remove_padding, critic_value_batching, frozen_param_offload, micro_batching,
     needs_baseline_rollout, update_world_size,
 )
-from rlhf_core.data.schemas import SCORED
+from rlhf_core.data.schemas import ROLLOUT, SCORED
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.models import actor_path, critic_path, reference_path, reward_model_path
@@ -141,10 +141,9 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
 def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> StageResult:
     rollout_path = run.rollout(iteration)
     with timed(TABLE_READ):
-        table = pq.read_table(rollout_path)
-        rows = table.to_pylist()
-    _check_rollout(rows, rollout_path)
-    scored = with_rollout_log_probs(with_uid(table))
+        scored = pq.read_table(rollout_path)
+        rows = scored.to_pylist()
+    _check_rollout(scored.column_names, rows, rollout_path)
     sequence = sequence_rewards(cfg, models, rows, run.train_prompts, rollout_path)
     rewards, extras = sequence.scores, sequence.extras
     baselines = (greedy_baselines(cfg, run, iteration, models, scored.column("uid").to_pylist())
@@ -176,28 +175,14 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
 # ---------------------------------------------------------------------------------------------
 
 
-def with_uid(table: pa.Table) -> pa.Table:
-    """The rollout table with its ``uid`` column; a table written before uids existed gets each
-    prompt's group id from its iteration and prompt_id (what grouping by prompt gave then)."""
-    if "uid" in table.column_names:
-        return table
-    uids = [f"{k}-{p}" for k, p in zip(table.column("iteration").to_pylist(), table.column("prompt_id").to_pylist())]
-    return table.append_column("uid", pa.array(uids, pa.string()))
-
-
-def with_rollout_log_probs(table: pa.Table) -> pa.Table:
-    """The rollout table with its ``rollout_log_probs`` column; a table written before engines
-    recorded them gets nulls (unknown, as for imported responses)."""
-    if "rollout_log_probs" in table.column_names:
-        return table
-    return table.append_column("rollout_log_probs", pa.nulls(table.num_rows, SCORED.field("rollout_log_probs").type))
-
-
 def _where(path: Path, i: int, row: dict) -> str:
     return f"{path} row {i} (prompt_id={row['prompt_id']!r}, sample_index={row['sample_index']})"
 
 
-def _check_rollout(rows: list[dict], path: Path) -> None:
+def _check_rollout(columns: list[str], rows: list[dict], path: Path) -> None:
+    missing = [name for name in ROLLOUT.names if name not in columns]
+    if missing:
+        raise DataError(f"{path} lacks the columns {missing} of a rollout table: rerun the rollout stage")
     if not rows:
         raise DataError(f"{path} has no rows: the rollout produced no responses; rerun the rollout stage")
     for i, row in enumerate(rows):
@@ -209,13 +194,11 @@ def _check_rollout(rows: list[dict], path: Path) -> None:
             raise DataError(f"{_where(path, i, row)}: empty prompt_token_ids; rerun preprocess and rollout")
 
 
-def _prompt_lookup(prompts_path: Path, rows: list[dict], reward_fn_key: str) -> dict[str, dict]:
-    """prompt_id → {"prompt": chat messages, "extra_info", "reward_source", and the reward_fn_key
-    column when the prompts table has it} for the prompts the rollout used."""
+def _prompt_lookup(prompts_path: Path, rows: list[dict]) -> dict[str, dict]:
+    """prompt_id → {"prompt": chat messages, "extra_info", "reward_source"} for the prompts the
+    rollout used."""
     used = {r["prompt_id"] for r in rows}
-    names = pq.read_schema(prompts_path).names
-    wanted = ("prompt_id", "prompt", "extra_info", "reward_source", reward_fn_key)
-    columns = [c for c in dict.fromkeys(wanted) if c in names]
+    columns = ["prompt_id", "prompt", "extra_info", "reward_source"]
     lookup = {r["prompt_id"]: r for r in rows_with_ids(prompts_path, "prompt_id", used, columns)}
     missing = sorted(used - set(lookup))
     if missing:
@@ -223,14 +206,6 @@ def _prompt_lookup(prompts_path: Path, rows: list[dict], reward_fn_key: str) -> 
                         f"{missing[0]!r}); the prompts were re-preprocessed after the rollout: rerun the "
                         "rollout stage")
     return lookup
-
-
-def row_value(row: dict, prompt: dict, key: str) -> Any:
-    """A column of the response's row, else of its prompt's row (KeyError when neither has it); a
-    null in the response's row (a table written before the column existed) defers to the prompt."""
-    if row.get(key) is not None or key not in prompt:
-        return row[key]
-    return prompt[key]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -259,7 +234,7 @@ def sequence_rewards(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], prom
     """Every response's sequence reward, as the score stage writes it: shared with the rollout
     stage's dynamic sampling (``algorithm.filter_groups``) and the greedy baseline (remax).
     ``rows`` are rollout-table rows; ``where_path`` names their table in errors."""
-    prompts = _prompt_lookup(prompts_path, rows, cfg.data.reward_fn_key)
+    prompts = _prompt_lookup(prompts_path, rows)
     if models.reward_model is not None:
         scores, extras = _reward_model_scores(cfg, models, rows, prompts)
         return SequenceRewards(scores, extras, list(scores), [None] * len(scores))
@@ -275,8 +250,9 @@ def greedy_baselines(cfg: RLHFConfig, run: RunDir, iteration: int, models: Model
     one sequence score per response here, so the sum is that score."""
     path = run.rollout_baseline(iteration)
     with timed(TABLE_READ):
-        rows = pq.read_table(path).to_pylist()
-    _check_rollout(rows, path)
+        table = pq.read_table(path)
+        rows = table.to_pylist()
+    _check_rollout(table.column_names, rows, path)
     baseline_scores = sequence_rewards(cfg, models, rows, run.train_prompts, path).scores
     by_uid: dict[str, float] = {}
     for row, score in zip(rows, baseline_scores):
@@ -301,8 +277,7 @@ def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
         where = _where(path, i, row)
         source = routing_value(row, prompt, key=key, where=where)
         try:
-            result = reward_fn(source, row["response_text"], row["ground_truth"],
-                               row_value(row, prompt, "extra_info"))
+            result = reward_fn(source, row["response_text"], row["ground_truth"], row["extra_info"])
         except RLHFError as exc:
             raise type(exc)(f"{where}: {exc}") from None
         except Exception as exc:  # a bug in the user's function: keep its traceback, add the row

@@ -30,7 +30,6 @@ from typing import Any, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.data.packing import Share
@@ -86,7 +85,7 @@ def sample_val_responses(cfg: RLHFConfig, run: RunDir, actor_dir: Path, limit: O
 
 def _val_rows(cfg: RLHFConfig, run: RunDir, limit: Optional[int] = None) -> list[dict]:
     with timed(TABLE_READ):
-        rows = read_prompt_rows(run.val_prompts, columns=_val_columns(cfg, run))
+        rows = read_prompt_rows(run.val_prompts, columns=PROMPT_COLUMNS)
     return rows[:limit] if limit else rows
 
 
@@ -111,14 +110,6 @@ def validation_samples(cfg: RLHFConfig, run: RunDir, k: int, actor: Path) -> tup
             shares = run_on_ranks(cfg, run, k, "validate", world)
             return rows, merge_samples(shares, plan, rows, seeded)
     return sample_val_responses(cfg, run, actor, sampling=sampling)
-
-
-def _val_columns(cfg: RLHFConfig, run: RunDir) -> list[str]:
-    """What generation and the reward function read: the prompt columns, the routing value
-    (reward_source, else the data.reward_fn_key column) and verl's extra_info, those the table has."""
-    names = set(pq.read_schema(run.val_prompts).names) if run.val_prompts.is_file() else set(PROMPT_COLUMNS)
-    wanted = dict.fromkeys((*PROMPT_COLUMNS, "reward_source", "extra_info", cfg.data.reward_fn_key))
-    return [c for c in wanted if c in names or c in PROMPT_COLUMNS]
 
 
 def score_samples(cfg: RLHFConfig, rows: list[dict], samples: list) -> tuple[list[float], list[dict]]:

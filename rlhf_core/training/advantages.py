@@ -197,14 +197,13 @@ def scored_batch(table: pa.Table, source: str = "scored table") -> ScoredBatch:
 
 
 def _group_index(table: pa.Table, source: str) -> np.ndarray:
-    """verl's uid per row (the group the estimator normalises within). A null uid (a table written
-    before uids existed) groups the row with the other responses to its prompt in its iteration."""
-    uids = table.column("uid").to_pylist()
-    if any(u is None for u in uids):
-        fallback = [f"{k}-{p}" for k, p in zip(table.column("iteration").to_pylist(),
-                                               table.column("prompt_id").to_pylist())]
-        uids = [u if u is not None else f for u, f in zip(uids, fallback)]
-    return np.asarray(uids, dtype=object)
+    """verl's uid per row: the group (prompt) the estimator normalises within."""
+    column = table.column("uid")
+    if column.null_count:
+        i = _first(np.asarray(column.is_null().to_pylist()))
+        raise DataError(f"{_where(table, i, source)}: uid is null (every rollout row carries its prompt group's); "
+                        "rerun the rollout stage")
+    return np.asarray(column.to_pylist(), dtype=object)
 
 
 def _reward_baselines(table: pa.Table, source: str) -> Optional[torch.Tensor]:

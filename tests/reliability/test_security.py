@@ -409,7 +409,7 @@ def _score_run(tmp_path: Path, tiny_model_dir: Path, tokenizer, run_name: str, *
     messages = [{"role": "user", "content": "What is 3 + 4?"}]
     text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    prompt = dict(prompt_id="p0", data_source="arith", prompt=messages, ability="math",
+    prompt = dict(prompt_id="p0", data_source="arith", reward_source="arith", prompt=messages, ability="math",
                   reward_model={"style": "rule", "ground_truth": "7"},
                   extra_info=json.dumps({"split": "train", "index": 0, "question": "What is 3 + 4?",
                                          "answer": "#### 7"}),
@@ -420,7 +420,8 @@ def _score_run(tmp_path: Path, tiny_model_dir: Path, tokenizer, run_name: str, *
         rids = tokenizer(response, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
         rollout.append(dict(prompt_id="p0", sample_index=j, iteration=1, data_source="arith", ground_truth="7",
                             prompt_token_ids=ids, response_text=response, response_token_ids=rids,
-                            response_length=len(rids), finish_reason="stop", engine="offline", sampling_seed=0))
+                            response_length=len(rids), finish_reason="stop", engine="offline", sampling_seed=0,
+                            reward_source="arith", extra_info=prompt["extra_info"], uid="1-p0"))
     atomic_write_parquet(run.train_prompts, pa.Table.from_pylist([prompt], schema=PROMPTS), schema=PROMPTS)
     atomic_write_parquet(run.rollout(1), pa.Table.from_pylist(rollout, schema=ROLLOUT), schema=ROLLOUT)
     cfg = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir}", "trainer.device=cpu", *overrides])

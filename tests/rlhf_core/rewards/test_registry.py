@@ -180,15 +180,14 @@ def test_a_reward_function_that_calls_sys_exit_is_a_data_error(tmp_path):
         fn("arith", "#### 1", "1")
 
 
-def test_routing_value_prefers_reward_source_then_the_key_column():
+def test_routing_value_is_the_first_reward_source():
     from rlhf_core.rewards import routing_value
 
     row, prompt = {"reward_source": None, "data_source": "arith"}, {"reward_source": "math", "ability": "x"}
     assert routing_value(row, prompt, key="ability", where="r") == "math"  # the prompt's reward_source
     assert routing_value({"reward_source": "a"}, prompt, key="ability", where="r") == "a"
-    assert routing_value(row, {"ability": "x"}, key="ability", where="r") == "x"  # older tables: the column
-    with pytest.raises(ConfigError, match="data.reward_fn_key='nope': row 3 has no value"):
-        routing_value(row, {}, key="nope", where="row 3")
+    with pytest.raises(ConfigError, match="data.reward_fn_key='ability': row 3 has no value"):
+        routing_value(row, {"ability": "x"}, key="ability", where="row 3")  # the column alone does not route
 
 
 def test_validation_names_the_prompt_whose_reward_function_called_sys_exit(tmp_path):
@@ -199,6 +198,6 @@ def test_validation_names_the_prompt_whose_reward_function_called_sys_exit(tmp_p
     path = tmp_path / "leaving.py"
     path.write_text("import sys\n\ndef compute_score(**kwargs):\n    sys.exit(3)\n")
     cfg = load_config(None, [f"custom_reward_function.path={path}"])
-    rows = [{"prompt_id": "p7", "data_source": "arith", "reward_model": {"ground_truth": "1"}}]
+    rows = [{"prompt_id": "p7", "data_source": "arith", "reward_source": "arith", "reward_model": {"ground_truth": "1"}}]
     with pytest.raises(DataError, match=r"^validation prompt p7: the reward function 'compute_score' called sys.exit\(3\)"):
         score_samples(cfg, rows, [SimpleNamespace(prompt_index=0, text="#### 1")])

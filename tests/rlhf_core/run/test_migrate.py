@@ -51,7 +51,7 @@ def test_a_format_1_directory_is_upgraded_once(tmp_path):
     run = format_1_run(tmp_path)
     assert migrate.run_format(run) == 1 and "format 1" in migrate.outdated(run)
     line = migrate.migrate(run, resolve_run_config(run.root, None, ()))
-    assert line.endswith("the KL controller state of iterations [1, 2, 3] is now each gae's output")
+    assert "the KL controller state of iterations [1, 2, 3] is now each gae's output" in line
     assert migrate.run_format(run) == migrate.RUN_FORMAT and migrate.outdated(run) is None
     states = {k: json.loads(run.kl_state(k).read_text()) for k in (1, 2, 3)}
     assert states[1]["used"] == {"type": "adaptive", "value": 0.2, "target_kl": 0.02, "horizon": 10000.0}

@@ -38,7 +38,7 @@ def write_scored(run: RunDir, k: int, lengths=(4, 7, 1, 0, 5), seed=0, kl_shift=
                          response_length=n, finish_reason="stop", engine="offline", sampling_seed=0,
                          reward=float(i % 2), reward_extra="{}",
                          old_log_probs=[x + kl_shift + rng.uniform(-0.1, 0.1) for x in ref], ref_log_probs=ref,
-                         values=[rng.uniform(-1, 1) for _ in range(n)]))
+                         values=[rng.uniform(-1, 1) for _ in range(n)], uid=f"{k}-p{i}"))
     atomic_write_parquet(run.scored(k), pa.Table.from_pylist(rows, schema=SCORED), schema=SCORED)
     return rows
 
@@ -245,7 +245,7 @@ def write_prompts_and_rollout(run: RunDir, tokenizer, questions) -> None:
         text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         answer = q["answer"].rsplit("####", 1)[1].strip()
-        prompts.append(dict(prompt_id=f"p{i}", data_source="arith", prompt=messages, ability="math",
+        prompts.append(dict(prompt_id=f"p{i}", data_source="arith", reward_source="arith", prompt=messages, ability="math",
                             reward_model={"style": "rule", "ground_truth": answer},
                             extra_info=json.dumps({"split": "train", "index": i, "question": q["question"],
                                                    "answer": q["answer"]}), source_file="test", source_row=i,
@@ -255,6 +255,7 @@ def write_prompts_and_rollout(run: RunDir, tokenizer, questions) -> None:
             rollout.append(dict(prompt_id=f"p{i}", sample_index=j, iteration=1, data_source="arith",
                                 ground_truth=answer, prompt_token_ids=ids, response_text=response,
                                 response_token_ids=response_ids, response_length=len(response_ids),
-                                finish_reason="stop", engine="offline", sampling_seed=0))
+                                finish_reason="stop", engine="offline", sampling_seed=0, reward_source="arith",
+                                extra_info=prompts[-1]["extra_info"], uid=f"1-p{i}"))
     atomic_write_parquet(run.train_prompts, pa.Table.from_pylist(prompts, schema=PROMPTS), schema=PROMPTS)
     atomic_write_parquet(run.rollout(1), pa.Table.from_pylist(rollout, schema=ROLLOUT), schema=ROLLOUT)

@@ -29,11 +29,10 @@ def load_questions(path, n):
 
 
 def write_run_inputs(run: RunDir, tokenizer, questions, data_source="arith", n_samples=3, iteration=1,
-                     reward_source=None, carried=True):
+                     reward_source=None):
     """A prompts table and an iteration's rollout table, built directly with the declared schemas.
     Sample j of every prompt gets RESPONSES[j]; returns the expected rewards in row order.
-    ``reward_source`` (default: data_source) is what preprocess writes for data.reward_fn_key;
-    ``carried=False`` leaves it and extra_info null in the rollout (a table from before those columns)."""
+    ``reward_source`` (default: data_source) is what preprocess writes for data.reward_fn_key."""
     reward_source = reward_source or data_source
     prompt_rows, rollout_rows, expected = [], [], []
     for i, q in enumerate(questions):
@@ -55,8 +54,8 @@ def write_run_inputs(run: RunDir, tokenizer, questions, data_source="arith", n_s
                 prompt_id=f"p{i}", sample_index=j, iteration=iteration, data_source=data_source,
                 ground_truth=answer, prompt_token_ids=ids, response_text=response,
                 response_token_ids=response_ids, response_length=len(response_ids), finish_reason="stop",
-                engine="offline", sampling_seed=0,
-                **({"reward_source": reward_source, "extra_info": prompt_rows[-1]["extra_info"]} if carried else {})))
+                engine="offline", sampling_seed=0, reward_source=reward_source,
+                extra_info=prompt_rows[-1]["extra_info"], uid=f"{iteration}-{i}"))
             expected.append(reward)
     atomic_write_parquet(run.train_prompts, pa.Table.from_pylist(prompt_rows, schema=PROMPTS), schema=PROMPTS)
     atomic_write_parquet(run.rollout(iteration), pa.Table.from_pylist(rollout_rows, schema=ROLLOUT), schema=ROLLOUT)
@@ -121,11 +120,11 @@ def test_score_stage_on_embedded_data(tmp_path, repo_root, tiny_model_dir, token
     assert not changed.skipped  # a reward setting changed: rescored
     assert [r["reward"] for r in pq.read_table(run.scored(1)).to_pylist()][:3] == [1.0, 0.5, 0.0]
 
-    # a rollout table written before engines recorded their log-probs: scored with them unknown
+    # a rollout table without a column of its schema (older ones are completed by run.migrate): one line
     older = pq.read_table(run.rollout(1)).drop(["rollout_log_probs"])
     pq.write_table(older, run.rollout(1))
-    run_score(cfg, run, 1, force=True)
-    assert pq.read_table(run.scored(1)).column("rollout_log_probs").null_count == 24
+    with pytest.raises(DataError, match=r"rollout.parquet lacks the columns \['rollout_log_probs'\] .*rerun the rollout"):
+        run_score(cfg, run, 1, force=True)
 
 
 def test_different_reference_and_reward_model(tmp_path, repo_root, tiny_model_dir, tokenizer):
@@ -265,22 +264,16 @@ def test_verl_score_metrics_and_routing_by_reward_fn_key_with_extra_info(tmp_pat
     assert (m["critic/score/mean"], m["critic/score/max"], m["critic/score/min"]) == (2.0, 3.0, 1.0)
     assert m["reward/mean"] == 2.0 and "reward/accuracy" not in m
 
-    # tables without reward_source / extra_info (written before those columns): the key column itself
-    write_run_inputs(run, tokenizer, questions, n_samples=2, carried=False)
-    prompts = pq.read_table(run.train_prompts)
-    prompts = prompts.set_column(prompts.schema.get_field_index("reward_source"), "reward_source",
-                                 pa.nulls(prompts.num_rows, pa.string()))
-    atomic_write_parquet(run.train_prompts, prompts, schema=PROMPTS)
-    run_score(cfg, run, 1, force=True)  # the prompts' ability column ('math'), extra_info from the prompts
-    assert [r["reward"] for r in pq.read_table(run.scored(1)).to_pylist()] == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0]
-    run_score(demo_config(tiny_model_dir, f"custom_reward_function.path={reward}"), run, 1, force=True)
-    assert [r["reward"] for r in pq.read_table(run.scored(1)).to_pylist()] == [0.0, 0.0, 1.0, 1.0, 2.0, 2.0]
-
+    # a row with no routing value (reward_source null in the response's row and its prompt's)
+    for path, schema in ((run.train_prompts, PROMPTS), (run.rollout(1), ROLLOUT)):
+        table = pq.read_table(path)
+        table = table.set_column(table.schema.get_field_index("reward_source"), "reward_source",
+                                 pa.nulls(table.num_rows, pa.string()))
+        atomic_write_parquet(path, table, schema=schema)
     from rlhf_core.config import ConfigError
 
-    with pytest.raises(ConfigError, match="data.reward_fn_key='no_such_column'"):
-        run_score(demo_config(tiny_model_dir, "data.reward_fn_key=no_such_column",
-                              f"custom_reward_function.path={reward}"), run, 1, force=True)
+    with pytest.raises(ConfigError, match=r"data.reward_fn_key='ability': .*rollout.parquet row 0 .* has no value"):
+        run_score(cfg, run, 1, force=True)
 
 
 def test_fixed_micro_batches_and_padded_rows_give_the_same_table(tmp_path, repo_root, tiny_model_dir, tokenizer):

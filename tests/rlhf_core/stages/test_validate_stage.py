@@ -65,7 +65,8 @@ def val_run(tmp_path_factory, tiny_model_dir):
         messages = [{"role": "user", "content": question}]
         text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         ids = tok(text, add_special_tokens=False)["input_ids"]
-        rows.append({"prompt_id": f"q{i}", "data_source": "openai/gsm8k", "prompt": messages, "ability": "math",
+        rows.append({"prompt_id": f"q{i}", "data_source": "openai/gsm8k", "reward_source": "openai/gsm8k",
+                     "prompt": messages, "ability": "math",
                      "reward_model": {"style": "rule", "ground_truth": answer}, "extra_info": None,
                      "prompt_text": text, "prompt_token_ids": ids, "prompt_length": len(ids)})
     run = RunDir(tmp_path_factory.mktemp("val") / "run")
@@ -125,15 +126,27 @@ def test_validation_on_two_processes_equals_one_process(val_run):
 
 
 def test_rewards_are_routed_by_the_reward_fn_key_column(val_run, tmp_path):
-    """As in the score stage (verl's reward manager): compute_score gets the data.reward_fn_key column."""
+    """As in the score stage (verl's reward manager): compute_score gets the data.reward_fn_key
+    column's value, which preprocess records as reward_source."""
+    import pyarrow as pa
+
     from rlhf_core.config import ConfigError
+    from rlhf_core.data.schemas import PROMPTS
+    from rlhf_core.io.atomic import atomic_write_parquet
 
     run, overrides = val_run
+    routed = RunDir(tmp_path / "routed")
+    prompts = pq.read_table(run.val_prompts)
+    column = prompts.schema.get_field_index("reward_source")
+    atomic_write_parquet(routed.val_prompts, prompts.set_column(column, "reward_source", prompts.column("ability")),
+                         schema=PROMPTS)  # as preprocess writes it for data.reward_fn_key=ability
     seen = tmp_path / "seen.txt"
     fn = tmp_path / "my_reward.py"
     fn.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
                   f"    open({str(seen)!r}, 'a').write(str(data_source) + '\\n')\n    return 1.0\n")
-    result, _ = _validate(run, overrides, 3, "data.reward_fn_key=ability", f"custom_reward_function.path={fn}")
+    result, _ = _validate(routed, overrides, 3, "data.reward_fn_key=ability", f"custom_reward_function.path={fn}")
     assert set(seen.read_text().split()) == {"math"} and result.metrics["val/accuracy"] == 1.0
+    atomic_write_parquet(routed.val_prompts, prompts.set_column(column, "reward_source", pa.nulls(len(prompts), pa.string())),
+                         schema=PROMPTS)
     with pytest.raises(ConfigError, match="data.reward_fn_key='nope'"):
-        _validate(run, overrides, 4, "data.reward_fn_key=nope")
+        _validate(routed, overrides, 4, "data.reward_fn_key=nope")

@@ -25,7 +25,7 @@ def scored_table(responses: list[dict]) -> pa.Table:
                          prompt_token_ids=[5, 6, 7], response_text="x" * n, response_token_ids=list(range(10, 10 + n)),
                          response_length=n, finish_reason="stop", engine="offline", sampling_seed=0,
                          reward=r["reward"], reward_extra="{}", old_log_probs=r["old"], ref_log_probs=r["ref"],
-                         values=r["values"]))
+                         values=r["values"], uid=f"1-p{i}"))
     return pa.Table.from_pylist(rows, schema=SCORED)
 
 
