@@ -34,11 +34,9 @@ def free_port() -> int:
 
 
 def _single_process_env() -> None:
-    """Fill in the rendezvous variables a launcher would set, for a world of one."""
+    """Fill in the rank variables a launcher would set, for a world of one."""
     if "WORLD_SIZE" in os.environ and "RANK" in os.environ:
         return
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(free_port()))
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
 
 
@@ -67,9 +65,13 @@ def init_distributed(device: str = "cpu") -> DistInfo:
     import deepspeed
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    backend = "nccl" if device == "cuda" else "gloo"
     if not tdist.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if device == "cuda" else "gloo",
-                                   auto_mpi_discovery=False)
+        if os.environ["WORLD_SIZE"] == "1":
+            # a world of one needs no rendezvous: an in-process store, so no port is picked and then
+            # taken by another process before it is bound (two runs, or two test workers, on one machine)
+            tdist.init_process_group(backend=backend, store=tdist.HashStore(), rank=0, world_size=1)
+        deepspeed.init_distributed(dist_backend=backend, auto_mpi_discovery=False)  # DeepSpeed's comm on that group
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     where = "cpu"
     if device == "cuda":
