@@ -33,8 +33,12 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rlhf demo
 
+# Two workers, each a whole test file at a time (a module's server or run is built once), one torch
+# thread each (tests/conftest.py): half the suite waits on servers, subprocesses and imports, which
+# the other worker's tests fill. TEST_WORKERS=0 runs it in this one process.
+TEST_WORKERS ?= 2
 test: $(STAMP)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # verl 0.9.1 in an environment of its own (its transformers range excludes ours): the conformance
 # step computes every verl-named quantity with verl's own functions there and compares (tests/conformance).

@@ -13,6 +13,10 @@ for key, value in {
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90", "DS_ACCELERATOR": "cpu",
 }.items():
     os.environ.setdefault(key, value)
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) > 1:
+    # one torch thread per test worker (`make test` runs two on two cores): two workers of two
+    # threads each oversubscribe the cores and their OpenMP threads spin waiting for each other
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 GSM8K_TRAIN = REPO_ROOT.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
