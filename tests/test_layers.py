@@ -108,6 +108,26 @@ def test_rlhf_core_subpackages_import_in_one_order():
     assert not wrong, "\n".join(wrong)
 
 
+NARROW = ("foundation", "io", "models", "algos", "data", "scoring", "rewards")
+"""Subpackages whose functions take the few settings they read (a section of the config, a settings
+dataclass the stage builds: ``stages.settings``), never the whole config."""
+
+
+def test_the_whole_config_stops_above_the_narrow_subpackages():
+    wrong = []
+    for module, path in MODULES.items():
+        if not module.startswith("rlhf_core.") or _inner(module) not in NARROW:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and any(a.name == "RLHFConfig" for a in node.names):
+                wrong.append(f"{path.relative_to(REPO)}:{node.lineno} imports RLHFConfig")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs]:
+                    if arg.arg == "cfg" or (arg.annotation is not None and "RLHFConfig" in ast.unparse(arg.annotation)):
+                        wrong.append(f"{path.relative_to(REPO)}:{node.lineno} {node.name}({arg.arg}) takes the whole config")
+    assert not wrong, "\n".join(wrong)
+
+
 def test_the_architecture_doc_shows_the_inner_order():
     """docs/architecture.md's table of rlhf_core's subpackages lists them in INNER's order."""
     doc = (REPO / "docs" / "architecture.md").read_text(encoding="utf-8")

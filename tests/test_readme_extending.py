@@ -50,6 +50,6 @@ def test_the_reward_example_scores_through_custom_reward_function_path(tmp_path)
     module = tmp_path / "my_reward.py"
     module.write_text(_example("**A new reward**"))
     cfg = load_config(None, [f"custom_reward_function.path={module}", "custom_reward_function.name=compute_score"])
-    score = get_reward_fn(cfg)
+    score = get_reward_fn(cfg.custom_reward_function)
     assert score("anything", "so the answer is 42", "42") == 1.0
     assert score("anything", "no idea", "42") == 0.0

@@ -19,8 +19,7 @@ from __future__ import annotations
 import json
 from typing import Sequence
 
-from rlhf_core.config import RLHFConfig
-from rlhf_core.config.validate import check_overlong_buffer
+from rlhf_core.config.schema import OverlongBufferConfig
 
 KEY = "reward_model.overlong_buffer"
 
@@ -34,17 +33,17 @@ def overlong_penalty(response_length: int, max_response_length: int, buffer_len:
 
 
 
-def shape_scores(cfg: RLHFConfig, scores: Sequence[float], lengths: Sequence[int],
-                 extras: Sequence[str]) -> tuple[list[float], list[str]]:
+def shape_scores(buffer: OverlongBufferConfig, max_response_length: int, scores: Sequence[float],
+                 lengths: Sequence[int], extras: Sequence[str]) -> tuple[list[float], list[str]]:
     """(scores with the penalty added, reward_extra JSON with overlong_reward / overlong when
-    ``log``); unchanged copies when the buffer is off. ``extras`` are JSON objects."""
-    buffer = cfg.reward_model.overlong_buffer
+    ``buffer.log``); unchanged copies when the buffer is off. ``extras`` are JSON objects. The
+    buffer was checked against the budget and the reward model when the config was loaded
+    (``config.validate.check_overlong_buffer``)."""
     if not buffer.enable:
         return list(scores), list(extras)
-    check_overlong_buffer(cfg)
     shaped, logged = [], []
     for score, length, extra in zip(scores, lengths, extras, strict=True):
-        penalty = overlong_penalty(length, cfg.data.max_response_length, buffer.len, buffer.penalty_factor)
+        penalty = overlong_penalty(length, max_response_length, buffer.len, buffer.penalty_factor)
         shaped.append(score + penalty)
         if buffer.log:
             info = json.loads(extra or "{}")

@@ -37,7 +37,8 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Union
 
-from rlhf_core.config import ConfigError, RLHFConfig
+from rlhf_core.config import ConfigError
+from rlhf_core.config.schema import CustomRewardConfig
 from rlhf_core.data.schemas import decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.paths import resolve_path
@@ -94,9 +95,7 @@ def registered_sources() -> list[str]:
     return sorted(built_in | set(_REGISTERED))
 
 
-def _gsm8k_route(cfg: RLHFConfig) -> RewardFn:
-    c = cfg.custom_reward_function
-
+def _gsm8k_route(c: CustomRewardConfig) -> RewardFn:
     def score_gsm8k(data_source, solution_str, ground_truth, extra_info=None):
         return gsm8k.compute_score(solution_str, ground_truth, method=c.gsm8k_method,
                                    format_score=c.format_score, score=c.score)
@@ -112,8 +111,8 @@ def _score_dapo(data_source, solution_str, ground_truth, extra_info=None):
     return dapo_math.compute_score(solution_str, ground_truth)
 
 
-def _routes(cfg: RLHFConfig) -> dict[str, RewardFn]:
-    routes = {source: _gsm8k_route(cfg) for source in GSM8K_SOURCES}
+def _routes(settings: CustomRewardConfig) -> dict[str, RewardFn]:
+    routes = {source: _gsm8k_route(settings) for source in GSM8K_SOURCES}
     routes.update(dict.fromkeys(MATH_SOURCES, _score_math))
     routes.update(dict.fromkeys(DAPO_SOURCES, _score_dapo))
     routes.update(_REGISTERED)  # a registered function overrides a built-in of the same name
@@ -177,15 +176,15 @@ def _call_verl_style(fn: RewardFn, data_source, solution_str, ground_truth, extr
                         "which would end the run; return a score (raise an exception for an error)") from None
 
 
-def get_reward_fn(cfg: RLHFConfig) -> RewardFn:
+def get_reward_fn(settings: CustomRewardConfig) -> RewardFn:
     """The callable that scores one response, ``fn(data_source, solution_str, ground_truth,
-    extra_info=None)``: the user's function when custom_reward_function.path is set (imported now,
-    and only then), else the router over built-in and registered routes. Either is called with
-    verl's keyword arguments and verl's extra_info (``verl_extra_info``)."""
-    if cfg.custom_reward_function.path:
-        target = load_user_function(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+    extra_info=None)``: the user's function when ``settings.path`` (custom_reward_function.path) is
+    set (imported now, and only then), else the router over built-in and registered routes. Either
+    is called with verl's keyword arguments and verl's extra_info (``verl_extra_info``)."""
+    if settings.path:
+        target = load_user_function(settings.path, settings.name)
     else:
-        target = functools.partial(_route, _routes(cfg))
+        target = functools.partial(_route, _routes(settings))
     return functools.partial(_call_verl_style, target)
 
 

@@ -189,9 +189,15 @@ def _table_schemas(run: RunDir) -> list[tuple[Path, pa.Schema]]:
 
 
 def _lacks(path: Path, schema: pa.Schema) -> bool:
-    if any(name not in pq.read_schema(path).names for name in schema.names):
-        return True
-    return "uid" in schema.names and pq.read_table(path, columns=["uid"]).column("uid").null_count > 0
+    """Whether the table lacks a column of its schema (or holds a null uid). An unreadable table (cut
+    short by a kill while written, damaged) is not upgraded: its stage rewrites it, as any damage."""
+    try:
+        names = pq.read_schema(path).names
+        if any(name not in names for name in schema.names):
+            return True
+        return "uid" in schema.names and pq.read_table(path, columns=["uid"]).column("uid").null_count > 0
+    except (pa.ArrowException, OSError):
+        return False
 
 
 def _old_tables(run: RunDir) -> list[Path]:
@@ -222,15 +228,15 @@ def _stage_tables(run: RunDir, cfg: RLHFConfig) -> dict[str, dict[str, str]]:
     prompts: dict[str, dict] = {}
     plan = {}
     for path, schema in _table_schemas(run):
+        lacks = _lacks(path, schema)
+        if path == run.train_prompts:
+            prompts = _prompt_lookup(path, cfg.data.reward_fn_key)  # what the response tables take from it
+        if not lacks:
+            continue
         table = pq.read_table(path)
         rel = record_key(run, path)
         if schema is PROMPTS:
-            table = _complete_prompts(table, cfg.data.reward_fn_key) if _lacks(path, schema) else table
-            if path == run.train_prompts:
-                prompts = {r["prompt_id"]: r for r in table.select(["prompt_id", "reward_source", "extra_info"])
-                           .to_pylist()}
-        if not _lacks(path, schema):
-            continue
+            table = _complete_prompts(table, cfg.data.reward_fn_key)
         old = sha256_tree(path)
         if recorded.get(rel, old) != old:
             continue  # damaged since its stage wrote it: that stage reruns, in the current format
@@ -240,6 +246,19 @@ def _stage_tables(run: RunDir, cfg: RLHFConfig) -> dict[str, dict[str, str]]:
         plan[rel] = {"from": old, "to": sha256_tree(_staged(path))}
     atomic_write_json(run.format_journal, plan)
     return plan
+
+
+def _prompt_lookup(path: Path, key: str) -> dict[str, dict]:
+    """prompt_id → {"reward_source", "extra_info"} of the train prompts, completed as format 3 has
+    them; {} when the table cannot be read."""
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError):
+        return {}
+    if "reward_source" not in table.column_names:
+        table = _complete_prompts(table, key)
+    columns = [c for c in ("prompt_id", "reward_source", "extra_info") if c in table.column_names]
+    return {r["prompt_id"]: r for r in table.select(columns).to_pylist()}
 
 
 def _recorded_outputs(run: RunDir) -> dict[str, str]:

@@ -3,22 +3,46 @@ measures (on the iteration's responses and, optionally, on fresh validation samp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 import torch
 
 from rlhf_core.algos import logprobs_from_logits
-from rlhf_core.config import RLHFConfig
-from rlhf_core.config.resolve import frozen_param_offload, micro_batching
+from rlhf_core.config.resolve import MicroBatching
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.timing import MODEL_LOAD, timed
 from rlhf_core.models.packed import pack_rows, packed_forward, packing_attention_mode, response_positions
 from rlhf_core.data.packing import Share
 from rlhf_core.scoring.logprobs import compute_token_logprobs, own_micro_batches, plan_micro_batches
 from rlhf_core.scoring.models import (
-    is_lora_dir, load_causal_lm, load_merged_actor, reference_policy, scoring_device, scoring_dtype,
+    is_lora_dir, load_causal_lm, load_merged_actor, reference_policy,
 )
+
+
+@dataclass(frozen=True)
+class KLPassSettings:
+    """What a pass of the actor (and the reference) over responses reads: the KL guard's and
+    validation's. Built once from the config by the stage (``stages.settings.kl_pass``)."""
+
+    device: torch.device
+    """The scoring device (trainer.device)."""
+    dtype: torch.dtype
+    """The dtype the update trains in (actor.deepspeed_config.dtype on that device)."""
+    attention: str
+    """model.override_config.attn_implementation: the update's and scoring's."""
+    temperature: float
+    """rollout.temperature: the log-probs are those of the distribution the rollout sampled from."""
+    ref_budget: int
+    """Real tokens per packed micro-batch of the actor-vs-reference pass: the reference role's
+    (verl's ref.log_prob_max_token_len_per_gpu, which falls back to the actor's)."""
+    ref_offload: bool
+    """The reference's weights wait in host memory between passes (ref.fsdp_config.param_offload)."""
+    actor_batching: MicroBatching
+    """How the actor-only pass is cut (the rollout role's log-prob budgets)."""
+    packed: bool
+    """model.use_remove_padding: the actor-only pass packs its rows."""
 
 
 def response_kl(token_kls: list, sampled_k1: Optional[list] = None) -> dict[str, float]:
@@ -108,35 +132,24 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
     return kls, sampled
 
 
-def actor_ref_kl(cfg: RLHFConfig, actor_dir: Path, ref_dir: Path, sequences: list[list[int]],
+def actor_ref_kl(settings: KLPassSettings, actor_dir: Path, ref_dir: Path, sequences: list[list[int]],
                  prompt_lengths: list[int], share: Optional[Share] = None) -> tuple[list, list]:
-    """``token_kl`` of the actor in ``actor_dir`` against the reference policy in ``ref_dir``, on
-    the scoring device and dtype, with the rollout's temperature and scoring token budget."""
-    rollout = cfg.actor_rollout_ref.rollout
-    device = scoring_device(cfg.trainer.device)
-    dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
-    attention = cfg.actor_rollout_ref.model.override_config.attn_implementation  # the update's and scoring's
-    actor = load_actor_for_kl(actor_dir, device, dtype, attention)
+    """``token_kl`` of the actor in ``actor_dir`` against the reference policy in ``ref_dir``, packed
+    like the scoring stage's reference forward."""
+    actor = load_actor_for_kl(actor_dir, settings.device, settings.dtype, settings.attention)
     pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
-    # packed like the scoring stage's reference forward: the reference role's token budget (verl's
-    # ref.log_prob_max_token_len_per_gpu, which falls back to the actor's)
-    budget = micro_batching(cfg, "ref").token_budget
-    with reference_policy(ref_dir, device, dtype, attention, frozen_param_offload(cfg, "ref")) as ref:
-        return token_kl(actor, ref, sequences, prompt_lengths, budget=budget, temperature=rollout.temperature,
-                        pad_id=pad_id, share=share)
+    with reference_policy(ref_dir, settings.device, settings.dtype, settings.attention, settings.ref_offload) as ref:
+        return token_kl(actor, ref, sequences, prompt_lengths, budget=settings.ref_budget,
+                        temperature=settings.temperature, pad_id=pad_id, share=share)
 
 
-def actor_sampled_log_probs(cfg: RLHFConfig, actor_dir: Path, sequences: list[list[int]],
+def actor_sampled_log_probs(settings: KLPassSettings, actor_dir: Path, sequences: list[list[int]],
                             prompt_lengths: list[int]) -> list:
-    """The actor in ``actor_dir``'s log-probs of the sampled response tokens: one no-grad forward, on
-    the scoring device and dtype, with the rollout's temperature and the actor's scoring budget."""
-    device = scoring_device(cfg.trainer.device)
-    dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
-    actor = load_actor_for_kl(actor_dir, device, dtype, cfg.actor_rollout_ref.model.override_config.attn_implementation)
+    """The actor in ``actor_dir``'s log-probs of the sampled response tokens: one no-grad forward."""
+    actor = load_actor_for_kl(actor_dir, settings.device, settings.dtype, settings.attention)
     pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
-    return compute_token_logprobs(actor, sequences, prompt_lengths, micro_batching(cfg, "rollout"),
-                                  temperature=cfg.actor_rollout_ref.rollout.temperature, pad_id=pad_id,
-                                  packed=cfg.actor_rollout_ref.model.use_remove_padding,
+    return compute_token_logprobs(actor, sequences, prompt_lengths, settings.actor_batching,
+                                  temperature=settings.temperature, pad_id=pad_id, packed=settings.packed,
                                   budget_key="actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu",
                                   desc="guard: actor log-probs")
 

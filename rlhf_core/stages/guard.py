@@ -31,6 +31,7 @@ from rlhf_core.run.models import reference_path
 from rlhf_core.scoring.policy_kl import actor_ref_kl, actor_sampled_log_probs, importance_weighted_kl, response_kl
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
+from rlhf_core.stages.settings import kl_pass
 from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
 from rlhf_core.training.resident import ensure_state
 
@@ -67,7 +68,7 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
     if cfg.trainer.kl_guard_estimator == "sampled":  # one actor pass, against the stored log-probs
         sequences, prompt_lengths, ref_log_probs, old_log_probs = load_scored_sequences(
             run.scored(k), "ref_log_probs", "old_log_probs")
-        sampled = actor_sampled_log_probs(cfg, actor_dir, sequences, prompt_lengths)
+        sampled = actor_sampled_log_probs(kl_pass(cfg), actor_dir, sequences, prompt_lengths)
         kls = importance_weighted_kl(sampled, old_log_probs, ref_log_probs)
         k1 = [[a - b for a, b in zip(new.tolist(), ref)] for new, ref in zip(sampled, ref_log_probs)]
         return {**response_kl(kls, k1), "estimator": "sampled"}
@@ -79,7 +80,7 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
         kls = [torch.tensor(v, dtype=torch.float32) for v in merge_shares(shares, "kl", len(sequences))]
         sampled = [torch.tensor(v, dtype=torch.float32) for v in merge_shares(shares, "sampled", len(sequences))]
     else:
-        kls, sampled = actor_ref_kl(cfg, actor_dir, reference_path(cfg), sequences, prompt_lengths)
+        kls, sampled = actor_ref_kl(kl_pass(cfg), actor_dir, reference_path(cfg), sequences, prompt_lengths)
     k1 = [[a - b for a, b in zip(new.tolist(), old)] for new, old in zip(sampled, ref_log_probs)]
     return response_kl(kls, k1)
 
@@ -148,6 +149,6 @@ def measure_val_kl(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
 def guard_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
     """This rank's micro-batches of the KL guard's measurement (exact per-token KL, sampled log-probs)."""
     sequences, prompt_lengths, _ = load_scored_sequences(run.scored(iteration))
-    kls, sampled = actor_ref_kl(cfg, run.checkpoint(iteration) / "actor", reference_path(cfg), sequences,
+    kls, sampled = actor_ref_kl(kl_pass(cfg), run.checkpoint(iteration) / "actor", reference_path(cfg), sequences,
                                 prompt_lengths, share=(rank, world))
     write_share(out, {"kl": kls, "sampled": sampled})

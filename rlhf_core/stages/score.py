@@ -239,7 +239,8 @@ def sequence_rewards(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], prom
         scores, extras = _reward_model_scores(cfg, models, rows, prompts)
         return SequenceRewards(scores, extras, list(scores), [None] * len(scores))
     raw, extras, acc = _rule_rewards(cfg, rows, prompts, where_path)
-    scores, extras = shape_scores(cfg, raw, [r["response_length"] for r in rows], extras)
+    scores, extras = shape_scores(cfg.reward_model.overlong_buffer, cfg.data.max_response_length, raw,
+                                  [r["response_length"] for r in rows], extras)
     return SequenceRewards(scores, extras, raw, acc)
 
 
@@ -269,7 +270,7 @@ def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
                   path: Path) -> tuple[list[float], list[str], list[Optional[float]]]:
     """One compute_score call per response (verl's naive reward manager), routed by the row's
     data.reward_fn_key column, with the row's verl extra_info: (scores, reward_extra, acc)."""
-    reward_fn = get_reward_fn(cfg)
+    reward_fn = get_reward_fn(cfg.custom_reward_function)
     key = cfg.data.reward_fn_key
     rewards, extras, accs = [], [], []
     for i, row in enumerate(tqdm(rows, desc="rewards", unit="resp", leave=False, disable=bar_disabled())):

@@ -50,6 +50,7 @@ from rlhf_core.rollout.generate import (
 )
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, run_on_ranks, write_share
+from rlhf_core.stages.settings import kl_pass
 from rlhf_core.training.resident import ensure_state
 
 
@@ -115,7 +116,7 @@ def validation_samples(cfg: RLHFConfig, run: RunDir, k: int, actor: Path) -> tup
 def score_samples(cfg: RLHFConfig, rows: list[dict], samples: list) -> tuple[list[float], list[dict]]:
     """(score, the reward function's extra values) per sample, with the call the score stage makes
     (routed by ``routing_value``, verl's extra_info passed), as verl's val reward does."""
-    reward_fn, key = get_reward_fn(cfg), cfg.data.reward_fn_key
+    reward_fn, key = get_reward_fn(cfg.custom_reward_function), cfg.data.reward_fn_key
     scores, extras = [], []
     for s in samples:
         row = rows[s.prompt_index]
@@ -252,7 +253,7 @@ def val_kl_from_samples(cfg: RLHFConfig, samples: tuple[list[dict], list], actor
     keep = [s for s in generated if s.token_ids]
     sequences = [list(rows[s.prompt_index]["prompt_token_ids"]) + list(s.token_ids) for s in keep]
     prompt_lengths = [len(rows[s.prompt_index]["prompt_token_ids"]) for s in keep]
-    kls, _ = actor_ref_kl(cfg, actor_dir, reference_path(cfg), sequences, prompt_lengths)
+    kls, _ = actor_ref_kl(kl_pass(cfg), actor_dir, reference_path(cfg), sequences, prompt_lengths)
     kl = response_kl(kls)
     return {"val_kl_mean": kl["kl_mean"], "val_kl_tokens": float(kl["num_tokens"])}
 

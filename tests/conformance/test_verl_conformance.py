@@ -263,7 +263,7 @@ def test_rule_based_rewards(verl):
     """verl's default_compute_score and our reward function on the same responses, every source both
     route (GSM8K, MATH, DAPO), with the default custom_reward_function settings (verl's)."""
     case, theirs = verl("reward/default_compute_score")
-    fn = get_reward_fn(load_config())
+    fn = get_reward_fn(load_config().custom_reward_function)
     for (source, solution, truth), expected in zip(case["rows"], theirs["scores"]):
         got = fn(source, solution, truth, extra_info={})
         if isinstance(expected, dict):
@@ -287,13 +287,14 @@ def test_dapo_overlong_shaping(verl, tokenizer):
                                  f"reward_model.overlong_buffer.penalty_factor={buffer['penalty_factor']}",
                                  "reward_model.overlong_buffer.log=true",
                                  f"data.max_response_length={case['max_resp_len']}"])
-    fn = get_reward_fn(cfg)
+    fn = get_reward_fn(cfg.custom_reward_function)
     lengths = case["response_lengths"]
     texts = tok.batch_decode([r[:n].tolist() for r, n in zip(case["responses"], lengths)], skip_special_tokens=True)
     raw = [fn(s, t, g, extra_info={}) for s, t, g in zip(case["data_source"], texts, case["ground_truth"])]
     raw_scores = [r["score"] if isinstance(r, dict) else float(r) for r in raw]
     extras = [json.dumps({k: v for k, v in r.items() if k != "score"} if isinstance(r, dict) else {}) for r in raw]
-    scores, shaped_extras = shape_scores(cfg, raw_scores, lengths, extras)
+    scores, shaped_extras = shape_scores(cfg.reward_model.overlong_buffer, cfg.data.max_response_length, raw_scores,
+                                         lengths, extras)
     verl_scores = [float(theirs["reward_tensor"][i, n - 1]) for i, n in enumerate(lengths)]
     _close(scores, verl_scores, "shaped scores")
     penalties = [json.loads(e)["overlong_reward"] for e in shaped_extras]

@@ -41,15 +41,15 @@ def _cfg(*extra):
 
 
 def test_shaping_logs_and_refusals():
-    scores, extras = shape_scores(_cfg("reward_model.overlong_buffer.log=true"), [1.0, 1.0, 0.0], [3, 6, 8],
-                                  ["{}", '{"acc": 1}', "{}"])
+    logged = _cfg("reward_model.overlong_buffer.log=true").reward_model.overlong_buffer
+    scores, extras = shape_scores(logged, 8, [1.0, 1.0, 0.0], [3, 6, 8], ["{}", '{"acc": 1}', "{}"])
     assert scores == [1.0, 0.5, -1.0]
     assert [json.loads(e) for e in extras] == [{"overlong": False, "overlong_reward": 0.0},
                                                {"acc": 1, "overlong": True, "overlong_reward": -0.5},
                                                {"overlong": True, "overlong_reward": -1.0}]
-    assert shape_scores(_cfg(), [1.0], [8], ["{}"]) == ([0.0], ["{}"])  # log=false: extras untouched
-    off = load_config(None, ["data.max_response_length=8"])
-    assert shape_scores(off, [1.0], [8], ["{}"]) == ([1.0], ["{}"])
+    assert shape_scores(_cfg().reward_model.overlong_buffer, 8, [1.0], [8], ["{}"]) == ([0.0], ["{}"])  # log=false
+    off = load_config(None, ["data.max_response_length=8"]).reward_model.overlong_buffer
+    assert shape_scores(off, 8, [1.0], [8], ["{}"]) == ([1.0], ["{}"])
     with pytest.raises(ConfigError, match=r"reward_model.overlong_buffer.len=8 must be < data.max_response_length=8"):
         check_overlong_buffer(_cfg("reward_model.overlong_buffer.len=8"))
     with pytest.raises(ConfigError, match="reward_model.enable=false"):

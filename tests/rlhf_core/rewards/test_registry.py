@@ -21,9 +21,9 @@ def _clean_registry(monkeypatch):
 
 @pytest.mark.parametrize("source", ["openai/gsm8k", "gsm8k", "arith"])
 def test_builtin_gsm8k_routes_use_the_configured_method(source):
-    strict = get_reward_fn(load_config(None, []))
+    strict = get_reward_fn(load_config(None, []).custom_reward_function)
     flexible = get_reward_fn(load_config(None, ["custom_reward_function.gsm8k_method=flexible",
-                                                "custom_reward_function.format_score=0.1"]))
+                                                "custom_reward_function.format_score=0.1"]).custom_reward_function)
     assert strict(source, "#### 12", "12") == 1.0
     assert strict(source, "The answer is 12", "12") == 0.0
     assert flexible(source, "The answer is 12", "12") == 1.0
@@ -31,14 +31,14 @@ def test_builtin_gsm8k_routes_use_the_configured_method(source):
 
 
 def test_verl_routes_only_openai_gsm8k_to_the_gsm8k_rule_and_we_add_two_names():
-    fn = get_reward_fn(load_config(None, []))
+    fn = get_reward_fn(load_config(None, []).custom_reward_function)
     assert [fn(s, "so #### 1,234", "1234") for s in registry.GSM8K_SOURCES] == [1.0, 1.0, 1.0]
     assert fn("openai/gsm8k", "#### 72\n#### 5", "5") == 1.0  # verl's rule: the last marker
 
 
 @pytest.mark.parametrize("source", ["lighteval/MATH", "DigitalLearningGmbH/MATH-lighteval", "HuggingFaceH4/MATH-500"])
 def test_verls_math_sources_route_to_the_math_rule(source):
-    fn = get_reward_fn(load_config(None, []))
+    fn = get_reward_fn(load_config(None, []).custom_reward_function)
     assert fn(source, "so the answer is $\\boxed{\\dfrac12}$", "\\frac{1}{2}") == 1.0
     assert fn(source, "so the answer is 1/2", "\\frac{1}{2}") == 0.0  # no box
     assert source in registered_sources()
@@ -46,7 +46,7 @@ def test_verls_math_sources_route_to_the_math_rule(source):
 
 @pytest.mark.parametrize("source", ["math_dapo", "math", "math_dapo_reasoning", "aime2024", "aime"])
 def test_verls_dapo_sources_route_to_the_dapo_rule(source):
-    fn = get_reward_fn(load_config(None, []))
+    fn = get_reward_fn(load_config(None, []).custom_reward_function)
     assert fn(source, "so... Answer: $1,000$", "1000") == {"score": 1.0, "acc": True, "pred": "1000"}
     assert fn(source, "no final line", "7") == {"score": -1.0, "acc": False, "pred": "[INVALID]"}
 
@@ -54,7 +54,7 @@ def test_verls_dapo_sources_route_to_the_dapo_rule(source):
 @pytest.mark.parametrize("source,module", [("numina_cn_k12", "prime_math"), ("taco", "prime_code"),
                                            ("hiyouga/geometry3k", "geo3k"), ("searchR1_nq", "search_r1")])
 def test_verl_sources_not_built_in_say_which_verl_scorer_they_need(source, module):
-    fn = get_reward_fn(load_config(None, []))
+    fn = get_reward_fn(load_config(None, []).custom_reward_function)
     with pytest.raises(DataError, match=f"verl scores it with verl.utils.reward_score.{module}.*not built in"):
         fn(source, "x", "y")
 
@@ -69,15 +69,15 @@ def test_user_function_is_called_with_verls_keywords_and_extra_info(tmp_path):
             await asyncio.sleep(0)
             return 0.75
     """))
-    fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={file}"]))
+    fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={file}"]).custom_reward_function)
     result = fn("src", "text", "gt", '{"index": 4, "split": "train"}')  # extra_info as JSON text: decoded
     assert result["info"] == {"index": 4, "split": "train", "num_turns": None, "rollout_reward_scores": {}}
     assert result["source"] == "src"
-    assert get_reward_fn(load_config(None, [f"custom_reward_function.path={file}:later"]))("a", "b", "c") == 0.75
+    assert get_reward_fn(load_config(None, [f"custom_reward_function.path={file}:later"]).custom_reward_function)("a", "b", "c") == 0.75
 
 
 def test_unknown_data_source_lists_routes_and_says_how_to_add_one():
-    fn = get_reward_fn(load_config(None, []))
+    fn = get_reward_fn(load_config(None, []).custom_reward_function)
     with pytest.raises(DataError) as err:
         fn("my/dataset", "x", "y")
     message = str(err.value)
@@ -93,7 +93,7 @@ def test_registered_function_gets_verl_arguments_and_overrides_builtin():
         seen.append((data_source, extra_info))
         return float(solution_str.strip() == ground_truth)
 
-    fn = get_reward_fn(load_config(None, []))
+    fn = get_reward_fn(load_config(None, []).custom_reward_function)
     assert fn("my/dataset", " yes ", "yes", {"index": 3}) == 1.0
     assert fn("arith", "#### 12", "12") == 0.0  # the registered function now owns 'arith'
     # verl's naive reward manager adds num_turns and rollout_reward_scores to the row's extra_info
@@ -115,9 +115,9 @@ def test_user_function_from_module_path(tmp_path, monkeypatch):
     (tmp_path / "my_rewards_mod.py").write_text(USER_MODULE)
     monkeypatch.syspath_prepend(str(tmp_path))
     try:
-        fn = get_reward_fn(load_config(None, ["custom_reward_function.path=my_rewards_mod:other"]))
+        fn = get_reward_fn(load_config(None, ["custom_reward_function.path=my_rewards_mod:other"]).custom_reward_function)
         assert fn("openai/gsm8k", "x", "y") == 2  # the user's function scores every data source
-        fn = get_reward_fn(load_config(None, ["custom_reward_function.path=my_rewards_mod"]))
+        fn = get_reward_fn(load_config(None, ["custom_reward_function.path=my_rewards_mod"]).custom_reward_function)
         assert fn("anything", "abc", "y") == {"score": 0.5, "length": 3}
     finally:
         sys.modules.pop("my_rewards_mod", None)
@@ -127,9 +127,9 @@ def test_user_function_from_file_path_with_name(tmp_path):
     file = tmp_path / "reward.py"
     file.write_text(USER_MODULE)
     fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={file}",
-                                          "custom_reward_function.name=other"]))
+                                          "custom_reward_function.name=other"]).custom_reward_function)
     assert fn("x", "y", "z") == 2
-    fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={file}:compute_score"]))
+    fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={file}:compute_score"]).custom_reward_function)
     assert fn("x", "hello", "z")["length"] == 5
 
 
@@ -138,9 +138,9 @@ def test_user_code_is_not_imported_unless_configured(tmp_path):
     marker = tmp_path / "imported.txt"
     file = tmp_path / "side_effect.py"
     file.write_text(f"open({str(marker)!r}, 'w').write('x')\n" + USER_MODULE)
-    get_reward_fn(load_config(None, []))("arith", "#### 1", "1")
+    get_reward_fn(load_config(None, []).custom_reward_function)("arith", "#### 1", "1")
     assert not marker.exists()
-    get_reward_fn(load_config(None, [f"custom_reward_function.path={file}"]))
+    get_reward_fn(load_config(None, [f"custom_reward_function.path={file}"]).custom_reward_function)
     assert marker.exists()  # the test can fail: configured, it is imported
 
 
@@ -149,11 +149,11 @@ def test_user_function_errors_name_the_key_and_the_fix(tmp_path):
     file.write_text(USER_MODULE)
     with pytest.raises(ConfigError, match="custom_reward_function.name to one of: compute_score, other"):
         get_reward_fn(load_config(None, [f"custom_reward_function.path={file}",
-                                         "custom_reward_function.name=missing"]))
+                                         "custom_reward_function.name=missing"]).custom_reward_function)
     with pytest.raises(ConfigError, match="not found"):
-        get_reward_fn(load_config(None, [f"custom_reward_function.path={tmp_path / 'nope.py'}"]))
+        get_reward_fn(load_config(None, [f"custom_reward_function.path={tmp_path / 'nope.py'}"]).custom_reward_function)
     with pytest.raises(ConfigError, match="cannot import module"):
-        get_reward_fn(load_config(None, ["custom_reward_function.path=no_such_pkg.rewards:fn"]))
+        get_reward_fn(load_config(None, ["custom_reward_function.path=no_such_pkg.rewards:fn"]).custom_reward_function)
 
 
 def test_normalize_result():
@@ -175,7 +175,7 @@ def test_normalize_result():
 def test_a_reward_function_that_calls_sys_exit_is_a_data_error(tmp_path):
     path = tmp_path / "leaving.py"
     path.write_text("import sys\n\ndef compute_score(**kwargs):\n    sys.exit(0)\n")
-    fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={path}"]))
+    fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={path}"]).custom_reward_function)
     with pytest.raises(DataError, match=r"'compute_score' called sys.exit\(0\), which would end the run"):
         fn("arith", "#### 1", "1")
 
