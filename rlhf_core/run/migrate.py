@@ -107,7 +107,7 @@ def migrate(run: RunDir, cfg: RLHFConfig) -> Optional[str]:
         done.append(f"the KL controller state of iterations {moved} is now each gae's output" if moved else
                     "no KL controller state to move")
     if version < 3:
-        tables = _tables_from_2(run, cfg)
+        tables = _tables_from_2(run, cfg.data.reward_fn_key)
         done.append(f"{len(tables)} table(s) given the columns they lacked ({', '.join(tables)})" if tables else
                     "every table already had its columns")
     message = f"upgraded {run.root} to run-directory format {RUN_FORMAT}: " + "; ".join(done)
@@ -204,9 +204,10 @@ def _old_tables(run: RunDir) -> list[Path]:
     return [path for path, schema in _table_schemas(run) if _lacks(path, schema)]
 
 
-def _tables_from_2(run: RunDir, cfg: RLHFConfig) -> list[str]:
-    """Complete every table (see the module docstring); the relative paths of those rewritten."""
-    plan = run.read_json(run.format_journal) or _stage_tables(run, cfg)
+def _tables_from_2(run: RunDir, reward_fn_key: str) -> list[str]:
+    """Complete every table (see the module docstring; ``reward_fn_key``: the run's
+    data.reward_fn_key); the relative paths of those rewritten."""
+    plan = run.read_json(run.format_journal) or _stage_tables(run, reward_fn_key)
     for rel in plan:
         staged = _staged(run.root / rel)
         if staged.is_file():
@@ -221,7 +222,7 @@ def _staged(path: Path) -> Path:
     return path.with_name(path.name + ".format3")
 
 
-def _stage_tables(run: RunDir, cfg: RLHFConfig) -> dict[str, dict[str, str]]:
+def _stage_tables(run: RunDir, reward_fn_key: str) -> dict[str, dict[str, str]]:
     """Write each completed table beside its original and list them, {relative path: {"from": old
     sha256, "to": new sha256}}, in the journal; nothing is put in place yet."""
     recorded = _recorded_outputs(run)
@@ -230,18 +231,18 @@ def _stage_tables(run: RunDir, cfg: RLHFConfig) -> dict[str, dict[str, str]]:
     for path, schema in _table_schemas(run):
         lacks = _lacks(path, schema)
         if path == run.train_prompts:
-            prompts = _prompt_lookup(path, cfg.data.reward_fn_key)  # what the response tables take from it
+            prompts = _prompt_lookup(path, reward_fn_key)  # what the response tables take from it
         if not lacks:
             continue
         table = pq.read_table(path)
         rel = record_key(run, path)
         if schema is PROMPTS:
-            table = _complete_prompts(table, cfg.data.reward_fn_key)
+            table = _complete_prompts(table, reward_fn_key)
         old = sha256_tree(path)
         if recorded.get(rel, old) != old:
             continue  # damaged since its stage wrote it: that stage reruns, in the current format
         if schema is not PROMPTS:
-            table = _complete_responses(table, prompts, cfg.data.reward_fn_key)
+            table = _complete_responses(table, prompts, reward_fn_key)
         atomic_write_parquet(_staged(path), _in_schema_order(table, schema))
         plan[rel] = {"from": old, "to": sha256_tree(_staged(path))}
     atomic_write_json(run.format_journal, plan)

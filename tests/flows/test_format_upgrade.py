@@ -101,7 +101,7 @@ def test_an_upgrade_killed_part_way_is_finished_and_damage_is_left_to_its_stage(
     damaged = record_key(killed, killed.rollout(2))
     table = pq.read_table(killed.rollout(2))
     pq.write_table(table.slice(0, len(table) - 1), killed.rollout(2))  # not what its rollout recorded
-    migrate._stage_tables(killed, saved_config(killed))  # staged and listed, then the process dies
+    migrate._stage_tables(killed, saved_config(killed).data.reward_fn_key)  # staged and listed, then the process dies
     assert killed.format_journal.is_file() and migrate.run_format(killed) == 2
     line = migrate.migrate(killed, saved_config(killed))
     assert "5 table(s) given the columns they lacked" in line and damaged not in line
