@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 
@@ -57,7 +56,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stages: lis
         actor, critic = engines(stage, model_dir, critic_dir)
         for rows in steps[:2]:
             step(actor, critic, rows)
-        tmp = Path(tempfile.gettempdir()) / f"dp_resume_{Path(out).stem}_{stage}"
+        tmp = Path(out).parent / f"checkpoint_{Path(out).stem}_{stage}"  # the test's own directory, removed with it
         ckpt = save_checkpoint(tmp, actor=actor, critic=critic, tokenizer_path=Path(model_dir),
                                trainer_state={}, dist=dist)
         actor, critic = engines(stage, ckpt / "actor", ckpt / "critic")

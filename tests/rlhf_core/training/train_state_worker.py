@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 
@@ -72,7 +71,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, cases: list
         step(actor, critic, steps[1])
         restored = diff(want, (params(actor), params(critic)))
 
-        tmp = Path(tempfile.gettempdir()) / f"train_state_{Path(out).stem}_{stage}_{dtype}"
+        tmp = Path(out).parent / f"checkpoint_{stage}_{dtype}"  # the test's own directory, removed with it
         ckpt = save_checkpoint(tmp, actor=actor, critic=critic, tokenizer_path=Path(model_dir), trainer_state={},
                                dist=dist, state=state)
         background = None
