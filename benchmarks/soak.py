@@ -96,7 +96,7 @@ def run_iteration(cfg, run, k: int, fault: dict) -> None:
         run_guard(cfg, run, k)
         if read_verdict(run, k)["decision"] == "commit":
             commit_iteration(run, k)
-            prune_checkpoints(cfg, run)
+            prune_checkpoints(cfg.trainer, run)
             return
         discard_checkpoint(run, k)
         rollback_iteration(run, k, policy="retry", attempt=attempt)

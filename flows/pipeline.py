@@ -164,7 +164,7 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
         redo_missed_validations(plan, cfg, mlflow_run_id)
     metrics: dict = {}
     with rollout_engine_kept(cfg):  # a vLLM engine, once started, serves every validation and rollout below
-        if initial_validation_due(cfg):  # the policy the run starts from, at its step (0 for a new run)
+        if initial_validation_due(cfg.trainer):  # the policy the run starts from, at its step (0 for a new run)
             metrics = validate_before_training(plan, cfg, mlflow_run_id)
         if not plan.iterations():  # trainer.val_only, or nothing left to run on resume
             make_durable_task(cfg, run_dir)  # as a training flow run leaves it: last-good on disk
@@ -197,7 +197,7 @@ def redo_missed_validations(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optio
     """Validations a crash skipped (``schedule.missed_validations``), redone on the policy of their
     step and logged at that step; one whose policy's checkpoint was pruned cannot be, and says so."""
     run, redone = plan.run, []
-    for k in missed_validations(cfg, run, committed_iterations(run)):
+    for k in missed_validations(cfg.trainer, run, committed_iterations(run)):
         try:
             validate_task(cfg, str(run.root), k, mlflow_run_id=mlflow_run_id)
         except CheckpointError as exc:
@@ -237,7 +237,7 @@ def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], report
             bar.write(format_iteration_header())
         for k in plan.iterations():
             cfg, results = run_iteration(cfg, run_dir, k, mlflow_run_id)
-            if validate_due(cfg, k):
+            if validate_due(cfg.trainer, k):
                 results.append(validate_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id, report=False))
             closed = finish_iteration_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id, progress_id=progress,
                                            stage_results=results, publish=False)

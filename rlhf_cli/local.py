@@ -64,7 +64,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     cfg = resolve_run_config(run.root, None, args.overrides)
     with RunLock(run):
         saved = saved_config(run)
-        migrate(run, saved)
+        migrate(run, saved.algorithm.kl_ctrl, saved.data.reward_fn_key)
         check_export_allowed(cfg, run)  # a refusal first: before any repair works for nothing
         prepare_export(run, saved)  # damage rebuilt (each said in one line); a crash's record-only state written
         path = export_actor(cfg, run, args.out)

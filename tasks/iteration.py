@@ -112,8 +112,8 @@ def _finish_iteration(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_
         batch=numbers.batch if stage_results is not None else numbers.derived,
         stages_text=(stages_markdown(k, stage_results) if stage_results else None),
         rows=prefect_artifacts.metrics_rows(run), alerts=warnings, progress_id=progress_id,
-        curve=(prefect_artifacts.curve_snapshot(run, cfg.trainer.kl_rollback_threshold) if curve_due(cfg, run, k) else None))
-    pruned = prune_checkpoints(cfg, run) if prune else []
+        curve=(prefect_artifacts.curve_snapshot(run, cfg.trainer.kl_rollback_threshold) if curve_due(cfg.trainer, run, k) else None))
+    pruned = prune_checkpoints(cfg.trainer, run) if prune else []
     if pruned:
         log.info("pruned checkpoints of iterations %s (kept: last-good and the last %d save points)",
                  pruned, cfg.trainer.max_ckpt_to_keep)

@@ -108,15 +108,17 @@ def test_rlhf_core_subpackages_import_in_one_order():
     assert not wrong, "\n".join(wrong)
 
 
-NARROW = ("foundation", "io", "models", "algos", "data", "scoring", "rewards")
+NARROW = ("foundation", "io", "models", "algos", "data", "scoring", "rewards", "rollout", "sft")
 """Subpackages whose functions take the few settings they read (a section of the config, a settings
 dataclass the stage builds: ``stages.settings``), never the whole config."""
+NARROW_MODULES = ("rlhf_core.run.schedule", "rlhf_core.run.migrate")
+"""Modules of a subpackage not yet narrow as a whole that already are (and must stay so)."""
 
 
 def test_the_whole_config_stops_above_the_narrow_subpackages():
     wrong = []
     for module, path in MODULES.items():
-        if not module.startswith("rlhf_core.") or _inner(module) not in NARROW:
+        if not module.startswith("rlhf_core.") or (_inner(module) not in NARROW and module not in NARROW_MODULES):
             continue
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, ast.ImportFrom) and any(a.name == "RLHFConfig" for a in node.names):

@@ -59,7 +59,7 @@ class RunPlan:
 
     def iterations(self) -> range:
         """The training steps still to run (none after trainer.val_only)."""
-        if stops_after_validation(self.cfg):
+        if stops_after_validation(self.cfg.trainer):
             return range(self.first_iteration, self.first_iteration)
         return range(self.first_iteration, self.last_iteration + 1)
 
@@ -146,8 +146,8 @@ def check_prompt_supply(cfg: RLHFConfig, run: RunDir) -> None:
     rows = (read_manifest(run, None).get("preprocess") or {}).get("rows")
     if not rows:  # preprocess has not recorded counts here (tables written by other means)
         return
-    validates = initial_validation_due(cfg) or cfg.trainer.test_freq > 0 or cfg.trainer.kl_guard_val_prompts > 0
-    problem = prompt_supply_problem(rows, cfg.data, trains=not stops_after_validation(cfg), validates=validates,
+    validates = initial_validation_due(cfg.trainer) or cfg.trainer.test_freq > 0 or cfg.trainer.kl_guard_val_prompts > 0
+    problem = prompt_supply_problem(rows, cfg.data, trains=not stops_after_validation(cfg.trainer), validates=validates,
                                     run_root=run.root)
     if problem:
         raise DataError(problem)
@@ -166,7 +166,7 @@ def fill_total_iterations(cfg: RLHFConfig, run: RunDir) -> RLHFConfig:
     how = ("trainer.total_training_steps" if t.total_training_steps is not None else
            f"{t.total_epochs} epochs × {resolve.steps_per_epoch(cfg, prompts)} steps of data.train_batch_size="
            f"{cfg.data.train_batch_size} over {prompts} prompts")
-    if total < 1 and not stops_after_validation(cfg):
+    if total < 1 and not stops_after_validation(cfg.trainer):
         raise ConfigError(f"no training step to run ({how}); set trainer.total_training_steps or add prompts")
     say_once(f"config: training steps: {max(total, 0)} ({how})")
     cfg = apply_overrides(cfg, [f"trainer.total_iterations={max(total, 1)}"])
@@ -194,7 +194,7 @@ def prepare_resume(run: RunDir) -> dict:
     back from (``stages.repair``), each said in one line. Returns what was done, for the resume event."""
     removed = clean_temporaries(run.root)
     saved = saved_config(run)
-    migrated = migrate(run, saved)
+    migrated = migrate(run, saved.algorithm.kl_ctrl, saved.data.reward_fn_key)
     rebuilt = rebuild_commit_log(run)
     repairs = repair_run(run, saved)
     return {"cleaned": [str(p) for p in removed], "migrated": migrated, "rebuilt_commit_log": rebuilt,
@@ -219,7 +219,7 @@ def close_committed(cfg: RLHFConfig, run: RunDir) -> list[int]:
     unreported = [k for k in committed if not run.iteration_metrics(k).is_file()]
     for k in unreported:
         iteration_metrics(cfg, run, k)
-    prune_checkpoints(cfg, run)
+    prune_checkpoints(cfg.trainer, run)
     return unreported
 
 
@@ -244,7 +244,8 @@ def stage_config(run: RunDir, preset: Optional[str], overrides: Sequence[str]) -
         stamp(run)
         save_config(run, cfg)
         return fill_total_iterations(cfg, run)
-    migrate(run, saved_config(run))
+    before = saved_config(run)
+    migrate(run, before.algorithm.kl_ctrl, before.data.reward_fn_key)
     saved = fill_total_iterations(resolve_run_config(run.root, None, ()), run)  # saves only the run's own config
     cfg = apply_overrides(saved, overrides) if preset is None else resolve_run_config(None, preset, overrides)
     if cfg.trainer.total_iterations is None and saved.trainer.total_iterations is not None:

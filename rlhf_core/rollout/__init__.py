@@ -6,13 +6,13 @@ from rlhf_core.rollout.base import (
     SamplingParams, derive_seed, get_engine, trim_response,
 )
 from rlhf_core.rollout.generate import (
-    build_rollout_engine, generate_responses, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config,
-    val_sampling_from_config,
+    GenerationSettings, build_rollout_engine, generate_responses, read_prompt_rows, rollout_metrics, rollout_table,
+    train_sampling, validation_sampling,
 )
 
 __all__ = [
-    "ENGINES", "FINISH_LENGTH", "FINISH_OFFLINE", "FINISH_STOP", "GeneratedSample", "GenerationStats",
+    "ENGINES", "FINISH_LENGTH", "FINISH_OFFLINE", "FINISH_STOP", "GeneratedSample", "GenerationSettings", "GenerationStats",
     "RolloutEngine", "SamplingParams", "build_rollout_engine", "derive_seed",
     "generate_responses", "get_engine", "read_prompt_rows", "rollout_metrics", "rollout_table",
-    "sampling_from_config", "trim_response", "val_sampling_from_config",
+    "train_sampling", "trim_response", "validation_sampling",
 ]

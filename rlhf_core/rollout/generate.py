@@ -3,21 +3,24 @@
 ``generate_responses`` is the one entry point every caller shares: the rollout stage (train prompts,
 the pack stage's generation batches, sampled) and validation (held-out prompts, possibly greedy)::
 
+    gen = stages.settings.generation(cfg)        # built once, above this layer
     rows = read_prompt_rows(run.val_prompts)
-    samples, stats = generate_responses(cfg, model_dir, rows, val_sampling_from_config(cfg, seed=7))
+    samples, stats = generate_responses(gen, model_dir, rows, validation_sampling(gen, seed=7))
+
+What generation reads of the config arrives as ``GenerationSettings``; the whole config stops above.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from rlhf_core.config import RLHFConfig
+from rlhf_core.config.schema import DataConfig, RolloutConfig
 from rlhf_core.config.notes import say_once
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
@@ -28,7 +31,20 @@ from rlhf_core.rollout.base import (
 from rlhf_core.data.packing import Share, plan_generation_batches, shard_by_tokens
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
-from rlhf_core.training.ds_config import resolve_device, resolve_dtype
+
+
+@dataclass(frozen=True)
+class GenerationSettings:
+    """What generation reads of the config: the rollout and data sections, and the few other values
+    an engine is built with. Built once by ``stages.settings.generation``."""
+
+    rollout: RolloutConfig  # actor_rollout_ref.rollout
+    data: DataConfig  # max_response_length; a vLLM engine's sizing also max_prompt_length, train_batch_size
+    device: str  # trainer.device
+    dtype: str  # the actor's training dtype (fp32 / bf16 / fp16): vLLM's log-probs must be the trainer's
+    attention: Optional[str]  # actor_rollout_ref.model.override_config.attn_implementation
+    tokenizer_path: Optional[str] = None  # actor_rollout_ref.model.tokenizer_path
+
 
 PROMPT_COLUMNS = ("prompt_id", "data_source", "reward_source", "reward_model", "extra_info", "prompt_token_ids",
                   "prompt_length")
@@ -43,60 +59,53 @@ def read_prompt_rows(path: str | Path, columns: Optional[Sequence[str]] = PROMPT
     return pq.read_table(path, columns=list(columns) if columns is not None else None).to_pylist()
 
 
-def sampling_from_config(cfg: RLHFConfig, *, seed: int, greedy: Optional[bool] = None) -> SamplingParams:
+def train_sampling(gen: GenerationSettings, *, seed: int, greedy: Optional[bool] = None) -> SamplingParams:
     """Training rollouts' SamplingParams from ``actor_rollout_ref.rollout`` and
     ``data.max_response_length``. Greedy when rollout.do_sample is false (verl), unless ``greedy``
     says otherwise; greedy keeps rollout.n (n identical responses, as verl repeats the batch)."""
-    r = cfg.actor_rollout_ref.rollout
+    r = gen.rollout
     greedy = (not r.do_sample) if greedy is None else greedy
     return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-                          max_new_tokens=cfg.data.max_response_length, n=r.n, seed=seed, greedy=greedy)
+                          max_new_tokens=gen.data.max_response_length, n=r.n, seed=seed, greedy=greedy)
 
 
-def val_sampling_from_config(cfg: RLHFConfig, *, seed: int) -> SamplingParams:
+def validation_sampling(gen: GenerationSettings, *, seed: int) -> SamplingParams:
     """Validation's SamplingParams from ``actor_rollout_ref.rollout.val_kwargs`` (verl): greedy when
     do_sample is false or the temperature is 0; val_kwargs.n responses per prompt."""
-    v = cfg.actor_rollout_ref.rollout.val_kwargs
+    v = gen.rollout.val_kwargs
     greedy = not v.do_sample or v.temperature == 0
     return SamplingParams(temperature=v.temperature if not greedy else 1.0, top_p=v.top_p, top_k=v.top_k,
-                          max_new_tokens=cfg.data.max_response_length, n=v.n, seed=seed, greedy=greedy)
+                          max_new_tokens=gen.data.max_response_length, n=v.n, seed=seed, greedy=greedy)
 
 
-def build_rollout_engine(cfg: RLHFConfig, model_path: str | Path, name: Optional[str] = None, *,
+def build_rollout_engine(gen: GenerationSettings, model_path: str | Path, name: Optional[str] = None, *,
                          resident: bool = False, data_parallel_size: int = 1,
                          external_launcher: bool = False) -> RolloutEngine:
     """The engine named by ``actor_rollout_ref.rollout.name`` (or ``name``), loaded on ``model_path``;
     ``resident``: a vLLM engine that pauses during the update and takes new weights in place;
     ``external_launcher``: this process is one rank of ``data_parallel_size`` vLLM engines of
     rollout.tensor_model_parallel_size ranks each, spread over torchrun's processes."""
-    r = cfg.actor_rollout_ref.rollout
-    name = name or generation_engine(cfg)
+    r = gen.rollout
+    name = name or generation_engine(r)
     engine_cls = get_engine(name)  # unknown names fail here, listing the engines
-    tokenizer_path = tokenizer_path_for(cfg, Path(model_path))
+    tokenizer_path = tokenizer_path_for(gen, Path(model_path))
     if name == "vllm":
         model_path = live.on_disk(model_path)  # a state only a worker group holds: its published copy
-        max_model_len = cfg.data.max_prompt_length + cfg.data.max_response_length
-        sequences = cfg.data.train_batch_size * max(r.n, r.val_kwargs.n)
+        max_model_len = gen.data.max_prompt_length + gen.data.max_response_length
+        sequences = gen.data.train_batch_size * max(r.n, r.val_kwargs.n)
         return engine_cls(model_path, tensor_parallel_size=r.tensor_model_parallel_size,
                           data_parallel_size=data_parallel_size, gpu_memory_utilization=r.gpu_memory_utilization,
-                          dtype=trainer_dtype(cfg), seed=r.seed, max_model_len=max_model_len,
+                          dtype=gen.dtype, seed=r.seed, max_model_len=max_model_len,
                           tokenizer_path=tokenizer_path, resident=resident, cpu_threads=r.cpu_threads,
                           rollout_tokens=sequences * max_model_len, external_launcher=external_launcher)
-    return engine_cls(model_path, device=cfg.trainer.device, tokenizer_path=tokenizer_path, dtype=trainer_dtype(cfg),
-                      cpu_threads=r.cpu_threads, attention=cfg.actor_rollout_ref.model.override_config.attn_implementation)
+    return engine_cls(model_path, device=gen.device, tokenizer_path=tokenizer_path, dtype=gen.dtype,
+                      cpu_threads=r.cpu_threads, attention=gen.attention)
 
 
-def trainer_dtype(cfg: RLHFConfig) -> str:
-    """The actor's training dtype (fp32 / bf16 / fp16): what a vLLM engine must run at for its
-    log-probs to be the trainer's (vLLM's own "auto" would run an fp32 checkpoint at bf16)."""
-    # the raw key: the FSDP flags effective_deepspeed folds in move offload, never the dtype
-    return resolve_dtype(cfg.actor_rollout_ref.actor.deepspeed_config.dtype, resolve_device(cfg.trainer.device))
-
-
-def generation_engine(cfg: RLHFConfig) -> str:
+def generation_engine(rollout: RolloutConfig) -> str:
     """The engine that generates for the run: rollout.name, except that ``offline`` imports training
     responses and generates nothing, so validation (and remax's baseline) generate with ``hf``."""
-    name = cfg.actor_rollout_ref.rollout.name
+    name = rollout.name
     if name != "offline":
         return name
     say_once("rollout: actor_rollout_ref.rollout.name=offline imports the training responses; validation "
@@ -104,9 +113,9 @@ def generation_engine(cfg: RLHFConfig) -> str:
     return "hf"
 
 
-def tokenizer_path_for(cfg: RLHFConfig, model_path: Path) -> Path:
+def tokenizer_path_for(gen: GenerationSettings, model_path: Path) -> Path:
     """A checkpoint carries its tokenizer; only a bare initial model falls back to model.tokenizer_path."""
-    configured = cfg.actor_rollout_ref.model.tokenizer_path
+    configured = gen.tokenizer_path
     if (model_path / "tokenizer_config.json").is_file() or not configured:
         return model_path
 
@@ -114,7 +123,7 @@ def tokenizer_path_for(cfg: RLHFConfig, model_path: Path) -> Path:
 
 
 def generate_responses(
-    cfg: RLHFConfig,
+    gen: GenerationSettings,
     model_path: str | Path,
     prompt_rows: Sequence[Mapping[str, Any]],
     sampling: SamplingParams,
@@ -135,20 +144,20 @@ def generate_responses(
     as in one process, so the merged samples are the one-process samples; with vLLM, this process
     is one rank of world / TP engines and generates its engine's prompts (``_run_engine_share``).
     """
-    plan = generation_plan(cfg, prompt_rows, sampling, batches)
+    plan = generation_plan(gen.rollout, prompt_rows, sampling, batches)
     stats = GenerationStats()
     if engine is None:
-        engine = kept_engine(cfg, model_path, **launch_options(cfg, share))
+        engine = kept_engine(gen, model_path, **launch_options(gen.rollout, share))
     owned = engine is None
     started = time.perf_counter()
-    engine = engine or build_rollout_engine(cfg, model_path, **launch_options(cfg, share))
+    engine = engine or build_rollout_engine(gen, model_path, **launch_options(gen.rollout, share))
     stats.load_seconds = time.perf_counter() - started if owned else 0.0
     try:
         if engine.schedules_own_batches:  # one call with every prompt (a share: this engine's prompts)
             flat = [i for batch in plan for i in batch]
             if share is not None:
                 return _run_engine_share(engine, prompt_rows, sampling, flat, stats, share,
-                                         cfg.actor_rollout_ref.rollout.tensor_model_parallel_size), stats
+                                         gen.rollout.tensor_model_parallel_size), stats
             plan = [flat]
         mine = None if share is None else set(own_batches(plan, prompt_rows, sampling, *share))
         samples = _run_plan(engine, prompt_rows, sampling, plan, stats, desc, mine)
@@ -158,19 +167,19 @@ def generate_responses(
     return samples, stats
 
 
-def launch_options(cfg: RLHFConfig, share: Optional[Share]) -> dict[str, Any]:
+def launch_options(rollout: RolloutConfig, share: Optional[Share]) -> dict[str, Any]:
     """How this process's engine is built for ``share`` = (rank, world) of torchrun's processes: a
     vLLM engine becomes one rank of world / TP engines of rollout.tensor_model_parallel_size ranks
     each (vLLM's external launcher); the hf engine needs nothing."""
-    if share is None or generation_engine(cfg) != "vllm":
+    if share is None or generation_engine(rollout) != "vllm":
         return {}
-    return {"external_launcher": True, "data_parallel_size": vllm_layout(cfg, share[1])[1]}
+    return {"external_launcher": True, "data_parallel_size": vllm_layout(rollout, share[1])[1]}
 
 
-def vllm_layout(cfg: RLHFConfig, processes: int) -> tuple[int, int]:
+def vllm_layout(rollout: RolloutConfig, processes: int) -> tuple[int, int]:
     """(tensor parallel, data parallel) of vLLM engines on ``processes`` processes: engines of
     rollout.tensor_model_parallel_size ranks, as many as the processes make."""
-    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    tp = rollout.tensor_model_parallel_size
     if tp < 1 or processes % tp:
         raise RLHFError(f"actor_rollout_ref.rollout.tensor_model_parallel_size={tp} does not divide the {processes} "
                         "rollout processes (trainer.stage_processes, else one per GPU): make it a divisor")
@@ -205,20 +214,20 @@ def _run_engine_share(engine: RolloutEngine, prompt_rows: Sequence[Mapping[str, 
     return out
 
 
-def kept_engine(cfg: RLHFConfig, model_path: str | Path, **launch: Any) -> Optional[RolloutEngine]:
+def kept_engine(gen: GenerationSettings, model_path: str | Path, **launch: Any) -> Optional[RolloutEngine]:
     """With resident models and vLLM: the run's one engine (in a worker group, each rank's rank of
     it: ``launch``), holding ``model_path``'s weights, built on first use. The resident trainer
     syncs each new state into it in place; any other state is loaded into it here — from the module
     that holds it, else from its checkpoint on disk (an older step's validation). None otherwise:
     the caller builds an engine for this call and closes it."""
-    if not live.keeping_engines() or cfg.actor_rollout_ref.rollout.name != "vllm":
+    if not live.keeping_engines() or gen.rollout.name != "vllm":
         return None
     engine = live.engine_for(model_path)
     if engine is not None:
         return engine
     held = live.held_engine()
     if held is None:
-        engine = build_rollout_engine(cfg, model_path, resident=True, **launch)
+        engine = build_rollout_engine(gen, model_path, resident=True, **launch)
     else:
         engine, borrowed = held.engine, live.lookup(model_path)
         if borrowed is not None:
@@ -229,7 +238,7 @@ def kept_engine(cfg: RLHFConfig, model_path: str | Path, **launch: Any) -> Optio
     return engine
 
 
-def generation_plan(cfg: RLHFConfig, prompt_rows: Sequence[Mapping[str, Any]], sampling: SamplingParams,
+def generation_plan(rollout: RolloutConfig, prompt_rows: Sequence[Mapping[str, Any]], sampling: SamplingParams,
                     batches: Optional[Sequence[Sequence[str]]] = None) -> list[list[int]]:
     """Generation batches as lists of positions in ``prompt_rows``: ``batches`` (prompt ids, the pack
     stage's plan) translated, else planned within ``rollout.generation_batch_tokens``."""
@@ -237,7 +246,7 @@ def generation_plan(cfg: RLHFConfig, prompt_rows: Sequence[Mapping[str, Any]], s
     if batches is None:
         lengths = [len(row["prompt_token_ids"]) for row in prompt_rows]
         return [list(b) for b in plan_generation_batches(
-            lengths, sampling.max_new_tokens, sampling.n, cfg.actor_rollout_ref.rollout.generation_batch_tokens,
+            lengths, sampling.max_new_tokens, sampling.n, rollout.generation_batch_tokens,
             budget_key="actor_rollout_ref.rollout.generation_batch_tokens")]
     plan = []
     for b, ids in enumerate(batches):

@@ -44,6 +44,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.schema import TrainerConfig
 from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.io.atomic import TMP_MARK, atomic_write_json
 from rlhf_core.run.layout import RunDir, StateFileError
@@ -422,12 +423,12 @@ def _warn(run: RunDir, kind: str, message: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def prune_checkpoints(cfg: RLHFConfig, run: RunDir) -> list[int]:
+def prune_checkpoints(trainer: TrainerConfig, run: RunDir) -> list[int]:
     """Delete committed checkpoints that are neither last-good nor among the last
     trainer.max_ckpt_to_keep save points; note it in the update record. Returns the iterations."""
     committed = committed_iterations(run)
-    save_points = [k for k in committed if save_due(cfg, k)]
-    keep = set(save_points[-cfg.trainer.max_ckpt_to_keep:] if cfg.trainer.max_ckpt_to_keep > 0 else [])
+    save_points = [k for k in committed if save_due(trainer, k)]
+    keep = set(save_points[-trainer.max_ckpt_to_keep:] if trainer.max_ckpt_to_keep > 0 else [])
     keep.add(committed[-1] if committed else None)
     keep.add(newest_durable(run, committed[-1]) if committed else None)  # what a replay starts from
     removed = []

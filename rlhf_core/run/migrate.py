@@ -40,7 +40,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core.algos import make_kl_controller
-from rlhf_core.config import RLHFConfig
+from rlhf_core.config.schema import KLCtrlConfig
 from rlhf_core.data.schemas import PROMPTS, ROLLOUT, SCORED
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
@@ -91,10 +91,11 @@ def _holds_format_1_state(run: RunDir) -> bool:
     return isinstance(record, dict) and "committed" not in record
 
 
-def migrate(run: RunDir, cfg: RLHFConfig) -> Optional[str]:
-    """Upgrade ``run`` to ``RUN_FORMAT``, one format at a time (``cfg``: its saved config, for the KL
-    controller settings a format-1 snapshot did not keep and the data.reward_fn_key of its tables).
-    Returns one line saying what was done, or None."""
+def migrate(run: RunDir, kl_ctrl: KLCtrlConfig, reward_fn_key: str) -> Optional[str]:
+    """Upgrade ``run`` to ``RUN_FORMAT``, one format at a time. From the run's saved config:
+    ``kl_ctrl`` (algorithm.kl_ctrl), the controller settings a format-1 snapshot did not keep, and
+    ``reward_fn_key`` (data.reward_fn_key), the column its tables route rewards by. Returns one line
+    saying what was done, or None."""
     version = run_format(run)
     if version == RUN_FORMAT:
         return None
@@ -103,11 +104,11 @@ def migrate(run: RunDir, cfg: RLHFConfig) -> Optional[str]:
                         f"({RUN_FORMAT}); use the version that wrote it")
     done = []
     if version < 2:
-        moved = _upgrade_from_1(run, cfg)
+        moved = _upgrade_from_1(run, kl_ctrl)
         done.append(f"the KL controller state of iterations {moved} is now each gae's output" if moved else
                     "no KL controller state to move")
     if version < 3:
-        tables = _tables_from_2(run, cfg.data.reward_fn_key)
+        tables = _tables_from_2(run, reward_fn_key)
         done.append(f"{len(tables)} table(s) given the columns they lacked ({', '.join(tables)})" if tables else
                     "every table already had its columns")
     message = f"upgraded {run.root} to run-directory format {RUN_FORMAT}: " + "; ".join(done)
@@ -115,8 +116,8 @@ def migrate(run: RunDir, cfg: RLHFConfig) -> Optional[str]:
     return message
 
 
-def _upgrade_from_1(run: RunDir, cfg: RLHFConfig) -> list[int]:
-    moved = _kl_states_from_1(run, cfg)
+def _upgrade_from_1(run: RunDir, kl_ctrl: KLCtrlConfig) -> list[int]:
+    moved = _kl_states_from_1(run, kl_ctrl)
     _full_commit_log(run)
     run.legacy_kl_ctrl_path.unlink(missing_ok=True)
     for k in run.iterations():
@@ -125,7 +126,7 @@ def _upgrade_from_1(run: RunDir, cfg: RLHFConfig) -> list[int]:
     return moved
 
 
-def _kl_states_from_1(run: RunDir, cfg: RLHFConfig) -> list[int]:
+def _kl_states_from_1(run: RunDir, kl_ctrl: KLCtrlConfig) -> list[int]:
     """Write iter_k/kl_ctrl.json for every gae that ran with the KL in the reward and finished."""
     moved, previous = [], None
     for k in (k for k in run.iterations() if k >= 1):
@@ -139,7 +140,7 @@ def _kl_states_from_1(run: RunDir, cfg: RLHFConfig) -> list[int]:
             record["status"] = "stale" if record.get("status") == "done" else record.get("status")
             write_manifest(run, k, manifest)  # reruns, from the migrated predecessor's state
             continue
-        used = _used_state(run, k, cfg, float(metrics["kl/coef"]))
+        used = _used_state(run, k, kl_ctrl, float(metrics["kl/coef"]))
         state = {"iteration": k, "used": used, "scale": 1.0, "next": {**used, "value": float(metrics["kl/coef_next"])}}
         atomic_write_json(run.kl_state(k), state)
         inputs = {key: v for key, v in record["inputs"].items() if key != snapshot_key}
@@ -154,12 +155,11 @@ def _kl_states_from_1(run: RunDir, cfg: RLHFConfig) -> list[int]:
     return moved
 
 
-def _used_state(run: RunDir, k: int, cfg: RLHFConfig, coef: float) -> dict:
+def _used_state(run: RunDir, k: int, ctrl: KLCtrlConfig, coef: float) -> dict:
     """The controller state gae of ``k`` started from, at the coefficient it recorded using: the
     snapshot's type and settings, else (a fresh controller) the config's."""
     snapshot = (run.read_json(run.legacy_kl_snapshot(k)) or {}).get("state")
     if not isinstance(snapshot, dict):
-        ctrl = cfg.algorithm.kl_ctrl
         snapshot = make_kl_controller(ctrl.type, coef, ctrl.target_kl, ctrl.horizon).state_dict()
     return {**snapshot, "value": coef}
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.schema import DataConfig, ModelConfig
 from rlhf_core.config.resolve import uses_critic
 from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.io.hashing import sha256_file, sha256_tree
@@ -47,23 +48,23 @@ _DATA_KEYS = ("adapter", "prompt_key", "question_key", "answer_key", "id_key", "
               "max_response_length", "filter_overlong_prompts", "truncation", "dedup", "seed", "data_source")
 
 
-def warm_start_key(cfg) -> dict:
-    """Everything the warm-started weights depend on: base model files, data file contents, the
-    data settings that shape the prompts, the SFT settings, the procedure version."""
-    base = resolve_model_path(cfg.actor_rollout_ref.model.path)
-    files = {"train": [sha256_file(resolve_path(p)) for p in cfg.data.train_files],
-             "val": [sha256_file(resolve_path(p)) for p in cfg.data.val_files]}
+def warm_start_key(model: ModelConfig, data: DataConfig) -> dict:
+    """Everything the warm-started weights depend on: base model files (``model.path``), data file
+    contents, the data settings that shape the prompts, the SFT settings (``model.warm_start``), the
+    procedure version."""
+    base = resolve_model_path(model.path)
+    files = {"train": [sha256_file(resolve_path(p)) for p in data.train_files],
+             "val": [sha256_file(resolve_path(p)) for p in data.val_files]}
     return {"version": SFT_FORMAT_VERSION, "base_model": sha256_tree(base), "data_files": files,
-            "data": {k: getattr(cfg.data, k) for k in _DATA_KEYS},
-            "sft": asdict(cfg.actor_rollout_ref.model.warm_start)}
+            "data": {k: getattr(data, k) for k in _DATA_KEYS}, "sft": asdict(model.warm_start)}
 
 
-def warm_start_path(cfg, out_root: Optional[str | Path] = None) -> Path:
-    """Where the warm start for ``cfg`` lives (exists or not): <root>/<base name>-sft-<hash16>."""
+def warm_start_path(model: ModelConfig, data: DataConfig, out_root: Optional[str | Path] = None) -> Path:
+    """Where the warm start of ``model`` on ``data`` lives (exists or not): <root>/<base name>-sft-<hash16>."""
     root = Path(out_root) if out_root is not None else state_dir() / "models"
-    blob = json.dumps(warm_start_key(cfg), sort_keys=True, default=str)
+    blob = json.dumps(warm_start_key(model, data), sort_keys=True, default=str)
     digest = hashlib.sha256(blob.encode("utf-8")).hexdigest()[:16]
-    base_name = Path(cfg.actor_rollout_ref.model.path).name or "model"
+    base_name = Path(model.path).name or "model"
     return root / f"{base_name}-sft-{digest}"
 
 
@@ -77,7 +78,7 @@ def initial_actor_path(cfg: RLHFConfig) -> Path:
     """The policy the run starts from; the reference and the critic's backbone follow it. Raises
     ``CheckpointError`` naming the stage to run when the warm-started model is not built yet."""
     if cfg.actor_rollout_ref.model.warm_start.enable:
-        path = warm_start_path(cfg)
+        path = warm_start_path(cfg.actor_rollout_ref.model, cfg.data)
         if not is_complete(path):
             raise CheckpointError(f"the warm-started initial policy {path} is not built yet: run `rlhf stage "
                                   "warm_start --run-dir RUN` (`rlhf run` runs it first)")

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
+from rlhf_core.config.schema import DataConfig, ModelConfig
 from rlhf_core.data.preprocess import preprocess_files
 from rlhf_core.data.schemas import decode_extra_info
 from rlhf_core.errors import DataError
@@ -140,10 +141,9 @@ def build_sft_data(train_rows: Sequence[dict], tokenizer, dev_size: int, prose_f
                    dev_truths=[r["reward_model"]["ground_truth"] for r in dev], prose_answers=prose)
 
 
-def load_train_rows(cfg, tokenizer) -> list[dict]:
+def load_train_rows(data: DataConfig, tokenizer) -> list[dict]:
     """The TRAIN split exactly as the preprocess stage makes it (same adapter, template, dedup,
     length filter and hash split), so validation prompts never reach the fine-tuning."""
-    data = cfg.data
     result = preprocess_files([resolve_path(p) for p in data.train_files],
                               [resolve_path(p) for p in data.val_files], data, tokenizer, progress=False)
     return result.train.to_pylist()
@@ -222,31 +222,33 @@ def train_sft(model, tokenizer, data: SFTData, settings, max_new_tokens: int,
 # the cached warm start
 # ---------------------------------------------------------------------------------------------
 
-def warm_start(cfg, out_root: Optional[str | Path] = None, progress: bool = True) -> Path:
-    """Fine-tune ``actor_rollout_ref.model.path`` per ``actor_rollout_ref.model.warm_start`` and
-    return the directory of the result (HF model + tokenizer + ``warm_start.json``), reusing it when
-    the same inputs were already trained. Trains on CPU; small models on one thread (bit-identical
-    weights from run to run, see ``_single_thread_if_small``)."""
+def warm_start(model_cfg: ModelConfig, data_cfg: DataConfig, out_root: Optional[str | Path] = None,
+               progress: bool = True) -> Path:
+    """Fine-tune ``model_cfg.path`` (actor_rollout_ref.model) per its ``warm_start`` settings on the
+    TRAIN split of ``data_cfg`` (the config's data section) and return the directory of the result
+    (HF model + tokenizer + ``warm_start.json``), reusing it when the same inputs were already
+    trained. Trains on CPU; small models on one thread (bit-identical weights from run to run, see
+    ``_single_thread_if_small``)."""
     import shutil
 
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    out = warm_start_path(cfg, out_root)
+    out = warm_start_path(model_cfg, data_cfg, out_root)
     if is_complete(out):
         return out
-    settings = cfg.actor_rollout_ref.model.warm_start
-    base = resolve_model_path(cfg.actor_rollout_ref.model.path)
+    settings = model_cfg.warm_start
+    base = resolve_model_path(model_cfg.path)
     started = time.perf_counter()
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
-    data = build_sft_data(load_train_rows(cfg, tokenizer), tokenizer, settings.dev_size,
+    data = build_sft_data(load_train_rows(data_cfg, tokenizer), tokenizer, settings.dev_size,
                           settings.prose_answer_fraction, settings.seed)
-    _check_data(data, cfg)
+    _check_data(data, data_cfg)
     with _single_thread_if_small(model):
         threads = torch.get_num_threads()
-        history = train_sft(model, tokenizer, data, settings, cfg.data.max_response_length, progress)
-    record = {"key": warm_start_key(cfg), "history": history, "final": history[-1] if history else {},
+        history = train_sft(model, tokenizer, data, settings, data_cfg.max_response_length, progress)
+    record = {"key": warm_start_key(model_cfg, data_cfg), "history": history, "final": history[-1] if history else {},
               "train_examples": len(data.examples), "prose_answers": data.prose_answers,
               "dev_prompts": len(data.dev_prompts), "torch_threads": threads,
               "seconds": round(time.perf_counter() - started, 1)}
@@ -275,9 +277,9 @@ def _single_thread_if_small(model) -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def _check_data(data: SFTData, cfg) -> None:
+def _check_data(data: SFTData, data_cfg: DataConfig) -> None:
     if not data.examples:
-        raise DataError(f"warm start: no training examples left from data.train_files={cfg.data.train_files} "
+        raise DataError(f"warm start: no training examples left from data.train_files={data_cfg.train_files} "
                         f"(after the validation split and {len(data.dev_prompts)} dev prompts); "
                         f"give more rows or lower actor_rollout_ref.model.warm_start.dev_size")
 

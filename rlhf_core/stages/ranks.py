@@ -132,7 +132,7 @@ def generation_processes(cfg: RLHFConfig, run: RunDir, batches: int) -> int:
     generation batches go to ``share_processes``; vLLM's prompts to every rank of the run's worker
     group, whose ranks keep the engines for the whole flow run, else to one engine kept in this
     process (``models.live``), else to ``vllm_processes``."""
-    name = generation_engine(cfg)
+    name = generation_engine(cfg.actor_rollout_ref.rollout)
     group = active_group(run)
     if name == "vllm" and group is not None:  # each rank holds a rank of the run's engines: all take part
         return group.world

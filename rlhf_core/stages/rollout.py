@@ -48,8 +48,8 @@ from rlhf_core.io.timing import MODEL_LOAD, TABLE_READ, timed
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.models import actor_path, reference_path
 from rlhf_core.rollout.generate import (
-    PROMPT_COLUMNS, build_rollout_engine, generate_responses, generation_engine, generation_plan, group_uid,
-    kept_engine, read_prompt_rows, rollout_metrics, rollout_table, sampling_from_config, tokenizer_path_for,
+    PROMPT_COLUMNS, GenerationSettings, build_rollout_engine, generate_responses, generation_engine, generation_plan,
+    group_uid, kept_engine, read_prompt_rows, rollout_metrics, rollout_table, tokenizer_path_for, train_sampling,
 )
 from rlhf_core.paths import resolve_path
 from rlhf_core.rollout.base import GeneratedSample, GenerationStats, RolloutEngine, SamplingParams, derive_seed
@@ -62,11 +62,12 @@ from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, merge_samples, merged_stats, run_on_ranks,
                                     write_share)
 from rlhf_core.stages.score import ModelPaths, reward_model_paths, sequence_rewards
+from rlhf_core.stages.settings import generation
 from rlhf_core.training.resident import ensure_state
 
 CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.",
                    "actor_rollout_ref.actor.deepspeed_config.dtype")
-"""What every rollout reads (the engine runs at the trainer's dtype: ``generate.trainer_dtype``)."""
+"""What every rollout reads (the engine runs at the trainer's dtype: ``settings.generation``)."""
 FILTER_SECTIONS = ("algorithm.filter_groups.", "algorithm.use_kl_in_reward", "reward_model.", "custom_reward_function.")
 """What a rollout that filters groups also reads: the filter and the reward function's settings."""
 BASELINE_SECTIONS = ("algorithm.adv_estimator",)
@@ -165,8 +166,8 @@ def _prompt_rows(run: RunDir, batches: list[list[str]]) -> list[dict]:
     return [by_id[pid] for pid in wanted]
 
 
-def iteration_sampling(cfg: RLHFConfig, iteration: int) -> SamplingParams:
-    return sampling_from_config(cfg, seed=cfg.actor_rollout_ref.rollout.seed + iteration)
+def iteration_sampling(gen: GenerationSettings, iteration: int) -> SamplingParams:
+    return train_sampling(gen, seed=gen.rollout.seed + iteration)
 
 
 @dataclass
@@ -187,8 +188,8 @@ class StageEngine:
     baseline), built on first use: a model load per stage, not per draw. A resident engine
     (``kept_engine``) is borrowed and left open."""
 
-    def __init__(self, cfg: RLHFConfig, model_dir: Path) -> None:
-        self.cfg, self.model_dir = cfg, model_dir
+    def __init__(self, gen: GenerationSettings, model_dir: Path) -> None:
+        self.gen, self.model_dir = gen, model_dir
         self.engine: Optional[RolloutEngine] = None
         self.owned = False
         self.load_seconds = 0.0
@@ -196,9 +197,9 @@ class StageEngine:
     def get(self) -> RolloutEngine:
         if self.engine is None:
             started = time.perf_counter()
-            self.engine = kept_engine(self.cfg, self.model_dir)
+            self.engine = kept_engine(self.gen, self.model_dir)
             self.owned = self.engine is None
-            self.engine = self.engine or build_rollout_engine(self.cfg, self.model_dir)
+            self.engine = self.engine or build_rollout_engine(self.gen, self.model_dir)
             self.load_seconds = time.perf_counter() - started
         return self.engine
 
@@ -210,7 +211,7 @@ class StageEngine:
 
 def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path) -> StageResult:
     ensure_state(cfg, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
-    engines = StageEngine(cfg, model_dir)
+    engines = StageEngine(generation(cfg), model_dir)
     try:
         return _generate_with(cfg, run, iteration, model_dir, engines)
     finally:
@@ -220,7 +221,7 @@ def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path
 def _generate_with(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
                    engines: StageEngine) -> StageResult:
     slot, num_slots, batches, prompt_rows = iteration_prompts(run, iteration)
-    sampling = iteration_sampling(cfg, iteration)
+    sampling = iteration_sampling(engines.gen, iteration)
     samples, stats = _generate_draw(cfg, run, iteration, engines, prompt_rows, sampling, batches, first=True)
     drawn = Drawn(prompt_rows=list(prompt_rows), samples=samples, stats=stats, slots=[slot])
     if cfg.algorithm.filter_groups.enable:
@@ -268,7 +269,7 @@ def _generate_draw(cfg: RLHFConfig, run: RunDir, iteration: int, engines: StageE
     world = generation_processes(cfg, run, len(batches)) if first else 0
     if world:
         return _generate_on_ranks(cfg, run, iteration, prompt_rows, sampling, batches, world)
-    return generate_responses(cfg, engines.model_dir, prompt_rows, sampling, batches, engine=engines.get(),
+    return generate_responses(engines.gen, engines.model_dir, prompt_rows, sampling, batches, engine=engines.get(),
                               desc=desc or f"rollout iter {iteration}")
 
 
@@ -301,7 +302,7 @@ def _filter_and_refill(cfg: RLHFConfig, run: RunDir, iteration: int, engines: St
         if not rows:
             new_samples = []
             continue
-        base = iteration_sampling(cfg, iteration)
+        base = iteration_sampling(engines.gen, iteration)
         sampling = replace(base, seed=draw_seed(base.seed, d))
         samples, stats = _generate_draw(cfg, run, iteration, engines, rows, sampling, batches, first=False,
                                         desc=f"rollout iter {iteration} draw {d + 1}")
@@ -345,9 +346,9 @@ def _write_baseline(cfg: RLHFConfig, run: RunDir, iteration: int, engines: Stage
     group's uid to ``run.rollout_baseline(iteration)`` (schema ROLLOUT)."""
     indices = list(dict.fromkeys(s.prompt_index for s in drawn.samples))  # the table's groups, in order
     rows = [drawn.prompt_rows[i] for i in indices]
-    seed = derive_seed(iteration_sampling(cfg, iteration).seed, "greedy_baseline")
-    sampling = replace(sampling_from_config(cfg, seed=seed, greedy=True), n=1)
-    samples, _ = generate_responses(cfg, engines.model_dir, rows, sampling, engine=engines.get(),
+    seed = derive_seed(iteration_sampling(engines.gen, iteration).seed, "greedy_baseline")
+    sampling = replace(train_sampling(engines.gen, seed=seed, greedy=True), n=1)
+    samples, _ = generate_responses(engines.gen, engines.model_dir, rows, sampling, engine=engines.get(),
                                     desc=f"greedy baseline iter {iteration}")
     samples = [replace(s, prompt_index=indices[s.prompt_index]) for s in samples]
     table = rollout_table(drawn.prompt_rows, samples, iteration, cfg.actor_rollout_ref.rollout.name)
@@ -360,8 +361,9 @@ def _generate_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, prompt_rows
     (``own_batches``); every batch is seeded and composed as in one process, so the merged samples,
     in batch order, are the one-process samples."""
     shares = run_on_ranks(cfg, run, iteration, "rollout", world)
-    plan = generation_plan(cfg, prompt_rows, sampling, batches)
-    if generation_engine(cfg) == "vllm":
+    rollout = cfg.actor_rollout_ref.rollout
+    plan = generation_plan(rollout, prompt_rows, sampling, batches)
+    if generation_engine(rollout) == "vllm":
         return merge_engine_samples(shares, [i for batch in plan for i in batch]), merged_stats(shares, 1)
     return merge_samples(shares, plan, prompt_rows, sampling), merged_stats(shares, len(plan))
 
@@ -375,7 +377,7 @@ def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
     with timed(TABLE_READ):
         prompt_rows = read_prompt_rows(run.train_prompts, columns=None)  # text columns: prompts matched by text
     with timed(MODEL_LOAD):
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path_for(cfg, model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path_for(generation(cfg), model_dir))
     imported = import_offline(offline_file, prompt_rows, tokenizer,
                               max_response_length=cfg.data.max_response_length,
                               prompts_name=str(run.train_prompts.relative_to(run.root)))
@@ -426,8 +428,9 @@ def _stats(name: str, lengths: list[int], budget: int) -> dict[str, float]:
 def rollout_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
     """This rank's generation batches of the rollout (HF engine), seeded as in one process."""
     _, _, batches, prompt_rows = iteration_prompts(run, iteration)
-    samples, stats = generate_responses(cfg, actor_path(cfg, run, iteration), prompt_rows,
-                                        iteration_sampling(cfg, iteration), batches,
+    gen = generation(cfg)
+    samples, stats = generate_responses(gen, actor_path(cfg, run, iteration), prompt_rows,
+                                        iteration_sampling(gen, iteration), batches,
                                         desc=f"rollout iter {iteration} rank {rank}", share=(rank, world))
     write_share(out, {}, samples=json.dumps([dataclasses.asdict(s) for s in samples]),
                  generated_tokens=stats.generated_tokens, seconds=stats.seconds, load_seconds=stats.load_seconds)

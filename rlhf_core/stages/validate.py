@@ -45,12 +45,12 @@ from rlhf_core.rewards import get_reward_fn, normalize_result
 from rlhf_core.rewards.registry import routing_value
 from rlhf_core.rollout.base import SamplingParams, derive_seed
 from rlhf_core.rollout.generate import (
-    PROMPT_COLUMNS, generate_responses, generation_engine, generation_plan, read_prompt_rows, sampling_from_config,
-    val_sampling_from_config,
+    PROMPT_COLUMNS, GenerationSettings, generate_responses, generation_engine, generation_plan, read_prompt_rows,
+    train_sampling, validation_sampling,
 )
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, run_on_ranks, write_share
-from rlhf_core.stages.settings import kl_pass
+from rlhf_core.stages.settings import generation, kl_pass
 from rlhf_core.training.resident import ensure_state
 
 
@@ -78,8 +78,8 @@ def sample_val_responses(cfg: RLHFConfig, run: RunDir, actor_dir: Path, limit: O
     defaults to one response per prompt at the training rollout's settings (the guard's on-policy
     check); validation passes its val_kwargs sampling. ``share``: only that process's generation
     batches (``generate_responses``)."""
-    rows = _val_rows(cfg, run, limit)
-    samples, _ = generate_responses(cfg, actor_dir, rows, _val_sampling(cfg, seed_offset, sampling),
+    rows, gen = _val_rows(cfg, run, limit), generation(cfg)
+    samples, _ = generate_responses(gen, actor_dir, rows, _val_sampling(gen, seed_offset, sampling),
                                     desc="validation", share=share)
     return rows, samples
 
@@ -90,21 +90,22 @@ def _val_rows(cfg: RLHFConfig, run: RunDir, limit: Optional[int] = None) -> list
     return rows[:limit] if limit else rows
 
 
-def _val_sampling(cfg: RLHFConfig, seed_offset: Any, sampling: Optional[SamplingParams]) -> SamplingParams:
-    seed = derive_seed(cfg.actor_rollout_ref.rollout.seed, seed_offset)
-    return replace(sampling or replace(sampling_from_config(cfg, seed=seed), n=1), seed=seed)
+def _val_sampling(gen: GenerationSettings, seed_offset: Any, sampling: Optional[SamplingParams]) -> SamplingParams:
+    seed = derive_seed(gen.rollout.seed, seed_offset)
+    return replace(sampling or replace(train_sampling(gen, seed=seed), n=1), seed=seed)
 
 
 def validation_samples(cfg: RLHFConfig, run: RunDir, k: int, actor: Path) -> tuple[list[dict], list]:
     """``sample_val_responses`` at val_kwargs sampling, on ``generation_processes`` local processes
     (hf: each its share of the generation batches; vLLM: each engine its share of the prompts; all
     seeded as in one process)."""
-    sampling = val_sampling_from_config(cfg, seed=0)  # seed set from rollout.seed by _val_sampling
+    gen = generation(cfg)
+    sampling = validation_sampling(gen, seed=0)  # seed set from rollout.seed by _val_sampling
     if generation_processes(cfg, run, sys.maxsize):
-        rows, seeded = _val_rows(cfg, run), _val_sampling(cfg, "validation", sampling)
-        plan = generation_plan(cfg, rows, seeded)
+        rows, seeded = _val_rows(cfg, run), _val_sampling(gen, "validation", sampling)
+        plan = generation_plan(gen.rollout, rows, seeded)
         world = generation_processes(cfg, run, len(plan))
-        if world and generation_engine(cfg) == "vllm":
+        if world and generation_engine(gen.rollout) == "vllm":
             shares = run_on_ranks(cfg, run, k, "validate", world)
             return rows, merge_engine_samples(shares, [i for batch in plan for i in batch])
         if world:
@@ -215,7 +216,7 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
 
     def body() -> StageResult:
         ensure_state(cfg, run, run.checkpoint_iteration(actor))  # held in memory, on disk, or rebuilt now
-        sampling = val_sampling_from_config(cfg, seed=0)
+        sampling = validation_sampling(generation(cfg), seed=0)
         rows, samples = validation_samples(cfg, run, k, actor)
         scores, extras = score_samples(cfg, rows, samples)
         table = pa.Table.from_pylist([{
@@ -261,5 +262,5 @@ def val_kl_from_samples(cfg: RLHFConfig, samples: tuple[list[dict], list], actor
 def validate_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
     """This rank's generation batches of validation (HF engine), seeded as in one process."""
     _, samples = sample_val_responses(cfg, run, validation_actor(cfg, run, iteration),
-                                      sampling=val_sampling_from_config(cfg, seed=0), share=(rank, world))
+                                      sampling=validation_sampling(generation(cfg), seed=0), share=(rank, world))
     write_share(out, {}, samples=json.dumps([dataclasses.asdict(s) for s in samples]))

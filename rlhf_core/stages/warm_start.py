@@ -33,7 +33,7 @@ def run_warm_start(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None
         tiny = ensure_tiny_model(locate_model(TINY))
         summary.append(f"tiny model: {tiny}")
     if cfg.actor_rollout_ref.model.warm_start.enable:
-        summary.append(f"warm-started initial policy: {warm_start(cfg)}")
+        summary.append(f"warm-started initial policy: {warm_start(cfg.actor_rollout_ref.model, cfg.data)}")
     actor = initial_actor_path(cfg)
     summary.append(f"initial policy: {actor}")
     result = StageResult(stage="warm_start", outputs={"initial_actor": str(actor)}, summary=summary,

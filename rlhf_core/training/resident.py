@@ -243,7 +243,7 @@ class ResidentTrainer:
         if outcome == "commit":
             released, self.before = self.before, None
             self._capture_soon(reuse=released)  # the next update's snapshot, copied while the next rollout runs
-            if save_due(cfg, k):
+            if save_due(cfg.trainer, k):
                 self.save_held()
             return
         with timing.timed(SNAPSHOT):

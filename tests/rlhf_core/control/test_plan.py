@@ -43,10 +43,10 @@ def test_new_run_then_resume(tmp_path):
 
 def test_schedule():
     cfg = load_config(None, ["trainer.total_iterations=7", "trainer.test_freq=3", "trainer.save_freq=2"])
-    assert [k for k in range(1, 8) if schedule.validate_due(cfg, k)] == [3, 6, 7]
-    assert [k for k in range(1, 8) if schedule.save_due(cfg, k)] == [2, 4, 6, 7]
+    assert [k for k in range(1, 8) if schedule.validate_due(cfg.trainer, k)] == [3, 6, 7]
+    assert [k for k in range(1, 8) if schedule.save_due(cfg.trainer, k)] == [2, 4, 6, 7]
     never = load_config(None, ["trainer.total_iterations=7"])  # verl's defaults: test_freq = save_freq = -1
-    assert not any(schedule.validate_due(never, k) or schedule.save_due(never, k) for k in range(1, 8))
+    assert not any(schedule.validate_due(never.trainer, k) or schedule.save_due(never.trainer, k) for k in range(1, 8))
 
 
 def _fake_checkpoint(run: RunDir, k: int) -> None:
@@ -99,12 +99,12 @@ def test_fewer_prompts_than_a_batch_make_one_step_per_epoch_and_val_only_runs_no
 
 
 def test_val_before_train_and_val_only_follow_verl():
-    assert schedule.initial_validation_due(load_config(None))  # verl's default: validate the initial policy
-    assert not schedule.initial_validation_due(load_config(None, ["trainer.val_before_train=false"]))
-    assert plan.stops_after_validation(load_config(None, ["trainer.val_only=true"]))
+    assert schedule.initial_validation_due(load_config(None).trainer)  # verl's default: validate the initial policy
+    assert not schedule.initial_validation_due(load_config(None, ["trainer.val_before_train=false"]).trainer)
+    assert plan.stops_after_validation(load_config(None, ["trainer.val_only=true"]).trainer)
     # verl checks val_only only inside the val_before_train branch: without it the run trains
     assert not plan.stops_after_validation(load_config(None, ["trainer.val_only=true",
-                                                                  "trainer.val_before_train=false"]))
+                                                              "trainer.val_before_train=false"]).trainer)
 
 
 def test_loggers_say_once_what_is_unavailable(caplog):
@@ -131,7 +131,7 @@ def test_prune_keeps_last_good_and_the_last_save_points(tmp_path):
         record_stage(run, k, "guard", status="done", inputs={}, outputs={}, config_hash="h")
     for k in range(1, 7):  # 1..6 committed, 7 not yet
         write_last_good(run, k)
-    assert lifecycle.prune_checkpoints(cfg, run) == [1, 2, 3, 5]
+    assert lifecycle.prune_checkpoints(cfg.trainer, run) == [1, 2, 3, 5]
     assert [k for k in range(1, 8) if run.checkpoint(k).exists()] == [4, 6, 7]  # 7: not committed yet
     assert read_manifest(run, 2)["update"]["checkpoint_pruned"] is True
 
@@ -198,11 +198,11 @@ def test_curve_redrawn_every_curve_freq_after_the_last_and_after_a_rollback(tmp_
 
     cfg = load_config(None, ["trainer.curve_freq=5", "trainer.total_iterations=12"])
     run = RunDir(tmp_path / "run")
-    assert [k for k in range(1, 13) if curve_due(cfg, run, k)] == [5, 10, 12]
+    assert [k for k in range(1, 13) if curve_due(cfg.trainer, run, k)] == [5, 10, 12]
     run.append_event("rollback", 3)
-    assert curve_due(cfg, run, 3) and not curve_due(cfg, run, 4)
+    assert curve_due(cfg.trainer, run, 3) and not curve_due(cfg.trainer, run, 4)
     every = load_config(None, ["trainer.total_iterations=3"])
-    assert [k for k in range(1, 4) if curve_due(every, run, k)] == [1, 2, 3]
+    assert [k for k in range(1, 4) if curve_due(every.trainer, run, k)] == [1, 2, 3]
 
 
 def test_settle_heap_moves_live_objects_out_of_the_collectors_view():

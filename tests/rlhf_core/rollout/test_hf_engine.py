@@ -182,23 +182,27 @@ def test_greedy_with_several_samples_gives_identical_copies(engine, prompts):
         SamplingParams(n=0)
 
 
-def test_sampling_from_config_follows_do_sample_and_val_kwargs():
+def test_sampling_settings_follow_do_sample_and_val_kwargs():
     from rlhf_core.config import load_config
-    from rlhf_core.rollout.generate import sampling_from_config, val_sampling_from_config
+    from rlhf_core.rollout.generate import train_sampling, validation_sampling
+    from rlhf_core.stages.settings import generation
 
-    cfg = load_config(None, ["actor_rollout_ref.rollout.n=4"])
-    assert not sampling_from_config(cfg, seed=1).greedy and sampling_from_config(cfg, seed=1).n == 4
-    greedy = sampling_from_config(load_config(None, ["actor_rollout_ref.rollout.do_sample=false",
-                                                     "actor_rollout_ref.rollout.n=4"]), seed=1)
+    def gen(*overrides):
+        return generation(load_config(None, list(overrides)))
+
+    four = gen("actor_rollout_ref.rollout.n=4")
+    assert not train_sampling(four, seed=1).greedy and train_sampling(four, seed=1).n == 4
+    greedy = train_sampling(gen("actor_rollout_ref.rollout.do_sample=false", "actor_rollout_ref.rollout.n=4"), seed=1)
     assert greedy.greedy and greedy.n == 4
-    assert val_sampling_from_config(cfg, seed=1).greedy  # verl's val_kwargs default: do_sample=false
-    assert val_sampling_from_config(load_config(None, ["actor_rollout_ref.rollout.val_kwargs.do_sample=true",
-                                                       "actor_rollout_ref.rollout.val_kwargs.temperature=0"]),
-                                    seed=1).greedy  # temperature 0 is greedy too
-    sampled = val_sampling_from_config(load_config(None, [
+    assert validation_sampling(four, seed=1).greedy  # verl's val_kwargs default: do_sample=false
+    assert validation_sampling(gen("actor_rollout_ref.rollout.val_kwargs.do_sample=true",
+                                   "actor_rollout_ref.rollout.val_kwargs.temperature=0"),
+                               seed=1).greedy  # temperature 0 is greedy too
+    sampled = validation_sampling(gen(
         "actor_rollout_ref.rollout.val_kwargs.do_sample=true", "actor_rollout_ref.rollout.val_kwargs.temperature=0.7",
-        "actor_rollout_ref.rollout.val_kwargs.n=3"]), seed=1)
+        "actor_rollout_ref.rollout.val_kwargs.n=3"), seed=1)
     assert not sampled.greedy and sampled.temperature == 0.7 and sampled.n == 3
+    assert four.data.max_response_length == train_sampling(four, seed=1).max_new_tokens
 
 
 def test_unknown_engine_lists_the_valid_ones():

@@ -50,7 +50,8 @@ def format_1_run(tmp_path) -> RunDir:
 def test_a_format_1_directory_is_upgraded_once(tmp_path):
     run = format_1_run(tmp_path)
     assert migrate.run_format(run) == 1 and "format 1" in migrate.outdated(run)
-    line = migrate.migrate(run, resolve_run_config(run.root, None, ()))
+    saved = resolve_run_config(run.root, None, ())
+    line = migrate.migrate(run, saved.algorithm.kl_ctrl, saved.data.reward_fn_key)
     assert "the KL controller state of iterations [1, 2, 3] is now each gae's output" in line
     assert migrate.run_format(run) == migrate.RUN_FORMAT and migrate.outdated(run) is None
     states = {k: json.loads(run.kl_state(k).read_text()) for k in (1, 2, 3)}
@@ -66,7 +67,7 @@ def test_a_format_1_directory_is_upgraded_once(tmp_path):
     assert not run.legacy_kl_ctrl_path.exists()
     assert committed_iterations(run) == [1, 2]  # the commit log got its list from the guard records
     assert [e["kind"] for e in run.events()] == ["migrated"]
-    assert migrate.migrate(run, load_config(None, [])) is None  # once
+    assert migrate.migrate(run, saved.algorithm.kl_ctrl, saved.data.reward_fn_key) is None  # once
 
 
 def test_a_new_directory_is_current_and_a_newer_one_is_refused(tmp_path):
@@ -77,4 +78,4 @@ def test_a_new_directory_is_current_and_a_newer_one_is_refused(tmp_path):
     assert json.loads(run.format_path.read_text()) == {"format": migrate.RUN_FORMAT}
     run.format_path.write_text(json.dumps({"format": migrate.RUN_FORMAT + 1}))
     with pytest.raises(RLHFError, match="newer than this rlhf-dag reads"):
-        migrate.migrate(run, load_config(None, []))
+        migrate.migrate(run, load_config(None, []).algorithm.kl_ctrl, "data_source")

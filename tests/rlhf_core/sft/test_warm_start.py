@@ -111,7 +111,7 @@ def test_sft_data_comes_from_the_train_split_and_holds_out_dev(cfg, tiny_model_d
     from rlhf_core.data.preprocess import preprocess_files
 
     tok = _tokenizer(tiny_model_dir)
-    rows = warm_start.load_train_rows(cfg, tok)
+    rows = warm_start.load_train_rows(cfg.data, tok)
     val = preprocess_files(cfg.data.train_files, [], cfg.data, tok, progress=False).val.to_pylist()
     data = warm_start.build_sft_data(rows, tok, dev_size=4, prose_fraction=0.5, seed=0)
     assert len(data.examples) + len(data.dev_prompts) == len(rows) and len(data.dev_prompts) == 4
@@ -138,9 +138,9 @@ def _weights(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_warm_start_is_deterministic_and_changes_the_weights(cfg, tiny_model_dir, tmp_path, one_thread):
-    first = warm_start.warm_start(cfg, out_root=tmp_path / "a", progress=False)
+    first = warm_start.warm_start(cfg.actor_rollout_ref.model, cfg.data, out_root=tmp_path / "a", progress=False)
     torch.set_num_threads(2)  # the warm start pins a small model to one thread itself, then restores
-    second = warm_start.warm_start(cfg, out_root=tmp_path / "b", progress=False)
+    second = warm_start.warm_start(cfg.actor_rollout_ref.model, cfg.data, out_root=tmp_path / "b", progress=False)
     assert torch.get_num_threads() == 2
     a, b, base = _weights(first), _weights(second), _weights(tiny_model_dir)
     assert a.keys() == b.keys()
@@ -154,14 +154,14 @@ def test_warm_start_is_deterministic_and_changes_the_weights(cfg, tiny_model_dir
 
 def test_warm_start_reuses_the_cache(cfg, tmp_path, monkeypatch, one_thread):
     root = tmp_path / "models"
-    path = warm_start.warm_start(cfg, out_root=root, progress=False)
+    path = warm_start.warm_start(cfg.actor_rollout_ref.model, cfg.data, out_root=root, progress=False)
     stamp = (path / "warm_start.json").stat().st_mtime_ns
 
     def must_not_train(*args, **kwargs):
         raise AssertionError("the cached warm start was retrained")
 
     monkeypatch.setattr(warm_start, "train_sft", must_not_train)
-    assert warm_start.warm_start(cfg, out_root=root, progress=False) == path
+    assert warm_start.warm_start(cfg.actor_rollout_ref.model, cfg.data, out_root=root, progress=False) == path
     assert (path / "warm_start.json").stat().st_mtime_ns == stamp
     assert [p.name for p in root.iterdir()] == [path.name]  # nothing half-written left behind
 
@@ -169,13 +169,16 @@ def test_warm_start_reuses_the_cache(cfg, tmp_path, monkeypatch, one_thread):
 def test_cache_key_follows_settings_and_data(cfg, arith_file, tmp_path):
     from rlhf_core.config.loader import apply_overrides
 
-    path = warm_start.warm_start_path(cfg, tmp_path)
+    def where(c):
+        return warm_start.warm_start_path(c.actor_rollout_ref.model, c.data, tmp_path)
+
+    path = where(cfg)
     assert path.name.startswith(Path(cfg.actor_rollout_ref.model.path).name + "-sft-")
-    assert warm_start.warm_start_path(apply_overrides(cfg, ["actor_rollout_ref.model.warm_start.steps=4"]), tmp_path) != path
-    assert warm_start.warm_start_path(apply_overrides(cfg, ["data.instruction=Answer."]), tmp_path) != path
+    assert where(apply_overrides(cfg, ["actor_rollout_ref.model.warm_start.steps=4"])) != path
+    assert where(apply_overrides(cfg, ["data.instruction=Answer."])) != path
     arith_file.write_text(arith_file.read_text() + json.dumps(
         {"question": "Bo has 2 pens. How many?", "answer": "#### 2", "id": "extra"}) + "\n")
-    assert warm_start.warm_start_path(cfg, tmp_path) != path
+    assert where(cfg) != path
 
 
 def test_invalid_warm_start_settings_are_rejected(repo_root):

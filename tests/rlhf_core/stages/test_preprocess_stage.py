@@ -186,8 +186,8 @@ def test_a_run_refuses_too_little_to_train_on(rows, overrides, words):
     from rlhf_core.run.schedule import initial_validation_due, stops_after_validation
 
     cfg = load_config(None, overrides)
-    validates = initial_validation_due(cfg) or cfg.trainer.test_freq > 0
-    problem = prompt_supply_problem(rows, cfg.data, trains=not stops_after_validation(cfg), validates=validates,
+    validates = initial_validation_due(cfg.trainer) or cfg.trainer.test_freq > 0
+    problem = prompt_supply_problem(rows, cfg.data, trains=not stops_after_validation(cfg.trainer), validates=validates,
                                     run_root="RUN")
     if words is None:
         assert problem is None
