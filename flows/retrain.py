@@ -29,7 +29,8 @@ from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lock import RunLock
 from rlhf_core.paths import resolve_path
-from rlhf_core.control.retrain_inputs import LAST_EXPORTED, SNAPSHOTS_DIR, check_inputs, resolve_base_model, retrain_run_name, runs_root_of, snapshot_files
+from rlhf_core.control.retrain_inputs import LAST_EXPORTED, SNAPSHOTS_DIR, resolve_base_model, retrain_run_name, runs_root_of, snapshot_files
+from rlhf_core.run.inputs import check_inputs
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.prefect_runs import fail_misplaced_parameters
 

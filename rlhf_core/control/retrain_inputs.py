@@ -1,5 +1,5 @@
-"""Retraining inputs: the model a retraining run starts from, a frozen copy of its prompt data, and a
-check that every path a config names exists before any work starts.
+"""Retraining inputs: the model a retraining run starts from and a frozen copy of its prompt data;
+``run.inputs.check_inputs`` then checks that every path the config names exists before any work starts.
 
 A scheduled retrain (flows/retrain.py, deployment ``rlhf-retrain``) must be reproducible and must
 never write into an earlier run, so it
@@ -26,7 +26,6 @@ from typing import Optional, Sequence
 
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.io.atomic import atomic_path, atomic_write_json
-from rlhf_core.run.inputs import check_inputs
 from rlhf_core.io.hashing import sha256_file
 from rlhf_core.paths import resolve_path
 

@@ -18,7 +18,7 @@ import contextlib
 import hashlib
 import importlib
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional, Protocol, Sequence, runtime_checkable
+from typing import Iterator, Optional, Protocol, Sequence, runtime_checkable
 
 from rlhf_core.errors import RLHFError
 from rlhf_core.models.threads import small_matmuls

@@ -37,7 +37,6 @@ def test_status_after_ctrl_c_advises_the_resume_not_a_stage_rerun(tmp_path, caps
     """Issue 29: Ctrl-C right after iteration 3 began (only its KL controller snapshot written) made
     `rlhf status` report a problem and advise `rlhf stage <stage> ... --iteration 3`, while the
     interrupt line said `rlhf run --resume`, which is what continues the run."""
-    from rlhf_core.io.atomic import atomic_write_json
     from rlhf_core.io.checksums import write_checksums
     from rlhf_core.run.lifecycle import commit_iteration
 

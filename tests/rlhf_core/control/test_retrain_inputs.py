@@ -9,7 +9,8 @@ import pytest
 
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.io.hashing import sha256_file
-from rlhf_core.control.retrain_inputs import LAST_EXPORTED, check_inputs, find_exports, latest_export, resolve_base_model, retrain_run_name, snapshot_files
+from rlhf_core.control.retrain_inputs import LAST_EXPORTED, find_exports, latest_export, resolve_base_model, retrain_run_name, snapshot_files
+from rlhf_core.run.inputs import check_inputs
 
 
 def _export(runs_root: Path, run: str, when: float, iteration: int = 2) -> Path:

@@ -4,7 +4,6 @@ step is the one that would have followed the capture (bit for bit)."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
