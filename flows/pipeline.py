@@ -204,7 +204,7 @@ def redo_missed_validations(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optio
             prefect_artifacts.logger().warning("validation of step %d was missed and cannot be redone: %s", k, exc)
             continue
         if k >= 1:
-            iteration_metrics(cfg, run, k)
+            iteration_metrics(cfg.data, run, k)
         redone.append(k)
     if redone:
         prefect_artifacts.logger().info("redid the validations a crash skipped: steps %s", redone)

@@ -49,7 +49,7 @@ def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
     log.warning(alert)
     if mlflow_run_id:
         mlflow_tracking.set_tags(mlflow_run_id, {f"rollback.iter_{k}.attempt_{attempt}": alert, "rollback": "true"})
-        batch = iteration_numbers(cfg, run, k).rolled_back.get(attempt, {}) if stage_results is not None else {}
+        batch = iteration_numbers(cfg.data, run, k).rolled_back.get(attempt, {}) if stage_results is not None else {}
         batch.update({"guard/rollback": 1.0, "guard/rollback_kl": verdict.get("kl_mean", 0.0),
                       "guard/rollback_attempt": float(attempt)})
         mlflow_tracking.log_metrics(mlflow_run_id, batch, step=k)

@@ -95,10 +95,10 @@ def _finish_iteration(cfg: RLHFConfig, run_dir: str, iteration: int, mlflow_run_
     run = RunDir(run_dir)
     k = iteration
     log = prefect_artifacts.logger()
-    numbers = iteration_numbers(cfg, run, k)
+    numbers = iteration_numbers(cfg.data, run, k)
     save_iteration_metrics(run, k, numbers.metrics)
     metrics = numbers.metrics
-    raised = iteration_alerts(cfg, metrics, alert_history(run, k))  # a change worth attention, not a level
+    raised = iteration_alerts(cfg.trainer, metrics, alert_history(run, k))  # a change worth attention, not a level
     for alert in raised:  # a warning also goes out as a Prefect event; the clip-fraction signal is information
         loud = ALERT_KINDS[alert.kind] == "warning"
         (log.warning if loud else log.info)("alert (iteration %d): %s", k, alert.message)
@@ -160,7 +160,7 @@ def backfill_metrics(cfg: RLHFConfig, run: RunDir, mlflow_run_id: str) -> list[i
         return []
     missing = [k for k in committed_iterations(run) if k not in logged]
     for k in missing:
-        numbers = iteration_numbers(cfg, run, k)
+        numbers = iteration_numbers(cfg.data, run, k)
         save_iteration_metrics(run, k, numbers.metrics)
         mlflow_tracking.log_metrics(mlflow_run_id, numbers.batch, step=k)
     if missing and not mlflow_tracking.failure(mlflow_run_id):

@@ -23,7 +23,7 @@ from typing import Literal, Mapping, Optional
 from rlhf_core.algos import estimator_takes
 from rlhf_core.algos.rollout_correction import RolloutCorrection
 from rlhf_core.config.errors import ConfigError
-from rlhf_core.config.schema import OptimConfig, RLHFConfig
+from rlhf_core.config.schema import DataConfig, OptimConfig, RLHFConfig
 
 Role = Literal["actor", "critic", "rollout", "ref", "reward_model"]
 """actor/critic: the update's forward/backward; rollout: old log-probs; ref: reference log-probs;
@@ -175,13 +175,13 @@ def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
     return int(optim.lr_warmup_steps_ratio * total_steps)
 
 
-def steps_per_epoch(cfg: RLHFConfig, train_prompts: int) -> int:
+def steps_per_epoch(data: DataConfig, train_prompts: int) -> int:
     """Training steps in one pass over the prompts: verl's dataloader drops the last partial batch.
     A run with fewer prompts than one batch is refused after preprocess, as verl's empty dataloader
     refuses to start (``run.plan.check_prompt_supply``); counted alone, they make one smaller step."""
     if train_prompts <= 0:
         return 0
-    return max(1, train_prompts // cfg.data.train_batch_size)
+    return max(1, train_prompts // data.train_batch_size)
 
 
 def total_iterations(cfg: RLHFConfig, train_prompts: int) -> int:
@@ -192,7 +192,7 @@ def total_iterations(cfg: RLHFConfig, train_prompts: int) -> int:
         return t.total_iterations
     if t.total_training_steps is not None:
         return t.total_training_steps
-    return t.total_epochs * steps_per_epoch(cfg, train_prompts)
+    return t.total_epochs * steps_per_epoch(cfg.data, train_prompts)
 
 
 def update_nodes(cfg: RLHFConfig, cuda_devices: int) -> tuple[int, int]:

@@ -164,7 +164,7 @@ def fill_total_iterations(cfg: RLHFConfig, run: RunDir) -> RLHFConfig:
     prompts = run.train_prompt_count()
     total = resolve.total_iterations(cfg, prompts)
     how = ("trainer.total_training_steps" if t.total_training_steps is not None else
-           f"{t.total_epochs} epochs × {resolve.steps_per_epoch(cfg, prompts)} steps of data.train_batch_size="
+           f"{t.total_epochs} epochs × {resolve.steps_per_epoch(cfg.data, prompts)} steps of data.train_batch_size="
            f"{cfg.data.train_batch_size} over {prompts} prompts")
     if total < 1 and not stops_after_validation(cfg.trainer):
         raise ConfigError(f"no training step to run ({how}); set trainer.total_training_steps or add prompts")
@@ -218,7 +218,7 @@ def close_committed(cfg: RLHFConfig, run: RunDir) -> list[int]:
             run.append_event("commit", k, recovered=True)
     unreported = [k for k in committed if not run.iteration_metrics(k).is_file()]
     for k in unreported:
-        iteration_metrics(cfg, run, k)
+        iteration_metrics(cfg.data, run, k)
     prune_checkpoints(cfg.trainer, run)
     return unreported
 

@@ -11,8 +11,8 @@ from typing import Optional, Sequence
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from rlhf_core.config import RLHFConfig
 from rlhf_core.config import resolve
+from rlhf_core.config.schema import DataConfig, TrainerConfig
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import committed_iterations
@@ -69,18 +69,18 @@ def timing_metrics(metrics: dict[str, float]) -> dict[str, float]:
     return out
 
 
-def steps_per_epoch(cfg: RLHFConfig, run: RunDir) -> int:
+def steps_per_epoch(data: DataConfig, run: RunDir) -> int:
     """Iterations per pass over the training prompts as this run orders them: the pack stage's slot
     count (verl's train prompts // data.train_batch_size when the pack stage has not run)."""
     slots = (read_manifest(run, None).get("pack", {}).get("rows") or {}).get("slots")
     if slots:
         return int(slots)
-    return max(1, resolve.steps_per_epoch(cfg, run.train_prompt_count())) if run.train_prompts.is_file() else 1
+    return max(1, resolve.steps_per_epoch(data, run.train_prompt_count())) if run.train_prompts.is_file() else 1
 
 
-def iteration_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
+def iteration_metrics(data: DataConfig, run: RunDir, k: int) -> dict[str, float]:
     """``collect_metrics`` of iteration ``k``, written to iter_k/iteration_metrics.json and returned."""
-    out = collect_metrics(cfg, run, k)
+    out = collect_metrics(data, run, k)
     save_iteration_metrics(run, k, out)
     return out
 
@@ -89,10 +89,11 @@ def save_iteration_metrics(run: RunDir, k: int, metrics: dict[str, float]) -> No
     atomic_write_json(run.iteration_metrics(k), metrics)
 
 
-def collect_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
+def collect_metrics(data: DataConfig, run: RunDir, k: int) -> dict[str, float]:
     """Every stage metric of iteration ``k`` (manifest records, both names of each ALIASES pair),
     plus perf/stage_seconds/<stage>, perf/iteration_seconds, perf/iteration_tokens_per_s, verl's
-    timing_s/* (``TIMING``), training/global_step and training/epoch (0-based, as verl counts)."""
+    timing_s/* (``TIMING``), training/global_step and training/epoch (0-based, as verl counts; the
+    epoch's length from ``data``: ``steps_per_epoch``)."""
     manifest = read_manifest(run, k)
     out: dict[str, float] = {}
     seconds = 0.0
@@ -112,7 +113,7 @@ def collect_metrics(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
         out["perf/iteration_tokens_per_s"] = tokens / seconds
     out.update(timing_metrics(out))
     out["training/global_step"] = float(k)
-    out["training/epoch"] = float((k - 1) // steps_per_epoch(cfg, run)) if k >= 1 else 0.0
+    out["training/epoch"] = float((k - 1) // steps_per_epoch(data, run)) if k >= 1 else 0.0
     out["iteration"] = float(k)
     return out
 
@@ -175,10 +176,10 @@ class IterationNumbers:
         return {**out, **self.derived}
 
 
-def iteration_numbers(cfg: RLHFConfig, run: RunDir, k: int) -> IterationNumbers:
+def iteration_numbers(data: DataConfig, run: RunDir, k: int) -> IterationNumbers:
     """What iteration ``k`` reports, from its manifest alone (writes nothing)."""
     manifest = read_manifest(run, k)
-    metrics = collect_metrics(cfg, run, k)
+    metrics = collect_metrics(data, run, k)
     by_stage = [set(rec.get("metrics") or {}) | {f"perf/stage_seconds/{name}"} for name, rec in manifest.items()]
     logged = set().union(*by_stage) if by_stage else set()
     rolled_back: dict[int, dict[str, float]] = {}
@@ -243,7 +244,7 @@ ALERT_KINDS = {"kl-breach": "warning", "val-drop": "warning", "clipfrac-fell": "
 event the alerting automation notifies on), information only goes to the log and the report."""
 
 
-def iteration_alerts(cfg: RLHFConfig, metrics: dict[str, float],
+def iteration_alerts(trainer: TrainerConfig, metrics: dict[str, float],
                      history: Sequence[dict[str, float]] = ()) -> list[Alert]:
     """What is worth a person's attention at this iteration (``metrics``), given the metrics of the
     run's earlier committed iterations (``history``, oldest first):
@@ -255,10 +256,10 @@ def iteration_alerts(cfg: RLHFConfig, metrics: dict[str, float],
       CLIPFRAC_REARM (``fell_below``): the policy has stopped moving much, a convergence signal."""
     out = []
     kl = metrics.get("kl/mean")
-    if kl is not None and kl > cfg.trainer.kl_rollback_threshold:
+    if kl is not None and kl > trainer.kl_rollback_threshold:
         out.append(Alert("kl-breach", f"KL {kl:.4f} above trainer.kl_rollback_threshold="
-                                      f"{cfg.trainer.kl_rollback_threshold}"))
-    drop = cfg.trainer.alert_val_drop
+                                      f"{trainer.kl_rollback_threshold}"))
+    drop = trainer.alert_val_drop
     accuracy = [m.get("val/accuracy") for m in (*history, metrics)]
     best = dropped_from_best(accuracy, drop) if drop is not None else None
     if best is not None:
@@ -272,10 +273,10 @@ def iteration_alerts(cfg: RLHFConfig, metrics: dict[str, float],
     return out
 
 
-def alerts(cfg: RLHFConfig, metrics: dict[str, float],
+def alerts(trainer: TrainerConfig, metrics: dict[str, float],
            history: Sequence[dict[str, float]] = ()) -> list[str]:
     """The messages of ``iteration_alerts``."""
-    return [a.message for a in iteration_alerts(cfg, metrics, history)]
+    return [a.message for a in iteration_alerts(trainer, metrics, history)]
 
 
 def dropped_from_best(values: Sequence[Optional[float]], drop: float) -> Optional[float]:

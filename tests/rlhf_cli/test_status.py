@@ -21,7 +21,7 @@ def test_status_shows_dashes_and_the_validation_score(tmp_path, capsys):
     record_stage(run, 2, "validate", status="done", inputs={}, outputs={}, config_hash="h",
                  metrics={"val/accuracy": 0.5, "val/reward_mean": 0.625}, seconds=1.0)
     for k in (1, 2):
-        iteration_metrics(cfg, run, k)  # what finish-iteration writes: the metrics status reads
+        iteration_metrics(cfg.data, run, k)  # what finish-iteration writes: the metrics status reads
     assert main(["status", str(run.root)]) == 0
     out = capsys.readouterr().out
     assert "NULL" not in out

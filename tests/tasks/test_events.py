@@ -35,9 +35,9 @@ def test_val_drop_alerts_once_per_fall_and_rearms_on_a_new_best():
     assert dropped_from_best([0.5, 0.3, None], 0.1) is None  # no validation this iteration
     cfg = _cfg()
     history = [{"val/accuracy": 0.7}, {"kl/mean": 0.01}]
-    (alert,) = iteration_alerts(cfg, {"val/accuracy": 0.55, "kl/mean": 0.01}, history)
+    (alert,) = iteration_alerts(cfg.trainer, {"val/accuracy": 0.55, "kl/mean": 0.01}, history)
     assert alert.kind == "val-drop" and "0.150 below the run's best 0.700" in alert.message
-    assert iteration_alerts(_cfg("trainer.alert_val_drop=null"), {"val/accuracy": 0.1}, history) == []
+    assert iteration_alerts(_cfg("trainer.alert_val_drop=null").trainer, {"val/accuracy": 0.1}, history) == []
 
 
 def test_the_automation_file_expects_every_event_kind_we_emit():

@@ -50,7 +50,7 @@ def test_training_steps_as_verl_derives_them(prompts, batch, epochs, steps):
         overrides.append(f"trainer.total_training_steps={steps}")
     cfg = load_config(None, overrides)
     assert total_iterations(cfg, prompts) == verl_total_training_steps(prompts, batch, epochs, steps)
-    assert steps_per_epoch(cfg, prompts) == max(1, prompts // batch)
+    assert steps_per_epoch(cfg.data, prompts) == max(1, prompts // batch)
     assert total_iterations(load_config(None, overrides + ["trainer.total_iterations=4"]), prompts) == 4
 
 

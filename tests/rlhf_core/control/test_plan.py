@@ -151,7 +151,7 @@ def test_iteration_metrics_merge_stage_metrics_and_timings(tmp_path):
                  metrics={"kl/coef": 5.0})
     record_stage(run, 1, "score", status="done", inputs={}, outputs={}, config_hash="h", seconds=4.0,
                  metrics={"critic/score/mean": 0.75})
-    metrics = report.iteration_metrics(cfg, run, 1)
+    metrics = report.iteration_metrics(cfg.data, run, 1)
     assert metrics["kl/mean"] == 0.2 and "kl/coef" not in metrics  # rolled-back records do not count
     assert metrics["guard/kl_mean"] == 0.2
     assert metrics["reward/mean"] == 0.75  # our name from verl's
@@ -170,7 +170,7 @@ def test_training_epoch_counts_the_pack_stages_slots(tmp_path):
     record_stage(run, None, "pack", status="done", inputs={}, outputs={}, config_hash="h", rows={"slots": 3})
     for k in (1, 3, 4, 7):
         record_stage(run, k, "rollout", status="done", inputs={}, outputs={}, config_hash="h", seconds=1.0)
-    assert [report.iteration_metrics(cfg, run, k)["training/epoch"] for k in (1, 3, 4, 7)] == [0, 0, 1, 2]
+    assert [report.iteration_metrics(cfg.data, run, k)["training/epoch"] for k in (1, 3, 4, 7)] == [0, 0, 1, 2]
 
 
 def test_aliases_fill_either_name():
@@ -181,9 +181,9 @@ def test_aliases_fill_either_name():
 
 def test_alerts_and_table_row():
     cfg = load_config(None, ["trainer.kl_rollback_threshold=0.05"])
-    lines = report.alerts(cfg, {"kl/mean": 0.07, "actor/pg_clipfrac": 0.05}, history=[{"actor/pg_clipfrac": 0.2}])
+    lines = report.alerts(cfg.trainer, {"kl/mean": 0.07, "actor/pg_clipfrac": 0.05}, history=[{"actor/pg_clipfrac": 0.2}])
     assert len(lines) == 2 and "0.0700" in lines[0] and "convergence" in lines[1]
-    assert report.alerts(cfg, {"kl/mean": 0.05, "actor/pg_clipfrac": 0.2}) == []
+    assert report.alerts(cfg.trainer, {"kl/mean": 0.05, "actor/pg_clipfrac": 0.2}) == []
     header = report.format_iteration_header()
     row = report.format_iteration_row({"iteration": 3, "reward/mean": 0.5, "kl/mean": 0.01})
     assert len(row) == len(header) and row.split()[:2] == ["3", "0.500"] and row.split()[2] == "-"
