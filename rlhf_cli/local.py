@@ -12,9 +12,8 @@ from rlhf_core.errors import RLHFError
 from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
 from rlhf_core.control.export import check_export_allowed, export_actor
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.migrate import migrate
 from rlhf_core.run.lock import RunLock
-from rlhf_core.control.plan import resolve_run_config, saved_config, stage_config
+from rlhf_core.control.plan import resolve_run_config, saved_config, stage_config, upgrade_format
 from rlhf_core.run.stage_order import get_stage
 from rlhf_core.stages.repair import prepare_export
 
@@ -64,7 +63,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     cfg = resolve_run_config(run.root, None, args.overrides)
     with RunLock(run):
         saved = saved_config(run)
-        migrate(run, saved.algorithm.kl_ctrl, saved.data.reward_fn_key)
+        upgrade_format(run, saved)
         check_export_allowed(cfg, run)  # a refusal first: before any repair works for nothing
         prepare_export(run, saved)  # damage rebuilt (each said in one line); a crash's record-only state written
         path = export_actor(cfg, run, args.out)

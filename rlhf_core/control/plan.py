@@ -194,7 +194,7 @@ def prepare_resume(run: RunDir) -> dict:
     back from (``stages.repair``), each said in one line. Returns what was done, for the resume event."""
     removed = clean_temporaries(run.root)
     saved = saved_config(run)
-    migrated = migrate(run, saved.algorithm.kl_ctrl, saved.data.reward_fn_key)
+    migrated = upgrade_format(run, saved)
     rebuilt = rebuild_commit_log(run)
     repairs = repair_run(run, saved)
     return {"cleaned": [str(p) for p in removed], "migrated": migrated, "rebuilt_commit_log": rebuilt,
@@ -205,6 +205,11 @@ def saved_config(run: RunDir) -> RLHFConfig:
     """The run's config as config.yaml holds it (what its iterations ran with, before any overrides
     of the command at hand)."""
     return resolve_run_config(run.root, None, ())
+
+
+def upgrade_format(run: RunDir, saved: RLHFConfig) -> Optional[str]:
+    """``migrate`` with what it reads of the run's saved config; one line of what it did, or None."""
+    return migrate(run, saved.algorithm.kl_ctrl, saved.data.reward_fn_key)
 
 
 def close_committed(cfg: RLHFConfig, run: RunDir) -> list[int]:
@@ -244,8 +249,7 @@ def stage_config(run: RunDir, preset: Optional[str], overrides: Sequence[str]) -
         stamp(run)
         save_config(run, cfg)
         return fill_total_iterations(cfg, run)
-    before = saved_config(run)
-    migrate(run, before.algorithm.kl_ctrl, before.data.reward_fn_key)
+    upgrade_format(run, saved_config(run))
     saved = fill_total_iterations(resolve_run_config(run.root, None, ()), run)  # saves only the run's own config
     cfg = apply_overrides(saved, overrides) if preset is None else resolve_run_config(None, preset, overrides)
     if cfg.trainer.total_iterations is None and saved.trainer.total_iterations is not None:

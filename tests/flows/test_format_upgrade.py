@@ -23,7 +23,7 @@ from rlhf_core.run import migrate
 from rlhf_core.run.integrity import find_damage
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.manifest import read_manifest, record_key
-from rlhf_core.control.plan import saved_config
+from rlhf_core.control.plan import saved_config, upgrade_format
 
 pytestmark = [pytest.mark.slow, pytest.mark.deepspeed]
 
@@ -52,11 +52,6 @@ def format_2_copy(pristine: RunDir, where: Path) -> RunDir:
     migrate._replace_digests(run, plan)  # the hashes an older version recorded for these tables
     atomic_write_json(run.format_path, {"format": 2})
     return run
-
-
-def _migrate(run: RunDir):
-    saved = saved_config(run)
-    return migrate.migrate(run, saved.algorithm.kl_ctrl, saved.data.reward_fn_key)
 
 
 def rlhf(capsys, *argv: str) -> tuple[int, str]:
@@ -95,12 +90,12 @@ def test_a_format_2_run_is_upgraded_once_and_nothing_reruns(two_iterations, tmp_
     upgraded, new = pq.read_table(run.scored(2)), pq.read_table(pristine.scored(2))
     for column in ("reward", "old_log_probs", "ref_log_probs", "values", "reward_source", "extra_info"):
         assert upgraded.column(column).equals(new.column(column)), column
-    assert _migrate(run) is None  # once
+    assert upgrade_format(run, saved_config(run)) is None  # once
 
 
 def test_an_upgrade_killed_part_way_is_finished_and_damage_is_left_to_its_stage(two_iterations, tmp_path):
     whole = format_2_copy(two_iterations.pristine, tmp_path / "whole")
-    _migrate(whole)
+    upgrade_format(whole, saved_config(whole))
 
     killed = format_2_copy(two_iterations.pristine, tmp_path / "killed")
     damaged = record_key(killed, killed.rollout(2))
@@ -108,7 +103,7 @@ def test_an_upgrade_killed_part_way_is_finished_and_damage_is_left_to_its_stage(
     pq.write_table(table.slice(0, len(table) - 1), killed.rollout(2))  # not what its rollout recorded
     migrate._stage_tables(killed, saved_config(killed).data.reward_fn_key)  # staged and listed, then the process dies
     assert killed.format_journal.is_file() and migrate.run_format(killed) == 2
-    line = _migrate(killed)
+    line = upgrade_format(killed, saved_config(killed))
     assert "5 table(s) given the columns they lacked" in line and damaged not in line
     for path in _tables(whole):
         if record_key(whole, path) != damaged:
