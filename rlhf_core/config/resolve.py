@@ -23,7 +23,7 @@ from typing import Literal, Mapping, Optional
 from rlhf_core.algos import estimator_takes
 from rlhf_core.algos.rollout_correction import RolloutCorrection
 from rlhf_core.config.errors import ConfigError
-from rlhf_core.config.schema import DataConfig, OptimConfig, RLHFConfig
+from rlhf_core.config.schema import DataConfig, OptimConfig, RLHFConfig, TrainerConfig
 
 Role = Literal["actor", "critic", "rollout", "ref", "reward_model"]
 """actor/critic: the update's forward/backward; rollout: old log-probs; ref: reference log-probs;
@@ -244,10 +244,10 @@ def critic_loss_scale_factor(cfg: RLHFConfig) -> float:
     return float(factor) if factor is not None else loss_scale_factor(cfg)
 
 
-def actor_updates(cfg: RLHFConfig, iteration: int) -> bool:
+def actor_updates(trainer: TrainerConfig, iteration: int) -> bool:
     """Whether training step ``iteration`` (1-based, verl's global_steps) updates the actor: verl's
     ``critic_warmup <= global_steps``, so critic_warmup=N trains only the critic in steps 1..N-1."""
-    return cfg.trainer.critic_warmup <= iteration
+    return trainer.critic_warmup <= iteration
 
 
 def rollout_correction(cfg: RLHFConfig) -> RolloutCorrection:

@@ -12,7 +12,7 @@ training dtype (4 fp32, 2 bf16/fp16). What one rank holds of one trained model (
                  mixed precision at any stage), divided by N at ZeRO >= 1 (on the host with
                  offload_optimizer, with the fp32 gradient partition)
 
-and of one micro-batch of ``tokens`` tokens (``micro_batch_tokens``: the role's token budget with
+and of one micro-batch of ``tokens`` tokens (``RoleMemory.micro_batch_tokens``: the role's token budget with
 use_dynamic_bsz, else micro-batch size × (max prompt + max response length), at most the rank's
 share of a mini-batch):
 
@@ -288,86 +288,122 @@ class Shapes:
                    ModelShape.read(reference), ModelShape.read(reward_model) if reward_model is not None else None)
 
 
-def micro_batch_tokens(cfg: RLHFConfig, role: str, world_size: int) -> int:
-    """Tokens of the role's largest micro-batch: the token budget with use_dynamic_bsz, else
-    sequences per micro-batch × the longest sequence (max prompt + max response length); never more
-    than the rank's share of a whole mini-batch of longest sequences."""
-    mb = resolve.micro_batching(cfg, role, world_size)
-    longest = cfg.data.max_prompt_length + cfg.data.max_response_length
-    train_role = "critic" if role == "critic" else "actor"
-    per_rank = -(-resolve.mini_batch_sequences(cfg, train_role) // max(1, world_size)) * longest
-    return min(mb.token_budget if mb.use_dynamic_bsz else mb.micro_batch_size * longest, per_rank)
+@dataclass(frozen=True)
+class RoleMemory:
+    """What a trained role's terms depend on."""
+
+    deepspeed: DeepSpeedConfig
+    """Its DeepSpeed settings with verl's FSDP offload flags folded in (``config.effective_deepspeed``)."""
+    checkpointing: bool
+    """``model.enable_gradient_checkpointing``."""
+    micro_batch_tokens: int
+    """Tokens of its largest micro-batch: the token budget with use_dynamic_bsz, else sequences per
+    micro-batch × the longest sequence; never more than the rank's share of a mini-batch of longest
+    sequences."""
 
 
-def response_share(cfg: RLHFConfig) -> float:
-    d = cfg.data
-    return d.max_response_length / max(1, d.max_prompt_length + d.max_response_length)
+@dataclass(frozen=True)
+class MemorySettings:
+    """The values of a config the estimate reads, on ``world_size`` ranks (``memory_settings``)."""
+
+    world_size: int
+    actor: RoleMemory
+    critic: RoleMemory
+    scoring_tokens: int
+    """Tokens of the log-prob passes' largest micro-batch (the reference's budget)."""
+    response_share: float
+    """max_response_length / (max_prompt_length + max_response_length): the positions with logits."""
+    lora_rank: int
+    rollout_engine: str
+    gpu_memory_utilization: float
+    reference_offload: bool
+    reward_model_offload: bool
+    """The frozen models' ``fsdp_config.param_offload`` (``config.resolve.frozen_param_offload``)."""
 
 
-def estimate(cfg: RLHFConfig, shapes: Shapes, *, device: str, world_size: int, device_memory: int = 0,
+def memory_settings(cfg: RLHFConfig, world_size: int) -> MemorySettings:
+    """What the estimate of ``cfg`` on ``world_size`` ranks reads, once."""
+    d, arr = cfg.data, cfg.actor_rollout_ref
+    longest = d.max_prompt_length + d.max_response_length
+
+    def tokens(role: str) -> int:
+        mb = resolve.micro_batching(cfg, role, world_size)
+        train_role = "critic" if role == "critic" else "actor"
+        per_rank = -(-resolve.mini_batch_sequences(cfg, train_role) // max(1, world_size)) * longest
+        return min(mb.token_budget if mb.use_dynamic_bsz else mb.micro_batch_size * longest, per_rank)
+
+    return MemorySettings(
+        world_size=world_size,
+        actor=RoleMemory(effective_deepspeed(cfg), arr.model.enable_gradient_checkpointing, tokens("actor")),
+        critic=RoleMemory(effective_deepspeed(cfg, "critic"), cfg.critic.model.enable_gradient_checkpointing,
+                          tokens("critic")),
+        scoring_tokens=tokens("ref"), response_share=d.max_response_length / max(1, longest),
+        lora_rank=arr.model.lora_rank, rollout_engine=arr.rollout.name,
+        gpu_memory_utilization=arr.rollout.gpu_memory_utilization,
+        reference_offload=resolve.frozen_param_offload(cfg, "ref"),
+        reward_model_offload=resolve.frozen_param_offload(cfg, "reward_model"))
+
+
+def estimate(settings: MemorySettings, shapes: Shapes, *, device: str, device_memory: int = 0,
              resident: bool = False) -> Estimate:
-    """The per-rank estimate of ``cfg`` on ``world_size`` ranks of ``device`` ('cpu' | 'cuda'); the
+    """The per-rank estimate on ``settings.world_size`` ranks of ``device`` ('cpu' | 'cuda'); the
     dtypes are the resolved ones. ``device_memory``: one GPU's bytes (for the vLLM share);
     ``resident``: the trainer engines stay loaded beside the rollout and scoring."""
-    arr = cfg.actor_rollout_ref
-    actor_dtype = resolve_dtype(effective_deepspeed(cfg).dtype, device)
-    critic_dtype = resolve_dtype(cfg.critic.deepspeed_config.dtype, device)
+    s, world_size = settings, settings.world_size
+    actor_dtype = resolve_dtype(s.actor.deepspeed.dtype, device)
+    critic_dtype = resolve_dtype(s.critic.deepspeed.dtype, device)
     actor_params = shapes.actor.parameters("lm")
-    lora = arr.model.lora_rank
+    lora = s.lora_rank
     actor_trainable = shapes.actor.lora_parameters(lora) if lora > 0 else actor_params
     state = train_state("actor", actor_params + (actor_trainable if lora > 0 else 0), actor_trainable,
-                        Placement.of(effective_deepspeed(cfg), actor_dtype, world_size))
+                        Placement.of(s.actor.deepspeed, actor_dtype, world_size))
     if shapes.critic is not None:
         critic_params = shapes.critic.parameters("value")
         state += train_state("critic", critic_params, critic_params,
-                             Placement.of(effective_deepspeed(cfg, "critic"), critic_dtype, world_size))
-    actor_tokens = micro_batch_tokens(cfg, "actor", world_size)
-    critic_tokens = micro_batch_tokens(cfg, "critic", world_size)
-    actor_mb = [Term("actor activations", activations(shapes.actor, actor_tokens, actor_dtype,
-                                                      arr.model.enable_gradient_checkpointing)),
-                Term("actor logits", response_logits(shapes.actor, actor_tokens, actor_dtype, response_share(cfg)))]
+                             Placement.of(s.critic.deepspeed, critic_dtype, world_size))
+    actor_tokens, critic_tokens = s.actor.micro_batch_tokens, s.critic.micro_batch_tokens
+    actor_mb = [Term("actor activations", activations(shapes.actor, actor_tokens, actor_dtype, s.actor.checkpointing)),
+                Term("actor logits", response_logits(shapes.actor, actor_tokens, actor_dtype, s.response_share))]
     critic_mb = [] if shapes.critic is None else [
-        Term("critic activations", activations(shapes.critic, critic_tokens, critic_dtype,
-                                               cfg.critic.model.enable_gradient_checkpointing))]
+        Term("critic activations", activations(shapes.critic, critic_tokens, critic_dtype, s.critic.checkpointing))]
     larger = max(actor_mb, critic_mb, key=lambda terms: sum(t.device for t in terms))
-    held = held_terms(cfg, shapes, actor_dtype)
+    held = held_terms(s, shapes, actor_dtype)
     phases = {"update": state + larger + held}
     kept = [Term(t.name, t.device, t.host) for t in state] if resident else []
-    if arr.rollout.name == "vllm" and device == "cuda" and resident:
-        phases["rollout"] = kept + held + [Term("vLLM rollout", int(arr.rollout.gpu_memory_utilization * device_memory))]
-    phases["scoring"] = kept + scoring_terms(cfg, shapes, actor_dtype, world_size)
+    if s.rollout_engine == "vllm" and device == "cuda" and resident:
+        phases["rollout"] = kept + held + [Term("vLLM rollout", int(s.gpu_memory_utilization * device_memory))]
+    phases["scoring"] = kept + scoring_terms(s, shapes, actor_dtype)
     return Estimate(phases, device, world_size)
 
 
-def _held_models(cfg: RLHFConfig, shapes: Shapes) -> list[tuple[str, int, bool]]:
+def _held_models(settings: MemorySettings, shapes: Shapes) -> list[tuple[str, int, bool]]:
     """(name, parameters, offloaded) of each frozen model held for the run (``scoring.frozen``)."""
-    held = [("reference", shapes.reference.parameters("lm"), resolve.frozen_param_offload(cfg, "ref"))]
+    held = [("reference", shapes.reference.parameters("lm"), settings.reference_offload)]
     if shapes.reward_model is not None:
-        held.append(("reward model", shapes.reward_model.parameters("value"),
-                     resolve.frozen_param_offload(cfg, "reward_model")))
+        held.append(("reward model", shapes.reward_model.parameters("value"), settings.reward_model_offload))
     return held
 
 
-def held_terms(cfg: RLHFConfig, shapes: Shapes, dtype: str) -> list[Term]:
+def held_terms(settings: MemorySettings, shapes: Shapes, dtype: str) -> list[Term]:
     """The frozen models held for the run, on the device or (param_offload) in host memory."""
     b = DTYPE_BYTES[dtype]
     return [Term(f"{name} (held)", host=params * b) if offloaded else Term(f"{name} (held)", params * b)
-            for name, params, offloaded in _held_models(cfg, shapes)]
+            for name, params, offloaded in _held_models(settings, shapes)]
 
 
-def scoring_terms(cfg: RLHFConfig, shapes: Shapes, dtype: str, world_size: int) -> list[Term]:
+def scoring_terms(settings: MemorySettings, shapes: Shapes, dtype: str) -> list[Term]:
     """The held frozen models, the largest model a pass has on the device beside them (one at a
     time; an offloaded frozen model's pass copy among them) and its log-prob forward's logits."""
     b = DTYPE_BYTES[dtype]
     models = [("actor (scoring)", shapes.actor.parameters("lm"))]
     if shapes.critic is not None:
         models.append(("critic (scoring)", shapes.critic.parameters("value")))
-    models += [(f"{name} (pass copy)", params) for name, params, offloaded in _held_models(cfg, shapes) if offloaded]
+    models += [(f"{name} (pass copy)", params) for name, params, offloaded in _held_models(settings, shapes) if offloaded]
     name, params = max(models, key=lambda m: m[1])
-    tokens = micro_batch_tokens(cfg, "ref", world_size)
-    return held_terms(cfg, shapes, dtype) + [
+    return held_terms(settings, shapes, dtype) + [
         Term(f"{name} weights", params * b),
-        Term("log-prob logits", response_logits(shapes.reference, tokens, dtype, response_share(cfg), backward=False))]
+        Term("log-prob logits", response_logits(shapes.reference, settings.scoring_tokens, dtype,
+                                                settings.response_share, backward=False))]
 
 
 def host_memory() -> int:
@@ -383,9 +419,9 @@ def capacity(device: str) -> int:
     return host_memory()
 
 
-def remedies(cfg: RLHFConfig, est: Estimate) -> list[str]:
+def remedies(settings: MemorySettings, est: Estimate) -> list[str]:
     """What would shrink the biggest terms, as the keys to set."""
-    a_ds, c_ds = effective_deepspeed(cfg), effective_deepspeed(cfg, "critic")
+    a_ds, c_ds = settings.actor.deepspeed, settings.critic.deepspeed
     fixes = []
     if a_ds.zero_stage < 3 or c_ds.zero_stage < 3:
         fixes.append("actor_rollout_ref.actor.deepspeed_config.zero_stage=3 and critic.deepspeed_config.zero_stage=3 "
@@ -393,7 +429,7 @@ def remedies(cfg: RLHFConfig, est: Estimate) -> list[str]:
     if not (a_ds.offload_optimizer and c_ds.offload_optimizer):
         fixes.append("actor_rollout_ref.actor.deepspeed_config.offload_optimizer=true / "
                      "critic.deepspeed_config.offload_optimizer=true (Adam state to host memory)")
-    if not (cfg.actor_rollout_ref.model.enable_gradient_checkpointing and cfg.critic.model.enable_gradient_checkpointing):
+    if not (settings.actor.checkpointing and settings.critic.checkpointing):
         fixes.append("actor_rollout_ref.model.enable_gradient_checkpointing=true / "
                      "critic.model.enable_gradient_checkpointing=true")
     fixes.append("a smaller actor_rollout_ref.actor.ppo_max_token_len_per_gpu / critic.ppo_max_token_len_per_gpu "
@@ -403,7 +439,7 @@ def remedies(cfg: RLHFConfig, est: Estimate) -> list[str]:
     return fixes
 
 
-def check_fits(cfg: RLHFConfig, est: Estimate, device_capacity: int, host_capacity: int) -> None:
+def check_fits(settings: MemorySettings, est: Estimate, device_capacity: int, host_capacity: int) -> None:
     """Refuse (ConfigError, an RLHFError) an estimate that exceeds the device or the host, naming
     the biggest terms and what to change. On CPU every rank's bytes land in the one host memory."""
     phase = est.peak_phase
@@ -421,22 +457,21 @@ def check_fits(cfg: RLHFConfig, est: Estimate, device_capacity: int, host_capaci
         return
     big = "; ".join(f"{t.name} {gib(t.device + t.host)} GiB" for t in est.biggest(phase))
     raise ConfigError(f"this config does not fit: the estimate is {where} (biggest terms per rank: {big}). "
-                      f"To fit, set: " + "; or ".join(remedies(cfg, est)) + ".\nEstimate:\n" + est.table())
+                      f"To fit, set: " + "; or ".join(remedies(settings, est)) + ".\nEstimate:\n" + est.table())
 
 
-def check_update_memory(cfg: RLHFConfig, shapes: Shapes, device: str, world_size: int, *,
+def check_update_memory(settings: MemorySettings, shapes: Shapes, device: str, *,
                         resident: bool = False, announce: bool = True) -> Estimate:
     """Estimate this run's per-rank memory and refuse it (``check_fits``) before any engine is built.
     ``resident``: the engines stay loaded beside the rollout and scoring (a resident trainer, or
     each rank of a worker group, which runs the stage passes too); ``announce``: log the estimate (rank 0)."""
     device_capacity = capacity(device)
-    est = estimate(cfg, shapes, device=device, world_size=world_size, device_memory=device_capacity,
-                   resident=resident)
+    est = estimate(settings, shapes, device=device, device_memory=device_capacity, resident=resident)
     if announce:
         # on a GPU the headline is shown by default (the table with --verbose); on the CPU it is noise
         log.log(logging.WARNING if device.startswith("cuda") else logging.INFO,
-                "memory estimate (%s, %d rank(s)): %s GiB per rank at its peak (%s)", device, world_size,
+                "memory estimate (%s, %d rank(s)): %s GiB per rank at its peak (%s)", device, settings.world_size,
                 gib(est.peak_device()), est.peak_phase)
         log.info("memory estimate by term:\n%s", est.table())
-    check_fits(cfg, est, device_capacity, host_memory())
+    check_fits(settings, est, device_capacity, host_memory())
     return est

@@ -19,13 +19,13 @@ import os
 import resource
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, Optional, Union
 
 import torch
 
 from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve
 from rlhf_core.config.errors import ConfigError
-from rlhf_core.config.schema import OptimConfig
+from rlhf_core.config.schema import OptimConfig, TrainerConfig
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.paths import resolve_model_path
@@ -42,7 +42,7 @@ from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, seed_r
 from rlhf_core.training.distributed import DistInfo, all_reduce
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_dtype, torch_dtype
 from rlhf_core.training.lineage import weights_sample, write_state_record
-from rlhf_core.training.memory import Shapes, check_update_memory
+from rlhf_core.training.memory import Shapes, check_update_memory, memory_settings
 from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, present, load_actor_model, load_critic_model,
                                         lr_schedule)
 from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule, aggregate, run_ppo
@@ -61,6 +61,49 @@ class UpdateSources:
     tokenizer: Path
     resume: Optional[Path]
     """Last-good checkpoint whose optimizer state continues here (None before the first commit)."""
+
+
+@dataclass(frozen=True)
+class RoleSettings:
+    """How one role trains in an iteration: ``ppo.RoleSchedule`` without its engine."""
+
+    loss: Union[ActorLoss, CriticLoss]
+    epochs: int
+    micro_batches: MicroBatchPlan
+    mini_batch_sequences: int
+    """Sequences per optimizer step, all ranks together: ppo_mini_batch_size × rollout.n."""
+    shuffle: bool
+
+
+@dataclass(frozen=True)
+class UpdateSettings:
+    """What the training loop reads of a config, on ``world_size`` ranks: built once per update or
+    replay (``update_settings``), so a value such as ``actor.clip_ratio`` has one path into training."""
+
+    world_size: int
+    actor: RoleSettings
+    critic: Optional[RoleSettings]
+    """None in a run without a critic (``config.resolve.uses_critic``)."""
+    trainer: TrainerConfig
+    """seed, critic_warmup (``config.resolve.actor_updates``), concurrent_critic_actor."""
+    lora: Optional[LoraSettings]
+    """The actor's adapters (None: full fine-tuning), recorded in trainer_state.json."""
+    learning_rates: tuple[float, float]
+    """The actor's and the critic's base lr (``optim.lr``; a retry halves the actor's)."""
+
+
+def update_settings(cfg: RLHFConfig, world_size: int) -> UpdateSettings:
+    """``UpdateSettings`` of ``cfg`` on ``world_size`` ranks: each role's loss
+    (``actor_loss_from_config``, ``critic_loss_from_config``), epochs, micro-batching, mini-batch and
+    shuffle, as verl's critic.* keys fall back to the actor's."""
+    a = cfg.actor_rollout_ref.actor
+    actor = RoleSettings(actor_loss_from_config(cfg), a.ppo_epochs, micro_batch_plan(cfg, "actor", world_size),
+                         resolve.mini_batch_sequences(cfg, "actor"), a.shuffle)
+    critic = None if not resolve.uses_critic(cfg) else RoleSettings(
+        critic_loss_from_config(cfg), resolve.critic_epochs(cfg), micro_batch_plan(cfg, "critic", world_size),
+        resolve.mini_batch_sequences(cfg, "critic"), resolve.critic_shuffle(cfg))
+    return UpdateSettings(world_size, actor, critic, cfg.trainer, LoraSettings.from_config(cfg.actor_rollout_ref.model),
+                          (a.optim.lr, cfg.critic.optim.lr))
 
 
 def resolve_sources(cfg: RLHFConfig, run: RunDir, iteration: int) -> UpdateSources:
@@ -191,7 +234,7 @@ def resume_optimizers(directory: Path, engines: list[TrainEngine], pad_id: int) 
         load_optimizer_state(directory, te, _zero_loss(te, pad_id))
 
 
-def start_rng(cfg: RLHFConfig, sources: UpdateSources) -> None:
+def start_rng(seed: int, sources: UpdateSources) -> None:
     """Set the RNG this update trains with: the state saved in the checkpoint it starts from, else
     ``trainer.seed``. Called on every path (fresh, resumed, retried, after a rollout and score that were
     skipped or ran in this process), last before training, so what the process did before never reaches
@@ -199,7 +242,7 @@ def start_rng(cfg: RLHFConfig, sources: UpdateSources) -> None:
     if sources.resume is not None:
         load_rng(sources.resume)  # verified by resume_optimizers
     else:
-        seed_rng(cfg.trainer.seed)
+        seed_rng(seed)
 
 
 @contextlib.contextmanager
@@ -254,42 +297,38 @@ def _pad_id(path: Path) -> int:
     return int(pad) if pad is not None else 0
 
 
-def trainer_state(cfg: RLHFConfig, run: RunDir, iteration: int, sources: UpdateSources, steps: int) -> dict:
+def trainer_state(settings: UpdateSettings, iteration: int, sources: UpdateSources, steps: int) -> dict:
+    lora = settings.lora
     return {
         "iteration": iteration,
-        "data_position": {"iteration": iteration, "epochs": cfg.actor_rollout_ref.actor.ppo_epochs,
+        "data_position": {"iteration": iteration, "epochs": settings.actor.epochs,
                           "optimizer_steps_this_iteration": steps, "next_iteration": iteration + 1},
         "sources": {"actor": str(sources.actor), "adapter": str(sources.adapter) if sources.adapter else None,
                     "critic": str(sources.critic) if sources.critic else None, "resumed_from": str(sources.resume) if sources.resume else None},
-        "lora": None if sources.adapter is None and cfg.actor_rollout_ref.model.lora_rank <= 0 else {
-            "base": str(sources.actor), "rank": cfg.actor_rollout_ref.model.lora_rank,
-            "alpha": cfg.actor_rollout_ref.model.lora_alpha,
-            "target_modules": cfg.actor_rollout_ref.model.target_modules},
+        "lora": None if lora is None else {"base": str(sources.actor), "rank": lora.rank, "alpha": lora.alpha,
+                                           "target_modules": lora.target_modules},
     }
 
 
-def role_schedules(cfg: RLHFConfig, actor: TrainEngine, critic: Optional[TrainEngine], iteration: int,
-                   world_size: int) -> list[RoleSchedule]:
+def role_schedules(settings: UpdateSettings, actor: TrainEngine, critic: Optional[TrainEngine],
+                   iteration: int) -> list[RoleSchedule]:
     """What trains this iteration, critic first (verl's order): each role with its own budgets,
     mini-batch (prompts × rollout.n sequences), epochs and shuffle; the actor only when
     ``resolve.actor_updates`` (verl's critic_warmup); no critic in a run without one."""
-    a = cfg.actor_rollout_ref.actor
-    roles = [] if critic is None else [
-        RoleSchedule(critic, critic_loss_from_config(cfg), resolve.critic_epochs(cfg),
-                     micro_batch_plan(cfg, "critic", world_size), resolve.mini_batch_sequences(cfg, "critic"),
-                     resolve.critic_shuffle(cfg))]
-    if resolve.actor_updates(cfg, iteration):
-        roles.append(RoleSchedule(actor, actor_loss_from_config(cfg), a.ppo_epochs,
-                                  micro_batch_plan(cfg, "actor", world_size), resolve.mini_batch_sequences(cfg, "actor"),
-                                  a.shuffle))
+    def schedule(te: TrainEngine, role: RoleSettings) -> RoleSchedule:
+        return RoleSchedule(te, role.loss, role.epochs, role.micro_batches, role.mini_batch_sequences, role.shuffle)
+
+    roles = [] if critic is None or settings.critic is None else [schedule(critic, settings.critic)]
+    if resolve.actor_updates(settings.trainer, iteration):
+        roles.append(schedule(actor, settings.actor))
     return roles
 
 
-def check_update_data(cfg: RLHFConfig, run: RunDir, iteration: int, world_size: int) -> PPOData:
+def check_update_data(settings: UpdateSettings, run: RunDir, iteration: int) -> PPOData:
     """Iteration ``iteration``'s advantages table, checked against both roles' token budgets."""
     data = read_advantages(run.advantages(iteration))
-    for role in ("critic", "actor") if resolve.uses_critic(cfg) else ("actor",):
-        check_budget(data, micro_batch_plan(cfg, role, world_size), run.advantages(iteration))
+    for role in [r for r in (settings.critic, settings.actor) if r is not None]:
+        check_budget(data, role.micro_batches, run.advantages(iteration))
     return data
 
 
@@ -299,7 +338,7 @@ def refuse_what_cannot_fit(cfg: RLHFConfig, device: str, world_size: int, reside
     # the initial models' shapes: a later checkpoint has the same ones, and one held only in memory has no file
     shapes = Shapes.read(initial_actor_path(cfg), critic_backbone(cfg) if resolve.uses_critic(cfg) else None,
                          reference_path(cfg), reward_model_path(cfg))
-    check_update_memory(cfg, shapes, device, world_size, resident=resident,
+    check_update_memory(memory_settings(cfg, world_size), shapes, device, resident=resident,
                         announce=int(os.environ.get("RANK", "0")) == 0)
 
 
@@ -314,25 +353,26 @@ def open_engines(cfg: RLHFConfig, run: RunDir, sources: UpdateSources, device: s
     with cpu_threads(device, module_largest_matrix(actor.module), world_size):
         if sources.resume is not None:
             resume_optimizers(sources.resume, present(actor, critic), pad_id)
-        start_rng(cfg, sources)
+        start_rng(cfg.trainer.seed, sources)
     return actor, critic, pad_id
 
 
 
 
-def train_iteration(cfg: RLHFConfig, iteration: int, data: PPOData, actor: TrainEngine, critic: Optional[TrainEngine],
-                    dist: DistInfo, device: str, pad_id: int, *, progress: Optional[bool] = None
-                    ) -> tuple[dict[str, float], Any]:
+def train_iteration(settings: UpdateSettings, iteration: int, data: PPOData, actor: TrainEngine,
+                    critic: Optional[TrainEngine], dist: DistInfo, device: str, pad_id: int, *,
+                    progress: Optional[bool] = None) -> tuple[dict[str, float], Any]:
     """PPO on one iteration's data with engines that already hold the state it starts from (weights,
     optimizer, lr position) and with the RNG set to that state's; returns (metrics, ppo outcome).
     The one training loop of both designs: a fresh update process and the resident trainer."""
+    t = settings.trainer
     with cpu_threads(device, module_largest_matrix(actor.module), dist.world_size) as threads:
-        roles = role_schedules(cfg, actor, critic, iteration, dist.world_size)
-        concurrent = concurrent_roles(cfg.trainer.concurrent_critic_actor, device, threads, dist.world_size)
-        outcome = run_ppo(roles, data, seed=f"{cfg.trainer.seed}:{iteration}", dist=dist, pad_id=pad_id,
+        roles = role_schedules(settings, actor, critic, iteration)
+        concurrent = concurrent_roles(t.concurrent_critic_actor, device, threads, dist.world_size)
+        outcome = run_ppo(roles, data, seed=f"{t.seed}:{iteration}", dist=dist, pad_id=pad_id,
                           progress=progress, concurrent=concurrent)
     metrics = aggregate(outcome)
-    metrics["actor/updated"] = float(resolve.actor_updates(cfg, iteration))  # 0: a critic warm-up step
+    metrics["actor/updated"] = float(resolve.actor_updates(t, iteration))  # 0: a critic warm-up step
     metrics["perf/peak_rss_gb"] = float(all_reduce(torch.tensor(peak_rss_gb()), op="max"))
     metrics["perf/world_size"] = float(dist.world_size)
     metrics["perf/threads_per_rank"] = float(threads)

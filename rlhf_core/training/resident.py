@@ -69,9 +69,9 @@ from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, reso
 from rlhf_core.training.engines import LoraSettings, TrainEngine, present
 from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, weights_sample
 from rlhf_core.models.threads import module_largest_matrix
-from rlhf_core.training.rank_update import (check_update_data, cpu_threads, finish_update, open_engines, peak_rss_gb,
-                                            reset_peak_rss, resolve_sources, trainer_state, train_iteration,
-                                            training_steps)
+from rlhf_core.training.rank_update import (UpdateSettings, UpdateSources, check_update_data, cpu_threads, finish_update, open_engines,
+                                            peak_rss_gb, reset_peak_rss, resolve_sources, trainer_state,
+                                            train_iteration, training_steps, update_settings)
 from rlhf_core.training.train_state import TrainState, capture, restore
 from rlhf_core.training.nodes import GROUP_ENTRY, node0_address
 from rlhf_core.training.worker_group import Nodes, RankFailure, WorkerGroup
@@ -193,19 +193,20 @@ class ResidentTrainer:
         started = time.perf_counter()
         start = start_iteration(self.run, k)
         self.hold(cfg, start)
-        data = check_update_data(cfg, self.run, k, self.dist.world_size)
+        settings = update_settings(cfg, self.dist.world_size)
+        data = check_update_data(settings, self.run, k)
         if self.kept:
             with timing.timed(SNAPSHOT):
                 self.before = self._snapshot_of_held()
         self.captured = None
-        self._set_learning_rates(cfg)
-        self._start_rng(cfg)
+        self._set_learning_rates(settings)
+        self._start_rng(settings.trainer.seed)
         setup = time.perf_counter() - started
         self._withdraw()  # the weights are about to change: nobody may borrow them as ``start``'s
         freed = self._rollout_engine_sleeps()
-        metrics, outcome = train_iteration(cfg, k, data, self.actor, self.critic, self.dist, self.device,
+        metrics, outcome = train_iteration(settings, k, data, self.actor, self.critic, self.dist, self.device,
                                            self.pad_id, progress=progress)
-        self._held_now(k, cfg, outcome)
+        self._held_now(k, resolve_sources(cfg, self.run, k), settings, outcome)
         metrics.update(self.rollout_sync)  # the kept vLLM engine's sync to the new weights, checked
         metrics["perf/setup_seconds"] = setup
         metrics["perf/checkpoint_seconds"] = 0.0 if self.kept else self._write_checkpoint(cfg, k)
@@ -228,11 +229,10 @@ class ResidentTrainer:
                             trainer_state=self.trainer_state or {}, dist=self.dist, lora_base=lora_base)
         return time.perf_counter() - started
 
-    def _held_now(self, k: int, cfg: RLHFConfig, outcome: Any) -> None:
+    def _held_now(self, k: int, sources: UpdateSources, settings: UpdateSettings, outcome: Any) -> None:
         self.rng = rng_state()
         self.holds = k
-        sources = resolve_sources(cfg, self.run, k)
-        self.trainer_state = trainer_state(cfg, self.run, k, sources, len(outcome.steps.get("actor", [])))
+        self.trainer_state = trainer_state(settings, k, sources, len(outcome.steps.get("actor", [])))
         self._offer()
 
     def settle(self, cfg: RLHFConfig, k: int, outcome: str) -> None:
@@ -387,12 +387,13 @@ class ResidentTrainer:
             raise CheckpointError(f"{table} changed since iteration {i}'s update trained on it: its state cannot be "
                                   f"rebuilt; rerun `rlhf stage update --run-dir {self.run.root} --iteration {i} --force`")
         cfg = recorded_config(record)
+        settings = update_settings(cfg, self.dist.world_size)
         with timing.timed(REPLAY):
-            data = check_update_data(cfg, self.run, i, self.dist.world_size)
-            self._set_learning_rates(cfg)
-            self._start_rng(cfg)
+            data = check_update_data(settings, self.run, i)
+            self._set_learning_rates(settings)
+            self._start_rng(settings.trainer.seed)
             self._withdraw()
-            _, outcome = train_iteration(cfg, i, data, self.actor, self.critic, self.dist, self.device,
+            _, outcome = train_iteration(settings, i, data, self.actor, self.critic, self.dist, self.device,
                                          self.pad_id, progress=False)
         sample = weights_sample([te.module for te in present(self.actor, self.critic)])
         if self.dist.is_main and sample != record.get("weights_sample"):  # rank 0's sample is recorded
@@ -401,7 +402,7 @@ class ResidentTrainer:
                                   f"changed since; resume from its checkpoint instead (trainer.save_freq=1 keeps every one)")
         self.rng = rng_state()
         self.holds = i
-        self.trainer_state = trainer_state(cfg, self.run, i, resolve_sources(cfg, self.run, i),
+        self.trainer_state = trainer_state(settings, i, resolve_sources(cfg, self.run, i),
                                            len(outcome.steps.get("actor", [])))
         self._offer()
 
@@ -438,20 +439,20 @@ class ResidentTrainer:
         self.holds, self.rng, self.trainer_state = snap.iteration, snap.rng, snap.trainer_state
         self._offer()
 
-    def _set_learning_rates(self, cfg: RLHFConfig) -> None:
+    def _set_learning_rates(self, settings: UpdateSettings) -> None:
         """Each update trains at its own config's base lr (a retry halves the actor's), at the
         schedule position the engine reached."""
-        for te, optim in ((self.actor, cfg.actor_rollout_ref.actor.optim), (self.critic, cfg.critic.optim)):
+        for te, lr in zip((self.actor, self.critic), settings.learning_rates):
             if te is None:
                 continue
-            te.base_lrs = [optim.lr] * len(te.base_optimizer.param_groups)
+            te.base_lrs = [lr] * len(te.base_optimizer.param_groups)
             te.set_lr_schedule_step(te.lr_schedule_step)
 
-    def _start_rng(self, cfg: RLHFConfig) -> None:
+    def _start_rng(self, seed: int) -> None:
         """The RNG an update starts from: the one right after the update that produced the held
         state (what its checkpoint saves), else trainer.seed — as a fresh update process sets it."""
         if self.rng is None:
-            seed_rng(cfg.trainer.seed)
+            seed_rng(seed)
         else:
             restore_rng(*self.rng)
 

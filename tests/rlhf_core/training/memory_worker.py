@@ -24,7 +24,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stage: int)
     from rlhf_core.config import load_config
     from rlhf_core.training.batch import MicroBatchPlan, read_advantages
     from rlhf_core.training.distributed import init_distributed, shutdown_distributed
-    from rlhf_core.training.memory import Shapes, estimate
+    from rlhf_core.training.memory import Shapes, estimate, memory_settings
     from rlhf_core.training.ppo import ActorLoss, CriticLoss, train_step
     from rlhf_core.training.rank_update import UpdateSources, build_engines, reset_peak_rss
 
@@ -44,8 +44,8 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stage: int)
     train_step(critic, data, rows, plan, CriticLoss(), dist, 0)
     train_step(actor, data, rows, plan, ActorLoss(), dist, 0)
     peak = rss("VmHWM")
-    est = estimate(cfg, Shapes.read(Path(model_dir), Path(critic_dir), Path(model_dir)), device="cpu",
-                   world_size=dist.world_size)
+    est = estimate(memory_settings(cfg, dist.world_size), Shapes.read(Path(model_dir), Path(critic_dir), Path(model_dir)),
+                   device="cpu")
     mine = {"before": before, "peak": peak, "growth": peak - before}
     gathered = [None] * dist.world_size
     tdist.all_gather_object(gathered, mine)

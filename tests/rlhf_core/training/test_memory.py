@@ -15,7 +15,7 @@ import torch
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.errors import RLHFError
 from rlhf_core.training.memory import (GIB, ModelShape, Placement, Shapes, activations, check_fits, estimate,
-                                       train_state)
+                                       memory_settings, train_state)
 
 REPO = Path(__file__).resolve().parents[3]
 PRESET = REPO / "configs" / "qwen2.5-7b_gsm8k_ppo_8gpu.yaml"
@@ -112,15 +112,15 @@ def test_gradient_checkpointing_keeps_one_layer_input_per_layer_instead_of_all_a
 def test_qwen_7b_preset_fits_8_gpus_of_80gb_and_not_one_gpu_at_zero_0(qwen_hub):
     cfg = load_config(PRESET)
     shapes = Shapes(*[ModelShape.read(qwen_hub)] * 3)
-    on_8 = estimate(cfg, shapes, device="cuda", world_size=8, device_memory=80 * GIB)
-    check_fits(cfg, on_8, 80 * GIB, 1024 * GIB)
+    on_8 = estimate(memory_settings(cfg, 8), shapes, device="cuda", device_memory=80 * GIB)
+    check_fits(memory_settings(cfg, 8), on_8, 80 * GIB, 1024 * GIB)
     assert 30 * GIB < on_8.peak_device() < 70 * GIB  # room for the CUDA context and fragmentation
 
     zero0 = load_config(PRESET, ["actor_rollout_ref.actor.deepspeed_config.zero_stage=0",
                                  "critic.deepspeed_config.zero_stage=0"])
-    on_1 = estimate(zero0, shapes, device="cuda", world_size=1, device_memory=80 * GIB)
+    on_1 = estimate(memory_settings(zero0, 1), shapes, device="cuda", device_memory=80 * GIB)
     with pytest.raises(ConfigError) as refused:
-        check_fits(zero0, on_1, 80 * GIB, 1024 * GIB)
+        check_fits(memory_settings(zero0, 1), on_1, 80 * GIB, 1024 * GIB)
     message = str(refused.value)
     assert isinstance(refused.value, RLHFError)
     assert "actor optimizer" in message and "critic optimizer" in message  # the biggest terms, named
@@ -128,7 +128,7 @@ def test_qwen_7b_preset_fits_8_gpus_of_80gb_and_not_one_gpu_at_zero_0(qwen_hub):
         assert fix in message, fix
     no_gc = load_config(PRESET, ["actor_rollout_ref.model.enable_gradient_checkpointing=false"])
     with pytest.raises(ConfigError, match="enable_gradient_checkpointing=true"):
-        check_fits(no_gc, estimate(no_gc, shapes, device="cuda", world_size=8, device_memory=80 * GIB),
+        check_fits(memory_settings(no_gc, 8), estimate(memory_settings(no_gc, 8), shapes, device="cuda", device_memory=80 * GIB),
                    80 * GIB, 1024 * GIB)
 
 
@@ -140,7 +140,7 @@ def test_the_held_reference_and_reward_model_sit_on_the_device_or_with_param_off
 
     def terms(*overrides):
         cfg = load_config(PRESET, list(overrides))
-        est = estimate(cfg, shapes, device="cuda", world_size=8, device_memory=80 * GIB)
+        est = estimate(memory_settings(cfg, 8), shapes, device="cuda", device_memory=80 * GIB)
         return {phase: {t.name: t for t in phase_terms} for phase, phase_terms in est.phases.items()}
 
     rm = ("reward_model.enable=true", f"reward_model.model.path={qwen_hub}")
@@ -162,8 +162,8 @@ def test_the_held_reference_and_reward_model_sit_on_the_device_or_with_param_off
 def test_a_worker_groups_ranks_keep_their_engines_beside_the_scoring_passes(qwen_hub):
     cfg = load_config(PRESET)
     shapes = Shapes(*[ModelShape.read(qwen_hub)] * 3)
-    fresh = estimate(cfg, shapes, device="cuda", world_size=8, device_memory=80 * GIB)
-    group = estimate(cfg, shapes, device="cuda", world_size=8, device_memory=80 * GIB, resident=True)
+    fresh = estimate(memory_settings(cfg, 8), shapes, device="cuda", device_memory=80 * GIB)
+    group = estimate(memory_settings(cfg, 8), shapes, device="cuda", device_memory=80 * GIB, resident=True)
     state = sum(t.device for t in fresh.phases["update"] if t.name.startswith(("actor ", "critic ")) and
                 "activations" not in t.name and "logits" not in t.name)
     assert group.device_bytes("scoring") == fresh.device_bytes("scoring") + state
