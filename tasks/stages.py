@@ -132,5 +132,5 @@ def settle_task(cfg: RLHFConfig, run_dir: str, iteration: int, policy: str, atte
         run = RunDir(run_dir)
         check_background_writes(run)  # a save that failed stops the run before anything commits on top of it
         outcome = settle(run, iteration, policy=policy, attempt=attempt)
-        settle_resident(cfg, run, iteration, outcome)
+        settle_resident(cfg.trainer, run, iteration, outcome)
         return outcome

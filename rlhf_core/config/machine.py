@@ -72,7 +72,7 @@ def check_nodes(cfg: RLHFConfig) -> None:
     """A multi-node update needs node 0's address for torchrun's rendezvous; how its ranks live is
     said once."""
     t = cfg.trainer
-    addr, _ = update_rendezvous(cfg, os.environ)  # also checks $MASTER_PORT
+    addr, _ = update_rendezvous(t, os.environ)  # also checks $MASTER_PORT
     if addr is None:
         raise ConfigError(f"trainer.nnodes={t.nnodes}: the nodes meet at node 0's address; set "
                           "trainer.master_addr=HOST (node 0's name or IP as the other nodes reach it) "

@@ -2,15 +2,15 @@
 
 Every stage asks here instead of reading the raw field, so "null = the actor's" is decided once:
 
-    mini_batch_sequences(cfg, "critic")   critic.ppo_mini_batch_size (or the actor's) × rollout.n
-    micro_batching(cfg, "ref")            (use_dynamic_bsz, token budget, sequences per forward)
-    update_world_size(cfg, cuda_devices)  trainer.nproc, else n_gpus_per_node × nnodes
-    update_nodes(cfg, cuda_devices)       (nnodes, processes per node) of that world
-    update_rendezvous(cfg, environ)       node 0's address and port: trainer.master_*, else $MASTER_*
-    total_iterations(cfg, train_prompts)  trainer.total_iterations / total_training_steps / epochs
-    uses_critic(cfg)                      critic.enable, else whether the estimator reads values
-    needs_baseline_rollout(cfg)           the estimator takes reward_baselines (remax)
-    frozen_param_offload(cfg, "ref")      the reference / reward model between passes in host memory
+    mini_batch_sequences(cfg, "critic")       critic.ppo_mini_batch_size (or the actor's) × rollout.n
+    micro_batching(cfg, "ref")                (use_dynamic_bsz, token budget, sequences per forward)
+    update_world_size(trainer, cuda_devices)  trainer.nproc, else n_gpus_per_node × nnodes
+    update_nodes(trainer, cuda_devices)       (nnodes, processes per node) of that world
+    update_rendezvous(trainer, environ)       node 0's address and port: trainer.master_*, else $MASTER_*
+    total_iterations(cfg, train_prompts)      trainer.total_iterations / total_training_steps / epochs
+    uses_critic(cfg)                          critic.enable, else whether the estimator reads values
+    needs_baseline_rollout(cfg)               the estimator takes reward_baselines (remax)
+    frozen_param_offload(cfg, "ref")          the reference / reward model between passes in host memory
 
 Nothing here reads files or the machine; callers pass what they measured.
 """
@@ -195,12 +195,12 @@ def total_iterations(cfg: RLHFConfig, train_prompts: int) -> int:
     return t.total_epochs * steps_per_epoch(cfg.data, train_prompts)
 
 
-def update_nodes(cfg: RLHFConfig, cuda_devices: int) -> tuple[int, int]:
+def update_nodes(trainer: TrainerConfig, cuda_devices: int) -> tuple[int, int]:
     """(nnodes, processes per node) of the update: trainer.nproc / nnodes when trainer.nproc is set
     (the schema keeps it a multiple); on GPUs n_gpus_per_node (null = every visible device); on CPU
     one process per node (n_gpus_per_node names GPUs, and there are none). Every node is assumed
     to be like node 0, where ``cuda_devices`` was counted."""
-    t = cfg.trainer
+    t = trainer
     if t.nproc is not None:
         return t.nnodes, t.nproc // t.nnodes
     if cuda_devices == 0:
@@ -208,9 +208,9 @@ def update_nodes(cfg: RLHFConfig, cuda_devices: int) -> tuple[int, int]:
     return t.nnodes, t.n_gpus_per_node if t.n_gpus_per_node is not None else cuda_devices
 
 
-def update_world_size(cfg: RLHFConfig, cuda_devices: int) -> int:
+def update_world_size(trainer: TrainerConfig, cuda_devices: int) -> int:
     """Processes of the update, all nodes together (verl's world = nnodes × n_gpus_per_node)."""
-    nnodes, per_node = update_nodes(cfg, cuda_devices)
+    nnodes, per_node = update_nodes(trainer, cuda_devices)
     return nnodes * per_node
 
 
@@ -218,12 +218,12 @@ DEFAULT_MASTER_PORT = 29500
 """torchrun's own default --master_port."""
 
 
-def update_rendezvous(cfg: RLHFConfig, environ: Mapping[str, str]) -> tuple[Optional[str], int]:
+def update_rendezvous(trainer: TrainerConfig, environ: Mapping[str, str]) -> tuple[Optional[str], int]:
     """(node 0's address or None when nothing names it, port) for a multi-node update:
     trainer.master_addr / master_port, else $MASTER_ADDR / $MASTER_PORT, else port 29500. The
     variables are ignored inside a launcher's world (WORLD_SIZE set): they are that world's, not a
     choice for the next one (an in-process update sets them for its world of one)."""
-    t = cfg.trainer
+    t = trainer
     env = {} if "WORLD_SIZE" in environ else environ
     addr = t.master_addr if t.master_addr is not None else (env.get("MASTER_ADDR") or None)
     if t.master_port is not None:

@@ -73,7 +73,7 @@ class Rank:
         return {"holds": self.trainer.holds, "metrics": metrics if self.dist.is_main else None}
 
     def settle(self, command: dict) -> dict[str, Any]:
-        self.trainer.settle(_config(command), command["iteration"], command["outcome"])
+        self.trainer.settle(command["iteration"], command["outcome"], save=command["save"])
         return {"holds": self.trainer.holds}
 
     def hold(self, command: dict) -> dict[str, Any]:

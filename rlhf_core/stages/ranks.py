@@ -62,7 +62,7 @@ def stage_processes(cfg: RLHFConfig) -> int:
     gpus = cuda_devices() if cfg.trainer.device != "cpu" else 0
     if gpus == 0:
         return 1
-    return max(1, min(gpus, update_world_size(cfg, gpus) // max(1, cfg.trainer.nnodes)))
+    return max(1, min(gpus, update_world_size(cfg.trainer, gpus) // max(1, cfg.trainer.nnodes)))
 
 
 def share_processes(cfg: RLHFConfig, run: RunDir, items: int) -> int:

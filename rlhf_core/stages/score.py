@@ -310,7 +310,7 @@ def _reward_model_scores(cfg: RLHFConfig, models: ModelPaths, rows: list[dict],
     response decoded with input_tokenizer and re-rendered with the RM's chat template, cut to
     reward_model.max_length tokens (null = max_prompt_length + max_response_length)."""
     device = scoring_device(cfg.trainer.device)
-    batching = micro_batching(cfg, "reward_model", update_world_size(cfg, _cuda_devices()))
+    batching = micro_batching(cfg, "reward_model", update_world_size(cfg.trainer, _cuda_devices()))
     with held_reward_model(models.reward_model, device, scoring_dtype(device),
                            frozen_param_offload(cfg, "reward_model")) as rm:
         if models.rm_input_tokenizer is None:
@@ -406,7 +406,7 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
     dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
     temperature = cfg.actor_rollout_ref.rollout.temperature
     actor_attention = cfg.actor_rollout_ref.model.override_config.attn_implementation  # the reference's too
-    plans = pass_plans(cfg, update_world_size(cfg, _cuda_devices()))
+    plans = pass_plans(cfg, update_world_size(cfg.trainer, _cuda_devices()))
     sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
     prompt_lengths = [len(r["prompt_token_ids"]) for r in rows]
 

@@ -54,7 +54,7 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
     def body() -> StageResult:
         import pyarrow.parquet as pq
 
-        nproc = resident.update_world(cfg)
+        nproc = resident.update_world(cfg.trainer)
         # the trainer times its own I/O (process start, setup, snapshot, replay, checkpoint) in io.timing
         trainer = resident.active(run)
         if trainer is not None:  # the flow keeps the engines: they hold the state this iteration starts from

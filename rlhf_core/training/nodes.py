@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from rlhf_core.config import RLHFConfig, resolve
+from rlhf_core.config import resolve
+from rlhf_core.config.schema import TrainerConfig
 from rlhf_core.config.loader import read_preset
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json
@@ -235,11 +236,11 @@ def stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:
 
 
 # node 0 of several ----------------------------------------------------------------------------
-def node0_address(cfg: RLHFConfig) -> tuple[str, int]:
+def node0_address(trainer: TrainerConfig) -> tuple[str, int]:
     """(host, port) where the nodes of a multi-node launch meet (``config.resolve.update_rendezvous``)."""
-    addr, port = resolve.update_rendezvous(cfg, os.environ)
+    addr, port = resolve.update_rendezvous(trainer, os.environ)
     if addr is None:  # fit_to_machine refuses this at load; a config built around it lands here
-        raise RLHFError(f"trainer.nnodes={cfg.trainer.nnodes}: set trainer.master_addr=HOST (node 0's address)")
+        raise RLHFError(f"trainer.nnodes={trainer.nnodes}: set trainer.master_addr=HOST (node 0's address)")
     return addr, port
 
 

@@ -54,6 +54,7 @@ from typing import Any, Iterator, Optional, Union
 import torch
 
 from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve, to_yaml
+from rlhf_core.config.schema import TrainerConfig
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import CheckpointError, RLHFError, first_clause
 from rlhf_core.io import timing
@@ -87,9 +88,9 @@ Rng = tuple[dict, dict]
 log = logging.getLogger("rlhf.resident")
 
 
-def update_world(cfg: RLHFConfig) -> int:
+def update_world(trainer: TrainerConfig) -> int:
     """The update's processes on this machine's devices (``config.resolve.update_world_size``)."""
-    return resolve.update_world_size(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
+    return resolve.update_world_size(trainer, cuda_devices() if trainer.device != "cpu" else 0)
 
 
 def resident_possible(cfg: RLHFConfig) -> Optional[str]:
@@ -99,15 +100,15 @@ def resident_possible(cfg: RLHFConfig) -> Optional[str]:
         return "trainer.resident_models=false"
     if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
         return "LoRA (the rollout samples from merged weights, built from the adapter checkpoint)"
-    if update_world(cfg) > 1:  # the worker group's ranks generate (hf; vLLM: a rank of its engines each)
+    if update_world(cfg.trainer) > 1:  # the worker group's ranks generate (hf; vLLM: a rank of its engines each)
         r = cfg.actor_rollout_ref.rollout
         if r.name not in ("hf", "vllm"):
             return f"rollout engine {r.name!r} with several update processes (their worker group generates)"
         if r.name == "vllm" and cfg.trainer.nnodes > 1:
             return "the vllm rollout engine with an update across several machines (not supported yet)"
-        if r.name == "vllm" and update_world(cfg) % r.tensor_model_parallel_size:
+        if r.name == "vllm" and update_world(cfg.trainer) % r.tensor_model_parallel_size:
             return (f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} does not divide the "
-                    f"{update_world(cfg)} update processes (their worker group holds the vLLM engines)")
+                    f"{update_world(cfg.trainer)} update processes (their worker group holds the vLLM engines)")
         return None
     if (cfg.trainer.stage_processes or 1) > 1:  # (null: one per GPU of the update: one here)
         return (f"trainer.stage_processes={cfg.trainer.stage_processes} with one update process: the stages' "
@@ -206,10 +207,12 @@ class ResidentTrainer:
         freed = self._rollout_engine_sleeps()
         metrics, outcome = train_iteration(settings, k, data, self.actor, self.critic, self.dist, self.device,
                                            self.pad_id, progress=progress)
-        self._held_now(k, resolve_sources(cfg, self.run, k), settings, outcome)
+        sources = resolve_sources(cfg, self.run, k)
+        self._held_now(k, sources, settings, outcome)
         metrics.update(self.rollout_sync)  # the kept vLLM engine's sync to the new weights, checked
         metrics["perf/setup_seconds"] = setup
-        metrics["perf/checkpoint_seconds"] = 0.0 if self.kept else self._write_checkpoint(cfg, k)
+        lora_base = sources.actor if self.actor.lora else None
+        metrics["perf/checkpoint_seconds"] = 0.0 if self.kept else self._write_checkpoint(k, lora_base)
         metrics["perf/peak_rss_gb"] = max(metrics.get("perf/peak_rss_gb", 0.0), peak_rss_gb())
         if self.kept:
             metrics["perf/resident"] = 1.0
@@ -218,11 +221,11 @@ class ResidentTrainer:
         finish_update(cfg, self.run, k, metrics, outcome, self.actor, self.critic, self.dist)
         return metrics
 
-    def _write_checkpoint(self, cfg: RLHFConfig, k: int) -> float:
+    def _write_checkpoint(self, k: int, lora_base: Optional[Path]) -> float:
         """Write the state update ``k`` just produced as ``iter_k/checkpoint`` now, every rank its
-        part (the guard decides later whether it is kept); returns the seconds it took."""
+        part (the guard decides later whether it is kept; with LoRA the adapters, beside
+        ``lora_base``); returns the seconds it took."""
         started = time.perf_counter()
-        lora_base = resolve_sources(cfg, self.run, k).actor if self.actor.lora else None
         with timing.timed(timing.CHECKPOINT_WRITE), \
                 cpu_threads(self.device, module_largest_matrix(self.actor.module), self.dist.world_size):
             save_checkpoint(self.run.checkpoint(k), actor=self.actor, critic=self.critic, tokenizer_path=self.tokenizer,
@@ -235,15 +238,15 @@ class ResidentTrainer:
         self.trainer_state = trainer_state(settings, k, sources, len(outcome.steps.get("actor", [])))
         self._offer()
 
-    def settle(self, cfg: RLHFConfig, k: int, outcome: str) -> None:
-        """After the verdict on ``k``: a commit drops the snapshot (and saves when due); a rollback
-        puts the snapshot back into the engines."""
+    def settle(self, k: int, outcome: str, *, save: bool) -> None:
+        """After the verdict on ``k``: a commit drops the snapshot (and saves when ``save``: a save
+        point, ``run.schedule.save_due``); a rollback puts the snapshot back into the engines."""
         if self.holds != k or self.before is None:
             return  # not this trainer's update (a skipped, already settled or rebuilt one)
         if outcome == "commit":
             released, self.before = self.before, None
             self._capture_soon(reuse=released)  # the next update's snapshot, copied while the next rollout runs
-            if save_due(cfg.trainer, k):
+            if save:
                 self.save_held()
             return
         with timing.timed(SNAPSHOT):
@@ -531,13 +534,13 @@ class GroupTrainer:
         """``one_update``: K for a group started for iteration K's update alone (its ranks' trainers
         are not kept: ``ResidentTrainer.kept``); 0 for the group keeping a flow run's models."""
         self.run = run
-        self.world = update_world(cfg)
+        self.world = update_world(cfg.trainer)
         device = resolve_device(cfg.trainer.device)
         args = ["--run-dir", str(run.root), "--device", device, *(["--one-update"] if one_update else [])]
         what = (f"update of iteration {one_update} on {self.world} processes" if one_update
                 else f"worker group of {self.world} update processes")
         started = time.perf_counter()
-        self.group = WorkerGroup(GROUP_ENTRY, self.world, args, what=what, nodes=_nodes(cfg, run, device, one_update),
+        self.group = WorkerGroup(GROUP_ENTRY, self.world, args, what=what, nodes=_nodes(cfg.trainer, run, device, one_update),
                                  log=run.launch_log(f"update-iter_{one_update}" if one_update else "worker-group"))
         timing.add(PROCESS_LAUNCH, time.perf_counter() - started)
         self.holds: Optional[int] = None
@@ -555,9 +558,9 @@ class GroupTrainer:
         timing.add(timing.CHECKPOINT_WRITE, float(result["metrics"].get("perf/checkpoint_seconds", 0.0)))
         return result["metrics"]
 
-    def settle(self, cfg: RLHFConfig, k: int, outcome: str) -> None:
+    def settle(self, k: int, outcome: str, *, save: bool) -> None:
         """``ResidentTrainer.settle`` on every rank (a rollback puts each rank's snapshot back)."""
-        holds = self._call("settle", cfg, iteration=k, outcome=outcome)[0]["holds"]
+        holds = self._call("settle", None, iteration=k, outcome=outcome, save=save)[0]["holds"]
         if holds != self.holds:
             self._unpublish()
         self.holds = holds
@@ -622,13 +625,13 @@ class GroupTrainer:
             raise RuntimeError(f"rank {exc.rank} of the {self.group.what} failed in {op!r}:\n{exc.message}") from None
 
 
-def _nodes(cfg: RLHFConfig, run: RunDir, device: str, one_update: int) -> Optional[Nodes]:
+def _nodes(trainer: TrainerConfig, run: RunDir, device: str, one_update: int) -> Optional[Nodes]:
     """Where the group's ranks run when the update spans machines (None: this one alone)."""
-    nnodes, per_node = resolve.update_nodes(cfg, cuda_devices() if cfg.trainer.device != "cpu" else 0)
+    nnodes, per_node = resolve.update_nodes(trainer, cuda_devices() if trainer.device != "cpu" else 0)
     if nnodes == 1:
         return None
-    addr, port = node0_address(cfg)
-    return Nodes(run, nnodes, per_node, addr, port, cfg.trainer.node_join_timeout_s, device, one_update)
+    addr, port = node0_address(trainer)
+    return Nodes(run, nnodes, per_node, addr, port, trainer.node_join_timeout_s, device, one_update)
 
 
 @contextlib.contextmanager
@@ -698,7 +701,7 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]
             log.info("models are reloaded by every stage and every iteration is checkpointed: %s", reason)
         yield _trainers.get(run.root)
         return
-    if update_world(cfg) > 1:
+    if update_world(cfg.trainer) > 1:
         trainer: Trainer = GroupTrainer(cfg, run)
         live.provide_with(trainer)
         log.info("models are kept by a worker group of %d update processes for the whole run; the stages' model "
@@ -739,7 +742,7 @@ def keeps_rollout_engine(cfg: RLHFConfig) -> bool:
     needs processes of its own: those rollouts run under torchrun, ``stages.ranks``)."""
     r = cfg.actor_rollout_ref.rollout
     return (r.name == "vllm" and r.tensor_model_parallel_size == 1 and resident_possible(cfg) is None
-            and update_world(cfg) == 1)
+            and update_world(cfg.trainer) == 1)
 
 
 @contextlib.contextmanager
@@ -757,11 +760,11 @@ def rollout_engine_kept(cfg: RLHFConfig) -> Iterator[None]:
         live.keep_engines(False)
 
 
-def settle_resident(cfg: RLHFConfig, run: RunDir, k: int, outcome: str) -> None:
+def settle_resident(trainer_cfg: TrainerConfig, run: RunDir, k: int, outcome: str) -> None:
     """Tell this process's resident trainer (if any) how iteration ``k`` settled."""
     trainer = active(run)
     if trainer is not None:
-        trainer.settle(cfg, k, outcome)
+        trainer.settle(k, outcome, save=save_due(trainer_cfg, k))
 
 
 def ensure_state(cfg: RLHFConfig, run: RunDir, k: Optional[int]) -> bool:
@@ -780,7 +783,7 @@ def ensure_state(cfg: RLHFConfig, run: RunDir, k: Optional[int]) -> bool:
     if group is not None:
         return group.ensure(k)
     recorded = recorded_config(read_state_record(run, k))
-    if update_world(recorded) > 1:
+    if update_world(recorded.trainer) > 1:
         return _rebuild_in_group(recorded, run, k)
     builder = ResidentTrainer(run, kept=False)
     try:
@@ -798,7 +801,7 @@ def update_once(cfg: RLHFConfig, run: RunDir, k: int, *, progress: Optional[bool
     cannot keep them: ``resident_possible``): the same trainer as a flow run's, made for this one
     update and closed after it — in this process, or as a worker group of the update's processes —
     which writes ``iter_k/checkpoint`` at once. Returns the update's metrics."""
-    trainer: Trainer = (GroupTrainer(cfg, run, one_update=k) if update_world(cfg) > 1
+    trainer: Trainer = (GroupTrainer(cfg, run, one_update=k) if update_world(cfg.trainer) > 1
                         else ResidentTrainer(run, kept=False))
     try:
         return trainer.update(cfg, k, progress=progress)

@@ -118,7 +118,7 @@ def test_loss_scale_factor_is_the_configured_response_length():
 
 def test_update_world_size():
     cfg = load_config(None, ["trainer.n_gpus_per_node=4"])
-    assert update_world_size(cfg, cuda_devices=8) == 4
-    assert update_world_size(cfg, cuda_devices=0) == 1
-    assert update_world_size(load_config(), cuda_devices=8) == 8
-    assert update_world_size(load_config(None, ["trainer.nproc=2"]), cuda_devices=0) == 2
+    assert update_world_size(cfg.trainer, cuda_devices=8) == 4
+    assert update_world_size(cfg.trainer, cuda_devices=0) == 1
+    assert update_world_size(load_config().trainer, cuda_devices=8) == 8
+    assert update_world_size(load_config(None, ["trainer.nproc=2"]).trainer, cuda_devices=0) == 2

@@ -100,7 +100,7 @@ def test_two_nodes_train_bit_identically_to_one_node_with_two_processes(tiny_mod
     # critic-free (the critic is one more engine on the same collectives): half the engines to build
     cfg_one = _config(tiny_model_dir, "trainer.nproc=2", CRITIC_FREE)
     cfg_two = _config(tiny_model_dir, *_two_nodes(free_port(), "trainer.node_join_timeout_s=120"), CRITIC_FREE)
-    assert update_nodes(cfg_two, 0) == (2, 1)
+    assert update_nodes(cfg_two.trainer, 0) == (2, 1)
     _prepare(one, cfg_one, tiny_model_dir)
     _prepare(two, cfg_two, tiny_model_dir)
     joiner = _joiner(two, 1, subprocess_env())  # started first: its start-up overlaps the reference update
@@ -177,23 +177,23 @@ def test_the_address_defaults_to_master_addr_and_port_in_the_environment(tiny_mo
     monkeypatch.setenv("MASTER_ADDR", "node0.cluster")
     monkeypatch.setenv("MASTER_PORT", "29611")
     cfg = _config(tiny_model_dir, "trainer.nnodes=2")
-    assert update_rendezvous(cfg, os.environ) == ("node0.cluster", 29611)
-    assert update_rendezvous(cfg, {}) == (None, 29500)  # torchrun's default port
+    assert update_rendezvous(cfg.trainer, os.environ) == ("node0.cluster", 29611)
+    assert update_rendezvous(cfg.trainer, {}) == (None, 29500)  # torchrun's default port
     # inside a launcher's world the variables are that world's, not the next one's
-    assert update_rendezvous(cfg, {"MASTER_ADDR": "x", "MASTER_PORT": "1", "WORLD_SIZE": "1"}) == (None, 29500)
+    assert update_rendezvous(cfg.trainer, {"MASTER_ADDR": "x", "MASTER_PORT": "1", "WORLD_SIZE": "1"}) == (None, 29500)
     keys = _config(tiny_model_dir, *_two_nodes(4000))
-    assert update_rendezvous(keys, os.environ) == ("127.0.0.1", 4000)  # the keys win
+    assert update_rendezvous(keys.trainer, os.environ) == ("127.0.0.1", 4000)  # the keys win
     with pytest.raises(ConfigError, match="MASTER_PORT='http' .*trainer.master_port"):
-        update_rendezvous(cfg, {"MASTER_PORT": "http"})
+        update_rendezvous(cfg.trainer, {"MASTER_PORT": "http"})
 
 
 def test_world_is_nnodes_times_processes_per_node(tiny_model_dir):
     two = _two_nodes(4000)
-    assert update_nodes(_config(tiny_model_dir, *two), 0) == (2, 1)  # CPU: one process per node
-    assert update_nodes(_config(tiny_model_dir, *two, "trainer.nproc=4"), 0) == (2, 2)
-    assert update_nodes(_config(tiny_model_dir, *two, "trainer.n_gpus_per_node=8"), 8) == (2, 8)  # verl's world
-    assert update_world_size(_config(tiny_model_dir, *two, "trainer.n_gpus_per_node=8"), 8) == 16
-    assert update_nodes(_config(tiny_model_dir), 0) == (1, 1)  # one machine: as before
+    assert update_nodes(_config(tiny_model_dir, *two).trainer, 0) == (2, 1)  # CPU: one process per node
+    assert update_nodes(_config(tiny_model_dir, *two, "trainer.nproc=4").trainer, 0) == (2, 2)
+    assert update_nodes(_config(tiny_model_dir, *two, "trainer.n_gpus_per_node=8").trainer, 8) == (2, 8)  # verl's world
+    assert update_world_size(_config(tiny_model_dir, *two, "trainer.n_gpus_per_node=8").trainer, 8) == 16
+    assert update_nodes(_config(tiny_model_dir).trainer, 0) == (1, 1)  # one machine: as before
     with pytest.raises(ConfigError, match=r"trainer.nproc=3: must be a multiple of trainer.nnodes=2"):
         _config(tiny_model_dir, *two, "trainer.nproc=3")
     with pytest.raises(ConfigError, match=r"trainer.master_port=70000: must be a TCP port"):
