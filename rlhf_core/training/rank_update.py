@@ -15,9 +15,11 @@ each role's lr schedule moves one step per iteration it trained in.
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import os
 import resource
-from dataclasses import dataclass, fields
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any, Iterator, Optional, Union
 
@@ -189,32 +191,79 @@ def lr_schedule_for(optim: OptimConfig, total_steps: int):
                        optim.min_lr_ratio, optim.num_cycles)
 
 
-def build_engines(cfg: RLHFConfig, sources: UpdateSources, device: str, world_size: int,
-                  total_steps: int = 0) -> tuple[TrainEngine, Optional[TrainEngine]]:
-    """The actor and critic engines (critic None in a run without one, ``sources.critic`` None);
-    ``total_steps`` = the run's training steps (``training_steps``)."""
-    m = cfg.actor_rollout_ref.model
-    lora = LoraSettings.from_config(m)
-    actor_dtype = resolve_dtype(effective_deepspeed(cfg).dtype, device)
-    critic_dtype = resolve_dtype(cfg.critic.deepspeed_config.dtype, device)
-    actor_ds, critic_ds = actor_ds_config(cfg, device, world_size), critic_ds_config(cfg, device, world_size)
-    # the implementation scoring and the guard load with: one kernel for the same data
-    actor_model = load_actor_model(sources.actor, torch_dtype(actor_dtype), lora=lora, adapter_path=sources.adapter,
-                                   gradient_checkpointing=m.enable_gradient_checkpointing, seed=cfg.trainer.seed,
-                                   attention=resolve_attention(m.override_config.attn_implementation,
-                                                               torch.device(device)), ds_config=actor_ds)
-    a_optim, c_optim = cfg.actor_rollout_ref.actor.optim, cfg.critic.optim
-    actor = build_train_engine("actor", actor_model, a_optim, actor_ds, actor_dtype,
-                               lr_schedule_for(a_optim, total_steps), device=device)
-    actor.lora = lora
-    if sources.critic is None:
+@dataclass(frozen=True)
+class RoleEngine:
+    """What one role's engine is built from."""
+
+    dtype: str
+    """'fp32' | 'bf16' | 'fp16', resolved for the device (``ds_config.resolve_dtype``)."""
+    ds_config: dict[str, Any]
+    """The DeepSpeed config (``ds_config.actor_ds_config`` / ``critic_ds_config``)."""
+    gradient_checkpointing: bool
+    attention: str
+    """The implementation scoring and the guard load with too (``models.attention.resolve_attention``):
+    one kernel for the same data."""
+    optim: OptimConfig
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    """Everything the actor and critic engines are built from (``engine_settings``), and so what a
+    resident trainer compares to decide whether its engines can be kept (``engine_key``)."""
+
+    device: str
+    world_size: int
+    actor: RoleEngine
+    critic: Optional[RoleEngine]
+    """None in a run without a critic (``config.resolve.uses_critic``)."""
+    lora: Optional[LoraSettings]
+    seed: int
+    """Fresh LoRA adapters are initialised from it (trainer.seed)."""
+    total_steps: int
+    """The run's training steps, which an lr schedule may need (``training_steps``)."""
+
+
+def engine_settings(cfg: RLHFConfig, device: str, world_size: int, total_steps: int = 0) -> EngineSettings:
+    """``EngineSettings`` of ``cfg`` on ``world_size`` ranks of ``device``."""
+    m, c = cfg.actor_rollout_ref.model, cfg.critic
+    here = torch.device(device)
+    actor = RoleEngine(resolve_dtype(effective_deepspeed(cfg).dtype, device), actor_ds_config(cfg, device, world_size),
+                       m.enable_gradient_checkpointing, resolve_attention(m.override_config.attn_implementation, here),
+                       cfg.actor_rollout_ref.actor.optim)
+    critic = None if not resolve.uses_critic(cfg) else RoleEngine(
+        resolve_dtype(effective_deepspeed(cfg, "critic").dtype, device), critic_ds_config(cfg, device, world_size),
+        c.model.enable_gradient_checkpointing, resolve_attention(c.model.override_config.attn_implementation, here),
+        c.optim)
+    return EngineSettings(device, world_size, actor, critic, LoraSettings.from_config(m), cfg.trainer.seed, total_steps)
+
+
+def engine_key(settings: EngineSettings) -> str:
+    """A digest of what the engines are built from, except what each update sets afresh (the base
+    learning rates: a retry halves the actor's). A change — a resume with another ZeRO stage, say —
+    rebuilds them."""
+    facts = asdict(settings)
+    for role in ("actor", "critic"):
+        if facts[role] is not None:
+            facts[role]["optim"].pop("lr")
+    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def build_engines(settings: EngineSettings, sources: UpdateSources) -> tuple[TrainEngine, Optional[TrainEngine]]:
+    """The actor and critic engines (critic None in a run without one)."""
+    a, device = settings.actor, settings.device
+    actor_model = load_actor_model(sources.actor, torch_dtype(a.dtype), lora=settings.lora, adapter_path=sources.adapter,
+                                   gradient_checkpointing=a.gradient_checkpointing, seed=settings.seed,
+                                   attention=a.attention, ds_config=a.ds_config)
+    actor = build_train_engine("actor", actor_model, a.optim, a.ds_config, a.dtype,
+                               lr_schedule_for(a.optim, settings.total_steps), device=device)
+    actor.lora = settings.lora
+    c = settings.critic
+    if c is None or sources.critic is None:
         return actor, None
-    critic_model = load_critic_model(sources.critic, torch_dtype(critic_dtype),
-                                     gradient_checkpointing=cfg.critic.model.enable_gradient_checkpointing,
-                                     attention=resolve_attention(cfg.critic.model.override_config.attn_implementation,
-                                                                 torch.device(device)), ds_config=critic_ds)
-    critic = build_train_engine("critic", critic_model, c_optim, critic_ds, critic_dtype,
-                                lr_schedule_for(c_optim, total_steps), device=device)
+    critic_model = load_critic_model(sources.critic, torch_dtype(c.dtype), gradient_checkpointing=c.gradient_checkpointing,
+                                     attention=c.attention, ds_config=c.ds_config)
+    critic = build_train_engine("critic", critic_model, c.optim, c.ds_config, c.dtype,
+                                lr_schedule_for(c.optim, settings.total_steps), device=device)
     return actor, critic
 
 
@@ -342,21 +391,20 @@ def refuse_what_cannot_fit(cfg: RLHFConfig, device: str, world_size: int, reside
                         announce=int(os.environ.get("RANK", "0")) == 0)
 
 
-def open_engines(cfg: RLHFConfig, run: RunDir, sources: UpdateSources, device: str, world_size: int, *,
+def open_engines(cfg: RLHFConfig, settings: EngineSettings, sources: UpdateSources, *,
                  resident: bool = False) -> tuple[TrainEngine, Optional[TrainEngine], int]:
-    """(actor, critic, pad id): engines built on ``sources``' weights, with the optimizer state and
-    the RNG of the checkpoint they start from (``sources.resume``), else fresh and seeded. A config
-    whose memory estimate does not fit the device is refused first (``memory.check_update_memory``)."""
+    """(actor, critic, pad id): engines built from ``settings`` on ``sources``' weights, with the
+    optimizer state and the RNG of the checkpoint they start from (``sources.resume``), else fresh
+    and seeded. A config whose memory estimate does not fit the device is refused first
+    (``memory.check_update_memory``)."""
     pad_id = _pad_id(sources.actor)
-    refuse_what_cannot_fit(cfg, device, world_size, resident)
-    actor, critic = build_engines(cfg, sources, device, world_size, training_steps(cfg, run))
-    with cpu_threads(device, module_largest_matrix(actor.module), world_size):
+    refuse_what_cannot_fit(cfg, settings.device, settings.world_size, resident)
+    actor, critic = build_engines(settings, sources)
+    with cpu_threads(settings.device, module_largest_matrix(actor.module), settings.world_size):
         if sources.resume is not None:
             resume_optimizers(sources.resume, present(actor, critic), pad_id)
-        start_rng(cfg.trainer.seed, sources)
+        start_rng(settings.seed, sources)
     return actor, critic, pad_id
-
-
 
 
 def train_iteration(settings: UpdateSettings, iteration: int, data: PPOData, actor: TrainEngine,

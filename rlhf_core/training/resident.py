@@ -42,8 +42,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import gc
-import hashlib
-import json
 import logging
 import shutil
 import time
@@ -53,7 +51,7 @@ from typing import Any, Iterator, Optional, Union
 
 import torch
 
-from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve, to_yaml
+from rlhf_core.config import RLHFConfig, resolve, to_yaml
 from rlhf_core.config.schema import TrainerConfig
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import CheckpointError, RLHFError, first_clause
@@ -66,13 +64,14 @@ from rlhf_core.run.schedule import save_due
 from rlhf_core.training.checkpoint import (BackgroundWriter, can_write_in_background, prepare_staging, restore_rng,
                                           rng_state, save_checkpoint, seed_rng)
 from rlhf_core.training.distributed import DistInfo, init_distributed
-from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_device
+from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.engines import LoraSettings, TrainEngine, present
 from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, weights_sample
 from rlhf_core.models.threads import module_largest_matrix
-from rlhf_core.training.rank_update import (UpdateSettings, UpdateSources, check_update_data, cpu_threads, finish_update, open_engines,
-                                            peak_rss_gb, reset_peak_rss, resolve_sources, trainer_state,
-                                            train_iteration, training_steps, update_settings)
+from rlhf_core.training.rank_update import (EngineSettings, UpdateSettings, UpdateSources, check_update_data, cpu_threads,
+                                            engine_key, engine_settings, finish_update, open_engines, peak_rss_gb,
+                                            reset_peak_rss, resolve_sources, trainer_state, train_iteration,
+                                            training_steps, update_settings)
 from rlhf_core.training.train_state import TrainState, capture, restore
 from rlhf_core.training.nodes import GROUP_ENTRY, node0_address
 from rlhf_core.training.worker_group import Nodes, RankFailure, WorkerGroup
@@ -128,23 +127,6 @@ class Snapshot:
     rng: Optional[Rng]
     """The RNG right after that update (None: the initial state, seeded from trainer.seed)."""
     trainer_state: Optional[dict] = None
-
-
-def engine_key(cfg: RLHFConfig, device: str, world_size: int, run: RunDir) -> str:
-    """What the engines were built from, except what each update sets afresh (the base learning
-    rates: a retry halves the actor's). A change — a resume with another ZeRO stage, say — rebuilds them."""
-    def optim(o) -> dict:
-        return {"betas": list(o.betas), "weight_decay": o.weight_decay, "schedule": resolve.scheduler_type(o),
-                "warmup": [o.lr_warmup_steps, o.lr_warmup_steps_ratio], "min_lr_ratio": o.min_lr_ratio,
-                "num_cycles": o.num_cycles}
-
-    m = cfg.actor_rollout_ref.model
-    facts = {"actor_ds": actor_ds_config(cfg, device, world_size), "critic_ds": critic_ds_config(cfg, device, world_size),
-             "dtype": [effective_deepspeed(cfg).dtype, cfg.critic.deepspeed_config.dtype],
-             "checkpointing": [m.enable_gradient_checkpointing, cfg.critic.model.enable_gradient_checkpointing],
-             "optim": [optim(cfg.actor_rollout_ref.actor.optim), optim(cfg.critic.optim)],
-             "steps": training_steps(cfg, run), "device": device, "critic": resolve.uses_critic(cfg)}
-    return hashlib.sha256(json.dumps(facts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 class ResidentTrainer:
@@ -340,7 +322,8 @@ class ResidentTrainer:
         or before ``j`` and the recorded updates after it replayed."""
         device = resolve_device(cfg.trainer.device)
         dist = init_distributed(device)
-        key = engine_key(cfg, device, dist.world_size, self.run)
+        engines = engine_settings(cfg, device, dist.world_size, training_steps(cfg, self.run))
+        key = engine_key(engines)
         if self.actor is not None and key == self.key:
             if self.holds == j:
                 return
@@ -350,7 +333,7 @@ class ResidentTrainer:
                 return
         self.drop_engines()
         base = newest_durable(self.run, j) if j else 0
-        self._open(cfg, base, device, dist, key)
+        self._open(cfg, engines, base, dist, key)
         for i in [i for i in committed_iterations(self.run) if base < i <= j]:
             self.replay(i)
 
@@ -362,14 +345,13 @@ class ResidentTrainer:
         if self.holds != k:
             self.replay(k)
 
-    def _open(self, cfg: RLHFConfig, base: int, device: str, dist: DistInfo, key: str) -> None:
+    def _open(self, cfg: RLHFConfig, engines: EngineSettings, base: int, dist: DistInfo, key: str) -> None:
         started = time.perf_counter()
         # resolve_sources(k) = the state k starts from: base's checkpoint, or the initial models
         sources = resolve_sources(cfg, self.run, base + 1)
         # kept: the engines stay beside the rollout and scoring of every iteration (on every rank of a group)
-        self.actor, self.critic, self.pad_id = open_engines(cfg, self.run, sources, device, dist.world_size,
-                                                            resident=self.kept)
-        self.dist, self.device, self.key = dist, device, key
+        self.actor, self.critic, self.pad_id = open_engines(cfg, engines, sources, resident=self.kept)
+        self.dist, self.device, self.key = dist, engines.device, key
         self.tokenizer = resolve_sources(cfg, self.run, 1).tokenizer  # never pruned, unlike a checkpoint's copy
         self.rng = rng_state() if base else None  # open_engines set the checkpoint's RNG (or seeded it)
         self.holds = base

@@ -185,7 +185,7 @@ def test_a_config_that_cannot_fit_is_refused_before_any_engine_is_built(tiny_mod
     sources = rank_update.UpdateSources(actor=tiny_model_dir, adapter=None, critic=critic_init_dir,
                                         tokenizer=tiny_model_dir, resume=None)
     with pytest.raises(ConfigError, match="does not fit.*actor activations"):
-        rank_update.open_engines(cfg, None, sources, "cpu", 1)
+        rank_update.open_engines(cfg, rank_update.engine_settings(cfg, "cpu", 1), sources)
 
 
 def test_engines_apply_gradient_checkpointing_and_zero3_loads_partitioned(make_engines, tiny_model_dir, dist):

@@ -1,0 +1,57 @@
+"""What an update is built from and what its loop reads, each read from the config once: the engines'
+settings and the key a resident trainer keeps its engines by, the training loop's settings."""
+
+from __future__ import annotations
+
+import pytest
+
+from rlhf_core.config import load_config
+from rlhf_core.training.rank_update import engine_key, engine_settings, update_settings
+
+
+def _key(*overrides: str, world_size: int = 1, total_steps: int = 0) -> str:
+    return engine_key(engine_settings(load_config(None, list(overrides)), "cpu", world_size, total_steps))
+
+
+def test_the_engines_are_kept_across_a_retry_that_only_lowers_the_learning_rate():
+    assert _key() == _key("actor_rollout_ref.actor.optim.lr=5e-7", "critic.optim.lr=1e-6")
+
+
+@pytest.mark.parametrize("change", [
+    "actor_rollout_ref.actor.deepspeed_config.zero_stage=2",
+    "critic.deepspeed_config.dtype=bf16",
+    "actor_rollout_ref.model.enable_gradient_checkpointing=true",
+    "actor_rollout_ref.actor.grad_clip=0.5",
+    "critic.model.enable_gradient_checkpointing=true",
+    "actor_rollout_ref.model.override_config.attn_implementation=eager",
+    "actor_rollout_ref.actor.optim.betas=[0.9,0.95]",
+    "critic.optim.lr_scheduler_type=cosine",
+    "algorithm.adv_estimator=grpo",  # no critic engine
+])
+def test_any_setting_an_engine_is_built_from_rebuilds_it(change):
+    assert _key(change) != _key()
+
+
+def test_the_world_and_the_schedule_length_rebuild_the_engines():
+    assert _key(world_size=2) != _key()
+    assert _key("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", total_steps=10) != \
+        _key("actor_rollout_ref.actor.optim.lr_scheduler_type=cosine", total_steps=20)
+
+
+def test_the_loop_settings_follow_verls_critic_fallbacks():
+    cfg = load_config(None, ["actor_rollout_ref.actor.ppo_epochs=3", "actor_rollout_ref.actor.clip_ratio_low=0.3",
+                             "actor_rollout_ref.actor.optim.lr=2e-6", "critic.optim.lr=4e-6"])
+    settings = update_settings(cfg, world_size=2)
+    assert settings.critic is not None and settings.critic.epochs == 3  # critic.ppo_epochs null: the actor's
+    assert (settings.actor.loss.clip_ratio_low, settings.actor.loss.clip_ratio_high) == (0.3, 0.2)
+    assert settings.learning_rates == (2e-6, 4e-6)
+    assert settings.world_size == 2 and settings.lora is None
+    assert update_settings(load_config(None, ["algorithm.adv_estimator=grpo"]), 1).critic is None
+
+
+def test_verls_offload_flag_reaches_the_engine_and_its_key():
+    zero1 = ("actor_rollout_ref.actor.deepspeed_config.zero_stage=1",)
+    offloaded = load_config(None, [*zero1, "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
+    ds = engine_settings(offloaded, "cpu", 1).actor.ds_config
+    assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
+    assert _key(*zero1, "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true") != _key(*zero1)
