@@ -12,9 +12,9 @@ training dtype (4 fp32, 2 bf16/fp16). What one rank holds of one trained model (
                  mixed precision at any stage), divided by N at ZeRO >= 1 (on the host with
                  offload_optimizer, with the fp32 gradient partition)
 
-and of one micro-batch of ``tokens`` tokens (``RoleMemory.micro_batch_tokens``: the role's token budget with
-use_dynamic_bsz, else micro-batch size × (max prompt + max response length), at most the rank's
-share of a mini-batch):
+and of one micro-batch of ``tokens`` tokens (``RoleMemory.micro_batch_tokens``: the role's token
+budget with use_dynamic_bsz, else micro-batch size × (max prompt + max response length), at most
+the rank's share of a mini-batch):
 
     activations  tokens·L·A·b without gradient checkpointing; tokens·(L·H + A)·b with it (each
                  layer's input, plus one layer recomputed in backward). A = the values one decoder
@@ -398,7 +398,8 @@ def scoring_terms(settings: MemorySettings, shapes: Shapes, dtype: str) -> list[
     models = [("actor (scoring)", shapes.actor.parameters("lm"))]
     if shapes.critic is not None:
         models.append(("critic (scoring)", shapes.critic.parameters("value")))
-    models += [(f"{name} (pass copy)", params) for name, params, offloaded in _held_models(settings, shapes) if offloaded]
+    models += [(f"{name} (pass copy)", params)
+               for name, params, offloaded in _held_models(settings, shapes) if offloaded]
     name, params = max(models, key=lambda m: m[1])
     return held_terms(settings, shapes, dtype) + [
         Term(f"{name} weights", params * b),

@@ -174,17 +174,24 @@ def train_step(te: TrainEngine, data: PPOData, rows: list[int], plan: MicroBatch
     return StepResult(metrics=metrics, tokens=tokens)
 
 
-@dataclass
-class RoleSchedule:
+@dataclass(frozen=True)
+class RoleSettings:
     """How one role trains in an iteration (its own budgets, as verl's critic.* keys allow)."""
 
-    te: TrainEngine
     loss_fn: MicroLoss
     epochs: int
     plan: MicroBatchPlan
     mini_batch_size: int
     """Sequences per optimizer step, all ranks together: ppo_mini_batch_size × rollout.n."""
     shuffle: bool
+
+
+@dataclass
+class RoleSchedule:
+    """One role's engine and how it trains this iteration."""
+
+    te: TrainEngine
+    how: RoleSettings
 
 
 @dataclass
@@ -202,13 +209,13 @@ class PPOOutcome:
 def _train_role(role: RoleSchedule, data: PPOData, seed: str, dist: DistInfo, pad_id: int,
                 bar) -> tuple[list[dict[str, float]], int, float]:
     """All epochs of one role, then one step of its LR schedule: (per-step metrics, tokens, seconds)."""
-    name, started = role.te.role, time.perf_counter()
+    name, how, started = role.te.role, role.how, time.perf_counter()
     steps: list[dict[str, float]] = []
     tokens = 0
     order = data.grouped_order()
-    for epoch in range(role.epochs):
-        for rows in mini_batches(order, role.mini_batch_size, shuffle=role.shuffle, seed=seed, epoch=epoch):
-            result = train_step(role.te, data, rows, role.plan, role.loss_fn, dist, pad_id)
+    for epoch in range(how.epochs):
+        for rows in mini_batches(order, how.mini_batch_size, shuffle=how.shuffle, seed=seed, epoch=epoch):
+            result = train_step(role.te, data, rows, how.plan, how.loss_fn, dist, pad_id)
             steps.append({"epoch": epoch, "step": len(steps), **result.metrics})
             fault_point(f"update:after_step:{name}:{len(steps)}")  # kill tests: weights moved, nothing saved
             tokens += result.tokens
@@ -236,7 +243,7 @@ def run_ppo(roles: list[RoleSchedule], data: PPOData, *, seed: str, dist: DistIn
         raise ValueError("concurrent roles need a single process: collectives from two threads could "
                          "pair up differently on each rank")
     outcome = PPOOutcome()
-    total = sum(r.epochs * math.ceil(len(data) / r.mini_batch_size) for r in roles)
+    total = sum(r.how.epochs * math.ceil(len(data) / r.how.mini_batch_size) for r in roles)
     started = time.perf_counter()
     with tqdm(total=total, desc="ppo update", unit="step", leave=False,
               disable=bar_disabled(progress) or not dist.is_main) as bar:

@@ -21,7 +21,7 @@ import os
 import resource
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 import torch
 
@@ -47,7 +47,7 @@ from rlhf_core.training.lineage import weights_sample, write_state_record
 from rlhf_core.training.memory import Shapes, check_update_memory, memory_settings
 from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, present, load_actor_model, load_critic_model,
                                         lr_schedule)
-from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule, aggregate, run_ppo
+from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule, RoleSettings, aggregate, run_ppo
 
 
 @dataclass(frozen=True)
@@ -66,23 +66,10 @@ class UpdateSources:
 
 
 @dataclass(frozen=True)
-class RoleSettings:
-    """How one role trains in an iteration: ``ppo.RoleSchedule`` without its engine."""
-
-    loss: Union[ActorLoss, CriticLoss]
-    epochs: int
-    micro_batches: MicroBatchPlan
-    mini_batch_sequences: int
-    """Sequences per optimizer step, all ranks together: ppo_mini_batch_size × rollout.n."""
-    shuffle: bool
-
-
-@dataclass(frozen=True)
 class UpdateSettings:
-    """What the training loop reads of a config, on ``world_size`` ranks: built once per update or
-    replay (``update_settings``), so a value such as ``actor.clip_ratio`` has one path into training."""
+    """What the training loop reads of a config: built once per update or replay (``update_settings``),
+    so a value such as ``actor.clip_ratio`` has one path into training."""
 
-    world_size: int
     actor: RoleSettings
     critic: Optional[RoleSettings]
     """None in a run without a critic (``config.resolve.uses_critic``)."""
@@ -95,16 +82,16 @@ class UpdateSettings:
 
 
 def update_settings(cfg: RLHFConfig, world_size: int) -> UpdateSettings:
-    """``UpdateSettings`` of ``cfg`` on ``world_size`` ranks: each role's loss
-    (``actor_loss_from_config``, ``critic_loss_from_config``), epochs, micro-batching, mini-batch and
-    shuffle, as verl's critic.* keys fall back to the actor's."""
+    """``UpdateSettings`` of ``cfg`` on ``world_size`` ranks (the micro-batching divides by it): each
+    role's loss (``actor_loss_from_config``, ``critic_loss_from_config``), epochs, micro-batching,
+    mini-batch and shuffle, as verl's critic.* keys fall back to the actor's."""
     a = cfg.actor_rollout_ref.actor
     actor = RoleSettings(actor_loss_from_config(cfg), a.ppo_epochs, micro_batch_plan(cfg, "actor", world_size),
                          resolve.mini_batch_sequences(cfg, "actor"), a.shuffle)
     critic = None if not resolve.uses_critic(cfg) else RoleSettings(
         critic_loss_from_config(cfg), resolve.critic_epochs(cfg), micro_batch_plan(cfg, "critic", world_size),
         resolve.mini_batch_sequences(cfg, "critic"), resolve.critic_shuffle(cfg))
-    return UpdateSettings(world_size, actor, critic, cfg.trainer, LoraSettings.from_config(cfg.actor_rollout_ref.model),
+    return UpdateSettings(actor, critic, cfg.trainer, LoraSettings.from_config(cfg.actor_rollout_ref.model),
                           (a.optim.lr, cfg.critic.optim.lr))
 
 
@@ -251,17 +238,18 @@ def engine_key(settings: EngineSettings) -> str:
 def build_engines(settings: EngineSettings, sources: UpdateSources) -> tuple[TrainEngine, Optional[TrainEngine]]:
     """The actor and critic engines (critic None in a run without one)."""
     a, device = settings.actor, settings.device
-    actor_model = load_actor_model(sources.actor, torch_dtype(a.dtype), lora=settings.lora, adapter_path=sources.adapter,
-                                   gradient_checkpointing=a.gradient_checkpointing, seed=settings.seed,
-                                   attention=a.attention, ds_config=a.ds_config)
+    actor_model = load_actor_model(sources.actor, torch_dtype(a.dtype), lora=settings.lora,
+                                   adapter_path=sources.adapter, gradient_checkpointing=a.gradient_checkpointing,
+                                   seed=settings.seed, attention=a.attention, ds_config=a.ds_config)
     actor = build_train_engine("actor", actor_model, a.optim, a.ds_config, a.dtype,
                                lr_schedule_for(a.optim, settings.total_steps), device=device)
     actor.lora = settings.lora
     c = settings.critic
     if c is None or sources.critic is None:
         return actor, None
-    critic_model = load_critic_model(sources.critic, torch_dtype(c.dtype), gradient_checkpointing=c.gradient_checkpointing,
-                                     attention=c.attention, ds_config=c.ds_config)
+    critic_model = load_critic_model(sources.critic, torch_dtype(c.dtype),
+                                     gradient_checkpointing=c.gradient_checkpointing, attention=c.attention,
+                                     ds_config=c.ds_config)
     critic = build_train_engine("critic", critic_model, c.optim, c.ds_config, c.dtype,
                                 lr_schedule_for(c.optim, settings.total_steps), device=device)
     return actor, critic
@@ -364,12 +352,9 @@ def role_schedules(settings: UpdateSettings, actor: TrainEngine, critic: Optiona
     """What trains this iteration, critic first (verl's order): each role with its own budgets,
     mini-batch (prompts × rollout.n sequences), epochs and shuffle; the actor only when
     ``resolve.actor_updates`` (verl's critic_warmup); no critic in a run without one."""
-    def schedule(te: TrainEngine, role: RoleSettings) -> RoleSchedule:
-        return RoleSchedule(te, role.loss, role.epochs, role.micro_batches, role.mini_batch_sequences, role.shuffle)
-
-    roles = [] if critic is None or settings.critic is None else [schedule(critic, settings.critic)]
+    roles = [] if critic is None or settings.critic is None else [RoleSchedule(critic, settings.critic)]
     if resolve.actor_updates(settings.trainer, iteration):
-        roles.append(schedule(actor, settings.actor))
+        roles.append(RoleSchedule(actor, settings.actor))
     return roles
 
 
@@ -377,7 +362,7 @@ def check_update_data(settings: UpdateSettings, run: RunDir, iteration: int) -> 
     """Iteration ``iteration``'s advantages table, checked against both roles' token budgets."""
     data = read_advantages(run.advantages(iteration))
     for role in [r for r in (settings.critic, settings.actor) if r is not None]:
-        check_budget(data, role.micro_batches, run.advantages(iteration))
+        check_budget(data, role.plan, run.advantages(iteration))
     return data
 
 

@@ -68,10 +68,10 @@ from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.engines import LoraSettings, TrainEngine, present
 from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, weights_sample
 from rlhf_core.models.threads import module_largest_matrix
-from rlhf_core.training.rank_update import (EngineSettings, UpdateSettings, UpdateSources, check_update_data, cpu_threads,
-                                            engine_key, engine_settings, finish_update, open_engines, peak_rss_gb,
-                                            reset_peak_rss, resolve_sources, trainer_state, train_iteration,
-                                            training_steps, update_settings)
+from rlhf_core.training.rank_update import (EngineSettings, UpdateSettings, UpdateSources, check_update_data,
+                                            cpu_threads, engine_key, engine_settings, finish_update, open_engines,
+                                            peak_rss_gb, reset_peak_rss, resolve_sources, trainer_state,
+                                            train_iteration, training_steps, update_settings)
 from rlhf_core.training.train_state import TrainState, capture, restore
 from rlhf_core.training.nodes import GROUP_ENTRY, node0_address
 from rlhf_core.training.worker_group import Nodes, RankFailure, WorkerGroup
@@ -333,7 +333,7 @@ class ResidentTrainer:
                 return
         self.drop_engines()
         base = newest_durable(self.run, j) if j else 0
-        self._open(cfg, engines, base, dist, key)
+        self._open(cfg, engines, base, dist)
         for i in [i for i in committed_iterations(self.run) if base < i <= j]:
             self.replay(i)
 
@@ -345,13 +345,13 @@ class ResidentTrainer:
         if self.holds != k:
             self.replay(k)
 
-    def _open(self, cfg: RLHFConfig, engines: EngineSettings, base: int, dist: DistInfo, key: str) -> None:
+    def _open(self, cfg: RLHFConfig, engines: EngineSettings, base: int, dist: DistInfo) -> None:
         started = time.perf_counter()
         # resolve_sources(k) = the state k starts from: base's checkpoint, or the initial models
         sources = resolve_sources(cfg, self.run, base + 1)
         # kept: the engines stay beside the rollout and scoring of every iteration (on every rank of a group)
         self.actor, self.critic, self.pad_id = open_engines(cfg, engines, sources, resident=self.kept)
-        self.dist, self.device, self.key = dist, engines.device, key
+        self.dist, self.device, self.key = dist, engines.device, engine_key(engines)
         self.tokenizer = resolve_sources(cfg, self.run, 1).tokenizer  # never pruned, unlike a checkpoint's copy
         self.rng = rng_state() if base else None  # open_engines set the checkpoint's RNG (or seeded it)
         self.holds = base
@@ -522,7 +522,8 @@ class GroupTrainer:
         what = (f"update of iteration {one_update} on {self.world} processes" if one_update
                 else f"worker group of {self.world} update processes")
         started = time.perf_counter()
-        self.group = WorkerGroup(GROUP_ENTRY, self.world, args, what=what, nodes=_nodes(cfg.trainer, run, device, one_update),
+        self.group = WorkerGroup(GROUP_ENTRY, self.world, args, what=what,
+                                 nodes=_nodes(cfg.trainer, run, device, one_update),
                                  log=run.launch_log(f"update-iter_{one_update}" if one_update else "worker-group"))
         timing.add(PROCESS_LAUNCH, time.perf_counter() - started)
         self.holds: Optional[int] = None

@@ -43,9 +43,9 @@ def test_the_loop_settings_follow_verls_critic_fallbacks():
                              "actor_rollout_ref.actor.optim.lr=2e-6", "critic.optim.lr=4e-6"])
     settings = update_settings(cfg, world_size=2)
     assert settings.critic is not None and settings.critic.epochs == 3  # critic.ppo_epochs null: the actor's
-    assert (settings.actor.loss.clip_ratio_low, settings.actor.loss.clip_ratio_high) == (0.3, 0.2)
+    assert (settings.actor.loss_fn.clip_ratio_low, settings.actor.loss_fn.clip_ratio_high) == (0.3, 0.2)
     assert settings.learning_rates == (2e-6, 4e-6)
-    assert settings.world_size == 2 and settings.lora is None
+    assert settings.lora is None
     assert update_settings(load_config(None, ["algorithm.adv_estimator=grpo"]), 1).critic is None
 
 
