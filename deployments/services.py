@@ -256,21 +256,28 @@ def ensure_work_pool(api_url: str, pool: str, concurrency: int) -> None:
             client.update_work_pool(pool, WorkPoolUpdate(concurrency_limit=concurrency))
 
 
-def register_deployments(api_url: str, timeout: float = 300.0) -> dict[str, str]:
+def register_deployments(api_url: str, timeout: float = 600.0) -> dict[str, str]:
     """``prefect --no-prompt deploy --all --prefect-file deployments/prefect.yaml`` from the project
     root, then read the deployments back; returns {deployment name: id}. A prefect.yaml that Prefect
-    skips (it only prints a warning) is reported as an error here."""
+    skips (it only prints a warning) is reported as an error here, and so is a deploy still running
+    after ``timeout`` seconds (it imports each flow's module: torch, transformers, DeepSpeed, which
+    took over 300 s on a loaded 2-core machine), with the option that raises the limit."""
     cmd = prefect_cmd("--no-prompt", "deploy", "--all", "--prefect-file", str(PREFECT_FILE))
-    done = subprocess.run(cmd, cwd=project_root(), env=service_env(api_url), capture_output=True, text=True,
-                          timeout=timeout)
     log = services_dir() / "logs" / "register.log"
     log.parent.mkdir(parents=True, exist_ok=True)
-    log.write_text(done.stdout + done.stderr)
+    with open(log, "w") as out:  # the output lands in the log whether the deploy ends or is stopped
+        try:
+            returncode = subprocess.run(cmd, cwd=project_root(), env=service_env(api_url), stdout=out,
+                                        stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            raise ServiceError(f"registering {PREFECT_FILE} (`prefect deploy`) did not finish in {timeout:.0f} s and "
+                               f"was stopped (its output: {log}); give it longer with --timeout SECONDS") from None
+    output = log.read_text(errors="replace")
     found = read_deployments(api_url)
     missing = [name for name in deployment_names() if name not in found]
-    if done.returncode != 0 or missing:
-        tail = "\n".join((done.stdout + done.stderr).splitlines()[-30:])
-        raise ServiceError(f"registering {PREFECT_FILE} failed (exit {done.returncode}; missing: "
+    if returncode != 0 or missing:
+        tail = "\n".join(output.splitlines()[-30:])
+        raise ServiceError(f"registering {PREFECT_FILE} failed (exit {returncode}; missing: "
                            f"{', '.join(missing) or 'none'}); output in {log}:\n{tail}")
     return {name: found[name] for name in deployment_names()}
 
@@ -344,7 +351,7 @@ def wait_mlflow_ui(svc: Service, timeout: float) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def up(prefect_port: int = 4200, mlflow_port: int = 5000, concurrency: int = 1, timeout: float = 180.0,
+def up(prefect_port: int = 4200, mlflow_port: int = 5000, concurrency: int = 1, timeout: float = 600.0,
        mlflow: bool = True, say: Callable[[str], None] = print) -> State:
     """Start everything (see the module docstring); on any failure, stop what was started."""
     if concurrency < 1:
@@ -381,7 +388,7 @@ def _start_all(state: State, mlflow_port: Optional[int], timeout: float, say: Ca
     done(f"Prefect server healthy at {state.prefect_url}")
     ensure_work_pool(state.api_url, state.pool, state.concurrency)
     done(f"work pool {state.pool!r} (process, concurrency limit {state.concurrency})")
-    names = register_deployments(state.api_url)
+    names = register_deployments(state.api_url, timeout)
     done(f"deployments registered: {', '.join(names)}")
     state.services["worker"] = start_worker(state.api_url, state.pool, timeout)
     write_state(state)
@@ -463,6 +470,10 @@ def url_lines(state: State) -> list[str]:
     return lines
 
 
+TIMEOUT_HELP = ("seconds to wait for each service to be ready, and for `prefect deploy` to register the "
+                "deployments (default 600: on a loaded 2-core machine the deploy took over 300 s)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m deployments.services",
                                      description="Local Prefect server + worker + MLflow UI on 127.0.0.1.")
@@ -473,10 +484,11 @@ def build_parser() -> argparse.ArgumentParser:
     start.add_argument("--concurrency", type=int, default=1,
                        help="flow runs the work pool may run at once (default 1: one training per machine)")
     start.add_argument("--no-mlflow", action="store_true", help="do not start the MLflow UI")
-    start.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for each service")
+    start.add_argument("--timeout", type=float, default=600.0, help=TIMEOUT_HELP)
     sub.add_parser("down", help="stop everything `up` started (by PID)")
     sub.add_parser("status", help="PIDs, addresses and whether each service runs")
-    sub.add_parser("register", help="(re)register deployments/prefect.yaml on the running server")
+    register = sub.add_parser("register", help="(re)register deployments/prefect.yaml on the running server")
+    register.add_argument("--timeout", type=float, default=600.0, help=TIMEOUT_HELP)
     return parser
 
 
@@ -494,7 +506,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             state = read_state()
             if state is None or process_of(state.services["prefect"]) is None:
                 raise ServiceError("the Prefect server is not running; `python -m deployments.services up` first")
-            for name, dep_id in register_deployments(state.api_url).items():
+            for name, dep_id in register_deployments(state.api_url, args.timeout).items():
                 print(f"registered {name}: {state.prefect_url}/deployments/deployment/{dep_id}")
     except RLHFError as exc:
         print(f"services: error: {exc}", file=sys.stderr)

@@ -103,3 +103,29 @@ def test_state_file_round_trip_and_down_without_services(tmp_path, monkeypatch, 
 def test_up_refuses_bad_concurrency():
     with pytest.raises(ServiceError, match="--concurrency 0: must be >= 1"):
         services.up(concurrency=0)
+
+
+def test_a_deploy_slower_than_timeout_is_one_line_naming_the_option(tmp_path, monkeypatch):
+    """Issue 43: `prefect deploy` past its limit ended `make services-up` in a traceback
+    (subprocess.TimeoutExpired), and the limit was a fixed 300 s whatever `--timeout` said. Through
+    the real command against a real server: `register --timeout 1` stops the deploy (which alone
+    takes seconds to import Prefect) and says so in one line."""
+    import subprocess
+
+    monkeypatch.setenv("RLHF_HOME", str(tmp_path / "home"))
+    monkeypatch.delenv("PREFECT_HOME", raising=False)
+    server = services.start_prefect_server(services.free_port(), timeout=180)
+    try:
+        services.write_state(State(prefect_url=server.url, mlflow_url=None, pool="rlhf-local", concurrency=1,
+                                   rlhf_home=str(tmp_path / "home"), prefect_home=str(services.prefect_home()),
+                                   services={"prefect": server}))
+        out = subprocess.run([sys.executable, "-m", "deployments.services", "register", "--timeout", "1"],
+                             capture_output=True, text=True, timeout=120, cwd=services.project_root(),
+                             env=services.service_env(server.url + "/api"))
+    finally:
+        services.stop_service(server, timeout=20)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and "Traceback" not in out.stderr, out.stderr
+    assert lines[0].startswith("services: error: registering deployments/prefect.yaml (`prefect deploy`) did not "
+                               "finish in 1 s") and lines[0].endswith("give it longer with --timeout SECONDS"), lines
+    assert (tmp_path / "home" / "services" / "logs" / "register.log").is_file()
