@@ -270,12 +270,18 @@ def check_resumable(run: RunDir) -> None:
 
 def note_loggers(cfg: RLHFConfig) -> None:
     """Say once which trainer.logger entries this machine cannot serve (not an error, as a verl
-    config names wandb by default)."""
-    elsewhere = [name for name in cfg.trainer.logger if name not in LOGGERS_HERE]
+    config names wandb by default), and that a list without mlflow leaves the run untracked in
+    MLflow (verl's quickstart says trainer.logger=console)."""
+    loggers = cfg.trainer.logger
+    elsewhere = [name for name in loggers if name not in LOGGERS_HERE]
+    here = [name for name in loggers if name in LOGGERS_HERE]
+    sinks = f"metrics go to {' and '.join([*here, 'the run directory'])}"
     if elsewhere:
-        here = [name for name in cfg.trainer.logger if name in LOGGERS_HERE]
-        say_once(f"config: trainer.logger {', '.join(elsewhere)} not available here (no such service); metrics go "
-                 f"to {', '.join(here) or 'the run directory only'} (trainer.logger=console,mlflow for both)")
+        say_once(f"config: trainer.logger {', '.join(elsewhere)} not available here (no such service); {sinks} "
+                 "(trainer.logger=[console,mlflow] for both)")
+    elif "mlflow" not in loggers:
+        say_once(f"config: trainer.logger={','.join(loggers) or '[]'} leaves MLflow off: no MLflow run; {sinks} "
+                 "(trainer.logger=[console,mlflow] tracks it too)")
 
 
 def logs_to(cfg: RLHFConfig, backend: str) -> bool:

@@ -79,6 +79,7 @@ def test_quickstart_says_what_fell_back_once(quickstart_run):
     proc, _ = quickstart_run
     said = proc.stderr.count("rollout.name=vllm needs a CUDA GPU")
     assert said == 1, proc.stderr[-3000:]
+    assert proc.stderr.count("trainer.logger=console leaves MLflow off") == 1, proc.stderr[-3000:]  # docs/verl.md
 
 
 def test_quickstart_has_verl_meanings(quickstart_run):

@@ -160,6 +160,17 @@ def test_config_notes_print_once_each_as_one_line(tmp_path):
     assert "trainer.logger=['console', 'wandb']" in out.stdout
 
 
+def test_a_logger_list_without_mlflow_says_once_that_mlflow_is_off(tmp_path):
+    """Issue 43: docs/verl.md promised this note for verl's quickstart (trainer.logger=console); none came."""
+    out = _rlhf(tmp_path, "config", "show", "--flat", "trainer.logger=console")
+    assert out.returncode == 0, out.stderr
+    notes = [line for line in out.stderr.splitlines() if line.strip()]
+    assert notes == ["rlhf: config: trainer.logger=console leaves MLflow off: no MLflow run; metrics go to console "
+                     "and the run directory (trainer.logger=[console,mlflow] tracks it too)"], notes
+    both = _rlhf(tmp_path, "config", "show", "--flat", "trainer.logger=[console,mlflow]")
+    assert both.returncode == 0 and "MLflow" not in both.stderr, both.stderr
+
+
 def test_demo_takes_iterations_as_run_does():
     """Issue 29: `rlhf demo` had no --iterations (`rlhf run` has)."""
     from rlhf_cli.inspection import GRPO_DEMO, demo_as_run
