@@ -183,6 +183,10 @@ def query(run: RunDir | str | Path, sql: str) -> pa.Table:
         con.close()
 
 
+_ESCAPED = str.maketrans({"\n": "\\n", "\r": "\\r", "\t": "\\t"})
+"""Line breaks and tabs in a cell, written as Python writes them in a string (``\\n``)."""
+
+
 def format_table(table: pa.Table, max_rows: int = 50, max_width: int = 40, missing: str = "NULL") -> str:
     """Plain fixed-width rendering for the terminal; a missing value reads ``missing`` (SQL's NULL
     for a query, "-" in the status table)."""
@@ -196,6 +200,7 @@ def format_table(table: pa.Table, max_rows: int = 50, max_width: int = 40, missi
             text = v.isoformat(sep=" ", timespec="seconds")
         else:
             text = missing if v is None else str(v)
+        text = text.translate(_ESCAPED)  # a response's newline would start a new row of the table
         return text if len(text) <= max_width else text[: max_width - 1] + "…"
 
     cells = [[cell(r[n]) for n in names] for r in rows]

@@ -50,6 +50,14 @@ def test_query(run, capsys, tmp_path):
     assert csv.read_text().splitlines()[0] == '"iteration","value"'
 
 
+def test_query_keeps_a_response_with_line_breaks_on_its_row(run, capsys):
+    """Issue 43: a newline inside a cell (a sampled response) started a new line of the table."""
+    sql = "SELECT 1 AS iteration, 'first' || chr(10) || 'second' || chr(9) || 'x' AS response"
+    assert main(["query", str(run.root), sql]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[2].split() == ["1", "first\\nsecond\\tx"] and out[3] == "(1 row)", out
+
+
 def test_bad_sql_names_the_views(run, capsys):
     assert main(["query", str(run.root), "SELECT * FROM nope"]) == 2
     err = capsys.readouterr().err
