@@ -106,9 +106,11 @@ def apply_kl_penalty(
     ``kind`` a KL estimator name.
 
     Returns ``(token_level_rewards, metrics)``: ``r_t = -beta * KL_t`` on valid tokens plus
-    ``scores`` on each row's last valid token, 0 at masked positions (a row without valid
-    tokens gets no score). ``metrics["kl/mean"]`` is the mean over rows with >= 1 valid token
-    of the per-row token-mean KL; ``metrics["kl/coef"]`` is beta. Both are 0-dim tensors.
+    ``scores`` on each row's last valid token, 0 at masked positions except one: a row without valid
+    tokens holds its score in the last column, where verl's reward manager writes an empty response's
+    (at index length - 1 = -1), so the estimators that sum whole rows count it as verl's do.
+    ``metrics["kl/mean"]`` is the mean over rows of the per-row token-mean KL, a row without valid
+    tokens counting as 0 (verl's batch mean); ``metrics["kl/coef"]`` is beta. Both are 0-dim tensors.
     """
     with torch.no_grad():
         valid = response_mask != 0
@@ -116,13 +118,15 @@ def apply_kl_penalty(
         zero = torch.zeros((), dtype=kl.dtype, device=kl.device)
         # The last valid token is the only valid one with no valid token after it.
         valid_from_here = valid.flip(-1).long().cumsum(dim=-1).flip(-1)
-        is_last = valid & (valid_from_here == 1)
-        placed = torch.where(is_last, scores.to(kl.dtype).unsqueeze(-1), zero)
-        rewards = torch.where(valid, placed - kl_coef * kl, zero)
         alive = valid.any(dim=-1)
+        is_last = valid & (valid_from_here == 1)
+        if is_last.shape[-1]:
+            is_last[:, -1] |= ~alive
+        placed = torch.where(is_last, scores.to(kl.dtype).unsqueeze(-1), zero)
+        rewards = torch.where(valid, placed - kl_coef * kl, placed)
         row_kl = masked_mean(kl, valid, dim=-1)
         metrics = {
-            "kl/mean": masked_mean(row_kl, alive),
+            "kl/mean": masked_mean(row_kl, torch.ones_like(alive)),
             "kl/coef": torch.as_tensor(kl_coef, dtype=kl.dtype, device=kl.device).detach().clone(),
         }
     return rewards, metrics

@@ -6,10 +6,15 @@ uid: the rollout.n responses to one prompt share one); ``reward_baselines`` (B,)
 returns ``(advantages, returns)``, both (B, T), 0 at masked positions, in ``token_level_rewards``'
 dtype (half types are reduced in float32).
 
-A response's *score* is the sum of its token-level rewards over its valid tokens. verl sums the whole
-row, which is the same thing under the contract that rewards are 0 at padding; summing only valid
-tokens keeps junk at masked positions out. A fully masked row thus scores 0 and, as in verl, still
-counts as a member of its group (in the group's mean, std and size).
+A response's *score* is the sum of its whole ``token_level_rewards`` row, as verl takes it, so
+``token_level_rewards`` must be 0 at padding (``apply_kl_penalty`` makes it so). ``response_mask``
+only says where the advantage goes: a token the rollout correction rejected (masked, yet part of
+the response) keeps its reward in the score, and so does a row it rejected whole, which gets
+all-zero output but still counts in its group's mean, std and size with its score. An empty
+response's score sits in the row's last column, where verl's reward manager writes it, and counts
+the same way. The token-level estimators (``reinforce_plus_plus``, ``remax``, the optimal token
+baselines) read rewards at valid positions only, as verl's do, so a rejected token's reward drops
+out of their returns.
 
 Groups are handled without a Python loop over rows: ``np.unique(index, return_inverse=True)`` gives
 each row a group number, and per-group sums come from ``index_add_``.
@@ -25,7 +30,7 @@ import numpy as np
 import torch
 
 from .advantage import compute_gae
-from .aggregation import masked_sum, masked_whiten
+from .aggregation import masked_whiten
 from .registry import register_adv_estimator
 
 Scalar = Union[float, torch.Tensor]
@@ -43,9 +48,9 @@ def _math_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
 
 
-def _scores(token_level_rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """(B,) sum of each row's rewards over its valid tokens, in the math dtype."""
-    return masked_sum(token_level_rewards.to(_math_dtype(token_level_rewards.dtype)), valid, dim=-1)
+def _scores(token_level_rewards: torch.Tensor) -> torch.Tensor:
+    """(B,) each row's score: the sum of its whole row (masked positions included), in the math dtype."""
+    return token_level_rewards.to(_math_dtype(token_level_rewards.dtype)).sum(dim=-1)
 
 
 def _broadcast(per_row: torch.Tensor, valid: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -113,18 +118,25 @@ def compute_grpo_advantage(
     Without ``norm_adv_by_std_in_grpo`` (Dr. GRPO) only the mean is subtracted. Returns equal the
     advantages. Edge cases, as verl: a group of one uses mean 0 and std 1, so its advantage is
     ``s / (1 + 1e-6)`` (``s`` unnormalised); all-equal rewards give std 0 and advantage 0; a fully
-    masked row has score 0 (it still counts in its group) and all-zero output.
+    masked row keeps its score in its group and gets all-zero output.
     """
     valid = _valid(response_mask)
-    scores = _scores(token_level_rewards, valid)
+    scores = _scores(token_level_rewards)
     groups = _Groups(index, scores.shape[0], scores.device)
+    per_row = _grpo_normalised(scores, groups, norm_adv_by_std_in_grpo)
+    advantages = _broadcast(per_row, valid, token_level_rewards)
+    return advantages, advantages.clone()
+
+
+def _grpo_normalised(scores: torch.Tensor, groups: _Groups, norm_adv_by_std_in_grpo: bool) -> torch.Tensor:
+    """(B,) GRPO's per-row advantage of (B,) ``scores``: centred on the group mean, divided by the
+    group std + 1e-6 when ``norm_adv_by_std_in_grpo`` (a group of one: mean 0, std 1)."""
     centered = scores - _verl_group_mean(groups, scores)[groups.row_group]
     if norm_adv_by_std_in_grpo:
         single = groups.size(scores) == 1
         std = torch.where(single, torch.ones_like(scores[:1]), groups.std(scores))
         centered = centered / (std[groups.row_group] + GRPO_EPSILON)
-    advantages = _broadcast(centered, valid, token_level_rewards)
-    return advantages, advantages.clone()
+    return centered
 
 
 @register_adv_estimator("grpo_passk")
@@ -144,7 +156,7 @@ def compute_grpo_passk_advantage(
     whichever tied row is picked); all-equal rewards likewise give 0.
     """
     valid = _valid(response_mask)
-    scores = _scores(token_level_rewards, valid)
+    scores = _scores(token_level_rewards)
     groups = _Groups(index, scores.shape[0], scores.device)
     sizes = groups.size(scores)
     small = (sizes < 2).nonzero().flatten().tolist()
@@ -176,10 +188,10 @@ def compute_rloo_advantage(
     of the *other* responses in its group, ``A_i = s_i - (sum_g - s_i) / (n - 1) = (s_i - mean_g) * n / (n - 1)``.
 
     Returns equal the advantages. Edge cases, as verl: a group of one keeps its raw score (no other
-    response to compare with); all-equal rewards give 0; a fully masked row scores 0 and gives zeros.
+    response to compare with); all-equal rewards give 0; a fully masked row gives zeros.
     """
     valid = _valid(response_mask)
-    scores = _scores(token_level_rewards, valid)
+    scores = _scores(token_level_rewards)
     groups = _Groups(index, scores.shape[0], scores.device)
     sizes = groups.size(scores)
     scale = (sizes / (sizes - 1).clamp(min=1))[groups.row_group]
@@ -201,11 +213,11 @@ def compute_opo_advantage(
     count of row i; ``A_i = s_i - b_g``. Returns equal the advantages.
 
     Edge cases: a group of one uses baseline 0 (raw score), as verl; all-equal rewards give 0. A group
-    of two or more whose rows are all fully masked gets baseline 0 (verl divides 0 by 0 and gives NaN
-    there); its rows score 0, so their output is 0.
+    of two or more whose rows are all fully masked (empty, or rejected whole) gets baseline 0 (verl
+    divides 0 by 0 and gives NaN there, at every position of those rows); their output is 0.
     """
     valid = _valid(response_mask)
-    scores = _scores(token_level_rewards, valid)
+    scores = _scores(token_level_rewards)
     groups = _Groups(index, scores.shape[0], scores.device)
     lengths = valid.sum(dim=-1).to(scores.dtype)
     total_length = groups.sum(lengths)
@@ -227,11 +239,11 @@ def compute_gpg_advantage(
     ``alpha = B / max(#rows with s != 0, 1)`` over the whole batch (verl's f_norm = 1, no std division).
 
     Returns equal the advantages. Edge cases, as verl: a group of one uses mean 0, so gets
-    ``alpha * s``; all-equal rewards give 0; a fully masked row scores 0 (it does not count in alpha's
-    denominator but does in B and in its group) and gives zeros.
+    ``alpha * s``; all-equal rewards give 0; a fully masked row gives zeros but counts with its score
+    (in B, in alpha's denominator when its score is not 0, and in its group).
     """
     valid = _valid(response_mask)
-    scores = _scores(token_level_rewards, valid)
+    scores = _scores(token_level_rewards)
     groups = _Groups(index, scores.shape[0], scores.device)
     alpha = scores.shape[0] / torch.count_nonzero(scores).clamp(min=1).to(scores.dtype)
     per_row = alpha * (scores - _verl_group_mean(groups, scores)[groups.row_group])
@@ -255,7 +267,7 @@ def compute_reinforce_plus_plus_baseline_advantage(
     tokens in the whole batch verl's whitening raises; ours gives 0 there.
     """
     valid = _valid(response_mask)
-    scores = _scores(token_level_rewards, valid)
+    scores = _scores(token_level_rewards)
     groups = _Groups(index, scores.shape[0], scores.device)
     centered = _broadcast(scores - _verl_group_mean(groups, scores)[groups.row_group], valid, scores)
     advantages = masked_whiten(centered, valid).to(token_level_rewards.dtype)
@@ -327,7 +339,7 @@ def compute_rloo_vectorized_advantage(
     """verl's vectorized RLOO: ``rloo``'s leave-one-out advantage, except that a group of one gets 0
     (``rloo`` keeps its raw score there). Returns equal the advantages."""
     valid = _valid(response_mask)
-    scores = _scores(token_level_rewards, valid)
+    scores = _scores(token_level_rewards)
     groups = _Groups(index, scores.shape[0], scores.device)
     sizes = groups.size(scores)[groups.row_group]
     per_row = (sizes * scores - groups.sum(scores)[groups.row_group]) / (sizes - 1).clamp(min=1) * (sizes > 1)
@@ -352,31 +364,27 @@ def compute_gdpo_advantage(
     function named by algorithm.gdpo_reward_keys, in that order); ``reward_weights`` one weight per
     component (default 1). Each component gets GRPO's group normalisation; their weighted sum is
     whitened over the batch's valid tokens. Without components (verl: no gdpo_reward_keys) the one
-    component is the response's score (the sum of ``token_level_rewards``). Returns equal the advantages.
+    component is the response's score (the sum of its ``token_level_rewards`` row). Returns equal the
+    advantages. As verl (which writes each component at the response's last token, or at the last
+    column for an empty response, and sums the row), every response's component counts in its group,
+    whether its tokens were rejected or it has none.
     """
     valid = _valid(response_mask)
     if reward_components:
         components = [c.to(device=token_level_rewards.device) for c in reward_components.values()]
     else:
-        components = [_scores(token_level_rewards, valid)]
+        components = [_scores(token_level_rewards)]
     weights = [1.0] * len(components) if reward_weights is None else list(reward_weights)
     if len(weights) != len(components):
         raise ValueError(f"gdpo: {len(weights)} reward weights for {len(components)} reward components; "
                          "give algorithm.gdpo_reward_weights one weight per gdpo_reward_keys entry")
     total = torch.zeros(valid.shape, dtype=_math_dtype(token_level_rewards.dtype), device=valid.device)
+    groups = _Groups(index, valid.shape[0], valid.device)
     for weight, component in zip(weights, components):
-        per_token = _broadcast(component.to(total.dtype), _last_valid(valid), total)
-        normalised, _ = compute_grpo_advantage(token_level_rewards=per_token, response_mask=valid, index=index,
-                                               norm_adv_by_std_in_grpo=norm_adv_by_std_in_grpo)
-        total = total + weight * normalised
+        normalised = _grpo_normalised(component.to(total.dtype), groups, norm_adv_by_std_in_grpo)
+        total = total + weight * _broadcast(normalised, valid, total)
     advantages = masked_whiten(total, valid).to(token_level_rewards.dtype)
     return advantages, advantages.clone()
-
-
-def _last_valid(valid: torch.Tensor) -> torch.Tensor:
-    """(B, T) bool: True at each row's last valid token (where a sequence score sits)."""
-    from_here = valid.flip(-1).long().cumsum(dim=-1).flip(-1)
-    return valid & (from_here == 1)
 
 
 def _reward_to_go(token_level_rewards: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -334,17 +334,18 @@ def advantage_metrics(batch: ScoredBatch, rewards: torch.Tensor, advantages: tor
                       *, kl_coef: float, kl_mean: float, kl_in_reward: bool = False,
                       use_critic: bool = True) -> dict[str, float]:
     """verl's names (compute_data_metrics' reductions): critic/rewards/{mean,max,min} over the
-    per-response sums of token-level rewards (empty responses left out, as verl leaves out aborted
-    ones), critic/{advantages,returns,values}/{mean,max,min} and critic/vf_explained_var over
-    valid tokens (the values ones only with ``use_critic``, as verl); with the KL in the reward, actor/reward_kl_penalty (the measured KL fed to the
-    controller) and actor/reward_kl_penalty_coeff (the coefficient used).
+    per-response sums of whole token-level reward rows (rejected tokens included; empty responses
+    left out, as verl leaves out aborted ones), critic/{advantages,returns,values}/{mean,max,min} and
+    critic/vf_explained_var over the valid tokens after rollout rejection (the values ones only with
+    ``use_critic``, as verl); with the KL in the reward, actor/reward_kl_penalty (the measured KL fed
+    to the controller) and actor/reward_kl_penalty_coeff (the coefficient used).
 
     Ours, kept as aliases: kl/in_reward_mean, kl/coef, reward/score_mean (mean sequence score),
     reward/token_level_mean (mean over all responses of the per-response sum),
     advantages/*, returns/*, critic/values_mean."""
     mask = batch.response_mask
-    sums = torch.where(mask, rewards, 0.0).sum(-1)  # (B,)
-    alive = mask.any(-1)
+    sums = rewards.sum(-1)  # (B,) whole rows, as the estimators score them (0 at padding)
+    alive = torch.from_numpy(batch.lengths > 0)
     valid_returns, valid_values = returns[mask], batch.values[mask]
     metrics = {
         **_stats("critic/rewards", sums[alive] if bool(alive.any()) else sums),

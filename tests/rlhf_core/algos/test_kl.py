@@ -111,12 +111,11 @@ def test_apply_kl_penalty_places_score_and_penalises_valid_tokens(masks, seed, b
     row_kls = []
     for i in range(batch):
         valid_idx = mask[i].nonzero().flatten()
-        if valid_idx.numel():
-            expected[i, valid_idx[-1]] += scores[i]
-            row_kls.append(kl[i][mask[i]].mean())
+        # verl's reward manager: the score at index (valid length - 1), -1 for an empty row
+        expected[i, valid_idx[-1] if valid_idx.numel() else -1] += scores[i]
+        row_kls.append(kl[i][mask[i]].mean() if valid_idx.numel() else torch.tensor(0.0, dtype=torch.float64))
     torch.testing.assert_close(rewards, expected)
-    expected_mean = torch.stack(row_kls).mean() if row_kls else torch.tensor(0.0, dtype=torch.float64)
-    torch.testing.assert_close(metrics["kl/mean"], expected_mean)
+    torch.testing.assert_close(metrics["kl/mean"], torch.stack(row_kls).mean())  # verl: an empty row counts as 0
     assert metrics["kl/mean"].dim() == 0 and metrics["kl/coef"].dim() == 0
     assert metrics["kl/coef"].item() == pytest.approx(coef)
 
@@ -131,5 +130,6 @@ def test_score_lands_on_last_valid_token_with_gaps_and_padding():
     rewards, metrics = _penalty(torch.tensor([2.0, 3.0, 4.0]), zeros, zeros, mask, 0.1, "k1")
     expected = torch.zeros(3, 7)
     expected[0, 4], expected[1, 6] = 2.0, 3.0
-    assert torch.equal(rewards, expected)  # the all-masked row gets no score
+    expected[2, 6] = 4.0  # the all-masked row's score sits in the last column, where verl writes it
+    assert torch.equal(rewards, expected)
     assert metrics["kl/mean"] == 0

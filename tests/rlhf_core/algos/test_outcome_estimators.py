@@ -212,13 +212,42 @@ def test_every_critic_free_estimator_is_registered_and_never_reads_values():
     assert [n for n in CRITIC_FREE if not estimator_takes(n, "index")] == ["reinforce_plus_plus", "remax"]
 
 
-@pytest.mark.parametrize("name", CRITIC_FREE)
-def test_junk_at_masked_positions_does_not_leak(masks, name):
+@pytest.mark.parametrize("name", ["reinforce_plus_plus", "remax"])
+def test_token_level_estimators_ignore_rewards_at_masked_positions(masks, name):
     r, mask, index, baselines = _inputs(masks, 3, min_group=2)
     clean = _call(name, r, mask, index, baselines)
     dirty = _call(name, masks.scramble(r, mask, torch.Generator().manual_seed(0)), mask, index, baselines)
     for a, b in zip(clean, dirty):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+GROUP_SCORED = dict(GROUPED, grpo_passk=ref_grpo_passk)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name", sorted(GROUP_SCORED))
+def test_group_estimators_score_the_whole_row_as_verl(masks, name, seed):
+    """Rewards at masked positions (tokens the rollout correction rejected) count in the score, as in
+    verl, which sums the whole token_level_rewards row; only the advantage's placement follows the mask."""
+    r, mask, index, _ = _inputs(masks, seed, min_group=2)
+    rejected = torch.randn(r.shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    r = torch.where(mask, r, rejected.round(decimals=1))
+    ours = _call(name, r, mask, index)
+    _assert_matches(ours, GROUP_SCORED[name](r, mask, index), mask)
+    masked_only = _call(name, torch.where(mask, r, torch.zeros((), dtype=torch.float64)), mask, index)
+    assert not torch.equal(ours[0], masked_only[0])  # the rejected rewards did change the scores
+
+
+def test_a_correct_answer_whose_last_token_is_rejected_keeps_its_score():
+    """The group [1, 0, 0] whose correct answer loses its last token to rejection: verl's GRPO still
+    scores it 1, so its kept tokens get +1.155 and the others -0.577 (not all 0)."""
+    r, mask = _one_token_rows([1.0, 0.0, 0.0])
+    mask[0, 2] = False  # the score's token, rejected
+    adv, _ = _call("grpo", r, mask, np.array(["a", "a", "a"], dtype=object))
+    s = torch.tensor([1.0, 0.0, 0.0], dtype=torch.float64)
+    expected = ((s - s.mean()) / (s.std() + 1e-6)).unsqueeze(-1) * mask
+    torch.testing.assert_close(adv, expected)
+    assert adv[0, 0] == pytest.approx(1.1547, abs=1e-4) and adv[1, 0] == pytest.approx(-0.5774, abs=1e-4)
 
 
 @pytest.mark.parametrize("name", CRITIC_FREE)
@@ -266,14 +295,14 @@ def test_all_equal_rewards_give_zero(name):
 
 
 @pytest.mark.parametrize("name", ["grpo", "rloo", "opo", "gpg"])
-def test_fully_masked_row_gives_zeros_but_counts_in_its_group(name):
-    r, mask = _one_token_rows([1.0, 9.0, 3.0], lengths=[3, 0, 2])
+def test_fully_masked_row_gives_zeros_but_counts_in_its_group_with_its_score(name):
+    r, mask = _one_token_rows([1.0, 9.0, 3.0])
+    mask[1] = False  # every token of row 1 rejected: it still scored 9
     index = np.array(["a", "a", "a"], dtype=object)
     adv, _ = _call(name, r, mask, index)
     assert (adv[1] == 0).all()
-    # The masked row scores 0, so the group's scores are [1, 0, 3].
     ref = {"grpo": ref_grpo, "rloo": ref_rloo, "opo": ref_opo, "gpg": ref_gpg}[name]
-    torch.testing.assert_close(adv, ref(r * mask, mask, index)[0])
+    torch.testing.assert_close(adv, ref(r, mask, index)[0])  # the group's scores are [1, 9, 3]
 
 
 def test_opo_group_of_empty_rows_gives_zero_where_verl_gives_nan():

@@ -98,9 +98,10 @@ def test_adaptive_controller_steps_once_per_iteration_and_reruns_are_identical(t
         if expected:
             expected[-1] += src["reward"]
         assert row["token_level_rewards"] == pytest.approx(expected, abs=1e-6)
-    # measured KL ~ 0.3 > target 0.05: the error clips at +0.2, and 5 responses of a 40-sample horizon
+    # measured KL ~ 0.3 per token on the 4 non-empty responses, the empty one counting 0 as in verl's
+    # batch mean; > target 0.05: the error clips at +0.2, and 5 responses of a 40-sample horizon
     kl = first.metrics["kl/in_reward_mean"]
-    assert kl == pytest.approx(0.3, abs=0.05)
+    assert kl == pytest.approx(0.3 * 4 / 5, abs=0.04)
     state = kl_state(run, 1)
     assert state["used"] == {"type": "adaptive", "value": 0.1, "target_kl": 0.05, "horizon": 40.0}
     assert state["next"] == {"type": "adaptive", "value": pytest.approx(0.1 * (1 + 0.2 * 5 / 40)), "target_kl": 0.05,
@@ -259,3 +260,80 @@ def write_prompts_and_rollout(run: RunDir, tokenizer, questions) -> None:
                                 extra_info=prompts[-1]["extra_info"], uid=f"1-p{i}"))
     atomic_write_parquet(run.train_prompts, pa.Table.from_pylist(prompts, schema=PROMPTS), schema=PROMPTS)
     atomic_write_parquet(run.rollout(1), pa.Table.from_pylist(rollout, schema=ROLLOUT), schema=ROLLOUT)
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout rejection, then a group estimator: each response keeps the score verl gives it
+# ---------------------------------------------------------------------------------------------
+
+# (uid, reward, length, rejected token positions), groups interleaved: a0's correct answer loses its
+# last token (the one its score sits on), b1 loses every token, c0 is alone in its group
+REJECTION_ROWS = [("a", 1.0, 3, {2}), ("b", 0.5, 3, set()), ("c", 1.0, 2, set()), ("a", 0.0, 3, set()),
+                  ("b", 1.0, 3, {0, 1, 2}), ("a", 0.0, 3, set())]
+
+
+def write_scored_with_rejections(run: RunDir, k: int) -> None:
+    """The rollout engine's log-probs equal the trainer's except at the rejected positions, where
+    they sit 1 nat lower (token_k2 = 0.5, over the 0.1 threshold)."""
+    rows = []
+    for i, (uid, reward, n, rejected) in enumerate(REJECTION_ROWS):
+        old = [-0.5 - 0.1 * t for t in range(n)]
+        rows.append(dict(prompt_id=f"p{uid}", sample_index=i, iteration=k, data_source="arith", ground_truth="7",
+                         prompt_token_ids=[1, 2, 3], response_text="r" * n, response_token_ids=list(range(n)),
+                         response_length=n, finish_reason="stop", engine="hf", sampling_seed=0, reward=reward,
+                         reward_extra=json.dumps({"acc": reward}), old_log_probs=old, ref_log_probs=old,
+                         values=[0.0] * n, rollout_log_probs=[x - (t in rejected) for t, x in enumerate(old)],
+                         uid=f"{k}-{uid}"))
+    atomic_write_parquet(run.scored(k), pa.Table.from_pylist(rows, schema=SCORED), schema=SCORED)
+
+
+def _verl_advantages(name: str) -> list[float]:
+    """Each row's advantage on its kept tokens, from verl's definitions on the whole-row scores
+    (a0 scores 1 and b1 scores 1 although rejection masked their score's token)."""
+    uids = [u for u, *_ in REJECTION_ROWS]
+    s = np.array([r for _, r, *_ in REJECTION_ROWS])
+    kept = np.array([n - len(rej) for _, _, n, rej in REJECTION_ROWS])
+    group = {u: np.flatnonzero(np.array(uids) == u) for u in uids}
+    size = np.array([len(group[u]) for u in uids])
+    mean = np.array([s[group[u]].mean() for u in uids])
+    std = np.array([s[group[u]].std(ddof=1) if len(group[u]) > 1 else 1.0 for u in uids])
+    centred = np.where(size > 1, s - mean, s)
+    if name in ("grpo", "grpo_vectorized", "gdpo"):
+        per_row = centred / (std + 1e-6)
+    elif name == "rloo":
+        per_row = np.where(size > 1, (s - mean) * size / np.maximum(size - 1, 1), s)
+    elif name == "rloo_vectorized":
+        per_row = np.where(size > 1, (s - mean) * size / np.maximum(size - 1, 1), 0.0)
+    elif name == "gpg":
+        per_row = len(s) / np.count_nonzero(s) * centred
+    elif name == "opo":
+        base = {u: (kept[group[u]] * s[group[u]]).sum() / kept[group[u]].sum() for u in uids}
+        per_row = np.where(size > 1, s - np.array([base[u] for u in uids]), s)
+    else:
+        per_row = centred
+    if name in ("reinforce_plus_plus_baseline", "gdpo"):  # whitened over the kept tokens
+        tokens = np.repeat(per_row, kept)
+        per_row = (per_row - tokens.mean()) / np.sqrt(tokens.var(ddof=1) + 1e-8)
+    return list(per_row)
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_vectorized", "rloo", "rloo_vectorized", "gpg", "opo",
+                                  "reinforce_plus_plus_baseline", "gdpo"])
+def test_rejected_tokens_keep_their_score_in_the_group_estimators(tmp_path, name):
+    """verl's rejection changes only response_mask; its group estimators take each response's score
+    from the whole token_level_rewards row, so a response whose scored token was rejected keeps its
+    score, for its own kept tokens and in its group's statistics."""
+    run = RunDir(tmp_path / "run")
+    write_scored_with_rejections(run, 1)
+    keys = ["algorithm.gdpo_reward_keys=[acc]"] if name == "gdpo" else []
+    run_gae(config(f"algorithm.adv_estimator={name}", "algorithm.use_kl_in_reward=false",
+                   "algorithm.rollout_correction.rollout_rs=token_k2",
+                   "algorithm.rollout_correction.rollout_rs_threshold=0.1", *keys), run, 1)
+    rows = advantages(run, 1)
+    assert [r["response_mask"] for r in rows] == [[t not in rej for t in range(n)] for _, _, n, rej in REJECTION_ROWS]
+    for i, (row, expected) in enumerate(zip(rows, _verl_advantages(name))):
+        want = [expected if keep else 0.0 for keep in row["response_mask"]]
+        assert row["advantages"] == pytest.approx(want, abs=1e-5), f"{name} row {i}"
+    if name == "grpo":  # the issue's numbers: [1, 0, 0] with the correct answer's last token rejected
+        assert rows[0]["advantages"][:2] == pytest.approx([1.1547] * 2, abs=1e-4)
+        assert rows[3]["advantages"] == pytest.approx([-0.5774] * 3, abs=1e-4)
