@@ -40,7 +40,7 @@ from rlhf_core.security import redact_text
 from rlhf_core.training.resident import resident_models, rollout_engine_kept
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.breach import handle_breach_task
-from tasks.prefect_runs import claim_run_directory, fail_misplaced_parameters
+from tasks.prefect_runs import claim_run_directory, fail_misplaced_parameters, keep_command_sigterm
 from tasks.iteration import (
     backfill_tracking_task, finish_iteration_task, finish_tracking_task, publish_iteration,
     start_tracking_task,
@@ -109,6 +109,7 @@ def _flow_run_name() -> str:
 def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     """Run (or resume) a PPO RLHF run; returns {run_dir, mlflow_run_id (None without the mlflow
     logger), tracking_failed (why MLflow stopped tracking it, if it did), last_good, metrics, export}."""
+    keep_command_sigterm()  # SIGTERM stops an `rlhf` command at once (Prefect's handler would report first)
     prefect_artifacts.redact_prefect_logs()
     plan = plan_run(preset=None if params.resume else params.config, overrides=params.overrides,
                     iterations=params.iterations, run_name=params.run_name, resume=params.resume)

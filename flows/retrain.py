@@ -32,7 +32,7 @@ from rlhf_core.paths import resolve_path
 from rlhf_core.control.retrain_inputs import LAST_EXPORTED, SNAPSHOTS_DIR, resolve_base_model, retrain_run_name, runs_root_of, snapshot_files
 from rlhf_core.run.inputs import check_inputs
 from tasks import mlflow_tracking, prefect_artifacts
-from tasks.prefect_runs import fail_misplaced_parameters
+from tasks.prefect_runs import fail_misplaced_parameters, keep_command_sigterm
 
 WARM_START_KEY = "actor_rollout_ref.model.warm_start.enable"
 
@@ -126,6 +126,7 @@ def rlhf_retrain(params: RetrainParams = RetrainParams()) -> dict:
     directory; returns the pipeline's summary plus ``retrain`` (the record above)."""
     from prefect.runtime import flow_run
 
+    keep_command_sigterm()  # SIGTERM stops an `rlhf` command at once (Prefect's handler would report first)
     prefect_artifacts.redact_prefect_logs()
     record = prepare_retrain_task(params, flow_run.id)
     summary = rlhf_pipeline(PipelineParams(config=params.config, overrides=record["overrides"],

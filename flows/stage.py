@@ -28,7 +28,7 @@ from rlhf_core.stages.base import out_of_date, stage_label
 from rlhf_core.run.stage_order import STAGES
 from flows.pipeline import recorded_overrides
 from tasks import prefect_artifacts
-from tasks.prefect_runs import claim_run_directory
+from tasks.prefect_runs import claim_run_directory, keep_command_sigterm
 from tasks.iteration import finish_iteration_task, finish_tracking_task, start_tracking_task
 from tasks.stages import STAGE_TASKS
 
@@ -90,6 +90,7 @@ def apply_verdict_task(run_dir: str, iteration: int) -> str:
 @flow(name="rlhf-stage", flow_run_name=_stage_run_name, persist_result=False)
 def rlhf_stage(params: StageParams) -> dict:
     """Rerun one stage on a run directory; returns the stage result."""
+    keep_command_sigterm()  # SIGTERM stops an `rlhf` command at once (Prefect's handler would report first)
     prefect_artifacts.redact_prefect_logs()
     run = RunDir(params.run_dir)
     with RunLock(run) as lock:
@@ -144,6 +145,7 @@ def rlhf_rebuild(run_dir: str) -> list[dict]:
     """Rerun, in run order and with the run's config.yaml, every stage at or before last-good that is
     stale or was rerun with overrides (``stages.base.out_of_date``), each as an ``rlhf_stage`` flow
     run, so that a resume or an export can build on the run again. Returns the stage results."""
+    keep_command_sigterm()  # SIGTERM stops an `rlhf` command at once (Prefect's handler would report first)
     prefect_artifacts.redact_prefect_logs()
     run = RunDir(run_dir)
     results: list[dict] = []

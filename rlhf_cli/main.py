@@ -251,18 +251,29 @@ def _console_logging(verbose: bool) -> tuple[logging.Logger, logging.Handler, bo
     return log, handler, propagate
 
 
+EXIT_TERMINATED = 128 + signal.SIGTERM
+"""Exit status after SIGTERM (143, as a shell reports a process SIGTERM ended)."""
+
+
 def _on_ctrl_c(command: str) -> None:
     """From now on Ctrl-C (SIGINT) says at once how to resume, silences what the dying run would
     print after it (Prefect retrying a server that went away, tracebacks), and leaves with status
-    130 within EXIT_GRACE_SECONDS; a second Ctrl-C leaves at once. A command stopped because its
-    Prefect server went away gets the same SIGINT, with its own line and status in ``session.STOP``."""
+    130 within EXIT_GRACE_SECONDS; a second Ctrl-C leaves at once. SIGTERM (`timeout`, `kill`, a
+    scheduler) does the same with its own line and status 143: the flows put this handler back over
+    Prefect's own for their duration (``tasks.prefect_runs.keep_command_sigterm``), which would
+    first report a crash to a server that may be gone with the same signal. A command stopped
+    because its Prefect server went away gets the same SIGINT, with its own line and status in
+    ``session.STOP``."""
 
     def handler(signum, frame) -> None:
+        if signum == signal.SIGTERM and session.STOP is None:
+            session.STOP = (_interrupted(command, "terminated (SIGTERM)"), EXIT_TERMINATED)
         line, code = _stopped(command)
         # Straight to the file descriptor: the signal may land while the main thread is inside a
         # write to sys.stderr (a progress bar), where a second buffered write raises "reentrant
         # call" instead of printing, and the line would be lost.
-        signal.signal(signal.SIGINT, lambda *_: os._exit(code))
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: os._exit(code))
         _say(line)
         session.SAID_INTERRUPTED = True
         _silence()
@@ -271,6 +282,8 @@ def _on_ctrl_c(command: str) -> None:
 
     session.STDERR_FD = os.dup(2)  # the terminal (or pipe) as it is now, whatever fd 2 points at later
     signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    session.ON_SIGNAL = handler
 
 
 def _silence() -> None:
@@ -305,12 +318,13 @@ def _stopped(command: str) -> tuple[str, int]:
     return session.STOP or (_interrupted(command), 130)
 
 
-def _interrupted(command: str) -> str:
-    """The line printed after Ctrl-C: what to run to continue, when there is a run to continue."""
+def _interrupted(command: str, how: str = "interrupted") -> str:
+    """The line printed after Ctrl-C (or SIGTERM: ``how``): what to run to continue, when there is a
+    run to continue."""
     run_dir = session.RUN_DIR
     if command in ("run", "demo") and run_dir is not None and run_dir.config_path.is_file():
-        return f"rlhf: interrupted; continue with: rlhf run --resume {run_dir.root}"
-    return "rlhf: interrupted" + ("; no run directory was written yet" if command in ("run", "demo") else "")
+        return f"rlhf: {how}; continue with: rlhf run --resume {run_dir.root}"
+    return f"rlhf: {how}" + ("; no run directory was written yet" if command in ("run", "demo") else "")
 
 
 EXIT_GRACE_SECONDS = 10.0
@@ -377,8 +391,8 @@ def _after_interrupt(command: str, console: bool) -> int:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The `rlhf` entry point. User errors (RLHFError, ConfigError, a missing file, a full disk)
-    print one line and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130; a
-    Prefect server that goes away mid-command stops it the same way, with status 75."""
+    print one line and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130
+    (SIGTERM: 143); a Prefect server that goes away mid-command stops it the same way, with status 75."""
     args = parse_args(argv)
     if argv is None:
         _drop_inherited_world_of_one()
@@ -405,6 +419,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         log.propagate = propagate
         if argv is None:
             signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
         else:  # an in-process caller goes on: this command's server is none of its business any more
             _forget_server()
 

@@ -30,6 +30,7 @@ from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
 from rlhf_core.security import redact_text
+from tasks import prefect_runs
 from tasks.mlflow_tracking import TRAINING_VIEW, display_uri, run_url, ui_path
 from tasks.prefect_artifacts import redact_prefect_logs
 
@@ -44,6 +45,7 @@ def _bind_server() -> None:
     so that one dying mid-command stops the command (``_server_gone``) instead of hanging it."""
     reporting = prefect_server.choose(PREFECT_API_URL.value(), PREFECT_SERVER_EPHEMERAL_ENABLED.value(),
                                       PREFECT_HOME.value(), PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS.value())
+    prefect_runs.COMMAND_SIGTERM = session.ON_SIGNAL  # the flows keep it over Prefect's own
     if reporting is None:
         return  # no server and no temporary one allowed: Prefect says so itself
     if reporting.whose != "configured":

@@ -4,7 +4,7 @@ reports to, and why it stopped when Ctrl-C was not the reason."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:  # for the annotations only: `rlhf --help` should not load pyarrow
     from rlhf_cli.prefect_server import Reporting, ServerWatch
@@ -21,6 +21,9 @@ WATCH: Optional[ServerWatch] = None
 (Prefect delivers its last events at exit), an in-process caller's command closes it."""
 STOP: Optional[tuple[str, int]] = None
 """(the line to print, the exit status) when the command is stopped for another reason than Ctrl-C:
-its Prefect server went away. It is stopped the same way (SIGINT to its main thread)."""
+SIGTERM, or its Prefect server went away (then it is stopped the same way: SIGINT to its main thread)."""
+ON_SIGNAL: Optional[Callable] = None
+"""The console script's SIGINT and SIGTERM handler (``rlhf_cli.main``), which the flows put back over
+Prefect's SIGTERM handler (``tasks.prefect_runs.COMMAND_SIGTERM``); None for an in-process caller."""
 WORK_DONE = False
 """The command's flows are over and its output printed: a server that goes away now stops nothing."""

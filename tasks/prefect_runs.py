@@ -11,7 +11,9 @@ that lock too, so every recorded flow run other than itself has ended; one still
 in Prefect died without saying so.
 
 Also here: the deployed flows' on_crashed hook (``fail_misplaced_parameters``), which turns the
-crash of a flow run sent the form's fields outside ``params`` into a Failed state saying what to send.
+crash of a flow run sent the form's fields outside ``params`` into a Failed state saying what to send;
+and ``keep_command_sigterm``, which every flow calls first, so that a command's own SIGTERM handling
+is not replaced by Prefect's for the flow's duration.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from __future__ import annotations
 import inspect
 import json
 import logging
-from typing import Iterable, Optional
+import signal
+import threading
+from typing import Callable, Iterable, Optional
 
 from prefect.client.orchestration import SyncPrefectClient, get_client
 from prefect.client.schemas.filters import (
@@ -39,6 +43,20 @@ UNFINISHED = (StateType.PENDING, StateType.RUNNING, StateType.CANCELLING)
 """States only the flow run's own process moves on from."""
 
 log = logging.getLogger("rlhf.prefect_runs")
+COMMAND_SIGTERM: Optional[Callable] = None
+"""The SIGTERM handler of the command running flows in this process (`rlhf`: stop as Ctrl-C does,
+resumable; ``rlhf_cli.orchestrated`` sets it); None elsewhere, e.g. a deployment's flow run, where
+Prefect's own handler turns the worker's SIGTERM into a cancellation."""
+
+
+def keep_command_sigterm() -> None:
+    """Put ``COMMAND_SIGTERM`` back as the SIGTERM handler for the rest of this flow (main thread
+    only; Prefect restores the command's handler when the flow ends anyway). Prefect's flow engine
+    installs its own for a flow's duration, which first reports the crash to the server (retrying
+    for minutes when that server went with the same signal: `timeout` kills the process group) and
+    then ends the process without the command's line and resumable exit."""
+    if COMMAND_SIGTERM is not None and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, COMMAND_SIGTERM)
 
 
 def unfinished(flow_run_ids: Iterable[str] = (), pool: Optional[str] = None) -> dict:

@@ -62,3 +62,48 @@ def test_ctrl_c_prints_the_resume_command_and_exits_130(tmp_path, demo_preset, t
                              capture_output=True, text=True, cwd=tmp_path, env=_env(tmp_path / "home"), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "last-good: iteration 1" in resumed.stdout
+
+
+TERMINATED_WITHIN_S = 30.0
+"""SIGTERM → `rlhf run` has exited: the handler prints its line at once, then the exit hooks get up
+to 10 s (rlhf_cli.main.EXIT_GRACE_SECONDS); the rest is slack for a loaded machine. Before the flows
+kept the command's handler, Prefect's own reported the crash first (its ERROR lines), and the
+server's watch stopped the command (status 75)."""
+
+
+def test_sigterm_with_the_server_gone_exits_within_seconds_resumable(tmp_path, demo_preset, tiny_overrides):
+    """What GNU `timeout` does to a command (SIGTERM to its whole process group), with the temporary
+    Prefect server killed at the same moment: one line with the resume command, exit 143, no
+    traceback and no ERROR line, and the run left resumable."""
+    import psutil
+
+    from rlhf_core.control.plan import plan_run
+    from rlhf_core.run.layout import RunDir
+    from rlhf_core.run.lock import RunLock
+
+    runs = tmp_path / "runs"
+    args = [_rlhf(), "run", "-c", demo_preset, *tiny_overrides(runs), "--iterations", "50", "--run-name", "term"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            env=_env(tmp_path / "home"), start_new_session=True)
+    try:
+        _wait_for(runs / "term" / "iter_1", proc, timeout=240)
+        server = [c for c in psutil.Process(proc.pid).children(recursive=True)
+                  if any(x.status == psutil.CONN_LISTEN for x in c.net_connections(kind="tcp"))]
+        assert len(server) == 1, "no temporary server under rlhf run"
+        os.killpg(proc.pid, signal.SIGTERM)  # the server has a session of its own: killed apart
+        server[0].kill()
+        started = time.monotonic()
+        out, err = proc.communicate(timeout=TERMINATED_WITHIN_S)
+        print(f"\n[timing] exit {time.monotonic() - started:.1f} s after SIGTERM")
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode == 143, err[-3000:]
+    said = [line for line in err.splitlines() if "rlhf:" in line]
+    assert len(said) == 1 and said[0].endswith(f"rlhf: terminated (SIGTERM); continue with: rlhf run --resume "
+                                               f"{runs / 'term'}"), err[-3000:]
+    assert "Traceback" not in out + err and "ERROR" not in out + err, (out + err)[-3000:]
+    run = RunDir(runs / "term")
+    with RunLock(run):  # no writer left behind
+        plan = plan_run(resume=run.root)
+    assert plan.resumed and plan.first_iteration >= 1
