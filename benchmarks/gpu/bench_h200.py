@@ -3,7 +3,7 @@ weights) on one GPU: HF batched ``generate`` tokens/s, then our PPO update (``up
 ``rlhf stage update``: critic and actor through DeepSpeed, bf16) tokens/s and model FLOPs utilisation.
 
     python benchmarks/gpu/bench_h200.py                 # on the GPU machine (benchmarks/gpu/bench_h200.sh)
-    python benchmarks/gpu/bench_h200.py --small --device cpu --batch 8 --new-tokens 16   # dry run here
+    python benchmarks/gpu/bench_h200.py --dry-run       # the same steps on the CPU at a small shape (CI runs it)
 
 Steps: (1) the tiny model's tokenizer (rlhf_core.models.tiny) + a Qwen2Config of the requested shape with
 random bf16 weights, saved as an HF directory; (2) rollout: ``--batch`` random prompts of ``--prompt-len``
@@ -90,34 +90,12 @@ def rollout(model_dir: Path, args, device: str) -> tuple[list[list[int]], list[l
 
 
 def advantages_table(model_dir: Path, prompts, responses, device: str, budget: int):
-    """ADVANTAGES rows for (prompt, response) pairs; old = ref log-probs scored by the model on ``device``."""
-    import numpy as np
-    import pyarrow as pa
-    import torch
-    from transformers import AutoModelForCausalLM
+    """ADVANTAGES rows for (prompt, response) pairs (``training.synthetic``, the update tests' table: every
+    column of the schema, so it cannot fall behind it); old = ref log-probs scored by the model on ``device``."""
+    from rlhf_core.training.synthetic import synthetic_advantages
 
-    from rlhf_core.data.schemas import ADVANTAGES
-    from rlhf_core.scoring.logprobs import compute_token_logprobs
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, attn_implementation="sdpa").to(device)
-    model.eval()
-    logprobs = compute_token_logprobs(model, [p + r for p, r in zip(prompts, responses)], [len(p) for p in prompts],
-                                      budget, 1.0, pad_id=model.config.pad_token_id, progress=False)
-    del model
-    rng, n = np.random.default_rng(0), len(prompts)
-    adv = [rng.standard_normal(len(r)).astype(np.float32).tolist() for r in responses]
-    lp = [t.float().tolist() for t in logprobs]
-    cols = {
-        "prompt_id": [f"p{i}" for i in range(n)], "sample_index": [0] * n, "iteration": [1] * n,
-        "data_source": ["bench"] * n, "ground_truth": [""] * n, "prompt_token_ids": prompts, "response_text": [""] * n,
-        "response_token_ids": responses, "response_length": [len(r) for r in responses],
-        "finish_reason": ["length"] * n, "engine": ["hf"] * n, "sampling_seed": [0] * n, "reward": [0.0] * n,
-        "reward_extra": ["{}"] * n, "old_log_probs": lp, "ref_log_probs": lp, "values": [[0.0] * len(r) for r in responses],
-        "token_level_rewards": [[0.0] * len(r) for r in responses], "advantages": adv, "returns": adv,
-        "reward_source": ["bench"] * n, "extra_info": ["{}"] * n, "uid": [f"1-{i}" for i in range(n)],
-        "rollout_log_probs": lp, "reward_baseline": [None] * n,
-    }
-    return pa.table({name: cols[name] for name in ADVANTAGES.names}).cast(ADVANTAGES)
+    return synthetic_advantages(model_dir, pairs=list(zip(prompts, responses)), device=device,
+                                dtype="bf16" if device == "cuda" else "fp32", budget=budget)
 
 
 def update(model_dir: Path, home: Path, table, args, device: str) -> dict:
@@ -125,6 +103,7 @@ def update(model_dir: Path, home: Path, table, args, device: str) -> dict:
     from rlhf_core.data.schemas import ADVANTAGES
     from rlhf_core.io.atomic import atomic_write_parquet
     from rlhf_core.run.layout import RunDir
+    from rlhf_core.stages.init_critic import run_init_critic
     from rlhf_core.training.resident import update_once
 
     run = RunDir(home / "run")
@@ -136,6 +115,7 @@ def update(model_dir: Path, home: Path, table, args, device: str) -> dict:
         f"actor_rollout_ref.actor.ppo_epochs={args.epochs}",
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.token_budget}",
         f"actor_rollout_ref.actor.deepspeed_config.zero_stage={args.zero}", f"critic.deepspeed_config.zero_stage={args.zero}"])
+    run_init_critic(cfg, run)  # the setup stage `rlhf run` runs first: the update starts from models/critic_init
     return update_once(cfg, run, 1, progress=False)
 
 
@@ -143,6 +123,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--small", action="store_true", help="a small shape, for a dry run without a GPU")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="every step on the CPU at the small shape and a handful of tokens (what CI runs)")
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -153,6 +135,9 @@ def main() -> None:
     parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
     parser.add_argument("--out", type=Path, help="also write the numbers here as JSON")
     args = parser.parse_args()
+    if args.dry_run:
+        args.small, args.device = True, "cpu"
+        args.batch, args.prompt_len, args.new_tokens, args.mini_batch, args.epochs, args.token_budget = 4, 8, 8, 4, 1, 256
     os.environ.setdefault("RLHF_HOME", tempfile.mkdtemp(prefix="rlhf-bench-gpu-"))
     home = Path(os.environ["RLHF_HOME"])
     model_dir = home / "qwen2-shaped"

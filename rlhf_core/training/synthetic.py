@@ -19,16 +19,19 @@ from rlhf_core.scoring.models import load_causal_lm
 def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, prompt_len: tuple[int, int] = (4, 12),
                          response_len: tuple[int, int] = (1, 16), iteration: int = 1, temperature: float = 1.0,
                          advantage_scale: float = 1.0, ref_model_dir: Optional[str | Path] = None,
-                         pairs: Optional[list[tuple[list[int], list[int]]]] = None):
+                         pairs: Optional[list[tuple[list[int], list[int]]]] = None, device: str = "cpu",
+                         dtype: str = "fp32", budget: Optional[int] = None):
     """A pyarrow Table in the ADVANTAGES schema with ``n`` rows (lengths uniform in the given
     inclusive ranges), or one row per given (prompt ids, response ids) in ``pairs``.
     ``ref_model_dir`` scores ``ref_log_probs`` with another model (default: the same as
-    old_log_probs, as in iteration 1)."""
+    old_log_probs, as in iteration 1). The log-probs are scored on ``device`` in ``dtype``
+    ('fp32' | 'bf16') with micro-batches of ``budget`` tokens (default: 4 longest sequences)."""
     import pyarrow as pa
     import torch
 
     rng = np.random.default_rng(seed)
-    model = load_causal_lm(model_dir, torch.device("cpu"), torch.float32)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = load_causal_lm(model_dir, torch.device(device), torch_dtype)
     vocab = model.config.vocab_size
     if pairs is not None:
         prompts, responses, n = [list(p) for p, _ in pairs], [list(r) for _, r in pairs], len(pairs)
@@ -37,10 +40,10 @@ def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, p
         responses = [rng.integers(3, vocab, rng.integers(*response_len, endpoint=True)).tolist() for _ in range(n)]
     sequences = [p + r for p, r in zip(prompts, responses)]
     lengths = [len(p) for p in prompts]
-    budget = max(len(s) for s in sequences) * 4
+    budget = budget or max(len(s) for s in sequences) * 4
     old = compute_token_logprobs(model, sequences, lengths, budget, temperature, progress=False)
     ref = old if ref_model_dir is None else compute_token_logprobs(
-        load_causal_lm(ref_model_dir, torch.device("cpu"), torch.float32), sequences, lengths, budget, temperature,
+        load_causal_lm(ref_model_dir, torch.device(device), torch_dtype), sequences, lengths, budget, temperature,
         progress=False)
 
     def noise(k: int, scale: float = 1.0) -> list[float]:
@@ -55,9 +58,9 @@ def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, p
         "response_text": [""] * n, "response_token_ids": responses, "response_length": [len(r) for r in responses],
         "finish_reason": ["offline"] * n, "engine": ["offline"] * n, "sampling_seed": [seed] * n,
         "reward_source": ["synthetic"] * n, "extra_info": ["{}"] * n, "uid": [f"{iteration}-{i}" for i in range(n)],
-        "rollout_log_probs": [t.tolist() for t in old],  # as an fp32 hf rollout records them: the old log-probs
-        "reward": [0.0] * n, "reward_extra": ["{}"] * n, "old_log_probs": [t.tolist() for t in old],
-        "ref_log_probs": [t.tolist() for t in ref], "values": values, "reward_baseline": [None] * n,
+        "rollout_log_probs": [t.float().tolist() for t in old],  # as an fp32 hf rollout records them: the old log-probs
+        "reward": [0.0] * n, "reward_extra": ["{}"] * n, "old_log_probs": [t.float().tolist() for t in old],
+        "ref_log_probs": [t.float().tolist() for t in ref], "values": values, "reward_baseline": [None] * n,
         "token_level_rewards": [[0.0] * len(r) for r in responses], "advantages": advantages, "returns": returns,
     }
     for field in ADVANTAGES:  # optional columns (rollout log-probs, rollout correction, ...) stay null
