@@ -158,10 +158,12 @@ def check_inputs(cfg: RLHFConfig) -> None:
     problems = []
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         problems += [f"{key}: {problem}" for problem in filter(None, (data_file_problem(resolve_path(f)) for f in files))]
+    by_problem: dict[str, list[str]] = {}  # the same missing model under several keys is said once
     for key, value, needs in model_needs(cfg):
         problem = model_problem(value) or (None if value == TINY else model_folder_problem(locate_model(value), needs))
         if problem:
-            problems.append(f"{key}: {problem}")
+            by_problem.setdefault(problem, []).append(key)
+    problems += [f"{', '.join(keys)}: {problem}" for problem, keys in by_problem.items()]
     rollout = cfg.actor_rollout_ref.rollout
     if rollout.name == "offline" and rollout.offline_path and not resolve_path(rollout.offline_path).is_file():
         problems.append(f"actor_rollout_ref.rollout.offline_path: file {rollout.offline_path!r} not found")

@@ -179,6 +179,17 @@ def test_a_logger_list_without_mlflow_says_once_that_mlflow_is_off(tmp_path):
     assert both.returncode == 0 and "MLflow" not in both.stderr, both.stderr
 
 
+def test_a_hub_id_missing_for_actor_and_critic_is_said_once(tmp_path):
+    """Issue 43: verl's quickstart names the same hub id for the actor and the critic; its ~500-character
+    advice came twice in one line."""
+    hub = "Qwen/Qwen2.5-0.5B-Instruct"
+    out = _rlhf(tmp_path, "config", "show", f"actor_rollout_ref.model.path={hub}", f"critic.model.path={hub}")
+    assert out.returncode == 2
+    line = _one_error_line(out.stderr)
+    assert f"actor_rollout_ref.model.path, critic.model.path: model '{hub}' is not a local directory" in line, line
+    assert line.count("huggingface-cli download") == 1, line
+
+
 def test_demo_takes_iterations_as_run_does():
     """Issue 29: `rlhf demo` had no --iterations (`rlhf run` has)."""
     from rlhf_cli.inspection import GRPO_DEMO, demo_as_run
