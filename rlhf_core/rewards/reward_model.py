@@ -32,6 +32,7 @@ from rlhf_core.config import ConfigError
 from rlhf_core.config.resolve import MicroBatching
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.timing import MODEL_LOAD, timed
+from rlhf_core.models.storage import load_pretrained
 from rlhf_core.progress import bar_disabled
 from rlhf_core.scoring import frozen
 from rlhf_core.scoring.logprobs import micro_batch_indices
@@ -73,8 +74,8 @@ def _read_model(path: Path, where: torch.device, dtype: torch.dtype) -> torch.nn
     if not (path / "config.json").is_file():
         raise CheckpointError(f"reward_model.model.path={str(path)!r} is not a Hugging Face model "
                               "directory (no config.json); give a local sequence-classification model")
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=dtype,
-                                                               attn_implementation="sdpa")
+    model = load_pretrained(AutoModelForSequenceClassification, path, num_labels=1, dtype=dtype,
+                            attn_implementation="sdpa")
     if model.config.num_labels != 1:
         raise CheckpointError(f"reward model at {path} has {model.config.num_labels} labels; a reward "
                               "model must output one score")

@@ -19,6 +19,7 @@ from rlhf_core.io.timing import HASHING, MEMORY_RELEASE, MODEL_LOAD, timed
 from rlhf_core.models import live
 from rlhf_core.models import sdpa_varlen as _sdpa_varlen  # noqa: F401  (registers attn_implementation=sdpa_varlen)
 from rlhf_core.models.attention import resolve_attention
+from rlhf_core.models.storage import load_pretrained, own_aligned_storage
 from rlhf_core.scoring import cache, frozen
 
 
@@ -61,7 +62,7 @@ def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, r
 
     def load():
         with timed(MODEL_LOAD):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
+            model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attention)
             return model.to(device).eval().requires_grad_(False)
 
     if not shared:
@@ -81,7 +82,7 @@ def reference_policy(path: str | Path, device: torch.device, dtype: torch.dtype,
 
     def load(where: torch.device):
         with timed(MODEL_LOAD):
-            model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
+            model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attention)
             return model.to(where).eval()
 
     with frozen.on_device("reference", path, device, param_offload, (str(dtype), attention), load) as model:
@@ -149,8 +150,8 @@ def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype, atte
     path = live.on_disk(path)
     _require_model_dir(path, "critic")
     with timed(MODEL_LOAD):
-        model = AutoModelForTokenClassification.from_pretrained(
-            path, num_labels=1, dtype=dtype, attn_implementation=resolve_attention(attention, device))
+        model = load_pretrained(
+            AutoModelForTokenClassification, path, num_labels=1, dtype=dtype, attn_implementation=resolve_attention(attention, device))
         return model.to(device).eval().requires_grad_(False)
 
 
@@ -227,7 +228,7 @@ def load_merged_actor(path: str | Path, device=None, dtype=None, attention: str 
     if not base_path or not Path(base_path).is_dir():
         raise CheckpointError(f"{path}/adapter_config.json names base model {base_path!r}, which is not a "
                               "local directory; restore the base model there or edit base_model_name_or_path")
-    base = AutoModelForCausalLM.from_pretrained(base_path, dtype=dtype,
-                                                attn_implementation=resolve_attention(attention, device))
-    merged = PeftModel.from_pretrained(base, path).merge_and_unload()
+    base = load_pretrained(AutoModelForCausalLM, base_path, dtype=dtype,
+                           attn_implementation=resolve_attention(attention, device))
+    merged = own_aligned_storage(PeftModel.from_pretrained(base, path).merge_and_unload())
     return merged.to(device).eval()

@@ -27,6 +27,7 @@ import torch
 
 from rlhf_core.config.schema import ModelConfig, OptimConfig
 from rlhf_core.models import sdpa_varlen as _sdpa_varlen  # noqa: F401  (registers attn_implementation=sdpa_varlen)
+from rlhf_core.models.storage import load_pretrained, own_aligned_storage
 from rlhf_core.training.ds_config import uses_cpu_adam, zero3
 
 
@@ -108,7 +109,7 @@ def load_actor_model(path: str | Path, dtype: torch.dtype, *, lora: Optional[Lor
     step's ratio compares log-probs from one kernel."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attention)
+    model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attention)
     if lora is not None:
         from peft import PeftModel, get_peft_model
 
@@ -119,6 +120,7 @@ def load_actor_model(path: str | Path, dtype: torch.dtype, *, lora: Optional[Lor
         else:
             torch.manual_seed(seed)
             model = get_peft_model(model, lora.peft_config())
+        own_aligned_storage(model)  # the adapters read from their file
     return _prepare(model, gradient_checkpointing)
 
 
@@ -127,8 +129,8 @@ def load_critic_model(path: str | Path, dtype: torch.dtype, *, gradient_checkpoi
                       attention: str = "sdpa"):
     from transformers import AutoModelForTokenClassification
 
-    model = AutoModelForTokenClassification.from_pretrained(path, num_labels=1, dtype=dtype,
-                                                            attn_implementation=attention)
+    model = load_pretrained(AutoModelForTokenClassification, path, num_labels=1, dtype=dtype,
+                            attn_implementation=attention)
     return _prepare(model, gradient_checkpointing)
 
 

@@ -1,0 +1,122 @@
+"""A resume replays the updates that lived only in memory, and the replay is the live update bit
+for bit in the configurations users run — each killed (as kill -9 would) in iteration 5 of 6 with
+save points at 3 and 6, so iteration 4's state exists only as its record, then resumed:
+
+- the demo preset's own batching (64 prompts, two mini-batches, each cut by the 2,048-token budget
+  into two micro-batches whose gradients accumulate into one optimizer step);
+- bf16 at ZeRO-1, several micro-batches per step;
+- a worker group of two ranks, several micro-batches per step on each.
+
+Every metric but timings, every table and every exported tensor must equal the uninterrupted
+run's. Before the models held their weights in aligned storage of their own
+(``rlhf_core.models.storage``) the first of these refused to resume ("replaying iteration 4's update
+did not reproduce its weights"): the critic loaded from its checkpoint summed one gradient in
+another order than the critic the live run had loaded from ``models/critic_init``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import read_last_good
+
+pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
+
+TIMING = ("perf/", "timing_s/")
+"""Metrics that measure time, memory or the machine: the only ones a resume may change."""
+
+KILL_IN_ITERATION_5 = "iter_5/scored.parquet"
+SAVE_AT_3_AND_6 = ("trainer.save_freq=3", "trainer.test_freq=-1", "trainer.logger=[console]",
+                   "trainer.export_min_val_score=0.0")
+
+
+def demo_batching(model: Path, runs: Path) -> list[str]:
+    """configs/demo.yaml as it is (its batch, mini-batch and token budgets) on the session's tiny
+    model, without the SFT warm start (minutes on first use) and with a short validation."""
+    return [f"actor_rollout_ref.model.path={model}", f"trainer.runs_root={runs}",
+            "actor_rollout_ref.model.warm_start.enable=false", "data.max_val_samples=8", "trainer.device=cpu",
+            *SAVE_AT_3_AND_6]
+
+
+ACCUMULATING = ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160", "critic.ppo_max_token_len_per_gpu=160")
+"""The tiny configuration's 4 prompts in micro-batches of at most 160 tokens: several per step."""
+
+
+def _numbers(run: RunDir, k: int) -> dict:
+    return {key: value for key, value in run.read_json(run.iteration_metrics(k)).items() if not key.startswith(TIMING)}
+
+
+def _exported(run: RunDir, rlhf) -> dict[str, torch.Tensor]:
+    proc = rlhf("export", str(run.root), "trainer.export_min_val_score=0.0")
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    files = sorted((run.root / "export" / "actor").glob("*.safetensors"))
+    assert files
+    return {f"{f.name}/{k}": v for f in files for k, v in load_file(str(f)).items()}
+
+
+def _cli_run(rlhf, *args: str, fault: str | None = None):
+    env = {"RLHF_FAULT": f"before_rename:{fault}"} if fault else {}
+    return rlhf("run", *args, **env)
+
+
+def _kill_resume_and_compare(rlhf, same_tables, args: Callable[[Path], list[str]], tmp_path: Path,
+                             *, preset: str) -> RunDir:
+    """``args(runs_root)``: the run's overrides. Runs it uninterrupted, and again killed in iteration
+    5 and resumed; asserts every non-timing number, table and exported tensor equal. Returns the
+    resumed run."""
+    whole = _cli_run(rlhf, "-c", preset, *args(tmp_path / "a"), "--iterations", "6", "--run-name", "whole")
+    assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
+    killed = _cli_run(rlhf, "-c", preset, *args(tmp_path / "b"), "--iterations", "6", "--run-name", "killed",
+                      fault=KILL_IN_ITERATION_5)
+    assert killed.returncode == 137, killed.stdout[-3000:] + killed.stderr[-3000:]
+    a, b = RunDir(tmp_path / "a" / "whole"), RunDir(tmp_path / "b" / "killed")
+    assert read_last_good(b)["iteration"] == 4 and not b.checkpoint(4).exists()  # 4 lived only in memory
+    resumed = rlhf("run", "--resume", str(b.root))
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    for k in range(1, 7):
+        got, want = _numbers(b, k), _numbers(a, k)
+        assert got == want, (k, {key: (got.get(key), want.get(key)) for key in set(got) | set(want)
+                                 if got.get(key) != want.get(key)})
+    same_tables(a, b, range(1, 7))
+    mine, theirs = _exported(b, rlhf), _exported(a, rlhf)
+    assert sorted(mine) == sorted(theirs)
+    assert [k for k in mine if not torch.equal(mine[k], theirs[k])] == []
+    return b
+
+
+def _steps_accumulated(run: RunDir, k: int, *, at_least: int = 2) -> None:
+    metrics = run.read_json(run.iteration_metrics(k))
+    for role in ("actor", "critic"):
+        assert metrics[f"{role}/micro_batches"] >= at_least, (role, metrics[f"{role}/micro_batches"])
+
+
+def test_the_demo_presets_own_batching_killed_between_saves_resumes_to_the_same_numbers(
+        rlhf, demo_preset, tiny_model_dir, same_tables, tmp_path):
+    run = _kill_resume_and_compare(rlhf, same_tables, lambda runs: demo_batching(tiny_model_dir, runs), tmp_path,
+                                   preset=demo_preset)
+    _steps_accumulated(run, 4)
+    assert run.read_json(run.iteration_metrics(4))["actor/num_steps"] == 2  # two mini-batches
+
+
+def test_bf16_with_accumulation_killed_between_saves_resumes_to_the_same_numbers(
+        rlhf, demo_preset, tiny_overrides, same_tables, tmp_path):
+    bf16 = ("actor_rollout_ref.actor.deepspeed_config.dtype=bf16", "actor_rollout_ref.actor.deepspeed_config.zero_stage=1",
+            "critic.deepspeed_config.dtype=bf16", "critic.deepspeed_config.zero_stage=1")
+    args = [*ACCUMULATING, *bf16, *SAVE_AT_3_AND_6]
+    run = _kill_resume_and_compare(rlhf, same_tables, lambda runs: tiny_overrides(runs, *args), tmp_path,
+                                   preset=demo_preset)
+    _steps_accumulated(run, 4)
+
+
+def test_a_worker_group_with_accumulation_killed_between_saves_resumes_to_the_same_numbers(
+        rlhf, demo_preset, tiny_overrides, same_tables, tmp_path):
+    args = ["trainer.nproc=2", *ACCUMULATING, *SAVE_AT_3_AND_6]
+    run = _kill_resume_and_compare(rlhf, same_tables, lambda runs: tiny_overrides(runs, *args), tmp_path,
+                                   preset=demo_preset)
+    _steps_accumulated(run, 4, at_least=1)  # per rank: each takes its half of the step's rows
+    assert run.read_json(run.iteration_metrics(4))["perf/world_size"] == 2
