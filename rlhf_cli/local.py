@@ -6,8 +6,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 from rlhf_cli.inspection import require_run_dir
+from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import RLHFError
 from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
 from rlhf_core.control.export import check_export_allowed, export_actor
@@ -16,6 +18,14 @@ from rlhf_core.run.lock import RunLock
 from rlhf_core.control.plan import resolve_run_config, saved_config, stage_config, upgrade_format
 from rlhf_core.run.stage_order import get_stage
 from rlhf_core.stages.repair import prepare_export
+
+
+def quiet_deepspeed() -> None:
+    """DeepSpeed warns on the console each time it has to detect the CPU itself ("Setting
+    accelerator to CPU. If you have GPU ..."): on a machine without CUDA, tell it (the processes this
+    one starts inherit it). A user's own DS_ACCELERATOR wins."""
+    if cuda_devices() == 0:
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def print_result(result: dict) -> None:
@@ -38,6 +48,7 @@ def stage_overrides(args: argparse.Namespace) -> list[str]:
 
 def cmd_stage_local(args: argparse.Namespace) -> int:
     """`rlhf stage NAME --local`: the stage in this process, without Prefect or MLflow."""
+    quiet_deepspeed()
     print_result(stage_local(args, stage_overrides(args)))
     return 0
 
@@ -59,6 +70,7 @@ def stage_local(args: argparse.Namespace, overrides: list[str]) -> dict:
 def cmd_export(args: argparse.Namespace) -> int:
 
     require_run_dir(args.run_dir)
+    quiet_deepspeed()
     run = RunDir(args.run_dir)
     cfg = resolve_run_config(run.root, None, args.overrides)
     with RunLock(run):

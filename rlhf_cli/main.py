@@ -94,17 +94,23 @@ def runs_flows(args: argparse.Namespace) -> bool:
     return args.command in FLOW_COMMANDS and not getattr(args, "local", False)
 
 
+QUIET_COMMANDS = ("run", "demo", "stage", "rebuild")
+"""The commands that run flows keep a quiet console unless --verbose: what they print themselves
+(the iteration table, a stage's result), warnings and errors."""
+
+
 def prepare_environment(args: argparse.Namespace) -> None:
-    """What must be in the environment before Prefect is first imported: its home under the
-    project's state directory, and for `run` / `demo` a quiet console (the iteration table,
-    warnings and errors; the per-task INFO log stays in the Prefect UI, the inner progress bars go
-    away). A user's own setting wins."""
+    """What must be in the environment before Prefect (and torch) is first imported: its home under
+    the project's state directory, and for the commands that run flows (``QUIET_COMMANDS``) a quiet
+    console: the per-task INFO log stays in the Prefect UI, the inner progress bars go away, vLLM
+    logs errors only (``rollout.vllm_engine.console_options``) and torch's C++ side its errors only
+    (vLLM's CPU build has it warn of its NUMA binding when an engine starts). A user's own setting wins."""
     home = Path(os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect")))
     home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level itself
-    if args.command in ("run", "demo") and not getattr(args, "verbose", False):
+    if args.command in QUIET_COMMANDS and not getattr(args, "verbose", False) and not getattr(args, "local", False):
         for key, value in {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "TQDM_DISABLE": "1",
                            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
-                           "PYTHONWARNINGS": QUIET_WARNINGS}.items():
+                           "PYTHONWARNINGS": QUIET_WARNINGS, "TORCH_CPP_LOG_LEVEL": "ERROR"}.items():
             os.environ.setdefault(key, value)
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.showwarning = _warning_line
@@ -150,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--force", action="store_true", help="rerun even if inputs and config are unchanged")
         sp.add_argument("--local", action="store_true",
                         help="run in this process without Prefect or MLflow (debugging)")
+        sp.add_argument("--verbose", action="store_true", help="as for `rlhf run`")
         if spec.name == "update":
             sp.add_argument("--nproc", type=int, default=None, help="data-parallel processes (trainer.nproc)")
         _add_config_args(sp)
@@ -175,6 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
     rebuild = sub.add_parser("rebuild", help="rerun, with the run's config.yaml, every stage at or before last-good "
                                              "that is stale or was rerun with overrides (a flow run per stage)")
     rebuild.add_argument("run_dir", type=Path, metavar="RUN")
+    rebuild.add_argument("--verbose", action="store_true", help="as for `rlhf run`")
 
     status = sub.add_parser("status", help="per-iteration stage table and the last-good iteration")
     status.add_argument("run_dir", type=Path, metavar="RUN")

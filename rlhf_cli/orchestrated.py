@@ -25,8 +25,7 @@ from flows.pipeline import PipelineParams, rlhf_pipeline
 from flows.stage import StageParams, rlhf_rebuild, rlhf_stage
 from rlhf_cli import prefect_server, session
 from rlhf_cli.inspection import demo_as_run, plan_run_command, require_run_dir
-from rlhf_cli.local import print_result, stage_overrides
-from rlhf_core.config.machine import cuda_devices
+from rlhf_cli.local import print_result, quiet_deepspeed, stage_overrides
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
 from rlhf_core.security import redact_text
@@ -90,12 +89,6 @@ def _how_to_continue(whose: str) -> str:
     return then + {"temporary": " (it starts a new temporary server)",
                    "services": " (on a temporary server until `make services-down services-up` restarts the services)",
                    "configured": " once the server at PREFECT_API_URL is back"}[whose]
-
-
-def _quiet_deepspeed() -> None:
-    """DeepSpeed warns on the console each time it has to detect the CPU itself: say it once here."""
-    if cuda_devices() == 0:
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 def _user_error_names() -> set[str]:
@@ -174,6 +167,7 @@ def cmd_stage(args: argparse.Namespace) -> int:
     params = checked_params(StageParams, stage=args.stage, run_dir=str(args.run_dir.resolve()),
                             iteration=getattr(args, "iteration", None), config=args.preset,
                             overrides=stage_overrides(args), force=args.force)
+    quiet_deepspeed()
     _bind_server()
     _quiet_user_errors()
     result = rlhf_stage(params)
@@ -188,7 +182,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     checked_params(PipelineParams, run_name=args.run_name, iterations=args.iterations)
     plan = getattr(args, "plan", None) or plan_run_command(args)
     session.RUN_DIR = plan.run  # for the resume hint after Ctrl-C
-    _quiet_deepspeed()
+    quiet_deepspeed()
     _bind_server()
     _quiet_user_errors()
     # the flow plans again: give it the directory planned here (a default name is a timestamp)
@@ -253,6 +247,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_rebuild(args: argparse.Namespace) -> int:
     require_run_dir(args.run_dir)
+    quiet_deepspeed()
     _bind_server()
     _quiet_user_errors()
     results = rlhf_rebuild(str(args.run_dir.resolve()))

@@ -99,7 +99,8 @@ def export_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: Optional[str] = No
             log.warning(line)
         path = export_actor(cfg, run)
     except (ExportRefused, Unrepairable) as exc:
-        log.warning("export refused: %s", exc)
+        # INFO: `rlhf run`'s closing block prints the reason (a WARNING here said it twice on the console)
+        log.info("export refused: %s", exc)
         prefect_artifacts.markdown(f"### export refused\n\n{exc}", key=prefect_artifacts.artifact_key(run, "export"))
         if mlflow_run_id:
             mlflow_tracking.set_tags(mlflow_run_id, {"export": "refused", "export.reason": str(exc)})
