@@ -214,7 +214,11 @@ def _is_metrics(weights: torch.Tensor, raw: torch.Tensor, stat_log: torch.Tensor
     m["rollout_is_std"] = _clamped_std(weights, valid, 0.0, upper)
     bounded = weights.clamp(min=0.0, max=upper)
     normalised = bounded / (masked_mean(bounded, valid) + 1e-8)
-    m["rollout_is_eff_sample_size"] = 1.0 / masked_mean(normalised.square(), valid)
+    second_moment = masked_mean(normalised.square(), valid)
+    # Every weight 0 (IcePop cut them all): no effective sample. verl divides by zero there and the
+    # step fails (ZeroDivisionError); docs/verl.md names the difference.
+    m["rollout_is_eff_sample_size"] = torch.where(second_moment > 0, 1.0 / second_moment,
+                                                  torch.zeros_like(second_moment))
     row_means = masked_mean(weights, valid, dim=-1)
     m["rollout_is_seq_mean"] = row_means.mean()
     m["rollout_is_seq_std"] = _std(row_means)
