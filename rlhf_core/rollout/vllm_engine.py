@@ -32,11 +32,15 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import logging
 import os
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterable, Iterator, Optional, Sequence
 
+from rlhf_core.config.machine import (
+    CPU_KV_CACHE_ENV, CPU_KV_CACHE_HINT, attention_head_size, cpu_kv_cache_problem, head_size_problem,
+)
 from rlhf_core.errors import RLHFError
 from rlhf_core.models.threads import largest_matrix
 from rlhf_core.rollout.base import (
@@ -47,7 +51,7 @@ from rlhf_core.rollout.weight_sync import (
     check_against, checkpoint_shapes, log_prob_gap, prepare_named_tensors, probe_tokens, read_checkpoint,
     trainer_log_probs,
 )
-from rlhf_core.progress import bar_disabled
+from rlhf_core.progress import bar_disabled, quiet_console
 
 if TYPE_CHECKING:
     import torch
@@ -55,8 +59,9 @@ if TYPE_CHECKING:
 VLLM_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams rejects temperature > 2
 VLLM_NEEDED = "0.32"  # the floor of the `vllm` extra in pyproject.toml
 IN_PROCESS_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
-CPU_KV_CACHE_ENV = "VLLM_CPU_KVCACHE_SPACE"  # GiB; vLLM's own setting, which wins over ours
+LOG_LEVEL_ENV = "VLLM_LOGGING_LEVEL"  # vLLM's own: when set, vLLM logs at it whatever the console
 CPU_KV_CACHE_MAX_SHARE = 0.25  # of this machine's RAM at most, when the size is ours to choose
+RELOAD_LOGGER = "vllm.model_executor.model_loader.reload.layerwise"
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 
@@ -103,6 +108,79 @@ def kv_cache_bytes(*, layers: int, kv_heads: int, head_dim: int, dtype: str, tok
     RAM for the worker, sized by the process's RSS: a flow process holding a trainer gets little.)"""
     per_token = 2 * layers * kv_heads * head_dim * _DTYPE_BYTES[dtype]  # K and V
     return max(min(per_token * tokens, int(CPU_KV_CACHE_MAX_SHARE * ram_bytes)), 64 * 2 ** 20)
+
+
+def check_cpu_engine(model_path: str | Path) -> None:
+    """Refuse, before the engine starts, what vLLM's CPU build would fail on later: a head size its
+    attention kernels lack (asked of this vLLM, not the list config load keeps) and a
+    VLLM_CPU_KVCACHE_SPACE it cannot allocate."""
+    import psutil
+
+    problems = [cpu_kv_cache_problem(os.environ.get(CPU_KV_CACHE_ENV), psutil.virtual_memory().total)]
+    found, supported = attention_head_size(str(model_path)), _cpu_head_sizes()
+    if found and supported:
+        problems.append(head_size_problem(str(model_path), *found, supported))
+    problems = [p for p in problems if p]
+    if problems:
+        raise RLHFError("; ".join(problems))
+
+
+def _cpu_head_sizes() -> Optional[list[int]]:
+    """The head sizes this vLLM's CPU attention takes (None where it does not say)."""
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+    except ImportError:
+        return None
+    return list(CPUAttentionBackend.get_supported_head_sizes())
+
+
+def start_problem(exc: BaseException, *, model: str, kv_cache: Optional[str]) -> str:
+    """An engine that did not start, as one line. A KV cache that does not fit gets the project's
+    advice for the CPU (vLLM's — raise gpu_memory_utilization — does nothing there: the cache has an
+    explicit size); anything else keeps vLLM's first sentence and says where its log is."""
+    text = " ".join(str(exc).split())
+    first = text.split(". ")[0].rstrip(".")
+    lowered = text.lower()
+    if kv_cache is not None and ("kv cache" in lowered or "cache blocks" in lowered):
+        fix = (f"give it another size with {CPU_KV_CACHE_ENV}=N (whole GiB, within the free RAM)"
+               if CPU_KV_CACHE_ENV in kv_cache else
+               f"give it a size with {CPU_KV_CACHE_ENV}=N (whole GiB, within the free RAM), or lower "
+               "data.train_batch_size, rollout.n or the prompt/response lengths")
+        return (f"the vllm rollout engine has no room for its KV cache ({kv_cache}): vLLM says \"{first}\"; "
+                f"{CPU_KV_CACHE_HINT}; {fix}")
+    return (f"the vllm rollout engine did not start on {model}: {type(exc).__name__}: {first} (vLLM's own log: "
+            f"rlhf run --verbose, or {LOG_LEVEL_ENV}=INFO)")
+
+
+class _ReloadNoise(logging.Filter):
+    """vLLM's in-place reload warns "<layer>: Failed to load weights" for every layer the checkpoint
+    has no tensor for, and puts that layer's kernel tensors back as they were. Two such layers are
+    not failures: a rotary embedding (its cos/sin cache is computed from the config, it is no
+    weight) and an LM head tied to the embeddings (no name of its own; ``_reload_in_worker`` rebuilds
+    its packed copy right after). ``sync_from``'s probe then checks the result. Any other layer's
+    warning passes."""
+
+    def __init__(self, tied_head: bool):
+        super().__init__()
+        self.tied_head = tied_head
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.msg != "%s: Failed to load weights" or not record.args:
+            return True
+        layer = str(record.args[0])
+        return not (layer.endswith("RotaryEmbedding") or (self.tied_head and layer == "ParallelLMHead"))
+
+
+@contextlib.contextmanager
+def _without_false_reload_warnings(tied_head: bool) -> Iterator[None]:
+    """``_ReloadNoise`` on vLLM's reload logger for the block."""
+    noise = _ReloadNoise(tied_head)
+    logger = logging.getLogger(RELOAD_LOGGER)
+    logger.addFilter(noise)
+    try:
+        yield
+    finally:
+        logger.removeFilter(noise)
 
 
 def _reload_in_worker(worker, weights: list) -> int:
@@ -172,6 +250,11 @@ class VLLMEngine:
         self.shapes = checkpoint_shapes(model_path)  # what the engine loads: every later sync is checked against it
         self.dtype, self.resident, self.external_launcher = dtype, resident, external_launcher
         self.cpu = current_platform.is_cpu()
+        if quiet_console():
+            # torch warns that Triton is missing (the CPU build runs without it) as vLLM's attention loads
+            logging.getLogger("torch._library.triton").setLevel(logging.ERROR)
+        if self.cpu:
+            check_cpu_engine(model_path)  # config load checks the same; a config built around it lands here
         self.cpu_threads = decode_threads(cpu_threads, largest_matrix(self.shapes.values())) if self.cpu else 0
         if resident and tensor_parallel_size > 1 and not external_launcher:
             # its workers would be other processes, which collective_rpc cannot hand our tensors
@@ -182,15 +265,24 @@ class VLLMEngine:
         options = platform_options(cpu=self.cpu, sleep_available=current_platform.is_sleep_mode_available(),
                                    resident=resident)
         self.frees_memory = bool(options.get("enable_sleep_mode"))  # sleep gives memory back (CUDA)
-        if self.cpu and not os.environ.get(CPU_KV_CACHE_ENV):
-            options["kv_cache_memory_bytes"] = self._cpu_kv_cache(AutoConfig.from_pretrained(model_path),
-                                                                  rollout_tokens or 4 * (max_model_len or 4096))
+        kv_cache = None  # what sizes the KV cache on CPU, for the error that says it does not fit
+        if self.cpu and os.environ.get(CPU_KV_CACHE_ENV):
+            kv_cache = f"{CPU_KV_CACHE_ENV}={os.environ[CPU_KV_CACHE_ENV]} GiB"
+        elif self.cpu:
+            tokens = rollout_tokens or 4 * (max_model_len or 4096)
+            options["kv_cache_memory_bytes"] = self._cpu_kv_cache(AutoConfig.from_pretrained(model_path), tokens)
+            kv_cache = f"{options['kv_cache_memory_bytes'] / 2 ** 30:.2f} GiB, sized for one rollout of {tokens} tokens"
         if external_launcher:
             options.update(distributed_executor_backend="external_launcher", data_parallel_size=data_parallel_size)
-        self.llm = _start(model=str(model_path), tokenizer=str(tokenizer_path or model_path),
-                          tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
-                          dtype=_DTYPES[dtype], seed=seed, max_model_len=max_model_len,
-                          logprobs_mode="processed_logprobs", **options)
+        try:
+            self.llm = _start(model=str(model_path), tokenizer=str(tokenizer_path or model_path),
+                              tensor_parallel_size=tensor_parallel_size, gpu_memory_utilization=gpu_memory_utilization,
+                              dtype=_DTYPES[dtype], seed=seed, max_model_len=max_model_len,
+                              logprobs_mode="processed_logprobs", **options)
+        except RLHFError:
+            raise
+        except Exception as exc:  # vLLM's own message, as one line with our fix; the cause stays chained
+            raise RLHFError(start_problem(exc, model=str(model_path), kv_cache=kv_cache)) from exc
         # An explicit SamplingParams per request is used as given: vLLM applies the checkpoint's
         # generation-config sampling defaults only when generate() gets no sampling params.
 
@@ -293,7 +385,8 @@ class VLLMEngine:
         if "weights" in self._asleep:
             self.llm.wake_up(tags=["weights"])
             self._asleep = ("kv_cache",)
-        self.llm.collective_rpc(_reload_in_worker, args=(weights,))
+        with _without_false_reload_warnings(tied_head="lm_head.weight" not in self.shapes):
+            self.llm.collective_rpc(_reload_in_worker, args=(weights,))
         self.llm.reset_prefix_cache()  # cached KV was computed with the old weights
         self.wake_up()  # a sleeping KV cache comes back empty: nothing stale in it
         return len(weights)
@@ -382,18 +475,14 @@ def _device_bytes_in_use() -> int:
 
 
 def _start(**kwargs):
-    """``vllm.LLM(**kwargs)`` with its engine core in this process, leaving this process's torch
-    thread settings as they were (a CPU worker replaces ``torch.set_num_threads`` with a no-op
-    and drops the thread count to 1 for the whole process: the trainer beside it would train on one)."""
-    import logging
-
+    """``vllm.LLM(**kwargs)`` with its engine core in this process, at the run's console level, leaving
+    this process's torch thread settings as they were (a CPU worker replaces ``torch.set_num_threads``
+    with a no-op and drops the thread count to 1 for the whole process: the trainer beside it would
+    train on one)."""
     import torch
     from vllm import LLM
 
-    if bar_disabled() and "VLLM_LOGGING_LEVEL" not in os.environ:
-        # a quiet console (`rlhf run`'s iteration table): vLLM's info lines and per-sync notes would
-        # interleave with it; its errors still show, and VLLM_LOGGING_LEVEL brings the rest back
-        logging.getLogger("vllm").setLevel(logging.ERROR)
+    kwargs.update(console_options())
     set_threads, threads = torch.set_num_threads, torch.get_num_threads()
     try:
         with _engine_core_in_this_process():
@@ -401,6 +490,21 @@ def _start(**kwargs):
     finally:
         torch.set_num_threads = set_threads
         set_threads(threads)
+
+
+def console_options() -> dict:
+    """The ``LLM`` arguments that follow the run's console. Quiet (`rlhf run` without --verbose):
+    vLLM logs errors only, and its checkpoint-loading bar is off. vLLM applies its logging config
+    while the engine is built (a level set on its logger beforehand is undone), so the level goes
+    in as that config; ``VLLM_LOGGING_LEVEL``, when set, is vLLM's to apply."""
+    if not quiet_console():
+        return {}
+    from vllm.config.logging import LoggingConfig
+
+    options: dict = {"use_tqdm_on_load": False}
+    if LOG_LEVEL_ENV not in os.environ:
+        options["logging_config"] = LoggingConfig(log_level="ERROR")
+    return options
 
 
 @contextlib.contextmanager
