@@ -19,6 +19,17 @@ POLICY_KNOBS = {
     "policy_loss": {"clip_cov_ratio": 0.05, "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.05,
                     "ppo_kl_coef": 0.1, "dro_beta": 0.5},
 }
+KNOB_SETS = [
+    POLICY_KNOBS,
+    {"clip_ratio_low": 0.1, "clip_ratio_high": 0.4, "clip_ratio_c": 10.0, "tau_pos": 0.5, "tau_neg": 2.0,
+     "policy_loss": {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.5, "clip_cov_ub": 2.0, "kl_cov_ratio": 0.3,
+                     "ppo_kl_coef": 1.0, "dro_beta": 2.0}},
+    {"clip_ratio_low": 0.3, "clip_ratio_high": 0.15, "clip_ratio_c": 1.5, "tau_pos": 3.0, "tau_neg": 0.3,
+     "policy_loss": {"clip_cov_ratio": 0.5, "clip_cov_lb": -1.0, "clip_cov_ub": 10.0, "kl_cov_ratio": 0.01,
+                     "ppo_kl_coef": 0.01, "dro_beta": 0.05}},
+]
+"""Every policy loss runs under each: verl's defaults region, wide clips with strong penalties, and
+narrow asymmetric clips with a dual clip just above 1."""
 BYPASS_SETTINGS = [
     {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": None, "rollout_rs_threshold": None,
      "bypass_mode": True, "loss_type": "ppo_clip", "rollout_is_batch_normalize": False},
@@ -144,10 +155,17 @@ def agg_cases() -> list[dict]:
     return cases
 
 
-def _policy_inputs(seed: int, batch: int = 12, length: int = 15) -> dict:
+def _policy_inputs(seed: int, batch: int = 12, length: int = 15, extreme: bool = False) -> dict:
+    """``extreme``: a few tokens whose log-ratio log pi - log pi_old is +-25, past every +-20 clamp
+    (verl's on the ratio and on the IS weights), and one row far off as a whole."""
     g = gen(200 + seed)
     mask = gapped_mask(g, batch, length, empty_rows=1)
     old, new = log_probs(g, batch, length)
+    if extreme:
+        old[1, 0], new[1, 0] = -26.0, -1.0
+        old[2, 0], new[2, 0] = -0.5, -25.5
+        old[3, 0], new[3, 0] = -21.0, -0.2
+        new[4] = old[4] - 3.0
     adv = 2 * torch.randn(batch, 1, generator=g, dtype=DT) + 0.5 * torch.randn(batch, length, generator=g, dtype=DT)
     weights = torch.rand(batch, length, generator=g, dtype=DT) * 1.5 + 0.5
     old, new, adv, weights = zero_outside(mask, old, new, adv, weights)
@@ -155,23 +173,39 @@ def _policy_inputs(seed: int, batch: int = 12, length: int = 15) -> dict:
             "parts": parts_of(g, batch, 3)}
 
 
+def _policy_case(mode: str, agg: str, seed: int, weighted: bool, k: int, correction, knob_set: int,
+                 extreme: bool) -> dict:
+    inputs = _policy_inputs(seed, extreme=extreme)
+    if not weighted or mode == "bypass_mode":  # bypass computes its own weights
+        inputs["weights"] = None
+    if mode in ONE_MICRO_BATCH:
+        inputs["parts"] = [sorted(i for part in inputs["parts"] for i in part)]
+    knobs = dict(KNOB_SETS[knob_set], rollout_correction=correction)
+    suffix = f"/knobs{knob_set}" if knob_set else ""
+    return {"id": f"policy_loss/{mode}/{agg}/{seed}{'/w' if weighted else ''}/{k}{suffix}{'/extreme' if extreme else ''}",
+            "family": "policy_loss", "mode": mode, "agg": agg,
+            "scale": 20 if agg == "seq-mean-token-sum-norm" else None,
+            "knobs": knobs, "seed": 1234 + seed, **inputs}
+
+
 def policy_loss_cases() -> list[dict]:
+    """Every mode x aggregation with verl's-default-like knobs, unweighted and with rollout IS
+    weights; then every mode under each other knob set, and every knob set with log-ratios past
+    the clamps, weighted, under one aggregation each (rotating)."""
     cases = []
-    for mode in POLICY_LOSSES.names():
+    aggs = AGG_MODES.names()
+    for m, mode in enumerate(POLICY_LOSSES.names()):
         settings = BYPASS_SETTINGS if mode == "bypass_mode" else [None]
-        for agg in AGG_MODES.names():
-            for seed, weighted in ((0, False), (1, True)):
-                for k, correction in enumerate(settings):
-                    inputs = _policy_inputs(seed)
-                    if not weighted or mode == "bypass_mode":  # bypass computes its own weights
-                        inputs["weights"] = None
-                    if mode in ONE_MICRO_BATCH:
-                        inputs["parts"] = [sorted(i for part in inputs["parts"] for i in part)]
-                    knobs = dict(POLICY_KNOBS, rollout_correction=correction)
-                    cases.append({"id": f"policy_loss/{mode}/{agg}/{seed}{'/w' if weighted else ''}/{k}",
-                                  "family": "policy_loss", "mode": mode, "agg": agg,
-                                  "scale": 20 if agg == "seq-mean-token-sum-norm" else None,
-                                  "knobs": knobs, "seed": 1234 + seed, **inputs})
+        for k, correction in enumerate(settings):
+            for agg in aggs:
+                for seed, weighted in ((0, False), (1, True)):
+                    cases.append(_policy_case(mode, agg, seed, weighted, k, correction, 0, False))
+            for knob_set in range(len(KNOB_SETS)):
+                for extreme in (False, True):
+                    if knob_set == 0 and not extreme:
+                        continue
+                    agg = aggs[(m + 2 * knob_set + extreme) % len(aggs)]
+                    cases.append(_policy_case(mode, agg, 2 + knob_set, True, k, correction, knob_set, extreme))
     return cases
 
 
@@ -273,20 +307,127 @@ def kl_reward_cases() -> list[dict]:
 
 
 def rollout_correction_cases() -> list[dict]:
+    """Every setting on prefix and gapped masks with an empty row; seed 2 adds log-ratios past the
+    +-20 clamp (SAFETY_BOUND) on single tokens and summed over a row."""
     cases = []
     for k, settings in enumerate(CORRECTION_SETTINGS):
-        for seed in range(2):
+        for seed in range(3):
             g = gen(700 + seed)
             batch, length = 13, 10
             mask = (gapped_mask if seed else prefix_mask)(g, batch, length, empty_rows=1)
             rollout, train = log_probs(g, batch, length)
             train = train - 0.3 * (torch.rand(batch, 1, generator=g, dtype=DT) > 0.7)  # some rows far off
+            if seed == 2:
+                rollout[1, 0], train[1, 0] = -27.0, -0.5
+                rollout[2, 0], train[2, 0] = -0.5, -26.0
+                train[3] = rollout[3] - 4.0  # a row whose summed log-ratio passes -20
             rollout, train = zero_outside(mask, rollout, train)
             full = {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": False,
                     "rollout_rs": None, "rollout_rs_threshold": None, **settings}
             cases.append({"id": f"rollout_correction/{k}/{seed}", "family": "rollout_correction",
                           "old_log_prob": train, "rollout_log_prob": rollout, "response_mask": mask.to(DT),
                           "settings": full})
+    return cases
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer's advantage path: KL in the reward, then rollout correction, then the estimator
+# ---------------------------------------------------------------------------------------------
+
+TRAINER_CORRECTIONS = {
+    "off": {},  # the rollout's log-probs are there: metrics only, the mask unchanged
+    "token": {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k2",
+              "rollout_rs_threshold": 0.05},
+    "sequence": {"rollout_is": "sequence", "rollout_is_threshold": "0.2_5.0", "rollout_rs": "seq_mean_k1",
+                 "rollout_rs_threshold": "0.8_1.25"},
+    "chained": {"rollout_is": "token", "rollout_is_threshold": "0.5_2.0", "rollout_is_batch_normalize": True,
+                "rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.6_1.6,0.3"},
+}
+TRAINER_KL = {True: ("low_var_kl", {"type": "adaptive", "kl_coef": 0.05, "target_kl": 0.02, "horizon": 1000}),
+              False: ("kl", {"type": "fixed", "kl_coef": 0.001, "target_kl": 0.1, "horizon": 10000})}
+GDPO_KEYS, GDPO_WEIGHTS = ["acc", "fmt"], [1.0, 0.5]
+SCORES = [-1.0, 0.0, 0.5, 1.0]
+"""Rule-based scores (math_dapo's -1 for a wrong answer): dyadic, so a group of equal scores has an
+exact mean and std 0 in float32 on both sides."""
+
+
+def _trainer_groups(g: torch.Generator, batch: int, name: str) -> np.ndarray:
+    """16 rows in uneven, interleaved groups: two of one, 2, 3, 4 and 5 (grpo_passk needs two per
+    group: its sizes are 2, 3, 3, 3 and 5)."""
+    sizes = [2, 3, 3, 3, 5] if name == "grpo_passk" else [1, 2, 3, 5, 1, 4]
+    ids = [f"uid-{k}" for k, size in enumerate(sizes) for _ in range(size)]
+    assert len(ids) == batch
+    order = torch.randperm(batch, generator=g).tolist()
+    return np.array([ids[i] for i in order], dtype=object)
+
+
+def scored_rows(seed: int, name: str, batch: int = 16, longest: int = 10) -> dict:
+    """One iteration's scored table as per-row lists (float32 values, as the table stores them).
+
+    Row 0 and one more are empty (length 0) with a nonzero score; row 1's last token and every
+    token of row 2 are far off the rollout's policy (rejected by the token and sequence criteria);
+    row 3's log-ratios pass both +-20 clamps; about one token in six elsewhere is off by 0.6 nats;
+    one group has equal scores."""
+    g = gen(800 + seed)
+    lengths = torch.randint(2, longest + 1, (batch,), generator=g)
+    lengths[0] = lengths[int(torch.randint(4, batch, (1,), generator=g))] = 0
+    index = _trainer_groups(g, batch, name)
+    scores = torch.tensor(SCORES)[torch.randint(0, len(SCORES), (batch,), generator=g)]
+    first = index[5]
+    scores[torch.from_numpy(index == first)] = 0.5  # a group (maybe of one) with equal scores
+    scores[(lengths == 0) & (scores == 0)] = -1.0  # an empty response's score counts in verl's group
+    old = -(torch.rand(batch, longest, generator=g) * 3 + 0.02)
+    ref = old - 0.3 * torch.randn(batch, longest, generator=g)
+    drift = 0.05 * torch.randn(batch, longest, generator=g)
+    drift += 0.6 * torch.sign(torch.randn(batch, longest, generator=g)) * (torch.rand(batch, longest, generator=g) < 0.17)
+    n1, n3 = int(lengths[1]), int(lengths[3])
+    drift[1, n1 - 1] = 0.9
+    drift[2] = -0.8
+    rollout = old - drift  # log pi_train - log pi_rollout = drift
+    old[3, 0], rollout[3, 0] = -0.5, -30.0  # log-ratio +29.5
+    if n3 > 1:
+        old[3, 1], rollout[3, 1] = -30.0, -0.5  # log-ratio -29.5
+    values = torch.randn(batch, longest, generator=g)
+    sum_pi_squared = torch.exp(old).square() + 0.3 * torch.rand(batch, longest, generator=g)
+    acc = torch.randint(0, 2, (batch,), generator=g).float()
+    fmt = torch.randint(0, 3, (batch,), generator=g).float() / 2
+    acc[0], fmt[0] = 1.0, 0.5  # the empty response's components count in verl's groups
+
+    def rows(t: torch.Tensor) -> list[list[float]]:
+        return [t[i, :int(n)].tolist() for i, n in enumerate(lengths)]
+
+    return {"lengths": lengths.tolist(), "uid": index.tolist(), "reward": scores.tolist(),
+            "old_log_probs": rows(old), "ref_log_probs": rows(ref), "rollout_log_probs": rows(rollout),
+            "values": rows(values), "sum_pi_squared": rows(sum_pi_squared),
+            "reward_baseline": torch.rand(batch, generator=g).tolist(),
+            "reward_extra": [{"acc": float(a), "fmt": float(f)} for a, f in zip(acc, fmt)],
+            "prompt_token_ids": [[3, 4, 5]] * batch, "width": longest + 2}
+
+
+def trainer_algorithm(name: str, correction: str, kl_in_reward: bool, norm_by_std: bool = True) -> dict:
+    """verl's algorithm.* section for the case (nested as verl's AlgoConfig)."""
+    kind, ctrl = TRAINER_KL[kl_in_reward]
+    full = {"rollout_is": None, "rollout_is_threshold": 2.0, "rollout_is_batch_normalize": False,
+            "rollout_rs": None, "rollout_rs_threshold": None, "bypass_mode": False, "loss_type": "ppo_clip",
+            **TRAINER_CORRECTIONS[correction]}
+    return {"adv_estimator": name, "gamma": 0.97, "lam": 0.9, "norm_adv_by_std_in_grpo": norm_by_std,
+            "use_kl_in_reward": kl_in_reward, "kl_penalty": kind, "kl_ctrl": ctrl, "rollout_correction": full,
+            "gdpo_reward_keys": GDPO_KEYS if name == "gdpo" else None,
+            "gdpo_reward_weights": GDPO_WEIGHTS if name == "gdpo" else None}
+
+
+def trainer_cases() -> list[dict]:
+    """Every estimator under every correction, with and without the KL in the reward; grpo and
+    grpo_passk also without the std division (see STD_ALWAYS for the others)."""
+    cases = []
+    for k, name in enumerate(ADV_ESTIMATORS.names()):
+        variants = [(c, kl, True) for c in TRAINER_CORRECTIONS for kl in (True, False)]
+        if name in ("grpo", "grpo_passk"):
+            variants += [("token", True, False), ("sequence", False, False)]
+        for j, (correction, kl, norm_by_std) in enumerate(variants):
+            cases.append({"id": f"trainer/{name}/{correction}/{'kl' if kl else 'nokl'}{'' if norm_by_std else '/nostd'}",
+                          "family": "trainer", "algorithm": trainer_algorithm(name, correction, kl, norm_by_std),
+                          **scored_rows(10 * k + j, name)})
     return cases
 
 
@@ -344,7 +485,7 @@ def dapo_manager_case(tokenizer_dir: str, tokenizer) -> dict:
 
 def all_cases(tokenizer_dir: str, tokenizer) -> list[dict]:
     cases = ([{"id": "config/ppo_trainer", "family": "config"}] + agg_cases() + policy_loss_cases() + value_loss_cases() + estimator_cases() + kl_cases()
-             + kl_controller_cases() + kl_reward_cases() + rollout_correction_cases() + reward_cases()
+             + kl_controller_cases() + kl_reward_cases() + rollout_correction_cases() + trainer_cases() + reward_cases()
              + [dapo_manager_case(tokenizer_dir, tokenizer)])
     ids = [c["id"] for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"

@@ -71,4 +71,5 @@ def verl(conformance):
         return cases[case_id], result
 
     lookup.ids = lambda family: sorted(i for i, c in cases.items() if c["family"] == family)
+    lookup.raw = lambda case_id: (cases[case_id], results[case_id])  # verl's error, if it raised, included
     return lookup

@@ -1,6 +1,9 @@
 """Conformance with verl 0.9.1 itself: every quantity the project registers under a verl name,
 computed by our code as our trainer calls it and by verl's own functions as verl's trainer calls
-them (``verl_side.py``, in verl's environment), equal within 1e-6 in float64.
+them (``verl_side.py``, in verl's environment), equal within 1e-6 in float64; and the composition,
+verl's trainer from a scored batch to its advantages against the gae stage on the same scored
+table, equal within float32's reach. A comparison relaxed anywhere is a deliberate difference that
+docs/verl.md names (``DELIBERATE``).
 
 Run it with ``make test-verl`` (builds verl's environment, ~3 min the first time). The transcription
 tests under tests/rlhf_core/algos are fast unit tests; this step is the authority.
@@ -11,6 +14,8 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -20,15 +25,24 @@ from rlhf_core.algos import (
 )
 from rlhf_core.algos.rollout_correction import RolloutCorrection, correct_rollout
 from rlhf_core.config import load_config
+from rlhf_core.data.schemas import SCORED
+from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.rewards import get_reward_fn
 from rlhf_core.rewards.overlong import shape_scores
 from rlhf_core.rewards.registry import GSM8K_SOURCES, registered_sources
+from rlhf_core.run.layout import RunDir
+from rlhf_core.stages.gae import run_gae
 from rlhf_core.training.advantages import AdvantageSettings, ScoredBatch, estimate_advantages, shaped_rewards
 from rlhf_core.training.rank_update import actor_loss_from_config, critic_loss_from_config
 
 from . import cases as C
 
 TOL = dict(rtol=1e-6, atol=1e-6)
+TOL32 = dict(rtol=5e-5, atol=5e-5)
+"""The trainer-level path runs in float32 on both sides, as both trainers hold their tensors; the two
+sides order their float32 reductions differently (a semantic difference is orders larger)."""
+TOL32_VECTORIZED = dict(rtol=5e-4, atol=5e-4)
+"""grpo_vectorized's trainer-level tolerance (DELIBERATE["single-pass variance"])."""
 
 OUR_OWN = {
     "reward source": {"gsm8k", "arith"},  # ours: the GSM8K rule under our names (verl's name is openai/gsm8k)
@@ -36,10 +50,10 @@ OUR_OWN = {
 """Names we register that verl does not have; every other registered name must be compared."""
 
 
-def _close(ours, theirs, what: str) -> None:
+def _close(ours, theirs, what: str, tol=TOL) -> None:
     ours = torch.as_tensor(ours, dtype=torch.float64)
     theirs = torch.as_tensor(theirs, dtype=torch.float64)
-    torch.testing.assert_close(ours, theirs, **TOL, msg=lambda m: f"{what}: {m}")
+    torch.testing.assert_close(ours, theirs, **tol, msg=lambda m: f"{what}: {m}")
 
 
 def _ids(builder) -> list[str]:
@@ -112,6 +126,10 @@ def _actor_overrides(case) -> list[str]:
 def test_policy_loss(verl, case_id):
     """Through the update's own loss object (built from the config as the update builds it), per
     micro-batch with the mini-batch's global counts; values, gradient and every metric verl logs."""
+    case, theirs = verl.raw(case_id)
+    if "error" in theirs and theirs["error"].startswith("ZeroDivisionError") and case["mode"] == "bypass_mode":
+        _all_weights_cut(case)  # DELIBERATE["no effective sample"]
+        return
     case, theirs = verl(case_id)
     loss_fn = actor_loss_from_config(load_config(overrides=_actor_overrides(case)))
     mask = case["mask"]
@@ -136,6 +154,23 @@ def test_policy_loss(verl, case_id):
             _close(ours[name], value, f"{case_id} micro-batch {part} {name}")
         for name in set(ours) - set(verls):  # a quantity verl does not log for this mode is 0 here
             assert ours[name] == 0.0, f"{case_id}: {name}={ours[name]} where verl logs nothing"
+
+
+def _all_weights_cut(case) -> None:
+    """verl's bypass_mode raised ZeroDivisionError: a micro-batch whose IS weights IcePop cut to 0
+    (its effective sample size divides by zero). Ours gives that micro-batch an effective sample
+    size of 0, and a finite loss and gradient."""
+    loss_fn = actor_loss_from_config(load_config(overrides=_actor_overrides(case)))
+    mask, leaf = case["mask"], case["log_prob"].clone().requires_grad_(True)
+    cut = []
+    for p in case["parts"]:
+        loss, m = loss_fn.policy_loss(log_prob=leaf[p], tensors={"old_log_probs": case["old_log_prob"][p],
+                                                                  "advantages": case["advantages"][p]},
+                                      mask=mask[p], n_tok=int(mask.sum()), n_seq=mask.shape[0])
+        (grad,) = torch.autograd.grad(loss, leaf)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all(), case["id"]
+        cut.append(float(m["rollout_corr/rollout_is_eff_sample_size"]) == 0.0)
+    assert any(cut), f"{case['id']}: verl divided by zero, but no micro-batch has all its weights cut here"
 
 
 @pytest.mark.parametrize("case_id", _ids(C.value_loss_cases))
@@ -252,6 +287,138 @@ def test_rollout_correction(verl, case_id):
                                                     f"{sorted(set(theirs['metrics']) - set(metrics))}")
     for name, value in theirs["metrics"].items():
         _close(float(metrics[name]), value, f"{case_id} {name}")
+
+
+# ---------------------------------------------------------------------------------------------
+# the trainer's whole advantage path, through the gae stage
+# ---------------------------------------------------------------------------------------------
+
+DELIBERATE = {
+    "masked positions": ("0 at every masked position", "verl leaves values at masked positions for some "
+                         "estimators (remax's and gae's returns, opo's NaN for a group without valid tokens); "
+                         "the comparison is at the tokens verl's final response_mask keeps, ours must be 0 "
+                         "elsewhere"),
+    "no effective sample": ("ZeroDivisionError", "verl's IS metrics divide by zero when IcePop cuts every weight "
+                            "of a (micro-)batch, and the step fails; ours reports an effective sample size of 0 and "
+                            "trains on"),
+    "single-pass variance": ("single-pass group variance", "verl's grpo_vectorized takes the group variance as "
+                             "(sum of squares - squared sum / n) / (n - 1) in float32, which cancels digits on a "
+                             "group of close scores; ours is the two-pass variance of grpo. In float64 (the "
+                             "estimator cases) they agree within 1e-6; in float32 within TOL32_VECTORIZED"),
+}
+"""The comparisons the trainer-level step relaxes, each with the words of docs/verl.md that name it
+as a deliberate difference (checked below): a difference that is not named there fails the step."""
+
+NOT_THE_GAE_STAGES = ("critic/score/", "response_length", "prompt_length/", "response/aborted_ratio")
+"""verl's compute_data_metrics also reports these; here the rollout and score stages do (their
+tests), not the gae stage."""
+
+
+def _override(value) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, list):
+        return "[" + ",".join(str(v) for v in value) + "]"
+    return str(value)
+
+
+def _algorithm_overrides(algorithm: dict) -> list[str]:
+    """verl's algorithm.* keys of the case as `rlhf run` overrides (verl's command line)."""
+    out = []
+    for key, value in algorithm.items():
+        if isinstance(value, dict):
+            out += [f"algorithm.{key}.{k}={_override(v)}" for k, v in value.items()]
+        else:
+            out.append(f"algorithm.{key}={_override(value)}")
+    return out
+
+
+def _scored_table(case) -> pa.Table:
+    """The case's rows as the score stage writes them (float32 lists, one entry per response token)."""
+    rows = []
+    for i, n in enumerate(case["lengths"]):
+        rows.append(dict(prompt_id=f"p-{case['uid'][i]}", sample_index=i, iteration=1, data_source="openai/gsm8k",
+                         ground_truth="7", prompt_token_ids=case["prompt_token_ids"][i], response_text="x" * n,
+                         response_token_ids=list(range(7, 7 + n)), response_length=n, finish_reason="stop",
+                         engine="hf", sampling_seed=0, reward_source="openai/gsm8k", extra_info="{}",
+                         uid=case["uid"][i], rollout_log_probs=case["rollout_log_probs"][i],
+                         reward=case["reward"][i], reward_extra=json.dumps(case["reward_extra"][i]),
+                         old_log_probs=case["old_log_probs"][i], ref_log_probs=case["ref_log_probs"][i],
+                         values=case["values"][i], reward_baseline=case["reward_baseline"][i],
+                         sum_pi_squared=case["sum_pi_squared"][i]))
+    return pa.Table.from_pylist(rows, schema=SCORED)
+
+
+@pytest.mark.parametrize("case_id", _ids(C.trainer_cases))
+def test_trainer_advantage_path(verl, case_id, tmp_path):
+    """verl 0.9.1's trainer (KL in the reward, rollout correction, compute_advantage, then
+    compute_data_metrics) against the gae stage on the same scored table, configured by the same
+    algorithm.* keys: token rewards, the rejection mask, the IS weights, advantages and returns at
+    every token verl's mask keeps, every rollout_corr/ and critic/ metric, the KL metrics and the
+    controller's next coefficient."""
+    case, theirs = verl(case_id)
+    run = RunDir(tmp_path / "run")
+    atomic_write_parquet(run.scored(1), _scored_table(case), schema=SCORED)
+    overrides = _algorithm_overrides(case["algorithm"]) + ["actor_rollout_ref.rollout.n=5"]  # grpo_passk needs >= 2
+    result = run_gae(load_config(overrides=overrides), run, 1)
+    rows = pq.read_table(run.advantages(1)).to_pylist()
+    kept_by_verl = theirs["response_mask"] != 0
+    tol = TOL32_VECTORIZED if case["algorithm"]["adv_estimator"] == "grpo_vectorized" else TOL32
+    for i, (row, n) in enumerate(zip(rows, case["lengths"])):
+        where = f"{case_id} row {i}"
+        kept = kept_by_verl[i, :n]
+        assert not kept_by_verl[i, n:].any(), f"{where}: verl keeps a padding position"
+        assert (row["response_mask"] or [True] * n) == kept.tolist(), f"{where}: response_mask"
+        _close(row["token_level_rewards"], theirs["token_level_rewards"][i, :n], f"{where} token_level_rewards", TOL32)
+        if theirs["rollout_is_weights"] is None:
+            assert row["rollout_is_weights"] is None, f"{where}: weights where verl has none"
+        else:
+            _close(row["rollout_is_weights"], theirs["rollout_is_weights"][i, :n], f"{where} rollout_is_weights",
+                   TOL32)
+        for name in ("advantages", "returns"):  # DELIBERATE["masked positions"]
+            ours = torch.tensor(row[name], dtype=torch.float64)
+            _close(ours[kept], theirs[name][i, :n][kept], f"{where} {name}", tol)
+            assert (ours[~kept] == 0).all(), f"{where}: {name} not 0 at a masked position"
+    metrics = result.metrics
+    for name, value in theirs["metrics"].items():
+        if name.startswith(NOT_THE_GAE_STAGES):
+            continue
+        assert name in metrics, f"{case_id}: verl reports {name}, the gae stage does not"
+        _close(metrics[name], value, f"{case_id} {name}", tol if name.startswith("critic/") else TOL32)
+    ours_only = {k for k in metrics if k.startswith("rollout_corr/")} - set(theirs["metrics"])
+    assert not ours_only, f"{case_id}: rollout_corr metrics verl does not report: {sorted(ours_only)}"
+    if case["algorithm"]["use_kl_in_reward"]:
+        _close(metrics["kl/coef_next"], theirs["next_coef"], f"{case_id} next KL coefficient", TOL32)
+
+
+def test_trainer_cases_hold_what_they_claim(verl):
+    """Each rejecting case rejects some tokens and keeps others; the token-level ones cut rows part
+    way, and some non-empty row is rejected whole; every case has empty responses with a score, and
+    all but grpo_passk's groups of one."""
+    for case_id in _ids(C.trainer_cases):
+        case, theirs = verl(case_id)
+        lengths = torch.tensor(case["lengths"])
+        original = torch.arange(theirs["response_mask"].shape[1]).unsqueeze(0) < lengths.unsqueeze(1)
+        kept = theirs["response_mask"] != 0
+        assert (lengths == 0).sum() >= 2 and all(case["reward"][i] != 0 for i in range(len(lengths)) if lengths[i] == 0)
+        if case["algorithm"]["adv_estimator"] != "grpo_passk":
+            assert 1 in np.unique(case["uid"], return_counts=True)[1], f"{case_id}: no group of one"
+        if case["algorithm"]["rollout_correction"]["rollout_rs"] is None:
+            assert torch.equal(kept, original), f"{case_id}: rejected without a criterion"
+            continue
+        rows_left = kept.sum(-1)
+        assert ((rows_left == 0) & (lengths > 0)).any(), f"{case_id}: no non-empty row rejected whole"
+        assert (rows_left > 0).sum() >= len(lengths) // 2, f"{case_id}: most rows rejected"
+        if "token" in case["algorithm"]["rollout_correction"]["rollout_rs"]:
+            assert ((rows_left > 0) & (rows_left < lengths)).any(), f"{case_id}: no row cut part way"
+
+
+def test_relaxed_comparisons_are_deliberate_differences_in_the_docs(repo_root):
+    text = (repo_root / "docs" / "verl.md").read_text()
+    for name, (words, why) in DELIBERATE.items():
+        assert words in text, f"{name}: docs/verl.md must name this deliberate difference ({why})"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ plain values). This file imports nothing of the project: the two sides share onl
 
 from __future__ import annotations
 
+import functools
 import sys
 import warnings
 
@@ -22,7 +23,8 @@ from verl.protocol import DataProto  # noqa: E402
 from verl.trainer.config import AlgoConfig  # noqa: E402
 from verl.trainer.config.algorithm import KLControlConfig, RolloutCorrectionConfig  # noqa: E402
 from verl.trainer.ppo import core_algos, rollout_corr_helper  # noqa: E402
-from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage  # noqa: E402
+from verl.trainer.ppo.metric_utils import compute_data_metrics  # noqa: E402
+from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage, compute_response_mask  # noqa: E402
 from verl.utils.reward_score import default_compute_score  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
@@ -158,6 +160,87 @@ def rollout_correction(case):
             "metrics": _floats(metrics)}
 
 
+@functools.lru_cache(maxsize=None)
+def _reward_manager_base():
+    """verl 0.9.1's reward-loop manager base (what writes rm_scores), loaded from its file: its
+    package imports the reward loop's HTTP client, which the trainer's maths never needs."""
+    import importlib.util
+    from pathlib import Path
+
+    import verl
+
+    path = Path(verl.__file__).parent / "experimental" / "reward_loop" / "reward_manager" / "base.py"
+    spec = importlib.util.spec_from_file_location("verl_reward_manager_base", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.RewardManagerBase
+
+
+def _padded(rows, width, dtype=torch.float32):
+    out = torch.zeros(len(rows), width, dtype=dtype)
+    for i, row in enumerate(rows):
+        out[i, :len(row)] = torch.tensor(row, dtype=dtype)
+    return out
+
+
+def _trainer_batch(case, algorithm: AlgoConfig) -> DataProto:
+    """The batch as verl's trainer holds it when its "adv" step starts: prompts, responses and the
+    attention mask from the rollout (responses right-padded to data.max_response_length), the
+    response mask computed from them, the reward loop's rm_scores (each score at index
+    valid_response_length - 1), the reward function's extra info as non-tensor columns, old/ref
+    log-probs, the critic's values, the rollout's log-probs, and the inputs an estimator asks for."""
+    width, lengths = case["width"], case["lengths"]
+    prompts = torch.tensor(case["prompt_token_ids"], dtype=torch.long)
+    responses = _padded([list(range(7, 7 + n)) for n in lengths], width, torch.long)
+    valid = (torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(1)).long()
+    tensors = {"prompts": prompts, "responses": responses,
+               "attention_mask": torch.cat([torch.ones_like(prompts), valid], dim=-1),
+               "old_log_probs": _padded(case["old_log_probs"], width),
+               "ref_log_prob": _padded(case["ref_log_probs"], width),
+               "rollout_log_probs": _padded(case["rollout_log_probs"], width)}
+    if algorithm.adv_estimator == "gae":
+        tensors["values"] = _padded(case["values"], width)
+    if algorithm.adv_estimator in ("optimal_token_baseline", "tir_optimal_token_baseline"):
+        tensors["sum_pi_squared"] = _padded(case["sum_pi_squared"], width)
+    if algorithm.adv_estimator == "remax":
+        tensors["reward_baselines"] = torch.tensor(case["reward_baseline"], dtype=torch.float32)
+    data = DataProto.from_dict(tensors=tensors, non_tensors={"uid": np.array(case["uid"], dtype=object)})
+    data.batch["response_mask"] = compute_response_mask(data)
+    data.batch["token_level_scores"] = _reward_manager_base().assemble_rm_scores(data, case["reward"])
+    extra = {key: [row[key] for row in case["reward_extra"]] for key in case["reward_extra"][0]}
+    data.non_tensor_batch.update({k: np.array(v) for k, v in extra.items()})
+    return data
+
+
+def trainer(case):
+    """verl 0.9.1's trainer from a scored batch to its advantages: RayPPOTrainer.fit's "adv" step
+    (the v1 trainer's _compute_advantage makes the same three calls): the KL in the reward, the
+    rollout correction in decoupled mode, compute_advantage; then compute_data_metrics."""
+    a = dict(case["algorithm"])
+    algorithm = AlgoConfig(**{**a, "kl_ctrl": KLControlConfig(**a["kl_ctrl"]),
+                              "rollout_correction": RolloutCorrectionConfig(**a["rollout_correction"])})
+    batch = _trainer_batch(case, algorithm)
+    kl_ctrl = core_algos.get_kl_controller(algorithm.kl_ctrl)
+    metrics = {}
+    if algorithm.use_kl_in_reward:
+        batch, kl_metrics = apply_kl_penalty(batch, kl_ctrl=kl_ctrl, kl_penalty=algorithm.kl_penalty)
+        metrics.update(kl_metrics)
+    else:
+        batch.batch["token_level_rewards"] = batch.batch["token_level_scores"]
+    correction = algorithm.get("rollout_correction", None)
+    bypass = correction and correction.get("bypass_mode", False)
+    if correction is not None and "rollout_log_probs" in batch.batch and not bypass:
+        batch, is_metrics = rollout_corr_helper.compute_rollout_correction_and_add_to_batch(batch, correction)
+        metrics.update(is_metrics)
+    batch = compute_advantage(batch, adv_estimator=algorithm.adv_estimator, gamma=algorithm.gamma, lam=algorithm.lam,
+                              num_repeat=1, norm_adv_by_std_in_grpo=algorithm.get("norm_adv_by_std_in_grpo", True),
+                              config=algorithm)
+    metrics.update(compute_data_metrics(batch, use_critic=algorithm.adv_estimator == "gae"))
+    out = {k: batch.batch[k] for k in ("token_level_rewards", "response_mask", "advantages", "returns")}
+    out["rollout_is_weights"] = batch.batch["rollout_is_weights"] if "rollout_is_weights" in batch.batch else None
+    return {**out, "metrics": _floats(metrics), "next_coef": float(kl_ctrl.value)}
+
+
 def reward(case):
     return {"scores": [default_compute_score(source, solution, truth, extra_info={})
                        for source, solution, truth in case["rows"]]}
@@ -209,7 +292,7 @@ def config(case):
 
 
 FAMILIES = {f.__name__: f for f in (config, agg, policy_loss, value_loss, estimator, kl, kl_controller, kl_reward,
-                                    rollout_correction, reward, dapo_manager)}
+                                    rollout_correction, trainer, reward, dapo_manager)}
 
 
 def main(cases_path: str, results_path: str) -> None:
