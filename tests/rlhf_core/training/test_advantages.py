@@ -262,14 +262,14 @@ def test_rejected_tokens_keep_their_rewards_in_critic_rewards_and_the_kl():
     """verl's compute_data_metrics sums whole token-reward rows, rejection or not, and its KL in the
     reward is shaped before the correction: a response rejected whole still adds its score and its
     KL penalty to critic/rewards."""
-    responses = [dict(reward=r, old=[-1.0, -0.5], ref=[-1.2, -0.9], values=[0.0, 0.0]) for r in (1.0, 0.5, 0.0)]
+    responses = [dict(reward=r, old=[-1.0, -0.5], ref=[-1.2, -0.9], values=[0.0, 0.0]) for r in (1.0, 2.0, 0.0)]
     table = _with_rollout_log_probs(scored_table(responses), [0.0, -1.0, 0.0])  # row 1 rejected whole
     settings = AdvantageSettings(adv_estimator="grpo", use_kl_in_reward=True, rollout_correction=_correction(
         rollout_rs="token_k1", rollout_rs_threshold="0.9_1.5").rollout_correction)
     out = compute_advantages(table, kl_coef=0.5, settings=settings)
     assert out.table.column("response_mask").to_pylist()[1] == [False, False]
     sums = [sum(row) for row in out.table.column("token_level_rewards").to_pylist()]
-    assert sums[1] == pytest.approx(0.5 - 0.5 * (0.2 + 0.4), abs=1e-6)
+    assert sums[1] == pytest.approx(2.0 - 0.5 * (0.2 + 0.4), abs=1e-6)
     assert out.metrics["critic/rewards/mean"] == pytest.approx(np.mean(sums), abs=1e-6)
     assert out.metrics["critic/rewards/max"] == pytest.approx(max(sums), abs=1e-6)
 
