@@ -224,12 +224,13 @@ def _reward_baselines(table: pa.Table, source: str) -> Optional[torch.Tensor]:
 
 
 def shaped_rewards(batch: ScoredBatch, *, kl_coef: float, kind: str) -> tuple[torch.Tensor, float]:
-    """(token_level_rewards (B, T), measured KL) with ``r_t = score·[t last] − kl_coef·KL_t`` (0 at padding).
+    """(token_level_rewards (B, T), measured KL) with ``r_t = score·[t last] − kl_coef·KL_t``, 0 at padding
+    but for an empty response, whose score sits in the last column (where verl's reward manager puts it).
 
     ``kl_coef = 0`` gives the score on each response's last token only (the inputs are checked
     finite, so ``0·KL`` is exactly 0). The measured KL (estimator ``kind`` of the sampling policy
-    against the reference) is the mean over responses of the per-token mean, as verl feeds its
-    controller.
+    against the reference) is the mean over responses of the per-token mean (an empty response
+    counting 0), as verl feeds its controller.
     """
     rewards, metrics = apply_kl_penalty(scores=batch.scores, old_log_prob=batch.old_log_probs,
                                         ref_log_prob=batch.ref_log_probs, response_mask=batch.response_mask,
@@ -344,7 +345,7 @@ def advantage_metrics(batch: ScoredBatch, rewards: torch.Tensor, advantages: tor
     reward/token_level_mean (mean over all responses of the per-response sum),
     advantages/*, returns/*, critic/values_mean."""
     mask = batch.response_mask
-    sums = rewards.sum(-1)  # (B,) whole rows, as the estimators score them (0 at padding)
+    sums = rewards.sum(-1)  # (B,) whole rows, as the estimators score them
     alive = torch.from_numpy(batch.lengths > 0)
     valid_returns, valid_values = returns[mask], batch.values[mask]
     metrics = {
