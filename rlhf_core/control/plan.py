@@ -25,7 +25,7 @@ from typing import Optional, Sequence
 from rlhf_core.config import ConfigError, RLHFConfig, apply_overrides, config_from_dict, load_config, to_yaml
 from rlhf_core.config import resolve
 from rlhf_core.run.inputs import check_inputs
-from rlhf_core.config.loader import parse_override, read_preset
+from rlhf_core.config.loader import parse_override
 from rlhf_core.config.notes import say_once
 from rlhf_core.config.validate import LOGGERS_HERE
 from rlhf_core.data.preprocess import prompt_supply_problem
@@ -36,10 +36,11 @@ from rlhf_core.io.atomic import clean_temporaries
 from rlhf_core.run.lifecycle import committed_iterations, last_good_iteration, prune_checkpoints, rebuild_commit_log
 from rlhf_core.run.migrate import migrate, stamp
 from rlhf_core.run.manifest import read_manifest
+from rlhf_core.run.saved_config import run_config_tree
 from rlhf_core.run.report import iteration_metrics
 from rlhf_core.run.schedule import initial_validation_due, stops_after_validation
 from rlhf_core.stages.base import refuse_out_of_date
-from rlhf_core.stages.repair import repair_run
+from rlhf_core.stages.repair import rebuild_last_good, repair_run
 
 
 @dataclass
@@ -65,11 +66,15 @@ class RunPlan:
 
 
 def resolve_run_config(run_dir: Optional[Path], preset: Optional[str], overrides: Sequence[str]) -> RLHFConfig:
-    """A run's config: its saved config.yaml (+ overrides) when no preset is given, else the preset
-    (+ overrides)."""
-    saved = RunDir(run_dir).config_path if run_dir else None
-    if preset is None and saved is not None and saved.is_file():
-        return apply_overrides(config_from_dict(read_preset(saved)), overrides)
+    """A run's config: its saved config.yaml (+ overrides) when no preset is given — the config its
+    newest committed iteration recorded when config.yaml no longer matches its seal, said once
+    (``run.saved_config``) —, else the preset (+ overrides)."""
+    run = RunDir(run_dir) if run_dir else None
+    if preset is None and run is not None and run.config_path.is_file():
+        tree, damaged = run_config_tree(run)
+        if damaged:
+            say_once(f"config: {damaged}")
+        return apply_overrides(config_from_dict(tree), overrides)
     return load_config(resolve_path(preset) if preset else None, overrides)
 
 
@@ -196,7 +201,7 @@ def prepare_resume(run: RunDir) -> dict:
     saved = saved_config(run)
     migrated = upgrade_format(run, saved)
     rebuilt = rebuild_commit_log(run)
-    repairs = repair_run(run, saved)
+    repairs = repair_run(run, saved) + rebuild_last_good(run, saved)
     return {"cleaned": [str(p) for p in removed], "migrated": migrated, "rebuilt_commit_log": rebuilt,
             "repairs": repairs}
 

@@ -33,11 +33,15 @@ import pyarrow as pa
 from rlhf_core.data import schemas
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.integrity import damaged_checkpoints, find_damage
-from rlhf_core.run.lifecycle import commit_log_problem, committed_iterations, last_good_iteration, read_last_good
+from rlhf_core.errors import CheckpointError
+from rlhf_core.run.lifecycle import (commit_log_problem, committed_iterations, last_good_iteration, newest_durable,
+                                    read_last_good)
 from rlhf_core.run.migrate import outdated
 from rlhf_core.run.manifest import read_manifest
+from rlhf_core.run.saved_config import run_config_tree
 from rlhf_core.stages.base import out_of_date, stage_label
 from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES
+from rlhf_core.training.lineage import environment_changes, read_state_record
 
 PARQUET_VIEWS = {
     "rollouts": (RunDir.rollout, schemas.ROLLOUT),
@@ -336,8 +340,51 @@ def format_status(run: RunDir | str | Path) -> str:
         last_good = read_last_good(run)
         lines.append(f"last-good: iteration {last_good['iteration']} ({last_good['checkpoint']})" if last_good
                      else "last-good: none (the next iteration starts from the initial model)")
-        lines += uncommitted_lines(run)
+        lines += replay_lines(run) + uncommitted_lines(run)
     return "\n".join(lines + rerun_lines(run))
+
+
+def config_problems(run: RunDir) -> list[str]:
+    """config.yaml that does not match its seal, and what a command does about it (``run.saved_config``)."""
+    if not run.config_path.is_file():
+        return []
+    try:
+        damaged = run_config_tree(run)[1]
+    except StateFileError as exc:
+        return [f"{exc}; no committed iteration recorded a config to continue with"]
+    return [damaged] if damaged else []
+
+
+def replay_lines(run: RunDir) -> list[str]:
+    """When last-good's state is only in its record (a crash between save points), what a resume
+    does about it — what ``stages.repair.rebuild_last_good`` will do: replay the updates since the
+    newest checkpoint and write it; where this machine differs from the one that recorded one of
+    them (``lineage.environment_changes``), that the replay may not reproduce it, and then the
+    resume falls back to the commit before it and reruns from there."""
+    committed = _committed_or_none(run)
+    if not committed or (run.checkpoint(committed[-1]) / "actor").is_dir():
+        return []
+    k, base = committed[-1], newest_durable(run, committed[-1])
+    chain = [i for i in committed if base < i <= k]
+    start = f"checkpoint {base}" if base else "the initial models"
+    which = f"iteration {chain[0]}'s update" if len(chain) == 1 else f"the updates of iterations {chain[0]}-{chain[-1]}"
+    lines = [f"iteration {k}'s state is only in its record (between save points): a resume rebuilds it by replaying "
+             f"{which} from {start} and writes its checkpoint"]
+    for i in chain:
+        try:
+            changes = environment_changes(read_state_record(run, i))
+        except CheckpointError:
+            continue  # find_damage names a damaged record
+        if changes:
+            earlier = f"iteration {i - 1}" if i - 1 > 0 else "the initial models"
+            lines.append(f"iteration {i} was trained elsewhere ({'; '.join(changes)}): its replay may not reproduce "
+                         f"it here, and then a resume falls back to {earlier} and reruns {_span(i, k)}")
+            break
+    return lines
+
+
+def _span(first: int, last: int) -> str:
+    return f"iteration {first}" if first == last else f"iterations {first}-{last}"
 
 
 def uncommitted_lines(run: RunDir) -> list[str]:
@@ -401,6 +448,7 @@ def status_problems(run: RunDir) -> list[str]:
     else:
         committed, last_good = committed_iterations(run), last_good_iteration(run)
         problems += [f"{d.describe(run)}; {d.remedy(run, last_good)}" for d in find_damage(run)]
+    problems += config_problems(run)
     for k in (k for k in run.iterations() if k not in committed):  # committed ones: find_damage's
         try:
             manifest = run.read_json(run.manifest_path(k))

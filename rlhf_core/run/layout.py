@@ -44,7 +44,10 @@ Small JSON state is read through ``read_json``, which turns a damaged file into 
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -267,33 +270,95 @@ class RunDir:
 
     # small state ------------------------------------------------------------------------------
     def read_json(self, path: Path, default: Any = None) -> Any:
-        """The JSON in ``path`` (``default`` when absent); a damaged file raises ``StateFileError``."""
+        """The JSON object in ``path`` (``default`` when absent). A damaged file — bytes that are not
+        UTF-8, text that is not JSON, JSON that is not an object (every state file holds one) —
+        raises ``StateFileError`` naming it."""
         if not path.is_file():
             return default
         try:
-            return json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            value = json.loads(path.read_bytes().decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise StateFileError(f"{path} is damaged (not JSON: {exc})") from None
+        if not isinstance(value, dict):
+            raise StateFileError(f"{path} is damaged (it holds a JSON {type(value).__name__}, not an object)")
+        return value
 
     def append_event(self, kind: str, iteration: Optional[int] = None, **fields: Any) -> dict:
         """Append one event line (rollback, alert, skipped step). Appends of one short line are
-        atomic enough on POSIX; readers skip a torn last line."""
+        atomic enough on POSIX; after a torn last line (a writer killed mid-append) the new line
+        starts on a line of its own, so only the torn one is lost."""
         event = {"time": time.time(), "kind": kind, "iteration": iteration, **fields}
         self.root.mkdir(parents=True, exist_ok=True)
-        with open(self.events_path, "a") as fh:
-            fh.write(json.dumps(event, default=str) + "\n")
+        with open(self.events_path, "ab") as fh:
+            torn = fh.tell() > 0 and not _ends_with_newline(self.events_path)
+            fh.write(("\n" if torn else "").encode() + json.dumps(event, default=str).encode() + b"\n")
         return event
 
     def events(self) -> list[dict]:
-        out = []
-        if self.events_path.is_file():
-            for line in self.events_path.read_text().splitlines():
-                try:
-                    out.append(json.loads(line))
-                except json.JSONDecodeError:
-                    continue
+        """Every event, in order. A damaged line (not UTF-8, not a JSON object; a torn last line) is
+        skipped, and said once per process in one warning line naming the file and the line."""
+        if not self.events_path.is_file():
+            return []
+        out, damaged = [], []
+        for number, raw in enumerate(self.events_path.read_bytes().split(b"\n"), start=1):
+            if not raw.strip():
+                continue
+            try:
+                event = json.loads(raw.decode("utf-8"))
+            except (ValueError, RecursionError) as exc:
+                damaged.append((number, f"{type(exc).__name__}: {exc}"))
+                continue
+            if isinstance(event, dict):
+                out.append(event)
+            else:
+                damaged.append((number, f"a JSON {type(event).__name__}, not an object"))
+        if damaged:
+            _warn_once(self.events_path, damaged)
         return out
 
 
+_WARNED: set[tuple[str, tuple[int, ...]]] = set()
+
+
+def _warn_once(path: Path, damaged: list[tuple[int, str]]) -> None:
+    """One warning line for the damaged lines of ``path`` (the first named, with why), once per process."""
+    key = (str(path), tuple(number for number, _ in damaged))
+    if key in _WARNED:
+        return
+    _WARNED.add(key)
+    (first, why), more = damaged[0], len(damaged) - 1
+    others = f" and {more} more line{'s' * (more > 1)}" if more else ""
+    print(f"rlhf: warning: {path} line {first}{others} damaged ({why}); skipped, the other lines are read",
+          file=sys.stderr)
+
+
+def _ends_with_newline(path: Path) -> bool:
+    with open(path, "rb") as fh:
+        fh.seek(-1, os.SEEK_END)
+        return fh.read(1) == b"\n"
+
+
+CONFIG_SEAL = "# rlhf: sha256 of the lines below: "
+"""The first line of every config.yaml rlhf writes: a hash of the rest, so a changed or lost line
+is found when the run is read again (``run.saved_config``). A YAML comment: the file stays a preset."""
+
+
+def _seal(body: str) -> str:
+    return hashlib.sha256(body.encode()).hexdigest()
+
+
 def write_config(run: RunDir, cfg_yaml: str) -> None:
-    atomic_write_text(run.config_path, cfg_yaml)
+    """Write the run's config.yaml, sealed (``CONFIG_SEAL``)."""
+    atomic_write_text(run.config_path, f"{CONFIG_SEAL}{_seal(cfg_yaml)}\n{cfg_yaml}")
+
+
+def read_config_text(run: RunDir) -> tuple[str, Optional[str]]:
+    """(config.yaml's text, why it is not what rlhf wrote: None when its seal verifies). Bytes that
+    are not UTF-8 are replaced (and the seal then fails)."""
+    text = run.config_path.read_bytes().decode("utf-8", errors="replace")
+    first, _, body = text.partition("\n")
+    if not first.startswith(CONFIG_SEAL):
+        return text, "has no seal line (it was not written by this version of rlhf, or its first line was lost)"
+    if first[len(CONFIG_SEAL):].strip() != _seal(body):
+        return body, "was changed since rlhf wrote it (its content no longer matches its seal line)"
+    return body, None

@@ -12,6 +12,8 @@ a stage, an export) before it reads anything else. Nothing else in the code know
        scored tables ``uid`` (or hold nulls there), ``rollout_log_probs``, ``reward_source``,
        ``extra_info``
     3  every prompts, rollout and scored table has every column of its schema (``data.schemas``)
+    4  config.yaml starts with a seal line, a hash of the rest (``run.layout.write_config``): a change
+       made outside rlhf is found, and a command continues with the recorded config (``run.saved_config``)
 
 Upgrading 1 → 2 writes each gae's KL state from what it recorded (the coefficient it used and the
 next one, in its manifest record's metrics; the controller's type and settings from its snapshot),
@@ -28,6 +30,8 @@ hold. A table that no longer matches its recorded hash is left alone: it is dama
 reruns (in the current format) as for any damage. The rewrites are staged beside the tables and
 listed in ``format_upgrade.json`` before any is put in place, so a kill part-way is finished by the
 next command.
+
+Upgrading 3 → 4 seals config.yaml as it is (it was the run's config until now).
 """
 
 from __future__ import annotations
@@ -45,23 +49,47 @@ from rlhf_core.data.schemas import PROMPTS, ROLLOUT, SCORED
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.io.hashing import sha256_tree
-from rlhf_core.run.layout import RunDir, StateFileError
+from rlhf_core.run.layout import RunDir, StateFileError, read_config_text, write_config
 from rlhf_core.run.manifest import read_manifest, record_key, write_manifest
 
-RUN_FORMAT = 3
+RUN_FORMAT = 4
 """The format this code writes (see the module docstring)."""
+
+SEALED_FORMAT = 4
+"""The first format whose config.yaml carries a seal line."""
 
 
 def run_format(run: RunDir) -> int:
     """The directory's format: format.json's, else 1 for a run written before it (it has a
     config.yaml), else the current one (a new directory)."""
-    record = run.read_json(run.format_path)
-    if isinstance(record, dict) and isinstance(record.get("format"), int):
+    try:
+        record = run.read_json(run.format_path)
+    except StateFileError as exc:
+        raise StateFileError(f"{exc}; {_restamp_advice(run)}") from None
+    if record is None:
+        return 1 if run.config_path.is_file() else RUN_FORMAT
+    if isinstance(record.get("format"), int) and not isinstance(record["format"], bool):
         return record["format"]
-    if record is not None:
-        raise StateFileError(f"{run.format_path} holds {record!r}, not {{\"format\": N}}; write "
-                             f"{{\"format\": 1}} there to have it upgraded")
-    return 1 if run.config_path.is_file() else RUN_FORMAT
+    raise StateFileError(f"{run.format_path} is damaged (it holds {str(record)[:200]}, not {{\"format\": N}}); "
+                         f"{_restamp_advice(run)}")
+
+
+def contents_format(run: RunDir) -> int:
+    """The format of what a directory holds, read from its contents alone (what its format.json
+    says when intact): the oldest format whose state it still holds, else the current one."""
+    if _holds_format_1_state(run):
+        return 1
+    if _old_tables(run):
+        return 2
+    return RUN_FORMAT
+
+
+def _restamp_advice(run: RunDir) -> str:
+    n = contents_format(run)
+    held = {1: "it holds format-1 KL controller state", 2: "some of its tables lack columns added in format 3"}
+    why = held.get(n, "it holds nothing of an older format")
+    return (f"its contents are format {n} ({why}): write {{\"format\": {n}}} there "
+            f"(`echo '{{\"format\": {n}}}' > {run.format_path}`) and run the command again")
 
 
 def stamp(run: RunDir) -> None:
@@ -74,7 +102,8 @@ def outdated(run: RunDir) -> Optional[str]:
     """Why the directory needs upgrading before this code reads it (for `rlhf status`), else None (also
     for an older one that holds nothing the upgrade would change)."""
     version = run_format(run)
-    holds_old = (version == 1 and _holds_format_1_state(run)) or (version < 3 and bool(_old_tables(run)))
+    holds_old = ((version == 1 and _holds_format_1_state(run)) or (version < 3 and bool(_old_tables(run)))
+                 or (version < SEALED_FORMAT and _unsealed_config(run)))
     if version == RUN_FORMAT or not holds_old:
         return None
     return (f"{run.root} is in run-directory format {version}; any command that writes it (`rlhf run --resume "
@@ -111,6 +140,8 @@ def migrate(run: RunDir, kl_ctrl: KLCtrlConfig, reward_fn_key: str) -> Optional[
         tables = _tables_from_2(run, reward_fn_key)
         done.append(f"{len(tables)} table(s) given the columns they lacked ({', '.join(tables)})" if tables else
                     "every table already had its columns")
+    if version < SEALED_FORMAT:
+        done.append("config.yaml sealed" if _seal_config(run) else "config.yaml was sealed already")
     message = f"upgraded {run.root} to run-directory format {RUN_FORMAT}: " + "; ".join(done)
     run.append_event("migrated", None, to=RUN_FORMAT, message=message)
     return message
@@ -323,3 +354,16 @@ def _in_schema_order(table: pa.Table, schema: pa.Schema) -> pa.Table:
     names += [n for n in table.column_names if n not in schema.names]
     types = [schema.field(n).type if n in schema.names else table.schema.field(n).type for n in names]
     return pa.table([table.column(n).cast(t) for n, t in zip(names, types)], names=names)
+
+
+def _unsealed_config(run: RunDir) -> bool:
+    return run.config_path.is_file() and read_config_text(run)[1] is not None
+
+
+def _seal_config(run: RunDir) -> bool:
+    """Seal config.yaml as it is, then mark the directory format 4; whether it needed sealing."""
+    sealed = _unsealed_config(run)
+    if sealed:
+        write_config(run, read_config_text(run)[0])
+    atomic_write_json(run.format_path, {"format": 4})
+    return sealed

@@ -20,10 +20,11 @@ from pathlib import Path
 from typing import Any, Callable, Iterable, Optional
 
 from rlhf_core.config import RLHFConfig, config_hash, flatten
-from rlhf_core.config.loader import flatten_tree, read_preset
+from rlhf_core.config.loader import flatten_tree
 from rlhf_core.errors import RLHFError
 from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir, StateFileError
+from rlhf_core.run.saved_config import run_config_tree
 from rlhf_core.run.manifest import (hash_paths, is_up_to_date, mark_downstream_stale, read_manifest, record_key,
                                      record_stage)
 from rlhf_core.run.stage_order import REPORT_ORDER, REPORT_OUTPUTS, SETUP_STAGES
@@ -145,7 +146,7 @@ def config_overrides(cfg: RLHFConfig, run: RunDir, sections: Iterable[str]) -> l
     included, before any stage runs)."""
     if not run.config_path.is_file():
         return []
-    saved = flatten_tree(read_preset(run.config_path))
+    saved = flatten_tree(run_config_tree(run)[0])
     used = flatten(cfg)
     prefixes = tuple(sections)
     return [f"{key}={_show(used[key])}" for key in used

@@ -36,7 +36,7 @@ from rlhf_core.run.manifest import read_manifest, write_manifest
 from rlhf_core.stages.base import changed_outputs
 from rlhf_core.run.stage_order import get_stage
 from rlhf_core.training.lineage import read_state_record, recorded_config
-from rlhf_core.training.resident import ensure_state
+from rlhf_core.training.resident import ReplayMismatch, ensure_state
 
 
 class Unrepairable(RLHFError):
@@ -132,6 +132,23 @@ def prepare_export(run: RunDir, cfg: RLHFConfig) -> list[str]:
     lines = repair_run(run, cfg, may_fall_back=False)
     written = make_last_good_durable(run, cfg)
     return lines + ([written] if written else [])
+
+
+def rebuild_last_good(run: RunDir, cfg: RLHFConfig) -> list[str]:
+    """Before a resume continues: last-good's state written as a checkpoint when it was only in its
+    record (a crash between save points), so the run never continues from a state it cannot
+    rebuild. A replay that does not reproduce its record (``ReplayMismatch``: another machine or
+    library) never strands the run: it falls back to the commit before the iteration that did not
+    replay (the ones before it did, and are rebuilt again) and reruns from there. Returns one line
+    per action."""
+    lines: list[str] = []
+    while True:
+        try:
+            written = make_last_good_durable(run, cfg)
+            return lines + ([written] if written else [])
+        except ReplayMismatch as exc:
+            good = max([k for k in committed_iterations(run) if k < exc.iteration], default=0)
+            lines.append(fall_back(run, good, first_clause(exc)))
 
 
 def make_last_good_durable(run: RunDir, cfg: RLHFConfig) -> Optional[str]:

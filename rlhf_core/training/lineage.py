@@ -2,7 +2,7 @@
 
     {"iteration": k, "id": sha256, "start": j, "parent": id of j's state (null for the initial models),
      "inputs": {path: digest}, "config": the whole config the update trained with,
-     "weights_sample": sha256}
+     "weights_sample": sha256, "environment": {library versions, processor}}
 
 The id is a hash of the update's inputs — the advantages table's bytes, the id of the state it
 started from (or the initial models' sha256), the config sections it depends on — so it names the
@@ -18,7 +18,10 @@ different weights.
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import json
+import os
+import platform
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -102,6 +105,40 @@ def weights_sample(modules: Sequence[torch.nn.Module]) -> str:
     return h.hexdigest()
 
 
+REPLAY_LIBRARIES = ("torch", "transformers", "deepspeed")
+
+
+def environment() -> dict[str, Any]:
+    """What a replay's arithmetic depends on besides its inputs: the libraries whose kernels run
+    it and the processor they pick their code paths by. Recorded with each state, so `rlhf status`
+    can say beforehand when a replay here is unlikely to reproduce one (``environment_changes``)."""
+    versions = {}
+    for name in REPLAY_LIBRARIES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            versions[name] = None
+    return {**versions, "cpu": cpu_model(), "cpu_count": os.cpu_count()}
+
+
+def cpu_model() -> str:
+    """The processor's model name (Linux: /proc/cpuinfo), else the platform's word for it."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(errors="replace").splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment_changes(record: dict[str, Any]) -> list[str]:
+    """How this machine differs from the one that recorded ``record`` (one clause each; [] for a
+    record from before environments were recorded)."""
+    then, now = record.get("environment") or {}, environment()
+    return [f"{key} {then[key]} → {now.get(key)}" for key in sorted(then) if then[key] != now.get(key)]
+
+
 def write_state_record(cfg: RLHFConfig, run: RunDir, k: int, *, needs_total_steps: bool,
                        sample: str) -> dict[str, Any]:
     """Write ``iter_k/state.json`` for the state iteration ``k``'s update just produced."""
@@ -109,7 +146,8 @@ def write_state_record(cfg: RLHFConfig, run: RunDir, k: int, *, needs_total_step
     parent = (run.read_json(run.state_record(start)) or {}).get("id") if start else None  # None: a run from before
     ident, inputs = state_id(cfg, run, k, needs_total_steps)
     record = {"iteration": k, "id": ident, "start": start, "parent": parent, "inputs": inputs,
-              "config": to_dict(cfg), "weights_sample": sample}  # no clock: reruns compare equal
+              "config": to_dict(cfg), "weights_sample": sample,  # no clock: reruns compare equal
+              "environment": environment()}
     atomic_write_json(run.state_record(k), record)
     return record
 

@@ -43,12 +43,12 @@ from typing import Callable, Optional
 
 from rlhf_core.config import resolve
 from rlhf_core.config.schema import TrainerConfig
-from rlhf_core.config.loader import read_preset
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.progress import quiet_console
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lifecycle import last_good_iteration
+from rlhf_core.run.saved_config import run_config_tree
 
 GROUP_ENTRY = "rlhf_core.stages.group_entry"
 """The module every rank of a worker group runs (``training.worker_group``): the run's ranks kept
@@ -372,7 +372,7 @@ def run_finished(run: RunDir) -> Optional[str]:
     if not run.config_path.is_file():
         return None
     try:
-        total = (read_preset(run.config_path).get("trainer") or {}).get("total_iterations")
+        total = (run_config_tree(run)[0].get("trainer") or {}).get("total_iterations")
         committed = last_good_iteration(run)
     except (RLHFError, ValueError):  # being rewritten, or damaged: node 0 repairs or reports it
         return None

@@ -54,6 +54,7 @@ import torch
 from rlhf_core.config import RLHFConfig, resolve, to_yaml
 from rlhf_core.config.schema import TrainerConfig
 from rlhf_core.config.machine import cuda_devices
+from rlhf_core.config.notes import say_once
 from rlhf_core.errors import CheckpointError, RLHFError, first_clause
 from rlhf_core.io import timing
 from rlhf_core.io.hashing import sha256_tree
@@ -85,6 +86,25 @@ PROCESS_LAUNCH = "process_launch"
 
 Rng = tuple[dict, dict]
 log = logging.getLogger("rlhf.resident")
+
+
+class ReplayMismatch(CheckpointError):
+    """A replayed update did not reproduce the weights its record fingerprints: the state cannot be
+    rebuilt here (another machine, thread count or library version). A resume falls back to the
+    newest checkpoint before it (``stages.repair``); nothing continues from different weights."""
+
+    def __init__(self, iteration: int, record: Path):
+        self.iteration = iteration
+        super().__init__(f"replaying iteration {iteration}'s update did not reproduce its weights (the sample in "
+                         f"{record} differs): the machine, the thread count or a library changed since it trained")
+
+
+def replay_is_exact(device: str) -> bool:
+    """Whether replaying an update reproduces its weights bit for bit on ``device``: on a CPU every
+    reduction has a fixed order once the weights sit in aligned storage (``models.storage``); GPU
+    kernels (atomics in backward, autotuned GEMMs) do not promise one. Where it is not, every commit
+    is checkpointed (``settle_resident``), so a crash never needs a replay."""
+    return device == "cpu"
 
 
 def update_world(trainer: TrainerConfig) -> int:
@@ -243,6 +263,12 @@ class ResidentTrainer:
         k = self.holds
         if not k or (self.run.checkpoint(k) / "actor").is_dir():
             return None
+        if self._saving is not None and self._saving[0] == k:
+            # already being written (a save point that is also the run's end): a second save would
+            # stage into the same directory as the first and remove the files it wrote there
+            if wait:
+                self.check_writes()
+            return self.run.checkpoint(k)
         if self._capturing is None or self._capturing[0] != k:
             self._capture_soon()
         pending, actor, critic, tokenizer = self._capturing[1], self.actor, self.critic, self.tokenizer
@@ -382,9 +408,7 @@ class ResidentTrainer:
                                          self.pad_id, progress=False)
         sample = weights_sample([te.module for te in present(self.actor, self.critic)])
         if self.dist.is_main and sample != record.get("weights_sample"):  # rank 0's sample is recorded
-            raise CheckpointError(f"replaying iteration {i}'s update did not reproduce its weights (the sample in "
-                                  f"{self.run.state_record(i)} differs): the machine, the thread count or a library "
-                                  f"changed since; resume from its checkpoint instead (trainer.save_freq=1 keeps every one)")
+            raise ReplayMismatch(i, self.run.state_record(i))
         self.rng = rng_state()
         self.holds = i
         self.trainer_state = trainer_state(settings, i, resolve_sources(cfg, self.run, i),
@@ -684,6 +708,11 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]
             log.info("models are reloaded by every stage and every iteration is checkpointed: %s", reason)
         yield _trainers.get(run.root)
         return
+    device = resolve_device(cfg.trainer.device)
+    if not replay_is_exact(device):
+        say_once(f"a replay of an update is not bit-exact on {device}, so every committed iteration is "
+                 f"checkpointed (in the background): a crash never needs one; trainer.save_freq="
+                 f"{cfg.trainer.save_freq} still decides which are kept")
     if update_world(cfg.trainer) > 1:
         trainer: Trainer = GroupTrainer(cfg, run)
         live.provide_with(trainer)
@@ -744,10 +773,12 @@ def rollout_engine_kept(cfg: RLHFConfig) -> Iterator[None]:
 
 
 def settle_resident(trainer_cfg: TrainerConfig, run: RunDir, k: int, outcome: str) -> None:
-    """Tell this process's resident trainer (if any) how iteration ``k`` settled."""
+    """Tell this process's resident trainer (if any) how iteration ``k`` settled: a commit is saved
+    at a save point, and at every commit where a replay would not be exact (``replay_is_exact``)."""
     trainer = active(run)
     if trainer is not None:
-        trainer.settle(k, outcome, save=save_due(trainer_cfg, k))
+        exact = replay_is_exact(resolve_device(trainer_cfg.device))
+        trainer.settle(k, outcome, save=save_due(trainer_cfg, k) or not exact)
 
 
 def ensure_state(cfg: RLHFConfig, run: RunDir, k: Optional[int]) -> bool:

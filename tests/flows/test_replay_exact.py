@@ -22,7 +22,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from rlhf_core.control.query import format_status
 from rlhf_core.run.layout import RunDir
+from rlhf_core.training import lineage
 from rlhf_core.run.lifecycle import read_last_good
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
@@ -120,3 +122,32 @@ def test_a_worker_group_with_accumulation_killed_between_saves_resumes_to_the_sa
                                    preset=demo_preset)
     _steps_accumulated(run, 4, at_least=1)  # per rank: each takes its half of the step's rows
     assert run.read_json(run.iteration_metrics(4))["perf/world_size"] == 2
+
+
+def test_a_replay_that_does_not_reproduce_falls_back_instead_of_stranding_the_run(
+        rlhf, demo_preset, tiny_overrides, tmp_path, monkeypatch):
+    """Resumed where the arithmetic differs from the run's (MKL told to take another code path, as
+    another processor or library would), iteration 4's replay cannot reproduce its record. `rlhf
+    status` says beforehand what a resume will do; the resume then falls back to checkpoint 3, reruns
+    iterations 4-5 and finishes, instead of stopping with no way on."""
+    args = [*ACCUMULATING, *SAVE_AT_3_AND_6]
+    killed = _cli_run(rlhf, "-c", demo_preset, *tiny_overrides(tmp_path, *args), "--iterations", "5",
+                      "--run-name", "killed", fault=KILL_IN_ITERATION_5)
+    assert killed.returncode == 137, killed.stdout[-3000:] + killed.stderr[-3000:]
+    run = RunDir(tmp_path / "killed")
+    status = rlhf("status", str(run.root))
+    assert status.returncode == 0, status.stderr[-2000:]
+    assert ("iteration 4's state is only in its record (between save points): a resume rebuilds it by replaying "
+            "iteration 4's update from checkpoint 3") in status.stdout
+    # on a machine with another torch, status says the replay may not reproduce and what follows
+    here = lineage.environment()
+    monkeypatch.setattr(lineage, "environment", lambda: {**here, "torch": "0.0.0-elsewhere"})
+    assert ("iteration 4 was trained elsewhere (torch " in format_status(run)
+            and "a resume falls back to iteration 3 and reruns iteration 4" in format_status(run))
+    monkeypatch.undo()
+    resumed = rlhf("run", "--resume", str(run.root), MKL_CBWR="COMPATIBLE")
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "replaying iteration 4's update did not reproduce its weights" in resumed.stderr
+    assert "falling back to iteration 3; iteration 4 will be rerun" in resumed.stderr
+    assert read_last_good(run)["iteration"] == 5
+    assert [e["iteration"] for e in run.events() if e.get("kind") == "fallback"] == [3]
