@@ -496,6 +496,12 @@ class RolloutConfig(Section):
     matrix has under 1 M elements (its per-token matmuls are too small to split; on shared cores
     extra threads spin-wait: tiny model 3,600 tokens/s on 1 thread vs 220 on 2 busy cores), else
     torch's default (Qwen2.5-0.5B's layer shape decodes 1.5x faster on 2 threads than on 1)."""
+    hf_decode: Literal["dynamic", "static"] = "dynamic"
+    """hf engine: the KV cache ``generate`` decodes with. 'dynamic' grows it every step (transformers'
+    default); 'static' allocates it once at data.max_prompt_length + data.max_response_length, and on
+    CUDA the decode step is compiled (torch.compile, CUDA graphs: the first call of each batch size
+    compiles it, a minute or more at 0.5B). Same tokens on CPU (tested); not yet measured on a GPU,
+    hence not the default (benchmarks/gpu/device_check.sh measures it)."""
 
     def check(self, key: str) -> None:
         require(self.temperature > 0 or not self.do_sample, f"{key}.temperature",
@@ -689,6 +695,15 @@ class CustomRewardConfig(Section):
     """Built-in GSM8K scorer: the score of a well-formed wrong answer (verl's format_score)."""
     score: float = 1.0
     """Built-in GSM8K scorer: the score of a right answer (verl's score)."""
+    call_timeout_s: float = 60.0
+    """Our name: seconds one call of the ``path`` function (or the import of its module) may take.
+    That function runs in a process of its own, so its hang, exit or crash is one error naming it
+    instead of the run's end; past this limit the call is stopped and the stage fails in one line.
+    A rule-based score takes milliseconds; a minute leaves room for a slow grader or a sandboxed
+    execution, raise it for slower ones. Built-in and registered functions run in the run's process."""
+
+    def check(self, key: str) -> None:
+        require(self.call_timeout_s > 0, f"{key}.call_timeout_s", "must be > 0 seconds", self.call_timeout_s)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -882,8 +897,11 @@ class TrainerConfig(Section):
     the whole vocabulary at every response position — a forward of the new actor and one of the
     reference. 'sampled': the new actor's forward alone, against the reference and old log-probs the
     score stage stored: per token ρ·((r − 1) − log r), ρ = p_new/p_old, r = p_ref/p_new on the sampled
-    token, an unbiased, never negative one-sample estimate of the same per-position KL (noisier on
-    few tokens; a 0.5B-shaped 4-layer iteration's guard 0.69 s -> 0.37 s in bf16)."""
+    token, an unbiased, never negative one-sample estimate of the same per-position KL (a 0.5B-shaped
+    4-layer iteration's guard 0.69 s -> 0.37 s in bf16). Unbiased is not close: its importance weight ρ
+    gives it heavy tails, and on 48 response tokens it read 5-8x the exact value, so a threshold tuned
+    with one estimator does not mean the same with the other; keep 'exact' (the default) unless an
+    iteration has thousands of response tokens."""
     kl_guard_val_prompts: int = 0
     """Also measure KL(actor‖ref) on this many validation prompts, sampled from the new actor (an
     on-policy check; 0 = guard on the iteration's responses only, which costs no generation)."""

@@ -13,31 +13,40 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+
+import pyarrow.parquet as pq
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.io.atomic import atomic_dir, atomic_write_json
 from rlhf_core.io.checksums import verify_checkpoint
-from rlhf_core.run.lifecycle import last_good_iteration, read_last_good
+from rlhf_core.run.lifecycle import committed_iterations, last_good_iteration, read_last_good
+from rlhf_core.run.manifest import path_digest, read_manifest, record_key
 from rlhf_core.run.layout import RunDir
-from rlhf_core.control.query import read_iteration_metrics
 from rlhf_core.scoring.models import is_lora_dir, load_merged_actor
 from rlhf_core.stages.base import StagesOutOfDate, refuse_out_of_date
-
-VAL_METRIC = "val/accuracy"
-
 
 class ExportRefused(RLHFError):
     """The model did not meet the export bar (or has no validation score yet)."""
 
 
 def latest_val_score(run: RunDir) -> Optional[tuple[int, float]]:
-    """(iteration, val/accuracy) of the latest iteration that validated, or None."""
-    for k in reversed(run.iterations()):
-        metrics = read_iteration_metrics(run, k)
-        if VAL_METRIC in metrics:
-            return k, float(metrics[VAL_METRIC])
+    """(iteration, val/accuracy) of the latest validation of a committed step (0: the initial
+    policy), or None. The score is computed from that validation's table, which must match the
+    sha256 its stage recorded: the gate never reads a number nothing verifies (iteration_metrics.json
+    is a report, rewritten from the records, and anyone may edit it)."""
+    for k in reversed([0, *committed_iterations(run)]):
+        record = read_manifest(run, k).get("validate") or {}
+        if record.get("status") != "done":
+            continue
+        table = run.validation(k)
+        recorded = (record.get("outputs") or {}).get(record_key(run, table))
+        if recorded is None or path_digest(run, table) != recorded:
+            raise CheckpointError(f"refusing to export {run.root}: {table} no longer matches the sha256 its validation "
+                                  f"recorded; `rlhf run --resume {run.root}` reruns that validation")
+        correct = pq.read_table(table, columns=["correct"]).column("correct").to_pylist()
+        return k, sum(bool(c) for c in correct) / max(len(correct), 1)
     return None
 
 

@@ -2,8 +2,10 @@
 
 Each stage records the sha256 of every output in its manifest record (``run.manifest``) and each
 checkpoint carries a sha256 manifest of its files (``io.checksums``). ``find_damage`` compares both
-with the disk for every committed iteration — its tables, the KL controller state gae handed on,
-the state record of its update, the guard's verdict, its validation — and for the checkpoints a
+with the disk for the setup stages' outputs (the prompts, the packing, the initial critic, the
+initial policy the warm start made) and for every committed iteration — its tables, the KL
+controller state gae handed on, the state record of its update, the guard's verdict, its
+validation — and for the checkpoints a
 resume would load: last-good's, else the newest kept one before it (where a replay of the commits
 after it starts). It reads and hashes and never writes, so `rlhf status`, a resume and `rlhf
 export` ask it the same question and agree on what is damaged.
@@ -25,7 +27,7 @@ from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lifecycle import committed_iterations, is_replayable
 from rlhf_core.run.manifest import STATE_DIGEST, path_digest, read_manifest, record_key
-from rlhf_core.run.stage_order import ITERATION_STAGES, REPORT_ORDER
+from rlhf_core.run.stage_order import ITERATION_STAGES, REPORT_ORDER, SETUP_STAGES
 
 
 @dataclass(frozen=True)
@@ -40,12 +42,17 @@ class Damage:
     """What is wrong, as one clause ("is missing", "changed since score wrote it", ...)."""
     checkpoint: bool = False
     """A checkpoint directory (rebuilt by replaying its update) rather than a stage output."""
+    setup: bool = False
+    """An output of a setup stage (``manifest.json``): nothing can be fallen back to before it."""
 
     def describe(self, run: RunDir) -> str:
         return f"{_rel(run, self.path)} {self.why}"
 
     def remedy(self, run: RunDir, last_good: int) -> str:
         """What a resume does about it (the words `rlhf status` shows)."""
+        if self.setup:
+            return (f"a resume reruns {self.stage} to rebuild it, and stops (nothing trains on it) if that does "
+                    "not reproduce it")
         if self.stage is None:
             return (f"a resume falls back to the commit before iteration {self.iteration} (iterations "
                     f"{self.iteration}..{last_good} are rerun)")
@@ -62,11 +69,42 @@ def _rel(run: RunDir, path: Path) -> str:
 
 
 def find_damage(run: RunDir) -> list[Damage]:
-    """Every committed artifact that does not verify, in lineage order (by iteration; within one,
-    the stages in order, then its checkpoint). A damaged commit log raises ``StateFileError``."""
+    """Every committed artifact that does not verify, in lineage order: the setup stages' outputs
+    first (iteration 0: prompts, packing, the initial critic, the initial policy), then by iteration
+    (within one, the stages in order, then its checkpoint). A damaged commit log raises
+    ``StateFileError``."""
     committed = committed_iterations(run)
     found = [d for k in committed for d in output_damage(run, k)] + checkpoint_damage(run, committed)
-    return sorted(found, key=lambda d: (d.iteration, d.checkpoint))
+    return setup_damage(run) + sorted(found, key=lambda d: (d.iteration, d.checkpoint))
+
+
+def setup_damage(run: RunDir) -> list[Damage]:
+    """The setup stages' outputs (``manifest.json``) that are missing or changed since written — what
+    every iteration, and every replay from the initial models, reads. Reported as iteration 0's."""
+    try:
+        manifest = read_manifest(run, None)
+    except StateFileError:
+        return []  # `rlhf status` names it; the setup stages rebuild their records when rerun
+    found = []
+    for stage in SETUP_STAGES:
+        record = manifest.get(stage) or {}
+        if record.get("status") == "done":
+            found += [Damage(0, stage, path, why, setup=True) for path, why in _changed_outputs(run, stage, record)]
+    return found
+
+
+def _changed_outputs(run: RunDir, stage: str, record: dict) -> list[tuple[Path, str]]:
+    """(path, what is wrong) for each output of ``record`` whose digest is not the recorded one."""
+    found = []
+    for rel, digest in (record.get("outputs") or {}).items():
+        if str(digest).startswith(STATE_DIGEST):
+            continue
+        path = Path(rel) if Path(rel).is_absolute() else run.root / rel
+        now = path_digest(run, path)
+        if now != digest:
+            found.append((path, "is missing" if now is None else
+                          f"changed since {stage} wrote it (sha256 {now[:12]}…, recorded {str(digest)[:12]}…)"))
+    return found
 
 
 def output_damage(run: RunDir, k: int) -> list[Damage]:
@@ -89,15 +127,7 @@ def output_damage(run: RunDir, k: int) -> list[Damage]:
             continue
         if record.get("status") != "done":
             continue  # stale or rerun with overrides: `stages.base.out_of_date` refuses those
-        for rel, digest in (record.get("outputs") or {}).items():
-            if str(digest).startswith(STATE_DIGEST):
-                continue
-            path = Path(rel) if Path(rel).is_absolute() else run.root / rel
-            now = path_digest(run, path)
-            if now != digest:
-                why = "is missing" if now is None else f"changed since {stage} wrote it (sha256 {now[:12]}…, " \
-                                                       f"recorded {str(digest)[:12]}…)"
-                found.append(Damage(k, stage, path, why))
+        found += [Damage(k, stage, path, why) for path, why in _changed_outputs(run, stage, record)]
     return found
 
 

@@ -102,6 +102,11 @@ def outdated(run: RunDir) -> Optional[str]:
     """Why the directory needs upgrading before this code reads it (for `rlhf status`), else None (also
     for an older one that holds nothing the upgrade would change)."""
     version = run_format(run)
+    if version < RUN_FORMAT and run.format_journal.is_file():
+        # killed part-way: tables already rewritten no longer match their records until the upgrade
+        # finishes, which is not damage (a resume finishes it and nothing reruns)
+        return (f"{run.root}: an upgrade to run-directory format {RUN_FORMAT} was interrupted part-way; any command "
+                f"that writes it (`rlhf run --resume {run.root}`, a stage) finishes it first")
     holds_old = ((version == 1 and _holds_format_1_state(run)) or (version < 3 and bool(_old_tables(run)))
                  or (version < SEALED_FORMAT and _unsealed_config(run)))
     if version == RUN_FORMAT or not holds_old:

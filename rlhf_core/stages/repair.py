@@ -63,6 +63,8 @@ def repair_run(run: RunDir, cfg: RLHFConfig, *, may_fall_back: bool = True) -> l
             line = _repair(run, cfg, damage)
         except RLHFError as exc:  # Unrepairable, or a replay that did not reproduce its record
             reason = f"{damage.describe(run)}, and it cannot be rebuilt ({first_clause(exc)})"
+            if damage.setup:  # every iteration stands on it: there is no commit to fall back to
+                raise Unrepairable(f"{reason}; restore it from a copy of the run, or start a new run") from None
             if not may_fall_back:
                 raise Unrepairable(f"{reason}; `rlhf run --resume {run.root}` falls back to the commit before "
                                    f"iteration {damage.iteration} and reruns from there") from None
@@ -93,23 +95,24 @@ def iteration_config(run: RunDir, k: int, saved: RLHFConfig) -> RLHFConfig:
 
 def _rerun(run: RunDir, cfg: RLHFConfig, damage: Damage) -> str:
     """Rerun the stage that wrote ``damage``; keep it when every output it recorded is reproduced."""
-    k, stage = damage.iteration, damage.stage
+    k, stage = (None if damage.setup else damage.iteration), damage.stage
+    which = stage if k is None else f"{stage} of iteration {k}"
     before = read_manifest(run, k)[stage]
     try:
         get_stage(stage).load()(cfg, run, k, force=True)
     except RLHFError as exc:
-        raise Unrepairable(f"rerunning {stage} of iteration {k} failed: {first_clause(exc)}") from None
+        raise Unrepairable(f"rerunning {which} failed: {first_clause(exc)}") from None
     manifest = read_manifest(run, k)
     after = manifest[stage]
     changed = changed_outputs(run, stage, before.get("outputs") or {}, after.get("outputs") or {},
                               after.get("outputs_paths") or {})
     if changed:
-        raise Unrepairable(f"rerunning {stage} of iteration {k} wrote a different {changed[0]}")
+        raise Unrepairable(f"rerunning {which} wrote a different {changed[0]}")
     # the record still describes the files: keep it (a report output's new digest aside)
     manifest[stage] = {**before, "outputs": {**(before.get("outputs") or {}), **(after.get("outputs") or {})},
                        "repaired_at": after.get("finished_at")}
     write_manifest(run, k, manifest)
-    return f"{damage.describe(run)}: rebuilt by rerunning {stage} of iteration {k} (the same bytes as recorded)"
+    return f"{damage.describe(run)}: rebuilt by rerunning {which} (the same bytes as recorded)"
 
 
 def _rebuild_checkpoint(run: RunDir, cfg: RLHFConfig, damage: Damage) -> str:

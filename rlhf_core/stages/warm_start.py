@@ -12,7 +12,9 @@ initial policy's content is what they record as their inputs.
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
@@ -20,24 +22,58 @@ from rlhf_core.run.inputs import model_keys
 from rlhf_core.models.tiny import ensure_tiny_model
 from rlhf_core.paths import TINY, locate_model
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.manifest import record_stage
-from rlhf_core.run.models import initial_actor_path
+from rlhf_core.errors import RLHFError
+from rlhf_core.io.hashing import sha256_tree
+from rlhf_core.run.manifest import read_manifest, record_key, record_stage
+from rlhf_core.run.models import initial_actor_path, warm_start_path
 from rlhf_core.sft.warm_start import warm_start
 from rlhf_core.stages.base import StageResult
 
 
 def run_warm_start(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
+    """Build what the run starts from (cached outside the run) and record the initial policy's
+    sha256 as this stage's output, so a damaged cache is found (``run.integrity``) instead of trained
+    on: when it no longer matches, the cache is built again and must reproduce the recorded bytes."""
     started = time.time()
+    summary = _build(cfg)
+    actor = initial_actor_path(cfg)
+    key, digest = record_key(run, actor), sha256_tree(actor)
+    recorded = ((read_manifest(run, None).get("warm_start") or {}).get("outputs") or {}).get(key)
+    if recorded not in (None, digest):
+        _rebuild(cfg, actor, recorded)
+        summary.append(f"the initial policy {actor} did not match this run's record: built again, the same bytes")
+    summary.append(f"initial policy: {actor}")
+    result = StageResult(stage="warm_start", outputs={"initial_actor": str(actor)}, summary=summary,
+                         seconds=time.time() - started)
+    record_stage(run, None, "warm_start", status="done", outputs={key: recorded or digest},
+                 outputs_paths=result.outputs, seconds=result.seconds, started_at=started, metrics={}, rows={})
+    return result
+
+
+def _build(cfg: RLHFConfig) -> list[str]:
     summary = []
     if any(value == TINY for _, value in model_keys(cfg)):
         tiny = ensure_tiny_model(locate_model(TINY))
         summary.append(f"tiny model: {tiny}")
     if cfg.actor_rollout_ref.model.warm_start.enable:
         summary.append(f"warm-started initial policy: {warm_start(cfg.actor_rollout_ref.model, cfg.data)}")
-    actor = initial_actor_path(cfg)
-    summary.append(f"initial policy: {actor}")
-    result = StageResult(stage="warm_start", outputs={"initial_actor": str(actor)}, summary=summary,
-                         seconds=time.time() - started)
-    record_stage(run, None, "warm_start", status="done", outputs_paths=result.outputs, seconds=result.seconds,
-                 started_at=started, metrics={}, rows={})
-    return result
+    return summary
+
+
+def _rebuild(cfg: RLHFConfig, actor: Path, recorded: str) -> None:
+    """Build the cached initial policy ``actor`` again; it must come out as ``recorded``."""
+    changed = f"the initial policy {actor} changed since this run recorded it (sha256 {recorded[:12]}…)"
+    ours = {locate_model(TINY).resolve()} | ({warm_start_path(cfg.actor_rollout_ref.model, cfg.data).resolve()}
+                                             if cfg.actor_rollout_ref.model.warm_start.enable else set())
+    if actor.resolve() not in ours:
+        raise RLHFError(f"{changed}: restore it — every iteration, the reference policy and a replay from the "
+                        "initial models stand on it — or start a new run")
+    if actor.is_symlink():  # a link to a shared build: replaced by a build of this machine's own
+        actor.unlink()
+    else:
+        shutil.rmtree(actor)
+    _build(cfg)
+    if sha256_tree(actor) != recorded:
+        raise RLHFError(f"{changed}, and building it again here gives other bytes (a warm start is not "
+                        "bit-identical across machines): copy it from the machine that started the run, or start "
+                        "a new run")

@@ -174,7 +174,7 @@ def run_rlhf(argv: list[str]) -> tuple[int, str]:
 def run_shell(command: str) -> tuple[int, str]:
     command = re.sub(r"^\.venv/bin/", f"{VENV_BIN}/", command)
     env = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ['PATH']}"}  # as after `source .venv/bin/activate`
-    done = subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    done = subprocess.run(["bash", "-c", command], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     return done.returncode, done.stdout + done.stderr
 
 

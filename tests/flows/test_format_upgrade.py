@@ -1,5 +1,5 @@
 """A run directory in format 2 — tables written before some of their columns existed — is upgraded
-once by ``run.migrate`` (format 3) and then reads like a new one: nothing reruns, nothing reads as
+once by ``run.migrate`` (to the current format) and then reads like a new one: nothing reruns, nothing reads as
 damage, a forced rescore gives the same numbers, and the readers hold no old-format branch.
 
 The format-2 directory is the session's real 2-iteration run with the columns taken out that older
@@ -71,7 +71,7 @@ def test_a_format_2_run_is_upgraded_once_and_nothing_reruns(two_iterations, tmp_
     code, out = rlhf(capsys, "stage", "score", "--run-dir", str(run.root), "--iteration", "2", "--local")
     assert code == 0, out
     assert "[score iteration 2] skipped (up to date)" in out, out  # its inputs, upgraded, are the ones it scored
-    assert migrate.run_format(run) == 3 and migrate.outdated(run) is None and not run.format_journal.exists()
+    assert migrate.run_format(run) == migrate.RUN_FORMAT and migrate.outdated(run) is None and not run.format_journal.exists()
     (event,) = [e for e in run.events() if e["kind"] == "migrated"]
     assert "6 table(s) given the columns they lacked" in event["message"]
     assert find_damage(run) == []
@@ -103,6 +103,8 @@ def test_an_upgrade_killed_part_way_is_finished_and_damage_is_left_to_its_stage(
     pq.write_table(table.slice(0, len(table) - 1), killed.rollout(2))  # not what its rollout recorded
     migrate._stage_tables(killed, saved_config(killed).data.reward_fn_key)  # staged and listed, then the process dies
     assert killed.format_journal.is_file() and migrate.run_format(killed) == 2
+    # what `rlhf status` says meanwhile: an upgrade to finish, not a dozen "changed" tables
+    assert "was interrupted part-way" in migrate.outdated(killed)
     line = upgrade_format(killed, saved_config(killed))
     assert "5 table(s) given the columns they lacked" in line and damaged not in line
     for path in _tables(whole):

@@ -411,3 +411,80 @@ def test_a_deleted_iteration_manifest_is_shown_not_hidden(base, cli, tmp_path):
     assert any("iter_1/manifest.json is missing" in line for line in _problems(_status(cli, run)))
     run.manifest_path(2).write_text("][")
     assert any("iter_2/manifest.json is damaged" in line for line in _problems(_status(cli, run)))
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. what every iteration stands on: setup outputs, config.yaml, the export gate's number
+# ---------------------------------------------------------------------------------------------
+
+
+def test_a_damaged_initial_critic_is_rebuilt_before_anything_trains_on_it(base, cli, tmp_path):
+    """One byte of models/critic_init flipped: `rlhf status` names it, and the resume (which could
+    fall back to the initial models and train every iteration from it) reruns init_critic, which
+    writes the recorded bytes again — or stops, when it cannot."""
+    run = _copy(base, tmp_path)
+    _flip_byte(run.critic_init / "model.safetensors")
+    [problem] = _problems(_status(cli, run))
+    assert problem.startswith("problem: models/critic_init changed since init_critic wrote it") and \
+        "a resume reruns init_critic to rebuild it" in problem
+    proc = _resume(cli, run, 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert ("rlhf: warning: models/critic_init changed since init_critic wrote it" in proc.stderr
+            and "rebuilt by rerunning init_critic (the same bytes as recorded)" in proc.stderr)
+    assert (run.critic_init / "model.safetensors").read_bytes() == (base.critic_init / "model.safetensors").read_bytes()
+
+
+def test_damaged_prompts_are_rebuilt_by_preprocess(base, cli, tmp_path):
+    run = _copy(base, tmp_path)
+    _flip_byte(run.train_prompts, 200)
+    assert any("prompts/train.parquet changed since preprocess wrote it" in line for line in _problems(_status(cli, run)))
+    proc = _resume(cli, run, 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "rebuilt by rerunning preprocess (the same bytes as recorded)" in proc.stderr
+    assert run.train_prompts.read_bytes() == base.train_prompts.read_bytes()
+
+
+def test_a_lost_config_line_is_named_and_the_recorded_config_trains(base, cli, tmp_path):
+    """Issue 38, 3: config.yaml loses the actor's lr line. Unsealed, a resume would train at the
+    schema's default (1e-6) without a word; now `rlhf status` and the resume name the key, the resume
+    trains with the lr iteration 3 recorded, and config.yaml is written sealed again."""
+    run = _copy(base, tmp_path)
+    recorded_lr = run.read_json(run.state_record(3))["config"]["actor_rollout_ref"]["actor"]["optim"]["lr"]
+    lines = run.config_path.read_text().splitlines(keepends=True)
+    in_actor_optim = [i for i, line in enumerate(lines) if line.strip() == f"lr: {recorded_lr}"]
+    del lines[in_actor_optim[0]]
+    run.config_path.write_text("".join(lines))
+    [problem] = [p for p in _problems(_status(cli, run)) if "config.yaml" in p]
+    assert "was changed since rlhf wrote it" in problem and \
+        f"actor_rollout_ref.actor.optim.lr: missing in config.yaml, {recorded_lr} recorded" in problem
+    proc = _resume(cli, run, 4)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "actor_rollout_ref.actor.optim.lr: missing in config.yaml" in proc.stderr
+    assert run.read_json(run.state_record(4))["config"]["actor_rollout_ref"]["actor"]["optim"]["lr"] == recorded_lr
+    assert not [p for p in _problems(_status(cli, run)) if "config.yaml" in p]  # sealed again
+
+
+def test_an_explicit_override_changes_a_key_of_a_damaged_config(base, cli, tmp_path):
+    run = _copy(base, tmp_path)
+    run.config_path.write_text(run.config_path.read_text().replace("save_freq: 1", "save_freq: 2"))
+    proc = _resume(cli, run, 4, "actor_rollout_ref.actor.optim.lr=5e-05")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "trainer.save_freq: 2 in config.yaml, 1 recorded" in proc.stderr
+    config = run.read_json(run.state_record(4))["config"]
+    assert config["actor_rollout_ref"]["actor"]["optim"]["lr"] == 5e-05 and config["trainer"]["save_freq"] == 1
+
+
+def test_the_export_gate_never_reads_an_edited_report(base, cli, tmp_path):
+    """Issue 38, 4: iteration 3's val/accuracy raised from its measured value to 0.99 in
+    iteration_metrics.json does not let an export through that the undamaged run refuses."""
+    run = _copy(base, tmp_path)
+    shutil.rmtree(run.exported_actor)  # the run's own export, at its bar of 0
+    measured = _metrics(run, 3)["val/accuracy"]
+    assert measured < 0.5
+    metrics = _metrics(run, 3)
+    metrics["val/accuracy"] = 0.99
+    run.iteration_metrics(3).write_text(json.dumps(metrics))
+    proc = cli("export", str(run.root), "trainer.export_min_val_score=0.5")
+    assert proc.returncode != 0 and not run.exported_actor.exists()
+    assert f"latest validation accuracy {measured:.4f} (iteration 3) is below trainer.export_min_val_score=0.5" in \
+        proc.stdout + proc.stderr

@@ -115,7 +115,7 @@ def test_a_run_ends_by_saying_where_to_look(tmp_path, monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 
-def _rlhf(tmp_path, *args: str, timeout: float = 120):
+def _rlhf(tmp_path, *args: str, timeout: float = 600):  # a bound on a hang, not a speed goal: a loaded CI machine took >120 s
     """Run the installed `rlhf` console script with a private state directory."""
     import os
     import shutil

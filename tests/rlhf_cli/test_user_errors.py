@@ -48,7 +48,7 @@ def test_a_run_name_that_leaves_runs_root_is_refused_before_anything_is_created(
     runs = tmp_path / "a" / "runs"
     out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "--run-name", "../../x",
                           f"trainer.runs_root={runs}"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                         timeout=120)
+                         timeout=600)
     assert out.returncode == 2, out.stderr[-3000:]
     line = one_error_line(out.stderr)
     assert "--run-name '../../x'" in line and "plain directory name" in line, line
@@ -178,7 +178,7 @@ def test_an_override_with_non_utf8_bytes_is_refused_showing_the_bytes(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env["RLHF_HOME"] = str(tmp_path / "home")
     argv = [sys.executable.encode(), b"-m", b"rlhf_cli.main", b"config", b"show", b"data.train_files=[" + raw + b"]"]
-    out = subprocess.run(argv, capture_output=True, env=env, cwd=tmp_path, timeout=120)
+    out = subprocess.run(argv, capture_output=True, env=env, cwd=tmp_path, timeout=600)
     err = out.stderr.decode("utf-8")  # printable as UTF-8: no lone surrogate reached the terminal
     assert out.returncode == 2, err[-3000:]
     line = one_error_line(err)
@@ -210,7 +210,7 @@ def test_a_config_mistake_in_run_and_demo_is_found_before_prefect_mlflow_and_dee
             f"print(codes, sorted(m for m in {HEAVY!r} if m in sys.modules))")
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=tmp_path,
-                         timeout=120)
+                         timeout=600)
     assert out.stdout.strip() == "[2, 2] []", out.stdout + out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("rlhf: error:")]
     assert "unknown config key 'algorithm.kl_ctrl.kl_cof'" in errors[0] and "kl_ctrl.kl_coef" in errors[0]
@@ -252,7 +252,7 @@ def test_an_unusable_model_folder_is_one_line_before_any_run_directory(tmp_path,
     exe = Path(sys.executable).parent / "rlhf"
     out = subprocess.run([str(exe), "run", f"actor_rollout_ref.model.path={folders['empty']}",
                           f"trainer.runs_root={runs}"], capture_output=True, text=True, env=env, cwd=tmp_path,
-                         timeout=120)
+                         timeout=600)
     assert out.returncode == 2, out.stderr[-3000:]
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     line = one_error_line(out.stderr)

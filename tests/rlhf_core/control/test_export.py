@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import shutil
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import torch
 
@@ -12,15 +14,24 @@ from rlhf_core.errors import CheckpointError
 from rlhf_core.io.checksums import write_checksums
 from rlhf_core.control.export import ExportRefused, export_actor, latest_val_score
 from rlhf_core.io.atomic import atomic_write_json
-from rlhf_core.run.lifecycle import commit_iteration as write_last_good
 from rlhf_core.run.layout import RunDir
+from rlhf_core.run.manifest import hash_paths, record_stage
 
 
-def _run(tmp_path, val_scores):
+def _run(tmp_path, val_scores, responses: int = 20):
+    """Committed iterations 1..N, iteration k validated (its table and its stage's record) at
+    ``val_scores[k - 1]`` (None: not validated)."""
     run = RunDir(tmp_path / "run")
     for k, score in enumerate(val_scores, start=1):
-        metrics = {"reward/mean": 0.1} if score is None else {"val/accuracy": score}
-        atomic_write_json(run.iter_dir(k) / "iteration_metrics.json", metrics)
+        run.iter_dir(k).mkdir(parents=True)
+        atomic_write_json(run.iter_dir(k) / "iteration_metrics.json", {"reward/mean": 0.1})
+        if score is not None:
+            correct = [i < round(score * responses) for i in range(responses)]
+            pq.write_table(pa.table({"correct": correct}), run.validation(k))
+            record_stage(run, k, "validate", status="done", outputs=hash_paths(run, [run.validation(k)]))
+    last = len(val_scores)  # the commit log as the guard's commits leave it
+    atomic_write_json(run.last_good_path, {"iteration": last, "checkpoint": f"iter_{last}/checkpoint",
+                                           "committed": list(range(1, last + 1))})
     return run
 
 
@@ -34,13 +45,24 @@ def test_the_latest_validation_score_decides(tmp_path, tiny_model_dir):
         export_actor(cfg, _run(tmp_path / "b", [None]))
 
 
+def test_the_gate_reads_the_verified_validation_table_not_the_report(tmp_path):
+    """iteration_metrics.json is a report anyone may edit: raising its val/accuracy exports nothing
+    the validation itself did not score, and a validation table that no longer matches its record
+    is refused, naming it."""
+    run = _run(tmp_path, [0.0])
+    atomic_write_json(run.iteration_metrics(1), {"val/accuracy": 0.99})
+    assert latest_val_score(run) == (1, 0.0)
+    pq.write_table(pa.table({"correct": [True] * 20}), run.validation(1))
+    with pytest.raises(CheckpointError, match=r"iter_1/validation.parquet no longer matches the sha256"):
+        latest_val_score(run)
+
+
 def test_full_actor_export(tmp_path, tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     run = _run(tmp_path, [0.5])
     shutil.copytree(tiny_model_dir, run.checkpoint(1) / "actor")
     write_checksums(run.checkpoint(1))
-    write_last_good(run, 1)
     out = export_actor(load_config(None, ["trainer.export_min_val_score=0.5"]), run)
     assert out == run.root / "export" / "actor"
     model = AutoModelForCausalLM.from_pretrained(out)
@@ -54,7 +76,6 @@ def test_a_checkpoint_that_does_not_verify_is_never_exported(tmp_path, tiny_mode
     run = _run(tmp_path, [0.5])
     shutil.copytree(tiny_model_dir, run.checkpoint(1) / "actor")
     write_checksums(run.checkpoint(1))
-    write_last_good(run, 1)
     weights = run.checkpoint(1) / "actor" / "model.safetensors"
     data = bytearray(weights.read_bytes())
     data[-8] ^= 0xFF
@@ -77,7 +98,6 @@ def test_lora_adapter_is_merged(tmp_path, tiny_model_dir):
     shutil.copy(tiny_model_dir / "tokenizer.json", adapter_dir)
     shutil.copy(tiny_model_dir / "tokenizer_config.json", adapter_dir)
     write_checksums(run.checkpoint(1))
-    write_last_good(run, 1)
     out = export_actor(load_config(None), run, tmp_path / "merged")
     merged = AutoModelForCausalLM.from_pretrained(out).eval()
     reference = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), adapter_dir).eval()
@@ -95,6 +115,5 @@ def test_a_lora_runs_checkpoint_is_exported_as_merged(tmp_path, tiny_model_dir):
     run = _run(tmp_path, [1.0])
     shutil.copytree(tiny_model_dir, run.checkpoint(1) / "actor")  # what a LoRA update writes as actor/
     write_checksums(run.checkpoint(1))
-    write_last_good(run, 1)
     out = export_actor(load_config(None, ["actor_rollout_ref.model.lora_rank=4"]), run)
     assert run.read_json(out / "export.json")["merged_lora"] is True

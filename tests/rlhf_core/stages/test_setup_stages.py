@@ -4,6 +4,7 @@ lookups that only find them: a lookup never builds or trains, it names the stage
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 from transformers import AutoModelForTokenClassification
 
 from rlhf_core.config import load_config
-from rlhf_core.errors import CheckpointError
+from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.paths import ModelNotFoundError, resolve_model_path
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.manifest import read_manifest
@@ -65,3 +66,38 @@ def test_a_warm_start_that_never_ran_is_named_not_trained(tmp_path, tiny_model_d
     with pytest.raises(CheckpointError, match="rlhf stage warm_start"):
         initial_actor_path(cfg)
     assert not any(Path(os.environ["RLHF_HOME"], "models").glob("*-sft-*"))
+
+
+def _flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-8] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_tiny_model_cache_is_built_again_to_the_recorded_bytes(tmp_path, monkeypatch):
+    """The initial policy's sha256 is the warm_start stage's output: a damaged cache of a model the
+    project builds is built again and must come out as recorded (the tiny model is deterministic)."""
+    monkeypatch.setenv("RLHF_HOME", str(tmp_path / "home"))
+    cfg = load_config(None, ["actor_rollout_ref.model.path=tiny", "actor_rollout_ref.model.warm_start.enable=false"])
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run_warm_start(cfg, run)
+    recorded = read_manifest(run, None)["warm_start"]["outputs"]
+    actor = initial_actor_path(cfg)
+    assert list(recorded) == [str(actor)]
+    _flip_last_byte(actor / "model.safetensors")
+    result = run_warm_start(cfg, run)
+    assert any("built again, the same bytes" in line for line in result.summary)
+    assert read_manifest(run, None)["warm_start"]["outputs"] == recorded
+
+
+def test_a_changed_user_model_is_refused_in_one_line(tmp_path, tiny_model_dir):
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.warm_start.enable=false"])
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run_warm_start(cfg, run)
+    _flip_last_byte(model / "model.safetensors")
+    with pytest.raises(RLHFError, match=rf"the initial policy {model} changed since this run recorded it .*: restore it"):
+        run_warm_start(cfg, run)
