@@ -3,12 +3,12 @@
 from rlhf_core.rewards.registry import (
     GSM8K_SOURCES,
     get_reward_fn,
-    load_user_function,
     normalize_result,
     register_reward,
     registered_sources,
+    reward_function,
     routing_value,
 )
 
-__all__ = ["GSM8K_SOURCES", "get_reward_fn", "load_user_function", "normalize_result", "register_reward",
-           "registered_sources", "routing_value"]
+__all__ = ["GSM8K_SOURCES", "get_reward_fn", "normalize_result", "register_reward", "registered_sources",
+           "reward_function", "routing_value"]

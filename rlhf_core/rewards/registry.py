@@ -20,29 +20,28 @@ result must hold ``"score"``; its other keys are kept (as JSON) in the scored ta
 2. ``@register_reward("my/source")`` on a function in code imported before scoring;
 3. ``custom_reward_function.path`` (``pkg.module:function``, ``pkg.module`` + ``name``, or a ``.py``
    file + ``name``): as in verl, that one function then scores every row, whatever its data source.
-   The user's code is imported only when this key is set. An ``async def`` function is run to completion.
+   The user's code is imported only when this key is set, and runs in a process of its own
+   (``rewards.user_process``): an exit of any kind, a crash, or a call longer than
+   ``custom_reward_function.call_timeout_s`` is one error naming the function, never the run's end.
+   An ``async def`` function is run to completion.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import json
 import math
-import sys
-from pathlib import Path
-from typing import Any, Callable, Union
+from typing import Any, Callable, Iterator, Union
 
 from rlhf_core.config import ConfigError
 from rlhf_core.config.schema import CustomRewardConfig
 from rlhf_core.data.schemas import decode_extra_info
 from rlhf_core.errors import DataError
-from rlhf_core.paths import resolve_path
 from rlhf_core.rewards import dapo_math, gsm8k, hendrycks_math
+from rlhf_core.rewards.user_process import UserProcess
 
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest finite float32: rewards are stored as float32 (the scored table), so a larger
@@ -164,9 +163,10 @@ def verl_extra_info(extra_info: Any) -> dict:
 
 
 def _call_verl_style(fn: RewardFn, data_source, solution_str, ground_truth, extra_info=None):
-    """Call ``fn`` with verl's keyword arguments; an ``async def`` function is run to completion. A
-    function that calls ``sys.exit`` would end the whole run, with its exit status (0: a run that
-    stops silently and reports success): that is a ``DataError`` here."""
+    """Call ``fn`` (built in or registered: in this process) with verl's keyword arguments; an
+    ``async def`` function is run to completion. A function that calls ``sys.exit`` would end the
+    whole run, with its exit status (0: a run that stops silently and reports success): that is a
+    ``DataError`` here."""
     try:
         result = fn(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
                     extra_info=verl_extra_info(extra_info))
@@ -176,63 +176,42 @@ def _call_verl_style(fn: RewardFn, data_source, solution_str, ground_truth, extr
                         "which would end the run; return a score (raise an exception for an error)") from None
 
 
+class UserReward:
+    """custom_reward_function.path's function, called in a process of its own
+    (``rewards.user_process``) with verl's keyword arguments and extra_info: its exit, crash or hang
+    is a ``DataError`` naming it, never the run's end. ``close()`` ends its process."""
+
+    def __init__(self, settings: CustomRewardConfig):
+        self.process = UserProcess(settings.path, settings.name, settings.call_timeout_s)
+
+    def __call__(self, data_source, solution_str, ground_truth, extra_info=None):
+        return self.process.call(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                                 extra_info=verl_extra_info(extra_info))
+
+    def close(self) -> None:
+        self.process.close()
+
+
 def get_reward_fn(settings: CustomRewardConfig) -> RewardFn:
     """The callable that scores one response, ``fn(data_source, solution_str, ground_truth,
     extra_info=None)``: the user's function when ``settings.path`` (custom_reward_function.path) is
-    set (imported now, and only then), else the router over built-in and registered routes. Either
-    is called with verl's keyword arguments and verl's extra_info (``verl_extra_info``)."""
+    set (``UserReward``: its module imported now, in its own process, and only then), else the
+    router over built-in and registered routes (in this process). Either is called with verl's
+    keyword arguments and verl's extra_info (``verl_extra_info``). ``reward_function`` closes it."""
     if settings.path:
-        target = load_user_function(settings.path, settings.name)
-    else:
-        target = functools.partial(_route, _routes(settings))
-    return functools.partial(_call_verl_style, target)
+        return UserReward(settings)
+    return functools.partial(_call_verl_style, functools.partial(_route, _routes(settings)))
 
 
-# ---------------------------------------------------------------------------------------------
-# user functions
-# ---------------------------------------------------------------------------------------------
-
-
-def _split_target(path: str, name: str) -> tuple[str, str]:
-    """'pkg.mod:fn' → ('pkg.mod', 'fn'); '/a/b.py:fn' → ('/a/b.py', 'fn'); else (path, name)."""
-    head, sep, tail = path.rpartition(":")
-    if sep and tail.isidentifier() and head and not (len(head) == 1 and head.isalpha()):  # not 'C:'
-        return head, tail
-    return path, name
-
-
-def _import_file(file: Path):
-    module_name = "rlhf_user_reward_" + hashlib.sha256(str(file.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(module_name, file)
-    if spec is None or spec.loader is None:
-        raise ConfigError(f"custom_reward_function.path={str(file)!r}: cannot import this file as Python")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[module_name] = module  # dataclasses / typing in the user's file look their module up here
-    spec.loader.exec_module(module)
-    return module
-
-
-def load_user_function(path: str, name: str = "compute_score") -> RewardFn:
-    """Import the user's reward function from a module path or a ``.py`` file."""
-    target, fn_name = _split_target(path, name)
-    looks_like_file = target.endswith(".py") or "/" in target or "\\" in target
-    if looks_like_file:
-        file = resolve_path(target)
-        if not file.is_file():
-            raise ConfigError(f"custom_reward_function.path={path!r}: file {file} not found")
-        module = _import_file(file)
-    else:
-        try:
-            module = importlib.import_module(target)
-        except ModuleNotFoundError as exc:
-            raise ConfigError(f"custom_reward_function.path={path!r}: cannot import module {target!r} "
-                              f"({exc}); give 'pkg.module:function' on the Python path, or a .py file") from None
-    fn = getattr(module, fn_name, None)
-    if not callable(fn):
-        available = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-        raise ConfigError(f"custom_reward_function: {target!r} has no function {fn_name!r}; set "
-                          f"custom_reward_function.name to one of: {', '.join(available) or '(none)'}")
-    return fn
+@contextlib.contextmanager
+def reward_function(settings: CustomRewardConfig) -> Iterator[RewardFn]:
+    """``get_reward_fn(settings)`` for the length of the block; a user function's process ends with it."""
+    fn = get_reward_fn(settings)
+    try:
+        yield fn
+    finally:
+        if isinstance(fn, UserReward):
+            fn.close()
 
 
 # ---------------------------------------------------------------------------------------------

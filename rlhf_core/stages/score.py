@@ -53,7 +53,7 @@ from rlhf_core.io.tables import rows_with_ids
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
-from rlhf_core.rewards import get_reward_fn, normalize_result, routing_value
+from rlhf_core.rewards import normalize_result, reward_function, routing_value
 from rlhf_core.config.validate import check_overlong_buffer
 from rlhf_core.rewards.overlong import shape_scores
 from rlhf_core.rewards.reward_model import (
@@ -270,24 +270,24 @@ def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
                   path: Path) -> tuple[list[float], list[str], list[Optional[float]]]:
     """One compute_score call per response (verl's naive reward manager), routed by the row's
     data.reward_fn_key column, with the row's verl extra_info: (scores, reward_extra, acc)."""
-    reward_fn = get_reward_fn(cfg.custom_reward_function)
     key = cfg.data.reward_fn_key
     rewards, extras, accs = [], [], []
-    for i, row in enumerate(tqdm(rows, desc="rewards", unit="resp", leave=False, disable=bar_disabled())):
-        prompt = prompts[row["prompt_id"]]
-        where = _where(path, i, row)
-        source = routing_value(row, prompt, key=key, where=where)
-        try:
-            result = reward_fn(source, row["response_text"], row["ground_truth"], row["extra_info"])
-        except RLHFError as exc:
-            raise type(exc)(f"{where}: {exc}") from None
-        except Exception as exc:  # a bug in the user's function: keep its traceback, add the row
-            exc.add_note(f"while scoring {where} with the reward function")
-            raise
-        score, extra = normalize_result(result, where)
-        rewards.append(score)
-        extras.append(extra)
-        accs.append(_acc(result, score))
+    with reward_function(cfg.custom_reward_function) as reward_fn:  # custom_reward_function.path: its own process
+        for i, row in enumerate(tqdm(rows, desc="rewards", unit="resp", leave=False, disable=bar_disabled())):
+            prompt = prompts[row["prompt_id"]]
+            where = _where(path, i, row)
+            source = routing_value(row, prompt, key=key, where=where)
+            try:
+                result = reward_fn(source, row["response_text"], row["ground_truth"], row["extra_info"])
+            except RLHFError as exc:
+                raise type(exc)(f"{where}: {exc}") from None
+            except Exception as exc:  # a bug in a registered function: keep its traceback, add the row
+                exc.add_note(f"while scoring {where} with the reward function")
+                raise
+            score, extra = normalize_result(result, where)
+            rewards.append(score)
+            extras.append(extra)
+            accs.append(_acc(result, score))
     return rewards, extras, accs
 
 

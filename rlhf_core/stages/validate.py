@@ -41,7 +41,7 @@ from rlhf_core.run.lifecycle import policy_after
 from rlhf_core.run.models import initial_actor_path, reference_path
 from rlhf_core.scoring.policy_kl import actor_ref_kl, response_kl
 from rlhf_core.io.timing import TABLE_READ, timed
-from rlhf_core.rewards import get_reward_fn, normalize_result
+from rlhf_core.rewards import normalize_result, reward_function
 from rlhf_core.rewards.registry import routing_value
 from rlhf_core.rollout.base import SamplingParams, derive_seed
 from rlhf_core.rollout.generate import (
@@ -117,19 +117,20 @@ def validation_samples(cfg: RLHFConfig, run: RunDir, k: int, actor: Path) -> tup
 def score_samples(cfg: RLHFConfig, rows: list[dict], samples: list) -> tuple[list[float], list[dict]]:
     """(score, the reward function's extra values) per sample, with the call the score stage makes
     (routed by ``routing_value``, verl's extra_info passed), as verl's val reward does."""
-    reward_fn, key = get_reward_fn(cfg.custom_reward_function), cfg.data.reward_fn_key
+    key = cfg.data.reward_fn_key
     scores, extras = [], []
-    for s in samples:
-        row = rows[s.prompt_index]
-        where = f"validation prompt {row['prompt_id']}"
-        truth = (row.get("reward_model") or {}).get("ground_truth")
-        try:
-            result = reward_fn(routing_value(row, key=key, where=where), s.text, truth, row.get("extra_info"))
-        except DataError as exc:  # e.g. a function that called sys.exit: name the row, as the score stage does
-            raise type(exc)(f"{where}: {exc}") from None
-        score, extra = normalize_result(result, where=where)
-        scores.append(score)
-        extras.append(json.loads(extra))
+    with reward_function(cfg.custom_reward_function) as reward_fn:  # custom_reward_function.path: its own process
+        for s in samples:
+            row = rows[s.prompt_index]
+            where = f"validation prompt {row['prompt_id']}"
+            truth = (row.get("reward_model") or {}).get("ground_truth")
+            try:
+                result = reward_fn(routing_value(row, key=key, where=where), s.text, truth, row.get("extra_info"))
+            except DataError as exc:  # e.g. a function that exited or hung: name the row, as the score stage does
+                raise type(exc)(f"{where}: {exc}") from None
+            score, extra = normalize_result(result, where=where)
+            scores.append(score)
+            extras.append(json.loads(extra))
     return scores, extras
 
 

@@ -7,6 +7,8 @@ import json
 import re
 import subprocess
 import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
@@ -135,3 +137,99 @@ def test_an_mlflow_store_replaced_mid_run_costs_one_line_not_the_run(prefect_ser
     assert "Traceback" not in err and "ERROR" not in err, err[-3000:]
     assert "last-good: iteration 3" in out and f"exported actor: {runs / 'ml' / 'export' / 'actor'}" in out, out
     assert "MLflow          tracking failed (" in out and f"`rlhf run --resume {runs / 'ml'}` logs them" in out
+
+
+LEAVING_REWARDS = textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+
+    def os_exit(**kwargs):
+        os._exit(0)
+
+    def keyboard_interrupt(**kwargs):
+        raise KeyboardInterrupt
+
+    def kill_itself(**kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def never_returns(**kwargs):
+        Path(os.environ["REWARD_PID_FILE"]).write_text(str(os.getpid()))
+        while True:
+            time.sleep(0.05)
+""")
+
+
+def test_a_reward_function_that_ends_its_process_stops_rlhf_run_in_one_line(prefect_server, demo_preset,
+                                                                          tiny_overrides, tmp_path, subprocess_env):
+    """Issue 38: a reward function calling os._exit(0) made `rlhf run` exit 0 with nothing committed
+    and nothing said. Now the run stops with one line naming the function and its file, exit 2."""
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text(LEAVING_REWARDS)
+    runs = tmp_path / "runs"
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset, "--iterations", "1",
+                          "--run-name", "leaves", *tiny_overrides(runs, f"custom_reward_function.path={rewards}",
+                                                                  "custom_reward_function.name=os_exit")],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=600,
+                         env=subprocess_env(PREFECT_API_URL=prefect_server))
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    assert f"the reward function 'os_exit' of {rewards} ended its process with exit status 0" in errors[0], errors
+    assert "Traceback" not in out.stderr, out.stderr[-3000:]
+    assert not (runs / "leaves" / "last_good.json").exists()
+
+
+@pytest.mark.parametrize("name,said", [
+    ("keyboard_interrupt", "raised KeyboardInterrupt, which would stop the run as Ctrl-C does"),
+    ("kill_itself", "crashed: its process was killed by SIGKILL"),
+    ("never_returns", "took longer than custom_reward_function.call_timeout_s=3 s on one response and was stopped"),
+])
+def test_every_way_out_of_a_reward_function_is_one_line_naming_it(two_iterations, tmp_path, subprocess_env,
+                                                                   name, said):
+    """Issue 38: raised by the function, a KeyboardInterrupt stopped the command as Ctrl-C does (exit
+    130, 'resume with'); its own SIGKILL killed the command; a call that never returned hung it. Now
+    each is one error line naming the function and the row, exit 2, and the function's process is gone."""
+    import shutil
+
+    run = shutil.copytree(two_iterations.pristine.root, tmp_path / "run")
+    rewards, pid_file = tmp_path / "rewards.py", tmp_path / "reward.pid"
+    rewards.write_text(LEAVING_REWARDS)
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "stage", "score", "--local", "--run-dir", str(run),
+                          "--iteration", "1", "--force", f"custom_reward_function.path={rewards}",
+                          f"custom_reward_function.name={name}", "custom_reward_function.call_timeout_s=3"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                         env=subprocess_env(REWARD_PID_FILE=str(pid_file)))
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and f"the reward function {name!r} of {rewards} {said}" in errors[0], out.stderr[-3000:]
+    assert "iter_1/rollout.parquet row 0" in errors[0] and "Traceback" not in out.stderr
+    if pid_file.exists():
+        assert not Path(f"/proc/{pid_file.read_text()}").exists(), "the reward function's process outlived rlhf"
+
+
+def test_ctrl_c_during_a_reward_call_interrupts_and_leaves_no_reward_process(two_iterations, tmp_path,
+                                                                             subprocess_env):
+    """Ctrl-C reaches the whole process group: `rlhf` stops as interrupted (exit 130, its line), not
+    with the reward function's error, and the function's process goes with it."""
+    import os
+    import shutil
+    import signal
+    import time
+
+    run = shutil.copytree(two_iterations.pristine.root, tmp_path / "run")
+    rewards, pid_file = tmp_path / "rewards.py", tmp_path / "reward.pid"
+    rewards.write_text(LEAVING_REWARDS)
+    proc = subprocess.Popen([sys.executable, "-m", "rlhf_cli.main", "stage", "score", "--local", "--run-dir",
+                             str(run), "--iteration", "1", "--force", f"custom_reward_function.path={rewards}",
+                             "custom_reward_function.name=never_returns"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True, env=subprocess_env(REWARD_PID_FILE=str(pid_file)))
+    deadline = time.monotonic() + 240
+    while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert pid_file.exists(), proc.communicate()[1][-3000:]
+    os.killpg(proc.pid, signal.SIGINT)  # as a terminal's Ctrl-C: the whole foreground group
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err[-3000:]
+    assert "rlhf: error:" not in err and "Traceback" not in err, err[-3000:]
+    assert not Path(f"/proc/{pid_file.read_text()}").exists(), "the reward function's process outlived rlhf"

@@ -176,7 +176,7 @@ def test_a_reward_function_that_calls_sys_exit_is_a_data_error(tmp_path):
     path = tmp_path / "leaving.py"
     path.write_text("import sys\n\ndef compute_score(**kwargs):\n    sys.exit(0)\n")
     fn = get_reward_fn(load_config(None, [f"custom_reward_function.path={path}"]).custom_reward_function)
-    with pytest.raises(DataError, match=r"'compute_score' called sys.exit\(0\), which would end the run"):
+    with pytest.raises(DataError, match=r"'compute_score' of .*leaving.py called sys.exit\(0\), which would end the run"):
         fn("arith", "#### 1", "1")
 
 
@@ -199,5 +199,6 @@ def test_validation_names_the_prompt_whose_reward_function_called_sys_exit(tmp_p
     path.write_text("import sys\n\ndef compute_score(**kwargs):\n    sys.exit(3)\n")
     cfg = load_config(None, [f"custom_reward_function.path={path}"])
     rows = [{"prompt_id": "p7", "data_source": "arith", "reward_source": "arith", "reward_model": {"ground_truth": "1"}}]
-    with pytest.raises(DataError, match=r"^validation prompt p7: the reward function 'compute_score' called sys.exit\(3\)"):
+    with pytest.raises(DataError, match=r"^validation prompt p7: the reward function 'compute_score' of .*leaving.py "
+                                        r"called sys.exit\(3\)"):
         score_samples(cfg, rows, [SimpleNamespace(prompt_index=0, text="#### 1")])

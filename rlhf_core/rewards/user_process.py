@@ -1,0 +1,194 @@
+"""A user's reward function (``custom_reward_function.path``) run in a process of its own.
+
+In the run's own process, a function that calls ``os._exit(0)`` ended the run with status 0 and
+nothing said, and a call that never returned hung the stage for good. Here the function's module is
+imported, and every call made, in one child process per ``UserProcess`` (the program is
+``user_process_main.py``; a stage opens one for all its rows, so the module is imported afresh for
+each stage, as before). Every way out of the user's code becomes one ``DataError`` naming the
+function (its name and file): ``sys.exit`` / ``SystemExit``, a ``KeyboardInterrupt`` it raises,
+``os._exit`` or a crash (the process's exit status or signal), any other exception (its traceback on
+standard error above the line), and a call or import that takes longer than
+``custom_reward_function.call_timeout_s`` (the process is killed). A result crosses back as the
+function returned it (``multiprocessing.connection``'s pickling, so the scores are the in-process
+ones bit for bit), unless it holds an object of a class of the user's own code, which the run could
+only read by importing that code: that is refused too.
+
+The child leaves when its parent closes the pipe, and also as soon as the parent is gone however it
+went (kill -9 included); a terminal's Ctrl-C reaches the parent, which stops the child on its way out.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import weakref
+from multiprocessing.connection import Connection
+from pathlib import Path
+from typing import Any, Optional
+
+from rlhf_core.config import ConfigError
+from rlhf_core.errors import DataError
+from rlhf_core.paths import resolve_path
+
+PROGRAM = Path(__file__).with_name("user_process_main.py")
+"""The child's program, run by its path (importing it as a module would import the package's torch)."""
+TIMEOUT_KEY = "custom_reward_function.call_timeout_s"
+GRACE_S = 2.0
+"""How long a child that was asked to leave (its pipe closed) may take before it is killed."""
+FIX = "return a score (raise an exception for an error)"
+
+
+def split_target(path: str, name: str) -> tuple[str, str]:
+    """'pkg.mod:fn' → ('pkg.mod', 'fn'); '/a/b.py:fn' → ('/a/b.py', 'fn'); else (path, name)."""
+    head, sep, tail = path.rpartition(":")
+    if sep and tail.isidentifier() and head and not (len(head) == 1 and head.isalpha()):  # not 'C:'
+        return head, tail
+    return path, name
+
+
+class UserProcess:
+    """The function ``name`` of ``path`` (custom_reward_function.path: 'pkg.module[:fn]' or a .py
+    file[:fn]) in a child process: ``call(**kwargs)`` returns its result; ``close()`` ends the child.
+    Raises ``ConfigError`` when the module cannot be found or has no such function."""
+
+    def __init__(self, path: str, name: str, timeout_s: float):
+        target, self.name = split_target(path, name)
+        self.path, self.timeout_s = path, timeout_s
+        self.is_file = target.endswith(".py") or "/" in target or "\\" in target
+        if self.is_file:
+            file = resolve_path(target)
+            if not file.is_file():
+                raise ConfigError(f"custom_reward_function.path={path!r}: file {file} not found")
+            target = str(file)
+        self.target = target
+        self.shown = f"{self.name!r} of {target}" if self.is_file else f"{target}:{self.name}"
+        self.failure: Optional[str] = None
+        self._start()
+        self._load()
+
+    # the child ---------------------------------------------------------------------------------
+    def _start(self) -> None:
+        to_child, from_parent = os.pipe()[::-1]  # (write end, read end) of parent → child
+        from_child, to_parent = os.pipe()
+        self._proc = subprocess.Popen(
+            [sys.executable, str(PROGRAM), str(os.getpid()), str(from_parent), str(to_parent)],
+            pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL)
+        os.close(from_parent)
+        os.close(to_parent)
+        self._send = Connection(to_child, readable=False)
+        self._receive = Connection(from_child, writable=False)
+        self._finalizer = weakref.finalize(self, _stop, self._proc, self._send, self._receive, 0.0)
+
+    def _load(self) -> None:
+        self._send.send({"sys_path": list(sys.path), "target": self.target, "is_file": self.is_file,
+                         "name": self.name})
+        reply = self._reply("to import its module")
+        if reply[0] == "no_module":
+            raise self._fail(ConfigError(
+                f"custom_reward_function.path={self.path!r}: cannot import module {self.target!r} ({reply[1]}); "
+                "give 'pkg.module:function' on the Python path, or a .py file"))
+        if reply[0] == "no_function":
+            raise self._fail(ConfigError(
+                f"custom_reward_function: {self.target!r} has no function {self.name!r}; set "
+                f"custom_reward_function.name to one of: {', '.join(reply[1]) or '(none)'}"))
+        if reply[0] != "ready":
+            raise self._fail(DataError(self._ending(reply, "while its module was imported")))
+
+    def call(self, **kwargs: Any) -> Any:
+        """The function's result for ``kwargs``; every other way out is a ``DataError``."""
+        if self.failure:
+            raise DataError(self.failure)
+        try:
+            self._send.send(kwargs)
+        except OSError:  # the child is gone: its exit status says how
+            pass
+        reply = self._reply("on one response")
+        if reply[0] == "ok":
+            return reply[1]
+        if reply[0] == "own_class":
+            raise self._fail(DataError(
+                f"the reward function {self.shown} returned an object of its own class {reply[1]}, which the run "
+                "could read only by importing that code; return a number, or a dict of numbers, strings and lists"))
+        if reply[0] == "unsendable":
+            raise self._fail(DataError(f"the reward function {self.shown} returned a value that cannot be sent "
+                                       f"back to the run ({reply[1]}); return a number or a dict with a 'score'"))
+        raise self._fail(DataError(self._ending(reply, "")))
+
+    def close(self) -> None:
+        """End the child: it leaves when its pipe closes; killed if it has not within ``GRACE_S``."""
+        self._finalizer.detach()
+        _stop(self._proc, self._send, self._receive, GRACE_S)
+
+    def __enter__(self) -> "UserProcess":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # replies -----------------------------------------------------------------------------------
+    def _reply(self, doing: str) -> tuple:
+        if not self._receive.poll(self.timeout_s):
+            _stop(self._proc, self._send, self._receive, 0.0)
+            raise self._fail(DataError(
+                f"the reward function {self.shown} took longer than {TIMEOUT_KEY}={self.timeout_s:g} s {doing} "
+                f"and was stopped; make it return sooner, or raise {TIMEOUT_KEY}"))
+        try:
+            return self._receive.recv()
+        except EOFError:
+            return ("died", _exit_status(self._proc))
+        except Exception as exc:  # the result names a class the run cannot import
+            raise self._fail(DataError(f"the reward function {self.shown} returned a value the run cannot read "
+                                       f"({type(exc).__name__}: {exc}); return a number or a dict with a 'score'"))
+
+    def _ending(self, reply: tuple, when: str) -> str:
+        """The one line for a way out of the user's code other than a result."""
+        kind, *detail = reply
+        said = f"the reward function {self.shown}"
+        when = f" {when}" if when else ""
+        if kind == "exit":
+            return f"{said} called sys.exit({detail[0]!r}){when}, which would end the run; {FIX}"
+        if kind == "interrupt":
+            return f"{said} raised KeyboardInterrupt{when}, which would stop the run as Ctrl-C does; {FIX}"
+        if kind == "raised":
+            where = f" at {detail[1]}" if detail[1] else ""
+            return f"{said} raised {detail[0]}{where}{when} (its traceback is above); fix it, or {FIX}"
+        status = detail[0]
+        if status >= 0:
+            return (f"{said} ended its process with exit status {status}{when} (os._exit, or a library it calls "
+                    f"exiting), which would have ended the run; {FIX}")
+        name = signal.Signals(-status).name if -status in signal.valid_signals() else f"signal {-status}"
+        cause = ("the kernel's out-of-memory killer, or a kill" if -status == signal.SIGKILL
+                 else "a crash in native code" if -status in (signal.SIGSEGV, signal.SIGBUS, signal.SIGABRT,
+                                                               signal.SIGFPE, signal.SIGILL) else "a signal")
+        return f"{said} crashed{when}: its process was killed by {name} ({cause}); fix the function, or {FIX}"
+
+    def _fail(self, error: Exception) -> Exception:
+        """Remember ``error`` (a later call says it again) and end the child."""
+        self.failure = str(error)
+        self.close()
+        return error
+
+
+def _exit_status(proc: subprocess.Popen) -> int:
+    """The exit status of a child whose pipe just closed (it is exiting: give it a moment)."""
+    try:
+        return proc.wait(timeout=GRACE_S)
+    except subprocess.TimeoutExpired:  # it closed its end and lives on: stop it
+        proc.kill()
+        return proc.wait()
+
+
+def _stop(proc: subprocess.Popen, send: Connection, receive: Connection, grace_s: float) -> None:
+    """Close the pipes (the child leaves at its next read) and kill it if it has not left in ``grace_s``."""
+    for conn in (send, receive):
+        conn.close()
+    if proc.poll() is None:
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
