@@ -100,20 +100,21 @@ def run_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, stage: str, world
     # which keeps the outputs bit-identical to one process (on GPUs it only sizes host-side work)
     env = dict(os.environ, OMP_NUM_THREADS=str(torch.get_num_threads()))
     try:
-        _launch(cmd, env, f"{stage} on {world} processes")
+        _launch(cmd, env, f"{stage} on {world} processes", run.launch_log(f"{stage}-iter_{iteration}"))
         return [dict(np.load(run.stage_rank_share(iteration, stage, r))) for r in range(world)]
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def _launch(cmd: list[str], env: dict, what: str) -> None:
-    """Run ``cmd``, passing its output through to stderr (``nodes.stream``, which stops the ranks on
-    Ctrl-C); a rank's user error becomes ours."""
-    result = stream(cmd, env)
+def _launch(cmd: list[str], env: dict, what: str, log: Path) -> None:
+    """Run ``cmd``, its output into ``log`` and through to stderr (``nodes.stream``, which stops the
+    ranks on Ctrl-C; a quiet console gets the ranks' `rlhf:` lines only); a rank's user error becomes
+    ours, any other failure one line with its root cause and the log's name."""
+    result = stream(cmd, env, log=log)
     if result.returncode != 0:
         if result.user_errors:  # its message already names the file/key and the fix
             raise RLHFError(result.user_errors[0])
-        raise RLHFError(f"{what} failed (exit {result.returncode}); last output:\n" + "\n".join(result.tail))
+        raise RLHFError(result.failure(what))
 
 
 def merge_samples(shares: list[dict[str, np.ndarray]], plan: list[list[int]], prompt_rows: Sequence[dict],

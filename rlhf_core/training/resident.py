@@ -132,6 +132,10 @@ def resident_possible(cfg: RLHFConfig) -> Optional[str]:
     if (cfg.trainer.stage_processes or 1) > 1:  # (null: one per GPU of the update: one here)
         return (f"trainer.stage_processes={cfg.trainer.stage_processes} with one update process: the stages' "
                 "processes read the actor from disk")
+    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
+    if cfg.actor_rollout_ref.rollout.name == "vllm" and tp > 1:  # its ranks are processes of their own
+        return (f"rollout.tensor_model_parallel_size={tp} with one update process: the vLLM engines' processes read "
+                "the actor from disk (an update of as many processes keeps them on its worker group)")
     if cfg.actor_rollout_ref.rollout.name not in ("hf", "vllm"):
         return f"rollout engine {cfg.actor_rollout_ref.rollout.name!r} reads the actor from disk"
     return None
