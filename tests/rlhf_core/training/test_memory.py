@@ -243,3 +243,63 @@ def test_state_estimate_matches_the_measured_peak_of_a_two_rank_update(tmp_path,
     for rank in report["ranks"]:
         ratio = rank["growth"] / report["state"]
         assert TOLERANCE[0] <= ratio <= TOLERANCE[1], (ratio, rank, report["terms"])
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="measures torch's CUDA allocator (needs a GPU)")
+def test_update_estimate_matches_the_measured_cuda_peak(tmp_path):
+    """`rlhf stage update`'s body on one GPU (bf16, ZeRO-1) at Qwen2.5-0.5B's layer shape cut to 4
+    layers with its real 151,936-token vocabulary, micro-batches that fill their 4,096-token budget:
+    torch's allocator peak over the update against the estimate's update phase, less the frozen
+    models it counts for a flow that holds them (an update on its own loads none)."""
+    from rlhf_core.data.schemas import ADVANTAGES
+    from rlhf_core.io.atomic import atomic_write_parquet
+    from rlhf_core.run.layout import RunDir
+    from rlhf_core.stages.init_critic import run_init_critic
+    from rlhf_core.training.resident import update_once
+    from rlhf_core.training.synthetic import synthetic_advantages
+
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from shapes import build_shape_model
+
+    model_dir = build_shape_model(tmp_path / "models", "qwen2.5-0.5b", layers=4, vocab=151936)
+    run = RunDir(tmp_path / "run")
+    atomic_write_parquet(run.advantages(1), synthetic_advantages(model_dir, 32, prompt_len=(100, 120),
+                                                                 response_len=(256, 256), device="cuda",
+                                                                 dtype="bf16", budget=8192), ADVANTAGES)
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={model_dir}", "trainer.device=cuda",
+                             "data.max_prompt_length=128", "data.max_response_length=256",
+                             "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                             "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096", "critic.ppo_max_token_len_per_gpu=4096",
+                             "actor_rollout_ref.actor.deepspeed_config.zero_stage=1", "critic.deepspeed_config.zero_stage=1"])
+    run_init_critic(cfg, run)
+    shape = ModelShape.read(model_dir)
+    est = estimate(memory_settings(cfg, 1), Shapes(shape, shape, shape), device="cuda", device_memory=80 * GIB)
+    expected = sum(t.device for t in est.phases["update"] if "(held)" not in t.name)
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    update_once(cfg, run, 1, progress=False)
+    measured = torch.cuda.max_memory_allocated() - before
+    print(f"\n[memory] update on CUDA: estimate {expected / GIB:.2f} GiB, measured peak {measured / GIB:.2f} GiB "
+          f"(estimate/measured {expected / measured:.2f})\n{est.table()}")
+    assert 0.75 <= expected / measured <= 1.25, (expected / measured, est.table())
+
+
+def test_resident_engines_keep_a_rollback_snapshot_of_parameters_and_optimizer_in_host_memory(qwen_hub):
+    """A kept trainer copies the held state (parameters and optimizer state, not the gradients) to
+    host memory at each update's start (training.resident); the estimate of a resident run counts
+    it in every phase, on the host, and one update on its own (not resident) does not."""
+    cfg = load_config(PRESET)
+    shapes = Shapes(*[ModelShape.read(qwen_hub)] * 3)
+    fresh = estimate(memory_settings(cfg, 8), shapes, device="cuda", device_memory=80 * GIB)
+    kept = estimate(memory_settings(cfg, 8), shapes, device="cuda", device_memory=80 * GIB, resident=True)
+    state = {t.name: t for t in fresh.phases["update"]}
+    for phase, terms in kept.phases.items():
+        snap = {t.name: t for t in terms if "snapshot" in t.name}
+        assert set(snap) == {"actor rollback snapshot", "critic rollback snapshot"}, phase
+        for role in ("actor", "critic"):
+            want = sum(state[f"{role} {w}"].device + state[f"{role} {w}"].host for w in ("parameters", "optimizer"))
+            assert (snap[f"{role} rollback snapshot"].host, snap[f"{role} rollback snapshot"].device) == (want, 0)
+    assert not any("snapshot" in t.name for terms in fresh.phases.values() for t in terms)
+    assert kept.device_bytes("update") == fresh.device_bytes("update")  # host memory only
