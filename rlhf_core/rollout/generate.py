@@ -99,7 +99,8 @@ def build_rollout_engine(gen: GenerationSettings, model_path: str | Path, name: 
                           tokenizer_path=tokenizer_path, resident=resident, cpu_threads=r.cpu_threads,
                           rollout_tokens=sequences * max_model_len, external_launcher=external_launcher)
     return engine_cls(model_path, device=gen.device, tokenizer_path=tokenizer_path, dtype=gen.dtype,
-                      cpu_threads=r.cpu_threads, attention=gen.attention)
+                      cpu_threads=r.cpu_threads, attention=gen.attention, decode=r.hf_decode,
+                      max_cache_len=gen.data.max_prompt_length + gen.data.max_response_length)
 
 
 def generation_engine(rollout: RolloutConfig) -> str:

@@ -3,6 +3,12 @@
 Each ``generate`` call is one left-padded batch (the pack stage sizes them by token budget). The
 call's seed is set inside a forked RNG, so a batch's samples depend only on (weights, prompts,
 sampling parameters, seed) — not on which batches ran before — and a rerun reproduces them.
+
+The KV cache (``decode``, from actor_rollout_ref.rollout.hf_decode): 'dynamic' is transformers'
+growing cache; 'static' is one cache of ``max_cache_len`` positions per batch size, which lets
+``generate`` compile its decode step on CUDA (torch.compile's CUDA graphs: one kernel launch a step
+instead of one per operation). Masked cache slots add nothing to the attention, so the tokens are
+the dynamic cache's (log-probs within float rounding: tests/rlhf_core/rollout/test_hf_static_decode.py).
 """
 
 from __future__ import annotations
@@ -19,6 +25,8 @@ from rlhf_core.rollout.base import (
 from rlhf_core.scoring.models import load_causal_lm, load_tokenizer, release
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+DECODES = ("dynamic", "static")
+"""The KV caches ``HFEngine`` decodes with (actor_rollout_ref.rollout.hf_decode)."""
 
 
 def resolve_device(device: str = "auto") -> str:
@@ -38,17 +46,23 @@ class HFEngine:
     dtype 'auto' is fp32 on CPU and bf16 on CUDA; the rollout passes the actor's training dtype, so the
     engine borrows the trainer's module as it is held.
     ``cpu_threads`` 0 = auto: one thread for a model whose weight matrices are small (``decode_threads``:
-    its per-token matmuls are too small to split), else torch's default.
+    its per-token matmuls are too small to split), else torch's default. ``decode``: 'dynamic' or
+    'static' KV cache (module docstring); a static cache holds ``max_cache_len`` positions (at least
+    each call's prompt width + max_new_tokens), so every call of one batch size reuses one compiled step.
     """
 
     name = "hf"
     schedules_own_batches = False
 
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "auto",
-                 tokenizer_path: Optional[str | Path] = None, cpu_threads: int = 0, attention: str = "auto"):
+                 tokenizer_path: Optional[str | Path] = None, cpu_threads: int = 0, attention: str = "auto",
+                 decode: str = "dynamic", max_cache_len: Optional[int] = None):
         import torch
         from transformers import GenerationConfig
 
+        if decode not in DECODES:
+            raise RLHFError(f"actor_rollout_ref.rollout.hf_decode={decode!r}: valid: {', '.join(DECODES)}")
+        self.decode, self.max_cache_len = decode, max_cache_len
         self.device = resolve_device(device)
         if dtype == "auto":
             dtype = "bf16" if self.device.startswith("cuda") else "fp32"
@@ -137,6 +151,8 @@ class HFEngine:
 
         common = dict(max_new_tokens=sampling.max_new_tokens, num_return_sequences=self._sequences_per_prompt(sampling),
                       eos_token_id=self.eos_ids, pad_token_id=self.pad_id, use_cache=True)
+        if self.decode == "static":  # sized once: calls of one batch size share one cache shape and compiled step
+            common.update(cache_implementation="static", max_cache_len=self.max_cache_len)
         if sampling.greedy:
             return dict(do_sample=False, logits_processor=LogitsProcessorList([recorder]), **common)
         processors = LogitsProcessorList([*sampling_warpers(sampling), recorder])
