@@ -28,7 +28,7 @@ import torch
 
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.notes import say_once
-from rlhf_core.config.resolve import update_rendezvous
+from rlhf_core.config.resolve import update_rendezvous, update_world_size
 from rlhf_core.config.schema import RLHFConfig
 from rlhf_core.models.tiny import TinyModelSpec
 from rlhf_core.paths import TINY, ModelNotFoundError, locate_model
@@ -77,6 +77,9 @@ def fit_to_machine(cfg: RLHFConfig, gpus: int | None = None) -> RLHFConfig:
                                      psutil.virtual_memory().total)
         if problems:
             raise ConfigError("; ".join(problems))
+    if r.name == "vllm" and r.tensor_model_parallel_size > 1 and t.resident_models \
+            and update_world_size(t, gpus if on_gpu else 0) == 1:
+        say_once(tensor_parallel_note(r.tensor_model_parallel_size, on_gpu))
     if r.name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("actor_rollout_ref.rollout.name=vllm: vLLM is not installed; "
                           "`pip install -e '.[vllm]'` or use actor_rollout_ref.rollout.name=hf")
@@ -156,6 +159,15 @@ def cpu_kv_cache_problem(value: Optional[str], ram_bytes: int) -> Optional[str]:
         return None
     return (f"{CPU_KV_CACHE_ENV}={value} {why}: {CPU_KV_CACHE_HINT}; set {CPU_KV_CACHE_ENV}=1 (GiB; "
             "the Makefile's value for these tests) or unset it")
+
+
+def tensor_parallel_note(tp: int, on_gpu: bool) -> str:
+    """What vLLM tensor parallel costs with one update process (docs/vllm.md, "Tensor parallel")."""
+    world = f"trainer.n_gpus_per_node={tp}" if on_gpu else f"trainer.nproc={tp}"
+    return (f"config: actor_rollout_ref.rollout.tensor_model_parallel_size={tp} with one update process: every rollout "
+            f"and validation starts its vLLM engines afresh in {tp} processes of their own, and every iteration is "
+            f"checkpointed for them (docs/vllm.md: ~70 s a launch for the tiny model on 2 CPU cores, 1-2 s on a kept "
+            f"engine); an update of {tp} processes ({world}) keeps one engine on its ranks for the whole run")
 
 
 def check_nodes(cfg: RLHFConfig) -> None:

@@ -265,13 +265,8 @@ class VLLMEngine:
         options = platform_options(cpu=self.cpu, sleep_available=current_platform.is_sleep_mode_available(),
                                    resident=resident)
         self.frees_memory = bool(options.get("enable_sleep_mode"))  # sleep gives memory back (CUDA)
-        kv_cache = None  # what sizes the KV cache on CPU, for the error that says it does not fit
-        if self.cpu and os.environ.get(CPU_KV_CACHE_ENV):
-            kv_cache = f"{CPU_KV_CACHE_ENV}={os.environ[CPU_KV_CACHE_ENV]} GiB"
-        elif self.cpu:
-            tokens = rollout_tokens or 4 * (max_model_len or 4096)
-            options["kv_cache_memory_bytes"] = self._cpu_kv_cache(AutoConfig.from_pretrained(model_path), tokens)
-            kv_cache = f"{options['kv_cache_memory_bytes'] / 2 ** 30:.2f} GiB, sized for one rollout of {tokens} tokens"
+        kv_cache = self._size_cpu_kv_cache(options, AutoConfig.from_pretrained(model_path),
+                                           rollout_tokens or 4 * (max_model_len or 4096)) if self.cpu else None
         if external_launcher:
             options.update(distributed_executor_backend="external_launcher", data_parallel_size=data_parallel_size)
         try:
@@ -422,15 +417,21 @@ class VLLMEngine:
         if not self.resident:
             raise RLHFError(f"VLLMEngine.{call}() needs the resident engine: build it with resident=True")
 
-    def _cpu_kv_cache(self, config, tokens: int) -> int:
+    def _size_cpu_kv_cache(self, options: dict, config, tokens: int) -> str:
+        """Put the KV cache's size in ``options`` unless VLLM_CPU_KVCACHE_SPACE gives it (vLLM's own
+        setting, which wins); returns what sized it, for the error that says it does not fit."""
         import psutil
 
+        if os.environ.get(CPU_KV_CACHE_ENV):
+            return f"{CPU_KV_CACHE_ENV}={os.environ[CPU_KV_CACHE_ENV]} GiB"
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         heads = text.num_attention_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
-        return kv_cache_bytes(layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", heads),
+        size = kv_cache_bytes(layers=text.num_hidden_layers, kv_heads=getattr(text, "num_key_value_heads", heads),
                               head_dim=head_dim, dtype=self.dtype, tokens=tokens,
                               ram_bytes=psutil.virtual_memory().total)
+        options["kv_cache_memory_bytes"] = size
+        return f"{size / 2 ** 30:.2f} GiB, sized for one rollout of {tokens} tokens"
 
     @staticmethod
     def _sampling_params(sampling: SamplingParams, seed: int):

@@ -129,6 +129,19 @@ def test_progress_bars_follow_the_runs_setting(engine, prompts, monkeypatch, cap
     assert "Processed prompts" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="vLLM's CPU attention kernels")
+def test_the_head_sizes_config_load_checks_are_this_vllms(tiny_model_dir):
+    """Config load keeps vLLM's CPU head-size list (importing vLLM to ask takes seconds); the engine
+    asks this vLLM, and refuses the default tiny model (head size 16) before it starts, in one line."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    from rlhf_core.config.machine import VLLM_CPU_HEAD_SIZES
+
+    assert list(VLLM_CPU_HEAD_SIZES) == CPUAttentionBackend.get_supported_head_sizes()
+    with pytest.raises(RLHFError, match=r"attention head size 16 \(hidden_size 64 / 4 heads\).* takes 32, 64, 80"):
+        VLLMEngine(tiny_model_dir, dtype="fp32")
+
+
 def test_vllm_rejects_temperatures_it_cannot_take(engine, prompts):
     with pytest.raises(RLHFError, match="actor_rollout_ref.rollout.temperature"):
         engine.generate(prompts, SamplingParams(temperature=3.0))
