@@ -19,7 +19,7 @@ from typing import Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import CheckpointError, RLHFError
-from rlhf_core.io.atomic import atomic_dir, atomic_write_json
+from rlhf_core.io.atomic import atomic_dir, atomic_write_json, clean_leftovers
 from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.run.lifecycle import committed_iterations, last_good_iteration, read_last_good
 from rlhf_core.run.manifest import path_digest, read_manifest, record_key
@@ -89,6 +89,7 @@ def export_actor(cfg: RLHFConfig, run: RunDir, out: Optional[Path] = None) -> Pa
     except CheckpointError as exc:
         raise CheckpointError(f"refusing to export {run.root}: {exc}") from None
     out = Path(out) if out else run.exported_actor
+    clean_leftovers(out)  # a killed export's out.tmp-*: no resume sweeps a run that finished
     model = load_merged_actor(source)
     tokenizer = AutoTokenizer.from_pretrained(source)
     with atomic_dir(out) as tmp:

@@ -152,9 +152,44 @@ def clean_temporaries(directory: str | Path) -> list[Path]:
     """Remove leftovers of interrupted atomic writes under ``directory``; returns what was removed."""
     removed = []
     for p in sorted(Path(directory).rglob(f"*{TMP_MARK}*"), key=lambda p: len(p.parts), reverse=True):
-        if p.is_dir():
-            shutil.rmtree(p, ignore_errors=True)
-        elif p.exists():
-            p.unlink()
+        _remove(p)
         removed.append(p)
     return removed
+
+
+def clean_leftovers(path: str | Path) -> list[Path]:
+    """Remove the leftovers of interrupted atomic writes of ``path`` alone (its ``<name>.tmp-*``
+    siblings) whose writer is gone: what a killed writer left beside an output that no resume sweeps
+    (``clean_temporaries`` sweeps a whole run directory), such as a killed export's. A sibling named
+    by the pid of a live process other than this one is that process's write in progress: kept."""
+    path = Path(path)
+    prefix = f"{path.name}{TMP_MARK}"
+    if not path.parent.is_dir():
+        return []
+    removed = []
+    for p in sorted(path.parent.iterdir()):
+        if p.name.startswith(prefix) and not _writer_alive(p.name[len(prefix):]):
+            _remove(p)
+            removed.append(p)
+    return removed
+
+
+def _writer_alive(suffix: str) -> bool:
+    """Whether the temporary named ``<name>.tmp-<suffix>`` may be a live writer's (its pid runs)."""
+    pid = suffix.split("-", 1)[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except OSError:  # alive, another user's
+        return True
+    return True
+
+
+def _remove(p: Path) -> None:
+    if p.is_dir() and not p.is_symlink():
+        shutil.rmtree(p, ignore_errors=True)
+    elif p.exists() or p.is_symlink():
+        p.unlink()

@@ -280,7 +280,7 @@ class RunDir:
         except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
             raise StateFileError(f"{path} is damaged (not JSON: {exc})") from None
         if not isinstance(value, dict):
-            raise StateFileError(f"{path} is damaged (it holds a JSON {type(value).__name__}, not an object)")
+            raise StateFileError(f"{path} is damaged (it holds {json_kind(value)}, not a JSON object)")
         return value
 
     def append_event(self, kind: str, iteration: Optional[int] = None, **fields: Any) -> dict:
@@ -311,10 +311,18 @@ class RunDir:
             if isinstance(event, dict):
                 out.append(event)
             else:
-                damaged.append((number, f"a JSON {type(event).__name__}, not an object"))
+                damaged.append((number, f"{json_kind(event)}, not a JSON object"))
         if damaged:
             _warn_once(self.events_path, damaged)
         return out
+
+
+def json_kind(value: Any) -> str:
+    """What a parsed JSON value is, in JSON's words ('a list', 'null', 'a number', ...)."""
+    if value is None:
+        return "null"
+    kinds = {bool: "a boolean", int: "a number", float: "a number", str: "a string", list: "a list", dict: "an object"}
+    return kinds.get(type(value), type(value).__name__)
 
 
 _WARNED: set[tuple[str, tuple[int, ...]]] = set()

@@ -92,21 +92,28 @@ def lease_seconds(value: Optional[float] = None) -> float:
 
 def read_record(path: Path) -> Optional[dict]:
     """The lease record at ``path``; None when there is none. A record that does not parse (a lease
-    written with O_EXCL and still being written, or damaged) reads as a holder that renewed at the
-    file's modification time, so it expires like any other."""
+    written with O_EXCL and still being written, or damaged: any bytes, UTF-8 or not) reads as an
+    unknown holder (``"unreadable": True``) that renewed at the file's modification time, so it
+    expires like any other and is then taken over (``stale_lease_taken_over``)."""
     try:
-        text = path.read_text()
+        data = path.read_bytes()
         mtime = path.stat().st_mtime
     except FileNotFoundError:
         return None
     try:
-        record = json.loads(text)
-    except ValueError:
+        record = json.loads(data.decode("utf-8"))
+    except (ValueError, RecursionError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         record = None
-    if not isinstance(record, dict):
-        return {"host": None, "pid": None, "renewed": mtime}
+    if not isinstance(record, dict) or not _usable(record):
+        return {"host": None, "pid": None, "renewed": mtime, "unreadable": True}
     record.setdefault("renewed", record.get("since", mtime))  # a lock file of an older version
     return record
+
+
+def _usable(record: dict) -> bool:
+    """Whether a parsed record's times are numbers (a damaged one's may be anything)."""
+    return all(isinstance(record.get(key, 0.0), (int, float)) and not isinstance(record.get(key), bool)
+               for key in ("renewed", "since", "expires_after_s"))
 
 
 def renewed_ago(record: dict, now: Optional[float] = None) -> float:
@@ -437,6 +444,10 @@ class RunLock:
     def _lease_message(self, seen: dict) -> str:
         ago = renewed_ago(seen)
         expiry = float(seen.get("expires_after_s") or self.lease_s)
+        if seen.get("unreadable"):
+            return (f"run directory {self.run.root}: its lease {self.lease_path} is unreadable (damaged, or another "
+                    f"machine's lease still being written) and was written {ago:.1f} s ago; it is taken over once "
+                    f"{expiry:g} s old: try again in {max(expiry - ago, 0.0):.0f} s")
         return (f"run directory {self.run.root} is locked by {self._who(seen)}: its lease was renewed "
                 f"{ago:.1f} s ago and lapses after {expiry:g} s without renewal. Wait for that run to "
                 f"finish, or stop it on {seen.get('host')}; if that machine is gone, the next start "

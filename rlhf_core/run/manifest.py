@@ -24,7 +24,7 @@ from typing import Any, Optional
 
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.hashing import sha256_tree
-from rlhf_core.run.layout import RunDir
+from rlhf_core.run.layout import RunDir, StateFileError, json_kind
 from rlhf_core.run.stage_order import DOWNSTREAM, SETUP_STAGES
 from rlhf_core.io.timing import MANIFEST, timed
 
@@ -34,8 +34,16 @@ STATE_DIGEST = "state:"
 
 
 def read_manifest(run: RunDir, iteration: Optional[int]) -> dict[str, Any]:
+    """Stage name → record; {} when there is none. A damaged manifest (not a JSON object of objects)
+    raises ``StateFileError`` naming it."""
+    path = run.manifest_path(iteration)
     with timed(MANIFEST):
-        return run.read_json(run.manifest_path(iteration), default={}) or {}
+        manifest = run.read_json(path, default={})
+    for stage, record in manifest.items():
+        if not isinstance(record, dict):
+            raise StateFileError(f"{path} is damaged (the record of {stage!r} is {json_kind(record)}, not a JSON "
+                                 "object)")
+    return manifest
 
 
 def write_manifest(run: RunDir, iteration: Optional[int], manifest: dict[str, Any]) -> None:

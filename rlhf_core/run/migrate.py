@@ -49,7 +49,7 @@ from rlhf_core.data.schemas import PROMPTS, ROLLOUT, SCORED
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.io.hashing import sha256_tree
-from rlhf_core.run.layout import RunDir, StateFileError, read_config_text, write_config
+from rlhf_core.run.layout import CONFIG_SEAL, RunDir, StateFileError, read_config_text, write_config
 from rlhf_core.run.manifest import read_manifest, record_key, write_manifest
 
 RUN_FORMAT = 4
@@ -81,12 +81,15 @@ def contents_format(run: RunDir) -> int:
         return 1
     if _old_tables(run):
         return 2
+    if run.config_path.is_file() and not run.config_path.read_bytes().startswith(CONFIG_SEAL.encode()):
+        return 3  # no seal line at all (one that no longer matches is damage, not an older format)
     return RUN_FORMAT
 
 
 def _restamp_advice(run: RunDir) -> str:
     n = contents_format(run)
-    held = {1: "it holds format-1 KL controller state", 2: "some of its tables lack columns added in format 3"}
+    held = {1: "it holds format-1 KL controller state", 2: "some of its tables lack columns added in format 3",
+            3: "its config.yaml has no seal line"}
     why = held.get(n, "it holds nothing of an older format")
     return (f"its contents are format {n} ({why}): write {{\"format\": {n}}} there "
             f"(`echo '{{\"format\": {n}}}' > {run.format_path}`) and run the command again")

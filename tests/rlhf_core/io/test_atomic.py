@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.io.atomic import (atomic_dir, atomic_write_json, atomic_write_parquet, atomic_write_text,
-                                 clean_temporaries)
+                                 clean_leftovers, clean_temporaries)
 
 
 def test_write_and_replace(tmp_path):
@@ -79,3 +79,29 @@ def test_kill_before_dir_rename_keeps_old_dir(tmp_path):
     assert (target / "w").read_text() == "old"
     clean_temporaries(tmp_path)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_the_leftovers_of_one_output_go_unless_their_writer_lives(tmp_path):
+    """clean_leftovers(path): a killed writer's ``path.tmp-*`` siblings (its directory and an
+    ``-old`` one) go; a live writer's stays, and so do other files and other outputs' temporaries."""
+    target = tmp_path / "actor"
+    rc = _kill_at("before_rename:actor", f"""
+        from rlhf_core.io.atomic import atomic_dir
+        with atomic_dir({str(target)!r}) as tmp:
+            (tmp / "w").write_text("new")
+    """, tmp_path)
+    assert rc == 137
+    live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        (tmp_path / f"actor.tmp-{live.pid}-abcdef12").mkdir()  # a write in progress elsewhere
+        (tmp_path / "actor.tmp-old-1234abcd").mkdir()
+        (tmp_path / "critic.tmp-1-abcdef12").write_text("another output's")
+        (tmp_path / "actor.json").write_text("kept")
+        removed = clean_leftovers(target)
+        assert len(removed) == 2 and all(p.name.startswith("actor.tmp-") for p in removed)
+        assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+            ["actor.json", f"actor.tmp-{live.pid}-abcdef12", "critic.tmp-1-abcdef12"])
+    finally:
+        live.kill()
+        live.wait()
+    assert clean_leftovers(tmp_path / "absent" / "actor") == []

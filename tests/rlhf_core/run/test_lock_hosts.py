@@ -229,3 +229,29 @@ def test_lease_expiry_comes_from_the_argument_or_the_environment(monkeypatch):
         lease_seconds()
     with pytest.raises(RLHFError, match="lease_s=0 must be a positive"):
         lease_seconds(0)
+
+
+@pytest.mark.parametrize("damage", [b"\xff\xfe\x00 not utf-8", b"{torn", b"[1, 2]", b'{"renewed": "soon", "host": "x"}',
+                                    b'{"renewed": true, "host": "x"}'],
+                         ids=["bytes", "torn", "list", "text_time", "bool_time"])
+def test_a_damaged_lease_is_an_unknown_holder_taken_over_once_expired(tmp_path, damage):
+    """Issue 38: a run.lock of bytes that are not UTF-8 raised UnicodeDecodeError out of every
+    writing command. Any lease that does not read as a record is an unknown holder that renewed when
+    the file was last written: refused in one line saying when it lapses, taken over after that."""
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run.lock_path.write_bytes(damage)
+    record = read_record(run.lock_path)
+    assert record["unreadable"] is True and record["host"] is None
+    assert record["renewed"] == run.lock_path.stat().st_mtime
+    with pytest.raises(RunLockedError, match=rf"its lease {run.lock_path} is unreadable \(damaged, or another "
+                                             r"machine's lease still being written\) .* taken over once 30 s old: "
+                                             r"try again in \d+ s"):
+        RunLock(run, lease_s=30).acquire()
+    old = time.time() - 31
+    os.utime(run.lock_path, (old, old))
+    with RunLock(run, lease_s=30):
+        assert read_record(run.lock_path)["pid"] == os.getpid()
+    (event,) = [e for e in run.events() if e["kind"] == "stale_lease_taken_over"]
+    assert event["previous_holder"] == {"host": None, "pid": None, "renewed": old, "unreadable": True}
+    assert not run.lock_path.exists()

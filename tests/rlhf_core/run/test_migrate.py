@@ -14,7 +14,7 @@ from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.hashing import sha256_tree
 from rlhf_core.run import migrate
-from rlhf_core.run.layout import RunDir, write_config
+from rlhf_core.run.layout import RunDir, StateFileError, write_config
 from rlhf_core.run.lifecycle import committed_iterations
 from rlhf_core.run.manifest import read_manifest, record_stage
 from rlhf_core.control.plan import resolve_run_config
@@ -79,3 +79,32 @@ def test_a_new_directory_is_current_and_a_newer_one_is_refused(tmp_path):
     run.format_path.write_text(json.dumps({"format": migrate.RUN_FORMAT + 1}))
     with pytest.raises(RLHFError, match="newer than this rlhf-dag reads"):
         migrate.migrate(run, load_config(None, []).algorithm.kl_ctrl, "data_source")
+
+
+def test_a_damaged_format_file_is_answered_with_the_format_of_the_contents(tmp_path):
+    """Issue 38: a format.json that did not parse was answered with advice to write {"format": 1},
+    whatever the directory held. The advice now names the format of what it holds: 1 with format-1 KL
+    state, 3 with an unsealed config.yaml, the current one otherwise; written as advised, the upgrade
+    finishes the job."""
+    (tmp_path / "old").mkdir()
+    old = format_1_run(tmp_path / "old")
+    current = RunDir(tmp_path / "current")
+    current.root.mkdir()
+    write_config(current, to_yaml(load_config(None, [])))
+    unsealed = RunDir(tmp_path / "unsealed")
+    unsealed.root.mkdir()
+    unsealed.config_path.write_text(to_yaml(load_config(None, [])))
+    for run, n in ((old, 1), (unsealed, 3), (current, migrate.RUN_FORMAT)):
+        assert migrate.contents_format(run) == n
+        for damage in (b"\xff\xfe", b"[3]", b'{"format": "3"}', b'{"format": true}'):
+            run.format_path.write_bytes(damage)
+            with pytest.raises(StateFileError, match=rf"^{run.format_path} is damaged .*; its contents are format {n} "
+                                                     rf"\(.*\): write {{\"format\": {n}}} there"):
+                migrate.run_format(run)
+        run.format_path.write_text(json.dumps({"format": n}))
+        saved = resolve_run_config(run.root, None, ())
+        migrate.migrate(run, saved.algorithm.kl_ctrl, saved.data.reward_fn_key)
+        assert migrate.run_format(run) == migrate.RUN_FORMAT and migrate.outdated(run) is None
+    # a seal that no longer matches is damage (named by every command), not a format-3 file to seal again
+    current.config_path.write_text(current.config_path.read_text() + "# edited\n")
+    assert migrate.contents_format(current) == migrate.RUN_FORMAT
