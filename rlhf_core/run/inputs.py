@@ -5,17 +5,23 @@ typo or a model missing from the local Hugging Face cache fails before a run dir
 server or an MLflow run exists. Nothing here builds, downloads or writes.
 
 A model folder that exists is looked into too (``model_folder_problem``), reading only file names,
-config.json and the safetensors headers: an empty folder, one without weights or without a
-tokenizer, or weights that do not fit its config.json would otherwise fail deep inside
-transformers, after a run directory and an MLflow run were made (or load with random weights).
+config.json, the safetensors headers and the pickle opcodes of pytorch_model*.bin weights: an empty
+folder, one without weights or without a tokenizer, weights that do not fit its config.json, or
+pickled weights holding objects torch's safe loader refuses would otherwise fail deep inside
+transformers (the last as two 100-line tracebacks), after a run directory and an MLflow run were
+made (or load with random weights).
 """
 
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 from typing import Optional
+
+import torch
+from torch.serialization import get_unsafe_globals_in_checkpoint
 
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.data.readers import data_file_problem
@@ -29,7 +35,8 @@ WEIGHT_PATTERNS = ("*.safetensors", "pytorch_model*.bin")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt", "spiece.model",
                    "sentencepiece.bpe.model")
 """Any one of these (or a ``*.tiktoken`` file) is a tokenizer transformers can load."""
-MUST_HOLD = {MODEL: "config.json with its model_type and the weights (*.safetensors or pytorch_model*.bin)",
+MUST_HOLD = {MODEL: "config.json with its model_type and the weights (*.safetensors, or pytorch_model*.bin "
+                    "holding tensors only)",
              TOKENIZER: "the tokenizer (tokenizer.json, tokenizer.model or vocab.json with merges.txt, beside "
                         "tokenizer_config.json)"}
 
@@ -80,13 +87,39 @@ def _model_lacks(folder: Path) -> list[str]:
     if isinstance(config, str):
         lacks.append(config)
     weights = sorted(p for pattern in WEIGHT_PATTERNS for p in folder.glob(pattern))
+    safetensors = [p for p in weights if p.suffix == ".safetensors"]
     if not weights:
         lacks.append("no weights")
+    elif not safetensors:  # transformers reads the pickles, with torch's safe loader
+        lacks += filter(None, map(_unsafe_pickle, weights))
     elif isinstance(config, dict):
-        mismatch = _weights_mismatch(config, [p for p in weights if p.suffix == ".safetensors"])
+        mismatch = _weights_mismatch(config, safetensors)
         if mismatch:
             lacks.append(mismatch)
     return lacks
+
+
+def _unsafe_pickle(path: Path) -> Optional[str]:
+    """What torch's safe loader (``weights_only=True``, the only way a pickle is read here) would
+    refuse in the pickle ``path``: the Python objects besides tensors it holds, read from its pickle
+    opcodes without running them; None when it holds tensors only."""
+    try:
+        refused = get_unsafe_globals_in_checkpoint(path)
+    except ValueError:  # not torch's zip format (an old torch.save): its safe load tells
+        try:
+            torch.load(path, weights_only=True, map_location="meta")
+            refused = []
+        except Exception as exc:  # noqa: BLE001 — whatever the safe loader refuses, it refuses
+            refused = re.findall(r"GLOBAL (\S+)", str(exc)) or [str(exc).splitlines()[0][:120]]
+    except OSError as exc:
+        return f"weights file {path.name} cannot be read ({exc})"
+    if not refused:
+        return None
+    return (f"its weights {path.name} are a pickle holding Python objects besides tensors "
+            f"({', '.join(sorted(set(refused))[:3])}), which the safe load refuses (a pickle can run code); "
+            f"convert them to safetensors where you trust the file: torch.load it with weights_only=False and "
+            f"save its tensors with safetensors.torch.save_file as model.safetensors beside config.json "
+            f"(or `save_pretrained(folder, safe_serialization=True)` of the loaded model)")
 
 
 def _read_config(path: Path) -> dict | str:

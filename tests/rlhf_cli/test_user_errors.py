@@ -277,6 +277,40 @@ def test_an_unusable_model_folder_is_one_line_before_any_run_directory(tmp_path,
     assert not runs.exists()
 
 
+def test_pickled_weights_a_safe_load_refuses_are_one_line_naming_the_fix(tmp_path, tiny_model_dir, capsys):
+    """Issue 38: a folder whose only weights are a pytorch_model.bin holding a numpy scalar beside its
+    tensors was refused by torch's safe loader deep in the init-critic task: 225 lines, two tracebacks,
+    exit 1, a run directory made. Now one line naming the folder, the objects and the conversion, before
+    anything is made; a pickle of tensors alone is still accepted (torch's safe loader reads it)."""
+    import shutil
+
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(tiny_model_dir / "model.safetensors"))
+    folders = {}
+    for name, extra in (("objects", {"step": np.float64(3.0)}), ("tensors", {})):
+        folder = folders[name] = tmp_path / name
+        shutil.copytree(tiny_model_dir, folder)
+        (folder / "model.safetensors").unlink()
+        torch.save({**tensors, **extra}, folder / "pytorch_model.bin")
+    runs, home = tmp_path / "runs", tmp_path / "home"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    env["RLHF_HOME"] = str(home)
+    out = subprocess.run([str(Path(sys.executable).parent / "rlhf"), "run", f"actor_rollout_ref.model.path={folders['objects']}",
+                          f"trainer.runs_root={runs}"], capture_output=True, text=True, env=env, cwd=tmp_path,
+                         timeout=600)
+    assert out.returncode == 2, out.stderr[-3000:]
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr[-3000:]
+    line = one_error_line(out.stderr)
+    assert f"{folders['objects']} is not a usable model folder (its weights pytorch_model.bin are a pickle holding " \
+           "Python objects besides tensors (numpy." in line, line
+    assert "convert them to safetensors" in line and "safetensors.torch.save_file" in line, line
+    assert not runs.exists() and not (home / "mlflow").exists()
+    assert main(["config", "show", f"actor_rollout_ref.model.path={folders['tensors']}"]) == 0, capsys.readouterr().err
+
+
 def test_the_quiet_console_drops_library_deprecations_and_prints_other_warnings_in_one_line(tmp_path):
     """Issue 29: LoRA runs left a bare `warnings.warn(` line on the terminal (transformers'
     FutureWarning about is_gradient_checkpointing, which peft triggers: its first line landed behind
