@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from rlhf_cli.main import main
 from rlhf_core.config import load_config, to_yaml
-from rlhf_core.run.layout import RunDir
+from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.run.manifest import record_stage
 from rlhf_core.run.report import iteration_metrics
 
@@ -14,7 +14,7 @@ def test_status_shows_dashes_and_the_validation_score(tmp_path, capsys):
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
     cfg = load_config(None, [])
-    run.config_path.write_text(to_yaml(cfg))
+    write_config(run, to_yaml(cfg))
     for k in (1, 2):
         record_stage(run, k, "rollout", status="done", inputs={}, outputs={}, config_hash="h",
                      metrics={"reward/mean": 0.25 * k}, seconds=1.0)
@@ -42,7 +42,7 @@ def test_status_after_ctrl_c_advises_the_resume_not_a_stage_rerun(tmp_path, caps
 
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
-    run.config_path.write_text(to_yaml(load_config(None, [])))
+    write_config(run, to_yaml(load_config(None, [])))
     for k in (1, 2):
         for stage in ("rollout", "score", "gae", "update", "guard"):
             record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h")

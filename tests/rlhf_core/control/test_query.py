@@ -14,7 +14,7 @@ from rlhf_core.io.checksums import write_checksums
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.run.manifest import record_stage
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
-from rlhf_core.run.layout import RunDir
+from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.run.manifest import mark_skipped
 
 PROMPTS = ["p0", "p1", "p2"]
@@ -55,7 +55,7 @@ def run(tmp_path):
     run = RunDir(tmp_path / "run")
     atomic_write_parquet(run.train_prompts, _prompts_table("train"), schema=schemas.PROMPTS)
     atomic_write_parquet(run.val_prompts, _prompts_table("val"), schema=schemas.PROMPTS)
-    run.config_path.write_text("{}\n")
+    write_config(run, "{}\n")
     for k in (1, 2):
         rows = _scored_rows(k)
         atomic_write_parquet(run.rollout(k), pa.Table.from_pylist(rows).select(schemas.ROLLOUT.names),
