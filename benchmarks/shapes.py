@@ -5,8 +5,9 @@ fixed costs (loads, checkpoints, engine setup) that grow with the parameter coun
     model_dir = build_shape_model(".rlhf/models/shapes", "qwen2.5-0.5b", layers=8)   # ~120 M parameters
 
 The tokenizer is the project's tiny byte-level BPE (``rlhf_core.models.tiny.build_tokenizer`` on the
-embedded data, 512 tokens, ChatML template): the vocabulary, and so the embedding, is tiny, and every
-other weight has the real model's shape. Weights are float32 (the fast dtype on these CPUs), drawn from
+embedded data, 512 tokens, ChatML template): the vocabulary, and so the embedding, is tiny (or as large
+as ``vocab`` asks: the real model's, for its LM head's cost), and every other weight has the real
+model's shape. Weights are float32 (the fast dtype on these CPUs), drawn from
 ``seed`` with transformers' own initialisation. Nothing is downloaded.
 
 At 8 layers of Qwen2.5-0.5B: 8 × 14.9 M (attention 1.8 M + MLP 13.1 M) + 0.46 M embedding ≈ 120 M
@@ -18,6 +19,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Optional
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:  # run as a script from benchmarks/ as well as imported from the repo root
@@ -39,29 +41,37 @@ SPEC_FILE = "shape_spec.json"
 """What a cached directory was built from; a directory is reused only when it matches."""
 
 
-def shape_spec(shape: str, layers: int, seed: int) -> dict:
-    """The full description of a shape model (the cache key). Raises ValueError for an unknown shape."""
+def shape_spec(shape: str, layers: int, seed: int, vocab: Optional[int] = None) -> dict:
+    """The full description of a shape model (the cache key). Raises ValueError for an unknown shape,
+    no layer, or a vocabulary smaller than the tokenizer's."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; valid: {', '.join(sorted(SHAPES))}")
     if layers < 1:
         raise ValueError(f"layers must be >= 1, got {layers}")
+    if vocab is not None and vocab < TOKENIZER_VOCAB:
+        raise ValueError(f"vocab must be at least the tokenizer's {TOKENIZER_VOCAB}, got {vocab}")
     return {"shape": shape, "num_hidden_layers": layers, "seed": seed, "tokenizer_vocab": TOKENIZER_VOCAB,
-            **SHAPES[shape]}
+            **SHAPES[shape], **({"vocab_size": vocab} if vocab is not None else {})}
 
 
-def shape_dir_name(shape: str, layers: int, seed: int) -> str:
-    """``qwen2.5-0.5b-8l-seed0``: one cached directory per (shape, layers, seed)."""
-    return f"{shape}-{layers}l-seed{seed}"
+def shape_dir_name(shape: str, layers: int, seed: int, vocab: Optional[int] = None) -> str:
+    """``qwen2.5-0.5b-8l-seed0`` (``-v151936`` with a vocabulary of its own): one cached directory per
+    (shape, layers, seed, vocabulary)."""
+    return f"{shape}-{layers}l-seed{seed}" + (f"-v{vocab}" if vocab is not None else "")
 
 
-def build_shape_model(out_dir: str | Path, shape: str = "qwen2.5-0.5b", layers: int = 8, seed: int = 0) -> Path:
+def build_shape_model(out_dir: str | Path, shape: str = "qwen2.5-0.5b", layers: int = 8, seed: int = 0,
+                      vocab: Optional[int] = None) -> Path:
     """The HF directory (tokenizer + Qwen2 causal LM) of ``shape`` cut to ``layers`` layers, under the
     cache folder ``out_dir``; built on first use (atomically: complete or absent), reused after.
+    ``vocab``: the model's vocabulary (embedding and LM head rows), e.g. Qwen2.5's real 151,936, when
+    the LM head's cost matters; the tokenizer still knows its 512 tokens, so ids past them are valid
+    model tokens without text (they decode to nothing). Default: the tokenizer's vocabulary.
 
-    Returns ``out_dir / shape_dir_name(shape, layers, seed)``.
+    Returns ``out_dir / shape_dir_name(shape, layers, seed, vocab)``.
     """
-    spec = shape_spec(shape, layers, seed)
-    target = Path(out_dir) / shape_dir_name(shape, layers, seed)
+    spec = shape_spec(shape, layers, seed, vocab)
+    target = Path(out_dir) / shape_dir_name(shape, layers, seed, vocab)
     spec_path = target / SPEC_FILE
     if spec_path.is_file() and json.loads(spec_path.read_text()) == spec and (target / "config.json").is_file():
         return target
@@ -69,8 +79,8 @@ def build_shape_model(out_dir: str | Path, shape: str = "qwen2.5-0.5b", layers: 
     from transformers import AutoModelForCausalLM, Qwen2Config
 
     tokenizer = build_tokenizer(default_corpus(), TOKENIZER_VOCAB)
-    arch = {k: v for k, v in spec.items() if k not in ("shape", "seed", "tokenizer_vocab")}
-    config = Qwen2Config(**arch, vocab_size=len(tokenizer), eos_token_id=tokenizer.eos_token_id,
+    arch = {k: v for k, v in spec.items() if k not in ("shape", "seed", "tokenizer_vocab", "vocab_size")}
+    config = Qwen2Config(**arch, vocab_size=vocab or len(tokenizer), eos_token_id=tokenizer.eos_token_id,
                          pad_token_id=tokenizer.pad_token_id, bos_token_id=None, attn_implementation="sdpa")
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -105,6 +115,7 @@ if __name__ == "__main__":
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--vocab", type=int, help="the model's vocabulary (default: the tokenizer's 512)")
     a = parser.parse_args()
-    path = build_shape_model(a.out, a.shape, a.layers, a.seed)
+    path = build_shape_model(a.out, a.shape, a.layers, a.seed, a.vocab)
     print(f"{path} ({parameter_count(path) / 1e6:.1f} M parameters)")

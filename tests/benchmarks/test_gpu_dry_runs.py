@@ -1,6 +1,6 @@
 """The GPU scripts (benchmarks/gpu/) run their dry runs here, on the CPU at a small shape, through the
 same code as on the GPU: a GPU machine is lent rarely, so a script that broke between two loans
-would waste one. The vLLM script's dry run needs vLLM's CPU build (tests/benchmarks/test_gpu_vllm_dry_run.py,
+would waste one. The vLLM script's dry run needs vLLM's CPU build (tests/benchmarks/test_gpu_vllm_dry_run.py, in
 `make test-vllm`)."""
 
 from __future__ import annotations
@@ -33,3 +33,37 @@ def test_bench_h200_dry_run_samples_scores_and_updates_through_update_once(tmp_p
     assert numbers["rollout_new_tokens"] == 4 * 8  # every sequence sampled to exactly --new-tokens
     assert numbers["perf/tokens_per_s"] > 0 and numbers["perf/actor_tokens_per_s"] > 0
     assert 0 < numbers["mfu"] < 1
+
+
+def test_device_check_dry_run_runs_every_step_and_writes_its_files(tmp_path, subprocess_env):
+    """device_check.sh --dry-run: the environment, the gpu-marked tests (skipped on the CPU), the demo
+    through `rlhf demo` and `rlhf status`/`query`, the quickstart iteration through `rlhf run` with the
+    static decode; every step ok and its files written (what the GPU run brings back)."""
+    out = tmp_path / "out"
+    _dry_run(["bash", str(GPU / "device_check.sh"), "--dry-run", str(out)], tmp_path, subprocess_env, timeout=1200)
+    summary = (out / "summary.md").read_text()
+    for step in ("env", "gpu_tests", "demo", "status", "quickstart"):
+        assert f"| {step} | ok |" in summary, summary
+    assert {p.name for p in out.iterdir()} == {"summary.md", "env.txt", "gpu_tests.txt", "demo.txt", "quickstart.txt",
+                                               "quickstart.json", "quickstart.md"}
+    assert "2 skipped" in (out / "gpu_tests.txt").read_text()  # collected, and skipped without CUDA
+    assert "last-good: iteration 1" in (out / "demo.txt").read_text()
+    result = json.loads((out / "quickstart.json").read_text())
+    rows = result["iterations"]
+    assert rows and all(r["seconds"]["rollout"] > 0 and r["update_tokens_per_s"] > 0 for r in rows)
+    assert {m["phase"] for m in result["memory"]} >= {"update", "scoring"}
+    assert all(m["measured_bytes"] > 0 for m in result["memory"])
+    assert "| update |" in (out / "quickstart.md").read_text()
+
+
+def test_every_gpu_test_is_in_the_files_the_device_check_runs():
+    """The device check runs `pytest -m gpu` on its GPU_TESTS files only (collecting the whole suite
+    would cost the GPU machine's minutes): a test marked gpu anywhere else would never run.
+    (The vLLM dry run is tests/benchmarks/test_gpu_vllm_dry_run.py, in `make test-vllm`.)"""
+    import re
+
+    listed = set(re.search(r'^GPU_TESTS="([^"]+)"', (GPU / "device_check.sh").read_text(), re.M).group(1).split())
+    marked = {str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
+              if re.search(r"^\s*@pytest\.mark\.gpu\b|pytestmark.*pytest\.mark\.gpu\b", p.read_text(), re.M)}
+    assert marked and marked <= listed, sorted(marked - listed)
+    assert all((REPO / path).is_file() for path in listed)
