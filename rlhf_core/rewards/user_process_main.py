@@ -21,11 +21,10 @@ ignored here. The process leaves as soon as its parent is gone, however the pare
 watches for the reparenting): it never outlives the run, even inside a call that never returns.
 """
 
-import asyncio
+import functools
 import hashlib
 import importlib
 import importlib.util
-import inspect
 import os
 import signal
 import site
@@ -34,14 +33,17 @@ import sysconfig
 import threading
 import time
 import traceback
+import types
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-INSTALLED = tuple({str(Path(p).resolve()) for p in [
-    *(sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")),
-    *site.getsitepackages(), site.getusersitepackages()] if p})
-"""Where Python's and the installed libraries' modules live: a value of their classes can be read by
-the run without importing any of the user's code."""
+
+@functools.lru_cache(maxsize=None)
+def installed() -> tuple[str, ...]:
+    """Where Python's and the installed libraries' modules live: a value of their classes can be read
+    by the run without importing any of the user's code."""
+    paths = [sysconfig.get_paths().get(key) for key in ("stdlib", "platstdlib", "purelib", "platlib")]
+    return tuple({str(Path(p).resolve()) for p in [*paths, *site.getsitepackages(), site.getusersitepackages()] if p})
 
 
 def leave_with_parent(parent: int) -> None:
@@ -81,7 +83,7 @@ def own_class(value, depth: int = 0):
     cls = type(value)
     module = sys.modules.get(cls.__module__)
     where = getattr(module, "__file__", None)
-    if module is not None and (where is None or str(Path(where).resolve()).startswith(INSTALLED)):
+    if module is not None and (where is None or str(Path(where).resolve()).startswith(installed())):
         return None  # built in, or installed
     return f"{cls.__module__}.{cls.__qualname__}"
 
@@ -123,7 +125,9 @@ def load(request: dict) -> tuple:
 def call(fn, kwargs: dict) -> tuple:
     try:
         result = fn(**kwargs)
-        if inspect.iscoroutine(result):
+        if isinstance(result, types.CoroutineType):  # an async def function: run to completion
+            import asyncio  # noqa: PLC0415  only then: with ssl it is most of this program's start-up
+
             result = asyncio.run(result)
     except BaseException as exc:  # noqa: B036
         return ending(exc)
