@@ -25,9 +25,12 @@ DEMO = Path(__file__).resolve().parents[2] / "configs" / "demo.yaml"
 VLLM_ADVICE = "gpu_memory_utilization` when initializing"  # vLLM's: raise it (nothing on CPU)
 
 
-def _rlhf(tmp_path: Path, *args: str, kv_cache: str = "1", timeout: float = 600) -> subprocess.CompletedProcess:
+def _rlhf(tmp_path: Path, *args: str, kv_cache: str = "1", api: str | None = None,
+          timeout: float = 600) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
     env.update(RLHF_HOME=str(tmp_path / "home"), VLLM_CPU_KVCACHE_SPACE=kv_cache, VLLM_HOST_IP="127.0.0.1")
+    if api:
+        env["PREFECT_API_URL"] = api
     exe = shutil.which("rlhf", path=str(Path(sys.executable).parent)) or "rlhf"
     return subprocess.run([exe, *args], capture_output=True, text=True, env=env, cwd=tmp_path, timeout=timeout)
 
@@ -55,16 +58,22 @@ def test_the_default_tiny_model_is_refused_at_load_with_the_fix(tmp_path):
 @pytest.mark.parametrize("kv_cache, why", [("0", "leaves the KV cache no room"),
                                            ("1.5", "is not a whole number of GiB"),
                                            ("100000", "is more than this machine's")])
-def test_a_kv_cache_size_vllm_cannot_allocate_is_refused_at_load(tmp_path, vllm_model_dir, kv_cache, why):
-    proc = _rlhf(tmp_path, "run", "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={vllm_model_dir}",
-                 f"trainer.runs_root={tmp_path / 'runs'}", kv_cache=kv_cache)
-    line = _one_error_line(proc)
+def test_a_kv_cache_size_vllm_cannot_allocate_is_refused_at_load(tmp_path, vllm_model_dir, kv_cache, why,
+                                                                 monkeypatch, capsys):
+    """In this process (`main`, the console script's function: seconds, not a new interpreter each)."""
+    from rlhf_cli.main import main
+
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", kv_cache)
+    monkeypatch.setenv("RLHF_HOME", str(tmp_path / "home"))
+    code = main(["run", "actor_rollout_ref.rollout.name=vllm", f"actor_rollout_ref.model.path={vllm_model_dir}",
+                 f"trainer.runs_root={tmp_path / 'runs'}"])
+    line = _one_error_line(subprocess.CompletedProcess([], code, *capsys.readouterr()))
     assert f"VLLM_CPU_KVCACHE_SPACE={kv_cache} {why}" in line, line
     assert "gpu_memory_utilization does not size it on CPU" in line and "VLLM_CPU_KVCACHE_SPACE=1" in line, line
     _nothing_started(tmp_path)
 
 
-def test_a_kv_cache_larger_than_the_free_ram_at_engine_start_is_one_line(tmp_path, vllm_model_dir):
+def test_a_kv_cache_larger_than_the_free_ram_at_engine_start_is_one_line(tmp_path, vllm_model_dir, prefect_server):
     """All of the RAM as KV cache passes the load check (it is no more than the RAM) and fails when
     the engine starts (this process and the system use some): vLLM's ValueError, translated."""
     memory = psutil.virtual_memory()
@@ -73,7 +82,8 @@ def test_a_kv_cache_larger_than_the_free_ram_at_engine_start_is_one_line(tmp_pat
         pytest.skip(f"{memory.available / 2 ** 30:.1f} GiB free: {gib} GiB of KV cache might be allocated")
     proc = _rlhf(tmp_path, "run", "-c", str(DEMO), "actor_rollout_ref.rollout.name=vllm",
                  f"actor_rollout_ref.model.path={vllm_model_dir}", "actor_rollout_ref.model.warm_start.enable=false",
-                 "data.max_val_samples=4", f"trainer.runs_root={tmp_path / 'runs'}", kv_cache=str(gib))
+                 "data.max_val_samples=4", f"trainer.runs_root={tmp_path / 'runs'}", kv_cache=str(gib),
+                 api=prefect_server)  # the session's server: no temporary one to start
     line = _one_error_line(proc)
     assert f"the vllm rollout engine has no room for its KV cache (VLLM_CPU_KVCACHE_SPACE={gib} GiB)" in line, line
     assert "vLLM says \"Available memory on node" in line and "gpu_memory_utilization does not size it" in line, line
