@@ -70,8 +70,8 @@ class UserProcess:
 
     # the child ---------------------------------------------------------------------------------
     def _start(self) -> None:
-        to_child, from_parent = os.pipe()[::-1]  # (write end, read end) of parent → child
-        from_child, to_parent = os.pipe()
+        from_parent, to_child = os.pipe()  # parent → child
+        from_child, to_parent = os.pipe()  # child → parent
         self._proc = subprocess.Popen(
             [sys.executable, str(PROGRAM), str(os.getpid()), str(from_parent), str(to_parent)],
             pass_fds=(from_parent, to_parent), stdin=subprocess.DEVNULL)

@@ -70,28 +70,26 @@ def own_class(value, depth: int = 0):
     """The name of the first class in ``value`` (a result, walked through its dicts, lists, tuples
     and sets) defined outside Python and the installed libraries, else None: the parent would have
     to import the user's code to read it."""
-    if depth > 20:
-        return None
-    if isinstance(value, dict):
-        for item in (*value.keys(), *value.values()):
-            found = own_class(item, depth + 1)
-            if found:
-                return found
-        return None
-    if isinstance(value, (list, tuple, set, frozenset)):
-        return next(filter(None, (own_class(item, depth + 1) for item in value)), None)
     cls = type(value)
     module = sys.modules.get(cls.__module__)
     where = getattr(module, "__file__", None)
-    if module is not None and (where is None or str(Path(where).resolve()).startswith(installed())):
-        return None  # built in, or installed
-    return f"{cls.__module__}.{cls.__qualname__}"
+    if module is None or (where is not None and not _under(Path(where).resolve(), installed())):
+        return f"{cls.__module__}.{cls.__qualname__}"
+    if depth > 20:
+        return None
+    items = ([*value.keys(), *value.values()] if isinstance(value, dict)
+             else value if isinstance(value, (list, tuple, set, frozenset)) else ())
+    return next(filter(None, (own_class(item, depth + 1) for item in items)), None)
+
+
+def _under(path: Path, roots: tuple[str, ...]) -> bool:
+    return any(path.is_relative_to(root) for root in roots)
 
 
 def ending(exc: BaseException) -> tuple:
     """The message for an exception that left the user's code; its traceback goes to stderr."""
-    if isinstance(exc, SystemExit):
-        return ("exit", exc.code)
+    if isinstance(exc, SystemExit):  # its code as the parent can read it
+        return ("exit", exc.code if isinstance(exc.code, (int, str, type(None))) else repr(exc.code))
     if isinstance(exc, KeyboardInterrupt):
         return ("interrupt",)
     tb = exc.__traceback__

@@ -68,6 +68,12 @@ USER = textwrap.dedent("""
     def own_class(**kwargs):
         return {"score": 1.0, "why": Mine()}
 
+    class Result(dict):
+        pass
+
+    def own_dict(**kwargs):
+        return Result(score=1.0)
+
     def generator(**kwargs):
         return (x for x in [1.0])
 """)
@@ -117,6 +123,7 @@ def test_results_are_the_in_process_calls_bit_for_bit(user_file, name, monkeypat
     ("divides_by_zero", r"raised ZeroDivisionError: division by zero at my_reward.py line \d+, in divides_by_zero "
                         r"\(its traceback is above\)"),
     ("own_class", r"returned an object of its own class rlhf_user_reward_\w+\.Mine"),
+    ("own_dict", r"returned an object of its own class rlhf_user_reward_\w+\.Result"),
     ("generator", r"returned a value that cannot be sent back to the run \(generator"),
 ])
 def test_every_way_out_of_the_function_is_one_data_error_naming_it(user_file, name, said, capfd):
