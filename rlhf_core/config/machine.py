@@ -77,12 +77,12 @@ def fit_to_machine(cfg: RLHFConfig, gpus: int | None = None) -> RLHFConfig:
                                      psutil.virtual_memory().total)
         if problems:
             raise ConfigError("; ".join(problems))
-    if r.name == "vllm" and r.tensor_model_parallel_size > 1 and t.resident_models \
-            and update_world_size(t, gpus if on_gpu else 0) == 1:
-        say_once(tensor_parallel_note(r.tensor_model_parallel_size, on_gpu))
     if r.name == "vllm" and importlib.util.find_spec("vllm") is None:
         raise ConfigError("actor_rollout_ref.rollout.name=vllm: vLLM is not installed; "
                           "`pip install -e '.[vllm]'` or use actor_rollout_ref.rollout.name=hf")
+    if r.name == "vllm" and r.tensor_model_parallel_size > 1 and t.resident_models \
+            and update_world_size(t, gpus if on_gpu else 0) == 1:
+        say_once(tensor_parallel_note(r.tensor_model_parallel_size, on_gpu))
     return cfg
 
 
