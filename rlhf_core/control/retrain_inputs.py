@@ -63,8 +63,10 @@ def find_exports(runs_root: str | Path) -> list[ExportInfo]:
     found = []
     for record_path in Path(runs_root).glob("*/export/actor/export.json"):
         try:
-            record = json.loads(record_path.read_text())
-        except (OSError, json.JSONDecodeError):
+            record = json.loads(record_path.read_bytes().decode("utf-8"))
+        except (OSError, ValueError):  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+            continue
+        if not isinstance(record, dict):
             continue
         actor = record_path.parent
         found.append(ExportInfo(path=actor, run_dir=actor.parent.parent, iteration=record.get("iteration"),

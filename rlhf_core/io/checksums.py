@@ -55,9 +55,13 @@ def verify_checkpoint(directory: str | Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is missing: {directory} is not a complete checkpoint (an interrupted "
                               "write leaves none); rerun the update stage that writes it")
     try:
-        manifest = json.loads(path.read_text())
+        manifest = json.loads(path.read_bytes().decode("utf-8"))
         files = manifest["files"]
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        if not isinstance(files, dict) or not all(
+                isinstance(e, dict) and isinstance(e.get("bytes"), int) and isinstance(e.get("sha256"), str)
+                for e in files.values()):
+            raise TypeError('its "files" are not {name: {"bytes": N, "sha256": "..."}}')
+    except (ValueError, KeyError, TypeError) as exc:  # ValueError: not UTF-8, not JSON
         raise CheckpointError(f"{path} is corrupt ({exc}); rerun the update stage that writes it") from None
     for rel, entry in sorted(files.items()):
         f = directory / rel

@@ -5,8 +5,8 @@ command line on copies of one finished two-iteration tiny run:
   line and skipped by `rlhf status`, `rlhf run --resume` and `rlhf export`;
 - a garbage run.lock with no live holder is taken over as an unreadable lease expires; a fresh one
   is refused in one line that says when it lapses;
-- every small JSON state file damaged three ways (a non-UTF-8 byte, not JSON, a JSON list) leaves
-  `rlhf status` with its own lines, never a traceback;
+- every small JSON state file damaged four ways (a non-UTF-8 byte, not JSON, a JSON list, an object
+  of the wrong shape) leaves `rlhf status` with its own lines, never a traceback;
 - a damaged format.json is answered with the format the directory's contents are in;
 - a killed `rlhf export` leaves its temporary copy only until the next export.
 """
@@ -106,13 +106,18 @@ def test_a_garbage_lock_with_no_live_holder_is_taken_over(run, rlhf):
     assert "it is taken over once 600 s old: try again in" in errors[0] and "Traceback" not in refused.stderr
 
 
-@pytest.mark.parametrize("damage", [b"\xff\xfe not utf-8", b"{not json", b"[1, 2]"], ids=["byte", "text", "list"])
+@pytest.mark.parametrize("damage", [b"\xff\xfe not utf-8", b"{not json", b"[1, 2]",
+                                    b'{"files": [1], "iteration": "x", "format": 3, "committed": 5, "checkpoint": 7}'],
+                         ids=["byte", "text", "list", "object"])
 def test_no_damaged_state_file_makes_status_raise(run, damage, capsys):
     """Every small JSON file of the run (manifests, commit log, state records, verdicts, metrics, KL
-    state, format, tracking, pack summary) and the lock, damaged: `rlhf status` (the command line's
-    own entry, in this process) prints its lines and returns; nothing escapes it as an exception."""
-    files = sorted(p for p in run.root.rglob("*.json") if not {"checkpoint", "export", "models"} & set(p.parts))
-    assert len(files) >= 15, files
+    state, format, tracking, pack summary, the checkpoints' sha256 manifests) and the lock, damaged:
+    `rlhf status` (the command line's own entry, in this process) prints its lines and returns;
+    nothing escapes it as an exception (a list-shaped manifest or verdict raised AttributeError, a
+    checkpoint manifest with a non-UTF-8 byte UnicodeDecodeError)."""
+    files = sorted(p for p in run.root.rglob("*.json") if not {"checkpoint", "export", "models"} & set(p.parts)
+                   or p.relative_to(run.root).parts[1:] == ("checkpoint", "manifest.json"))
+    assert len(files) >= 17, files
     pristine = {p: p.read_bytes() for p in files}
     for path in [*files, run.lock_path]:
         path.write_bytes(damage)

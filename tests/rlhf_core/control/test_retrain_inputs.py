@@ -26,6 +26,9 @@ def test_latest_export_is_the_newest_record_not_the_newest_name(tmp_path):
     newest = _export(tmp_path, "aaa-new", when=200.0, iteration=7)
     (tmp_path / "broken" / "export" / "actor").mkdir(parents=True)
     (tmp_path / "broken" / "export" / "actor" / "export.json").write_text("{not json")
+    for name, damage in (("bytes", b'{"time": "\xff"}'), ("list", b"[1, 2]")):  # issue 38: these raised
+        (tmp_path / name / "export" / "actor").mkdir(parents=True)
+        (tmp_path / name / "export" / "actor" / "export.json").write_bytes(damage)
     assert [e.run_dir.name for e in find_exports(tmp_path)] == ["zzz-old", "aaa-new"]
     latest = latest_export(tmp_path)
     assert latest.path == newest and latest.iteration == 7 and latest.run_dir == tmp_path / "aaa-new"
