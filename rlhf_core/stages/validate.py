@@ -58,6 +58,7 @@ VALIDATION_SECTIONS = ("data.max_response_length", "data.reward_fn_key", "actor_
                        "actor_rollout_ref.rollout.seed", "actor_rollout_ref.rollout.name",
                        "custom_reward_function.", "actor_rollout_ref.model.",
                        "actor_rollout_ref.rollout.cpu_threads", "actor_rollout_ref.rollout.generation_batch_tokens",
+                       "actor_rollout_ref.rollout.hf_decode", "data.max_prompt_length",  # the static KV cache's size
                        "actor_rollout_ref.actor.deepspeed_config.dtype")
 CORRECT_AT = 1.0
 """A response counts as correct when its reward is at least this (the rule-based score of a right answer)."""

@@ -155,19 +155,26 @@ def _written_through(view: Callable[[Optional[str]], Optional[torch.Tensor]]):
 
 
 def _zero3_fragment(name: str, p) -> Fragment:
-    """A ZeRO-3 partition's optimizer state through DeepSpeed's public local API (which also swaps
-    NVMe-offloaded state in and out); its offset = this rank's place in the padded flat parameter."""
-    from deepspeed.utils import (safe_get_local_fp32_param, safe_get_local_optimizer_state,
-                                 safe_set_local_fp32_param, safe_set_local_optimizer_state)
+    """A ZeRO-3 partition's optimizer state (or master weights: key None), read and written where
+    DeepSpeed's stage-3 optimizer keeps it (which also swaps NVMe-offloaded state in and out); its
+    offset = this rank's place in the padded flat parameter.
+
+    Not through ``deepspeed.utils.safe_get/set_local_*``: they return None (and write nothing) for a
+    parameter whose ``requires_grad`` is off, which is every parameter of a module lent to the stages
+    (``training.resident._lend``) — a save captured meanwhile held no optimizer state at all, and a
+    resume from it failed ("has no saved exp_avg"). The method they call, past that check, is used."""
+    optimizer = p._z3_optimizer
+
+    def partition(key, release: bool) -> torch.Tensor:
+        return optimizer._get_fp32_opt_state_partition(p, release_swap_buffers=release, optim_state_key=key)[0]
 
     def read(key):
-        return safe_get_local_fp32_param(p) if key is None else safe_get_local_optimizer_state(p, key)
+        if key is not None and not optimizer.optimizer.state:
+            return None  # before the first step
+        return partition(key, True)
 
     def write(key, value):
-        if key is None:
-            safe_set_local_fp32_param(p, value)
-        else:
-            safe_set_local_optimizer_state(p, value, key)
+        partition(key, False).data.copy_(value.flatten())
 
     n = p.ds_tensor.numel()
     return Fragment(name, p, _group_rank(p) * n, n, p.ds_numel, tuple(p.ds_shape), read, write)

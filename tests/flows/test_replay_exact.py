@@ -15,6 +15,7 @@ another order than the critic the live run had loaded from ``models/critic_init`
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 from typing import Callable
 
@@ -151,3 +152,30 @@ def test_a_replay_that_does_not_reproduce_falls_back_instead_of_stranding_the_ru
     assert "falling back to iteration 3; iteration 4 will be rerun" in resumed.stderr
     assert read_last_good(run)["iteration"] == 5
     assert [e["iteration"] for e in run.events() if e.get("kind") == "fallback"] == [3]
+
+
+@pytest.mark.parametrize("knobs", [
+    ("actor_rollout_ref.actor.deepspeed_config.zero_stage=2", "critic.deepspeed_config.zero_stage=2",
+     "actor_rollout_ref.actor.ppo_epochs=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+     "trainer.concurrent_critic_actor=never", *ACCUMULATING),
+    ("actor_rollout_ref.actor.deepspeed_config.zero_stage=3", "critic.deepspeed_config.zero_stage=3",
+     "actor_rollout_ref.actor.use_dynamic_bsz=false", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+     "critic.use_dynamic_bsz=false", "critic.ppo_micro_batch_size_per_gpu=1", "trainer.concurrent_critic_actor=always"),
+], ids=["zero2-epochs2-minibatches-sequential", "zero3-fixed-micro-batches-concurrent"])
+def test_a_replay_rebuilds_the_exported_weights_in_every_update_layout(rlhf, demo_preset, tiny_overrides, tmp_path,
+                                                                         knobs):
+    """The other update layouts, more cheaply: three iterations saved at 2 and at the end; the last
+    checkpoint deleted, `rlhf export` rebuilds it by replaying iteration 3 from checkpoint 2, and the
+    export equals the one made from the checkpoint the live run wrote."""
+    args = [*knobs, "trainer.save_freq=2", "trainer.test_freq=-1", "trainer.logger=[console]",
+            "trainer.export_min_val_score=0.0"]
+    live = _cli_run(rlhf, "-c", demo_preset, *tiny_overrides(tmp_path, *args), "--iterations", "3", "--run-name", "live")
+    assert live.returncode == 0, live.stdout[-3000:] + live.stderr[-3000:]
+    run = RunDir(tmp_path / "live")
+    _steps_accumulated(run, 3, at_least=2 if "use_dynamic_bsz=false" not in " ".join(knobs) else 4)
+    want = _exported(run, rlhf)
+    shutil.rmtree(run.checkpoint(3))
+    shutil.rmtree(run.exported_actor)
+    got = _exported(run, rlhf)
+    assert (run.checkpoint(3) / "actor").is_dir()  # rebuilt by replay, kept
+    assert sorted(got) == sorted(want) and [k for k in got if not torch.equal(got[k], want[k])] == []
