@@ -47,7 +47,8 @@ def _warnings(out: subprocess.CompletedProcess) -> list[str]:
 
 def test_a_damaged_events_line_is_named_once_and_skipped(run, rlhf):
     """Issue 38: one non-UTF-8 byte in events.jsonl made `rlhf status` and `rlhf run --resume` end in
-    a UnicodeDecodeError traceback until someone edited the file."""
+    a UnicodeDecodeError traceback until someone edited the file (the resume here also meets a
+    garbage run.lock that no one holds, and takes it over)."""
     lines = run.events_path.read_bytes().splitlines(keepends=True)
     run.events_path.write_bytes(b"".join([lines[0], NOT_UTF8, b"{not json\n", *lines[1:]]))
     kinds = [e["kind"] for e in run.events()]
@@ -61,10 +62,14 @@ def test_a_damaged_events_line_is_named_once_and_skipped(run, rlhf):
                                 "(UnicodeDecodeError: 'utf-8' codec can't decode byte 0xe9"), warned
     assert warned[0].endswith("; skipped, the other lines are read"), warned
 
+    run.lock_path.write_bytes(b"\xff\xfe\x00garbage{")  # and a garbage lock no one holds: the resume takes it over
+    stale = time.time() - 3600
+    os.utime(run.lock_path, (stale, stale))
     resumed = rlhf("run", "--resume", str(run.root), "--iterations", "3", "trainer.logger=[console]")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     _no_traceback(resumed)
     assert "last-good: iteration 3" in resumed.stdout
+    assert [e["previous_holder"]["unreadable"] for e in run.events() if e["kind"] == "stale_lease_taken_over"] == [True]
     after = [e["kind"] for e in run.events()]
     assert after[:len(kinds)] == kinds and "resume" in after[len(kinds):]  # the damaged lines stay skipped
     exported = rlhf("export", str(run.root))
