@@ -350,14 +350,14 @@ def _committed_by_verdicts(run: RunDir) -> list[int]:
     disk or was pruned after the commit, in order, up to the first gap (a commit needs its predecessor)."""
     out = []
     for k in (k for k in run.iterations() if k >= 1):  # iter_0 holds only the initial validation
-        guard = read_manifest(run, k).get("guard", {})
         try:
+            manifest = read_manifest(run, k)
             verdict = read_verdict(run, k) or {}
         except StateFileError:
+            break  # a damaged record shows no commit (`rlhf status` names it)
+        if manifest.get("guard", {}).get("status") != "done" or verdict.get("decision") != "commit":
             break
-        if guard.get("status") != "done" or verdict.get("decision") != "commit":
-            break
-        if not state_exists(run, k) and not read_manifest(run, k).get("update", {}).get("checkpoint_pruned"):
+        if not state_exists(run, k) and not manifest.get("update", {}).get("checkpoint_pruned"):
             break
         out.append(k)
     return out

@@ -411,6 +411,10 @@ def test_a_deleted_iteration_manifest_is_shown_not_hidden(base, cli, tmp_path):
     assert any("iter_1/manifest.json is missing" in line for line in _problems(_status(cli, run)))
     run.manifest_path(2).write_text("][")
     assert any("iter_2/manifest.json is damaged" in line for line in _problems(_status(cli, run)))
+    # with the commits before it intact (status read past them to iteration 2's verdict: exit 2, no table)
+    shutil.copy(base.manifest_path(1), run.manifest_path(1))
+    run.manifest_path(2).write_text("[1, 2]")
+    assert any("iter_2/manifest.json is damaged (it holds a list" in line for line in _problems(_status(cli, run)))
 
 
 # ---------------------------------------------------------------------------------------------
