@@ -1,6 +1,6 @@
 """The commands that write a run directory (or a model) in this process, without Prefect or MLflow.
 
-    rlhf export RUN | model build-tiny | stage NAME --local
+    rlhf export RUN | model build-tiny | model build-demo | stage NAME --local
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lock import RunLock
 from rlhf_core.control.plan import resolve_run_config, saved_config, stage_config, upgrade_format
 from rlhf_core.run.stage_order import get_stage
+from rlhf_core.sft.demo_model import build_demo_model
 from rlhf_core.stages.repair import prepare_export
 
 
@@ -80,6 +81,19 @@ def cmd_export(args: argparse.Namespace) -> int:
         prepare_export(run, saved)  # damage rebuilt (each said in one line); a crash's record-only state written
         path = export_actor(cfg, run, args.out)
     print(f"exported the last-good actor to {path}")
+    return 0
+
+
+def cmd_model(args: argparse.Namespace) -> int:
+    """`rlhf model build-tiny` / `rlhf model build-demo`."""
+    return cmd_build_demo(args) if args.model_cmd == "build-demo" else cmd_build_tiny(args)
+
+
+def cmd_build_demo(args: argparse.Namespace) -> int:
+    """The demo's warm-started tiny model, made as data/models/demo was (``sft.demo_model``): ~1,000
+    supervised steps on one thread, 5-15 minutes on a 2-core machine."""
+    path = build_demo_model(args.out, progress=True)
+    print(f"the demo's warm-started model written to {path} (its build.json records the machine it was made on)")
     return 0
 
 

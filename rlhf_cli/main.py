@@ -10,6 +10,7 @@
     rlhf query RUN "SQL"                                DuckDB over the whole run (see rlhf_core.control.query)
     rlhf export RUN [key=value ...]                     save the last-good actor in HF format
     rlhf model build-tiny --out DIR                     build the local tiny model + tokenizer
+    rlhf model build-demo [--out DIR]                   the demo's warm-started model (data/models/demo)
     rlhf node join --run-dir RUN --node-rank R          on node R of a trainer.nnodes > 1 run: its ranks
 
     rlhf rebuild RUN                                    rerun the stages that no longer follow config.yaml
@@ -56,7 +57,7 @@ for _key, _value in {
 COMMANDS = {
     "config": "rlhf_cli.inspection:cmd_config_show", "status": "rlhf_cli.inspection:cmd_status",
     "query": "rlhf_cli.inspection:cmd_query", "export": "rlhf_cli.local:cmd_export",
-    "model": "rlhf_cli.local:cmd_build_tiny",
+    "model": "rlhf_cli.local:cmd_model",
     "stage": "rlhf_cli.orchestrated:cmd_stage", "run": "rlhf_cli.orchestrated:cmd_run",
     "demo": "rlhf_cli.orchestrated:cmd_demo", "rebuild": "rlhf_cli.orchestrated:cmd_rebuild",
     "services": "rlhf_cli.orchestrated:cmd_services", "node": "rlhf_cli.node:cmd_node",
@@ -211,6 +212,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--kv-heads", type=int, default=2, help="key/value heads (must divide --heads)")
     tiny.add_argument("--vocab-size", type=int, default=512)
     tiny.add_argument("--seed", type=int, default=0)
+    demo_model = model.add_parser("build-demo", help="make the demo's starting point: the tiny model warm-started "
+                                                     "on the demo preset's data (data/models/demo ships it)")
+    demo_model.add_argument("--out", type=Path, default=Path("data/models/demo"))
     node = sub.add_parser("node", help="multi-node updates (trainer.nnodes > 1)").add_subparsers(
         dest="node_cmd", required=True)
     join = node.add_parser("join", help="on node R (1 .. nnodes-1): run this node's ranks of every update node 0 "
