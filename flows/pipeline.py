@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_valid
 from prefect import flow
 
 from rlhf_core.config import RLHFConfig, apply_overrides
-from rlhf_core.data.preprocess import preprocess_headline
+from rlhf_core.data.preprocess import NoPromptsError, preprocess_headline
 from rlhf_core.errors import CheckpointError
 from rlhf_core.run.lifecycle import KLGuardHalt, committed_iterations
 from rlhf_core.run.lock import RunLock
@@ -155,7 +155,12 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
     run_dir = str(plan.run.root)
     warm_start_task(plan.cfg, run_dir, report=False)
     init_critic_task(plan.cfg, run_dir, report=False)
-    prepared = preprocess_task(plan.cfg, run_dir, mlflow_run_id=mlflow_run_id)
+    try:
+        prepared = preprocess_task(plan.cfg, run_dir, mlflow_run_id=mlflow_run_id)
+    except NoPromptsError as exc:  # the counts first, then the refusal that names the file and the fix
+        if logs_to(plan.cfg, "console"):
+            print(preprocess_headline(exc.rows, run_dir))
+        raise
     if logs_to(plan.cfg, "console") and not prepared["skipped"]:
         print(preprocess_headline(prepared["rows"], run_dir))
     # too little to train on is refused here; verl's total steps need the train prompt count: saved in config.yaml

@@ -16,6 +16,7 @@ the update's learning-rate schedule all read that one number.
 
 from __future__ import annotations
 
+import shutil
 import time
 import uuid
 from dataclasses import dataclass
@@ -79,14 +80,37 @@ def resolve_run_config(run_dir: Optional[Path], preset: Optional[str], overrides
 
 
 def new_run_dir(cfg: RLHFConfig, run_name: Optional[str]) -> Path:
-    """runs_root/<run_name or a timestamp>; refuses a non-empty existing directory."""
+    """runs_root/<run_name or a timestamp>; refuses a non-empty existing directory, unless it holds a
+    run that never started an iteration (``never_trained``: its data was refused, say), which
+    ``open_run`` then starts afresh, so the same command works once the data is fixed."""
     root = Path(cfg.trainer.runs_root).expanduser().resolve()
     # a random suffix: two runs started in the same second (pool concurrency > 1) never collide
     path = root / (run_name or f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:4]}")
-    if path.exists() and any(path.iterdir()):
+    if path.exists() and any(path.iterdir()) and not never_trained(RunDir(path)):
         raise RLHFError(f"run directory {path} already exists; pick another run name or resume it with "
                         f"`rlhf run --resume {path}`")
     return path
+
+
+def never_trained(run: RunDir) -> bool:
+    """A run directory of ours (config.yaml) whose run stopped in its setup: no iteration directory,
+    no commit log. Its setup stages are redone in a moment (the models they build are cached
+    outside the run), so a new run may take the name over."""
+    return run.config_path.is_file() and not run.last_good_path.exists() and not run.iterations()
+
+
+def start_afresh(run: RunDir) -> bool:
+    """Under the run lock: empty a ``never_trained`` directory (its lock files stay) for a new run of
+    that name; False when there was nothing to empty. A directory that trained meanwhile is refused."""
+    leftovers = [p for p in run.root.iterdir() if not p.name.startswith(run.lock_path.name)]
+    if not leftovers:
+        return False
+    if not never_trained(run):
+        raise RLHFError(f"run directory {run.root} already exists; pick another run name or resume it with "
+                        f"`rlhf run --resume {run.root}`")
+    for p in leftovers:
+        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
+    return True
 
 
 def resume_point(run: RunDir) -> int:
@@ -188,6 +212,9 @@ def open_run(plan: RunPlan) -> None:
         plan.run.append_event("resume", plan.first_iteration, **repaired,
                               closed=close_committed(plan.cfg, plan.run))
     else:
+        if start_afresh(plan.run):
+            say_once(f"run directory {plan.run.root}: its earlier run stopped before its first iteration; "
+                     "started afresh")
         stamp(plan.run)
     write_config(plan.run, to_yaml(plan.cfg))
 

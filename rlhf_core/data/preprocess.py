@@ -90,6 +90,8 @@ class PreprocessResult:
     """Accepted prompts whose tokens data.truncation cut to data.max_prompt_length."""
     notes: list[str] = field(default_factory=list)
     """Lines the summary adds (a cap that held validation prompts back)."""
+    rejected: list[_Reject] = field(default_factory=list, repr=False)
+    """The rejects as found, in input order (their kinds: what ``no_prompts_problem`` reads)."""
 
     @property
     def rows(self) -> dict[str, int]:
@@ -183,6 +185,117 @@ def prompt_supply_problem(rows: dict[str, int], data: DataConfig, *, trains: boo
                 "data.val_files=[...], raise data.val_fraction or data.max_val_samples, or turn validation off "
                 "(trainer.val_before_train=false trainer.test_freq=-1)")
     return None
+
+
+# ---------------------------------------------------------------------------------------------
+# no prompt at all: what is wrong with the files, said once
+# ---------------------------------------------------------------------------------------------
+
+
+class NoPromptsError(DataError):
+    """Preprocess accepted no train prompt. ``rows`` are its counts (``PreprocessResult.rows``), so
+    the caller can print the preprocess line before the refusal."""
+
+    def __init__(self, message: str, rows: dict[str, int]):
+        super().__init__(message)
+        self.rows = rows
+
+
+UNREADABLE_KINDS = ("malformed JSON", "not a JSON object", "not valid UTF-8", "not valid Unicode", "blank line",
+                    "malformed CSV", "unreadable row")
+"""Reject kinds of rows the reader could not turn into a record (``data.readers``)."""
+
+
+def no_prompts_problem(result: PreprocessResult, data: DataConfig, rejects_at: Optional[str] = None) -> str:
+    """Why ``result`` holds no train prompt, in one line naming the file(s), the problem and the fix:
+    no rows at all (empty files), no row a record (not JSON / not the file's format), no row with
+    the fields the adapter reads (their own keys named), else the reject counts with one example.
+    ``rejects_at``: where the rejected rows can be listed (the run's `rlhf query` command), if anywhere."""
+    files = ", ".join(result.files) or "data.train_files"
+    if result.rows_in == 0:
+        return (f"{files}: no rows to read (empty); give data.train_files rows in the layout data.adapter="
+                f"{data.adapter} reads: {layout_hint(data)}")
+    kinds = Counter(r.kind for r in result.rejected)
+    top, n = kinds.most_common(1)[0] if kinds else ("", 0)
+    first = next((r for r in result.rejected if r.kind == top), None)
+    if first is None:  # rows that were all accepted into validation (data.val_files): no train row
+        return (f"no train prompts from {files} (validation {result.val.num_rows}); give train rows, or "
+                "check data.val_fraction")
+    where = f"{first.row.source_file}"
+    example = f"row {first.row.source_row}: {first.reason}: {_excerpt(first.row.raw)}"
+    if top in UNREADABLE_KINDS and n == len(result.rejected):
+        return (f"{where}: no row could be read as a record ({n} of {result.rows_in} rows: {top}; {example}); "
+                f"{_format_hint(first.row.source_file, data)}")
+    if top.startswith("missing ") and n == len(result.rejected):
+        keys = _record_keys(r for r in result.rejected if r.kind == top)
+        lacking = [field for field in adapter_fields(data) if field[0] not in keys]
+        return (f"{where}: no row has {'the field' if len(lacking) == 1 else 'the fields'} data.adapter="
+                f"{data.adapter} reads ({', '.join(shown for _, _, shown in lacking)}); its rows have "
+                f"{', '.join(map(repr, keys)) or 'no fields'}: {_key_hint(keys, lacking, data)}")
+    counts = ", ".join(f"{kind} {m}" for kind, m in kinds.most_common())
+    listed = f"; every rejected row and its reason: {rejects_at}" if rejects_at else ""
+    return (f"no train prompts accepted from {files} (rejected {len(result.rejected)}: {counts}; e.g. {where} "
+            f"{example}); fix those rows or the data.* keys that read them{listed}")
+
+
+def layout_hint(data: DataConfig) -> str:
+    """The layout ``data.adapter`` reads, with one example row."""
+    return {"gsm8k": "one JSON object per line, e.g. ", "generic": "one JSON object per line, e.g. ",
+            "verl": "verl's Parquet layout, e.g. "}.get(data.adapter, "JSONL, Parquet or CSV rows, e.g. ") + \
+        example_row(data)
+
+
+def example_row(data: DataConfig) -> str:
+    """One row in the layout ``data.adapter`` reads (gsm8k's for 'auto')."""
+    if data.adapter == "generic":
+        return f'{{"{data.prompt_key}": "...", "{data.answer_key}": "42"}}'
+    if data.adapter == "verl":
+        return f'{{"{data.prompt_key}": [{{"role": "user", "content": "..."}}], "reward_model": {{"ground_truth": "42"}}}}'
+    return f'{{"{data.question_key}": "...", "{data.answer_key}": "... #### 42"}}'
+
+
+def adapter_fields(data: DataConfig) -> list[tuple[str, str, str]]:
+    """The fields data.adapter reads: (key, its setting, "'<key>' (<setting>)")."""
+    settings = {"gsm8k": ("question_key", "answer_key"), "generic": ("prompt_key", "answer_key")}
+    fields = ([(getattr(data, s), f"data.{s}") for s in settings[data.adapter]] if data.adapter in settings else
+              [(data.prompt_key, "data.prompt_key"), ("reward_model", "reward_model.ground_truth")])
+    return [(key, setting, f"'{key}' ({setting})") for key, setting in fields]
+
+
+def _key_hint(keys: list[str], lacking: list[tuple[str, str, str]], data: DataConfig) -> str:
+    """Which settings to point at the rows' own keys (a guess in the rows' order when it is one to one)."""
+    tail = f", or give rows in the layout it reads: {layout_hint(data)}"
+    settings = [setting for _, setting, _ in lacking if setting.startswith("data.")]
+    if settings and len(keys) == len(adapter_fields(data)) == len(lacking) == len(settings):
+        guess = " ".join(f"{setting}={key}" for setting, key in zip(settings, keys))
+        answer = " (the answer must end in '#### <number>')" if data.adapter == "gsm8k" else ""
+        return f"name them, e.g. {guess}{answer}{tail}"
+    if settings:
+        return f"set {' and '.join(settings)} to the key(s) that hold it{tail}"
+    return f"give each row those fields{tail}"
+
+
+def _format_hint(source_file: str, data: DataConfig) -> str:
+    suffix = Path(source_file).suffix.lower()
+    if suffix == ".jsonl":
+        return f"a .jsonl file holds one JSON object per line, e.g. {example_row(data)}"
+    return f"check that the file is {suffix or 'a data file'} in the layout data.adapter={data.adapter} reads"
+
+
+def _record_keys(rejects: Iterable[_Reject], limit: int = 8) -> list[str]:
+    """The field names the rejected rows carry (from their raw JSON), first seen first."""
+    keys: dict[str, None] = {}
+    for r in rejects:
+        record = r.row.record if isinstance(r.row.record, dict) else {}
+        keys.update(dict.fromkeys(map(str, record)))
+        if len(keys) >= limit:
+            break
+    return list(keys)[:limit]
+
+
+def _excerpt(text: str, limit: int = 60) -> str:
+    text = " ".join(str(text).split())
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 def _fix_hint(reasons: dict[str, int], data: DataConfig, lead: str = "") -> str:
@@ -577,6 +690,7 @@ def preprocess_rows(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[Ra
         reject_counts=dict(Counter(r.kind for r in rejects).most_common()),
         length_stats=prompt_length_stats([len(c.token_ids) for c in train + val]),
         id_source=id_source, layouts=layouts, truncated=sum(c.tokens_cut > 0 for c in train + val), notes=notes,
+        rejected=sorted(rejects, key=lambda r: r.seq),
     )
 
 

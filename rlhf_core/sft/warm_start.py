@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from rlhf_core.config.schema import DataConfig, ModelConfig
-from rlhf_core.data.preprocess import preprocess_files
+from rlhf_core.data.preprocess import NoPromptsError, no_prompts_problem, preprocess_files
 from rlhf_core.data.schemas import decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_dir
@@ -146,6 +146,8 @@ def load_train_rows(data: DataConfig, tokenizer) -> list[dict]:
     length filter and hash split), so validation prompts never reach the fine-tuning."""
     result = preprocess_files([resolve_path(p) for p in data.train_files],
                               [resolve_path(p) for p in data.val_files], data, tokenizer, progress=False)
+    if result.train.num_rows == 0:  # what is wrong with the data, as the preprocess stage says it
+        raise NoPromptsError(no_prompts_problem(result, data), rows=result.rows)
     return result.train.to_pylist()
 
 

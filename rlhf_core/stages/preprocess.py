@@ -13,7 +13,9 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.data.preprocess import PreprocessResult, load_tokenizer, preprocess_files
+from rlhf_core.data.preprocess import (
+    NoPromptsError, PreprocessResult, load_tokenizer, no_prompts_problem, preprocess_files,
+)
 from rlhf_core.data.schemas import PROMPTS, REJECTS
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
@@ -49,12 +51,10 @@ def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None
         result = preprocess_files(train_files, val_files, cfg.data, tokenizer)
         # rejects first: when nothing was accepted they are what the user needs to read
         atomic_write_parquet(run.rejects, result.rejects, schema=REJECTS)
-        if result.train.num_rows == 0:
-            raise DataError(
-                f"no train prompts accepted from {', '.join(map(str, train_files))} "
-                f"(rejected: {', '.join(f'{kind} {n}' for kind, n in result.reject_counts.items()) or 'none'}); "
-                f"every rejected row and its reason is in {run.rejects}"
-            )
+        if result.train.num_rows == 0:  # the file, the problem and the fix (the caller prints the counts first)
+            raise NoPromptsError(no_prompts_problem(result, cfg.data, rejects_at=f'rlhf query {run.root} '
+                                                    f'"SELECT source_file, source_row, reason FROM rejects"'),
+                                 rows=result.rows)
         atomic_write_parquet(run.train_prompts, result.train, schema=PROMPTS)
         atomic_write_parquet(run.val_prompts, result.val, schema=PROMPTS)
         metrics = _metrics(result)

@@ -26,10 +26,17 @@ def test_new_run_then_resume(tmp_path):
     assert not p.run.root.exists()  # planning writes nothing
     plan.open_run(p)
     assert p.run.config_path.is_file()
-    with pytest.raises(RLHFError, match="already exists"):
-        plan.plan_run(None, [f"trainer.runs_root={tmp_path}"], run_name="a")
+    # a run that stopped in its setup (its data refused, say): the same command takes the name over
+    (p.run.root / "prompts").mkdir()
+    (p.run.root / "prompts" / "rejects.parquet").write_bytes(b"rejects")
+    again = plan.plan_run(None, [f"trainer.runs_root={tmp_path}"], iterations=3, run_name="a")
+    assert again.run.root == p.run.root and not again.resumed
+    plan.open_run(again)
+    assert not (p.run.root / "prompts").exists() and p.run.config_path.is_file()
     for k in (1, 2):  # a sealed checkpoint each, so the resume's last-good check passes
         _fake_checkpoint(p.run, k)
+    with pytest.raises(RLHFError, match="already exists"):  # a run that trained is never taken over
+        plan.plan_run(None, [f"trainer.runs_root={tmp_path}"], run_name="a")
     write_last_good(p.run, 1)
     write_last_good(p.run, 2)
     resumed = plan.plan_run(None, ["trainer.test_freq=5"], resume=p.run.root)

@@ -14,6 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.config import apply_overrides, load_config
+from rlhf_core.data.preprocess import NoPromptsError
 from rlhf_core.errors import DataError
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.layout import RunDir
@@ -122,11 +123,13 @@ def test_nothing_accepted_is_an_error_that_points_at_the_rejects(tmp_path, tiny_
     cfg = _small_cfg(tmp_path, tiny_model_dir, [{"question": "Q?", "answer": "no number"},
                                                 {"question": " ", "answer": "#### 1"}])
     run = RunDir(tmp_path / "run")
-    expected = r"no train prompts accepted .*no #### number 1, empty question 1.*rejects\.parquet"
-    with pytest.raises(DataError, match=expected):
+    expected = (r"no train prompts accepted .*no #### number 1, empty question 1; e\.g\. .* row 0: .*; every "
+                r"rejected row and its reason: rlhf query .* FROM rejects")
+    with pytest.raises(NoPromptsError, match=expected) as raised:
         run_preprocess(cfg, run)
     assert pq.read_table(run.rejects).num_rows == 2
     assert not run.train_prompts.exists()
+    assert isinstance(raised.value, DataError) and raised.value.rows["rejected"] == 2  # the caller's headline
 
 
 def test_overlong_prompt_stops_the_stage_unless_filtered_or_cut(tmp_path, tiny_model_dir):
