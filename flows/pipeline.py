@@ -219,9 +219,12 @@ def redo_missed_validations(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optio
 
 def validate_before_training(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str]) -> dict:
     """verl's val_before_train: validate the starting policy, logged at its step (0 for a new run;
-    on resume the last committed iteration, reused when that validation is already on disk)."""
+    on resume the last committed iteration, reused when that validation is already on disk, and
+    written into that iteration's iteration_metrics.json)."""
     step = plan.first_iteration - 1
     result = validate_task(cfg, str(plan.run.root), step, mlflow_run_id=mlflow_run_id)
+    if step >= 1:  # a committed iteration's record gains it: rlhf status, rlhf query and the curve read it there
+        iteration_metrics(cfg.data, plan.run, step)
     if logs_to(cfg, "console"):
         what = "initial policy" if step == 0 else "resumed policy"
         print(f"{what} (iteration {step}): val/accuracy {result['metrics'].get('val/accuracy', float('nan')):.3f}")

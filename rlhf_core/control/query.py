@@ -338,10 +338,20 @@ def format_status(run: RunDir | str | Path) -> str:
         lines += [f"problem: {line}" for line in problems]
     else:
         last_good = read_last_good(run)
-        lines.append(f"last-good: iteration {last_good['iteration']} ({last_good['checkpoint']})" if last_good
-                     else "last-good: none (the next iteration starts from the initial model)")
+        lines.append(last_good_line(run, last_good))
         lines += replay_lines(run) + uncommitted_lines(run)
     return "\n".join(lines + rerun_lines(run))
+
+
+def last_good_line(run: RunDir, last_good: Optional[dict]) -> str:
+    """'last-good: iteration K (<its checkpoint>)', saying so when that checkpoint is not on disk
+    (between save points its state is only in its record; ``replay_lines`` says what a resume does)."""
+    if not last_good:
+        return "last-good: none (the next iteration starts from the initial model)"
+    k, where = last_good["iteration"], last_good["checkpoint"]
+    if (run.checkpoint(k) / "actor").is_dir():
+        return f"last-good: iteration {k} ({where})"
+    return f"last-good: iteration {k} (its checkpoint {where} is not written: only its record is on disk)"
 
 
 def config_problems(run: RunDir) -> list[str]:
