@@ -20,12 +20,13 @@ from typing import Optional
 from rlhf_core.config import RLHFConfig
 from rlhf_core.run.inputs import model_keys
 from rlhf_core.models.tiny import ensure_tiny_model
-from rlhf_core.paths import TINY, locate_model
+from rlhf_core.paths import TINY, locate_model, project_root
 from rlhf_core.run.layout import RunDir
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.hashing import sha256_tree
 from rlhf_core.run.manifest import read_manifest, record_key, record_stage
 from rlhf_core.run.models import initial_actor_path, warm_start_path
+from rlhf_core.sft.demo_model import DEMO_MODEL
 from rlhf_core.sft.warm_start import warm_start
 from rlhf_core.stages.base import StageResult
 
@@ -66,8 +67,10 @@ def _rebuild(cfg: RLHFConfig, actor: Path, recorded: str) -> None:
     ours = {locate_model(TINY).resolve()} | ({warm_start_path(cfg.actor_rollout_ref.model, cfg.data).resolve()}
                                              if cfg.actor_rollout_ref.model.warm_start.enable else set())
     if actor.resolve() not in ours:
-        raise RLHFError(f"{changed}: restore it — every iteration, the reference policy and a replay from the "
-                        "initial models stand on it — or start a new run")
+        shipped = actor.resolve() == (project_root() / DEMO_MODEL).resolve()
+        how = f" (`git checkout {DEMO_MODEL}` restores the shipped one)" if shipped else ""
+        raise RLHFError(f"{changed}: restore it{how} — every iteration, the reference policy and a replay from "
+                        "the initial models stand on it — or start a new run")
     if actor.is_symlink():  # a link to a shared build: replaced by a build of this machine's own
         actor.unlink()
     else:

@@ -101,3 +101,18 @@ def test_a_changed_user_model_is_refused_in_one_line(tmp_path, tiny_model_dir):
     _flip_last_byte(model / "model.safetensors")
     with pytest.raises(RLHFError, match=rf"the initial policy {model} changed since this run recorded it .*: restore it"):
         run_warm_start(cfg, run)
+
+
+def test_a_changed_shipped_demo_model_names_git_checkout(tmp_path, repo_root, monkeypatch):
+    import rlhf_core.stages.warm_start as stage
+
+    model = tmp_path / "data" / "models" / "demo"
+    shutil.copytree(repo_root / "data" / "models" / "demo", model)
+    monkeypatch.setattr(stage, "project_root", lambda: tmp_path)  # a checkout of its own, to damage
+    cfg = load_config(None, [f"actor_rollout_ref.model.path={model}", "actor_rollout_ref.model.warm_start.enable=false"])
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    run_warm_start(cfg, run)
+    _flip_last_byte(model / "model.safetensors")
+    with pytest.raises(RLHFError, match=r"restore it \(`git checkout data/models/demo` restores the shipped one\)"):
+        run_warm_start(cfg, run)
