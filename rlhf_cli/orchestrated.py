@@ -222,7 +222,7 @@ def where_to_look(summary: dict) -> str:
         uri = display_uri()
         page = ui_path(summary["mlflow_run_id"]) or f"#/experiments?{TRAINING_VIEW}"  # the runs view, not GenAI's
         mlflow = f"run {summary['mlflow_run_id']}: " + (run_url(summary["mlflow_run_id"]) or (
-            f"mlflow ui --host 127.0.0.1 --backend-store-uri {uri}   (then http://127.0.0.1:5000/{page})"))
+            f"mlflow ui --host 127.0.0.1 --workers 1 --backend-store-uri {uri}   (then http://127.0.0.1:5000/{page})"))
     else:
         mlflow = "not tracked (trainer.logger has no mlflow)"
     reporting = session.REPORTING

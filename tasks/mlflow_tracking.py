@@ -4,7 +4,7 @@ Where: ``MLFLOW_TRACKING_URI`` when set; else an embedded SQLite store inside th
 directory (``$RLHF_HOME/mlflow/mlflow.db``, artifacts under ``$RLHF_HOME/mlflow/artifacts``), so no
 server is needed. Browse it with
 
-    mlflow ui --host 127.0.0.1 --backend-store-uri sqlite:///$RLHF_HOME/mlflow/mlflow.db
+    mlflow ui --host 127.0.0.1 --workers 1 --backend-store-uri sqlite:///$RLHF_HOME/mlflow/mlflow.db
 
 One MLflow run per pipeline flow run, named after the run directory and recorded in
 ``RUN/tracking.json``; a resumed run continues the same MLflow run, and ``rlhf stage`` reruns attach
