@@ -1,6 +1,6 @@
 """A resume replays the updates that lived only in memory, and the replay is the live update bit
-for bit in the configurations users run — each killed (as kill -9 would) in iteration 5 of 6 with
-save points at 3 and 6, so iteration 4's state exists only as its record, then resumed:
+for bit in the configurations users run — each killed (as kill -9 would) in iteration 4 of 4 with
+save points at 2 and 4, so iteration 3's state exists only as its record, then resumed:
 
 - the demo preset's own batching (64 prompts, two mini-batches, each cut by the 2,048-token budget
   into two micro-batches whose gradients accumulate into one optimizer step);
@@ -33,9 +33,11 @@ pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 TIMING = ("perf/", "timing_s/")
 """Metrics that measure time, memory or the machine: the only ones a resume may change."""
 
-KILL_IN_ITERATION_5 = "iter_5/scored.parquet"
-SAVE_AT_3_AND_6 = ("trainer.save_freq=3", "trainer.test_freq=-1", "trainer.logger=[console]",
-                   "trainer.export_min_val_score=0.0")
+KILL_IN_LAST_ITERATION = "iter_4/scored.parquet"
+SAVE_AT_2_AND_4 = ("trainer.save_freq=2", "trainer.test_freq=4", "trainer.val_before_train=false",
+                   "trainer.logger=[console]", "trainer.export_min_val_score=0.0")
+"""Validated once, after the last iteration: a resume also validates the policy it resumes from when
+val_before_train is on, a measurement the uninterrupted run never made."""
 
 
 def demo_batching(model: Path, runs: Path) -> list[str]:
@@ -43,7 +45,7 @@ def demo_batching(model: Path, runs: Path) -> list[str]:
     model, without the SFT warm start (minutes on first use) and with a short validation."""
     return [f"actor_rollout_ref.model.path={model}", f"trainer.runs_root={runs}",
             "actor_rollout_ref.model.warm_start.enable=false", "data.max_val_samples=8", "trainer.device=cpu",
-            *SAVE_AT_3_AND_6]
+            *SAVE_AT_2_AND_4]
 
 
 ACCUMULATING = ("actor_rollout_ref.actor.ppo_max_token_len_per_gpu=160", "critic.ppo_max_token_len_per_gpu=160")
@@ -69,23 +71,23 @@ def _cli_run(rlhf, *args: str, fault: str | None = None):
 
 def _kill_resume_and_compare(rlhf, same_tables, args: Callable[[Path], list[str]], tmp_path: Path,
                              *, preset: str) -> RunDir:
-    """``args(runs_root)``: the run's overrides. Runs it uninterrupted, and again killed in iteration
-    5 and resumed; asserts every non-timing number, table and exported tensor equal. Returns the
+    """``args(runs_root)``: the run's overrides. Runs it uninterrupted, and again killed in its last
+    iteration and resumed; asserts every non-timing number, table and exported tensor equal. Returns the
     resumed run."""
-    whole = _cli_run(rlhf, "-c", preset, *args(tmp_path / "a"), "--iterations", "6", "--run-name", "whole")
+    whole = _cli_run(rlhf, "-c", preset, *args(tmp_path / "a"), "--iterations", "4", "--run-name", "whole")
     assert whole.returncode == 0, whole.stdout[-3000:] + whole.stderr[-3000:]
-    killed = _cli_run(rlhf, "-c", preset, *args(tmp_path / "b"), "--iterations", "6", "--run-name", "killed",
-                      fault=KILL_IN_ITERATION_5)
+    killed = _cli_run(rlhf, "-c", preset, *args(tmp_path / "b"), "--iterations", "4", "--run-name", "killed",
+                      fault=KILL_IN_LAST_ITERATION)
     assert killed.returncode == 137, killed.stdout[-3000:] + killed.stderr[-3000:]
     a, b = RunDir(tmp_path / "a" / "whole"), RunDir(tmp_path / "b" / "killed")
-    assert read_last_good(b)["iteration"] == 4 and not b.checkpoint(4).exists()  # 4 lived only in memory
+    assert read_last_good(b)["iteration"] == 3 and not b.checkpoint(3).exists()  # 3 lived only in memory
     resumed = rlhf("run", "--resume", str(b.root))
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    for k in range(1, 7):
+    for k in range(1, 5):
         got, want = _numbers(b, k), _numbers(a, k)
         assert got == want, (k, {key: (got.get(key), want.get(key)) for key in set(got) | set(want)
                                  if got.get(key) != want.get(key)})
-    same_tables(a, b, range(1, 7))
+    same_tables(a, b, range(1, 5))
     mine, theirs = _exported(b, rlhf), _exported(a, rlhf)
     assert sorted(mine) == sorted(theirs)
     assert [k for k in mine if not torch.equal(mine[k], theirs[k])] == []
@@ -102,7 +104,7 @@ def test_the_demo_presets_own_batching_killed_between_saves_resumes_to_the_same_
         rlhf, demo_preset, tiny_model_dir, same_tables, tmp_path):
     run = _kill_resume_and_compare(rlhf, same_tables, lambda runs: demo_batching(tiny_model_dir, runs), tmp_path,
                                    preset=demo_preset)
-    _steps_accumulated(run, 4)
+    _steps_accumulated(run, 3)
     assert run.read_json(run.iteration_metrics(4))["actor/num_steps"] == 2  # two mini-batches
 
 
@@ -110,48 +112,48 @@ def test_bf16_with_accumulation_killed_between_saves_resumes_to_the_same_numbers
         rlhf, demo_preset, tiny_overrides, same_tables, tmp_path):
     bf16 = ("actor_rollout_ref.actor.deepspeed_config.dtype=bf16", "actor_rollout_ref.actor.deepspeed_config.zero_stage=1",
             "critic.deepspeed_config.dtype=bf16", "critic.deepspeed_config.zero_stage=1")
-    args = [*ACCUMULATING, *bf16, *SAVE_AT_3_AND_6]
+    args = [*ACCUMULATING, *bf16, *SAVE_AT_2_AND_4]
     run = _kill_resume_and_compare(rlhf, same_tables, lambda runs: tiny_overrides(runs, *args), tmp_path,
                                    preset=demo_preset)
-    _steps_accumulated(run, 4)
+    _steps_accumulated(run, 3)
 
 
 def test_a_worker_group_with_accumulation_killed_between_saves_resumes_to_the_same_numbers(
         rlhf, demo_preset, tiny_overrides, same_tables, tmp_path):
-    args = ["trainer.nproc=2", *ACCUMULATING, *SAVE_AT_3_AND_6]
+    args = ["trainer.nproc=2", *ACCUMULATING, *SAVE_AT_2_AND_4]
     run = _kill_resume_and_compare(rlhf, same_tables, lambda runs: tiny_overrides(runs, *args), tmp_path,
                                    preset=demo_preset)
-    _steps_accumulated(run, 4, at_least=1)  # per rank: each takes its half of the step's rows
+    _steps_accumulated(run, 3, at_least=1)  # per rank: each takes its half of the step's rows
     assert run.read_json(run.iteration_metrics(4))["perf/world_size"] == 2
 
 
 def test_a_replay_that_does_not_reproduce_falls_back_instead_of_stranding_the_run(
         rlhf, demo_preset, tiny_overrides, tmp_path, monkeypatch):
     """Resumed where the arithmetic differs from the run's (MKL told to take another code path, as
-    another processor or library would), iteration 4's replay cannot reproduce its record. `rlhf
-    status` says beforehand what a resume will do; the resume then falls back to checkpoint 3, reruns
-    iterations 4-5 and finishes, instead of stopping with no way on."""
-    args = [*ACCUMULATING, *SAVE_AT_3_AND_6]
-    killed = _cli_run(rlhf, "-c", demo_preset, *tiny_overrides(tmp_path, *args), "--iterations", "5",
-                      "--run-name", "killed", fault=KILL_IN_ITERATION_5)
+    another processor or library would), iteration 3's replay cannot reproduce its record. `rlhf
+    status` says beforehand what a resume will do; the resume then falls back to checkpoint 2, reruns
+    iterations 3-4 and finishes, instead of stopping with no way on."""
+    args = [*ACCUMULATING, *SAVE_AT_2_AND_4]
+    killed = _cli_run(rlhf, "-c", demo_preset, *tiny_overrides(tmp_path, *args), "--iterations", "4",
+                      "--run-name", "killed", fault=KILL_IN_LAST_ITERATION)
     assert killed.returncode == 137, killed.stdout[-3000:] + killed.stderr[-3000:]
     run = RunDir(tmp_path / "killed")
     status = rlhf("status", str(run.root))
     assert status.returncode == 0, status.stderr[-2000:]
-    assert ("iteration 4's state is only in its record (between save points): a resume rebuilds it by replaying "
-            "iteration 4's update from checkpoint 3") in status.stdout
+    assert ("iteration 3's state is only in its record (between save points): a resume rebuilds it by replaying "
+            "iteration 3's update from checkpoint 2") in status.stdout
     # on a machine with another torch, status says the replay may not reproduce and what follows
     here = lineage.environment()
     monkeypatch.setattr(lineage, "environment", lambda: {**here, "torch": "0.0.0-elsewhere"})
-    assert ("iteration 4 was trained elsewhere (torch " in format_status(run)
-            and "a resume falls back to iteration 3 and reruns iteration 4" in format_status(run))
+    assert ("iteration 3 was trained elsewhere (torch " in format_status(run)
+            and "a resume falls back to iteration 2 and reruns iteration 3" in format_status(run))
     monkeypatch.undo()
     resumed = rlhf("run", "--resume", str(run.root), MKL_CBWR="COMPATIBLE")
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    assert "replaying iteration 4's update did not reproduce its weights" in resumed.stderr
-    assert "falling back to iteration 3; iteration 4 will be rerun" in resumed.stderr
-    assert read_last_good(run)["iteration"] == 5
-    assert [e["iteration"] for e in run.events() if e.get("kind") == "fallback"] == [3]
+    assert "replaying iteration 3's update did not reproduce its weights" in resumed.stderr
+    assert "falling back to iteration 2; iteration 3 will be rerun" in resumed.stderr
+    assert read_last_good(run)["iteration"] == 4
+    assert [e["iteration"] for e in run.events() if e.get("kind") == "fallback"] == [2]
 
 
 @pytest.mark.parametrize("knobs", [
