@@ -35,6 +35,7 @@ from rlhf_core.run.lifecycle import KLGuardHalt, committed_iterations
 from rlhf_core.run.lock import RunLock
 from rlhf_core.control.plan import RunPlan, logs_to, open_run, plan_run, resolve_iterations
 from rlhf_core.run.report import format_iteration_header, format_iteration_row, iteration_metrics
+from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES, VALIDATE
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
 from rlhf_core.security import redact_text
 from rlhf_core.training.resident import resident_models, rollout_engine_kept
@@ -46,11 +47,7 @@ from tasks.iteration import (
     start_tracking_task,
 )
 from tasks.background_publisher import Reporter
-from tasks.stages import (
-    export_task, gae_task, guard_task, init_critic_task, make_durable_task, pack_task, preprocess_task, rollout_task,
-    score_task,
-    settle_task, update_task, validate_task, warm_start_task,
-)
+from tasks.stages import STAGE_TASKS, export_task, make_durable_task, settle_task
 
 
 def dotted_overrides(values: list[str]) -> list[str]:
@@ -153,19 +150,7 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
     """Setup stages, the training-step count, the validation before training, then the iteration
     loop; prints one table row per iteration when trainer.logger has console."""
     run_dir = str(plan.run.root)
-    warm_start_task(plan.cfg, run_dir, report=False)
-    init_critic_task(plan.cfg, run_dir, report=False)
-    try:
-        prepared = preprocess_task(plan.cfg, run_dir, mlflow_run_id=mlflow_run_id)
-    except NoPromptsError as exc:  # the counts first, then the refusal that names the file and the fix
-        if logs_to(plan.cfg, "console"):
-            print(preprocess_headline(exc.rows, run_dir))
-        raise
-    if logs_to(plan.cfg, "console") and not prepared["skipped"]:
-        print(preprocess_headline(prepared["rows"], run_dir))
-    # too little to train on is refused here; verl's total steps need the train prompt count: saved in config.yaml
-    cfg = resolve_iterations(plan)
-    pack_task(cfg, run_dir, mlflow_run_id=mlflow_run_id)
+    cfg = setup(plan, mlflow_run_id)
     if plan.resumed:
         redo_missed_validations(plan, cfg, mlflow_run_id)
     metrics: dict = {}
@@ -190,6 +175,26 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
             "export": exported}
 
 
+def setup(plan: RunPlan, mlflow_run_id: Optional[str]) -> RLHFConfig:
+    """Every setup stage, in its declared order (``run.stage_order.SETUP_STAGES``); returns the
+    config with the run's training-step count, known once preprocess has counted the prompts."""
+    run_dir, cfg = str(plan.run.root), plan.cfg
+    console = logs_to(cfg, "console")
+    for name in SETUP_STAGES:
+        try:
+            result = STAGE_TASKS[name](cfg, run_dir, mlflow_run_id=mlflow_run_id)
+        except NoPromptsError as exc:  # the counts first, then the refusal that names the file and the fix
+            if console:
+                print(preprocess_headline(exc.rows, run_dir))
+            raise
+        if name == "preprocess":
+            if console and not result["skipped"]:
+                print(preprocess_headline(result["rows"], run_dir))
+            # too little to train on is refused here; verl's total steps need the train prompt count
+            cfg = resolve_iterations(plan)
+    return cfg
+
+
 def settle_heap() -> None:
     """Collect once, then move every object alive now (imported modules, Prefect, MLflow, torch and
     transformers state) out of the garbage collector's view (``gc.freeze``). They live for the whole
@@ -205,7 +210,7 @@ def redo_missed_validations(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optio
     run, redone = plan.run, []
     for k in missed_validations(cfg.trainer, run, committed_iterations(run)):
         try:
-            validate_task(cfg, str(run.root), k, mlflow_run_id=mlflow_run_id)
+            STAGE_TASKS[VALIDATE](cfg, str(run.root), k, mlflow_run_id=mlflow_run_id)
         except CheckpointError as exc:
             prefect_artifacts.logger().warning("validation of step %d was missed and cannot be redone: %s", k, exc)
             continue
@@ -222,7 +227,7 @@ def validate_before_training(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Opti
     on resume the last committed iteration, reused when that validation is already on disk, and
     written into that iteration's iteration_metrics.json)."""
     step = plan.first_iteration - 1
-    result = validate_task(cfg, str(plan.run.root), step, mlflow_run_id=mlflow_run_id)
+    result = STAGE_TASKS[VALIDATE](cfg, str(plan.run.root), step, mlflow_run_id=mlflow_run_id)
     if step >= 1:  # a committed iteration's record gains it: rlhf status, rlhf query and the curve read it there
         iteration_metrics(cfg.data, plan.run, step)
     if logs_to(cfg, "console"):
@@ -247,7 +252,7 @@ def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], report
         for k in plan.iterations():
             cfg, results = run_iteration(cfg, run_dir, k, mlflow_run_id)
             if validate_due(cfg.trainer, k):
-                results.append(validate_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id, report=False))
+                results.append(STAGE_TASKS[VALIDATE](cfg, run_dir, k, mlflow_run_id=mlflow_run_id, report=False))
             closed = finish_iteration_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id, progress_id=progress,
                                            stage_results=results, publish=False)
             reporter.submit(f"report of iteration {k}", publish_iteration, closed["report"])
@@ -264,10 +269,7 @@ def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional
     (finish-iteration does). Raises KLGuardHalt when the breach policy stops the run."""
     quiet = dict(mlflow_run_id=mlflow_run_id, report=False)
     for attempt in itertools.count(1):
-        results = [rollout_task(cfg, run_dir, k, **quiet), score_task(cfg, run_dir, k, **quiet),
-                   gae_task(cfg, run_dir, k, **quiet)]
-        results.append(update_task(cfg, run_dir, k, **quiet))
-        results.append(guard_task(cfg, run_dir, k, **quiet))
+        results = [STAGE_TASKS[name](cfg, run_dir, k, **quiet) for name in ITERATION_STAGES]
         if settle_task(cfg, run_dir, k, cfg.trainer.on_kl_breach, attempt) == "commit":
             return cfg, results
         outcome = handle_breach_task(cfg, run_dir, k, attempt, mlflow_run_id=mlflow_run_id, stage_results=results)

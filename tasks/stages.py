@@ -27,7 +27,7 @@ from rlhf_core.control.export import ExportRefused, check_export_allowed, export
 from rlhf_core.run.lifecycle import settle
 from rlhf_core.run.manifest import mark_skipped
 from rlhf_core.run.report import stage_numbers
-from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES, STAGES, StageSpec
+from rlhf_core.run.stage_order import STAGES, StageSpec
 from rlhf_core.stages.repair import Unrepairable, make_last_good_durable, prepare_export
 from rlhf_core.training.resident import check_background_writes, settle_resident
 from tasks import mlflow_tracking, prefect_artifacts
@@ -81,10 +81,8 @@ def _stage_task(spec: StageSpec):
 
 
 STAGE_TASKS = {name: _stage_task(spec) for name, spec in STAGES.items()}
-"""One Prefect task per stage, built from its declaration (``run.stage_order.STAGES``)."""
-warm_start_task, init_critic_task, preprocess_task, pack_task = (STAGE_TASKS[s] for s in SETUP_STAGES)
-rollout_task, score_task, gae_task, update_task, guard_task, validate_task = (
-    STAGE_TASKS[s] for s in (*ITERATION_STAGES, "validate"))
+"""One Prefect task per stage, built from its declaration (``run.stage_order.STAGES``): the flows
+run them by name, in the declared order, so a new stage needs no line here."""
 
 
 @task(name="export", **NO_RESULTS, **IO_RETRIES)

@@ -36,6 +36,19 @@ class StageSpec:
     share: Optional[str] = None
     """The function each process runs for its share of the stage's model passes when they are spread
     over several ("module:function", ``stages.rank_entry``); None: the stage runs in one process."""
+    in_commit: bool = False
+    """One of the stages an iteration runs before its commit (``ITERATION_STAGES``): the flow runs it
+    in every attempt, and a committed iteration without its record is damage (``run.integrity``). A
+    per-iteration stage outside it (validation) runs after the commit, when due."""
+    rolled_back: bool = False
+    """A rollback invalidates its outputs (``ROLLED_BACK_STAGES``): computed from the update, or
+    handing state on to the next iteration, so a retry reruns it. Rollout and score stay valid: they
+    were computed from the last-good actor, which the rollback keeps."""
+    report_outputs: tuple[str, ...] = ()
+    """Outputs (by their key in the stage's result) that report on the others (``REPORT_OUTPUTS``):
+    they carry timings, so a rerun never writes them byte for byte, while the rest of what they hold
+    follows from the other outputs. A rerun whose other outputs are unchanged leaves everything
+    downstream as it was."""
 
     def load(self) -> Callable:
         return _function(self.target)
@@ -67,17 +80,20 @@ STAGES: dict[str, StageSpec] = {
                   "token-budget bin packing of prompts into generation batches", task="pack"),
         StageSpec("rollout", "rlhf_core.stages.rollout:run_rollout", True,
                   "generate responses (hf / vllm) or import offline ones → iter_K/rollout.parquet", task="rollout",
-                  share="rlhf_core.stages.rollout:rollout_share"),
+                  share="rlhf_core.stages.rollout:rollout_share", in_commit=True),
         StageSpec("score", "rlhf_core.stages.score:run_score", True,
                   "rewards + old/ref log-probs + values → iter_K/scored.parquet", task="score",
-                  share="rlhf_core.stages.score:score_share"),
+                  share="rlhf_core.stages.score:score_share", in_commit=True),
         StageSpec("gae", "rlhf_core.stages.gae:run_gae", True,
-                  "KL-in-reward penalty + GAE advantages → iter_K/advantages.parquet", task="gae"),
+                  "KL-in-reward penalty + GAE advantages → iter_K/advantages.parquet", task="gae", in_commit=True,
+                  rolled_back=True),
         StageSpec("update", "rlhf_core.stages.update:run_update", True,
-                  "PPO update of actor and critic with DeepSpeed → iter_K/checkpoint/", task="update", retries=False),
+                  "PPO update of actor and critic with DeepSpeed → iter_K/checkpoint/", task="update", retries=False,
+                  in_commit=True, rolled_back=True, report_outputs=("metrics",)),
         StageSpec("guard", "rlhf_core.stages.guard:run_guard", True,
                   "KL(actor‖ref) of the new actor vs the threshold → the verdict iter_K/guard.json",
-                  task="kl-guard", retries=False, share="rlhf_core.stages.guard:guard_share"),
+                  task="kl-guard", retries=False, share="rlhf_core.stages.guard:guard_share", in_commit=True,
+                  rolled_back=True),
         StageSpec("validate", "rlhf_core.stages.validate:run_validate", True,
                   "sampled accuracy of iteration K's actor on the validation prompts → iter_K/validation.parquet",
                   task="validate", share="rlhf_core.stages.validate:validate_share"),
@@ -86,22 +102,25 @@ STAGES: dict[str, StageSpec] = {
 """Every stage, in the order a run runs them."""
 
 SETUP_STAGES = tuple(name for name, spec in STAGES.items() if not spec.per_iteration)
-ITERATION_STAGES = ("rollout", "score", "gae", "update", "guard")
+"""The stages a run runs once, before its iterations, in order."""
+ITERATION_STAGES = tuple(name for name, spec in STAGES.items() if spec.in_commit)
 """The stages of one training iteration, in order (validate follows when due, outside the commit)."""
-REPORT_ORDER = ITERATION_STAGES + ("validate",)
+REPORT_ORDER = tuple(name for name, spec in STAGES.items() if spec.per_iteration)
 """The order an iteration's stages report in: a metric two stages report is reported by the first."""
-DOWNSTREAM = {name: ITERATION_STAGES[i + 1:] + (("validate",) if i <= ITERATION_STAGES.index("update") else ())
-              for i, name in enumerate(ITERATION_STAGES)} | {"validate": ()}
+AFTER_COMMIT = tuple(name for name in REPORT_ORDER if name not in ITERATION_STAGES)
+"""Per-iteration stages that measure a committed iteration (validation)."""
+UPDATE = "update"
+"""The stage that trains: what measures its checkpoint (``AFTER_COMMIT``) is computed from it."""
+VALIDATE = "validate"
+"""The stage that measures a policy (after a commit when ``run.schedule.validate_due``, and before training)."""
+DOWNSTREAM = {name: ITERATION_STAGES[i + 1:] + (AFTER_COMMIT if i <= ITERATION_STAGES.index(UPDATE) else ())
+              for i, name in enumerate(ITERATION_STAGES)} | {name: () for name in AFTER_COMMIT}
 """Per stage of an iteration, the stages of the same iteration computed from its outputs, which a rerun
 makes stale: the later iteration stages, and validate up to the update (it measures the update's checkpoint)."""
-REPORT_OUTPUTS = {"update": ("metrics",)}
-"""Outputs (by their key in the stage's result) that report on the others: they carry timings, so a
-rerun never writes them byte for byte, while the rest of what they hold follows from the other
-outputs (the same state record means the same training). A rerun whose other outputs are unchanged
-leaves everything downstream as it was."""
-ROLLED_BACK_STAGES = ("gae", "update", "guard")
-"""Stages whose outputs a rollback invalidates. Rollout and score stay valid: they were computed
-from the last-good actor, which the rollback keeps, so a retry reuses them."""
+REPORT_OUTPUTS = {name: spec.report_outputs for name, spec in STAGES.items() if spec.report_outputs}
+"""Per stage, its report outputs (``StageSpec.report_outputs``)."""
+ROLLED_BACK_STAGES = tuple(name for name, spec in STAGES.items() if spec.rolled_back)
+"""Stages whose outputs a rollback invalidates (``StageSpec.rolled_back``)."""
 
 
 def get_stage(name: str) -> StageSpec:
