@@ -67,7 +67,8 @@ def verl(conformance):
     def lookup(case_id: str):
         result = results[case_id]
         if "error" in result:
-            pytest.fail(f"{case_id}: verl raised {result['error']}", pytrace=False)
+            pytest.fail(f"{case_id}: verl raised {result['error']} (a name verl does not have is ours: list it in "
+                        f"tests/conformance/cases.py's OUR_OWN with the reason)", pytrace=False)
         return cases[case_id], result
 
     lookup.ids = lambda family: sorted(i for i, c in cases.items() if c["family"] == family)

@@ -44,12 +44,6 @@ sides order their float32 reductions differently (a semantic difference is order
 TOL32_VECTORIZED = dict(rtol=5e-4, atol=5e-4)
 """grpo_vectorized's trainer-level tolerance (DELIBERATE["single-pass variance"])."""
 
-OUR_OWN = {
-    "reward source": {"gsm8k", "arith"},  # ours: the GSM8K rule under our names (verl's name is openai/gsm8k)
-}
-"""Names we register that verl does not have; every other registered name must be compared."""
-
-
 def _close(ours, theirs, what: str, tol=TOL) -> None:
     ours = torch.as_tensor(ours, dtype=torch.float64)
     theirs = torch.as_tensor(theirs, dtype=torch.float64)
@@ -65,25 +59,44 @@ def _ids(builder) -> list[str]:
 # ---------------------------------------------------------------------------------------------
 
 
-def test_every_registered_name_is_compared_or_listed_as_ours():
-    compared = {
-        "loss aggregation mode": {c["mode"] for c in C.agg_cases()},
-        "policy loss": {c["mode"] for c in C.policy_loss_cases()},
-        "advantage estimator": {c["name"] for c in C.estimator_cases()},
-        "KL estimator": {c["kind"] for c in C.kl_cases()},
-        "KL controller": {c["type"] for c in C.kl_controller_cases()},
-        "reward source": set(C.REWARD_ROWS) | {f"{p}*" for p in ("aime",) if any(s.startswith(p) for s in C.REWARD_ROWS)},
-    }
-    registered = {
+def _registered() -> dict[str, set[str]]:
+    return {
         "loss aggregation mode": set(AGG_MODES.names()), "policy loss": set(POLICY_LOSSES.names()),
         "advantage estimator": set(ADV_ESTIMATORS.names()), "KL estimator": set(kl_estimator_names()),
         "KL controller": set(KL_CONTROLLERS.names()), "reward source": set(registered_sources()),
     }
-    for kind, names in registered.items():
-        unchecked = names - compared[kind] - OUR_OWN.get(kind, set())
+
+
+def test_every_registered_name_is_compared_or_listed_as_ours():
+    """Each registered name has cases, or is in ``cases.OUR_OWN`` (with the reason), never both; an
+    entry there names something registered."""
+    compared = {
+        "loss aggregation mode": {c["mode"] for c in C.agg_cases()},
+        "policy loss": {c["mode"] for c in C.policy_loss_cases()},
+        "advantage estimator": {c["name"] for c in C.estimator_cases()} & {c["algorithm"]["adv_estimator"]
+                                                                           for c in C.trainer_cases()},
+        "KL estimator": {c["kind"] for c in C.kl_cases()},
+        "KL controller": {c["type"] for c in C.kl_controller_cases()} & {c["type"] for c in C.kl_reward_cases()},
+        "reward source": set(C.REWARD_ROWS) | {f"{p}*" for p in ("aime",) if any(s.startswith(p) for s in C.REWARD_ROWS)},
+    }
+    assert set(C.OUR_OWN) <= set(compared), f"cases.OUR_OWN: unknown kind(s) {sorted(set(C.OUR_OWN) - set(compared))}"
+    for kind, names in _registered().items():
+        ours = set(C.OUR_OWN.get(kind, {}))
+        unchecked = names - compared[kind] - ours
         assert not unchecked, (f"registered {kind}(s) {sorted(unchecked)} are compared with nothing: add verl cases "
-                               f"(tests/conformance/cases.py) or list them in OUR_OWN with the reason")
-    assert set(GSM8K_SOURCES) - OUR_OWN["reward source"] == {"openai/gsm8k"}
+                               f"(tests/conformance/cases.py) or list them in cases.OUR_OWN with the reason")
+        assert not compared[kind] & ours, f"{kind}(s) {sorted(compared[kind] & ours)}: listed as ours and compared"
+        assert ours <= names, f"cases.OUR_OWN lists {kind}(s) {sorted(ours - names)} that nothing registers"
+        assert all(str(C.OUR_OWN[kind][name]).strip() for name in ours), f"cases.OUR_OWN[{kind!r}]: give each its reason"
+    assert set(GSM8K_SOURCES) - set(C.OUR_OWN["reward source"]) == {"openai/gsm8k"}
+
+
+def test_our_own_names_are_not_verls(verl):
+    """A name verl has means verl's behaviour: one listed as ours must be unknown to verl 0.9.1."""
+    _, theirs = verl("names/our_own")
+    known = sorted(f"{kind} {name}" for kind, names in theirs["known"].items() for name, has in names.items() if has)
+    assert not known, (f"verl 0.9.1 has {', '.join(known)}: a verl name must mean verl's behaviour; take it out of "
+                       f"cases.OUR_OWN so the step compares it, or register ours under another name")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -291,8 +291,39 @@ def config(case):
     return {"defaults": {k: v for k, v in flat.items() if not k.endswith("_target_")}}
 
 
+def _refuses(call) -> bool:
+    """Whether verl turns the name down: its error for an unknown mode or source."""
+    try:
+        call()
+    except (NotImplementedError, ValueError):
+        return True
+    return False
+
+
+def _knows(kind: str, name: str) -> bool:
+    """Whether verl 0.9.1 has ``name`` as a ``kind``: in its registry where it keeps one, else whether
+    the function that takes the name accepts it."""
+    one = torch.zeros(1, 1, dtype=torch.float64)
+    probes = {
+        "advantage estimator": lambda: name in {e.value for e in core_algos.AdvantageEstimator}
+        or name in core_algos.ADV_ESTIMATOR_REGISTRY,
+        "policy loss": lambda: name in core_algos.POLICY_LOSS_REGISTRY,
+        "loss aggregation mode": lambda: not _refuses(lambda: core_algos.agg_loss(one, torch.ones_like(one), name)),
+        "KL estimator": lambda: not _refuses(lambda: core_algos.kl_penalty(one, one, kl_penalty=name)),
+        "KL controller": lambda: not _refuses(lambda: core_algos.get_kl_controller(
+            KLControlConfig(type=name, kl_coef=0.1, target_kl=0.1, horizon=100))),
+        "reward source": lambda: not _refuses(lambda: default_compute_score(name, "Answer: 1", "1", extra_info={})),
+    }
+    return probes[kind]()
+
+
+def names(case):
+    """For each name we list as our own, whether verl has it."""
+    return {"known": {kind: {name: _knows(kind, name) for name in listed} for kind, listed in case["names"].items()}}
+
+
 FAMILIES = {f.__name__: f for f in (config, agg, policy_loss, value_loss, estimator, kl, kl_controller, kl_reward,
-                                    rollout_correction, trainer, reward, dapo_manager)}
+                                    rollout_correction, trainer, reward, dapo_manager, names)}
 
 
 def main(cases_path: str, results_path: str) -> None:
