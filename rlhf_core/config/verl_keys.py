@@ -9,7 +9,7 @@ value other than verl's default would change the result and this project cannot 
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Iterable, Optional
 
 A, R, C = "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.", "critic."
 
@@ -197,3 +197,18 @@ def lookup(table: dict[str, Any], dotted: str) -> Optional[str]:
         if key.endswith(".") and dotted.startswith(key):
             return key
     return None
+
+
+def entries_shadowing_fields(fields: Iterable[str]) -> list[str]:
+    """What is wrong when a key is both a schema field (``fields``: the schema's dotted keys) and an
+    entry above: the loader sets a field, so its NO_EFFECT note would never be said, a RENAMED
+    spelling would move the field's value elsewhere, and an ONLY_DEFAULT entry would refuse what the
+    field now does. One line per such key, saying which entry to remove. (A section entry, ending in
+    '.', covers only the keys under it that are not fields.)"""
+    fields = set(fields)
+    tables = (("NO_EFFECT", NO_EFFECT, "its note says it has no effect here, and the loader never says it"),
+              ("RENAMED", RENAMED, "the loader moves its value to another key"),
+              ("ONLY_DEFAULT", ONLY_DEFAULT, "the loader refuses every value but verl's default"))
+    return [f"{key}: a field of rlhf_core/config/schema.py and listed in {name} (rlhf_core/config/verl_keys.py), "
+            f"where {why}: remove it from {name}"
+            for name, table, why in tables for key in sorted(table) if key in fields]

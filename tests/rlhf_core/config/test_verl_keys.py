@@ -11,8 +11,8 @@ import sys
 import pytest
 
 from rlhf_core.algos.registry import ADV_ESTIMATORS
-from rlhf_core.config import ConfigError, flatten, load_config
-from rlhf_core.config import notes
+from rlhf_core.config import ConfigError, flatten, load_config, valid_keys
+from rlhf_core.config import notes, verl_keys
 from rlhf_core.config.machine import fit_to_machine
 
 
@@ -75,6 +75,20 @@ def test_values_we_cannot_honour_are_refused(override, fragment):
         load_config(None, [override])
     assert override.split("=")[0] in str(err.value) and fragment in str(err.value)
     load_config(None, [override.split("=")[0] + "=" + ("1" if "size" in override else "false")])  # default is fine
+
+
+def test_no_key_is_both_a_schema_field_and_a_verl_keys_entry():
+    """A verl key made a field leaves verl_keys.py: a field listed in NO_EFFECT would keep its "no
+    effect here" note in the table while the loader sets the field and never says it."""
+    assert not verl_keys.entries_shadowing_fields(valid_keys()), "\n".join(
+        verl_keys.entries_shadowing_fields(valid_keys()))
+    said = verl_keys.entries_shadowing_fields(["data.validation_shuffle", "critic.max_grad_norm", "critic.grad_clip"])
+    assert said == [
+        "data.validation_shuffle: a field of rlhf_core/config/schema.py and listed in NO_EFFECT "
+        "(rlhf_core/config/verl_keys.py), where its note says it has no effect here, and the loader never says it: "
+        "remove it from NO_EFFECT",
+        "critic.max_grad_norm: a field of rlhf_core/config/schema.py and listed in RENAMED "
+        "(rlhf_core/config/verl_keys.py), where the loader moves its value to another key: remove it from RENAMED"]
 
 
 def test_unknown_keys_still_fail_with_suggestions():
