@@ -41,7 +41,7 @@ from typing import Callable, Optional, Sequence
 
 from tqdm import tqdm
 
-from rlhf_cli import prefect_server, session
+from rlhf_cli import prefect_server, session, startup
 from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
 from rlhf_core.paths import state_dir
 from rlhf_core.run.stage_order import STAGES
@@ -286,6 +286,8 @@ def _on_ctrl_c(command: str) -> None:
         # call" instead of printing, and the line would be lost.
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: os._exit(code))
+        with contextlib.suppress(Exception):  # the line must come whatever the bar's stream is doing
+            startup.end()  # a line of its own, not after the start's bar (nothing once the run has started)
         _say(line)
         session.SAID_INTERRUPTED = True
         _silence()
@@ -418,14 +420,19 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         args = plan_first(args)  # a config mistake is one line before Prefect, MLflow, DeepSpeed load
         if argv is None and runs_flows(args):  # its start overlaps the command's imports (not in-process callers')
             prefect_server.prewarm(Path(os.environ["PREFECT_HOME"]))
+        if argv is None and args.command in PLANNED_FIRST and not getattr(args, "verbose", False):
+            startup.begin("loading torch, Prefect, MLflow, DeepSpeed")  # cleared before the run's first line
         return command(args)(args) or 0
     except KeyboardInterrupt:
+        startup.end()
         return _after_interrupt(args.command, console=argv is None)
     except BaseException as exc:
+        startup.end()
         if session.SAID_INTERRUPTED:  # what code on the way up turned the interrupt into: another error, an exit
             return _after_interrupt(args.command, console=argv is None)
         return _user_error(exc)
     finally:
+        startup.end()
         stack.close()
         log.removeHandler(handler)
         log.propagate = propagate

@@ -23,7 +23,7 @@ from prefect.settings import (
 from deployments.services import main as services_main
 from flows.pipeline import PipelineParams, rlhf_pipeline
 from flows.stage import StageParams, rlhf_rebuild, rlhf_stage
-from rlhf_cli import prefect_server, session
+from rlhf_cli import prefect_server, session, startup
 from rlhf_cli.inspection import demo_as_run, plan_run_command, require_run_dir
 from rlhf_cli.local import print_result, quiet_deepspeed, stage_overrides
 from rlhf_core.errors import RLHFError
@@ -183,6 +183,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     plan = getattr(args, "plan", None) or plan_run_command(args)
     session.RUN_DIR = plan.run  # for the resume hint after Ctrl-C
     quiet_deepspeed()
+    startup.step("the Prefect server")
     _bind_server()
     _quiet_user_errors()
     # the flow plans again: give it the directory planned here (a default name is a timestamp)
@@ -190,6 +191,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                             overrides=list(args.overrides), iterations=args.iterations,
                             run_name=None if args.resume else plan.run.root.name,
                             resume=str(args.resume.resolve()) if args.resume else None)
+    startup.end()  # the flow prints from here on
     summary = rlhf_pipeline(params)
     print(redact_text(closing_block(summary)))  # a terminal is a sink too: scrollback, CI logs
     session.WORK_DONE = True
