@@ -265,3 +265,11 @@ def policy_loss_mode(cfg: RLHFConfig) -> str:
     if cfg.algorithm.rollout_correction.bypass_mode:
         return "bypass_mode"
     return cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+
+
+def role_model_key(cfg: RLHFConfig, role: str = "actor") -> str:
+    """The model key (a directory, a hub id, ``tiny``) ``role``'s weights start from: the actor's
+    actor_rollout_ref.model.path; the critic's critic.model.path, else the actor's."""
+    if role == "critic" and cfg.critic.model.path:
+        return cfg.critic.model.path
+    return cfg.actor_rollout_ref.model.path

@@ -23,6 +23,20 @@ def largest_matrix(shapes: Iterable[Sequence[int]]) -> int:
     return max((int(a) * int(b) for a, b in (s for s in shapes if len(s) == 2)), default=0)
 
 
+def config_largest_matrix(config: dict) -> int:
+    """``largest_matrix`` of a decoder-only transformer from its Hugging Face config.json alone (no
+    weights read): the embedding / LM head, the MLP and the attention projections. 0 when the config
+    lacks the sizes."""
+    try:
+        hidden, vocab = int(config["hidden_size"]), int(config.get("vocab_size") or 0)
+        inner = int(config.get("intermediate_size") or 0)
+        heads = int(config.get("num_attention_heads") or 1)
+        head_dim = int(config.get("head_dim") or hidden // heads)
+    except (KeyError, TypeError, ValueError):
+        return 0
+    return largest_matrix([(vocab, hidden), (inner, hidden), (heads * head_dim, hidden)])
+
+
 def module_largest_matrix(module) -> int:
     """``largest_matrix`` of a torch module's parameters (their full shapes under ZeRO-3)."""
     return largest_matrix(tuple(getattr(p, "ds_shape", p.shape)) for p in module.parameters())

@@ -29,14 +29,19 @@ offloaded state is then kept in pinned host memory (``pin_memory: true``) for fa
 from __future__ import annotations
 
 import copy
+import functools
 import json
+import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional
 
-from rlhf_core.config import effective_deepspeed
+from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve
 from rlhf_core.config.loader import ConfigError
+from rlhf_core.config.notes import say_once
 from rlhf_core.config.schema import DeepSpeedConfig
-from rlhf_core.paths import resolve_path
+from rlhf_core.errors import RLHFError
+from rlhf_core.models.threads import SMALL_MATMUL, config_largest_matrix, small_matmuls
+from rlhf_core.paths import resolve_model_path, resolve_path
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -54,14 +59,85 @@ def resolve_device(preference: str = "auto") -> str:
     return "cpu"
 
 
-def resolve_dtype(dtype: str, device: str) -> str:
-    """deepspeed_config.dtype: 'auto' = fp32 on CPU (the tiny demo's; bf16 pays on AVX512-BF16 / AMX cores
-    at real layer shapes, set explicitly), bf16 on CUDA."""
+NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+"""/proc/cpuinfo flags of x86 cores with bf16 matrix instructions (AVX512-BF16's dot products, AMX's tiles).
+Without them torch runs bf16 matmuls without the vector units' help: measured on an AVX2-only AMD EPYC
+(``BF16_EMULATED_COST``) tens of times slower than fp32, where AVX512-BF16 ran the same matmul 2.1x faster
+than fp32 (docs/benchmarks.md §8)."""
+
+BF16_EMULATED_COST = "a matmul ~90x and a forward + backward ~30x slower than in fp32"
+"""What bf16 costs on a CPU without ``NATIVE_BF16_FLAGS``, as measured on one (AMD EPYC, AVX2 only, one
+thread: a 944 x 896 x 4864 matmul at 0.9 GFLOP/s against 80 in fp32; forward + backward of 8 x 118 tokens
+through 4 layers of Qwen2.5-0.5B's shape 192 s against 6.1 s; docs/benchmarks.md §8): said when a config
+asks for bf16 there."""
+
+
+@functools.lru_cache(maxsize=1)
+def cpu_description() -> tuple[str, tuple[str, ...]]:
+    """(model name, flags) of this machine's CPU from /proc/cpuinfo; ('unknown', ()) where it cannot be read."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return "unknown", ()
+    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
+    fields = {k.strip(): v.strip() for k, v in fields.items()}
+    return fields.get("model name", "unknown"), tuple(fields.get("flags", "").split())
+
+
+def cpu_native_bf16() -> bool:
+    """Whether this CPU multiplies bf16 matrices natively (``NATIVE_BF16_FLAGS``)."""
+    return any(flag in cpu_description()[1] for flag in NATIVE_BF16_FLAGS)
+
+
+def resolve_dtype(dtype: str, device: str, largest_matrix: Optional[int] = None) -> str:
+    """deepspeed_config.dtype: 'auto' = bf16 on CUDA; on a CPU bf16 only where it pays — the cores multiply
+    bf16 natively (``cpu_native_bf16``) and the model's largest weight matrix (``largest_matrix``, None =
+    unknown) is not small (``models.threads.SMALL_MATMUL``: the tiny demo's 64 x 512 runs faster in fp32,
+    Qwen2.5-0.5B's 896 x 4864 2x faster in bf16 on AVX512-BF16, docs/benchmarks.md §8) — else fp32."""
     if dtype == "auto":
-        return "fp32" if device == "cpu" else "bf16"
+        if device != "cpu":
+            return "bf16"
+        return "bf16" if cpu_native_bf16() and largest_matrix is not None and not small_matmuls(largest_matrix) else "fp32"
     if dtype not in DTYPES:
         raise ConfigError(f"deepspeed_config.dtype={dtype!r}: must be auto, fp32, bf16 or fp16")
     return dtype
+
+
+def model_largest_matrix(model_path: str) -> Optional[int]:
+    """Elements of the largest weight matrix of the model at ``model_path`` (a model key: a directory, a
+    hub id, ``tiny``), from its config.json; None when it is not there yet (the tiny model before its
+    build) or has no readable config."""
+    try:
+        config = json.loads((resolve_model_path(model_path) / "config.json").read_text())
+    except (RLHFError, OSError, ValueError):
+        return None
+    return config_largest_matrix(config) or None
+
+
+def role_dtype(ds: DeepSpeedConfig, model_path: str, device: str, key: str = "actor_rollout_ref.actor") -> str:
+    """A trained role's dtype on ``device``: ``ds.dtype`` with 'auto' resolved for the model at ``model_path``
+    (``resolve_dtype``). The run follows the actor's: rollout, scoring and the KL guard run in it. On a CPU
+    the choice is said once per process (rank 0), with why."""
+    largest = model_largest_matrix(model_path)
+    dtype = resolve_dtype(ds.dtype, device, largest)
+    if device == "cpu" and os.environ.get("RANK", "0") == "0":
+        _say_cpu_dtype(key, ds.dtype, dtype, largest)
+    return dtype
+
+
+def _say_cpu_dtype(key: str, configured: str, dtype: str, largest: Optional[int]) -> None:
+    model, _ = cpu_description()
+    native = cpu_native_bf16()
+    units = "with native bf16 (AVX512-BF16 / AMX)" if native else "without native bf16 (no AVX512-BF16 / AMX)"
+    if configured == "auto":
+        size = "size unknown" if largest is None else f"largest weight matrix {largest / 1e6:.2f} M elements"
+        why = ("bf16 pays for a model this size" if dtype == "bf16" else
+               "bf16 would be emulated" if not native else
+               f"fp32 is faster for a model with matrices under {SMALL_MATMUL / 1e6:.0f} M elements")
+        say_once(f"{key}.deepspeed_config.dtype=auto: {dtype} on this CPU ({model}, {units}; {size}): {why}")
+    elif dtype in ("bf16", "fp16") and not native:
+        say_once(f"{key}.deepspeed_config.dtype={dtype} on a CPU {units} ({model}): {dtype} is emulated here, "
+                 f"measured on such a CPU {BF16_EMULATED_COST}; leave it at auto (fp32 here)")
 
 
 def torch_dtype(name: str):
@@ -129,14 +205,15 @@ def read_raw_config(path: str | Path, key: str) -> dict:
 
 
 def build_ds_config(ds: DeepSpeedConfig, *, grad_clip: float, device: str, world_size: int = 1,
-                    key: str = "actor_rollout_ref.actor.deepspeed_config") -> dict[str, Any]:
+                    key: str = "actor_rollout_ref.actor.deepspeed_config",
+                    largest_matrix: Optional[int] = None) -> dict[str, Any]:
     """The DeepSpeed config for one engine (``key`` names its section in error messages).
 
     ``grad_clip`` (verl's actor.grad_clip / critic.grad_clip: the total-norm clip of each mini-batch
     gradient) becomes ``gradient_clipping``; the raw JSON at ``ds.config_path`` (if any) is
-    merged last, so its keys win.
+    merged last, so its keys win. ``largest_matrix``: the model's, for dtype 'auto' (``resolve_dtype``).
     """
-    dtype = resolve_dtype(ds.dtype, device)
+    dtype = resolve_dtype(ds.dtype, device, largest_matrix)
     config: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -161,10 +238,12 @@ def build_ds_config(ds: DeepSpeedConfig, *, grad_clip: float, device: str, world
 def actor_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
     """The actor's config: verl's FSDP offload flags folded in (``effective_deepspeed``)."""
     return build_ds_config(effective_deepspeed(cfg), grad_clip=cfg.actor_rollout_ref.actor.grad_clip,
-                           device=device, world_size=world_size)
+                           device=device, world_size=world_size,
+                           largest_matrix=model_largest_matrix(resolve.role_model_key(cfg)))
 
 
 def critic_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
     """The critic's config: critic.model.fsdp_config's offload flags folded in, as the actor's."""
     return build_ds_config(effective_deepspeed(cfg, "critic"), grad_clip=cfg.critic.grad_clip, device=device,
-                           world_size=world_size, key="critic.deepspeed_config")
+                           world_size=world_size, key="critic.deepspeed_config",
+                           largest_matrix=model_largest_matrix(resolve.role_model_key(cfg, "critic")))

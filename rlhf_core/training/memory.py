@@ -61,7 +61,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Literal, Optional
 
@@ -70,6 +70,7 @@ import torch
 from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.schema import DeepSpeedConfig
+from rlhf_core.models.threads import config_largest_matrix
 from rlhf_core.training.ds_config import resolve_dtype
 
 log = logging.getLogger("rlhf.memory")
@@ -355,8 +356,9 @@ def estimate(settings: MemorySettings, shapes: Shapes, *, device: str, device_me
     ``resident``: the trainer engines stay loaded beside the rollout and scoring, with their
     rollback snapshot in host memory."""
     s, world_size = settings, settings.world_size
-    actor_dtype = resolve_dtype(s.actor.deepspeed.dtype, device)
-    critic_dtype = resolve_dtype(s.critic.deepspeed.dtype, device)
+    actor_dtype = resolve_dtype(s.actor.deepspeed.dtype, device, config_largest_matrix(asdict(shapes.actor)))
+    critic_dtype = resolve_dtype(s.critic.deepspeed.dtype, device,
+                                 config_largest_matrix(asdict(shapes.critic or shapes.actor)))
     actor_params = shapes.actor.parameters("lm")
     lora = s.lora_rank
     actor_trainable = shapes.actor.lora_parameters(lora) if lora > 0 else actor_params
