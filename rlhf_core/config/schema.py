@@ -305,10 +305,12 @@ class DeepSpeedConfig(Section):
     """ZeRO stage 0-3. 0 is fastest for one process on a CPU; use 2 or 3 on several GPUs. bf16/fp16 train
     at stage >= 1 (DeepSpeed's stage-0 mixed-precision optimizer hides the per-parameter state we save)."""
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
-    """'auto' = fp32 on CPU, bf16 on CUDA. The whole run follows it: rollout, scoring and the KL guard
-    run in the actor's training dtype. On a CPU with AVX512-BF16 or AMX, bf16 (with zero_stage=1) is
-    the fast choice at real layer shapes — a 0.5B-shaped 4-layer model's iteration 9.8 s -> 5.0 s — while
-    a tiny model is faster in fp32 (docs/benchmarks.md §8)."""
+    """'auto' = bf16 on CUDA; on a CPU bf16 where it pays — cores with native bf16 matrix units
+    (AVX512-BF16 or AMX) and a model whose largest weight matrix has at least 1 M elements (a 0.5B-shaped
+    4-layer model's iteration 9.8 s -> 5.0 s there) — else fp32 (the tiny demo's 64 x 512 matrices are
+    faster in fp32; a CPU without those units emulates bf16 tens of times slower). The choice is said once.
+    The whole run follows the actor's: rollout, scoring and the KL guard run in its training dtype. bf16
+    trains at zero_stage >= 1 (raised to 1 by itself). docs/benchmarks.md §8."""
     offload_optimizer: bool = False
     """Keep Adam's state in host memory (what fsdp_config.optimizer_offload maps to). Off, as verl's FSDP
     default: it slows every step and only pays when the state does not fit on the device."""
@@ -496,6 +498,14 @@ class RolloutConfig(Section):
     matrix has under 1 M elements (its per-token matmuls are too small to split; on shared cores
     extra threads spin-wait: tiny model 3,600 tokens/s on 1 thread vs 220 on 2 busy cores), else
     torch's default (Qwen2.5-0.5B's layer shape decodes 1.5x faster on 2 threads than on 1)."""
+    old_log_probs: Literal["auto", "recompute"] = "auto"
+    """Where the update's old log-probs come from. 'auto': the rollout's own when they are the trainer's
+    arithmetic — the hf engine on the CPU in fp32 (the trainer's own module with resident models, or its
+    checkpoint), sampling without a top-k / top-p cut, dynamic KV cache, no LoRA, no
+    algorithm.rollout_correction.rollout_is / rollout_rs — measured ~2e-7 from the recomputed ones
+    (docs/benchmarks.md §8); the score stage then skips the actor's pass. Recomputed otherwise (bf16
+    decoding differs by ~3e-3). 'recompute': always, as verl does outside bypass_mode. The update
+    reports the difference it starts from (actor/old_log_prob_diff_max)."""
     hf_decode: Literal["dynamic", "static"] = "dynamic"
     """hf engine: the KV cache ``generate`` decodes with. 'dynamic' grows it every step (transformers'
     default); 'static' allocates it once at data.max_prompt_length + data.max_response_length, and on

@@ -333,6 +333,7 @@ def format_status(run: RunDir | str | Path) -> str:
         lines.append(format_table(table, max_rows=10_000, missing="-").rsplit("\n", 1)[0])
     else:
         lines.append("no iterations yet")
+    lines += time_floor_lines(run)
     problems = status_problems(run)
     if problems:
         lines += [f"problem: {line}" for line in problems]
@@ -352,6 +353,33 @@ def last_good_line(run: RunDir, last_good: Optional[dict]) -> str:
     if (run.checkpoint(k) / "actor").is_dir():
         return f"last-good: iteration {k} ({where})"
     return f"last-good: iteration {k} (its checkpoint {where} is not written: only its record is on disk)"
+
+
+def time_floor_lines(run: RunDir) -> list[str]:
+    """Where the latest iteration's time went: each stage's seconds next to its floor (its model FLOPs at
+    this device's measured matmul rate, or a GPU's peak: ``training.flops``) and how many times the floor
+    it took, so the stage far from its floor stands out; verl's MFU of the update's roles beside. [] before
+    an iteration reported floors."""
+    for k in sorted(run.iterations(), reverse=True):
+        metrics = _metrics_or_empty(run, k)
+        if any(name.startswith("perf/stage_floor_seconds/") for name in metrics):
+            break
+    else:
+        return []
+    rows = []
+    for stage in ITERATION_STAGES:
+        seconds, floor = metrics.get(f"perf/stage_seconds/{stage}"), metrics.get(f"perf/stage_floor_seconds/{stage}")
+        if seconds is None:
+            continue
+        rows.append({"stage": stage, "seconds": round(float(seconds), 2),
+                     "floor_s": None if floor is None else float(f"{floor:.3g}"),
+                     "x_floor": None if not floor else float(f"{seconds / floor:.3g}")})
+    rate = metrics.get("perf/device_matmul_flops_per_s")
+    mfu = ", ".join(f"{role} {metrics[f'perf/mfu/{role}']:.3f}" for role in ("actor", "critic")
+                    if f"perf/mfu/{role}" in metrics)
+    head = (f"time against floor, iteration {k}" + (f" (device matmul {rate / 1e9:,.1f} GFLOP/s)" if rate else "")
+            + (f"; verl's perf/mfu: {mfu}" if mfu else "") + ":")
+    return [head, format_table(pa.Table.from_pylist(rows), missing="-").rsplit("\n", 1)[0]]
 
 
 def config_problems(run: RunDir) -> list[str]:

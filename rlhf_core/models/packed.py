@@ -173,7 +173,7 @@ def packed_forward(model: torch.nn.Module, packed: PackedRows,
     if positions is None:
         return model(**kwargs).logits
     rows, cols = positions[0].to(device), positions[1].to(device)
-    head = _output_head(model)
+    head = output_head(model)
     if head is None:
         return model(**kwargs).logits[rows, cols]
     hook = head.register_forward_pre_hook(lambda _module, args: (args[0][rows, cols], *args[1:]))
@@ -183,7 +183,7 @@ def packed_forward(model: torch.nn.Module, packed: PackedRows,
         hook.remove()
 
 
-def _output_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
+def output_head(model: torch.nn.Module) -> Optional[torch.nn.Module]:
     """The output-embedding head (lm_head) of a Hugging Face model, also behind a DeepSpeed engine
     (``.module``) or peft; None when the model has none (e.g. a token-classification critic)."""
     inner = model.module if hasattr(model, "module") and not hasattr(model, "get_output_embeddings") else model

@@ -31,6 +31,8 @@ from rlhf_core.rollout.base import (
 from rlhf_core.data.packing import Share, plan_generation_batches, shard_by_tokens
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
+from rlhf_core.training.ds_config import resolve_device
+from rlhf_core.training.flops import floor_metrics, generation_flops, model_shape
 
 
 @dataclass(frozen=True)
@@ -165,7 +167,21 @@ def generate_responses(
     finally:
         if owned:
             engine.close()
+    stats.extra.update(generation_floor(gen, model_path, prompt_rows, samples))
     return samples, stats
+
+
+def generation_floor(gen: GenerationSettings, model_path: str | Path, prompt_rows: Sequence[Mapping[str, Any]],
+                     samples: Sequence[GeneratedSample]) -> dict[str, float]:
+    """The model FLOPs of generating ``samples`` and the seconds they take at this device's matmul rate,
+    as the rollout stage reports them (``training.flops.floor_metrics``); {} when the model's shape cannot
+    be read."""
+    shape = model_shape(model_path)
+    if shape is None or not samples:
+        return {}
+    flops = generation_flops(shape, [len(prompt_rows[s.prompt_index]["prompt_token_ids"]) for s in samples],
+                             [len(s.token_ids) for s in samples])
+    return floor_metrics("rollout", flops, resolve_device(gen.device), gen.dtype)
 
 
 def launch_options(rollout: RolloutConfig, share: Optional[Share]) -> dict[str, Any]:
@@ -301,6 +317,7 @@ def rollout_metrics(samples: Sequence[GeneratedSample], stats: GenerationStats) 
     """Namespaced metrics of one rollout (verl names where verl has them)."""
     lengths = [len(s.token_ids) for s in samples] or [0]
     return {
+        **{name: value for name, value in stats.extra.items() if name.startswith("perf/")},  # generation_floor
         "perf/rollout_tokens_per_s": stats.tokens_per_s,
         "perf/rollout_seconds": stats.seconds,
         "perf/rollout_load_seconds": stats.load_seconds,

@@ -40,12 +40,13 @@ TIMING = {
     "timing_s/testing": ("perf/stage_seconds/validate",),
     "timing_s/step": ("perf/iteration_seconds",),
 }
-"""verl's step timers from our stage timings: the first name present wins. Approximations: one
-stage (score) computes the rewards, old and reference log-probs and values, so without per-model
-seconds from it timing_s/old_log_prob carries the whole stage and timing_s/ref, /values, /reward
-are absent; likewise timing_s/update_actor is the whole update stage (critic and actor, with the
-checkpoint save) unless the update reports perf/actor_update_seconds. timing_s/gen includes the
-rollout's model load; timing_s/step is every stage of the iteration (the KL guard included)."""
+"""verl's step timers from our stage timings: the first name present wins. The score stage reports
+each model pass's seconds (perf/score_seconds/*: a pass it skipped — the actor's when the old log-probs
+are the rollout's, the reference's when its weights are the actor's — has no timer, as in verl); a
+record from before it did carries the whole stage as timing_s/old_log_prob. The update reports each
+role's training-loop seconds (with the critic and the actor trained at the same time they overlap);
+an older record, the whole update stage. timing_s/gen includes the rollout's model load;
+timing_s/step is every stage of the iteration (the KL guard included)."""
 
 
 def with_aliases(metrics: dict[str, float]) -> dict[str, float]:
@@ -62,10 +63,40 @@ def with_aliases(metrics: dict[str, float]) -> dict[str, float]:
 def timing_metrics(metrics: dict[str, float]) -> dict[str, float]:
     """verl's timing_s/* names from an iteration's metrics (``TIMING``)."""
     out = {}
+    per_pass = any(name.startswith("perf/score_seconds/") for name in metrics)
     for name, sources in TIMING.items():
+        if per_pass:  # the stage's whole time stands in for a pass only in a record without pass timers
+            sources = tuple(s for s in sources if s != "perf/stage_seconds/score")
         found = next((metrics[s] for s in sources if s in metrics), None)
         if found is not None:
             out[name] = float(found)
+    return out
+
+
+def throughput_metrics(metrics: dict[str, float], tokens: int) -> dict[str, float]:
+    """verl's perf/total_num_tokens (prompt + response tokens of the step's batch), perf/time_per_step
+    (timing_s/step) and perf/throughput (tokens / (step seconds x devices): per GPU, and per update
+    process on a CPU — perf/world_size, reported by the update)."""
+    step = metrics.get("timing_s/step", 0.0)
+    if not tokens or step <= 0:
+        return {}
+    devices = max(1.0, metrics.get("perf/world_size", 1.0))
+    return {"perf/total_num_tokens": float(tokens), "perf/time_per_step": step,
+            "perf/throughput": tokens / (step * devices)}
+
+
+FLOORED_STAGES = ("rollout", "score", "update", "guard")
+"""The stages that report their model FLOPs and floor (``training.flops``; gae runs no model)."""
+
+
+def floor_ratios(metrics: dict[str, float]) -> dict[str, float]:
+    """perf/stage_over_floor/<stage>: a stage's seconds over its floor (its model FLOPs at this device's
+    matmul rate), for each stage that reported both: 1 would be every FLOP at that rate."""
+    out = {}
+    for stage in FLOORED_STAGES:
+        seconds, floor = metrics.get(f"perf/stage_seconds/{stage}"), metrics.get(f"perf/stage_floor_seconds/{stage}")
+        if seconds is not None and floor:
+            out[f"perf/stage_over_floor/{stage}"] = seconds / floor
     return out
 
 
@@ -112,6 +143,8 @@ def collect_metrics(data: DataConfig, run: RunDir, k: int) -> dict[str, float]:
     if tokens and seconds > 0:
         out["perf/iteration_tokens_per_s"] = tokens / seconds
     out.update(timing_metrics(out))
+    out.update(throughput_metrics(out, tokens))
+    out.update(floor_ratios(out))
     out["training/global_step"] = float(k)
     out["training/epoch"] = float((k - 1) // steps_per_epoch(data, run)) if k >= 1 else 0.0
     out["iteration"] = float(k)
@@ -239,7 +272,11 @@ class Alert:
     message: str
 
 
-ALERT_KINDS = {"kl-breach": "warning", "val-drop": "warning", "clipfrac-fell": "info"}
+OLD_LOG_PROB_GAP = 1e-3
+"""The largest |log pi - old log-prob| at the update's start (actor/old_log_prob_diff_max) that old log-probs
+taken from the rollout may show: the hf engine in fp32 measured ~2e-6 at most, bf16 decoding ~1.6e-2."""
+
+ALERT_KINDS = {"kl-breach": "warning", "val-drop": "warning", "clipfrac-fell": "info", "old-log-prob-gap": "warning"}
 """Each kind ``iteration_alerts`` raises, and how loud it is: a warning reaches a person (a Prefect
 event the alerting automation notifies on), information only goes to the log and the report."""
 
@@ -253,7 +290,9 @@ def iteration_alerts(trainer: TrainerConfig, metrics: dict[str, float],
     - ``val-drop``: val/accuracy more than trainer.alert_val_drop below the run's best so far
       (``dropped_from_best``: once per fall, armed again by a new best);
     - ``clipfrac-fell``: the clip fraction falling below CLIPFRAC_LOW from at or above
-      CLIPFRAC_REARM (``fell_below``): the policy has stopped moving much, a convergence signal."""
+      CLIPFRAC_REARM (``fell_below``): the policy has stopped moving much, a convergence signal;
+    - ``old-log-prob-gap``: old log-probs taken from the rollout (rollout.old_log_probs=auto) more than
+      OLD_LOG_PROB_GAP from the trainer's own at the update's start: the PPO ratio does not start at 1."""
     out = []
     kl = metrics.get("kl/mean")
     if kl is not None and kl > trainer.kl_rollback_threshold:
@@ -265,6 +304,11 @@ def iteration_alerts(trainer: TrainerConfig, metrics: dict[str, float],
     if best is not None:
         out.append(Alert("val-drop", f"val/accuracy fell to {accuracy[-1]:.3f}, {best - accuracy[-1]:.3f} below the "
                                      f"run's best {best:.3f} (more than trainer.alert_val_drop={drop})"))
+    gap = metrics.get("actor/old_log_prob_diff_max")
+    if metrics.get("score/old_log_probs_from_rollout") == 1.0 and gap is not None and gap > OLD_LOG_PROB_GAP:
+        out.append(Alert("old-log-prob-gap", f"the old log-probs taken from the rollout are up to {gap:.2g} from the "
+                                             f"trainer's own (> {OLD_LOG_PROB_GAP:g}): set "
+                                             "actor_rollout_ref.rollout.old_log_probs=recompute"))
     clipfrac = [m.get("actor/pg_clipfrac") for m in (*history, metrics)]
     if fell_below(clipfrac, CLIPFRAC_LOW, CLIPFRAC_REARM):
         before = max(v for v in clipfrac[:-1] if v is not None)

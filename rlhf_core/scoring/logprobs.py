@@ -34,7 +34,8 @@ from rlhf_core.data.packing import (
     Bins, Share, fixed_micro_batches, micro_batches_by_budget, shard_by_tokens, split_into_rows,
 )
 from rlhf_core.models.packed import (
-    gather_response_values, pack_rows, packed_forward, packing_attention_mode, response_logprobs,
+    gather_response_values, output_head, pack_rows, packed_forward, packing_attention_mode, response_logprobs,
+    response_positions,
 )
 from rlhf_core.progress import bar_disabled
 
@@ -55,6 +56,9 @@ class Throughput:
     tokens: int = 0
     seconds: float = 0.0
     passes: dict[str, int] = field(default_factory=dict)
+    """Micro-batches per pass (by its progress description)."""
+    pass_seconds: dict[str, float] = field(default_factory=dict)
+    """Seconds per pass (by its progress description)."""
 
     @property
     def tokens_per_s(self) -> float:
@@ -139,9 +143,11 @@ def _packed_passes(model: torch.nn.Module, sequences: Sequence[Sequence[int]], p
                 out[i] = tensor.detach().float().cpu()
             bar.update(layout.num_tokens)
     if throughput is not None:
+        elapsed = time.perf_counter() - started
         throughput.tokens += sum(lengths[i] for rows in plan for row in rows for i in row)
-        throughput.seconds += time.perf_counter() - started
+        throughput.seconds += elapsed
         throughput.passes[desc] = throughput.passes.get(desc, 0) + len(plan)
+        throughput.pass_seconds[desc] = throughput.pass_seconds.get(desc, 0.0) + elapsed
     return out  # type: ignore[return-value]
 
 
@@ -151,7 +157,8 @@ def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[
                            budget_key: str = BUDGET_KEY, desc: str = "log-probs",
                            throughput: Optional[Throughput] = None,
                            progress: Optional[bool] = None, share: Optional[Share] = None,
-                           sum_pi_squared: bool = False) -> list[torch.Tensor]:
+                           sum_pi_squared: bool = False,
+                           head_inputs: Optional[dict[int, torch.Tensor]] = None) -> list[torch.Tensor]:
     """log p(response token t | sequence before it) under ``model`` at ``temperature``.
 
     Args:
@@ -165,6 +172,8 @@ def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[
         budget_key: the config key named when a sequence does not fit the token budget.
         share: (rank, world): only this process's micro-batches of the whole plan (``own_micro_batches``).
         sum_pi_squared: also sum_v pi_v^2 of the same softmax (verl's actor.calculate_sum_pi_squared).
+        head_inputs: filled with {i: (n_i, H)}, the LM head's input at sequence i's response positions
+            (the last hidden states the log-probs come from; ``scoring.ref_states`` keeps them).
     Returns:
         N float32 CPU tensors, tensor i of shape (len(sequences[i]) - P_i,), or (.., 2) with
         ``sum_pi_squared`` (None for the sequences of other processes' micro-batches when ``share`` is given).
@@ -173,7 +182,21 @@ def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[
         raise ValueError(f"temperature must be > 0 to define log-probs, got {temperature}")
 
     def score(layout):
-        return response_logprobs(model, layout, prompt_lengths, temperature=temperature, sum_pi_squared=sum_pi_squared)
+        if head_inputs is None:
+            return response_logprobs(model, layout, prompt_lengths, temperature=temperature,
+                                     sum_pi_squared=sum_pi_squared)
+        seen: list[torch.Tensor] = []  # a forward hook sees the head's input as the positions hook cut it
+        hook = output_head(model).register_forward_hook(lambda _m, args, _out: seen.append(args[0].detach()))
+        try:
+            out = response_logprobs(model, layout, prompt_lengths, temperature=temperature,
+                                    sum_pi_squared=sum_pi_squared)
+        finally:
+            hook.remove()
+        offset = 0
+        for i, n in response_positions(layout, prompt_lengths)[2] if seen else ():
+            head_inputs[i] = seen[0][offset:offset + n]
+            offset += n
+        return out
 
     return _packed_passes(model, sequences, prompt_lengths, budget, score, pad_id=pad_id, row_tokens=row_tokens,
                           packed=packed, budget_key=budget_key, desc=desc, throughput=throughput,

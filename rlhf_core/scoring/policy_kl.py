@@ -13,8 +13,9 @@ from rlhf_core.algos import logprobs_from_logits
 from rlhf_core.config.resolve import MicroBatching
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.timing import MODEL_LOAD, timed
-from rlhf_core.models.packed import pack_rows, packed_forward, packing_attention_mode, response_positions
+from rlhf_core.models.packed import output_head, pack_rows, packed_forward, packing_attention_mode, response_positions
 from rlhf_core.data.packing import Share
+from rlhf_core.scoring import ref_states
 from rlhf_core.scoring.logprobs import compute_token_logprobs, own_micro_batches, plan_micro_batches
 from rlhf_core.scoring.models import (
     is_lora_dir, load_causal_lm, load_merged_actor, reference_policy,
@@ -90,7 +91,8 @@ def importance_weighted_kl(new: list, old: list, ref: list) -> list:
 
 
 def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], *, budget: int,
-             temperature: float, pad_id: int = 0, share: Optional[Share] = None) -> tuple[list, list]:
+             temperature: float, pad_id: int = 0, share: Optional[Share] = None,
+             ref_head_inputs: Optional[list] = None) -> tuple[list, list]:
     """Exact KL(actor ‖ ref) at every response position, summed over the whole vocabulary:
 
         kl_t = Σ_v p_a(v | s_<t) · (log p_a(v | s_<t) − log p_ref(v | s_<t)),   p = softmax(logits / T)
@@ -101,6 +103,9 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
     responses were sampled from the previous policy. Both models see the same packed micro-batches
     (block-diagonal mask), one no-grad forward each. ``share`` = (rank, world): only that process's
     micro-batches of the one-process plan (``own_micro_batches``); the other sequences stay None.
+    ``ref_head_inputs``: per sequence the reference's (n_i, H) last hidden states at its response positions,
+    kept from the score stage's pass (``scoring.ref_states``): the reference then runs its LM head on
+    them instead of its whole forward — the same logits, the same KL.
     """
     kls: list = [None] * len(sequences)
     sampled: list = [None] * len(sequences)
@@ -119,7 +124,8 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
             # the LM heads run on the response positions only: (N, V) each
             actor_logits = packed_forward(actor, packed, positions=(rows, cols)).float() / temperature
             la = torch.log_softmax(actor_logits, dim=-1)
-            lr = torch.log_softmax(packed_forward(ref, packed, positions=(rows, cols)).float() / temperature, dim=-1)
+            lr = torch.log_softmax(_reference_logits(ref, packed, (rows, cols), owners, ref_head_inputs).float()
+                                   / temperature, dim=-1)
             kl = (la.exp() * (la - lr)).sum(-1).clamp_min(0.0).cpu()  # clamp: rounding only
             labels = packed.input_ids[rows, cols + 1].to(la.device)
             # the sampled tokens' log-probs by the formula scoring and the update use, to the bit
@@ -132,15 +138,27 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
     return kls, sampled
 
 
+def _reference_logits(ref, packed, positions, owners, head_inputs: Optional[list]) -> torch.Tensor:
+    """(N, V) reference logits at ``positions``: its LM head on the kept hidden states when given, else
+    its forward."""
+    if head_inputs is None:
+        return packed_forward(ref, packed, positions=positions)
+    head = output_head(ref)
+    return head(torch.cat([head_inputs[i] for i, _ in owners]).to(next(head.parameters()).device))
+
+
 def actor_ref_kl(settings: KLPassSettings, actor_dir: Path, ref_dir: Path, sequences: list[list[int]],
                  prompt_lengths: list[int], share: Optional[Share] = None) -> tuple[list, list]:
     """``token_kl`` of the actor in ``actor_dir`` against the reference policy in ``ref_dir``, packed
-    like the scoring stage's reference forward."""
+    like the scoring stage's reference forward; on the reference states the score stage kept for these
+    very sequences when this process has them (``scoring.ref_states``)."""
     actor = load_actor_for_kl(actor_dir, settings.device, settings.dtype, settings.attention)
     pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
+    kept = None if share is not None else ref_states.lookup(ref_dir, settings.dtype, settings.attention, sequences,
+                                                           prompt_lengths)
     with reference_policy(ref_dir, settings.device, settings.dtype, settings.attention, settings.ref_offload) as ref:
         return token_kl(actor, ref, sequences, prompt_lengths, budget=settings.ref_budget,
-                        temperature=settings.temperature, pad_id=pad_id, share=share)
+                        temperature=settings.temperature, pad_id=pad_id, share=share, ref_head_inputs=kept)
 
 
 def actor_sampled_log_probs(settings: KLPassSettings, actor_dir: Path, sequences: list[list[int]],

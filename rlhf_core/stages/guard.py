@@ -28,11 +28,13 @@ from rlhf_core.models import live
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import nonfinite_update, shown_apart
 from rlhf_core.run.models import reference_path
+from rlhf_core.scoring import ref_states
 from rlhf_core.scoring.policy_kl import actor_ref_kl, actor_sampled_log_probs, importance_weighted_kl, response_kl
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
 from rlhf_core.stages.settings import kl_pass
 from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
+from rlhf_core.training import flops
 from rlhf_core.training.resident import ensure_state
 
 GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts", "trainer.kl_guard_estimator",
@@ -85,6 +87,32 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
     return response_kl(kls, k1)
 
 
+def guard_floor(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
+    """The model FLOPs of ``measure_kl``'s passes over iteration ``k``'s responses — the new actor's
+    forward, and for the exact measure the reference's forward or, on the states the score stage kept
+    (``scoring.ref_states``), only its LM head — and their floor (``training.flops``); whether the
+    reference's states were reused (``perf/guard_reference_states_kept``). {} when a shape cannot be read."""
+    sequences, prompt_lengths, _ = load_scored_sequences(run.scored(k))
+    lengths = [len(s) for s in sequences]
+    positions = sum(n - p for n, p in zip(lengths, prompt_lengths))
+    actor = flops.model_shape(run.checkpoint(k) / "actor")
+    if actor is None:
+        return {}
+    total, out = flops.forward_flops(actor, lengths, positions), {}
+    settings = kl_pass(cfg)
+    if cfg.trainer.kl_guard_estimator != "sampled":
+        reference = flops.model_shape(reference_path(cfg))
+        if reference is None:
+            return {}
+        kept = not share_processes(cfg, run, len(sequences)) and ref_states.lookup(
+            reference_path(cfg), settings.dtype, settings.attention, sequences, prompt_lengths) is not None
+        total += (2.0 * reference.hidden_size * reference.vocab_size * positions if kept
+                  else flops.forward_flops(reference, lengths, positions))
+        out["perf/guard_reference_states_kept"] = float(kept)
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[settings.dtype]
+    return {**out, **flops.floor_metrics("guard", total, settings.device.type, dtype)}
+
+
 def decide(kl: float, threshold: float) -> str:
     """"commit" when KL is at or under the threshold, else "rollback"."""
     return "commit" if kl <= threshold else "rollback"
@@ -122,6 +150,7 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         metrics["guard/breach"] = float(verdict["decision"] == "rollback")
         metrics["guard/nonfinite_update"] = float(nonfinite is not None)
         metrics["guard/threshold"] = float(threshold)
+        metrics.update(guard_floor(cfg, run, k))
         shown, bound = shown_apart(guarded, threshold)
         estimate = " (sampled estimate)" if kl.get("estimator") == "sampled" else ""
         line = (f"KL(actor‖ref) per-token mean{estimate} {shown}{' (validation prompts)' if guarded > kl['kl_mean'] else ''} "

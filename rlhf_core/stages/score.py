@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 import weakref
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
@@ -64,9 +66,12 @@ from rlhf_core.scoring import (
     scoring_device, scoring_dtype,
 )
 from rlhf_core.data.packing import Share
+from rlhf_core.scoring import ref_states
 from rlhf_core.scoring.models import load_tokenizer, reference_policy, release
 from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.settings import actor_dtype
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
+from rlhf_core.training import flops
 from rlhf_core.training.resident import ensure_state
 
 CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
@@ -77,6 +82,10 @@ def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
     sum_pi_squared (the key set then differs, so switching to or from remax reruns the stage; other
     estimator changes do not)."""
     extra = ("algorithm.rollout_correction.bypass_mode",)  # which log-probs are the old policy
+    correction = cfg.algorithm.rollout_correction
+    # a decoupled correction makes rollout.old_log_probs=auto recompute: only then do its keys enter
+    extra += tuple(f"algorithm.rollout_correction.{k}" for k in ("rollout_is", "rollout_rs")
+                   if getattr(correction, k) is not None)
     if needs_baseline_rollout(cfg) or estimator_takes(cfg.algorithm.adv_estimator, "sum_pi_squared"):
         extra += ("algorithm.adv_estimator",)
     return CONFIG_SECTIONS + extra
@@ -144,15 +153,19 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
         scored = pq.read_table(rollout_path)
         rows = scored.to_pylist()
     _check_rollout(scored.column_names, rows, rollout_path)
+    started = time.perf_counter()
     sequence = sequence_rewards(cfg, models, rows, run.train_prompts, rollout_path)
+    reward_seconds = time.perf_counter() - started
     rewards, extras = sequence.scores, sequence.extras
     baselines = (greedy_baselines(cfg, run, iteration, models, scored.column("uid").to_pylist())
                  if needs_baseline_rollout(cfg) else [None] * len(rows))
     meter = Throughput()
-    passes = _passes(cfg, run, iteration, models, rows, meter)
+    reusable = old_from_rollout(cfg, rows)
+    passes = _passes(cfg, run, iteration, models, rows, meter, reusable)
     old, ref, values, ref_reused = passes.old_log_probs, passes.ref_log_probs, passes.values, passes.ref_reused
-    if cfg.algorithm.rollout_correction.bypass_mode:
-        old = _rollout_log_probs(rows, rollout_path)  # verl's bypass mode: the engine's own are the old policy
+    from_rollout = cfg.algorithm.rollout_correction.bypass_mode or passes.old_from_rollout
+    if from_rollout:  # verl's bypass mode, or rollout.old_log_probs=auto: the engine's own are the old policy
+        old = _rollout_log_probs(rows, rollout_path)
     _check_lengths(rows, {"old_log_probs": old, "ref_log_probs": ref, "values": values})
     sums = passes.sum_pi_squared if passes.sum_pi_squared is not None else [None] * len(rows)
     for name, column in [("reward", rewards), ("reward_extra", extras), ("old_log_probs", old),
@@ -163,9 +176,14 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
     atomic_write_parquet(out, scored, schema=SCORED)
     metrics = score_metrics(cfg, rows, rewards, old, ref, meter, rule_based=models.reward_model is None,
                             raw=sequence.raw)
+    # rollout.old_log_probs=auto's choice (bypass mode's loss corrects the gap itself: not counted here)
+    metrics["score/old_log_probs_from_rollout"] = float(passes.old_from_rollout and not
+                                                        cfg.algorithm.rollout_correction.bypass_mode)
+    metrics.update(score_floor(cfg, models, rows, passes))
+    metrics.update(pass_seconds(meter, reward_seconds))
     if baselines[0] is not None:
         metrics["reward/baseline_mean"] = statistics.fmean(baselines)
-    summary = _summary(rows, metrics, meter, ref_reused, out)
+    summary = _summary(rows, metrics, meter, ref_reused, out, from_rollout)
     return StageResult(stage="score", iteration=iteration, outputs={"scored": str(out)},
                        rows={"scored": len(rows)}, metrics=metrics, summary=summary)
 
@@ -354,21 +372,23 @@ def pass_plans(cfg: RLHFConfig, world_size: int = 1) -> dict[str, PassPlan]:
     }
 
 
-def _passes(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths, rows: list[dict], meter):
+def _passes(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths, rows: list[dict], meter,
+            from_rollout: bool = False):
     """``model_passes`` in this process, or on ``stage_processes`` local processes (every GPU of
     the node), each a token-balanced share of every pass's micro-batches (``stages.ranks``)."""
     world = share_processes(cfg, run, len(rows))
     if not world:
-        return model_passes(cfg, models, rows, meter)
+        return model_passes(cfg, models, rows, meter, from_rollout=from_rollout)
     shares = run_on_ranks(cfg, run, iteration, "score", world)
     meter.tokens += sum(int(s["tokens"]) for s in shares)
     meter.seconds += max(float(s["seconds"]) for s in shares)  # the ranks ran side by side
     # each rank ran its micro-batches of the one-process plans: the one-process values, bit for bit
     ref_reused = all(bool(s["ref_reused"]) for s in shares)
-    columns = [[None] * len(rows) if name == "old_log_probs" and takes_old_from_rollout(cfg, ref_reused)
+    skipped = takes_old_from_rollout(cfg, ref_reused, from_rollout)
+    columns = [[None] * len(rows) if name == "old_log_probs" and skipped
                else merge_shares(shares, name, len(rows)) for name in ("old_log_probs", "ref_log_probs", "values")]
     sums = merge_shares(shares, "sum_pi_squared", len(rows)) if needs_sum_pi_squared(cfg) else None
-    return Passes(*columns, ref_reused, sums)
+    return Passes(*columns, ref_reused, sums, skipped)
 
 
 @dataclass
@@ -382,6 +402,8 @@ class Passes:
     """Whether the reference log-probs are the actor's (the same weights)."""
     sum_pi_squared: Optional[list] = None
     """sum_v pi_v^2 under the actor, when ``needs_sum_pi_squared``."""
+    old_from_rollout: bool = False
+    """The actor's pass was skipped: the rollout's log-probs are the old ones (``takes_old_from_rollout``)."""
 
 
 def needs_sum_pi_squared(cfg: RLHFConfig) -> bool:
@@ -391,19 +413,39 @@ def needs_sum_pi_squared(cfg: RLHFConfig) -> bool:
             or estimator_takes(cfg.algorithm.adv_estimator, "sum_pi_squared"))
 
 
-def takes_old_from_rollout(cfg: RLHFConfig, ref_reused: bool) -> bool:
+def takes_old_from_rollout(cfg: RLHFConfig, ref_reused: bool, from_rollout: bool = False) -> bool:
     """Whether the stage skips the actor's pass: verl's bypass mode takes the rollout engine's own
-    log-probs as the old policy, so the pass would only be thrown away — unless it is needed for
-    sum_pi_squared, or as the reference (the reference's weights are the actor's, as in iteration 1)."""
-    return cfg.algorithm.rollout_correction.bypass_mode and not needs_sum_pi_squared(cfg) and not ref_reused
+    log-probs as the old policy, and so does rollout.old_log_probs=auto where they are the trainer's
+    arithmetic (``from_rollout``: ``old_from_rollout``), so the pass would only be thrown away — unless
+    it is needed for sum_pi_squared, or as the reference (the reference's weights are the actor's, as in
+    iteration 1); then its own log-probs are the old ones (outside bypass mode)."""
+    wanted = cfg.algorithm.rollout_correction.bypass_mode or from_rollout
+    return wanted and not needs_sum_pi_squared(cfg) and not ref_reused
+
+
+def old_from_rollout(cfg: RLHFConfig, rows: list[dict]) -> bool:
+    """rollout.old_log_probs=auto's rule: the rollout's log-probs are the old policy when they are the
+    trainer's own arithmetic — every row sampled by the hf engine, which runs the trainer's module (or
+    its checkpoint) in the trainer's dtype, on the CPU in fp32, decoding with the dynamic KV cache and
+    without LoRA (measured: ~2e-7 from the recomputed log-probs; in bf16 ~3e-3, docs/benchmarks.md §8),
+    its sampled distribution the scored one (no top-k / top-p cut; greedy only at temperature 1), and
+    no decoupled rollout correction that compares the two. Otherwise the actor's pass recomputes them."""
+    a = cfg.actor_rollout_ref
+    r, correction = a.rollout, cfg.algorithm.rollout_correction
+    return (r.old_log_probs == "auto" and r.name == "hf" and r.hf_decode == "dynamic"
+            and a.model.lora_rank == 0 and (r.do_sample or r.temperature == 1.0)
+            and r.top_k <= 0 and r.top_p >= 1.0 and correction.rollout_is is None and correction.rollout_rs is None
+            and scoring_device(cfg.trainer.device).type == "cpu" and actor_dtype(cfg, "cpu") == "fp32"
+            and all(row.get("engine") == "hf" and row.get("rollout_log_probs") is not None for row in rows))
 
 
 def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
-                 share: Optional[Share] = None) -> Passes:
+                 share: Optional[Share] = None, from_rollout: bool = False) -> Passes:
     """The actor's old log-probs (and sum_pi_squared), the reference's log-probs and the critic's values;
-    with ``share`` = (rank, world) only that process's micro-batches of each pass (None elsewhere)."""
+    with ``share`` = (rank, world) only that process's micro-batches of each pass (None elsewhere).
+    ``from_rollout``: the rollout's log-probs are the old ones (``old_from_rollout``)."""
     device = scoring_device(cfg.trainer.device)
-    dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
+    dtype = scoring_dtype(device, actor_dtype(cfg, device.type))
     temperature = cfg.actor_rollout_ref.rollout.temperature
     actor_attention = cfg.actor_rollout_ref.model.override_config.attn_implementation  # the reference's too
     plans = pass_plans(cfg, update_world_size(cfg.trainer, _cuda_devices()))
@@ -415,43 +457,82 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
         return dict(sequences=sequences, prompt_lengths=prompt_lengths, budget=plan.batching,
                     packed=plan.packed, budget_key=plan.budget_key, throughput=meter, share=share)
 
-    def logprobs(model, role: str) -> list[list[float]]:
-        return _as_lists(compute_token_logprobs(model, temperature=temperature, pad_id=_pad_id(model),
-                                                desc=f"{role} log-probs", **common(role)))
-
     sums = None
     ref_reused = same_weights(models.actor, models.reference)
-    if takes_old_from_rollout(cfg, ref_reused):
-        old = [None] * len(rows)  # the caller takes the rollout's log-probs
-    else:
-        # shared: the actor the rollout just sampled from, which the guard measures next
-        actor = load_causal_lm(models.actor, device, dtype, role="actor", shared=True, attention=actor_attention)
-        if needs_sum_pi_squared(cfg):  # one pass gives both: log-prob and sum_v pi^2 of the same softmax
-            both = compute_token_logprobs(actor, temperature=temperature, pad_id=_pad_id(actor),
-                                          desc="actor log-probs", sum_pi_squared=True, **common("actor"))
-            old = _as_lists([None if t is None else t[:, 0] for t in both])
-            sums = _as_lists([None if t is None else t[:, 1] for t in both])
+    skipped = takes_old_from_rollout(cfg, ref_reused, from_rollout)
+    # the reference's last hidden states, kept for this iteration's KL guard (scoring.ref_states); in one
+    # process only (a share's ranks are gone when the guard runs)
+    keeping = ref_states.recording(models.reference, dtype, actor_attention) if share is None else nullcontext()
+    with keeping as record:
+        def logprobs(model, role: str, reference: bool) -> list[list[float]]:
+            states: Optional[dict] = {} if reference and record is not None else None
+            out = compute_token_logprobs(model, temperature=temperature, pad_id=_pad_id(model),
+                                         desc=f"{role} log-probs", head_inputs=states, **common(role))
+            if states is not None:
+                ref_states.keep(record, sequences, prompt_lengths, states)
+            return _as_lists(out)
+
+        if skipped:
+            old = [None] * len(rows)  # the caller takes the rollout's log-probs
         else:
-            old = logprobs(actor, "actor")
-        alive = weakref.ref(actor)
-        del actor
-        release(alive, device)
-    if ref_reused:
-        ref = [None if x is None else list(x) for x in old]
-    else:
-        with reference_policy(models.reference, device, dtype, actor_attention,
-                              frozen_param_offload(cfg, "ref")) as reference:
-            ref = logprobs(reference, "reference")
-        release(weakref.ref(reference), device)
+            # shared: the actor the rollout just sampled from, which the guard measures next
+            actor = load_causal_lm(models.actor, device, dtype, role="actor", shared=True, attention=actor_attention)
+            if needs_sum_pi_squared(cfg):  # one pass gives both: log-prob and sum_v pi^2 of the same softmax
+                both = compute_token_logprobs(actor, temperature=temperature, pad_id=_pad_id(actor),
+                                              desc="actor log-probs", sum_pi_squared=True, **common("actor"))
+                old = _as_lists([None if t is None else t[:, 0] for t in both])
+                sums = _as_lists([None if t is None else t[:, 1] for t in both])
+            else:  # with the reference's weights (iteration 1) this pass is the reference's too
+                old = logprobs(actor, "actor", reference=ref_reused)
+            alive = weakref.ref(actor)
+            del actor
+            release(alive, device)
+        if ref_reused:
+            ref = [None if x is None else list(x) for x in old]
+        else:
+            with reference_policy(models.reference, device, dtype, actor_attention,
+                                  frozen_param_offload(cfg, "ref")) as reference:
+                ref = logprobs(reference, "reference", reference=True)
+            release(weakref.ref(reference), device)
     if models.critic is None:  # a critic-free estimator: the column keeps its shape, nobody reads it
-        return Passes(old, ref, [None if x is None else [0.0] * len(x) for x in ref], ref_reused, sums)
+        return Passes(old, ref, [None if x is None else [0.0] * len(x) for x in ref], ref_reused, sums, skipped)
     critic = load_critic(models.critic, device, dtype, attention=cfg.critic.model.override_config.attn_implementation)
     values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common("critic"))
     values = _as_lists(values)
     alive = weakref.ref(critic)  # the critic changes every iteration: not worth caching
     del critic
     release(alive, device)
-    return Passes(old, ref, values, ref_reused, sums)
+    return Passes(old, ref, values, ref_reused, sums, skipped)
+
+
+PASS_TIMERS = {"actor log-probs": "old_log_prob", "reference log-probs": "ref", "critic values": "values"}
+"""Each model pass of this stage by its progress description, and verl's step timer it stands for
+(``run.report.TIMING``: perf/score_seconds/<timer> becomes timing_s/<timer>)."""
+
+
+def pass_seconds(meter: Throughput, reward_seconds: float) -> dict[str, float]:
+    """perf/score_seconds/<verl timer>: the seconds of each pass that ran here (one process; with several
+    the stage's passes ran side by side, and only the reward's is known) and of the sequence rewards."""
+    out = {f"perf/score_seconds/{timer}": meter.pass_seconds[desc]
+           for desc, timer in PASS_TIMERS.items() if desc in meter.pass_seconds}
+    return {**out, "perf/score_seconds/reward": reward_seconds}
+
+
+def score_floor(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], passes: Passes) -> dict[str, float]:
+    """The model FLOPs of the passes this stage ran (the actor's unless skipped, the reference's unless
+    reused, the critic's, the reward model's) and their floor at this device's matmul rate
+    (``training.flops``); {} when a model's shape cannot be read."""
+    lengths = [len(r["prompt_token_ids"]) + len(r["response_token_ids"]) for r in rows]
+    positions = sum(len(r["response_token_ids"]) for r in rows)  # the LM head runs on the response only
+    ran = [(models.actor, positions)] if not passes.old_from_rollout else []
+    ran += [(models.reference, positions)] if not passes.ref_reused else []
+    ran += [(p, 0) for p in (models.critic, models.reward_model) if p is not None]
+    shapes = [(flops.model_shape(path), at) for path, at in ran]
+    if any(shape is None for shape, _ in shapes):
+        return {}
+    device = scoring_device(cfg.trainer.device).type
+    total = sum(flops.forward_flops(shape, lengths, at) for shape, at in shapes)
+    return flops.floor_metrics("score", total, device, actor_dtype(cfg, device))
 
 
 def _rollout_log_probs(rows: list[dict], path: Path) -> list[list[float]]:
@@ -515,13 +596,14 @@ def score_metrics(cfg: RLHFConfig, rows, rewards, old, ref, meter, rule_based: b
     return metrics
 
 
-def _summary(rows, metrics, meter, ref_reused: bool, out: Path) -> list[str]:
+def _summary(rows, metrics, meter, ref_reused: bool, out: Path, from_rollout: bool = False) -> list[str]:
     lines = [f"{len(rows)} responses, {sum(r['response_length'] for r in rows)} response tokens "
              f"(mean length {metrics['response_length/mean']:.1f})",
              f"reward mean {metrics['reward/mean']:.4f} ± {metrics['reward/std']:.4f}"
              + (f", accuracy {metrics['reward/accuracy']:.3f}" if "reward/accuracy" in metrics else "")]
     passes = ", ".join(f"{name} ({n} micro-batches)" for name, n in meter.passes.items())
     reuse = "; reference = actor (identical weights): its log-probs reused" if ref_reused else ""
+    reuse += "; old log-probs: the rollout's own" if from_rollout else ""
     lines.append(f"model passes: {passes}{reuse}")
     lines.append(f"scoring throughput {meter.tokens_per_s:,.0f} tokens/s ({meter.tokens:,} tokens in "
                  f"{meter.seconds:.1f}s)")
@@ -531,9 +613,11 @@ def _summary(rows, metrics, meter, ref_reused: bool, out: Path) -> list[str]:
 
 def score_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
     """This rank's micro-batches of the score stage's model passes (old/ref log-probs, values)."""
-    rows = pq.read_table(run.rollout(iteration), columns=["prompt_token_ids", "response_token_ids"]).to_pylist()
+    rows = pq.read_table(run.rollout(iteration), columns=["prompt_token_ids", "response_token_ids", "engine",
+                                                           "rollout_log_probs"]).to_pylist()
     meter = Throughput()
-    passes = model_passes(cfg, model_paths(cfg, run, iteration), rows, meter, share=(rank, world))
+    passes = model_passes(cfg, model_paths(cfg, run, iteration), rows, meter, share=(rank, world),
+                          from_rollout=old_from_rollout(cfg, rows))
     columns = {"old_log_probs": passes.old_log_probs, "ref_log_probs": passes.ref_log_probs, "values": passes.values}
     if passes.sum_pi_squared is not None:
         columns["sum_pi_squared"] = passes.sum_pi_squared

@@ -42,6 +42,14 @@ from rlhf_core.training.forward import actor_forward, critic_forward
 # a micro-batch loss: (engine, micro-batch, mini-batch tokens, mini-batch sequences) → (loss, sums)
 MicroLoss = Callable[[object, MicroBatch, int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
 
+PEAKS = ("actor/old_log_prob_diff_max",)
+"""Per-micro-batch statistics a step reduces by their maximum (every other one is a share, summed)."""
+FIRST_STEP_ONLY = ("actor/old_log_prob_diff_mean", "actor/old_log_prob_diff_max")
+"""|log pi - old_log_probs| over the response tokens of a role's first mini-batch, before its first optimizer
+step: the trainer's log-probs at the very weights the old log-probs stand for, so this is how far the old
+log-probs the update trains against are from its own arithmetic (recomputed by the score stage, or the
+rollout's own: actor_rollout_ref.rollout.old_log_probs). Later steps' weights have moved: not reported."""
+
 
 @dataclass(frozen=True)
 class ActorLoss:
@@ -97,7 +105,10 @@ class ActorLoss:
             kl_loss = agg_loss(loss_mat=kl, loss_mask=mask, **counts)
             loss = loss + self.kl_loss_coef * kl_loss
         share = mask.sum() / max(n_tok, 1)  # token means of this micro-batch → its share of the mini-batch's
-        sums = {"actor/pg_loss": pg_loss, "actor/kl_loss": kl_loss, "actor/entropy": ent_loss}
+        gap = torch.where(mask, (log_prob.detach().float() - t["old_log_probs"].float()).abs(), 0.0)
+        sums = {"actor/pg_loss": pg_loss, "actor/kl_loss": kl_loss, "actor/entropy": ent_loss,
+                "actor/old_log_prob_diff_mean": gap.sum() / max(n_tok, 1),
+                "actor/old_log_prob_diff_max": gap.max() if gap.numel() else gap.sum()}
         for k, v in pg.items():  # pg_clipfrac, pg_clipfrac_lower, ppo_kl; bypass_mode's rollout_corr/...
             sums[k if "/" in k else f"actor/{k}"] = v * share
         return loss, {k: v.detach().float() for k, v in sums.items()}
@@ -152,6 +163,7 @@ def train_step(te: TrainEngine, data: PPOData, rows: list[int], plan: MicroBatch
     layouts = split_mini_batch(data.lengths, rows, plan, dist.world_size, dist.rank)
     mode = packing_attention_mode(te.engine)  # varlen for a flash-attention model: never a 4-D mask
     sums: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
+    peaks: dict[str, torch.Tensor] = defaultdict(lambda: torch.zeros((), dtype=torch.float64))
     tokens = 0
     for j, layout in enumerate(layouts):
         mb = build_micro_batch(data, layout, pad_id, filler_row=rows[0], mode=mode)
@@ -160,7 +172,10 @@ def train_step(te: TrainEngine, data: PPOData, rows: list[int], plan: MicroBatch
         # DeepSpeed averages over ranks; the shares were computed for a sum over ranks
         te.backward(loss * (mb.weight * dist.world_size))
         for k, v in stats.items():
-            sums[k] += v.cpu().double() * mb.weight
+            if k in PEAKS:
+                peaks[k] = torch.maximum(peaks[k], v.cpu().double() * mb.weight)
+            else:
+                sums[k] += v.cpu().double() * mb.weight
         tokens += mb.num_tokens if mb.weight else 0
     if on_gradients is not None:
         on_gradients(te)
@@ -168,6 +183,9 @@ def train_step(te: TrainEngine, data: PPOData, rows: list[int], plan: MicroBatch
     keys = sorted(sums)
     reduced = all_reduce(torch.stack([sums[k] for k in keys])) if keys else torch.zeros(0)
     metrics = {k: float(v) for k, v in zip(keys, reduced)}
+    top = sorted(peaks)
+    if top:
+        metrics.update(zip(top, map(float, all_reduce(torch.stack([peaks[k] for k in top]), op="max"))))
     metrics.update(getattr(loss_fn, "step_metrics", dict)())
     metrics.update({f"{te.role}/grad_norm": outcome.grad_norm, f"{te.role}/lr": outcome.lr,
                     f"{te.role}/step_applied": float(outcome.applied), f"{te.role}/micro_batches": len(layouts)})
@@ -216,7 +234,8 @@ def _train_role(role: RoleSchedule, data: PPOData, seed: str, dist: DistInfo, pa
     for epoch in range(how.epochs):
         for rows in mini_batches(order, how.mini_batch_size, shuffle=how.shuffle, seed=seed, epoch=epoch):
             result = train_step(role.te, data, rows, how.plan, how.loss_fn, dist, pad_id)
-            steps.append({"epoch": epoch, "step": len(steps), **result.metrics})
+            reported = {k: v for k, v in result.metrics.items() if not steps or k not in FIRST_STEP_ONLY}
+            steps.append({"epoch": epoch, "step": len(steps), **reported})
             fault_point(f"update:after_step:{name}:{len(steps)}")  # kill tests: weights moved, nothing saved
             tokens += result.tokens
             bar.update(1)

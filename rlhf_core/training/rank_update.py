@@ -42,9 +42,10 @@ from rlhf_core.run.models import (
 from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, PPOData, check_budget, read_advantages
 from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, seed_rng
 from rlhf_core.training.distributed import DistInfo, all_reduce
-from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, resolve_dtype, torch_dtype
+from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, role_dtype, torch_dtype
 from rlhf_core.training.lineage import weights_sample, write_state_record
-from rlhf_core.training.memory import Shapes, check_update_memory, memory_settings
+from rlhf_core.training.flops import floor_metrics, training_flops, verl_promised_flops, verl_update_flops
+from rlhf_core.training.memory import ModelShape, Shapes, check_update_memory, memory_settings
 from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, present, load_actor_model, load_critic_model,
                                         lr_schedule)
 from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule, RoleSettings, aggregate, run_ppo
@@ -183,7 +184,7 @@ class RoleEngine:
     """What one role's engine is built from."""
 
     dtype: str
-    """'fp32' | 'bf16' | 'fp16', resolved for the device (``ds_config.resolve_dtype``)."""
+    """'fp32' | 'bf16' | 'fp16', resolved for the device and the model (``ds_config.role_dtype``)."""
     ds_config: dict[str, Any]
     """The DeepSpeed config (``ds_config.actor_ds_config`` / ``critic_ds_config``)."""
     gradient_checkpointing: bool
@@ -214,11 +215,13 @@ def engine_settings(cfg: RLHFConfig, device: str, world_size: int, total_steps: 
     """``EngineSettings`` of ``cfg`` on ``world_size`` ranks of ``device``."""
     m, c = cfg.actor_rollout_ref.model, cfg.critic
     here = torch.device(device)
-    actor = RoleEngine(resolve_dtype(effective_deepspeed(cfg).dtype, device), actor_ds_config(cfg, device, world_size),
+    actor = RoleEngine(role_dtype(effective_deepspeed(cfg), resolve.role_model_key(cfg), device),
+                       actor_ds_config(cfg, device, world_size),
                        m.enable_gradient_checkpointing, resolve_attention(m.override_config.attn_implementation, here),
                        cfg.actor_rollout_ref.actor.optim)
     critic = None if not resolve.uses_critic(cfg) else RoleEngine(
-        resolve_dtype(effective_deepspeed(cfg, "critic").dtype, device), critic_ds_config(cfg, device, world_size),
+        role_dtype(effective_deepspeed(cfg, "critic"), resolve.role_model_key(cfg, "critic"), device, "critic"),
+        critic_ds_config(cfg, device, world_size),
         c.model.enable_gradient_checkpointing, resolve_attention(c.model.override_config.attn_implementation, here),
         c.optim)
     return EngineSettings(device, world_size, actor, critic, LoraSettings.from_config(m), cfg.trainer.seed, total_steps)
@@ -405,12 +408,37 @@ def train_iteration(settings: UpdateSettings, iteration: int, data: PPOData, act
         outcome = run_ppo(roles, data, seed=f"{t.seed}:{iteration}", dist=dist, pad_id=pad_id,
                           progress=progress, concurrent=concurrent)
     metrics = aggregate(outcome)
+    metrics.update(update_perf(roles, data, outcome, device, dist.world_size))
     metrics["actor/updated"] = float(resolve.actor_updates(t, iteration))  # 0: a critic warm-up step
     metrics["perf/peak_rss_gb"] = float(all_reduce(torch.tensor(peak_rss_gb()), op="max"))
     metrics["perf/world_size"] = float(dist.world_size)
     metrics["perf/threads_per_rank"] = float(threads)
     metrics["perf/concurrent_critic_actor"] = float(concurrent)
     return metrics, outcome
+
+
+def update_perf(roles: list[RoleSchedule], data: PPOData, outcome: Any, device: str, world_size: int) -> dict[str, float]:
+    """verl's ``perf/mfu/<role>`` (its FLOP estimate of one epoch over the role's training seconds, times
+    its epochs, over its promised device FLOP/s and the world size: ``training.flops``), each role's
+    training-loop seconds, and the stage's model FLOPs and floor (every role's forward + backward, the
+    actor's LM head on response positions); {} when a model's shape cannot be read."""
+    out: dict[str, float] = {}
+    total = 0.0
+    lengths, responses = data.lengths, sum(data.response_lengths)
+    for role in roles:
+        te, seconds = role.te, outcome.seconds.get(role.te.role, 0.0)
+        config = getattr(te.module, "config", None)
+        if config is None or not hasattr(config, "to_dict"):
+            return {}
+        shape = ModelShape.from_dict(config.to_dict())
+        total += training_flops(shape, lengths, responses if te.role == "actor" else 0, role.how.epochs)
+        out[f"perf/{te.role}_update_seconds"] = seconds  # verl's timing_s/update_<role> (run.report.TIMING)
+        if seconds > 0:
+            out[f"perf/mfu/{te.role}"] = (verl_update_flops(shape, lengths) / seconds * role.how.epochs
+                                          / verl_promised_flops(device) / world_size)
+    if roles:
+        out.update(floor_metrics("update", total, device, roles[-1].te.dtype, devices=world_size))
+    return out
 
 
 def finish_update(cfg: RLHFConfig, run: RunDir, iteration: int, metrics: dict[str, float], outcome: Any,
