@@ -172,8 +172,8 @@ def run_prompt_lengths(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = 
                          config_sections=config_sections(cfg), body=body, force=force)
 '''
 
-ITERATION_MODULE = '''"""Stage `advantage_signs`: iter_K/advantages.parquet → iter_K/advantage_signs.json, the share of
-response tokens with a positive advantage."""
+ITERATION_MODULE = '''"""Stage `advantage_signs`: iter_K/advantages.parquet → iter_K/advantage_signs.json,
+the share of response tokens with a positive advantage."""
 
 from __future__ import annotations
 
@@ -287,8 +287,8 @@ def _add_estimator(copy: Path) -> str:
     with open(copy / home, "a", encoding="utf-8") as module:
         module.write("\n\n" + example)
     listed = re.search(r"a name of our own goes into `OUR_OWN` in\s+`([\w/]+\.py)`", recipe).group(1)
-    _insert(copy / listed, f'    "advantage estimator": {{"{_estimator_name()}": "the README\'s example: the sign of the '
-                           f'reward on every token"}},\n', after="OUR_OWN: dict[str, dict[str, str]] = {\n")
+    entry = f'    "advantage estimator": {{"{_estimator_name()}": "the README example: the sign of the reward"}},\n'
+    _insert(copy / listed, entry, after="OUR_OWN: dict[str, dict[str, str]] = {\n")
     return _estimator_name()
 
 

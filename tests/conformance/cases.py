@@ -503,10 +503,33 @@ def names_case() -> dict:
     return {"id": "names/our_own", "family": "names", "names": {kind: sorted(names) for kind, names in OUR_OWN.items()}}
 
 
+FLOPS_MODELS = {  # config.json fields of decoder-only models verl's Qwen2/Llama FLOP formula covers
+    "qwen2.5-0.5b-4l": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 4,
+                        "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 512},
+    "qwen2.5-0.5b": {"model_type": "qwen2", "hidden_size": 896, "intermediate_size": 4864, "num_hidden_layers": 24,
+                     "num_attention_heads": 14, "num_key_value_heads": 2, "vocab_size": 151936},
+    "tiny": {"model_type": "qwen2", "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512},
+    "llama-head-dim": {"model_type": "llama", "hidden_size": 512, "intermediate_size": 1376, "num_hidden_layers": 3,
+                       "num_attention_heads": 4, "num_key_value_heads": 4, "head_dim": 96, "vocab_size": 1000},
+}
+DEVICE_NAMES = ("CPU", "NVIDIA H200", "NVIDIA H100 80GB HBM3", "NVIDIA A100-SXM4-80GB", "NVIDIA GB200", "NVIDIA L40S",
+                "NVIDIA L40", "NVIDIA H20", "AMD Instinct MI300X", "NVIDIA A10", "Tesla T4")
+
+
+def flops_cases() -> list[dict]:
+    """verl's update FLOP estimate (its perf/mfu/actor|critic numerator) and its promised device FLOP/s."""
+    lengths = {"even": [118] * 8, "mixed": [37, 512, 1, 260, 99], "one": [4096]}
+    cases = [{"id": f"flops/{model}/{batch}", "family": "flops", "config": config, "lengths": seqs, "seconds": 2.5}
+             for model, config in FLOPS_MODELS.items() for batch, seqs in lengths.items()]
+    return cases + [{"id": "flops/devices", "family": "device_flops", "names": list(DEVICE_NAMES)}]
+
+
 def all_cases(tokenizer_dir: str, tokenizer) -> list[dict]:
-    cases = ([{"id": "config/ppo_trainer", "family": "config"}, names_case()] + agg_cases() + policy_loss_cases() + value_loss_cases() + estimator_cases() + kl_cases()
+    cases = ([{"id": "config/ppo_trainer", "family": "config"}, names_case()] + agg_cases() + policy_loss_cases()
+             + value_loss_cases() + estimator_cases() + kl_cases()
              + kl_controller_cases() + kl_reward_cases() + rollout_correction_cases() + trainer_cases() + reward_cases()
-             + [dapo_manager_case(tokenizer_dir, tokenizer)])
+             + [dapo_manager_case(tokenizer_dir, tokenizer)] + flops_cases())
     ids = [c["id"] for c in cases]
     assert len(ids) == len(set(ids)), "case ids must be unique"
     return cases
