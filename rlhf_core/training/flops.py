@@ -54,8 +54,14 @@ GPU_PEAKS = {"GB200": 2.5e15, "B200": 2.25e15, "MI300X": 1.336e15, "H200": 989e1
              "L20": 119.5e12, "L4": 121e12, "A10": 125e12}
 """Dense bf16/fp16 FLOP/s of GPUs by a part of their device name (the longest matching name wins)."""
 
-VERL_CPU_FLOPS = 448e9
-"""What verl's flops counter promises for a CPU (its ``perf/mfu/*`` divide by it there)."""
+VERL_DEVICE_FLOPS = {"CPU": 448e9, "GB200": 2.5e15, "B200": 2.25e15, "MI300X": 1307e12, "MI350X": 2300e12,
+                     "MI355X": 2500e12, "H100": 989e12, "H800": 989e12, "H200": 989e12, "A100": 312e12,
+                     "A800": 312e12, "L40S": 362.05e12, "L40": 181.05e12, "A40": 149.7e12, "L20": 119.5e12,
+                     "H20": 148e12, "910B": 354e12, "A2G3": 354e12, "Ascend950DT": 432e12, "Ascend910": 354e12,
+                     "RTX 3070 Ti": 21.75e12}
+"""verl 0.9.1's promised FLOP/s per device name (a CPU counts as 448 GFLOP/s), which its ``perf/mfu/*``
+divide by: the first key, in reverse alphabetical order, that the device's name contains; none: infinite
+(the conformance step compares ``verl_promised_flops`` with verl's ``get_device_flops``)."""
 
 
 def dense_parameters(shape: ModelShape) -> int:
@@ -99,12 +105,13 @@ def verl_update_flops(shape: ModelShape, lengths: Sequence[int]) -> float:
     return 6.0 * dense * sum(lengths) + attention
 
 
-def verl_promised_flops(device: str) -> float:
-    """verl's promised FLOP/s of the device: a CPU 448e9, a known GPU its peak, an unknown one infinite
-    (verl's mfu then reads 0)."""
+def verl_promised_flops(device: str, name: Optional[str] = None) -> float:
+    """verl's promised FLOP/s of ``device`` ('cpu' | 'cuda'; ``name``: the GPU's, default this one's) by
+    ``VERL_DEVICE_FLOPS``'s rule; an unknown GPU infinite (verl's mfu then reads 0)."""
     if not device.startswith("cuda"):
-        return VERL_CPU_FLOPS
-    return _gpu_peak(torch.cuda.get_device_name()) or float("inf")
+        name = "CPU"
+    name = name or torch.cuda.get_device_name()
+    return next((flops for key, flops in sorted(VERL_DEVICE_FLOPS.items(), reverse=True) if key in name), float("inf"))
 
 
 def _gpu_peak(name: str) -> Optional[float]:

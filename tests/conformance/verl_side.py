@@ -25,6 +25,8 @@ from verl.trainer.config.algorithm import KLControlConfig, RolloutCorrectionConf
 from verl.trainer.ppo import core_algos, rollout_corr_helper  # noqa: E402
 from verl.trainer.ppo.metric_utils import compute_data_metrics  # noqa: E402
 from verl.trainer.ppo.ray_trainer import apply_kl_penalty, compute_advantage, compute_response_mask  # noqa: E402
+from transformers import AutoConfig  # noqa: E402
+from verl.utils.flops_counter import ESTIMATE_FUNC, FlopsCounter, get_device_flops  # noqa: E402
 from verl.utils.reward_score import default_compute_score  # noqa: E402
 from verl.workers.config import ActorConfig  # noqa: E402
 from verl.workers.config.actor import PolicyLossConfig  # noqa: E402
@@ -322,8 +324,24 @@ def names(case):
     return {"known": {kind: {name: _knows(kind, name) for name in listed} for kind, listed in case["names"].items()}}
 
 
+def flops(case):
+    """verl's FlopsCounter estimate (TFLOP/s over the case's seconds) for the case's model config; its own
+    device look-up needs CUDA, so the promised FLOP/s are asked for by name (``device_flops``)."""
+    fields = dict(case["config"])
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
+    lengths = case["lengths"]
+    # FlopsCounter.estimate_flops with the estimate alone (its device look-up needs CUDA)
+    estimate = ESTIMATE_FUNC[FlopsCounter(config).config.model_type]
+    return {"tflops_per_s": estimate(config, sum(lengths), lengths, case["seconds"])}
+
+
+def device_flops(case):
+    """verl's promised FLOP/s by device name (unit "B": its look-up's raw FLOP/s)."""
+    return {"promised": [get_device_flops(unit="B", device_name=name) for name in case["names"]]}
+
+
 FAMILIES = {f.__name__: f for f in (config, agg, policy_loss, value_loss, estimator, kl, kl_controller, kl_reward,
-                                    rollout_correction, trainer, reward, dapo_manager, names)}
+                                    rollout_correction, trainer, reward, dapo_manager, names, flops, device_flops)}
 
 
 def main(cases_path: str, results_path: str) -> None:

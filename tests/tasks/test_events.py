@@ -115,3 +115,16 @@ def test_events_arrive_and_the_automation_notifies(tmp_path, webhook):
     subjects = sorted(r["subject"] for r in received)  # and the automation fired once per event
     assert subjects == ["RLHF rlhf.alert.halt in demo-run", "RLHF rlhf.alert.val-drop in demo-run"], received
     assert any("iteration 3: val/accuracy fell to 0.4" in r["body"] for r in received)
+
+
+def test_old_log_probs_taken_from_the_rollout_far_from_the_trainers_raise_an_alert():
+    """The update's first step measures how far the old log-probs are from the trainer's own; taken from
+    the rollout (rollout.old_log_probs=auto) they must be the trainer's arithmetic, so a gap over 1e-3
+    is worth a person's attention, with the fix."""
+    trainer = _cfg().trainer
+    quiet = {"score/old_log_probs_from_rollout": 1.0, "actor/old_log_prob_diff_max": 1.9e-6}
+    assert iteration_alerts(trainer, quiet) == []
+    (alert,) = iteration_alerts(trainer, {**quiet, "actor/old_log_prob_diff_max": 0.016})
+    assert alert.kind == "old-log-prob-gap" and "actor_rollout_ref.rollout.old_log_probs=recompute" in alert.message
+    recomputed = {"score/old_log_probs_from_rollout": 0.0, "actor/old_log_prob_diff_max": 0.016}
+    assert iteration_alerts(trainer, recomputed) == []  # the score stage's own pass: nothing to switch

@@ -182,3 +182,31 @@ def test_event_and_stage_times_are_timestamps_shown_as_dates(run, capsys):
     assert re.search(r"^20\d\d-\d\d-\d\d \d\d:\d\d:\d\d\+00:00  rollback", out, re.M) and "e+09" not in out, out
     started = query.query(run, "SELECT min(started_at) AS s FROM stages WHERE started_at IS NOT NULL")
     assert str(started.schema.field("s").type).startswith("timestamp")
+
+
+def test_status_shows_the_latest_iterations_time_against_its_floor(run):
+    """Each stage's seconds beside its floor (model FLOPs at the measured matmul rate) and how many times
+    the floor it took, from the iteration's metrics as the report collects them; verl's throughput and
+    MFU beside."""
+    from rlhf_core.config.schema import DataConfig
+    from rlhf_core.run.report import iteration_metrics
+
+    assert "time against floor" not in query.format_status(run)  # nothing reported floors yet
+    seconds_floor = {"rollout": (4.0, 0.5), "score": (1.0, 0.4), "update": (6.0, 3.0), "guard": (0.5, 0.25)}
+    for stage, (seconds, floor) in seconds_floor.items():
+        record_stage(run, 2, stage, status="done", inputs={}, outputs={}, config_hash="h", seconds=seconds,
+                     metrics={f"perf/stage_floor_seconds/{stage}": floor, "perf/device_matmul_flops_per_s": 1.6e11,
+                              **({"perf/mfu/actor": 0.31, "perf/mfu/critic": 0.29} if stage == "update" else {})})
+    metrics = iteration_metrics(DataConfig(), run, 2)
+    assert metrics["perf/stage_over_floor/rollout"] == 8.0 and metrics["perf/stage_over_floor/guard"] == 2.0
+    assert "perf/stage_over_floor/gae" not in metrics  # no model pass, no floor
+    # verl's compute_throughout_metrics: the batch's prompt + response tokens over the step's seconds
+    assert metrics["perf/total_num_tokens"] == 15.0 and metrics["timing_s/step"] == 12.5
+    assert metrics["perf/time_per_step"] == 12.5 and metrics["perf/throughput"] == pytest.approx(15 / 12.5)
+
+    lines = query.format_status(run).splitlines()
+    start = lines.index("time against floor, iteration 2 (device matmul 160.0 GFLOP/s); verl's perf/mfu: "
+                        "actor 0.310, critic 0.290:")
+    table = {line.split()[0]: line.split()[1:] for line in lines[start + 3:start + 8]}
+    assert table["rollout"] == ["4", "0.5", "8"] and table["update"] == ["6", "3", "2"]
+    assert table["gae"] == ["1", "-", "-"]

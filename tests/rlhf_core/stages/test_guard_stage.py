@@ -283,3 +283,31 @@ def test_the_sampled_guard_measures_zero_for_an_unchanged_actor(tmp_path, tiny_m
     run = _sampled_run(tmp_path, tiny_model_dir, actor_scale=0.0, n=6)
     kl = guard.measure_kl(_cfg(tiny_model_dir, "trainer.kl_guard_estimator=sampled"), run, 1)
     assert kl["kl_mean"] == pytest.approx(0.0, abs=1e-6) and kl["kl_max"] == pytest.approx(0.0, abs=1e-6)
+
+
+def test_the_exact_guard_runs_only_the_references_lm_head_on_the_states_scoring_kept(tmp_path, tiny_model_dir):
+    """After the score stage's reference pass in this process (``scoring.ref_states``) the guard measures
+    the same exact KL with the reference's LM head alone; its floor counts that head, not a forward."""
+    from rlhf_core.scoring import compute_token_logprobs, ref_states
+
+    run = _scored_run(tmp_path, tiny_model_dir, actor_scale=0.5)
+    cfg = _cfg(tiny_model_dir, "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=64")
+    scored = pq.read_table(run.scored(1)).to_pylist()
+    seqs = [r["prompt_token_ids"] + r["response_token_ids"] for r in scored]
+    plens = [len(r["prompt_token_ids"]) for r in scored]
+    settings = guard.kl_pass(cfg)
+    ref_states.forget()
+    forward = guard.run_guard(cfg, run, 1, force=True).metrics
+    assert forward["perf/guard_reference_states_kept"] == 0.0
+    with ref_states.recording(tiny_model_dir, settings.dtype, settings.attention) as record:  # as scoring does
+        states = {}
+        compute_token_logprobs(_load(tiny_model_dir), seqs, plens, budget=settings.ref_budget, head_inputs=states)
+        ref_states.keep(record, seqs, plens, states)
+    try:
+        kept = guard.run_guard(cfg, run, 1, force=True).metrics
+    finally:
+        ref_states.forget()
+    assert kept["perf/guard_reference_states_kept"] == 1.0
+    assert kept["guard/kl_mean"] == forward["guard/kl_mean"] > 1e-3  # the same reference arithmetic, bit for bit
+    assert kept["perf/stage_flops/guard"] < forward["perf/stage_flops/guard"]
+    assert kept["perf/stage_floor_seconds/guard"] > 0

@@ -359,3 +359,92 @@ def test_score_on_two_and_four_processes_equals_one_process(tmp_path, repo_root,
         assert not result.skipped and not run.stage_ranks_dir(1, "score").exists()  # scratch removed
         assert pq.read_table(run.scored(1)).equals(one), f"{world} processes changed the scored table"
     assert one.column("ref_log_probs").to_pylist() != one.column("old_log_probs").to_pylist()  # ref pass ran
+
+
+def _hf_rollout(run: RunDir, tokenizer, repo_root, model_dir) -> list[list[float]]:
+    """The run's iteration-1 rollout table with every response sampled by the hf engine from
+    ``model_dir`` (engine column 'hf', the engine's own log-probs); returns those log-probs."""
+    from rlhf_core.rollout.base import SamplingParams
+    from rlhf_core.rollout.hf import HFEngine
+
+    write_run_inputs(run, tokenizer, load_questions(repo_root / "data/arith/train.jsonl", 3), n_samples=1)
+    table = pq.read_table(run.rollout(1))
+    prompts = table.column("prompt_token_ids").to_pylist()
+    samples = HFEngine(model_dir).generate(prompts, SamplingParams(max_new_tokens=12, n=1, seed=3))
+    rows = table.to_pylist()
+    for row, s in zip(rows, samples):
+        row.update(response_token_ids=s.token_ids, response_length=len(s.token_ids), engine="hf",
+                   response_text=s.text, rollout_log_probs=s.log_probs)
+    atomic_write_parquet(run.rollout(1), pa.Table.from_pylist(rows, schema=ROLLOUT), schema=ROLLOUT)
+    return [s.log_probs for s in samples]
+
+
+@pytest.fixture
+def moved_actor_run(tmp_path, repo_root, tiny_model_dir, tokenizer):
+    """(run, actor dir, reference dir, the engine's log-probs): an actor that is not the reference (as
+    after iteration 1), whose hf-engine samples make iteration 1's rollout."""
+    from transformers import AutoModelForCausalLM
+
+    actor = tmp_path / "actor"
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(1.3)
+    model.save_pretrained(actor)
+    tokenizer.save_pretrained(actor)
+    run = RunDir(tmp_path / "run")
+    return run, actor, tiny_model_dir, _hf_rollout(run, tokenizer, repo_root, actor)
+
+
+def _score(run, actor, ref, monkeypatch, *extra):
+    from rlhf_core.stages import score
+
+    loads = []
+    real = score.load_causal_lm
+    monkeypatch.setattr(score, "load_causal_lm", lambda *a, **k: loads.append(k.get("role")) or real(*a, **k))
+    cfg = demo_config(actor, f"actor_rollout_ref.ref.model_path={ref}", *extra)
+    if not run.critic_init.is_dir():
+        run_init_critic(cfg, run)
+    result = run_score(cfg, run, 1, force=True)
+    old = [r["old_log_probs"] for r in pq.read_table(run.scored(1)).to_pylist()]
+    return old, "actor" in loads, result.metrics
+
+
+def test_old_log_probs_are_the_hf_engines_own_in_fp32_and_no_actor_pass_runs(moved_actor_run, monkeypatch):
+    """actor_rollout_ref.rollout.old_log_probs=auto: the hf engine ran the trainer's model in fp32, so its
+    log-probs are the trainer's arithmetic (~1e-7 apart) and the actor's pass is skipped; 'recompute'
+    (verl's default) runs it, and the two tables' old log-probs agree to rounding."""
+    run, actor, ref, engine = moved_actor_run
+    reused, actor_pass, metrics = _score(run, actor, ref, monkeypatch)
+    assert not actor_pass and metrics["score/old_log_probs_from_rollout"] == 1.0
+    assert reused == [pytest.approx(e, abs=0) for e in engine]  # the engine's, as written (float32)
+    assert "perf/score_seconds/old_log_prob" not in metrics and "perf/score_seconds/ref" in metrics
+
+    recomputed, actor_pass, metrics = _score(run, actor, ref, monkeypatch,
+                                             "actor_rollout_ref.rollout.old_log_probs=recompute")
+    assert actor_pass and metrics["score/old_log_probs_from_rollout"] == 0.0
+    assert "perf/score_seconds/old_log_prob" in metrics
+    gap = max(abs(a - b) for r, e in zip(recomputed, engine) for a, b in zip(r, e))
+    assert 0 < gap < 1e-5
+
+
+@pytest.mark.parametrize("setting", [
+    "actor_rollout_ref.rollout.top_k=5",                             # the engine's are of a cut distribution
+    "actor_rollout_ref.rollout.top_p=0.9",
+    "algorithm.rollout_correction.rollout_is=token",                 # a correction compares the two
+    "actor_rollout_ref.actor.deepspeed_config.dtype=bf16",            # bf16 decoding differs by ~3e-3
+    "actor_rollout_ref.rollout.hf_decode=static",
+])
+def test_old_log_probs_are_recomputed_where_the_engines_are_not_the_trainers_arithmetic(moved_actor_run, monkeypatch,
+                                                                                       setting):
+    run, actor, ref, _ = moved_actor_run
+    _, actor_pass, metrics = _score(run, actor, ref, monkeypatch, setting)
+    assert actor_pass and metrics["score/old_log_probs_from_rollout"] == 0.0
+
+
+def test_old_log_probs_from_another_engine_are_recomputed(moved_actor_run, monkeypatch):
+    run, actor, ref, _ = moved_actor_run
+    table = pq.read_table(run.rollout(1))
+    table = table.set_column(table.schema.get_field_index("engine"), "engine", pa.array(["vllm"] * table.num_rows))
+    atomic_write_parquet(run.rollout(1), table, schema=ROLLOUT)
+    _, actor_pass, metrics = _score(run, actor, ref, monkeypatch)
+    assert actor_pass and metrics["score/old_log_probs_from_rollout"] == 0.0

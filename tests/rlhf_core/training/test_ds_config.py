@@ -96,3 +96,66 @@ def test_offload_pins_host_memory_and_steps_cpu_adam_only_on_cuda():
     assert on_cpu["zero_optimization"]["offload_optimizer"]["pin_memory"] is False
     assert not uses_cpu_adam(on_cpu, "cpu")  # the torch AdamW: no ~75 s cpu_adam build on a CPU machine
     assert not uses_cpu_adam(build_ds_config(DeepSpeedConfig(zero_stage=3), grad_clip=1.0, device="cuda"), "cuda")
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend this machine's CPU is a given model with given /proc/cpuinfo flags."""
+    from rlhf_core.training import ds_config
+
+    def pretend(model: str, *flags: str) -> None:
+        monkeypatch.setattr(ds_config, "cpu_description", lambda: (model, flags))
+
+    return pretend
+
+
+@pytest.mark.parametrize("flags, largest, want", [
+    (("avx2", "avx512f", "avx512_bf16"), 896 * 4864, "bf16"),   # native bf16, Qwen2.5-0.5B's MLP
+    (("avx2", "amx_tile", "amx_bf16"), 896 * 4864, "bf16"),     # AMX
+    (("avx2", "avx512_bf16"), 64 * 512, "fp32"),                # native, but the tiny demo's matrices
+    (("avx2", "avx512_bf16"), None, "fp32"),                    # the model's size unknown (not built yet)
+    (("avx2", "avx512f"), 896 * 4864, "fp32"),                  # AVX-512 without bf16: emulated
+])
+def test_dtype_auto_on_a_cpu_is_bf16_only_with_native_units_and_a_large_model(cpu, flags, largest, want):
+    cpu("Test CPU", *flags)
+    assert resolve_dtype("auto", "cpu", largest) == want
+    assert resolve_dtype("auto", "cuda", largest) == "bf16"  # a GPU: always
+    assert resolve_dtype("fp32", "cpu", largest) == "fp32"  # an explicit choice stands
+
+
+def test_the_auto_choice_is_said_once_with_the_cpu_and_why(cpu, tmp_path):
+    from rlhf_core.config.notes import said
+    from rlhf_core.models.tiny import ensure_tiny_model
+    from rlhf_core.training.ds_config import role_dtype
+
+    model = ensure_tiny_model(tmp_path / "tiny")
+    cpu("Native Test CPU 1", "avx512_bf16")
+    assert role_dtype(DeepSpeedConfig(), str(model), "cpu") == "fp32"  # the tiny model is faster in fp32
+    line = [s for s in said() if "Native Test CPU 1" in s]
+    assert len(line) == 1 and "dtype=auto: fp32" in line[0] and "under 1 M elements" in line[0]
+    cpu("Emulating Test CPU 2", "avx2")
+    assert role_dtype(DeepSpeedConfig(), str(model), "cpu") == "fp32"
+    assert any("Emulating Test CPU 2" in s and "bf16 would be emulated" in s for s in said())
+
+
+def test_an_explicit_bf16_on_a_cpu_without_bf16_units_says_what_it_costs(cpu, tmp_path):
+    from rlhf_core.config.notes import said
+    from rlhf_core.training.ds_config import BF16_EMULATED_COST, role_dtype
+
+    cpu("Emulating Test CPU 3", "avx2", "fma")
+    assert role_dtype(DeepSpeedConfig(dtype="bf16"), str(tmp_path / "absent"), "cpu", "critic") == "bf16"
+    line = [s for s in said() if "Emulating Test CPU 3" in s]
+    assert len(line) == 1 and line[0].startswith("critic.deepspeed_config.dtype=bf16") and BF16_EMULATED_COST in line[0]
+    cpu("Native Test CPU 4", "avx512_bf16")
+    role_dtype(DeepSpeedConfig(dtype="bf16"), str(tmp_path / "absent"), "cpu")
+    assert not any("Native Test CPU 4" in s for s in said())  # native units: nothing to warn about
+
+
+def test_cpu_description_reads_the_model_and_flags_of_this_machine():
+    from pathlib import Path
+
+    from rlhf_core.training.ds_config import cpu_description
+
+    model, flags = cpu_description()
+    if Path("/proc/cpuinfo").is_file():
+        assert model != "unknown" and flags and all(" " not in f for f in flags)

@@ -182,3 +182,31 @@ def test_one_process_at_zero_0_accumulates_without_deepspeeds_all_reduce(make_en
                on_gradients=lambda te: captured.update(full_gradients(te)))
     assert reductions == [] and dist.world_size == 1
     assert _max_rel_diff(captured, ref_grads) < 1e-5
+
+
+def test_the_update_reports_how_far_the_old_log_probs_are_from_its_own_before_its_first_step(make_engines, ppo_data, dist):
+    """actor/old_log_prob_diff_mean/max: |log pi - old| over the first mini-batch before any step (the
+    trainer's own log-probs at the weights the old ones stand for); later steps, whose weights moved,
+    report none. The table's old log-probs were scored by this very model: ~0 apart; one token moved
+    by 0.01 reads 0.01."""
+    from rlhf_core.training.ppo import RoleSchedule, RoleSettings, run_ppo
+
+    def first_gap(data):
+        _, actor, _ = make_engines(0, "actor_rollout_ref.actor.optim.lr=1e-2")
+        how = RoleSettings(ActorLoss(), epochs=1, plan=PLANS["fixed 5 per micro-batch, packed"], mini_batch_size=6,
+                           shuffle=False)
+        outcome = run_ppo([RoleSchedule(actor, how)], data, seed="0:1", dist=dist, pad_id=0)
+        steps = outcome.steps["actor"]
+        assert len(steps) == 2 and "actor/old_log_prob_diff_max" not in steps[1]
+        metrics = aggregate(outcome)
+        return metrics["actor/old_log_prob_diff_mean"], metrics["actor/old_log_prob_diff_max"]
+
+    mean, peak = first_gap(ppo_data)
+    assert 0 <= mean <= peak < 1e-5
+    moved = dataclasses.replace(ppo_data, per_token=dict(ppo_data.per_token))
+    old = [a.copy() for a in moved.per_token["old_log_probs"]]
+    old[2][0] += 0.01  # row 2 is in the first mini-batch (rows 0-5)
+    moved.per_token["old_log_probs"] = old
+    tokens = sum(len(r) for r in moved.response_ids[:6])
+    mean, peak = first_gap(moved)
+    assert peak == pytest.approx(0.01, abs=1e-5) and mean == pytest.approx(0.01 / tokens, abs=2e-6)
