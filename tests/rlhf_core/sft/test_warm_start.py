@@ -220,3 +220,16 @@ def test_sampled_accuracy_is_seeded_and_stops_at_the_budget(tiny_model_dir, one_
     assert a.responses == sampled_accuracy(model, tok, ids, ["3", "16"], max_new_tokens=6, seed=5).responses
     assert len(a.responses) == 2 and a.mean_response_tokens <= 6 and set(a.scores) <= {0.0, 1.0}
     assert a.accuracy == sum(a.scores) / 2
+
+
+def test_data_without_a_prompt_is_refused_as_preprocess_refuses_it(cfg, tmp_path):
+    """With the warm start on it reads the data first: an empty file gets preprocess's line (the file,
+    the problem, the fix), not the warm start's 'no training examples left ... dev_size'."""
+    from rlhf_core.config import apply_overrides
+    from rlhf_core.data.preprocess import NoPromptsError
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    bad = apply_overrides(cfg, [f"data.train_files=[{empty}]"])
+    with pytest.raises(NoPromptsError, match=rf"{empty}: no rows to read \(empty\); give data.train_files rows"):
+        warm_start.warm_start(bad.actor_rollout_ref.model, bad.data, out_root=tmp_path / "out", progress=False)
