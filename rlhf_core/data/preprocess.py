@@ -221,7 +221,7 @@ def no_prompts_problem(result: PreprocessResult, data: DataConfig, rejects_at: O
     if first is None:  # rows that were all accepted into validation (data.val_files): no train row
         return (f"no train prompts from {files} (validation {result.val.num_rows}); give train rows, or "
                 "check data.val_fraction")
-    where = f"{first.row.source_file}"
+    where = first.row.source_file
     example = f"row {first.row.source_row}: {first.reason}: {_excerpt(first.row.raw)}"
     if top in UNREADABLE_KINDS and n == len(result.rejected):
         return (f"{where}: no row could be read as a record ({n} of {result.rows_in} rows: {top}; {example}); "
