@@ -277,9 +277,9 @@ def apply_rollout_correction(batch: ScoredBatch, settings: AdvantageSettings,
     """verl's decoupled rollout correction on the batch: importance weights and a rejection mask from
     the rollout engine's log-probs against the trainer's (old_log_probs), and the rollout_corr/
     metrics. In bypass mode the loss does it (nothing here); without the engine's log-probs there is
-    nothing to correct, which is an error only when a correction was asked for; when the old log-probs
-    are the engine's own (actor_rollout_ref.rollout.old_log_probs=auto, never with a correction set)
-    there is nothing to compare."""
+    nothing to correct, which is an error only when a correction was asked for. When the old log-probs
+    are the engine's own (actor_rollout_ref.rollout.old_log_probs=auto, never with a correction set) the
+    metrics say so (kl 0, ppl_ratio 1); the update reports the gap it starts from."""
     correction = settings.rollout_correction
     if correction.bypass_mode:
         return batch, {}
@@ -291,8 +291,6 @@ def apply_rollout_correction(batch: ScoredBatch, settings: AdvantageSettings,
         return batch, {}
     if not bool(batch.response_mask.any()):
         return batch, {}
-    if torch.equal(batch.old_log_probs, batch.rollout_log_probs):  # rollout.old_log_probs=auto took the engine's:
-        return batch, {}  # nothing to compare here (the update reports the gap it starts from)
     weights, mask, metrics = correct_rollout(old_log_prob=batch.old_log_probs.double(),
                                              rollout_log_prob=batch.rollout_log_probs.double(),
                                              response_mask=batch.response_mask, settings=correction)
