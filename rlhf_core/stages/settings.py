@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from rlhf_core.config import RLHFConfig, effective_deepspeed
+from rlhf_core.config import RLHFConfig
 from rlhf_core.config.resolve import frozen_param_offload, micro_batching, role_model_key
 from rlhf_core.rollout.generate import GenerationSettings
 from rlhf_core.scoring.models import scoring_device, scoring_dtype
@@ -16,7 +16,9 @@ from rlhf_core.training.ds_config import resolve_device, role_dtype
 def actor_dtype(cfg: RLHFConfig, device: Optional[str] = None) -> str:
     """The actor's training dtype on ``device`` (default: trainer.device), 'auto' resolved for its model
     (``ds_config.role_dtype``): rollout, scoring and the KL guard run in it."""
-    return role_dtype(effective_deepspeed(cfg), role_model_key(cfg), device or resolve_device(cfg.trainer.device))
+    # the dtype alone: the stages that run in it declare that key, not the actor's ZeRO or offload ones
+    dtype = cfg.actor_rollout_ref.actor.deepspeed_config.dtype
+    return role_dtype(dtype, role_model_key(cfg), device or resolve_device(cfg.trainer.device))
 
 
 def kl_pass(cfg: RLHFConfig) -> KLPassSettings:

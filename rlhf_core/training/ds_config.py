@@ -114,14 +114,14 @@ def model_largest_matrix(model_path: str) -> Optional[int]:
     return config_largest_matrix(config) or None
 
 
-def role_dtype(ds: DeepSpeedConfig, model_path: str, device: str, key: str = "actor_rollout_ref.actor") -> str:
-    """A trained role's dtype on ``device``: ``ds.dtype`` with 'auto' resolved for the model at ``model_path``
+def role_dtype(configured: str, model_path: str, device: str, key: str = "actor_rollout_ref.actor") -> str:
+    """A trained role's dtype on ``device``: its deepspeed_config.dtype (``configured``) with 'auto' resolved for the model at ``model_path``
     (``resolve_dtype``). The run follows the actor's: rollout, scoring and the KL guard run in it. On a CPU
     the choice is said once per process (rank 0), with why."""
     largest = model_largest_matrix(model_path)
-    dtype = resolve_dtype(ds.dtype, device, largest)
+    dtype = resolve_dtype(configured, device, largest)
     if device == "cpu" and os.environ.get("RANK", "0") == "0":
-        _say_cpu_dtype(key, ds.dtype, dtype, largest)
+        _say_cpu_dtype(key, configured, dtype, largest)
     return dtype
 
 

@@ -215,12 +215,12 @@ def engine_settings(cfg: RLHFConfig, device: str, world_size: int, total_steps: 
     """``EngineSettings`` of ``cfg`` on ``world_size`` ranks of ``device``."""
     m, c = cfg.actor_rollout_ref.model, cfg.critic
     here = torch.device(device)
-    actor = RoleEngine(role_dtype(effective_deepspeed(cfg), resolve.role_model_key(cfg), device),
+    actor = RoleEngine(role_dtype(effective_deepspeed(cfg).dtype, resolve.role_model_key(cfg), device),
                        actor_ds_config(cfg, device, world_size),
                        m.enable_gradient_checkpointing, resolve_attention(m.override_config.attn_implementation, here),
                        cfg.actor_rollout_ref.actor.optim)
     critic = None if not resolve.uses_critic(cfg) else RoleEngine(
-        role_dtype(effective_deepspeed(cfg, "critic"), resolve.role_model_key(cfg, "critic"), device, "critic"),
+        role_dtype(effective_deepspeed(cfg, "critic").dtype, resolve.role_model_key(cfg, "critic"), device, "critic"),
         critic_ds_config(cfg, device, world_size),
         c.model.enable_gradient_checkpointing, resolve_attention(c.model.override_config.attn_implementation, here),
         c.optim)

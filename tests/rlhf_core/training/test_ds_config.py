@@ -130,11 +130,11 @@ def test_the_auto_choice_is_said_once_with_the_cpu_and_why(cpu, tmp_path):
 
     model = ensure_tiny_model(tmp_path / "tiny")
     cpu("Native Test CPU 1", "avx512_bf16")
-    assert role_dtype(DeepSpeedConfig(), str(model), "cpu") == "fp32"  # the tiny model is faster in fp32
+    assert role_dtype("auto", str(model), "cpu") == "fp32"  # the tiny model is faster in fp32
     line = [s for s in said() if "Native Test CPU 1" in s]
     assert len(line) == 1 and "dtype=auto: fp32" in line[0] and "under 1 M elements" in line[0]
     cpu("Emulating Test CPU 2", "avx2")
-    assert role_dtype(DeepSpeedConfig(), str(model), "cpu") == "fp32"
+    assert role_dtype("auto", str(model), "cpu") == "fp32"
     assert any("Emulating Test CPU 2" in s and "bf16 would be emulated" in s for s in said())
 
 
@@ -143,11 +143,11 @@ def test_an_explicit_bf16_on_a_cpu_without_bf16_units_says_what_it_costs(cpu, tm
     from rlhf_core.training.ds_config import BF16_EMULATED_COST, role_dtype
 
     cpu("Emulating Test CPU 3", "avx2", "fma")
-    assert role_dtype(DeepSpeedConfig(dtype="bf16"), str(tmp_path / "absent"), "cpu", "critic") == "bf16"
+    assert role_dtype("bf16", str(tmp_path / "absent"), "cpu", "critic") == "bf16"
     line = [s for s in said() if "Emulating Test CPU 3" in s]
     assert len(line) == 1 and line[0].startswith("critic.deepspeed_config.dtype=bf16") and BF16_EMULATED_COST in line[0]
     cpu("Native Test CPU 4", "avx512_bf16")
-    role_dtype(DeepSpeedConfig(dtype="bf16"), str(tmp_path / "absent"), "cpu")
+    role_dtype("bf16", str(tmp_path / "absent"), "cpu")
     assert not any("Native Test CPU 4" in s for s in said())  # native units: nothing to warn about
 
 
