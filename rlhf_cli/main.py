@@ -106,8 +106,7 @@ def prepare_environment(args: argparse.Namespace) -> None:
     console: the per-task INFO log stays in the Prefect UI, the inner progress bars go away, vLLM
     logs errors only (``rollout.vllm_engine.console_options``) and torch's C++ side its errors only
     (vLLM's CPU build has it warn of its NUMA binding when an engine starts). A user's own setting wins."""
-    home = Path(os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect")))
-    home.mkdir(parents=True, exist_ok=True)  # Prefect creates only the last level itself
+    os.environ.setdefault("PREFECT_HOME", str(state_dir() / "prefect"))  # made once the plan holds (main)
     if args.command in QUIET_COMMANDS and not getattr(args, "verbose", False) and not getattr(args, "local", False):
         for key, value in {"PREFECT_LOGGING_HANDLERS_CONSOLE_LEVEL": "WARNING", "TQDM_DISABLE": "1",
                            "HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_VERBOSITY": "error",
@@ -418,6 +417,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         stack.enter_context(warnings.catch_warnings())  # an in-process caller gets its filters back
         prepare_environment(args)
         args = plan_first(args)  # a config mistake is one line before Prefect, MLflow, DeepSpeed load
+        # after the plan: a refused command leaves nothing behind; Prefect creates only the last level
+        Path(os.environ["PREFECT_HOME"]).mkdir(parents=True, exist_ok=True)
         if argv is None and runs_flows(args):  # its start overlaps the command's imports (not in-process callers')
             prefect_server.prewarm(Path(os.environ["PREFECT_HOME"]))
         if argv is None and args.command in PLANNED_FIRST and not getattr(args, "verbose", False):
