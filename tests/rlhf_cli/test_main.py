@@ -2,25 +2,35 @@
 
 from __future__ import annotations
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 from rlhf_cli.main import build_parser, main
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.checksums import write_checksums
-from rlhf_core.run.manifest import record_stage
+from rlhf_core.run.manifest import path_digest, record_key, record_stage
+from rlhf_core.run.migrate import stamp
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
-from rlhf_core.run.layout import RunDir
+from rlhf_core.run.layout import RunDir, write_config
 
 
 @pytest.fixture
 def run(tmp_path):
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
-    run.config_path.write_text("trainer:\n  export_min_val_score: 0.5\n")
+    stamp(run)  # a current run directory: status reports no format upgrade to do
+    write_config(run, "trainer:\n  export_min_val_score: 0.5\n")
     for k in (1, 2):
         for stage in ("rollout", "score", "gae", "update", "guard"):
             record_stage(run, k, stage, status="done", inputs={}, outputs={}, config_hash="h")
-        atomic_write_json(run.metrics(k), {"reward/mean": 0.1 * k, "kl/mean": 0.01, "val/accuracy": 0.125 * k})
+        # validation's table as the stage writes and records it: the export gate scores it (k/4 correct)
+        table = run.validation(k)
+        table.parent.mkdir(parents=True, exist_ok=True)
+        pq.write_table(pa.table({"correct": [i < k for i in range(4)]}), table)
+        record_stage(run, k, "validate", status="done", inputs={}, config_hash="h",
+                     outputs={record_key(run, table): path_digest(run, table)})
+        atomic_write_json(run.metrics(k), {"reward/mean": 0.1 * k, "kl/mean": 0.01, "val/accuracy": 0.25 * k})
     run.checkpoint(1).joinpath("actor").mkdir(parents=True)
     write_checksums(run.checkpoint(1))  # sealed, as the update seals it: status and export verify it
     write_last_good(run, 1)
@@ -67,7 +77,8 @@ def test_bad_sql_names_the_views(run, capsys):
 def test_export_refuses_with_the_score(run, capsys):
     assert main(["export", str(run.root)]) == 2
     err = capsys.readouterr().err
-    assert "latest validation accuracy 0.2500 (iteration 2)" in err and "export_min_val_score=0.5" in err
+    # iteration 2 is not committed: its validation (0.5) does not count
+    assert "latest validation accuracy 0.2500 (iteration 1)" in err and "export_min_val_score=0.5" in err
     assert not (run.root / "export").exists()
 
 
