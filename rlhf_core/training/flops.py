@@ -162,8 +162,13 @@ def _measure(device: torch.device, dtype: torch.dtype) -> float:
     # a GPU by wall time; a CPU on one thread by that thread's CPU time (module docstring)
     clock = time.thread_time if device.type == "cpu" else time.perf_counter
 
+    # a private generator: the global RNG is the training's (its state goes into checkpoints, and a
+    # measurement made (and cached) in one process but not another must not shift it)
+    generator = torch.Generator(device=device).manual_seed(0)
+
     def rate(m: int, k: int, n: int, repeats: int) -> float:
-        a, b = torch.randn(m, k, device=device).to(dtype), torch.randn(k, n, device=device).to(dtype)
+        a = torch.randn(m, k, device=device, generator=generator).to(dtype)
+        b = torch.randn(k, n, device=device, generator=generator).to(dtype)
         best = float("inf")
         for _ in range(repeats):
             _sync(device)

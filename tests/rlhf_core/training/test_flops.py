@@ -95,3 +95,12 @@ def test_a_models_shape_is_read_from_its_config_or_the_module_the_trainer_holds(
     shape = flops.model_shape(tiny_model_dir)
     assert shape is not None and shape.hidden_size > 0 and shape.num_hidden_layers > 0
     assert flops.model_shape(tmp_path / "absent") is None
+
+
+def test_measuring_the_device_leaves_the_training_rng_alone():
+    """The rate is measured once per process and cached; had it drawn from the global RNG, an update
+    after a skipped rollout (a new process) would save a different RNG state than the uninterrupted run."""
+    flops.device_rate.cache_clear()
+    before = torch.get_rng_state()
+    assert flops.device_rate("cpu", "fp32") > 0
+    assert torch.equal(torch.get_rng_state(), before)
