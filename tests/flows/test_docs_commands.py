@@ -65,6 +65,8 @@ SKIPPED = {
     "python -m deployments.alerts": _SERVER,
     "prefect automation create": _SERVER,
     "curl -s -X POST \"$PREFECT_API_URL": _SERVER,
+    "bash benchmarks/gpu/device_check.sh OUT_DIR": "needs a GPU and the .gpu/ bundle; its --dry-run runs here in "
+                                                   "tests/benchmarks/test_gpu_dry_runs.py",
     "docker build": "needs Docker",
     "prefect work-pool create": "needs a Prefect server and Docker / Kubernetes workers",
     "prefect --no-prompt deploy": "needs a Prefect server and a container registry",

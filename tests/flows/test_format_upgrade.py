@@ -12,6 +12,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -88,8 +89,13 @@ def test_a_format_2_run_is_upgraded_once_and_nothing_reruns(two_iterations, tmp_
     code, out = rlhf(capsys, "stage", "score", "--run-dir", str(run.root), "--iteration", "2", "--local", "--force")
     assert code == 0, out
     upgraded, new = pq.read_table(run.scored(2)), pq.read_table(pristine.scored(2))
-    for column in ("reward", "old_log_probs", "ref_log_probs", "values", "reward_source", "extra_info"):
+    for column in ("reward", "ref_log_probs", "values", "reward_source", "extra_info"):
         assert upgraded.column(column).equals(new.column(column)), column
+    # the new run's old log-probs are its rollout's own (rollout.old_log_probs=auto); a format-2 rollout
+    # recorded none, so the actor's pass recomputes them: the same arithmetic up to summation order
+    recomputed = np.concatenate([np.asarray(r) for r in upgraded.column("old_log_probs").to_pylist()])
+    sampled = np.concatenate([np.asarray(r) for r in new.column("old_log_probs").to_pylist()])
+    assert np.abs(recomputed - sampled).max() < 1e-5
     assert upgrade_format(run, saved_config(run)) is None  # once
 
 

@@ -99,7 +99,8 @@ def test_sigterm_with_the_server_gone_exits_within_seconds_resumable(tmp_path, d
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     assert proc.returncode == 143, err[-3000:]
-    said = [line for line in err.splitlines() if "rlhf:" in line]
+    # besides the dtype choice, said once as a run starts
+    said = [line for line in err.splitlines() if "rlhf:" in line and "deepspeed_config.dtype=auto" not in line]
     assert len(said) == 1 and said[0].endswith(f"rlhf: terminated (SIGTERM); continue with: rlhf run --resume "
                                                f"{runs / 'term'}"), err[-3000:]
     assert "Traceback" not in out + err and "ERROR" not in out + err, (out + err)[-3000:]
