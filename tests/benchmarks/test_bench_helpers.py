@@ -57,10 +57,14 @@ def test_real_shape_table_leaves_out_the_warm_up_and_divides_trls_wall_by_ours()
                 **{"around the stages": 0.1})]
     trl = [{**run([40.0, 9.0, 9.0, 12.0], generation=2.0, scoring=2.0, update=4.0, rest=0.2),
             "trl_version": "1.12.0", "threads": 2}]
-    spec = {"batch": 8, "prompt_tokens": 86.0, "response_length": 32, "dtype": "bf16", "exact_guard": False}
+    spec = {"batch": 8, "prompt_tokens": 86.0, "response_length": 32, "dtype": "bf16", "bypass": True,
+            "sampled_guard": True, "ours_overrides": []}
     text = bench_real_shape.table(4, 60.0, ours, trl, spec)
     assert "**9.00 s** | **6.00 s**" in text and "**1.50x**" in text  # medians of iterations 2+
-    assert "sampled KL guard" in text and "bf16" in text
+    assert "sampled KL guard" in text and "bypass mode" in text and "bf16" in text
+    defaults = bench_real_shape.table(4, 60.0, ours, trl, {**spec, "dtype": "auto", "bypass": False,
+                                                           "sampled_guard": False})
+    assert "exact KL guard" in defaults and "dtype auto" in defaults and "against TRL fp32" in defaults
 
 
 def test_real_shape_settings_are_valid_config():
