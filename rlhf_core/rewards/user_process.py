@@ -23,6 +23,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import weakref
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -37,6 +38,8 @@ PROGRAM = Path(__file__).with_name("user_process_main.py")
 TIMEOUT_KEY = "custom_reward_function.call_timeout_s"
 GRACE_S = 2.0
 """How long a child that was asked to leave (its pipe closed) may take before it is killed."""
+POLL_SLICE_S = 0.5
+"""The longest a wait for the reward function's reply goes without returning to Python (``_waited_for_reply``)."""
 FIX = "return a score (raise an exception for an error)"
 
 
@@ -128,8 +131,20 @@ class UserProcess:
         self.close()
 
     # replies -----------------------------------------------------------------------------------
+    def _waited_for_reply(self) -> bool:
+        """Whether a reply came within ``timeout_s``. Waited in short slices: a Ctrl-C that the kernel
+        hands to another thread of this process (torch's, a progress bar's) does not interrupt the
+        main thread's wait, and Python runs its handler only once that wait returns."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return self._receive.poll(0)
+            if self._receive.poll(min(left, POLL_SLICE_S)):
+                return True
+
     def _reply(self, doing: str) -> tuple:
-        if not self._receive.poll(self.timeout_s):
+        if not self._waited_for_reply():
             _stop(self._proc, self._send, self._receive, 0.0)
             raise self._fail(DataError(
                 f"the reward function {self.shown} took longer than {TIMEOUT_KEY}={self.timeout_s:g} s {doing} "

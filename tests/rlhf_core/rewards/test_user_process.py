@@ -148,6 +148,24 @@ def test_a_call_that_never_returns_is_stopped_at_the_timeout(user_file):
     assert fn.process._proc.poll() is not None and not _alive(pid)
 
 
+def test_ctrl_c_taken_by_another_thread_still_stops_the_wait_at_once(user_file):
+    """The kernel may hand a process's SIGINT to any of its threads (torch's, a progress bar's); the
+    main thread's wait for a reply is then not interrupted, and Python runs the KeyboardInterrupt only
+    when the wait returns. Seen in CI: a Ctrl-C during a reward call was answered by the 60 s timeout."""
+    import threading
+
+    with reward_function(_settings(user_file, "never_returns", "custom_reward_function.call_timeout_s=60")) as fn:
+        bystander = threading.Event()
+        other = threading.Thread(target=bystander.wait, args=(30,), daemon=True)
+        other.start()
+        threading.Timer(1.0, signal.pthread_kill, args=(other.ident, signal.SIGINT)).start()
+        started = time.monotonic()
+        with pytest.raises(KeyboardInterrupt):
+            fn(*ARGS[0])
+        bystander.set()
+        assert time.monotonic() - started < 10
+
+
 def test_a_module_that_exits_or_hangs_when_imported_is_one_error(tmp_path):
     leaving = tmp_path / "leaving.py"
     leaving.write_text("import os\nos._exit(3)\n\ndef compute_score(**kwargs):\n    return 1.0\n")
