@@ -223,7 +223,9 @@ def test_ctrl_c_during_a_reward_call_interrupts_and_leaves_no_reward_process(two
                              str(run), "--iteration", "1", "--force", f"custom_reward_function.path={rewards}",
                              "custom_reward_function.name=never_returns"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            start_new_session=True, env=subprocess_env(REWARD_PID_FILE=str(pid_file)))
+                            start_new_session=True, env=subprocess_env(REWARD_PID_FILE=str(pid_file)),
+                            # as from a terminal: a shell's background job (CI's, maybe) would pass SIGINT ignored
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.monotonic() + 240
     while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)

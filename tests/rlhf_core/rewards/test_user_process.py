@@ -152,6 +152,15 @@ def test_ctrl_c_taken_by_another_thread_still_stops_the_wait_at_once(user_file):
     """The kernel may hand a process's SIGINT to any of its threads (torch's, a progress bar's); the
     main thread's wait for a reply is then not interrupted, and Python runs the KeyboardInterrupt only
     when the wait returns. Seen in CI: a Ctrl-C during a reward call was answered by the 60 s timeout."""
+    # a process started in the background by a non-interactive shell inherits SIGINT ignored (CI may run so)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _interrupted_in_a_bystander(user_file)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _interrupted_in_a_bystander(user_file) -> None:
     import threading
 
     with reward_function(_settings(user_file, "never_returns", "custom_reward_function.call_timeout_s=60")) as fn:
