@@ -79,6 +79,27 @@ def subprocess_env():
     return make
 
 
+AS_FROM_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                      "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); os.execv(sys.argv[1], sys.argv[1:])")
+
+
+@pytest.fixture(scope="session")
+def from_a_terminal():
+    """``from_a_terminal(command)``: the command run with Ctrl-C as a terminal gives it (default
+    disposition, not blocked). A shell's background job (CI's, maybe) or a signal state an earlier
+    test left here would otherwise be inherited, and Python keeps ignoring a SIGINT that was ignored
+    when it started. A launcher that execs the command (same pid), not a ``preexec_fn``: that forces
+    a fork of this test process, which after many in-process DeepSpeed engines holds tens of GB of
+    untouched virtual memory, and the kernel's overcommit check refuses to copy it (ENOMEM, as CI
+    met); without one, subprocess starts the child with vfork."""
+    import sys
+
+    def wrap(command: list[str]) -> list[str]:
+        return [sys.executable, "-c", AS_FROM_A_TERMINAL, *command]
+
+    return wrap
+
+
 @pytest.fixture(autouse=True)
 def _isolated_state(tmp_path, monkeypatch, tiny_model_dir):
     """Each test gets its own RLHF_HOME so built models, MLflow stores and Prefect homes never leak.

@@ -208,7 +208,7 @@ def test_every_way_out_of_a_reward_function_is_one_line_naming_it(two_iterations
 
 
 def test_ctrl_c_during_a_reward_call_interrupts_and_leaves_no_reward_process(two_iterations, tmp_path,
-                                                                             subprocess_env):
+                                                                             subprocess_env, from_a_terminal):
     """Ctrl-C reaches the whole process group: `rlhf` stops as interrupted (exit 130, its line), not
     with the reward function's error, and the function's process goes with it."""
     import os
@@ -219,13 +219,12 @@ def test_ctrl_c_during_a_reward_call_interrupts_and_leaves_no_reward_process(two
     run = shutil.copytree(two_iterations.pristine.root, tmp_path / "run")
     rewards, pid_file = tmp_path / "rewards.py", tmp_path / "reward.pid"
     rewards.write_text(LEAVING_REWARDS)
-    proc = subprocess.Popen([sys.executable, "-m", "rlhf_cli.main", "stage", "score", "--local", "--run-dir",
-                             str(run), "--iteration", "1", "--force", f"custom_reward_function.path={rewards}",
-                             "custom_reward_function.name=never_returns"],
+    proc = subprocess.Popen(from_a_terminal([sys.executable, "-m", "rlhf_cli.main", "stage", "score", "--local",
+                                             "--run-dir", str(run), "--iteration", "1", "--force",
+                                             f"custom_reward_function.path={rewards}",
+                                             "custom_reward_function.name=never_returns"]),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            start_new_session=True, env=subprocess_env(REWARD_PID_FILE=str(pid_file)),
-                            # as from a terminal: a shell's background job (CI's, maybe) would pass SIGINT ignored
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            start_new_session=True, env=subprocess_env(REWARD_PID_FILE=str(pid_file)))
     deadline = time.monotonic() + 240
     while not pid_file.exists() and proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)

@@ -75,27 +75,17 @@ def _tensors(checkpoint: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-AS_FROM_A_SHELL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
-                   "signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT}); os.execv(sys.argv[1], sys.argv[1:])")
-"""Exec the command with Ctrl-C as a terminal gives it: default disposition, not blocked. A signal
-state earlier tests left in this process (an ignored or blocked SIGINT) would otherwise be inherited,
-and Python keeps ignoring a SIGINT that was ignored when it started. A launcher, not a
-``preexec_fn``: that forces a fork of this test process, which after many in-process DeepSpeed
-engines holds tens of GB of untouched virtual memory in one mapping, and the kernel's overcommit
-check refuses to copy it (ENOMEM); without one, subprocess starts the child with vfork."""
-
-
-def _joiner(run: RunDir, node_rank: int, env: dict[str, str]) -> subprocess.Popen:
+def _joiner(run: RunDir, node_rank: int, env: dict[str, str], from_a_terminal) -> subprocess.Popen:
     command = [sys.executable, "-m", "rlhf_cli.main", "node", "join", "--run-dir", str(run.root),
                "--node-rank", str(node_rank)]
-    return subprocess.Popen([sys.executable, "-c", AS_FROM_A_SHELL, *command], env=env, stdout=subprocess.PIPE,
+    return subprocess.Popen(from_a_terminal(command), env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
 
 
 @pytest.mark.slow
 @pytest.mark.deepspeed
 def test_two_nodes_train_bit_identically_to_one_node_with_two_processes(tiny_model_dir, tmp_path, subprocess_env,
-                                                                        no_world):
+                                                                        no_world, from_a_terminal):
     one, two = RunDir(tmp_path / "one_node"), RunDir(tmp_path / "two_nodes")
     # critic-free (the critic is one more engine on the same collectives): half the engines to build
     cfg_one = _config(tiny_model_dir, "trainer.nproc=2", CRITIC_FREE)
@@ -103,7 +93,7 @@ def test_two_nodes_train_bit_identically_to_one_node_with_two_processes(tiny_mod
     assert update_nodes(cfg_two.trainer, 0) == (2, 1)
     _prepare(one, cfg_one, tiny_model_dir)
     _prepare(two, cfg_two, tiny_model_dir)
-    joiner = _joiner(two, 1, subprocess_env())  # started first: its start-up overlaps the reference update
+    joiner = _joiner(two, 1, subprocess_env(), from_a_terminal)  # started first: its start-up overlaps the reference update
     try:
         run_update(cfg_one, one, 1)
         result = run_update(cfg_two, two, 1)  # node 0: torchrun --node_rank 0, waits for node 1
@@ -149,9 +139,9 @@ def test_a_node_that_never_joins_fails_node_0_naming_it_and_the_command(tiny_mod
     assert not run.update_request.exists()
 
 
-def test_the_joiner_leaves_on_ctrl_c(tmp_path, subprocess_env):
+def test_the_joiner_leaves_on_ctrl_c(tmp_path, subprocess_env, from_a_terminal):
     run = RunDir(tmp_path / "run")
-    joiner = _joiner(run, 1, subprocess_env())
+    joiner = _joiner(run, 1, subprocess_env(), from_a_terminal)
     try:
         line = joiner.stdout.readline()  # "waiting for updates": the loop runs
         assert "node 1: waiting for updates" in line
