@@ -2,7 +2,7 @@
 
     rollout → score → gae → update → kl-guard → settle → (validate) → finish-iteration
 
-where settle acts on the guard's verdict (``rlhf_core.run.lifecycle.settle``): commit moves
+(one iteration, step by step with its math: ``flows.recipe.ppo_iteration``), where settle acts on the guard's verdict (``rlhf_core.run.lifecycle.settle``): commit moves
 last_good.json (one atomic rename); rollback discards the new checkpoint (the KL controller's
 state is gae's output: the retry's gae starts again from the committed predecessor's). After a rollback, ``trainer.on_kl_breach`` decides: retry the iteration (smaller learning rate, larger KL coefficient,
 at most ``trainer.max_rollbacks`` times) or halt the flow run with a message saying how to go on.
@@ -22,32 +22,31 @@ fails, and committed iterations whose batch is not in MLflow are logged from the
 from __future__ import annotations
 
 import gc
-import itertools
 from typing import Optional
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
 from prefect import flow
 
-from rlhf_core.config import RLHFConfig, apply_overrides
+from rlhf_core.config import RLHFConfig
 from rlhf_core.data.preprocess import NoPromptsError, preprocess_headline
 from rlhf_core.errors import CheckpointError
 from rlhf_core.run.lifecycle import KLGuardHalt, committed_iterations
 from rlhf_core.run.lock import RunLock
 from rlhf_core.control.plan import RunPlan, logs_to, open_run, plan_run, resolve_iterations
 from rlhf_core.run.report import format_iteration_header, format_iteration_row, iteration_metrics
-from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES, VALIDATE
+from rlhf_core.run.stage_order import SETUP_STAGES, VALIDATE
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
 from rlhf_core.security import redact_text
 from rlhf_core.training.resident import resident_models, rollout_engine_kept
 from tasks import mlflow_tracking, prefect_artifacts
-from tasks.breach import handle_breach_task
 from tasks.prefect_runs import claim_run_directory, fail_misplaced_parameters, keep_command_sigterm
 from tasks.iteration import (
     backfill_tracking_task, finish_iteration_task, finish_tracking_task, publish_iteration,
     start_tracking_task,
 )
 from tasks.background_publisher import Reporter
-from tasks.stages import STAGE_TASKS, export_task, make_durable_task, settle_task
+from tasks.stages import STAGE_TASKS, export_task, make_durable_task
+from flows.recipe import ppo_iteration
 
 
 def dotted_overrides(values: list[str]) -> list[str]:
@@ -250,7 +249,7 @@ def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], report
         if console:
             bar.write(format_iteration_header())
         for k in plan.iterations():
-            cfg, results = run_iteration(cfg, run_dir, k, mlflow_run_id)
+            cfg, results = ppo_iteration(cfg, run_dir, k, mlflow_run_id)
             if validate_due(cfg.trainer, k):
                 results.append(STAGE_TASKS[VALIDATE](cfg, run_dir, k, mlflow_run_id=mlflow_run_id, report=False))
             closed = finish_iteration_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id, progress_id=progress,
@@ -261,19 +260,3 @@ def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], report
                 bar.write(format_iteration_row(metrics, note="; ".join(closed["alerts"])))
             bar.update(1)
     return cfg, metrics
-
-
-def run_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional[str]) -> tuple[RLHFConfig, list[dict]]:
-    """Iteration k until the guard commits it; returns the config it committed with (a retry
-    changes it) and the committed attempt's stage results, which the stage tasks did not report
-    (finish-iteration does). Raises KLGuardHalt when the breach policy stops the run."""
-    quiet = dict(mlflow_run_id=mlflow_run_id, report=False)
-    for attempt in itertools.count(1):
-        results = [STAGE_TASKS[name](cfg, run_dir, k, **quiet) for name in ITERATION_STAGES]
-        if settle_task(cfg, run_dir, k, cfg.trainer.on_kl_breach, attempt) == "commit":
-            return cfg, results
-        outcome = handle_breach_task(cfg, run_dir, k, attempt, mlflow_run_id=mlflow_run_id, stage_results=results)
-        if outcome["action"] == "halt":
-            raise KLGuardHalt(outcome["message"])
-        cfg = apply_overrides(cfg, outcome["overrides"])
-    raise AssertionError("unreachable")

@@ -34,6 +34,7 @@ REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 COPIED = ("rlhf_core", "tasks", "flows", "rlhf_cli", "deployments", "configs", "data", "docs", "pyproject.toml",
           "README.md", "tests/conftest.py", "tests/test_layers.py", "tests/rlhf_core/run/test_stage_order.py",
+          "tests/flows/test_recipe.py",
           "tests/rlhf_core/config/test_verl_keys.py", "tests/conformance")
 """What the copy holds: the packages, what they read at run time, and the checks run on it."""
 RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
@@ -234,6 +235,12 @@ SPECS = {  # the declaration, and the stage it goes before in the order
 ''',
 }
 
+RECIPE_STEP = '''        #    The share of tokens with a positive advantage, before the update uses them.
+        steps.stage("advantage_signs", cfg)
+
+'''
+"""The iteration stage's step in flows/recipe.py, before the update (a comment continuing step 4's)."""
+
 ROWS = {  # the README's stage table row, and the stage whose row it goes before
     "pack": "| prompt_lengths | `rlhf stage prompt_lengths --run-dir RUN` | `prompts/train.parquet` | "
             "`stats/prompt_lengths.json` |\n",
@@ -245,7 +252,7 @@ ROWS = {  # the README's stage table row, and the stage whose row it goes before
 def _stage_steps() -> str:
     """The numbered steps of the README's stage recipe."""
     steps = re.findall(r"^\d\. .*?(?=^\d\. |^\s*$)", _recipe("A new stage"), flags=re.MULTILINE | re.DOTALL)
-    assert len(steps) == 3, f"the stage recipe's numbered steps changed: {steps}"
+    assert len(steps) == 4, f"the stage recipe's numbered steps changed: {steps}"
     return "".join(steps)
 
 
@@ -263,7 +270,10 @@ def _add_stages(copy: Path) -> None:
     assert {"StageSpec", "rlhf_core/run/stage_order.py", "in_commit=True", "rolled_back=True"} <= named
     for following, spec in SPECS.items():
         _insert(copy / "rlhf_core" / "run" / "stage_order.py", spec, before=f'        StageSpec("{following}",')
-    # 3. its row in the README's stage table
+    # 3. the iteration stage's numbered step in the recipe, at its place
+    assert {"flows/recipe.py", 'steps.stage("<name>", cfg)'} <= named
+    _insert(copy / "flows" / "recipe.py", RECIPE_STEP, before='        steps.stage("update", cfg)\n')
+    # 4. its row in the README's stage table
     assert "this README's stage table" in steps
     for following, row in ROWS.items():
         _insert(copy / "README.md", row, before=f"| {following} | `rlhf stage {following} ")
@@ -357,7 +367,7 @@ def extended(project, prefect_server):
     return SimpleNamespace(copy=project, run=RunDir(root / "runs" / "extended"))
 
 
-CHECKS = ("tests/rlhf_core/run/test_stage_order.py", "tests/test_layers.py", "tests/conformance",
+CHECKS = ("tests/rlhf_core/run/test_stage_order.py", "tests/flows/test_recipe.py", "tests/test_layers.py", "tests/conformance",
           "tests/rlhf_core/config/test_verl_keys.py")
 
 
@@ -369,7 +379,7 @@ def copy_checks(project):
     of each test (``PASSED`` / ``FAILED`` / ``SKIPPED``) and the session's output."""
     verl = _verl_python()
     env = {"VERL_PYTHON": str(verl), "RLHF_REQUIRE_VERL": "1"} if verl else {}
-    selected = (f"test_stage_order or test_layers or registered_name or our_own_names or {_estimator_name()} "
+    selected = (f"test_stage_order or test_recipe or test_layers or registered_name or our_own_names or {_estimator_name()} "
                 f"or no_key_is_both_a_schema_field")
     proc = _pytest(project, *CHECKS, "-k", selected, **env)
     outcomes = dict((test, outcome) for outcome, test in
@@ -426,11 +436,13 @@ print(json.dumps({"tasks": {n: t.name for n, t in STAGE_TASKS.items()}, "setup":
 @pytest.mark.slow
 def test_the_copys_checks_hold_the_new_stages_to_their_declaration(copy_checks):
     """The tests the README names (the config-reads trace, which runs every stage, is the suite's)."""
-    assert {"tests/rlhf_core/run/test_stage_order.py", "tests/test_layers.py",
+    assert {"tests/rlhf_core/run/test_stage_order.py", "tests/flows/test_recipe.py", "tests/test_layers.py",
             "tests/rlhf_core/stages/test_config_reads.py"} <= _named(_recipe("A new stage"))
     ran = {test: outcome for test, outcome in copy_checks.outcomes.items()
-           if test.startswith(("tests/rlhf_core/run/test_stage_order.py", "tests/test_layers.py"))}
-    assert len(ran) >= 10 and set(ran.values()) == {"PASSED"}, ran
+           if test.startswith(("tests/rlhf_core/run/test_stage_order.py", "tests/flows/test_recipe.py",
+                               "tests/test_layers.py"))}
+    assert len(ran) >= 13 and set(ran.values()) == {"PASSED"}, ran
+    assert any(t.startswith("tests/flows/test_recipe.py") for t in ran), ran
 
 
 # ---------------------------------------------------------------------------------------------
