@@ -15,7 +15,7 @@ from rlhf_core.config import RLHFConfig, apply_overrides
 from rlhf_core.io import timing
 from rlhf_core.io.atomic import fault_point
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.lifecycle import halt_message, read_verdict, retry_overrides
+from rlhf_core.run.lifecycle import RETRY_SCALE, halt_message, read_verdict, record_retry, retry_overrides
 from rlhf_core.control.plan import save_config
 from rlhf_core.run.report import iteration_numbers
 from tasks import mlflow_tracking, prefect_artifacts
@@ -26,6 +26,8 @@ from tasks.events import emit_alert
 def handle_breach_task(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
                        mlflow_run_id: Optional[str] = None, stage_results: Optional[list[dict]] = None) -> dict:
     """Returns {"action": "retry", "overrides": [...], "changes": {...}} or {"action": "halt", "message"}.
+    A retry's "overrides" are its config changes (learning rate, kl_loss_coef); the reward's KL
+    coefficient is scaled in iter_k/retry.json (shown in "changes"), which the retry's gae reads.
 
     ``stage_results``: the attempt's stage tasks ran with report=False (pipeline flow); the metrics
     of its rolled-back stages then go into this task's MLflow batch and their summaries into its
@@ -55,13 +57,23 @@ def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
         mlflow_tracking.log_metrics(mlflow_run_id, batch, step=k)
     if t.on_kl_breach == "retry" and attempt <= t.max_rollbacks:
         overrides, changes = retry_overrides(cfg)
-        fault_point("retry:before_config")  # kill tests: the retry decided, its changes not saved yet
+        # Two writes, in this order. retry.json first: it holds the whole decision (the scale of the
+        # reward's KL coefficient, the config changes as values, an id); config.yaml second. A kill
+        # before retry.json leaves the run as it was (the resume redoes the breach and retries once).
+        # A kill after it and before the "retry" event below (which names the id) is finished by the
+        # resume (``lifecycle.unfinished_retry``, ``control.plan.finish_retry``): it saves the recorded
+        # values, which applied twice change nothing, and never decides the retry again, so the
+        # iteration reruns once with the recorded scale and learning rate (never multiplied twice).
+        *scale, retry_id = record_retry(run, k, attempt, changes,
+                                        t.retry_kl_coef_multiplier if cfg.algorithm.use_kl_in_reward else 1.0)
+        fault_point("retry:before_config")  # kill tests: the retry recorded, its config changes not saved yet
         save_config(run, apply_overrides(cfg, overrides))
-        run.append_event("retry", k, attempt=attempt, changes=changes)
-        text = ", ".join(f"{key} {old:.3g} → {new:.3g}" for key, (old, new) in changes.items()) or "no change"
+        shown = {**changes, **({f"iter_{k}/retry.json {RETRY_SCALE}": tuple(scale)} if scale[0] != scale[1] else {})}
+        run.append_event("retry", k, attempt=attempt, changes=shown, retry_id=retry_id)
+        text = ", ".join(f"{key} {old:.3g} → {new:.3g}" for key, (old, new) in shown.items()) or "no change"
         emit_alert(run, "rollback", k, f"{alert}; retrying ({text})", attempt=attempt, decision="retry")
         log.warning("retrying iteration %d (%d of at most %d): %s", k, attempt, t.max_rollbacks, text)
-        outcome = {"action": "retry", "overrides": overrides, "changes": changes}
+        outcome = {"action": "retry", "overrides": overrides, "changes": shown}
     else:
         reason = ("trainer.on_kl_breach=halt" if t.on_kl_breach == "halt"
                   else f"trainer.max_rollbacks={t.max_rollbacks} retries used")

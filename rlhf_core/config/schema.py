@@ -920,13 +920,12 @@ class TrainerConfig(Section):
     max_rollbacks: int = 2
     """Retries of one iteration before the run halts (each retry doubles the KL pressure)."""
     retry_kl_coef_multiplier: float = 2.0
-    """A retry multiplies the KL coefficients (in reward and in loss) by this."""
+    """A retry multiplies the KL coefficients (in reward and in loss) by this: the loss's
+    (actor.kl_loss_coef) as a config change saved in config.yaml, the reward's as the retried
+    iteration's scale in iter_k/retry.json (its gae's controller starts at the predecessor's state
+    times it, and the raised value carries on through the controller's state)."""
     retry_lr_divisor: float = 2.0
     """A retry divides the actor's learning rate by this."""
-    kl_coef_scale: float = 1.0
-    """Our name: the reward's KL coefficient is the controller's value (algorithm.kl_ctrl) times this.
-    1 = the controller's own; a retry multiplies it by retry_kl_coef_multiplier and saves it in
-    config.yaml with the smaller learning rate, in one write, so the raised coefficient carries on."""
     export_min_val_score: float = 0.5
     """Export only when the latest validation score is at least this (a half-trained policy is not
     worth shipping by accident)."""
@@ -988,7 +987,6 @@ class TrainerConfig(Section):
         require(self.retry_kl_coef_multiplier >= 1, f"{key}.retry_kl_coef_multiplier", "must be >= 1",
                 self.retry_kl_coef_multiplier)
         require(self.retry_lr_divisor >= 1, f"{key}.retry_lr_divisor", "must be >= 1", self.retry_lr_divisor)
-        require(self.kl_coef_scale > 0, f"{key}.kl_coef_scale", "must be > 0", self.kl_coef_scale)
         require(self.nproc is None or self.nproc >= 1, f"{key}.nproc",
                 "must be >= 1 (or null: n_gpus_per_node × nnodes)", self.nproc)
         require(self.nnodes >= 1, f"{key}.nnodes", "must be >= 1", self.nnodes)

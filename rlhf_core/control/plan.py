@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rlhf_core.config import ConfigError, RLHFConfig, apply_overrides, config_from_dict, load_config, to_yaml
+from rlhf_core.config import ConfigError, RLHFConfig, apply_overrides, config_from_dict, flatten, load_config, to_yaml
 from rlhf_core.config import resolve
 from rlhf_core.run.inputs import check_inputs
 from rlhf_core.config.loader import parse_override
@@ -34,7 +34,8 @@ from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.paths import resolve_path
 from rlhf_core.run.layout import RunDir, StateFileError, write_config
 from rlhf_core.io.atomic import clean_temporaries
-from rlhf_core.run.lifecycle import committed_iterations, last_good_iteration, prune_checkpoints, rebuild_commit_log
+from rlhf_core.run.lifecycle import (committed_iterations, last_good_iteration, prune_checkpoints,
+                                     rebuild_commit_log, unfinished_retry)
 from rlhf_core.run.migrate import migrate, stamp
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.saved_config import run_config_tree
@@ -206,9 +207,14 @@ def fill_total_iterations(cfg: RLHFConfig, run: RunDir) -> RLHFConfig:
 def open_run(plan: RunPlan) -> None:
     """Save the run's config (a resume's overrides included) and note a resume in the event log."""
     plan.run.root.mkdir(parents=True, exist_ok=True)
+    retry = None
     if plan.resumed:
         repaired = prepare_resume(plan.run)
         plan.first_iteration = resume_point(plan.run)
+        retry = unfinished_retry(plan.run, plan.first_iteration)
+        if retry is not None:  # killed between the retry's record and its config write (tasks.breach)
+            plan.cfg, finished = finish_retry(plan.cfg, retry)
+            repaired["finished_retry"] = finished
         plan.run.append_event("resume", plan.first_iteration, **repaired,
                               closed=close_committed(plan.cfg, plan.run))
     else:
@@ -217,6 +223,21 @@ def open_run(plan: RunPlan) -> None:
                      "started afresh")
         stamp(plan.run)
     write_config(plan.run, to_yaml(plan.cfg))
+    if retry is not None:  # its changes are saved now: the retry is finished, never decided again
+        plan.run.append_event("retry", plan.first_iteration, attempt=retry.get("attempt"),
+                              changes=retry.get("changes") or {}, retry_id=retry["id"], finished_by="resume")
+
+
+def finish_retry(cfg: RLHFConfig, record: dict) -> tuple[RLHFConfig, list[str]]:
+    """``cfg`` with an unfinished retry's config changes applied, each where ``cfg`` still holds the
+    value the retry changed (a key the resume's command line set keeps that value); and the overrides
+    applied. Applying them again changes nothing, so a kill before the resume's event is harmless."""
+    flat = flatten(cfg)
+    overrides = []
+    for key, pair in (record.get("changes") or {}).items():
+        if isinstance(pair, list) and len(pair) == 2 and key in flat and flat[key] == pair[0]:
+            overrides.append(f"{key}={pair[1]!r}")
+    return (apply_overrides(cfg, overrides) if overrides else cfg), overrides
 
 
 def prepare_resume(run: RunDir) -> dict:

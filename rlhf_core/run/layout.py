@@ -24,6 +24,8 @@
       iter_<k>/advantages.parquet token rewards (KL penalty), advantages, returns
       iter_<k>/kl_ctrl.json       the KL controller state gae used and the one it hands on (gae's
                                   output: the next iteration reads it from its committed predecessor)
+      iter_<k>/retry.json         a KL-breach retry's decision for iteration k: its attempt, the scale
+                                  of the reward's KL coefficient (an input of k's gae), its config changes
       iter_<k>/checkpoint/        actor (HF safetensors), critic, DeepSpeed state, manifest: written every
                                   trainer.save_freq iterations and at the end (each with resident models)
       iter_<k>/state.json         the state the update produced: its lineage id, what it started from,
@@ -201,6 +203,11 @@ class RunDir:
     def kl_state(self, k: int) -> Path:
         """The KL controller state iteration k's gae used and the one it hands on (``stages.gae``)."""
         return self.iter_dir(k) / "kl_ctrl.json"
+
+    def retry_record(self, k: int) -> Path:
+        """A KL-breach retry's decision for iteration k (``run.lifecycle.record_retry``): the scale of
+        the reward's KL coefficient k's gae applies (its one source besides the controller's state)."""
+        return self.iter_dir(k) / "retry.json"
 
     def validation(self, k: int) -> Path:
         return self.iter_dir(k) / "validation.parquet"

@@ -7,8 +7,10 @@ module that writes last_good.json; stages and flows ask it, never decide a commi
                     and state record, append the event; every step idempotent. Nothing else: the
                     KL controller's state is an output of gae (``stages.gae``), and a retry's gae
                     starts again from the committed predecessor's
-    retry / halt    after a rollback, ``trainer.on_kl_breach``: the retry's changes are config
-                    overrides saved in one write of config.yaml (``retry_overrides``), or the message
+    retry / halt    after a rollback, ``trainer.on_kl_breach``: the retry's decision is recorded in
+                    iter_k/retry.json (``record_retry``: the scale of the reward's KL coefficient,
+                    an input of k's gae), then its config overrides (``retry_overrides``: learning
+                    rate, kl_loss_coef) saved in one write of config.yaml; or the message
     fall back(g)    what cannot be rebuilt ends the lineage: the commit log is cut after g
                     (``stages.repair`` decides, ``run.integrity`` finds what is damaged)
     prune           committed checkpoints that are neither last-good nor kept save points
@@ -262,23 +264,68 @@ def rollback_count(run: RunDir, k: int, since: float = 0.0) -> int:
 
 
 def retry_overrides(cfg: RLHFConfig) -> tuple[list[str], dict[str, Any]]:
-    """What a retry changes, as config overrides the caller saves in one write of config.yaml
-    (nothing else holds them, so a kill before that write leaves the run as it was): the actor
-    learning rate divided by trainer.retry_lr_divisor, the KL coefficients multiplied by
-    trainer.retry_kl_coef_multiplier (the reward's through trainer.kl_coef_scale, which scales
-    the controller's value from then on; the loss's directly). Returns (overrides, {key: (old, new)})."""
+    """What a retry changes in the config, as overrides the caller saves in one write of config.yaml:
+    the actor learning rate divided by trainer.retry_lr_divisor, the loss's KL coefficient
+    (actor.kl_loss_coef) multiplied by trainer.retry_kl_coef_multiplier. The reward's KL coefficient
+    is not config: ``record_retry`` scales it for the iteration. Returns (overrides, {key: (old, new)})."""
     t = cfg.trainer
     changes: dict[str, Any] = {}
     if t.retry_lr_divisor > 1:
         old = cfg.actor_rollout_ref.actor.optim.lr
         changes["actor_rollout_ref.actor.optim.lr"] = (old, old / t.retry_lr_divisor)
-    if t.retry_kl_coef_multiplier > 1:
-        if cfg.algorithm.use_kl_in_reward:
-            changes["trainer.kl_coef_scale"] = (t.kl_coef_scale, t.kl_coef_scale * t.retry_kl_coef_multiplier)
-        if cfg.actor_rollout_ref.actor.use_kl_loss:
-            old = cfg.actor_rollout_ref.actor.kl_loss_coef
-            changes["actor_rollout_ref.actor.kl_loss_coef"] = (old, old * t.retry_kl_coef_multiplier)
+    if t.retry_kl_coef_multiplier > 1 and cfg.actor_rollout_ref.actor.use_kl_loss:
+        old = cfg.actor_rollout_ref.actor.kl_loss_coef
+        changes["actor_rollout_ref.actor.kl_loss_coef"] = (old, old * t.retry_kl_coef_multiplier)
     return [f"{key}={new!r}" for key, (_, new) in changes.items()], changes
+
+
+RETRY_SCALE = "kl_coef_scale"
+"""The field of iter_k/retry.json that scales the reward's KL coefficient of iteration k."""
+
+
+def read_retry_scale(run: RunDir, k: int) -> float:
+    """The scale a retry set for iteration ``k``'s reward KL coefficient (``iter_k/retry.json``), 1
+    when no retry of ``k`` recorded one. A damaged file raises ``StateFileError`` naming it."""
+    record = run.read_json(run.retry_record(k))
+    if record is None:
+        return 1.0
+    scale = record.get(RETRY_SCALE)
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise StateFileError(f"{run.retry_record(k)} is damaged (its {RETRY_SCALE!r} is {scale!r}, not a number > 0); "
+                             f"delete it to run iteration {k} with the controller's own KL coefficient")
+    return float(scale)
+
+
+def record_retry(run: RunDir, k: int, attempt: int, changes: dict[str, Any],
+                 multiplier: float) -> tuple[float, float, str]:
+    """Write iteration ``k``'s retry decision, atomically, in ``iter_k/retry.json``: {"attempt",
+    "kl_coef_scale": the previous retry's scale of ``k`` (1 for the first) times ``multiplier``
+    (trainer.retry_kl_coef_multiplier with the KL in the reward, else 1), "changes": the
+    config overrides of ``retry_overrides`` (``changes``: {key: (old, new)}), "id"}. The caller then
+    saves those overrides in config.yaml and appends the "retry" event with that id: a kill between
+    the two is finished by the resume (``unfinished_retry``, ``control.plan.finish_retry``).
+    Returns (old scale, new scale, id)."""
+    old = read_retry_scale(run, k)
+    new = old * multiplier
+    record_id = uuid.uuid4().hex
+    atomic_write_json(run.retry_record(k), {"iteration": k, "attempt": attempt, RETRY_SCALE: new,
+                                            "changes": {key: list(pair) for key, pair in changes.items()},
+                                            "id": record_id})
+    return old, new, record_id
+
+
+def unfinished_retry(run: RunDir, k: int) -> Optional[dict]:
+    """Iteration ``k``'s retry record when its config changes may not be in config.yaml yet (a kill
+    after ``record_retry`` and before the "retry" event that follows the config write), else None."""
+    try:
+        record = run.read_json(run.retry_record(k))
+    except StateFileError:
+        return None  # its gae names the damaged file
+    if not record or not record.get("id"):
+        return None
+    if any(e.get("kind") == "retry" and e.get("retry_id") == record["id"] for e in run.events()):
+        return None
+    return record
 
 
 def halt_message(run: RunDir, k: int, reason: str) -> str:

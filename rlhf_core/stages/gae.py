@@ -9,15 +9,19 @@ takes one step with the iteration's measured KL and B = number of responses
 (``algorithm.gamma``, ``algorithm.lam``) and the whitening (``algorithm.norm_adv``) are in
 ``rlhf_core.training.advantages``.
 
-KL controller state: an output of this stage, ``iter_K/kl_ctrl.json`` = {"used": the controller
-state iteration K started from, "scale": trainer.kl_coef_scale, "next": the state after its step}.
+KL controller state: an output of this stage, ``iter_K/kl_ctrl.json`` = {"iteration": K, "used": the
+controller state iteration K started from, "retry_scale": s, "next": the state after its step}.
 Iteration K starts from the "next" of its committed predecessor (the latest committed iteration
 before K whose gae wrote one; none: a fresh controller at algorithm.kl_ctrl.kl_coef), an input of
-the stage like the scored table. So a rerun of K (forced, after a crash, after a rollback) uses the
-same coefficient and writes the same file, the controller never steps twice for one iteration, a
-rollback needs nothing put back (the predecessor did not change), and the coefficient used is
-``used.value × scale`` (a retry raises the scale in config.yaml). A stored state gives the value;
-``target_kl`` and ``horizon`` come from the current config.
+the stage like the scored table. A KL-breach retry of K records its decision in ``iter_K/retry.json``
+({"attempt", "kl_coef_scale": s}, ``run.lifecycle.record_retry``), also an input (absent: s = 1): the
+controller of K is built at ``used.value × s``, which is the coefficient used, and takes its one step
+from there, so "next" already holds the raised coefficient and K+1 starts from it as it is. β has
+this one source: the predecessor's state times K's own retry scale, never config.yaml. So a rerun of
+K (forced, after a crash, after a rollback) uses the same coefficient and writes the same file, the
+controller never steps twice for one iteration, and a rollback needs nothing put back (the
+predecessor did not change). A stored state gives the value; ``target_kl`` and ``horizon`` come from
+the current config.
 
 Metrics (``advantages.advantage_metrics``): verl's ``critic/rewards|advantages|returns|values/{mean,max,min}``
 and ``critic/vf_explained_var`` with verl's reductions, ``actor/reward_kl_penalty`` and
@@ -43,12 +47,12 @@ from rlhf_core.data.schemas import ADVANTAGES
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.run.layout import RunDir, StateFileError
-from rlhf_core.run.lifecycle import committed_iterations
+from rlhf_core.run.lifecycle import committed_iterations, read_retry_scale
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, execute_stage
 
-CONFIG_SECTIONS = ("algorithm.", "trainer.kl_coef_scale", "critic.enable")
+CONFIG_SECTIONS = ("algorithm.", "critic.enable")
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
@@ -58,7 +62,8 @@ def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
 
 def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
     """Advantages of iteration ``iteration``; skipped when its scored table, the KL controller
-    state it starts from and the ``algorithm.*`` config are unchanged."""
+    state it starts from, its retry record (``iter_K/retry.json``) and the ``algorithm.*`` config
+    are unchanged."""
     if iteration is None or iteration < 1:
         raise RLHFError("gae is a per-iteration stage: give --iteration K (K >= 1)")
     scored = run.scored(iteration)
@@ -66,10 +71,12 @@ def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force
         raise DataError(f"{scored} not found: run `rlhf stage score --run-dir {run.root} "
                         f"--iteration {iteration}` first")
     source = controller_source(run, iteration) if cfg.algorithm.use_kl_in_reward else None
-    inputs = [scored] + ([source] if source is not None else [])
+    retry = run.retry_record(iteration) if cfg.algorithm.use_kl_in_reward else None
+    retry = retry if retry is not None and retry.is_file() else None
+    inputs = [scored] + [p for p in (source, retry) if p is not None]
 
     def body() -> StageResult:
-        return _gae(cfg, run, iteration, source)
+        return _gae(cfg, run, iteration, source, read_retry_scale(run, iteration) if retry is not None else 1.0)
 
     return execute_stage(stage="gae", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
                          config_sections=config_sections(cfg), body=body, force=force)
@@ -105,8 +112,9 @@ def read_controller_state(run: RunDir, path: Path) -> dict:
     return state
 
 
-def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path):
-    """The controller of ``algorithm.kl_ctrl`` starting at ``state["value"]`` (else at kl_coef)."""
+def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path, scale: float = 1.0):
+    """The controller of ``algorithm.kl_ctrl`` starting at ``state["value"]`` (else at kl_coef) times
+    ``scale`` (the iteration's retry scale)."""
     ctrl = cfg.algorithm.kl_ctrl
     coef = ctrl.kl_coef
     if state is not None:
@@ -117,7 +125,7 @@ def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path):
                 f"{source} holds a {state.get('type')!r} KL controller but algorithm.kl_ctrl.type={ctrl.type!r}; "
                 f"set algorithm.kl_ctrl.type={state.get('type')} to continue this run's controller")
         coef = float(state["value"])
-    return make_kl_controller(ctrl.type, coef, ctrl.target_kl, ctrl.horizon)
+    return make_kl_controller(ctrl.type, coef * scale, ctrl.target_kl, ctrl.horizon)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,14 +133,14 @@ def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path):
 # ---------------------------------------------------------------------------------------------
 
 
-def _gae(cfg: RLHFConfig, run: RunDir, k: int, source: Optional[Path]) -> StageResult:
+def _gae(cfg: RLHFConfig, run: RunDir, k: int, source: Optional[Path], scale: float) -> StageResult:
     settings = replace(AdvantageSettings.from_algorithm(cfg.algorithm), use_critic=uses_critic(cfg))
-    controller = None
+    controller, before = None, None
     if settings.use_kl_in_reward:
         start = read_controller_state(run, source) if source is not None else None
-        controller = kl_controller_for(cfg, start, source or run.kl_state(k))
-    scale = cfg.trainer.kl_coef_scale
-    used = controller.value * scale if controller is not None else 0.0
+        before = kl_controller_for(cfg, start, source or run.kl_state(k)).state_dict()  # the state k starts from
+        controller = kl_controller_for(cfg, start, source or run.kl_state(k), scale)  # times k's retry scale
+    used = controller.value if controller is not None else 0.0
     with timed(TABLE_READ):
         scored = pq.read_table(run.scored(k))
     out = compute_advantages(scored, kl_coef=used, settings=settings, source=str(run.scored(k)))
@@ -143,16 +151,15 @@ def _gae(cfg: RLHFConfig, run: RunDir, k: int, source: Optional[Path]) -> StageR
                 f"token; KL({settings.kl_penalty}) of the rollout policy to the reference "
                 f"{out.kl_mean:.5f} per token"]
     if controller is not None:
-        before = controller.state_dict()
         controller.update(current_kl=out.kl_mean, n_steps=out.num_responses)
-        metrics["kl/coef_next"] = controller.value * scale
-        atomic_write_json(run.kl_state(k), {"iteration": k, "used": before, "scale": scale,
+        metrics["kl/coef_next"] = controller.value
+        atomic_write_json(run.kl_state(k), {"iteration": k, "used": before, "retry_scale": scale,
                                             "next": controller.state_dict()})
         outputs["kl_ctrl"] = str(run.kl_state(k))
-        scaled = f" × trainer.kl_coef_scale {scale:g}" if scale != 1 else ""
+        scaled = f" × retry scale {scale:g}" if scale != 1 else ""
         kl_lines = [f"KL in reward: {settings.kl_penalty} estimator, coefficient {used:.6g} "
                     f"({cfg.algorithm.kl_ctrl.type}{scaled}); measured KL {out.kl_mean:.5f} per token → next "
-                    f"coefficient {controller.value * scale:.6g}"]
+                    f"coefficient {controller.value:.6g}"]
     tokens = int(out.table.column("response_length").to_numpy().sum())
     return StageResult(stage="gae", iteration=k, outputs=outputs,
                        rows={"advantages": out.num_responses, "tokens": tokens},

@@ -70,7 +70,9 @@ def test_kl_breach_rolls_back_then_halts_or_retries(prefect_server, demo_preset,
     assert _row(run, 2)["guard"] == "committed" and _row(run, 2)["rollbacks"] == 2
     # the retry started from committed iteration 1's KL controller state, its coefficient doubled
     kl = run.read_json(run.kl_state(2))
-    assert kl["used"] == run.read_json(run.kl_state(1))["next"] and kl["scale"] == 2.0
+    assert kl["used"] == run.read_json(run.kl_state(1))["next"] and kl["retry_scale"] == 2.0
+    assert run.read_json(run.retry_record(2))["kl_coef_scale"] == 2.0
+    assert "kl_coef_scale" not in run.config_path.read_text()  # β is not config
     assert mlflow_tracking.client().get_run(run_id).info.status == "FINISHED"
     assert [s for s, v in mlflow_tracking.metric_history(run_id, "guard/rollback")] == [2, 2]
     with get_client(sync_client=True) as client:

@@ -212,9 +212,10 @@ def test_a_damaged_kl_controller_state_of_a_replayed_iteration_is_rebuilt(base, 
 
 
 def test_a_kill_inside_the_retry_bookkeeping_retries_once(base, rlhf, cli, tmp_path):
-    """Issue 28, 2: killed after the retry decided its changes and before they were saved, the
-    resume redoes the breach and retries with them once: iteration 4's coefficient is doubled once
-    (not twice) and its learning rate divided once."""
+    """Issue 28, 2 (issue 40: two writes now): killed after the retry recorded its decision in
+    iter_4/retry.json and before its config change was saved, the resume finishes it with the
+    recorded values and reruns the iteration once: iteration 4's coefficient is doubled once (not
+    twice) and its learning rate divided once."""
     run = _copy(base, tmp_path)
     breach = ["actor_rollout_ref.actor.optim.lr=0.1", "trainer.on_kl_breach=retry", "trainer.retry_lr_divisor=10000",
               "trainer.max_rollbacks=2"]
@@ -225,7 +226,10 @@ def test_a_kill_inside_the_retry_bookkeeping_retries_once(base, rlhf, cli, tmp_p
     assert committed_iterations(run) == [1, 2, 3, 4]
     assert _metrics(run, 4)["kl/coef"] == pytest.approx(2 * _metrics(run, 3)["kl/coef_next"])
     saved = run.read_json(run.kl_state(4))
-    assert saved["used"] == run.read_json(run.kl_state(3))["next"] and saved["scale"] == 2.0
+    assert saved["used"] == run.read_json(run.kl_state(3))["next"] and saved["retry_scale"] == 2.0
+    assert run.read_json(run.retry_record(4))["kl_coef_scale"] == 2.0
+    assert "kl_coef_scale" not in run.config_path.read_text()  # β is not config
+    assert [e.get("finished_by") for e in run.events() if e["kind"] == "retry"] == ["resume"]  # recorded, then finished
     assert resolve_run_config(run.root, None, ()).actor_rollout_ref.actor.optim.lr == pytest.approx(1e-5)
 
 

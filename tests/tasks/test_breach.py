@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from rlhf_core.config import load_config, to_yaml
+from rlhf_core.config import apply_overrides, load_config, to_yaml
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.manifest import record_stage
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good
@@ -30,10 +30,18 @@ def test_retry_lowers_the_learning_rate_and_raises_the_kl_coefficient(tmp_path):
     outcome = handle_breach_task.fn(cfg, str(run.root), 2, attempt=1)
     assert outcome["action"] == "retry"
     assert outcome["changes"]["actor_rollout_ref.actor.optim.lr"] == pytest.approx((1e-3, 1e-5))
+    assert outcome["overrides"] == ["actor_rollout_ref.actor.optim.lr=1e-05"]  # config only: no β in it
+    assert outcome["changes"]["iter_2/retry.json kl_coef_scale"] == (1.0, 2.0)
     saved = resolve_run_config(run.root, None, [])  # a resume continues with the smaller step and the larger KL
     assert saved.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-5)
-    assert saved.trainer.kl_coef_scale == 2.0
+    assert "kl_coef_scale" not in run.config_path.read_text()  # β is not config
+    record = run.read_json(run.retry_record(2))
+    assert record["kl_coef_scale"] == 2.0 and record["attempt"] == 1
     assert [e["kind"] for e in run.events()] == ["commit", "retry"]  # commit: iteration 1, by the setup
+    assert run.events()[-1]["retry_id"] == record["id"]  # the config write is done: the retry is finished
+    again = handle_breach_task.fn(apply_overrides(cfg, outcome["overrides"]), str(run.root), 2, attempt=2)
+    assert again["changes"]["iter_2/retry.json kl_coef_scale"] == (2.0, 4.0)
+    assert run.read_json(run.retry_record(2))["kl_coef_scale"] == 4.0
 
 
 def test_retries_are_bounded_then_the_run_halts(tmp_path):
@@ -49,3 +57,4 @@ def test_halt_policy_halts_at_once(tmp_path):
     outcome = handle_breach_task.fn(cfg, str(run.root), 2, attempt=1)
     assert outcome["action"] == "halt" and "KL(actor‖ref) = 0.7 > trainer.kl_rollback_threshold = 0.05 (" in outcome["message"]
     assert resolve_run_config(run.root, None, []) == cfg  # nothing changed for a retry
+    assert not run.retry_record(2).exists()

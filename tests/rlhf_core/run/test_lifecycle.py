@@ -11,8 +11,9 @@ import pytest
 from rlhf_core.config import apply_overrides, load_config
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
+from rlhf_core.control.plan import finish_retry
 from rlhf_core.run import lifecycle
-from rlhf_core.run.layout import RunDir
+from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.manifest import read_manifest, record_stage
 from rlhf_core.run.models import actor_path
 
@@ -53,14 +54,17 @@ def test_settle_rollback_discards_the_checkpoint(tmp_path):
     _trained_iteration(run, 1, "commit")
     lifecycle.settle(run, 1, policy="halt", attempt=1)
     _trained_iteration(run, 2, "rollback")
-    atomic_write_json(run.kl_state(2), {"used": {"type": "fixed", "value": 0.01}, "scale": 1.0,
-                                        "next": {"type": "fixed", "value": 0.01}})
+    atomic_write_json(run.kl_state(2), {"iteration": 2, "used": {"type": "fixed", "value": 0.01}, "retry_scale": 2.0,
+                                        "next": {"type": "fixed", "value": 0.02}})
+    atomic_write_json(run.retry_record(2), {"iteration": 2, "attempt": 1, "kl_coef_scale": 2.0, "changes": {},
+                                            "id": "x"})
 
     assert lifecycle.settle(run, 2, policy="retry", attempt=1) == "rollback"
     assert not run.checkpoint(2).exists() and not list(run.iter_dir(2).glob("checkpoint*"))
     assert {s: (r["status"], r["rollback_attempt"]) for s, r in read_manifest(run, 2).items()} == {
         s: ("rolled_back", 1) for s in ("gae", "update", "guard")}
     assert lifecycle.committed_iterations(run) == [1] and run.checkpoint(1).is_dir()  # last-good untouched
+    assert lifecycle.read_retry_scale(run, 2) == 2.0  # the retry's decision stays for the next try
     event = run.events()[-1]
     assert event["kind"] == "rollback" and event["last_good"] == 1 and event["kl"] == 0.7
     assert event["policy"] == "retry" and lifecycle.rollback_count(run, 2) == 1
@@ -106,17 +110,46 @@ def test_discard_refuses_the_last_good_checkpoint(tmp_path):
 
 
 def test_retry_overrides_divide_lr_and_multiply_the_kl_coefficients(tmp_path):
+    """The config changes of a retry (lr, the loss's KL coefficient) are overrides for config.yaml; the
+    reward's KL coefficient is scaled in the iteration's retry.json, each retry multiplying the last."""
     cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-4", "trainer.retry_lr_divisor=10",
                              "trainer.retry_kl_coef_multiplier=4", "algorithm.use_kl_in_reward=true",
                              "actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.actor.kl_loss_coef=0.01"])
     overrides, changes = lifecycle.retry_overrides(cfg)
-    assert overrides == ["actor_rollout_ref.actor.optim.lr=1e-05", "trainer.kl_coef_scale=4.0",
-                         "actor_rollout_ref.actor.kl_loss_coef=0.04"]
-    assert changes["trainer.kl_coef_scale"] == (1.0, 4.0)
-    again, _ = lifecycle.retry_overrides(apply_overrides(cfg, overrides))  # a second retry multiplies again
-    assert "trainer.kl_coef_scale=16.0" in again
+    assert overrides == ["actor_rollout_ref.actor.optim.lr=1e-05", "actor_rollout_ref.actor.kl_loss_coef=0.04"]
+    assert changes["actor_rollout_ref.actor.kl_loss_coef"] == (0.01, 0.04)
     # nothing is written: the caller saves them in one write of config.yaml
     assert not list(tmp_path.iterdir())
+    run = RunDir(tmp_path / "run")
+    assert lifecycle.read_retry_scale(run, 2) == 1.0
+    assert lifecycle.record_retry(run, 2, 1, changes, 4.0)[:2] == (1.0, 4.0)
+    assert lifecycle.record_retry(run, 2, 2, {}, 4.0)[:2] == (4.0, 16.0)  # again
+    record = run.read_json(run.retry_record(2))
+    assert record["attempt"] == 2 and record["kl_coef_scale"] == 16.0
+    assert lifecycle.record_retry(run, 3, 1, changes, 1.0)[:2] == (1.0, 1.0)  # no KL in the reward: it stays
+    for bad in ('{"kl_coef_scale": 0}', '{"kl_coef_scale": "2"}', "[]"):
+        run.retry_record(2).write_text(bad)
+        with pytest.raises(StateFileError, match="retry.json is damaged"):
+            lifecycle.read_retry_scale(run, 2)
+
+
+def test_an_unfinished_retry_is_finished_with_its_recorded_values(tmp_path):
+    """A kill after retry.json and before the config write and its "retry" event: the resume applies
+    the recorded values (where its own command line did not set the key), once."""
+    cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-4", "trainer.retry_lr_divisor=10"])
+    run = RunDir(tmp_path / "run")
+    _, changes = lifecycle.retry_overrides(cfg)
+    *_, retry_id = lifecycle.record_retry(run, 2, 1, changes, 4.0)
+    record = lifecycle.unfinished_retry(run, 2)
+    assert record is not None and lifecycle.unfinished_retry(run, 3) is None
+    finished, applied = finish_retry(cfg, record)
+    assert applied == ["actor_rollout_ref.actor.optim.lr=1e-05"]
+    assert finished.actor_rollout_ref.actor.optim.lr == pytest.approx(1e-5)
+    assert finish_retry(finished, record)[1] == []  # values, not multiplications: twice is once
+    chosen = apply_overrides(cfg, ["actor_rollout_ref.actor.optim.lr=3e-4"])  # the resume's own command line
+    assert finish_retry(chosen, record)[1] == []
+    run.append_event("retry", 2, attempt=1, changes=changes, retry_id=retry_id)
+    assert lifecycle.unfinished_retry(run, 2) is None
 
 
 def test_fall_back_cuts_the_log_marks_the_later_updates_stale_and_names_what_broke(tmp_path, capsys):

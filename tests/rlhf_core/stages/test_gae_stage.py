@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.run import lifecycle
-from rlhf_core.config import ConfigError, apply_overrides, load_config
+from rlhf_core.config import ConfigError, apply_overrides, load_config, to_yaml
 from rlhf_core.data.schemas import ADVANTAGES, PROMPTS, ROLLOUT, SCORED
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
@@ -106,7 +106,7 @@ def test_adaptive_controller_steps_once_per_iteration_and_reruns_are_identical(t
     assert state["used"] == {"type": "adaptive", "value": 0.1, "target_kl": 0.05, "horizon": 40.0}
     assert state["next"] == {"type": "adaptive", "value": pytest.approx(0.1 * (1 + 0.2 * 5 / 40)), "target_kl": 0.05,
                              "horizon": 40.0}
-    assert state["scale"] == 1.0
+    assert state["retry_scale"] == 1.0 and state["iteration"] == 1
     assert first.metrics["kl/coef"] == 0.1 and first.metrics["kl/coef_next"] == pytest.approx(state["next"]["value"])
     assert first.metrics["actor/reward_kl_penalty"] == kl and first.metrics["actor/reward_kl_penalty_coeff"] == 0.1
     assert read_manifest(run, 1)["gae"]["outputs"]["iter_1/kl_ctrl.json"]  # an output like the table
@@ -155,10 +155,18 @@ def test_whitened_advantages_have_zero_mean_unit_std_over_valid_tokens(tmp_path)
     assert [r["returns"] for r in advantages(run, 1)] == [r["returns"] for r in rows]
 
 
+def retry(cfg, run: RunDir, k: int, attempt: int = 1) -> None:
+    """What a KL-breach retry of iteration k does to its gae: the rollback marks the record, the
+    retry records its decision in iter_k/retry.json (tasks.breach), its config changes go elsewhere."""
+    set_status(run, k, "gae", "rolled_back")  # what lifecycle.rollback_iteration does to the record
+    _, changes = lifecycle.retry_overrides(cfg)
+    lifecycle.record_retry(run, k, attempt, changes, cfg.trainer.retry_kl_coef_multiplier)
+
+
 def test_a_rollback_needs_nothing_and_a_retry_scales_the_coefficient(tmp_path):
     """The retry of iteration 2 starts again from committed iteration 1's state; its raised
-    coefficient is the config's trainer.kl_coef_scale (what a retry saves), and the controller's own
-    value steps as before, so the next iteration carries the raised coefficient on."""
+    coefficient is that state times the retry's scale (iter_2/retry.json, an input of the gae), the
+    controller steps from the raised value, and no β scale is config: config.yaml holds none."""
     run = RunDir(tmp_path / "run")
     cfg = config(*ADAPTIVE, "trainer.retry_kl_coef_multiplier=2.0", "trainer.retry_lr_divisor=1")
     write_scored(run, 1)
@@ -169,14 +177,62 @@ def test_a_rollback_needs_nothing_and_a_retry_scales_the_coefficient(tmp_path):
     assert run_gae(cfg, run, 2).metrics["kl/coef"] == start["value"]
     first_try = kl_state(run, 2)
 
-    set_status(run, 2, "gae", "rolled_back")  # what lifecycle.rollback_iteration does to the record
     overrides, changes = lifecycle.retry_overrides(cfg)
-    assert overrides == ["trainer.kl_coef_scale=2.0"] and changes == {"trainer.kl_coef_scale": (1.0, 2.0)}
-    retried = run_gae(apply_overrides(cfg, overrides), run, 2)
-    assert not retried.skipped and retried.metrics["kl/coef"] == pytest.approx(2 * start["value"])
+    assert overrides == [] and changes == {}  # the reward's coefficient is no config change
+    assert "kl_coef_scale" not in to_yaml(apply_overrides(cfg, overrides))
+    retry(cfg, run, 2)
+    assert json.loads(run.retry_record(2).read_text())["kl_coef_scale"] == 2.0
+    retried = run_gae(cfg, run, 2)
+    assert not retried.skipped and retried.metrics["kl/coef"] == 2 * start["value"]
+    assert retried.metrics["actor/reward_kl_penalty_coeff"] == 2 * start["value"]
+    assert "iter_2/retry.json" in read_manifest(run, 2)["gae"]["inputs"]  # a retry makes gae rerun
+    assert any("× retry scale 2" in line for line in retried.summary)
     state = kl_state(run, 2)
-    assert state["used"] == start and state["scale"] == 2.0 and state["next"] == first_try["next"]
-    assert retried.metrics["kl/coef_next"] == pytest.approx(2 * state["next"]["value"])
+    assert state["used"] == start and state["retry_scale"] == 2.0
+    assert state["next"] == {**first_try["next"], "value": 2 * first_try["next"]["value"]}  # stored as is
+    assert retried.metrics["kl/coef_next"] == state["next"]["value"]
+    assert run_gae(cfg, run, 2).skipped  # the same retry record: up to date
+
+
+def test_after_a_retry_the_next_iteration_starts_from_the_raised_state_and_retries_compound(tmp_path):
+    """Two retries of iteration 2 multiply its coefficient by the multiplier twice; once 2 commits,
+    iteration 3 starts from 2's "next" as it is (the raise carried by the controller's state), with no
+    scale of its own."""
+    run = RunDir(tmp_path / "run")
+    cfg = config(*ADAPTIVE, "trainer.retry_kl_coef_multiplier=3.0")
+    write_scored(run, 1)
+    run_gae(cfg, run, 1)
+    commit(run, 1)
+    start = kl_state(run, 1)["next"]["value"]
+    write_scored(run, 2)
+    run_gae(cfg, run, 2)
+    retry(cfg, run, 2, attempt=1)
+    assert run_gae(cfg, run, 2).metrics["kl/coef"] == pytest.approx(3 * start, rel=1e-15)
+    retry(cfg, run, 2, attempt=2)
+    twice = run_gae(cfg, run, 2)
+    assert twice.metrics["kl/coef"] == pytest.approx(9 * start, rel=1e-15)
+    assert kl_state(run, 2)["retry_scale"] == 9.0
+    assert json.loads(run.retry_record(2).read_text())["attempt"] == 2
+    commit(run, 1, 2)
+    write_scored(run, 3, seed=3)
+    third = run_gae(cfg, run, 3)
+    assert third.metrics["kl/coef"] == kl_state(run, 2)["next"]["value"] == twice.metrics["kl/coef_next"]
+    assert kl_state(run, 3)["retry_scale"] == 1.0 and kl_state(run, 3)["used"] == kl_state(run, 2)["next"]
+    assert "iter_3/retry.json" not in read_manifest(run, 3)["gae"]["inputs"]
+
+
+@pytest.mark.parametrize("kind", ["adaptive", "fixed"])
+@pytest.mark.parametrize("scale", [2.0, 3.0, 0.7])
+def test_scaling_before_the_step_equals_scaling_after_it(kind, scale):
+    """Format 4 stepped the controller at its own value and scaled the coefficient after; format 5
+    scales before the step. The step is proportional to the value, so the numbers are the same."""
+    from rlhf_core.algos import make_kl_controller
+
+    for value, kl, n in ((0.1, 0.3, 5), (0.02, 0.001, 64), (0.5, 0.05, 1)):
+        before, after = (make_kl_controller(kind, v, 0.05, 40.0) for v in (value * scale, value))
+        before.update(current_kl=kl, n_steps=n)
+        after.update(current_kl=kl, n_steps=n)
+        assert before.value == pytest.approx(after.value * scale, rel=1e-14)
 
 
 def test_clear_errors(tmp_path):
