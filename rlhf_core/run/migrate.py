@@ -14,6 +14,9 @@ a stage, an export) before it reads anything else. Nothing else in the code know
     3  every prompts, rollout and scored table has every column of its schema (``data.schemas``)
     4  config.yaml starts with a seal line, a hash of the rest (``run.layout.write_config``): a change
        made outside rlhf is found, and a command continues with the recorded config (``run.saved_config``)
+    5  the reward's KL coefficient β has one source: ``iter_k/kl_ctrl.json`` = {"iteration", "used",
+       "retry_scale", "next"}, where "next" already holds a retry's raise; a retry records its scale
+       for the iteration in ``iter_k/retry.json``. trainer.kl_coef_scale is gone from the config
 
 Upgrading 1 → 2 writes each gae's KL state from what it recorded (the coefficient it used and the
 next one, in its manifest record's metrics; the controller's type and settings from its snapshot),
@@ -32,31 +35,64 @@ listed in ``format_upgrade.json`` before any is put in place, so a kill part-way
 next command.
 
 Upgrading 3 → 4 seals config.yaml as it is (it was the run's config until now).
+
+Upgrading 4 → 5 keeps every coefficient: with c = config.yaml's trainer.kl_coef_scale and f the
+"scale" of the last committed iteration's kl_ctrl.json (1 without one), a retry decided c after that
+iteration, so the next iteration to run gets ``iter_k/retry.json`` with s = c / f (none when s = 1);
+then config.yaml loses the key and is sealed again; then each gae record's config hash is the one
+without the key (when it was that config's: nothing reruns for the removal alone); then each
+kl_ctrl.json {"used", "scale", "next"} becomes {"used": used with value × scale, "retry_scale": 1,
+"next": next with value × scale}, its new sha256 put in every manifest record that named the old one
+before the file is replaced (so a kill in between leaves records that the rerun's identical rewrite
+matches). Idempotent, in that order: a kill part-way is finished by the next command. A saved config
+tree of an older format (config.yaml before the upgrade, the config a state record kept) is read
+without the keys removed since (``current_config_tree``).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import yaml
 
 from rlhf_core.algos import make_kl_controller
+from rlhf_core.config.loader import flatten_tree
 from rlhf_core.config.schema import KLCtrlConfig
 from rlhf_core.data.schemas import PROMPTS, ROLLOUT, SCORED
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.io.hashing import sha256_tree
 from rlhf_core.run.layout import CONFIG_SEAL, RunDir, StateFileError, read_config_text, write_config
+from rlhf_core.run.lifecycle import RETRY_SCALE, committed_iterations
 from rlhf_core.run.manifest import read_manifest, record_key, write_manifest
 
-RUN_FORMAT = 4
+RUN_FORMAT = 5
 """The format this code writes (see the module docstring)."""
 
 SEALED_FORMAT = 4
 """The first format whose config.yaml carries a seal line."""
+
+SCALE_KEY = ("trainer", "kl_coef_scale")
+"""Format 4's config key that scaled the reward's KL coefficient (format 5: ``iter_k/retry.json``)."""
+
+GAE_SECTIONS = ("algorithm.", "critic.enable")
+"""The config gae's record hashes (``stages.gae.CONFIG_SECTIONS``) less format 4's scale key."""
+
+
+def current_config_tree(tree: Any) -> Any:
+    """A saved config tree (config.yaml as read, the config a state record kept) without the keys
+    an older format held and this code no longer has: format 4's trainer.kl_coef_scale."""
+    section, key = SCALE_KEY
+    if isinstance(tree, dict) and isinstance(tree.get(section), dict) and key in tree[section]:
+        return {**tree, section: {k: v for k, v in tree[section].items() if k != key}}
+    return tree
 
 
 def run_format(run: RunDir) -> int:
@@ -83,13 +119,16 @@ def contents_format(run: RunDir) -> int:
         return 2
     if run.config_path.is_file() and not run.config_path.read_bytes().startswith(CONFIG_SEAL.encode()):
         return 3  # no seal line at all (one that no longer matches is damage, not an older format)
+    if _holds_format_4_state(run):
+        return 4
     return RUN_FORMAT
 
 
 def _restamp_advice(run: RunDir) -> str:
     n = contents_format(run)
     held = {1: "it holds format-1 KL controller state", 2: "some of its tables lack columns added in format 3",
-            3: "its config.yaml has no seal line"}
+            3: "its config.yaml has no seal line",
+            4: "its config.yaml or a kl_ctrl.json holds the KL coefficient scale format 5 moved to retry.json"}
     why = held.get(n, "it holds nothing of an older format")
     return (f"its contents are format {n} ({why}): write {{\"format\": {n}}} there "
             f"(`echo '{{\"format\": {n}}}' > {run.format_path}`) and run the command again")
@@ -111,7 +150,7 @@ def outdated(run: RunDir) -> Optional[str]:
         return (f"{run.root}: an upgrade to run-directory format {RUN_FORMAT} was interrupted part-way; any command "
                 f"that writes it (`rlhf run --resume {run.root}`, a stage) finishes it first")
     holds_old = ((version == 1 and _holds_format_1_state(run)) or (version < 3 and bool(_old_tables(run)))
-                 or (version < SEALED_FORMAT and _unsealed_config(run)))
+                 or (version < SEALED_FORMAT and _unsealed_config(run)) or (version < 5 and _holds_format_4_state(run)))
     if version == RUN_FORMAT or not holds_old:
         return None
     return (f"{run.root} is in run-directory format {version}; any command that writes it (`rlhf run --resume "
@@ -150,6 +189,8 @@ def migrate(run: RunDir, kl_ctrl: KLCtrlConfig, reward_fn_key: str) -> Optional[
                     "every table already had its columns")
     if version < SEALED_FORMAT:
         done.append("config.yaml sealed" if _seal_config(run) else "config.yaml was sealed already")
+    if version < 5:
+        done.append(_upgrade_from_4(run))
     message = f"upgraded {run.root} to run-directory format {RUN_FORMAT}: " + "; ".join(done)
     run.append_event("migrated", None, to=RUN_FORMAT, message=message)
     return message
@@ -375,3 +416,158 @@ def _seal_config(run: RunDir) -> bool:
         write_config(run, read_config_text(run)[0])
     atomic_write_json(run.format_path, {"format": 4})
     return sealed
+
+
+# ---------------------------------------------------------------------------------------------
+# 4 → 5: β has one source (the controller's state and the iteration's retry.json)
+# ---------------------------------------------------------------------------------------------
+
+
+def _holds_format_4_state(run: RunDir) -> bool:
+    """Whether config.yaml holds trainer.kl_coef_scale or a kl_ctrl.json its "scale"."""
+    if _config_scale(run) is not None:
+        return True
+    return any(_old_kl_state(run, k) is not None for k in run.iterations())
+
+
+def _config_tree(run: RunDir) -> Optional[dict]:
+    """config.yaml as a tree when its seal verifies (a damaged one is left as it is: commands
+    continue with the recorded config, read without the removed keys), else None."""
+    if not run.config_path.is_file():
+        return None
+    text, problem = read_config_text(run)
+    if problem is not None:
+        return None
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return None
+    return tree if isinstance(tree, dict) else None
+
+
+def _config_scale(run: RunDir) -> Optional[float]:
+    """config.yaml's trainer.kl_coef_scale, None when it holds none."""
+    section, key = SCALE_KEY
+    trainer = (_config_tree(run) or {}).get(section)
+    value = trainer.get(key) if isinstance(trainer, dict) else None
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def _old_kl_state(run: RunDir, k: int) -> Optional[dict]:
+    """Iteration ``k``'s kl_ctrl.json when it is format 4's {"used", "scale", "next"}, else None
+    (absent, already format 5, or damaged: its gae reruns, in the current format)."""
+    try:
+        record = run.read_json(run.kl_state(k))
+    except StateFileError:
+        return None
+    if not record or "scale" not in record:
+        return None
+    numbers = [record.get("scale"), (record.get("used") or {}).get("value"), (record.get("next") or {}).get("value")]
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in numbers):
+        return None
+    return record
+
+
+def _upgrade_from_4(run: RunDir) -> str:
+    done = []
+    retry = _scale_to_retry_record(run)
+    if retry is not None:
+        done.append(f"the KL coefficient scale {retry[1]:g} a retry saved in config.yaml is now "
+                    f"iter_{retry[0]}/retry.json's")
+    rehashed = _gae_config_hashes(run)
+    if _drop_config_scale(run):
+        done.append("config.yaml sealed without trainer.kl_coef_scale")
+    states = [k for k in run.iterations() if _kl_state_from_4(run, k)]
+    done.append(f"the KL controller states of iterations {states} hold their coefficients as used" if states else
+                "no KL controller state to rewrite")
+    if rehashed:
+        done.append(f"{rehashed} gae record(s) hashed without the removed key")
+    atomic_write_json(run.format_path, {"format": 5})
+    return "; ".join(done)
+
+
+def _scale_to_retry_record(run: RunDir) -> Optional[tuple[int, float]]:
+    """A retry decided config.yaml's scale c after the last committed iteration, which ran with its
+    kl_ctrl.json's scale f: the next iteration gets retry.json with s = c / f (None: s = 1, or no
+    scale in config.yaml). Written before config.yaml loses the key: a kill in between writes the
+    same file again."""
+    config_scale = _config_scale(run)
+    if config_scale is None:
+        return None
+    committed = committed_iterations(run)
+    file_scale = next((float(record["scale"]) for record in (_old_kl_state(run, j) for j in reversed(committed))
+                       if record is not None), 1.0)
+    scale = config_scale / file_scale
+    if scale == 1.0:
+        return None
+    k = (committed[-1] if committed else 0) + 1
+    atomic_write_json(run.retry_record(k), {"iteration": k, RETRY_SCALE: scale, "changes": {},
+                                            "migrated": f"trainer.kl_coef_scale {config_scale:g} of config.yaml / "
+                                                        f"{file_scale:g} of the last committed kl_ctrl.json"})
+    return k, scale
+
+
+_SCALE_LINE = re.compile(r"^  kl_coef_scale: .*\n", re.MULTILINE)
+
+
+def _drop_config_scale(run: RunDir) -> bool:
+    """config.yaml without trainer.kl_coef_scale, sealed again; whether it held the key."""
+    if _config_scale(run) is None:
+        return False
+    tree = _config_tree(run)
+    text = read_config_text(run)[0]
+    start = re.search(r"^trainer:\n", text, re.MULTILINE)
+    end = re.search(r"^\S", text[start.end():], re.MULTILINE) if start else None
+    stop = start.end() + end.start() if end else len(text)
+    body = text[:start.end()] + _SCALE_LINE.sub("", text[start.end():stop], count=1) + text[stop:] if start else text
+    if yaml.safe_load(body) != current_config_tree(tree):  # a layout other than to_yaml's: dump it again
+        body = yaml.safe_dump(current_config_tree(tree), sort_keys=False, default_flow_style=False)
+    write_config(run, body)
+    return True
+
+
+def _section_hash(flat: dict[str, Any]) -> str:
+    """``config.config_hash`` of a flattened config section."""
+    return hashlib.sha256(json.dumps(flat, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _gae_config_hashes(run: RunDir) -> int:
+    """Each gae record whose config hash is that of config.yaml's gae sections with the scale it ran
+    with (its kl_ctrl.json's, config.yaml's, or 1) gets the hash of the same sections without the key;
+    a record of another config is left alone (it reruns, as it would have). How many were rehashed."""
+    tree = _config_tree(run)
+    if tree is None:
+        return 0
+    flat = {key: v for key, v in flatten_tree(current_config_tree(tree)).items() if key.startswith(GAE_SECTIONS)}
+    new = _section_hash(flat)
+    scales = {1.0} | ({_config_scale(run)} - {None})
+    changed = 0
+    for k in (k for k in run.iterations() if k >= 1):
+        manifest = read_manifest(run, k)
+        record = manifest.get("gae")
+        if not isinstance(record, dict) or record.get("config_hash") in (None, new):
+            continue
+        own = _old_kl_state(run, k)
+        candidates = scales | ({float(own["scale"])} if own else set())
+        if any(record["config_hash"] == _section_hash({**flat, "trainer.kl_coef_scale": c}) for c in candidates):
+            record["config_hash"] = new
+            write_manifest(run, k, manifest)
+            changed += 1
+    return changed
+
+
+def _kl_state_from_4(run: RunDir, k: int) -> bool:
+    """Rewrite iteration ``k``'s format-4 kl_ctrl.json with its coefficients as used (see the module
+    docstring): staged beside it, its sha256 put in the manifests, then put in place."""
+    old = _old_kl_state(run, k)
+    if old is None:
+        return False
+    scale = float(old["scale"])
+    new = {"iteration": old.get("iteration", k), "used": {**old["used"], "value": old["used"]["value"] * scale},
+           "retry_scale": 1.0, "next": {**old["next"], "value": old["next"]["value"] * scale}}
+    path = run.kl_state(k)
+    staged = path.with_name(path.name + ".format5")
+    atomic_write_json(staged, new)
+    _replace_digests(run, {record_key(run, path): {"from": sha256_tree(path), "to": sha256_tree(staged)}})
+    os.replace(staged, path)
+    return True

@@ -23,7 +23,7 @@ import yaml
 from rlhf_core.config.loader import flatten_tree
 from rlhf_core.run.layout import RunDir, StateFileError, read_config_text
 from rlhf_core.run.lifecycle import committed_iterations
-from rlhf_core.run.migrate import SEALED_FORMAT, run_format
+from rlhf_core.run.migrate import SEALED_FORMAT, current_config_tree, run_format
 
 SHOWN_KEYS = 4
 """Differences named one by one in the warning; more are counted per section."""
@@ -53,7 +53,7 @@ def recorded_config_tree(run: RunDir) -> Optional[tuple[int, dict]]:
         except StateFileError:
             continue
         if isinstance(record, dict) and isinstance(record.get("config"), dict):
-            return k, record["config"]
+            return k, current_config_tree(record["config"])
     return None
 
 
@@ -86,7 +86,13 @@ def _show(value: Any) -> str:
 
 def run_config_tree(run: RunDir) -> tuple[dict, Optional[str]]:
     """(the config tree a command continues ``run`` with, a warning line or None): config.yaml when its
-    seal verifies (or it predates seals), else the config the newest committed iteration recorded."""
+    seal verifies (or it predates seals), else the config the newest committed iteration recorded;
+    either read without the keys of an older run format (``migrate.current_config_tree``)."""
+    tree, warning = _run_config_tree(run)
+    return current_config_tree(tree), warning
+
+
+def _run_config_tree(run: RunDir) -> tuple[dict, Optional[str]]:
     text, problem = read_config_text(run)
     if problem is None or _predates_seals(run):
         return parse_config(text, run.config_path), None
@@ -97,7 +103,7 @@ def run_config_tree(run: RunDir) -> tuple[dict, Optional[str]]:
                 "it is used as it is")
     k, recorded = found
     try:
-        have = parse_config(text, run.config_path)
+        have = current_config_tree(parse_config(text, run.config_path))
     except StateFileError:
         have = {}
     return recorded, (f"{run.config_path} {problem} ({differences(have, recorded)}): continuing with the config "

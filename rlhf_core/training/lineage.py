@@ -33,6 +33,7 @@ from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lifecycle import checkpoint_before, committed_iterations
 from rlhf_core.run.manifest import hash_paths
+from rlhf_core.run.migrate import current_config_tree
 from rlhf_core.run.models import actor_path, critic_path, initial_actor_path
 from rlhf_core.training.engines import LoraSettings
 
@@ -166,5 +167,6 @@ def read_state_record(run: RunDir, k: int) -> dict[str, Any]:
 
 
 def recorded_config(record: dict[str, Any]) -> RLHFConfig:
-    """The config an update trained with, as its state record saved it (a retry's changes included)."""
-    return config_from_dict(record["config"])
+    """The config an update trained with, as its state record saved it (a retry's changes included),
+    without the keys of an older run format (``run.migrate.current_config_tree``)."""
+    return config_from_dict(current_config_tree(record["config"]))
