@@ -24,7 +24,7 @@ from __future__ import annotations
 import gc
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import Field
 from prefect import flow
 
 from rlhf_core.config import RLHFConfig
@@ -36,7 +36,6 @@ from rlhf_core.control.plan import RunPlan, logs_to, open_run, plan_run, resolve
 from rlhf_core.run.report import format_iteration_header, format_iteration_row, iteration_metrics
 from rlhf_core.run.stage_order import SETUP_STAGES, VALIDATE
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
-from rlhf_core.security import redact_text
 from rlhf_core.training.resident import resident_models, rollout_engine_kept
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.prefect_runs import claim_run_directory, fail_misplaced_parameters, keep_command_sigterm
@@ -46,29 +45,12 @@ from tasks.iteration import (
 )
 from tasks.background_publisher import Reporter
 from tasks.stages import STAGE_TASKS, export_task, make_durable_task
+from flows.params import FlowParams
 from flows.recipe import ppo_iteration
 
 
-def dotted_overrides(values: list[str]) -> list[str]:
-    """Form-level check shared by the flows' parameter models: every override is dotted.key=value."""
-    for v in values:
-        if "=" not in v or v.startswith("="):
-            raise ValueError(f"override {v!r} must look like dotted.key=value")
-    return values
-
-
-def recorded_overrides(values: list[str]) -> list[str]:
-    """The overrides as Prefect records a flow run's parameters (JSON): secrets masked
-    (``rlhf_core.security``). The flow itself receives them as given: a direct call hands over the
-    object, and a deployment run gets what its caller sent (keep secrets out of those: environment
-    variables of the worker)."""
-    return [redact_text(v) for v in values]
-
-
-class PipelineParams(BaseModel):
+class PipelineParams(FlowParams):
     """What the Prefect UI's Run form asks for."""
-
-    model_config = ConfigDict(extra="forbid")
 
     config: Optional[str] = Field("configs/demo.yaml", description="YAML preset: defaults ← preset ← overrides. "
                                   "Ignored on resume (the run's saved config is used).")
@@ -79,15 +61,6 @@ class PipelineParams(BaseModel):
                                     description="Run directory name under trainer.runs_root (default: a timestamp)")
     resume: Optional[str] = Field(None, description="An existing run directory to continue after its last "
                                   "committed iteration")
-
-    @field_validator("overrides")
-    @classmethod
-    def _dotted(cls, values: list[str]) -> list[str]:
-        return dotted_overrides(values)
-
-    @field_serializer("overrides", when_used="json")
-    def _recorded(self, values: list[str]) -> list[str]:
-        return recorded_overrides(values)
 
 
 def _flow_run_name() -> str:

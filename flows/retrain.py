@@ -19,11 +19,12 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, field_validator
+from pydantic import Field
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
-from flows.pipeline import PipelineParams, dotted_overrides, recorded_overrides, rlhf_pipeline
+from flows.params import FlowParams
+from flows.pipeline import PipelineParams, rlhf_pipeline
 from rlhf_core.config import apply_overrides, load_config, valid_keys
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
@@ -37,10 +38,8 @@ from tasks.prefect_runs import fail_misplaced_parameters, keep_command_sigterm
 WARM_START_KEY = "actor_rollout_ref.model.warm_start.enable"
 
 
-class RetrainParams(BaseModel):
+class RetrainParams(FlowParams):
     """What the Prefect UI's Run form (and the schedule's saved parameters) give a retraining run."""
-
-    model_config = ConfigDict(extra="forbid")
 
     config: str = Field("configs/demo.yaml", description="YAML preset: defaults ← preset ← overrides")
     data_files: list[str] = Field(default_factory=list, description="Prompt files to snapshot for this run "
@@ -53,15 +52,6 @@ class RetrainParams(BaseModel):
                                  "algorithm.kl_ctrl.kl_coef=0.002")
     run_prefix: str = Field("retrain", pattern=r"^[A-Za-z0-9][A-Za-z0-9._-]*$",
                             description="Run directory name prefix; a UTC timestamp and the flow run id follow")
-
-    @field_validator("overrides")
-    @classmethod
-    def _dotted(cls, values: list[str]) -> list[str]:
-        return dotted_overrides(values)
-
-    @field_serializer("overrides", when_used="json")
-    def _recorded(self, values: list[str]) -> list[str]:
-        return recorded_overrides(values)
 
 
 def _retrain_flow_run_name() -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import Field, model_validator
 from prefect import flow, task
 from prefect.cache_policies import NO_CACHE
 
@@ -26,7 +26,7 @@ from rlhf_core.run.lock import RunLock
 from rlhf_core.control.plan import logs_to, resume_point, stage_config
 from rlhf_core.stages.base import out_of_date, stage_label
 from rlhf_core.run.stage_order import STAGES
-from flows.pipeline import recorded_overrides
+from flows.params import FlowParams
 from tasks import prefect_artifacts
 from tasks.prefect_runs import claim_run_directory, keep_command_sigterm
 from tasks.iteration import finish_iteration_task, finish_tracking_task, start_tracking_task
@@ -35,8 +35,8 @@ from tasks.stages import STAGE_TASKS
 StageName = Literal[tuple(STAGES)]  # the stage order's names, in its order (the Run form's choices)
 
 
-class StageParams(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StageParams(FlowParams):
+    """What the Prefect UI's Run form asks for to (re)run one stage."""
 
     stage: StageName = Field(description="The stage to (re)run")
     run_dir: str = Field(description="The run directory (created for setup stages if absent)")
@@ -56,10 +56,6 @@ class StageParams(BaseModel):
         if not per_iteration and self.iteration is not None:
             raise ValueError(f"stage {self.stage!r} is a setup stage: it takes no iteration")
         return self
-
-    @field_serializer("overrides", when_used="json")
-    def _recorded(self, values: list[str]) -> list[str]:
-        return recorded_overrides(values)
 
 
 def _stage_run_name() -> str:

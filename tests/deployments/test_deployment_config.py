@@ -13,6 +13,7 @@ from prefect.exceptions import ParameterTypeError
 
 from flows.pipeline import PipelineParams, rlhf_pipeline
 from flows.retrain import RetrainParams, prepare_retrain_task, rlhf_retrain
+from flows.stage import StageParams, rlhf_stage
 from rlhf_core.config import ConfigError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +55,21 @@ def test_malformed_override_fails_parameter_validation_with_the_fix():
         rlhf_retrain.validate_parameters({"params": {"overrides": ["=1"]}})
     with pytest.raises(ParameterTypeError, match="iterations"):
         rlhf_retrain.validate_parameters({"params": {"iterations": 0}})
+    # the single-stage flow's form checks its overrides the same way (it did not before: one home now)
+    with pytest.raises(ParameterTypeError, match=r"override 'lr' must look like dotted.key=value"):
+        rlhf_stage.validate_parameters({"params": {"stage": "gae", "run_dir": "RUN", "iteration": 1,
+                                                   "overrides": ["lr"]}})
+
+
+def test_every_flow_form_refuses_an_unknown_field_and_masks_secrets_it_records():
+    secret = "custom_reward_function.reward_kwargs.api_key=sk-abcdefghijklmnopqrstuvwx"
+    for params in (PipelineParams(overrides=[secret]), RetrainParams(overrides=[secret]),
+                   StageParams(stage="gae", run_dir="RUN", iteration=1, overrides=[secret])):
+        recorded = params.model_dump(mode="json")["overrides"]
+        assert recorded != [secret] and "sk-abcdefghijklmnopqrstuvwx" not in recorded[0], recorded
+        assert params.overrides == [secret]  # the flow itself gets what was given
+        with pytest.raises(ValueError, match="extra"):
+            type(params)(**{**params.model_dump(), "iteratons": 2})
 
 
 def test_unknown_override_key_fails_before_any_run_directory(tmp_path):
