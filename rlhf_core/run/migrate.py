@@ -7,8 +7,8 @@ a stage, an export) before it reads anything else. Nothing else in the code know
        retry multiplied both); a commit log may lack its "committed" list (the guard records said)
     2  the KL controller's state is an output of each iteration's gae, ``iter_k/kl_ctrl.json``
        {"used", "scale", "next"}, read by the next iteration from its committed predecessor
-       (``stages.gae``); a retry raises trainer.kl_coef_scale in config.yaml instead. Tables may
-       lack columns added since: the prompts ``reward_source``; the rollout, greedy-baseline and
+       (``stages.gae``); a retry raised trainer.kl_coef_scale in config.yaml instead (until 5).
+       Tables may lack columns added since: the prompts ``reward_source``; the rollout, greedy-baseline and
        scored tables ``uid`` (or hold nulls there), ``rollout_log_probs``, ``reward_source``,
        ``extra_info``
     3  every prompts, rollout and scored table has every column of its schema (``data.schemas``)
