@@ -26,15 +26,16 @@ every iteration stale, so unrelated settings (learning rate, temperature) must n
 
 from __future__ import annotations
 
+import functools
 import random
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.config.resolve import micro_batching, mini_batch_sequences
+from rlhf_core.config.resolve import MicroBatching, micro_batching, mini_batch_sequences
 from rlhf_core.data.packing import (
     PackingBudgetError, fixed_micro_batches, micro_batches_by_budget, padded_batches_efficiency,
     plan_generation_batches,
@@ -55,6 +56,35 @@ CONFIG_KEYS = (
 )
 GEN_BUDGET_KEY = "actor_rollout_ref.rollout.generation_batch_tokens"
 TRAIN_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
+
+
+@dataclass(frozen=True)
+class PackSettings:
+    """What the stage reads of the config, exactly ``CONFIG_KEYS``: built once in ``run_pack``'s body
+    (``pack_settings``); the stage's helpers take this, not the config."""
+
+    seed: int  # data.seed
+    shuffle: bool  # data.shuffle
+    train_batch_size: int  # data.train_batch_size: prompts per slot
+    max_response_length: int  # data.max_response_length
+    n: int  # actor_rollout_ref.rollout.n
+    generation_batch_tokens: int  # actor_rollout_ref.rollout.generation_batch_tokens
+    training: MicroBatching
+    """The actor's micro-batches (``resolve.micro_batching``): the training estimate's budget and fixed size."""
+    mini_batch: int
+    """Sequences per optimizer step (``resolve.mini_batch_sequences``)."""
+    recorded: dict[str, Any]
+    """Each of ``CONFIG_KEYS`` with its value, as pack/summary.json records them."""
+
+
+def pack_settings(cfg: RLHFConfig) -> PackSettings:
+    data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
+    return PackSettings(
+        seed=data.seed, shuffle=data.shuffle, train_batch_size=data.train_batch_size,
+        max_response_length=data.max_response_length, n=rollout.n,
+        generation_batch_tokens=rollout.generation_batch_tokens, training=micro_batching(cfg, "actor"),
+        mini_batch=mini_batch_sequences(cfg, "actor"),
+        recorded={key: functools.reduce(getattr, key.split("."), cfg) for key in CONFIG_KEYS})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -160,21 +190,21 @@ def _padded_slots(lengths: list[int], batches: list[list[int]]) -> int:
     return sum(len(b) * max((lengths[i] for i in b), default=0) for b in batches)
 
 
-def training_stats(lengths: list[int], plans: list[SlotPlan], cfg: RLHFConfig, seed: int) -> dict[str, float]:
+def training_stats(lengths: list[int], plans: list[SlotPlan], settings: PackSettings) -> dict[str, float]:
     """Training micro-batches per epoch, every sequence at prompt + max response length, split per
     mini-batch: budget packing (use_dynamic_bsz) vs fixed micro-batches padded to their longest
     (use_dynamic_bsz=False, sequences in shuffled order). With use_dynamic_bsz off and a budget
     smaller than the longest sequence, the budget what-if is left out rather than failing."""
-    n = cfg.actor_rollout_ref.rollout.n
-    batching = micro_batching(cfg, "actor")
+    n, max_response_length = settings.n, settings.max_response_length
+    batching = settings.training
     budget, fixed = batching.token_budget, batching.micro_batch_size
-    mini = mini_batch_sequences(cfg, "actor")  # sequences per optimizer step
-    longest = max(lengths, default=0) + cfg.data.max_response_length
+    mini = settings.mini_batch  # sequences per optimizer step
+    longest = max(lengths, default=0) + max_response_length
     with_budget = batching.use_dynamic_bsz or longest <= budget
-    rng = random.Random(f"pack-baseline:{seed}")
+    rng = random.Random(f"pack-baseline:{settings.seed}")
     real = bins_count = padded = fixed_count = fixed_padded = 0
     for plan in plans:
-        seqs = [lengths[i] + cfg.data.max_response_length for i in plan.prompts for _ in range(n)]
+        seqs = [lengths[i] + max_response_length for i in plan.prompts for _ in range(n)]
         for s in range(0, len(seqs), mini):
             part = seqs[s:s + mini]
             real += sum(part)
@@ -228,38 +258,38 @@ def batches_table(ids: list[str], lengths: list[int], plans: list[SlotPlan]) -> 
     return pa.Table.from_pylist(rows, schema=GENERATION_BATCHES)
 
 
-def _summary_lines(num_prompts: int, plans: list[SlotPlan], metrics: dict[str, float], cfg: RLHFConfig) -> list[str]:
+def _summary_lines(num_prompts: int, plans: list[SlotPlan], metrics: dict[str, float],
+                   settings: PackSettings) -> list[str]:
     m = metrics
     sizes = sorted({len(p.prompts) for p in plans})
     return [
         f"pack: {num_prompts} prompts → {len(plans)} slots per epoch of {'/'.join(map(str, sizes))} prompts "
         f"→ {int(m['pack/generation_batches'])} generation batches "
         f"({m['pack/generation_prompts_per_batch']:.1f} prompts each, "
-        f"budget {cfg.actor_rollout_ref.rollout.generation_batch_tokens} tokens)",
+        f"budget {settings.generation_batch_tokens} tokens)",
         f"generation prompt padding: {m['pack/generation_prompt_efficiency']:.1%} real tokens grouped by length "
         f"vs {m['pack/generation_prompt_efficiency_random']:.1%} for random batches of the same count; "
         f"budget fill {m['pack/generation_budget_fill']:.1%}",
-        _training_line(m, cfg),
+        _training_line(m, settings.training),
     ]
 
 
-def _epochs_line(num_prompts: int, epochs: int, first_epoch: list[SlotPlan], cfg: RLHFConfig) -> str:
+def _epochs_line(num_prompts: int, epochs: int, first_epoch: list[SlotPlan], shuffle: bool) -> str:
     used = sum(len(p.prompts) for p in first_epoch)
-    order = "a seeded order per epoch" if cfg.data.shuffle else "the prompts table's order (data.shuffle=false)"
+    order = "a seeded order per epoch" if shuffle else "the prompts table's order (data.shuffle=false)"
     return (f"epochs: {len(first_epoch)} iterations each, {num_prompts - used} prompts sit each epoch out "
             f"(verl's drop_last); {epochs} epoch(s) planned, {order}")
 
 
-def _training_line(m: dict[str, float], cfg: RLHFConfig) -> str:
-    actor = cfg.actor_rollout_ref.actor
+def _training_line(m: dict[str, float], batching: MicroBatching) -> str:
     fixed = (f"{int(m['pack/train_fixed_micro_batches'])} fixed micro-batches of "
-             f"{micro_batching(cfg, 'actor').micro_batch_size} padded to their longest: "
+             f"{batching.micro_batch_size} padded to their longest: "
              f"{m['pack/train_fixed_pad_efficiency']:.1%}")
     if "pack/train_micro_batches" not in m:
         return (f"training (every response at max length): {fixed}; no budget estimate (use_dynamic_bsz off and "
-                f"ppo_max_token_len_per_gpu={actor.ppo_max_token_len_per_gpu} below the longest sequence)")
+                f"ppo_max_token_len_per_gpu={batching.token_budget} below the longest sequence)")
     return (f"training (every response at max length): {int(m['pack/train_micro_batches'])} micro-batches of "
-            f"≤{actor.ppo_max_token_len_per_gpu} tokens, budget fill {m['pack/train_budget_fill']:.1%} "
+            f"≤{batching.token_budget} tokens, budget fill {m['pack/train_budget_fill']:.1%} "
             f"(padded per bin: {m['pack/train_padded_bins_efficiency']:.1%}) vs {fixed}")
 
 
@@ -275,26 +305,27 @@ def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, forc
         raise DataError(f"{run.train_prompts} not found; run `rlhf stage preprocess --run-dir {run.root}` first")
 
     def body() -> StageResult:
-        data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
+        settings = pack_settings(cfg)
         ids, lengths = read_prompt_lengths(run)
-        slots, per_epoch = plan_epochs(ids, data.train_batch_size, data.seed, data.shuffle)
-        plans = plan_slots(lengths, slots, data.max_response_length, rollout.n, rollout.generation_batch_tokens)
+        slots, per_epoch = plan_epochs(ids, settings.train_batch_size, settings.seed, settings.shuffle)
+        plans = plan_slots(lengths, slots, settings.max_response_length, settings.n, settings.generation_batch_tokens)
         for p in plans:
             assert sorted(i for b in p.batches for i in b) == sorted(p.prompts), "a slot's prompts, each batched once"
         first_epoch = plans[:per_epoch]
-        metrics = generation_stats(lengths, first_epoch, data.max_response_length, rollout.n,
-                                   rollout.generation_batch_tokens, data.seed)
-        metrics.update(training_stats(lengths, first_epoch, cfg, data.seed))
+        metrics = generation_stats(lengths, first_epoch, settings.max_response_length, settings.n,
+                                   settings.generation_batch_tokens, settings.seed)
+        metrics.update(training_stats(lengths, first_epoch, settings))
         table = batches_table(ids, lengths, plans)
         atomic_write_parquet(run.generation_batches, table, schema=GENERATION_BATCHES)
         summary_path = run.pack_summary
         epochs = len(plans) // max(per_epoch, 1)
-        lines = [*_summary_lines(len(ids), first_epoch, metrics, cfg), _epochs_line(len(ids), epochs, first_epoch, cfg)]
+        lines = [*_summary_lines(len(ids), first_epoch, metrics, settings),
+                 _epochs_line(len(ids), epochs, first_epoch, settings.shuffle)]
         atomic_write_json(summary_path, {
             "prompts": len(ids), "slots_per_epoch": per_epoch, "epochs_planned": epochs, "slots_planned": len(plans),
             "generation_batches": table.num_rows,
             "slot_sizes": [len(p.prompts) for p in plans], "batches_per_slot": [len(p.batches) for p in plans],
-            "config": {key: _config_value(cfg, key) for key in CONFIG_KEYS}, "metrics": metrics, "summary": lines,
+            "config": settings.recorded, "metrics": metrics, "summary": lines,
         })
         return StageResult(
             stage="pack", iteration=None,
@@ -307,10 +338,3 @@ def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, forc
 
     return execute_stage(stage="pack", cfg=cfg, run=run, iteration=None, inputs=[run.train_prompts],
                          config_sections=config_sections(cfg), body=body, force=force)
-
-
-def _config_value(cfg: RLHFConfig, dotted: str):
-    value = cfg
-    for part in dotted.split("."):
-        value = getattr(value, part)
-    return value
