@@ -14,8 +14,9 @@ back) is ``rlhf_core.run.lifecycle.settle``.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import pyarrow.parquet as pq
 import torch
@@ -29,10 +30,13 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import nonfinite_update, shown_apart
 from rlhf_core.run.models import reference_path
 from rlhf_core.scoring import ref_states
-from rlhf_core.scoring.policy_kl import actor_ref_kl, actor_sampled_log_probs, importance_weighted_kl, response_kl
+from rlhf_core.rollout.generate import GenerationSettings
+from rlhf_core.scoring.policy_kl import (
+    KLPassSettings, actor_ref_kl, actor_sampled_log_probs, importance_weighted_kl, response_kl,
+)
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
-from rlhf_core.stages.settings import kl_pass
+from rlhf_core.stages.settings import generation, kl_pass
 from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
 from rlhf_core.training import flops
 from rlhf_core.training.resident import ensure_state
@@ -43,6 +47,41 @@ GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts
                   # the scoring dtype, and the log-prob budgets' fall-back (``resolve.micro_batching``)
                   "actor_rollout_ref.actor.deepspeed_config.dtype", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                   "actor_rollout_ref.actor.use_dynamic_bsz")
+
+
+@dataclass(frozen=True)
+class GuardSettings:
+    """What the guard's measurement and verdict read of a config, built once per guard (``guard_settings``)."""
+
+    threshold: float
+    """trainer.kl_rollback_threshold."""
+    estimator: str
+    """trainer.kl_guard_estimator: "sampled" for the one-pass estimate, else the exact per-token KL."""
+    kl: KLPassSettings
+    reference: Optional[Path]
+    """The reference policy (``run.models.reference_path``); None when nothing measures against it (the
+    sampled estimator with no validation-prompt check)."""
+    val_prompts: int
+    """trainer.kl_guard_val_prompts: how many validation prompts the on-policy check samples."""
+    validation: Optional[GenerationSettings]
+    """Their generation; None when the check is off or the run has no validation set."""
+    processes: Callable[[int], int]
+    """How many processes a pass over n sequences is dealt to; 0: this one (``ranks.share_processes``)."""
+    on_ranks: Callable[[int], list]
+    """``guard_share`` on that many processes, each rank's arrays (``ranks.run_on_ranks``)."""
+
+
+def guard_settings(cfg: RLHFConfig, run: RunDir, k: int) -> GuardSettings:
+    """The guard's settings for iteration ``k`` of ``run``: the validation prompts' generation and the
+    reference are resolved only when the guard measures with them, the process counts when asked for."""
+    estimator, n = cfg.trainer.kl_guard_estimator, cfg.trainer.kl_guard_val_prompts
+    validation = generation(cfg) if n > 0 and run.val_prompts.is_file() else None
+    return GuardSettings(
+        threshold=cfg.trainer.kl_rollback_threshold, estimator=estimator, kl=kl_pass(cfg),
+        reference=reference_path(cfg) if estimator != "sampled" or validation is not None else None,
+        val_prompts=n, validation=validation,
+        processes=lambda items: share_processes(cfg, run, items),
+        on_ranks=lambda world: run_on_ranks(cfg, run, k, "guard", world))
 
 
 def load_scored_sequences(path: Path, *columns: str) -> tuple:
@@ -58,7 +97,7 @@ def load_scored_sequences(path: Path, *columns: str) -> tuple:
     return ([prompts[i] + responses[i] for i in keep], [len(prompts[i]) for i in keep], *lists)
 
 
-def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] = None) -> dict[str, float]:
+def measure_kl(settings: GuardSettings, run: RunDir, k: int, actor_dir: Optional[Path] = None) -> dict[str, float]:
     """KL(new actor ‖ ref) over iteration ``k``'s scored responses (see ``token_kl``, ``response_kl``).
 
     ``actor_dir`` defaults to the iteration's freshly trained actor (iter_k/checkpoint/actor).
@@ -67,27 +106,27 @@ def measure_kl(cfg: RLHFConfig, run: RunDir, k: int, actor_dir: Optional[Path] =
     if not actor_dir.is_dir() and not live.available(actor_dir):
         raise CheckpointError(f"no trained actor at {actor_dir}: run `rlhf stage update --run-dir {run.root} "
                               f"--iteration {k}` before the guard")
-    if cfg.trainer.kl_guard_estimator == "sampled":  # one actor pass, against the stored log-probs
+    if settings.estimator == "sampled":  # one actor pass, against the stored log-probs
         sequences, prompt_lengths, ref_log_probs, old_log_probs = load_scored_sequences(
             run.scored(k), "ref_log_probs", "old_log_probs")
-        sampled = actor_sampled_log_probs(kl_pass(cfg), actor_dir, sequences, prompt_lengths)
+        sampled = actor_sampled_log_probs(settings.kl, actor_dir, sequences, prompt_lengths)
         kls = importance_weighted_kl(sampled, old_log_probs, ref_log_probs)
         k1 = [[a - b for a, b in zip(new.tolist(), ref)] for new, ref in zip(sampled, ref_log_probs)]
         return {**response_kl(kls, k1), "estimator": "sampled"}
     sequences, prompt_lengths, ref_log_probs = load_scored_sequences(run.scored(k))
-    world = share_processes(cfg, run, len(sequences))
+    world = settings.processes(len(sequences))
     if world and actor_dir == run.checkpoint(k) / "actor":
         # each process measures its micro-batches of the one-process plan: the same values, bit for bit
-        shares = run_on_ranks(cfg, run, k, "guard", world)
+        shares = settings.on_ranks(world)
         kls = [torch.tensor(v, dtype=torch.float32) for v in merge_shares(shares, "kl", len(sequences))]
         sampled = [torch.tensor(v, dtype=torch.float32) for v in merge_shares(shares, "sampled", len(sequences))]
     else:
-        kls, sampled = actor_ref_kl(kl_pass(cfg), actor_dir, reference_path(cfg), sequences, prompt_lengths)
+        kls, sampled = actor_ref_kl(settings.kl, actor_dir, settings.reference, sequences, prompt_lengths)
     k1 = [[a - b for a, b in zip(new.tolist(), old)] for new, old in zip(sampled, ref_log_probs)]
     return response_kl(kls, k1)
 
 
-def guard_floor(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
+def guard_floor(settings: GuardSettings, run: RunDir, k: int) -> dict[str, float]:
     """The model FLOPs of ``measure_kl``'s passes over iteration ``k``'s responses — the new actor's
     forward, and for the exact measure the reference's forward or, on the states the score stage kept
     (``scoring.ref_states``), only its LM head — and their floor (``training.flops``); whether the
@@ -98,19 +137,18 @@ def guard_floor(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
     actor = flops.model_shape(run.checkpoint(k) / "actor")
     if actor is None:
         return {}
-    total, out = flops.forward_flops(actor, lengths, positions), {}
-    settings = kl_pass(cfg)
-    if cfg.trainer.kl_guard_estimator != "sampled":
-        reference = flops.model_shape(reference_path(cfg))
+    total, out, kl = flops.forward_flops(actor, lengths, positions), {}, settings.kl
+    if settings.estimator != "sampled":
+        reference = flops.model_shape(settings.reference)
         if reference is None:
             return {}
-        kept = not share_processes(cfg, run, len(sequences)) and ref_states.lookup(
-            reference_path(cfg), settings.dtype, settings.attention, sequences, prompt_lengths) is not None
+        kept = not settings.processes(len(sequences)) and ref_states.lookup(
+            settings.reference, kl.dtype, kl.attention, sequences, prompt_lengths) is not None
         total += (2.0 * reference.hidden_size * reference.vocab_size * positions if kept
                   else flops.forward_flops(reference, lengths, positions))
         out["perf/guard_reference_states_kept"] = float(kept)
-    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[settings.dtype]
-    return {**out, **flops.floor_metrics("guard", total, settings.device.type, dtype)}
+    dtype = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[kl.dtype]
+    return {**out, **flops.floor_metrics("guard", total, kl.device.type, dtype)}
 
 
 def decide(kl: float, threshold: float) -> str:
@@ -132,13 +170,14 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
     if iteration is None:
         raise ValueError("the guard stage needs an iteration")
     k = iteration
-    threshold = cfg.trainer.kl_rollback_threshold
 
     def body() -> StageResult:
         ensure_state(cfg, run, k)  # the new actor: held in memory, on disk, or rebuilt now
-        kl = measure_kl(cfg, run, k)
+        settings = guard_settings(cfg, run, k)
+        threshold = settings.threshold
+        kl = measure_kl(settings, run, k)
         verdict = {"iteration": k, "threshold": threshold, **kl}
-        val = measure_val_kl(cfg, run, k)
+        val = measure_val_kl(settings, run, k)
         verdict.update(val)
         guarded = max(kl["kl_mean"], val.get("val_kl_mean", float("-inf")))
         verdict["decision"] = decide(guarded, threshold)
@@ -150,7 +189,7 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         metrics["guard/breach"] = float(verdict["decision"] == "rollback")
         metrics["guard/nonfinite_update"] = float(nonfinite is not None)
         metrics["guard/threshold"] = float(threshold)
-        metrics.update(guard_floor(cfg, run, k))
+        metrics.update(guard_floor(settings, run, k))
         shown, bound = shown_apart(guarded, threshold)
         estimate = " (sampled estimate)" if kl.get("estimator") == "sampled" else ""
         line = (f"KL(actor‖ref) per-token mean{estimate} {shown}{' (validation prompts)' if guarded > kl['kl_mean'] else ''} "
@@ -165,14 +204,14 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
                          config_sections=config_sections(cfg), body=body, force=force)
 
 
-def measure_val_kl(cfg: RLHFConfig, run: RunDir, k: int) -> dict[str, float]:
+def measure_val_kl(settings: GuardSettings, run: RunDir, k: int) -> dict[str, float]:
     """On-policy KL on validation prompts (trainer.kl_guard_val_prompts > 0): responses sampled from
     the new actor, scored under it and under the reference. {} when switched off or no val set."""
-    n = cfg.trainer.kl_guard_val_prompts
-    if n <= 0 or not run.val_prompts.is_file():
+    if settings.validation is None:
         return {}
-    samples = sample_val_responses(cfg, run, run.checkpoint(k) / "actor", limit=n, seed_offset=k)
-    return val_kl_from_samples(cfg, samples, run.checkpoint(k) / "actor")
+    samples = sample_val_responses(settings.validation, run, run.checkpoint(k) / "actor", limit=settings.val_prompts,
+                                   seed_offset=k)
+    return val_kl_from_samples(settings.kl, settings.reference, samples, run.checkpoint(k) / "actor")
 
 
 def guard_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:

@@ -24,22 +24,23 @@ import dataclasses
 import json
 import sys
 from collections import defaultdict
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.schema import CustomRewardConfig
 from rlhf_core.data.packing import Share
 from rlhf_core.data.schemas import VALIDATION
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import policy_after
-from rlhf_core.run.models import initial_actor_path, reference_path
-from rlhf_core.scoring.policy_kl import actor_ref_kl, response_kl
+from rlhf_core.run.models import initial_actor_path
+from rlhf_core.scoring.policy_kl import KLPassSettings, actor_ref_kl, response_kl
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.rewards import normalize_result, reward_function
 from rlhf_core.rewards.registry import routing_value
@@ -50,7 +51,7 @@ from rlhf_core.rollout.generate import (
 )
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, run_on_ranks, write_share
-from rlhf_core.stages.settings import generation, kl_pass
+from rlhf_core.stages.settings import generation
 from rlhf_core.training.resident import ensure_state
 
 
@@ -64,28 +65,50 @@ CORRECT_AT = 1.0
 """A response counts as correct when its reward is at least this (the rule-based score of a right answer)."""
 
 
-def validation_actor(cfg: RLHFConfig, run: RunDir, k: int) -> Path:
+@dataclass(frozen=True)
+class ValidationSettings:
+    """What validation reads of a config, built once per validation (``validation_settings``)."""
+
+    generation: GenerationSettings
+    reward_function: CustomRewardConfig
+    reward_fn_key: str
+    """data.reward_fn_key: the column that routes a prompt to its reward function (``routing_value``)."""
+    processes: Callable[[int], int]
+    """How many processes a generation of n batches is dealt to; 0: this one (``ranks.generation_processes``)."""
+    on_ranks: Callable[[int], list]
+    """``validate_share`` on that many processes, each rank's arrays (``ranks.run_on_ranks``)."""
+
+
+def validation_settings(cfg: RLHFConfig, run: RunDir, k: int) -> ValidationSettings:
+    """Validation's settings for iteration ``k`` of ``run``; the process counts are read when asked for."""
+    return ValidationSettings(
+        generation=generation(cfg), reward_function=cfg.custom_reward_function, reward_fn_key=cfg.data.reward_fn_key,
+        processes=lambda batches: generation_processes(cfg, run, batches),
+        on_ranks=lambda world: run_on_ranks(cfg, run, k, "validate", world))
+
+
+def validation_actor(run: RunDir, k: int) -> Optional[Path]:
     """The actor validated after step ``k``: the policy as it was after k (the latest commit at or
-    before k; the initial model for k = 0), whatever was committed since. A rolled-back iteration
-    validates the policy that survived it."""
+    before k), whatever was committed since; None before any commit — the initial model
+    (``run.models.initial_actor_path``). A rolled-back iteration validates the policy that survived it."""
     ckpt = policy_after(run, k)
-    return ckpt / "actor" if ckpt else initial_actor_path(cfg)
+    return ckpt / "actor" if ckpt else None
 
 
-def sample_val_responses(cfg: RLHFConfig, run: RunDir, actor_dir: Path, limit: Optional[int] = None,
+def sample_val_responses(gen: GenerationSettings, run: RunDir, actor_dir: Path, limit: Optional[int] = None,
                          seed_offset: Any = "validation", sampling: Optional[SamplingParams] = None,
                          share: Optional[Share] = None) -> tuple[list[dict], list]:
     """(prompt rows, GeneratedSamples) on the first ``limit`` validation prompts. ``sampling``
     defaults to one response per prompt at the training rollout's settings (the guard's on-policy
     check); validation passes its val_kwargs sampling. ``share``: only that process's generation
     batches (``generate_responses``)."""
-    rows, gen = _val_rows(cfg, run, limit), generation(cfg)
+    rows = _val_rows(run, limit)
     samples, _ = generate_responses(gen, actor_dir, rows, _val_sampling(gen, seed_offset, sampling),
                                     desc="validation", share=share)
     return rows, samples
 
 
-def _val_rows(cfg: RLHFConfig, run: RunDir, limit: Optional[int] = None) -> list[dict]:
+def _val_rows(run: RunDir, limit: Optional[int] = None) -> list[dict]:
     with timed(TABLE_READ):
         rows = read_prompt_rows(run.val_prompts, columns=PROMPT_COLUMNS)
     return rows[:limit] if limit else rows
@@ -96,31 +119,32 @@ def _val_sampling(gen: GenerationSettings, seed_offset: Any, sampling: Optional[
     return replace(sampling or replace(train_sampling(gen, seed=seed), n=1), seed=seed)
 
 
-def validation_samples(cfg: RLHFConfig, run: RunDir, k: int, actor: Path) -> tuple[list[dict], list]:
-    """``sample_val_responses`` at val_kwargs sampling, on ``generation_processes`` local processes
+def validation_samples(settings: ValidationSettings, run: RunDir, actor: Path) -> tuple[list[dict], list]:
+    """``sample_val_responses`` at val_kwargs sampling, on ``settings.processes`` local processes
     (hf: each its share of the generation batches; vLLM: each engine its share of the prompts; all
     seeded as in one process)."""
-    gen = generation(cfg)
+    gen = settings.generation
     sampling = validation_sampling(gen, seed=0)  # seed set from rollout.seed by _val_sampling
-    if generation_processes(cfg, run, sys.maxsize):
-        rows, seeded = _val_rows(cfg, run), _val_sampling(gen, "validation", sampling)
+    if settings.processes(sys.maxsize):
+        rows, seeded = _val_rows(run), _val_sampling(gen, "validation", sampling)
         plan = generation_plan(gen.rollout, rows, seeded)
-        world = generation_processes(cfg, run, len(plan))
+        world = settings.processes(len(plan))
         if world and generation_engine(gen.rollout) == "vllm":
-            shares = run_on_ranks(cfg, run, k, "validate", world)
+            shares = settings.on_ranks(world)
             return rows, merge_engine_samples(shares, [i for batch in plan for i in batch])
         if world:
-            shares = run_on_ranks(cfg, run, k, "validate", world)
+            shares = settings.on_ranks(world)
             return rows, merge_samples(shares, plan, rows, seeded)
-    return sample_val_responses(cfg, run, actor, sampling=sampling)
+    return sample_val_responses(gen, run, actor, sampling=sampling)
 
 
-def score_samples(cfg: RLHFConfig, rows: list[dict], samples: list) -> tuple[list[float], list[dict]]:
+def score_samples(reward: CustomRewardConfig, key: str, rows: list[dict],
+                  samples: list) -> tuple[list[float], list[dict]]:
     """(score, the reward function's extra values) per sample, with the call the score stage makes
-    (routed by ``routing_value``, verl's extra_info passed), as verl's val reward does."""
-    key = cfg.data.reward_fn_key
+    (routed by ``routing_value`` on column ``key``, data.reward_fn_key; verl's extra_info passed), as
+    verl's val reward does."""
     scores, extras = [], []
-    with reward_function(cfg.custom_reward_function) as reward_fn:  # custom_reward_function.path: its own process
+    with reward_function(reward) as reward_fn:  # custom_reward_function.path: its own process
         for s in samples:
             row = rows[s.prompt_index]
             where = f"validation prompt {row['prompt_id']}"
@@ -214,13 +238,14 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
     if iteration is None:
         raise ValueError("the validate stage needs an iteration (the actor after that iteration is validated)")
     k = iteration
-    actor = validation_actor(cfg, run, k)
+    actor = validation_actor(run, k) or initial_actor_path(cfg)
 
     def body() -> StageResult:
         ensure_state(cfg, run, run.checkpoint_iteration(actor))  # held in memory, on disk, or rebuilt now
-        sampling = validation_sampling(generation(cfg), seed=0)
-        rows, samples = validation_samples(cfg, run, k, actor)
-        scores, extras = score_samples(cfg, rows, samples)
+        settings = validation_settings(cfg, run, k)
+        sampling = validation_sampling(settings.generation, seed=0)
+        rows, samples = validation_samples(settings, run, actor)
+        scores, extras = score_samples(settings.reward_function, settings.reward_fn_key, rows, samples)
         table = pa.Table.from_pylist([{
             "iteration": k, "prompt_id": rows[s.prompt_index]["prompt_id"], "sample_index": s.sample_index,
             "data_source": rows[s.prompt_index].get("data_source"),
@@ -249,20 +274,22 @@ def _our_metrics(rows: list[dict], samples: list, scores: list[float]) -> dict[s
             "val/num_prompts": float(len(rows)), "val/num_responses": float(len(scores))}
 
 
-def val_kl_from_samples(cfg: RLHFConfig, samples: tuple[list[dict], list], actor_dir: Path) -> dict[str, float]:
+def val_kl_from_samples(kl: KLPassSettings, reference: Path, samples: tuple[list[dict], list],
+                        actor_dir: Path) -> dict[str, float]:
     """On-policy KL(actor ‖ ref) on responses the actor itself sampled for validation prompts:
     {"val_kl_mean", "val_kl_tokens"} (per-token mean of the exact per-position KL, ``scoring.policy_kl.token_kl``)."""
     rows, generated = samples
     keep = [s for s in generated if s.token_ids]
     sequences = [list(rows[s.prompt_index]["prompt_token_ids"]) + list(s.token_ids) for s in keep]
     prompt_lengths = [len(rows[s.prompt_index]["prompt_token_ids"]) for s in keep]
-    kls, _ = actor_ref_kl(kl_pass(cfg), actor_dir, reference_path(cfg), sequences, prompt_lengths)
-    kl = response_kl(kls)
-    return {"val_kl_mean": kl["kl_mean"], "val_kl_tokens": float(kl["num_tokens"])}
+    kls, _ = actor_ref_kl(kl, actor_dir, reference, sequences, prompt_lengths)
+    measured = response_kl(kls)
+    return {"val_kl_mean": measured["kl_mean"], "val_kl_tokens": float(measured["num_tokens"])}
 
 
 def validate_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
     """This rank's generation batches of validation (HF engine), seeded as in one process."""
-    _, samples = sample_val_responses(cfg, run, validation_actor(cfg, run, iteration),
-                                      sampling=validation_sampling(generation(cfg), seed=0), share=(rank, world))
+    actor = validation_actor(run, iteration) or initial_actor_path(cfg)
+    gen = generation(cfg)
+    _, samples = sample_val_responses(gen, run, actor, sampling=validation_sampling(gen, seed=0), share=(rank, world))
     write_share(out, {}, samples=json.dumps([dataclasses.asdict(s) for s in samples]))

@@ -201,4 +201,5 @@ def test_validation_names_the_prompt_whose_reward_function_called_sys_exit(tmp_p
     rows = [{"prompt_id": "p7", "data_source": "arith", "reward_source": "arith", "reward_model": {"ground_truth": "1"}}]
     with pytest.raises(DataError, match=r"^validation prompt p7: the reward function 'compute_score' of .*leaving.py "
                                         r"called sys.exit\(3\)"):
-        score_samples(cfg, rows, [SimpleNamespace(prompt_index=0, text="#### 1")])
+        score_samples(cfg.custom_reward_function, cfg.data.reward_fn_key, rows,
+                      [SimpleNamespace(prompt_index=0, text="#### 1")])

@@ -24,6 +24,11 @@ def _cfg(model_dir, *extra):
                               *extra])
 
 
+def _measure_kl(cfg, run):
+    """Iteration 1's KL, measured with the settings the guard builds from ``cfg``."""
+    return guard.measure_kl(guard.guard_settings(cfg, run, 1), run, 1)
+
+
 def _sequences(n=6, seed=0):
     g = torch.Generator().manual_seed(seed)
     seqs, plens = [], []
@@ -175,8 +180,8 @@ def test_guard_on_two_processes_measures_the_one_process_kl(tmp_path, tiny_model
     the KL metrics are the one-process metrics bit for bit."""
     run = _scored_run(tmp_path, tiny_model_dir, actor_scale=0.5)
     budget = ["actor_rollout_ref.ref.log_prob_max_token_len_per_gpu=32"]  # several micro-batches
-    one = guard.measure_kl(_cfg(tiny_model_dir, *budget), run, 1)
-    two = guard.measure_kl(_cfg(tiny_model_dir, *budget, "trainer.stage_processes=2"), run, 1)
+    one = _measure_kl(_cfg(tiny_model_dir, *budget), run)
+    two = _measure_kl(_cfg(tiny_model_dir, *budget, "trainer.stage_processes=2"), run)
     assert one["kl_mean"] > 0 and two == one
     assert not run.stage_ranks_dir(1, "guard").exists()
 
@@ -202,11 +207,12 @@ def _val_prompts(run, tokenizer_dir, n=3):
 def test_guard_on_validation_prompts_samples_from_the_new_actor(tmp_path, tiny_model_dir):
     run = _scored_run(tmp_path, tiny_model_dir, actor_scale=2.0)
     _val_prompts(run, tiny_model_dir)
-    off = _cfg(tiny_model_dir, "data.max_response_length=8")
-    assert guard.measure_val_kl(off, run, 1) == {}  # trainer.kl_guard_val_prompts=0: no generation
+    off = guard.guard_settings(_cfg(tiny_model_dir, "data.max_response_length=8"), run, 1)
+    assert off.validation is None  # trainer.kl_guard_val_prompts=0: no generation
+    assert guard.measure_val_kl(off, run, 1) == {}
     cfg = _cfg(tiny_model_dir, "data.max_response_length=8", "trainer.kl_guard_val_prompts=2",
                "trainer.kl_rollback_threshold=1000", "trainer.device=cpu")
-    val = guard.measure_val_kl(cfg, run, 1)
+    val = guard.measure_val_kl(guard.guard_settings(cfg, run, 1), run, 1)
     assert val["val_kl_mean"] > 0 and 2 <= val["val_kl_tokens"] <= 16
     guard.run_guard(cfg, run, 1)
     verdict = lifecycle.read_verdict(run, 1)
@@ -265,8 +271,8 @@ def _sampled_run(tmp_path, tiny_model_dir, actor_scale, n=48, new_tokens=12):
 
 def test_the_sampled_guard_estimates_the_exact_kl_and_still_rolls_back(tmp_path, tiny_model_dir):
     run = _sampled_run(tmp_path, tiny_model_dir, actor_scale=1.0)
-    exact = guard.measure_kl(_cfg(tiny_model_dir), run, 1)
-    sampled = guard.measure_kl(_cfg(tiny_model_dir, "trainer.kl_guard_estimator=sampled"), run, 1)
+    exact = _measure_kl(_cfg(tiny_model_dir), run)
+    sampled = _measure_kl(_cfg(tiny_model_dir, "trainer.kl_guard_estimator=sampled"), run)
     assert sampled["estimator"] == "sampled" and sampled["num_tokens"] == exact["num_tokens"]
     assert exact["kl_mean"] > 0.01
     assert sampled["kl_mean"] == pytest.approx(exact["kl_mean"], rel=0.25)  # one draw per position, 500+ tokens
@@ -281,7 +287,7 @@ def test_the_sampled_guard_estimates_the_exact_kl_and_still_rolls_back(tmp_path,
 
 def test_the_sampled_guard_measures_zero_for_an_unchanged_actor(tmp_path, tiny_model_dir):
     run = _sampled_run(tmp_path, tiny_model_dir, actor_scale=0.0, n=6)
-    kl = guard.measure_kl(_cfg(tiny_model_dir, "trainer.kl_guard_estimator=sampled"), run, 1)
+    kl = _measure_kl(_cfg(tiny_model_dir, "trainer.kl_guard_estimator=sampled"), run)
     assert kl["kl_mean"] == pytest.approx(0.0, abs=1e-6) and kl["kl_max"] == pytest.approx(0.0, abs=1e-6)
 
 
