@@ -77,13 +77,13 @@ def _time(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def _split(cfg, rows: list[dict], repeats: int) -> tuple[float, float]:
+def _split(settings: score.RewardSettings, rows: list[dict], repeats: int) -> tuple[float, float]:
     """(median start of the function's process, median time of its calls on ``rows``), measured in the
     same repetitions: the start is the import of the user's module in a fresh child."""
     starts, calls = [], []
     for _ in range(repeats):
         started = time.perf_counter()
-        fn = registry.UserReward(cfg.custom_reward_function)
+        fn = registry.UserReward(settings.reward_function)
         ready = time.perf_counter()
         for r in rows:
             fn(r["reward_source"], r["response_text"], r["ground_truth"], r["extra_info"])
@@ -104,8 +104,9 @@ def main() -> None:
     sys.path.insert(0, str(work))
     import my_reward  # noqa: PLC0415  the user's module, in this process for the in-process way
 
-    demo = load_config(REPO / "configs" / "demo.yaml", [])
-    custom = load_config(REPO / "configs" / "demo.yaml", [f"custom_reward_function.path={user_file}"])
+    demo = score.reward_settings(load_config(REPO / "configs" / "demo.yaml", []))
+    custom = score.reward_settings(load_config(REPO / "configs" / "demo.yaml",
+                                               [f"custom_reward_function.path={user_file}"]))
     where = work / "rollout.parquet"
     print(f"{'rows':>5} {'built-in':>10} {'in-process':>11} {'own process':>12} {'(start':>8} {'calls)':>8} "
           f"{'per call':>9} {'ratio':>6}  identical")

@@ -33,7 +33,7 @@ import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -44,8 +44,9 @@ from rlhf_core.algos import estimator_takes
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.resolve import (
     MicroBatching, critic_use_remove_padding, critic_value_batching, frozen_param_offload, micro_batching,
-    needs_baseline_rollout, update_world_size,
+    needs_baseline_rollout, role_model_key, update_world_size,
 )
+from rlhf_core.config.schema import CustomRewardConfig, OverlongBufferConfig
 from rlhf_core.data.schemas import ROLLOUT, SCORED
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet
@@ -69,9 +70,9 @@ from rlhf_core.data.packing import Share
 from rlhf_core.scoring import ref_states
 from rlhf_core.scoring.models import load_tokenizer, reference_policy, release
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.stages.settings import actor_dtype
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
 from rlhf_core.training import flops
+from rlhf_core.training.ds_config import role_dtype
 from rlhf_core.training.resident import ensure_state
 
 CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
@@ -117,6 +118,127 @@ def model_paths(cfg: RLHFConfig, run: RunDir, iteration: int) -> ModelPaths:
                       critic=critic_path(cfg, run, iteration), reward_model=rm, rm_input_tokenizer=rm_tokenizer)
 
 
+@dataclass(frozen=True)
+class RewardModelSettings:
+    """How the reward model scores (reward_model.enable)."""
+
+    device: torch.device
+    batching: MicroBatching
+    """reward_model's micro-batching over the update's world (``micro_batching``)."""
+    offload: bool
+    """Its weights wait in host memory between passes (``frozen_param_offload``)."""
+    max_length: int
+    """reward_model.max_length, null = data.max_prompt_length + max_response_length: where a re-rendered
+    response is cut (reward_model.model.input_tokenizer)."""
+
+
+@dataclass(frozen=True)
+class RewardSettings:
+    """What a response's sequence reward reads of the config (``reward_settings``): the score stage's
+    rewards, and the rollout's dynamic sampling scores with the same."""
+
+    reward_function: CustomRewardConfig
+    """custom_reward_function: the function (its own process for a path), and the score counted correct."""
+    reward_fn_key: str
+    """data.reward_fn_key: the column that routes a row to its reward function."""
+    overlong: OverlongBufferConfig
+    """reward_model.overlong_buffer (DAPO's overlong penalty, ``rewards.overlong``)."""
+    max_response_length: int
+    reward_model: Optional[RewardModelSettings]
+    """None for rule-based rewards."""
+
+
+def reward_settings(cfg: RLHFConfig) -> RewardSettings:
+    """The rewards' settings; the reward model's keys only read when it scores."""
+    rm, data, model = cfg.reward_model, cfg.data, None
+    if rm.enable:
+        model = RewardModelSettings(
+            device=scoring_device(cfg.trainer.device),
+            batching=micro_batching(cfg, "reward_model", update_world_size(cfg.trainer, _cuda_devices())),
+            offload=frozen_param_offload(cfg, "reward_model"),
+            max_length=rm.max_length or data.max_prompt_length + data.max_response_length)
+    return RewardSettings(reward_function=cfg.custom_reward_function, reward_fn_key=data.reward_fn_key,
+                          overlong=rm.overlong_buffer, max_response_length=data.max_response_length,
+                          reward_model=model)
+
+
+@dataclass(frozen=True)
+class PassPlan:
+    """How one scoring pass cuts its forwards."""
+
+    batching: MicroBatching
+    packed: bool
+    budget_key: str
+
+
+@dataclass(frozen=True)
+class ScoreSettings:
+    """What the score stage's body reads of the config, built once in ``run_score``'s body and in each
+    rank's ``score_share`` (``score_settings``): its helpers take this, not the config."""
+
+    rewards: RewardSettings
+    baseline: bool
+    """Whether the estimator takes reward_baselines (``needs_baseline_rollout``: remax)."""
+    bypass_mode: bool
+    """algorithm.rollout_correction.bypass_mode: the rollout's log-probs are the old policy."""
+    sum_pi_squared: bool
+    """verl's actor.calculate_sum_pi_squared, and always when the estimator reads it (verl refuses to
+    start without the key there; computing it is what the user meant)."""
+    old_log_probs_auto: bool
+    """The config's half of rollout.old_log_probs=auto's rule (``old_from_rollout``: the dtype and the
+    rows complete it)."""
+    device: torch.device
+    """Where the passes run (trainer.device)."""
+    dtype: str
+    """actor.deepspeed_config.dtype, as configured: ``actor_dtype`` resolves it."""
+    model_key: str
+    """The actor's initial model (``role_model_key``), which 'auto' resolves the dtype for."""
+    temperature: float
+    """actor_rollout_ref.rollout.temperature: the passes' log-probs are at the rollout's temperature."""
+    attention: Optional[str]
+    """The actor's attention implementation (the reference's too)."""
+    critic_attention: Optional[str]
+    plans: dict[str, PassPlan]
+    """How each pass cuts its forwards (actor, reference, critic), for the update's world."""
+    ref_offload: bool
+    """The reference's weights wait in host memory between passes (``frozen_param_offload``)."""
+
+    def actor_dtype(self, device: str) -> str:
+        """The actor's training dtype on ``device`` (``stages.settings.actor_dtype``), resolved when a pass
+        asks: resolving 'auto' reads the model, and says the choice once on a CPU."""
+        return role_dtype(self.dtype, self.model_key, device)
+
+
+def score_settings(cfg: RLHFConfig) -> ScoreSettings:
+    """The score stage's settings. Passes: verl's budgets for the three passes — old log-probs
+    (rollout.log_prob_*), reference log-probs (ref.log_prob_*), critic values (critic.forward_*) —
+    packing from use_remove_padding. Old log-probs from the rollout (rollout.old_log_probs=auto): see
+    ``old_from_rollout``."""
+    a, correction = cfg.actor_rollout_ref, cfg.algorithm.rollout_correction
+    r, device = a.rollout, scoring_device(cfg.trainer.device)
+    world = update_world_size(cfg.trainer, _cuda_devices())
+    plans = {
+        "actor": PassPlan(micro_batching(cfg, "rollout", world), a.model.use_remove_padding,
+                          "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
+        "reference": PassPlan(micro_batching(cfg, "ref", world), a.model.use_remove_padding,
+                              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
+        "critic": PassPlan(critic_value_batching(cfg, world), critic_use_remove_padding(cfg),
+                           "critic.forward_max_token_len_per_gpu"),
+    }
+    auto = (r.old_log_probs == "auto" and r.name == "hf" and r.hf_decode == "dynamic"
+            and a.model.lora_rank == 0 and (r.do_sample or r.temperature == 1.0)
+            and r.top_k <= 0 and r.top_p >= 1.0 and correction.rollout_is is None and correction.rollout_rs is None
+            and device.type == "cpu")
+    return ScoreSettings(
+        rewards=reward_settings(cfg), baseline=needs_baseline_rollout(cfg), bypass_mode=correction.bypass_mode,
+        sum_pi_squared=(a.actor.calculate_sum_pi_squared
+                        or estimator_takes(cfg.algorithm.adv_estimator, "sum_pi_squared")),
+        old_log_probs_auto=auto, device=device, dtype=a.actor.deepspeed_config.dtype, model_key=role_model_key(cfg),
+        temperature=r.temperature, attention=a.model.override_config.attn_implementation,
+        critic_attention=cfg.critic.model.override_config.attn_implementation, plans=plans,
+        ref_offload=frozen_param_offload(cfg, "ref"))
+
+
 def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
     """Score iteration ``iteration``'s rollout; skipped when its inputs and config are unchanged."""
     if iteration is None or iteration < 1:
@@ -139,31 +261,37 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
                             f"--iteration {iteration} --force`")
         inputs.append(baseline_path)  # a new baseline table reruns the score stage
 
+    def on_ranks(items: int) -> Optional[list[dict]]:
+        """Every rank's share of the model passes over ``items`` responses; None: run them here."""
+        world = share_processes(cfg, run, items)
+        return run_on_ranks(cfg, run, iteration, "score", world) if world else None
+
     def body() -> StageResult:
         ensure_state(cfg, run, run.checkpoint_iteration(models.actor))  # held in memory, on disk, or rebuilt now
-        return _score(cfg, run, iteration, models)
+        return _score(score_settings(cfg), run, iteration, models, on_ranks)
 
     return execute_stage(stage="score", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
                          config_sections=config_sections(cfg), body=body, force=force)
 
 
-def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> StageResult:
+def _score(settings: ScoreSettings, run: RunDir, iteration: int, models: ModelPaths,
+           on_ranks: Callable[[int], Optional[list[dict]]]) -> StageResult:
     rollout_path = run.rollout(iteration)
     with timed(TABLE_READ):
         scored = pq.read_table(rollout_path)
         rows = scored.to_pylist()
     _check_rollout(scored.column_names, rows, rollout_path)
     started = time.perf_counter()
-    sequence = sequence_rewards(cfg, models, rows, run.train_prompts, rollout_path)
+    sequence = sequence_rewards_of(settings.rewards, models, rows, run.train_prompts, rollout_path)
     reward_seconds = time.perf_counter() - started
     rewards, extras = sequence.scores, sequence.extras
-    baselines = (greedy_baselines(cfg, run, iteration, models, scored.column("uid").to_pylist())
-                 if needs_baseline_rollout(cfg) else [None] * len(rows))
+    baselines = (greedy_baselines(settings.rewards, run, iteration, models, scored.column("uid").to_pylist())
+                 if settings.baseline else [None] * len(rows))
     meter = Throughput()
-    reusable = old_from_rollout(cfg, rows)
-    passes = _passes(cfg, run, iteration, models, rows, meter, reusable)
+    reusable = old_from_rollout(settings, rows)
+    passes = _passes(settings, models, rows, meter, on_ranks, reusable)
     old, ref, values, ref_reused = passes.old_log_probs, passes.ref_log_probs, passes.values, passes.ref_reused
-    from_rollout = cfg.algorithm.rollout_correction.bypass_mode or passes.old_from_rollout
+    from_rollout = settings.bypass_mode or passes.old_from_rollout
     if from_rollout:  # verl's bypass mode, or rollout.old_log_probs=auto: the engine's own are the old policy
         old = _rollout_log_probs(rows, rollout_path)
     _check_lengths(rows, {"old_log_probs": old, "ref_log_probs": ref, "values": values})
@@ -174,12 +302,11 @@ def _score(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths) -> 
         scored = scored.append_column(name, pa.array(column, type=SCORED.field(name).type))
     out = run.scored(iteration)
     atomic_write_parquet(out, scored, schema=SCORED)
-    metrics = score_metrics(cfg, rows, rewards, old, ref, meter, rule_based=models.reward_model is None,
-                            raw=sequence.raw)
+    metrics = score_metrics(settings.rewards.reward_function, rows, rewards, old, ref, meter,
+                            rule_based=models.reward_model is None, raw=sequence.raw)
     # rollout.old_log_probs=auto's choice (bypass mode's loss corrects the gap itself: not counted here)
-    metrics["score/old_log_probs_from_rollout"] = float(passes.old_from_rollout and not
-                                                        cfg.algorithm.rollout_correction.bypass_mode)
-    metrics.update(score_floor(cfg, models, rows, passes))
+    metrics["score/old_log_probs_from_rollout"] = float(passes.old_from_rollout and not settings.bypass_mode)
+    metrics.update(score_floor(settings, models, rows, passes))
     metrics.update(pass_seconds(meter, reward_seconds))
     if baselines[0] is not None:
         metrics["reward/baseline_mean"] = statistics.fmean(baselines)
@@ -249,20 +376,27 @@ class SequenceRewards:
 
 def sequence_rewards(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], prompts_path: Path,
                      where_path: Path) -> SequenceRewards:
+    """``sequence_rewards_of`` with the config's ``reward_settings``: the rollout stage's dynamic sampling
+    (``algorithm.filter_groups``) scores as the score stage does."""
+    return sequence_rewards_of(reward_settings(cfg), models, rows, prompts_path, where_path)
+
+
+def sequence_rewards_of(settings: RewardSettings, models: ModelPaths, rows: list[dict], prompts_path: Path,
+                        where_path: Path) -> SequenceRewards:
     """Every response's sequence reward, as the score stage writes it: shared with the rollout
     stage's dynamic sampling (``algorithm.filter_groups``) and the greedy baseline (remax).
     ``rows`` are rollout-table rows; ``where_path`` names their table in errors."""
     prompts = _prompt_lookup(prompts_path, rows)
     if models.reward_model is not None:
-        scores, extras = _reward_model_scores(cfg, models, rows, prompts)
+        scores, extras = _reward_model_scores(settings.reward_model, models, rows, prompts)
         return SequenceRewards(scores, extras, list(scores), [None] * len(scores))
-    raw, extras, acc = _rule_rewards(cfg, rows, prompts, where_path)
-    scores, extras = shape_scores(cfg.reward_model.overlong_buffer, cfg.data.max_response_length, raw,
+    raw, extras, acc = _rule_rewards(settings, rows, prompts, where_path)
+    scores, extras = shape_scores(settings.overlong, settings.max_response_length, raw,
                                   [r["response_length"] for r in rows], extras)
     return SequenceRewards(scores, extras, raw, acc)
 
 
-def greedy_baselines(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths,
+def greedy_baselines(settings: RewardSettings, run: RunDir, iteration: int, models: ModelPaths,
                      uids: list[str]) -> list[float]:
     """remax's reward_baselines: each row's group's greedy response scored by the same reward
     function (overlong shaping included), summed over the response as verl's sum_reward=True —
@@ -272,7 +406,7 @@ def greedy_baselines(cfg: RLHFConfig, run: RunDir, iteration: int, models: Model
         table = pq.read_table(path)
         rows = table.to_pylist()
     _check_rollout(table.column_names, rows, path)
-    baseline_scores = sequence_rewards(cfg, models, rows, run.train_prompts, path).scores
+    baseline_scores = sequence_rewards_of(settings, models, rows, run.train_prompts, path).scores
     by_uid: dict[str, float] = {}
     for row, score in zip(rows, baseline_scores):
         by_uid[row["uid"]] = by_uid.get(row["uid"], 0.0) + score
@@ -284,13 +418,13 @@ def greedy_baselines(cfg: RLHFConfig, run: RunDir, iteration: int, models: Model
     return [by_uid[u] for u in uids]
 
 
-def _rule_rewards(cfg: RLHFConfig, rows: list[dict], prompts: dict[str, dict],
+def _rule_rewards(settings: RewardSettings, rows: list[dict], prompts: dict[str, dict],
                   path: Path) -> tuple[list[float], list[str], list[Optional[float]]]:
     """One compute_score call per response (verl's naive reward manager), routed by the row's
     data.reward_fn_key column, with the row's verl extra_info: (scores, reward_extra, acc)."""
-    key = cfg.data.reward_fn_key
+    key = settings.reward_fn_key
     rewards, extras, accs = [], [], []
-    with reward_function(cfg.custom_reward_function) as reward_fn:  # custom_reward_function.path: its own process
+    with reward_function(settings.reward_function) as reward_fn:  # custom_reward_function.path: its own process
         for i, row in enumerate(tqdm(rows, desc="rewards", unit="resp", leave=False, disable=bar_disabled())):
             prompt = prompts[row["prompt_id"]]
             where = _where(path, i, row)
@@ -321,25 +455,22 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _reward_model_scores(cfg: RLHFConfig, models: ModelPaths, rows: list[dict],
+def _reward_model_scores(settings: RewardModelSettings, models: ModelPaths, rows: list[dict],
                          prompts: dict[str, dict]) -> tuple[list[float], list[str]]:
     """verl's reward-model scoring: the RM reads the actor's own token ids when
     reward_model.model.input_tokenizer is null (its tokenizer must then be the actor's), else each
     response decoded with input_tokenizer and re-rendered with the RM's chat template, cut to
     reward_model.max_length tokens (null = max_prompt_length + max_response_length)."""
-    device = scoring_device(cfg.trainer.device)
-    batching = micro_batching(cfg, "reward_model", update_world_size(cfg.trainer, _cuda_devices()))
-    with held_reward_model(models.reward_model, device, scoring_dtype(device),
-                           frozen_param_offload(cfg, "reward_model")) as rm:
+    device = settings.device
+    with held_reward_model(models.reward_model, device, scoring_dtype(device), settings.offload) as rm:
         if models.rm_input_tokenizer is None:
             check_same_vocabulary(rm, load_tokenizer(models.actor, shared=True), models.actor)
             sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
         else:
             source = load_tokenizer(models.rm_input_tokenizer, shared=True)
-            max_length = cfg.reward_model.max_length or cfg.data.max_prompt_length + cfg.data.max_response_length
             sequences = [rerendered_ids(rm, prompts[r["prompt_id"]]["prompt"], r["response_token_ids"], source,
-                                        max_length) for r in rows]
-        scores = score_sequences(rm, sequences, batching, budget_key="critic.forward_max_token_len_per_gpu")
+                                        settings.max_length) for r in rows]
+        scores = score_sequences(rm, sequences, settings.batching, budget_key="critic.forward_max_token_len_per_gpu")
     release(weakref.ref(rm.model), device)
     return scores, [json.dumps({"rm_score": s}) for s in scores]
 
@@ -349,45 +480,22 @@ def _reward_model_scores(cfg: RLHFConfig, models: ModelPaths, rows: list[dict],
 # ---------------------------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class PassPlan:
-    """How one scoring pass cuts its forwards."""
-
-    batching: MicroBatching
-    packed: bool
-    budget_key: str
-
-
-def pass_plans(cfg: RLHFConfig, world_size: int = 1) -> dict[str, PassPlan]:
-    """verl's budgets for the three passes: old log-probs (rollout.log_prob_*), reference log-probs
-    (ref.log_prob_*), critic values (critic.forward_*); packing from use_remove_padding."""
-    packed = cfg.actor_rollout_ref.model.use_remove_padding
-    return {
-        "actor": PassPlan(micro_batching(cfg, "rollout", world_size), packed,
-                          "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
-        "reference": PassPlan(micro_batching(cfg, "ref", world_size), packed,
-                              "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
-        "critic": PassPlan(critic_value_batching(cfg, world_size), critic_use_remove_padding(cfg),
-                           "critic.forward_max_token_len_per_gpu"),
-    }
-
-
-def _passes(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths, rows: list[dict], meter,
-            from_rollout: bool = False):
+def _passes(settings: ScoreSettings, models: ModelPaths, rows: list[dict], meter,
+            on_ranks: Callable[[int], Optional[list[dict]]], from_rollout: bool = False):
     """``model_passes`` in this process, or on ``stage_processes`` local processes (every GPU of
-    the node), each a token-balanced share of every pass's micro-batches (``stages.ranks``)."""
-    world = share_processes(cfg, run, len(rows))
-    if not world:
-        return model_passes(cfg, models, rows, meter, from_rollout=from_rollout)
-    shares = run_on_ranks(cfg, run, iteration, "score", world)
+    the node), each a token-balanced share of every pass's micro-batches (``stages.ranks``):
+    ``on_ranks`` runs them there and returns the shares, or None for this process."""
+    shares = on_ranks(len(rows))
+    if shares is None:
+        return model_passes(settings, models, rows, meter, from_rollout=from_rollout)
     meter.tokens += sum(int(s["tokens"]) for s in shares)
     meter.seconds += max(float(s["seconds"]) for s in shares)  # the ranks ran side by side
     # each rank ran its micro-batches of the one-process plans: the one-process values, bit for bit
     ref_reused = all(bool(s["ref_reused"]) for s in shares)
-    skipped = takes_old_from_rollout(cfg, ref_reused, from_rollout)
+    skipped = takes_old_from_rollout(settings, ref_reused, from_rollout)
     columns = [[None] * len(rows) if name == "old_log_probs" and skipped
                else merge_shares(shares, name, len(rows)) for name in ("old_log_probs", "ref_log_probs", "values")]
-    sums = merge_shares(shares, "sum_pi_squared", len(rows)) if needs_sum_pi_squared(cfg) else None
+    sums = merge_shares(shares, "sum_pi_squared", len(rows)) if settings.sum_pi_squared else None
     return Passes(*columns, ref_reused, sums, skipped)
 
 
@@ -401,54 +509,41 @@ class Passes:
     ref_reused: bool
     """Whether the reference log-probs are the actor's (the same weights)."""
     sum_pi_squared: Optional[list] = None
-    """sum_v pi_v^2 under the actor, when ``needs_sum_pi_squared``."""
+    """sum_v pi_v^2 under the actor, when ``ScoreSettings.sum_pi_squared``."""
     old_from_rollout: bool = False
     """The actor's pass was skipped: the rollout's log-probs are the old ones (``takes_old_from_rollout``)."""
 
 
-def needs_sum_pi_squared(cfg: RLHFConfig) -> bool:
-    """verl's actor.calculate_sum_pi_squared, and always when the estimator reads it (verl refuses to
-    start without the key there; computing it is what the user meant)."""
-    return (cfg.actor_rollout_ref.actor.calculate_sum_pi_squared
-            or estimator_takes(cfg.algorithm.adv_estimator, "sum_pi_squared"))
-
-
-def takes_old_from_rollout(cfg: RLHFConfig, ref_reused: bool, from_rollout: bool = False) -> bool:
+def takes_old_from_rollout(settings: ScoreSettings, ref_reused: bool, from_rollout: bool = False) -> bool:
     """Whether the stage skips the actor's pass: verl's bypass mode takes the rollout engine's own
     log-probs as the old policy, and so does rollout.old_log_probs=auto where they are the trainer's
     arithmetic (``from_rollout``: ``old_from_rollout``), so the pass would only be thrown away — unless
     it is needed for sum_pi_squared, or as the reference (the reference's weights are the actor's, as in
     iteration 1); then its own log-probs are the old ones (outside bypass mode)."""
-    wanted = cfg.algorithm.rollout_correction.bypass_mode or from_rollout
-    return wanted and not needs_sum_pi_squared(cfg) and not ref_reused
+    wanted = settings.bypass_mode or from_rollout
+    return wanted and not settings.sum_pi_squared and not ref_reused
 
 
-def old_from_rollout(cfg: RLHFConfig, rows: list[dict]) -> bool:
+def old_from_rollout(settings: ScoreSettings, rows: list[dict]) -> bool:
     """rollout.old_log_probs=auto's rule: the rollout's log-probs are the old policy when they are the
     trainer's own arithmetic — every row sampled by the hf engine, which runs the trainer's module (or
     its checkpoint) in the trainer's dtype, on the CPU in fp32, decoding with the dynamic KV cache and
     without LoRA (measured: ~2e-7 from the recomputed log-probs; in bf16 ~3e-3, docs/benchmarks.md §8),
     its sampled distribution the scored one (no top-k / top-p cut; greedy only at temperature 1), and
-    no decoupled rollout correction that compares the two. Otherwise the actor's pass recomputes them."""
-    a = cfg.actor_rollout_ref
-    r, correction = a.rollout, cfg.algorithm.rollout_correction
-    return (r.old_log_probs == "auto" and r.name == "hf" and r.hf_decode == "dynamic"
-            and a.model.lora_rank == 0 and (r.do_sample or r.temperature == 1.0)
-            and r.top_k <= 0 and r.top_p >= 1.0 and correction.rollout_is is None and correction.rollout_rs is None
-            and scoring_device(cfg.trainer.device).type == "cpu" and actor_dtype(cfg, "cpu") == "fp32"
+    no decoupled rollout correction that compares the two (the config's part: ``score_settings``).
+    Otherwise the actor's pass recomputes them."""
+    return (settings.old_log_probs_auto and settings.actor_dtype("cpu") == "fp32"
             and all(row.get("engine") == "hf" and row.get("rollout_log_probs") is not None for row in rows))
 
 
-def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
+def model_passes(settings: ScoreSettings, models: ModelPaths, rows: list[dict], meter,
                  share: Optional[Share] = None, from_rollout: bool = False) -> Passes:
     """The actor's old log-probs (and sum_pi_squared), the reference's log-probs and the critic's values;
     with ``share`` = (rank, world) only that process's micro-batches of each pass (None elsewhere).
     ``from_rollout``: the rollout's log-probs are the old ones (``old_from_rollout``)."""
-    device = scoring_device(cfg.trainer.device)
-    dtype = scoring_dtype(device, actor_dtype(cfg, device.type))
-    temperature = cfg.actor_rollout_ref.rollout.temperature
-    actor_attention = cfg.actor_rollout_ref.model.override_config.attn_implementation  # the reference's too
-    plans = pass_plans(cfg, update_world_size(cfg.trainer, _cuda_devices()))
+    device = settings.device
+    dtype = scoring_dtype(device, settings.actor_dtype(device.type))
+    temperature, actor_attention, plans = settings.temperature, settings.attention, settings.plans
     sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
     prompt_lengths = [len(r["prompt_token_ids"]) for r in rows]
 
@@ -459,7 +554,7 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
 
     sums = None
     ref_reused = same_weights(models.actor, models.reference)
-    skipped = takes_old_from_rollout(cfg, ref_reused, from_rollout)
+    skipped = takes_old_from_rollout(settings, ref_reused, from_rollout)
     # the reference's last hidden states, kept for this iteration's KL guard (scoring.ref_states); in one
     # process only (a share's ranks are gone when the guard runs)
     keeping = ref_states.recording(models.reference, dtype, actor_attention) if share is None else nullcontext()
@@ -477,7 +572,7 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
         else:
             # shared: the actor the rollout just sampled from, which the guard measures next
             actor = load_causal_lm(models.actor, device, dtype, role="actor", shared=True, attention=actor_attention)
-            if needs_sum_pi_squared(cfg):  # one pass gives both: log-prob and sum_v pi^2 of the same softmax
+            if settings.sum_pi_squared:  # one pass gives both: log-prob and sum_v pi^2 of the same softmax
                 both = compute_token_logprobs(actor, temperature=temperature, pad_id=_pad_id(actor),
                                               desc="actor log-probs", sum_pi_squared=True, **common("actor"))
                 old = _as_lists([None if t is None else t[:, 0] for t in both])
@@ -491,12 +586,12 @@ def model_passes(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], meter,
             ref = [None if x is None else list(x) for x in old]
         else:
             with reference_policy(models.reference, device, dtype, actor_attention,
-                                  frozen_param_offload(cfg, "ref")) as reference:
+                                  settings.ref_offload) as reference:
                 ref = logprobs(reference, "reference", reference=True)
             release(weakref.ref(reference), device)
     if models.critic is None:  # a critic-free estimator: the column keeps its shape, nobody reads it
         return Passes(old, ref, [None if x is None else [0.0] * len(x) for x in ref], ref_reused, sums, skipped)
-    critic = load_critic(models.critic, device, dtype, attention=cfg.critic.model.override_config.attn_implementation)
+    critic = load_critic(models.critic, device, dtype, attention=settings.critic_attention)
     values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common("critic"))
     values = _as_lists(values)
     alive = weakref.ref(critic)  # the critic changes every iteration: not worth caching
@@ -518,7 +613,7 @@ def pass_seconds(meter: Throughput, reward_seconds: float) -> dict[str, float]:
     return {**out, "perf/score_seconds/reward": reward_seconds}
 
 
-def score_floor(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], passes: Passes) -> dict[str, float]:
+def score_floor(settings: ScoreSettings, models: ModelPaths, rows: list[dict], passes: Passes) -> dict[str, float]:
     """The model FLOPs of the passes this stage ran (the actor's unless skipped, the reference's unless
     reused, the critic's, the reward model's) and their floor at this device's matmul rate
     (``training.flops``); {} when a model's shape cannot be read."""
@@ -530,9 +625,9 @@ def score_floor(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], passes: P
     shapes = [(flops.model_shape(path), at) for path, at in ran]
     if any(shape is None for shape, _ in shapes):
         return {}
-    device = scoring_device(cfg.trainer.device).type
+    device = settings.device.type
     total = sum(flops.forward_flops(shape, lengths, at) for shape, at in shapes)
-    return flops.floor_metrics("score", total, device, actor_dtype(cfg, device))
+    return flops.floor_metrics("score", total, device, settings.actor_dtype(device))
 
 
 def _rollout_log_probs(rows: list[dict], path: Path) -> list[list[float]]:
@@ -576,9 +671,10 @@ def sequence_score_metrics(rewards: list[float], lengths: list[int]) -> dict[str
             "critic/score/min": min(kept)}
 
 
-def score_metrics(cfg: RLHFConfig, rows, rewards, old, ref, meter, rule_based: bool,
+def score_metrics(reward_function: CustomRewardConfig, rows, rewards, old, ref, meter, rule_based: bool,
                   raw: Optional[list[float]] = None) -> dict[str, float]:
-    """``raw``: the reward function's scores before the overlong penalty (accuracy counts those)."""
+    """``raw``: the reward function's scores before the overlong penalty (accuracy counts those);
+    ``reward_function``: custom_reward_function (a built-in's accuracy counts scores >= its score)."""
     lengths = [r["response_length"] for r in rows]
     tokens = max(1, sum(lengths))
     metrics = {
@@ -590,8 +686,8 @@ def score_metrics(cfg: RLHFConfig, rows, rewards, old, ref, meter, rule_based: b
         "perf/score_model_seconds": meter.seconds,
         "kl/old_ref_mean": sum(o - r for lo, lr in zip(old, ref) for o, r in zip(lo, lr)) / tokens,
     }
-    if rule_based and not cfg.custom_reward_function.path:
-        correct = sum(r >= cfg.custom_reward_function.score for r in (rewards if raw is None else raw))
+    if rule_based and not reward_function.path:
+        correct = sum(r >= reward_function.score for r in (rewards if raw is None else raw))
         metrics["reward/accuracy"] = correct / len(rewards)
     return metrics
 
@@ -615,9 +711,9 @@ def score_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Pa
     """This rank's micro-batches of the score stage's model passes (old/ref log-probs, values)."""
     rows = pq.read_table(run.rollout(iteration), columns=["prompt_token_ids", "response_token_ids", "engine",
                                                            "rollout_log_probs"]).to_pylist()
-    meter = Throughput()
-    passes = model_passes(cfg, model_paths(cfg, run, iteration), rows, meter, share=(rank, world),
-                          from_rollout=old_from_rollout(cfg, rows))
+    meter, settings = Throughput(), score_settings(cfg)
+    passes = model_passes(settings, model_paths(cfg, run, iteration), rows, meter, share=(rank, world),
+                          from_rollout=old_from_rollout(settings, rows))
     columns = {"old_log_probs": passes.old_log_probs, "ref_log_probs": passes.ref_log_probs, "values": passes.values}
     if passes.sum_pi_squared is not None:
         columns["sum_pi_squared"] = passes.sum_pi_squared
