@@ -31,12 +31,13 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.schema import DataConfig, FilterGroupsConfig
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.resolve import needs_baseline_rollout
 from rlhf_core.config.notes import say_once
@@ -61,7 +62,7 @@ from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, merge_samples, merged_stats, run_on_ranks,
                                     write_share)
-from rlhf_core.stages.score import ModelPaths, reward_model_paths, sequence_rewards
+from rlhf_core.stages.score import ModelPaths, SequenceRewards, reward_model_paths, sequence_rewards
 from rlhf_core.stages.settings import generation
 from rlhf_core.training.resident import ensure_state
 
@@ -88,6 +89,42 @@ def rollout_rejects_path(run: RunDir, iteration: int) -> Path:
     return run.rollout_rejects(iteration)
 
 
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What the rollout's body reads of the config, built once in ``run_rollout``'s body
+    (``rollout_settings``): the stage's helpers take this, not the config."""
+
+    gen: GenerationSettings
+    """The engine, its sampling and the data budgets (``settings.generation``)."""
+    filter_groups: Optional[FilterGroupsConfig]
+    """algorithm.filter_groups when enabled (DAPO's dynamic sampling), else None."""
+    baseline_estimator: Optional[str]
+    """algorithm.adv_estimator when it takes greedy baselines (``needs_baseline_rollout``: remax), else None."""
+
+
+def rollout_settings(cfg: RLHFConfig) -> RolloutSettings:
+    """The rollout's settings; the filter and the estimator only read as ``config_sections`` reads them."""
+    fg = cfg.algorithm.filter_groups
+    return RolloutSettings(gen=generation(cfg), filter_groups=fg if fg.enable else None,
+                           baseline_estimator=cfg.algorithm.adv_estimator if needs_baseline_rollout(cfg) else None)
+
+
+@dataclass(frozen=True)
+class ConfigCalls:
+    """The calls of the rollout's body that need the whole config, bound to it in ``run_rollout``'s
+    body: the rank processes rebuild the config (``stages.ranks``), and dynamic sampling scores as
+    the score stage does (``score.sequence_rewards``)."""
+
+    processes: Callable[[int], int]
+    """``generation_processes`` for a draw of that many generation batches (0: this process)."""
+    on_ranks: Callable[[int], list[dict]]
+    """``run_on_ranks``: the rollout's rank entry on that many processes, each rank's arrays."""
+    filter_models: Callable[[Path], ModelPaths]
+    """The models dynamic sampling scores with, for the actor at that path."""
+    rewards: Callable[[ModelPaths, list[dict]], SequenceRewards]
+    """``sequence_rewards`` of rollout-table rows of this iteration."""
+
+
 def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, force: bool = False) -> StageResult:
     """Write iteration ``iteration``'s rollout table; skipped when inputs and config are unchanged."""
     if iteration is None or iteration < 1:
@@ -108,7 +145,10 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
         if not offline_file.is_file():
             raise DataError(f"actor_rollout_ref.rollout.offline_path={r.offline_path!r}: no such file")
         inputs = [run.train_prompts, model_dir, offline_file]
-        body = lambda: _offline_body(cfg, run, iteration, model_dir, offline_file)  # noqa: E731
+
+        def body() -> StageResult:
+            ensure_state(cfg, run, run.checkpoint_iteration(model_dir))
+            return _offline_body(rollout_settings(cfg), run, iteration, model_dir, offline_file)
     else:
         if not run.generation_batches.is_file():
             raise DataError(f"{run.generation_batches} not found; "
@@ -116,7 +156,22 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
         inputs = [run.train_prompts, run.generation_batches, model_dir]
         if cfg.algorithm.filter_groups.enable:
             inputs += [p for p in reward_model_paths(cfg) if p is not None]
-        body = lambda: _generate_body(cfg, run, iteration, model_dir)  # noqa: E731
+
+        def filter_models(actor: Path) -> ModelPaths:
+            rm, rm_tokenizer = reward_model_paths(cfg)
+            return ModelPaths(actor=actor, reference=reference_path(cfg), critic=None, reward_model=rm,
+                              rm_input_tokenizer=rm_tokenizer)
+
+        calls = ConfigCalls(
+            processes=lambda batches: generation_processes(cfg, run, batches),
+            on_ranks=lambda world: run_on_ranks(cfg, run, iteration, "rollout", world),
+            filter_models=filter_models,
+            rewards=lambda models, rows: sequence_rewards(cfg, models, rows, run.train_prompts,
+                                                          run.rollout(iteration)))
+
+        def body() -> StageResult:
+            ensure_state(cfg, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
+            return _generate_body(rollout_settings(cfg), calls, run, iteration, model_dir)
     return execute_stage(stage="rollout", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
                          config_sections=config_sections(cfg), body=body, force=force)
 
@@ -209,31 +264,31 @@ class StageEngine:
         self.engine = None
 
 
-def _generate_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path) -> StageResult:
-    ensure_state(cfg, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
-    engines = StageEngine(generation(cfg), model_dir)
+def _generate_body(settings: RolloutSettings, calls: ConfigCalls, run: RunDir, iteration: int,
+                   model_dir: Path) -> StageResult:
+    engines = StageEngine(settings.gen, model_dir)
     try:
-        return _generate_with(cfg, run, iteration, model_dir, engines)
+        return _generate_with(settings, calls, run, iteration, model_dir, engines)
     finally:
         engines.close()
 
 
-def _generate_with(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
+def _generate_with(settings: RolloutSettings, calls: ConfigCalls, run: RunDir, iteration: int, model_dir: Path,
                    engines: StageEngine) -> StageResult:
     slot, num_slots, batches, prompt_rows = iteration_prompts(run, iteration)
     sampling = iteration_sampling(engines.gen, iteration)
-    samples, stats = _generate_draw(cfg, run, iteration, engines, prompt_rows, sampling, batches, first=True)
+    samples, stats = _generate_draw(calls, iteration, engines, prompt_rows, sampling, batches, first=True)
     drawn = Drawn(prompt_rows=list(prompt_rows), samples=samples, stats=stats, slots=[slot])
-    if cfg.algorithm.filter_groups.enable:
-        drawn = _filter_and_refill(cfg, run, iteration, engines, drawn, num_slots)
+    if settings.filter_groups is not None:
+        drawn = _filter_and_refill(settings, calls, run, iteration, engines, drawn, num_slots)
     drawn.stats.load_seconds += engines.load_seconds  # the one load of this process's engine
-    engine = cfg.actor_rollout_ref.rollout.name
+    engine = settings.gen.rollout.name
     out = atomic_write_parquet(run.rollout(iteration), rollout_table(drawn.prompt_rows, drawn.samples, iteration, engine),
                                schema=ROLLOUT)
     outputs = {"rollout": str(out)}
     stats, samples, prompt_rows = drawn.stats, drawn.samples, drawn.prompt_rows
     metrics = rollout_metrics(samples, stats)
-    for key, value in length_metrics(cfg, prompt_rows, samples).items():
+    for key, value in length_metrics(settings.gen.data, prompt_rows, samples).items():
         metrics.setdefault(key, value)  # the engine's own response_length/* stay as they are
     groups = len({s.prompt_index for s in samples})
     summary = [
@@ -244,48 +299,46 @@ def _generate_with(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path
         f"response length mean {metrics['response_length/mean']:.1f}, max {metrics['response_length/max']:.0f} "
         f"of {sampling.max_new_tokens}; stopped on EOS {100 * metrics['rollout/stop_frac']:.0f}%",
     ]
-    if cfg.algorithm.filter_groups.enable:
+    if settings.filter_groups is not None:
         metrics.update({"train/num_gen_batches": float(len(drawn.slots)), "rollout/kept_groups": float(groups),
                         "rollout/filtered_groups": float(drawn.filtered_groups),
                         "rollout/surplus_groups": float(drawn.surplus_groups)})
-        summary.append(f"dynamic sampling ({cfg.algorithm.filter_groups.metric}): {len(drawn.slots)} draws "
+        summary.append(f"dynamic sampling ({settings.filter_groups.metric}): {len(drawn.slots)} draws "
                        f"(slots {', '.join(map(str, drawn.slots))}), {drawn.filtered_groups} groups scored alike "
                        f"and dropped, {drawn.surplus_groups} kept groups over data.train_batch_size cut")
-    if needs_baseline_rollout(cfg):
-        baseline = _write_baseline(cfg, run, iteration, engines, drawn)
+    if settings.baseline_estimator is not None:
+        baseline = _write_baseline(run, iteration, engines, drawn)
         outputs["rollout_baseline"] = str(baseline)
-        summary.append(f"greedy baseline response per prompt ({cfg.algorithm.adv_estimator}) → {baseline}")
+        summary.append(f"greedy baseline response per prompt ({settings.baseline_estimator}) → {baseline}")
     summary.append(f"wrote {out}")
     return StageResult(stage="rollout", iteration=iteration, outputs=outputs,
                        rows={"prompts": groups, "responses": len(samples)}, metrics=metrics,
                        summary=summary)
 
 
-def _generate_draw(cfg: RLHFConfig, run: RunDir, iteration: int, engines: StageEngine, prompt_rows: list[dict],
+def _generate_draw(calls: ConfigCalls, iteration: int, engines: StageEngine, prompt_rows: list[dict],
                    sampling: SamplingParams, batches: list[list[str]], first: bool, desc: str = ""):
     """One draw's samples (prompt_index into ``prompt_rows``) and stats. The iteration's own draw
     runs on every local process as before; the rank entry knows only that draw, so later draws
     (dynamic sampling) run in this process."""
-    world = generation_processes(cfg, run, len(batches)) if first else 0
+    world = calls.processes(len(batches)) if first else 0
     if world:
-        return _generate_on_ranks(cfg, run, iteration, prompt_rows, sampling, batches, world)
+        return _generate_on_ranks(engines.gen, calls, prompt_rows, sampling, batches, world)
     return generate_responses(engines.gen, engines.model_dir, prompt_rows, sampling, batches, engine=engines.get(),
                               desc=desc or f"rollout iter {iteration}")
 
 
-def _filter_and_refill(cfg: RLHFConfig, run: RunDir, iteration: int, engines: StageEngine, drawn: Drawn,
-                       num_slots: int) -> Drawn:
+def _filter_and_refill(settings: RolloutSettings, calls: ConfigCalls, run: RunDir, iteration: int,
+                       engines: StageEngine, drawn: Drawn, num_slots: int) -> Drawn:
     """Keep the groups whose responses differ on filter_groups.metric; draw the next slots while
     fewer than data.train_batch_size are kept; cut to exactly that many (``dynamic_sampling``)."""
-    fg, wanted = cfg.algorithm.filter_groups, cfg.data.train_batch_size
-    rm, rm_tokenizer = reward_model_paths(cfg)
-    models = ModelPaths(actor=engines.model_dir, reference=reference_path(cfg), critic=None, reward_model=rm,
-                        rm_input_tokenizer=rm_tokenizer)
+    fg, wanted = settings.filter_groups, settings.gen.data.train_batch_size
+    models = calls.filter_models(engines.model_dir)
     kept_samples: list[GeneratedSample] = []
     kept_groups = 0
     new_samples = drawn.samples
     while True:
-        kept, filtered = _kept_uids(cfg, run, iteration, models, drawn.prompt_rows, new_samples)
+        kept, filtered = _kept_uids(settings, calls, iteration, models, drawn.prompt_rows, new_samples)
         drawn.filtered_groups += len(filtered)
         take = kept[:max(wanted - kept_groups, 0)]
         drawn.surplus_groups += len(kept) - len(take)
@@ -304,7 +357,7 @@ def _filter_and_refill(cfg: RLHFConfig, run: RunDir, iteration: int, engines: St
             continue
         base = iteration_sampling(engines.gen, iteration)
         sampling = replace(base, seed=draw_seed(base.seed, d))
-        samples, stats = _generate_draw(cfg, run, iteration, engines, rows, sampling, batches, first=False,
+        samples, stats = _generate_draw(calls, iteration, engines, rows, sampling, batches, first=False,
                                         desc=f"rollout iter {iteration} draw {d + 1}")
         _add_stats(drawn.stats, stats)
         drawn.prompt_rows += rows
@@ -313,16 +366,16 @@ def _filter_and_refill(cfg: RLHFConfig, run: RunDir, iteration: int, engines: St
     return drawn
 
 
-def _kept_uids(cfg: RLHFConfig, run: RunDir, iteration: int, models: ModelPaths, prompt_rows: list[dict],
-               samples: list[GeneratedSample]) -> tuple[list[str], list[str]]:
+def _kept_uids(settings: RolloutSettings, calls: ConfigCalls, iteration: int, models: ModelPaths,
+               prompt_rows: list[dict], samples: list[GeneratedSample]) -> tuple[list[str], list[str]]:
     """(kept, filtered) group uids of one draw's samples, scored as the score stage will score them."""
     if not samples:
         return [], []
-    rows = rollout_table(prompt_rows, samples, iteration, cfg.actor_rollout_ref.rollout.name).to_pylist()
-    rewards = sequence_rewards(cfg, models, rows, run.train_prompts, run.rollout(iteration))
+    rows = rollout_table(prompt_rows, samples, iteration, settings.gen.rollout.name).to_pylist()
+    rewards = calls.rewards(models, rows)
     where = [f"iteration {iteration} response (prompt_id={r['prompt_id']!r}, sample_index={r['sample_index']})"
              for r in rows]
-    values = metric_values(cfg.algorithm.filter_groups.metric, rewards.scores, rewards.raw, rewards.acc, where)
+    values = metric_values(settings.filter_groups.metric, rewards.scores, rewards.raw, rewards.acc, where)
     return split_groups([r["uid"] for r in rows], values)
 
 
@@ -341,7 +394,7 @@ def _add_stats(total: GenerationStats, more: GenerationStats) -> None:
     total.batches += more.batches
 
 
-def _write_baseline(cfg: RLHFConfig, run: RunDir, iteration: int, engines: StageEngine, drawn: Drawn) -> Path:
+def _write_baseline(run: RunDir, iteration: int, engines: StageEngine, drawn: Drawn) -> Path:
     """remax's baseline: one greedy response (n=1) per prompt group of the table, written with the
     group's uid to ``run.rollout_baseline(iteration)`` (schema ROLLOUT)."""
     indices = list(dict.fromkeys(s.prompt_index for s in drawn.samples))  # the table's groups, in order
@@ -351,35 +404,33 @@ def _write_baseline(cfg: RLHFConfig, run: RunDir, iteration: int, engines: Stage
     samples, _ = generate_responses(engines.gen, engines.model_dir, rows, sampling, engine=engines.get(),
                                     desc=f"greedy baseline iter {iteration}")
     samples = [replace(s, prompt_index=indices[s.prompt_index]) for s in samples]
-    table = rollout_table(drawn.prompt_rows, samples, iteration, cfg.actor_rollout_ref.rollout.name)
+    table = rollout_table(drawn.prompt_rows, samples, iteration, engines.gen.rollout.name)
     return atomic_write_parquet(run.rollout_baseline(iteration), table, schema=ROLLOUT)
 
 
-def _generate_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, prompt_rows: list[dict],
+def _generate_on_ranks(gen: GenerationSettings, calls: ConfigCalls, prompt_rows: list[dict],
                        sampling: SamplingParams, batches: list[list[str]], world: int):
     """``generate_responses`` with the generation batches dealt to ``world`` local processes
     (``own_batches``); every batch is seeded and composed as in one process, so the merged samples,
     in batch order, are the one-process samples."""
-    shares = run_on_ranks(cfg, run, iteration, "rollout", world)
-    rollout = cfg.actor_rollout_ref.rollout
+    shares = calls.on_ranks(world)
+    rollout = gen.rollout
     plan = generation_plan(rollout, prompt_rows, sampling, batches)
     if generation_engine(rollout) == "vllm":
         return merge_engine_samples(shares, [i for batch in plan for i in batch]), merged_stats(shares, 1)
     return merge_samples(shares, plan, prompt_rows, sampling), merged_stats(shares, len(plan))
 
 
-def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
+def _offline_body(settings: RolloutSettings, run: RunDir, iteration: int, model_dir: Path,
                   offline_file: Path) -> StageResult:
     from transformers import AutoTokenizer
-
-    ensure_state(cfg, run, run.checkpoint_iteration(model_dir))
 
     with timed(TABLE_READ):
         prompt_rows = read_prompt_rows(run.train_prompts, columns=None)  # text columns: prompts matched by text
     with timed(MODEL_LOAD):
-        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path_for(generation(cfg), model_dir))
+        tokenizer = AutoTokenizer.from_pretrained(tokenizer_path_for(settings.gen, model_dir))
     imported = import_offline(offline_file, prompt_rows, tokenizer,
-                              max_response_length=cfg.data.max_response_length,
+                              max_response_length=settings.gen.data.max_response_length,
                               prompts_name=str(run.train_prompts.relative_to(run.root)))
     out = atomic_write_parquet(run.rollout(iteration),
                                rollout_table(prompt_rows, imported.samples, iteration, OFFLINE_ENGINE),
@@ -387,7 +438,7 @@ def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
     rejects = atomic_write_parquet(rollout_rejects_path(run, iteration), imported.rejects_table(), schema=REJECTS)
     metrics = rollout_metrics(imported.samples, GenerationStats())
     metrics = {k: v for k, v in metrics.items() if not k.startswith("perf/")}  # nothing was generated
-    for key, value in length_metrics(cfg, prompt_rows, imported.samples).items():
+    for key, value in length_metrics(settings.gen.data, prompt_rows, imported.samples).items():
         metrics.setdefault(key, value)  # the engine's own response_length/* stay as they are
     metrics["rollout/offline_rejected"] = float(len(imported.rejects))
     prompts = len({s.prompt_index for s in imported.samples})
@@ -408,14 +459,14 @@ def _offline_body(cfg: RLHFConfig, run: RunDir, iteration: int, model_dir: Path,
                              "rejected": len(imported.rejects)}, metrics=metrics, summary=summary)
 
 
-def length_metrics(cfg: RLHFConfig, prompt_rows: Sequence[dict], samples: Sequence) -> dict[str, float]:
+def length_metrics(data: DataConfig, prompt_rows: Sequence[dict], samples: Sequence) -> dict[str, float]:
     """verl's length metrics over one rollout's responses (each response counts its prompt once):
     prompt_length/{mean,max,min,clip_ratio}, response_length/{mean,max,min,clip_ratio}; clip_ratio
     = share of lengths equal to data.max_prompt_length / data.max_response_length."""
     prompt = [len(prompt_rows[s.prompt_index]["prompt_token_ids"]) for s in samples]
     response = [len(s.token_ids) for s in samples]
-    return {**_stats("prompt_length", prompt, cfg.data.max_prompt_length),
-            **_stats("response_length", response, cfg.data.max_response_length)}
+    return {**_stats("prompt_length", prompt, data.max_prompt_length),
+            **_stats("response_length", response, data.max_response_length)}
 
 
 def _stats(name: str, lengths: list[int], budget: int) -> dict[str, float]:
