@@ -62,7 +62,7 @@ from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, merge_samples, merged_stats, run_on_ranks,
                                     write_share)
-from rlhf_core.stages.score import ModelPaths, SequenceRewards, reward_model_paths, sequence_rewards
+from rlhf_core.stages.score import ModelPaths, RewardSettings, reward_model_paths, reward_settings, sequence_rewards_of
 from rlhf_core.stages.settings import generation
 from rlhf_core.training.resident import ensure_state
 
@@ -98,22 +98,26 @@ class RolloutSettings:
     """The engine, its sampling and the data budgets (``settings.generation``)."""
     filter_groups: Optional[FilterGroupsConfig]
     """algorithm.filter_groups when enabled (DAPO's dynamic sampling), else None."""
+    rewards: Optional[RewardSettings]
+    """What the filter scores responses with, as the score stage (``score.reward_settings``); None without it."""
     baseline_estimator: Optional[str]
     """algorithm.adv_estimator when it takes greedy baselines (``needs_baseline_rollout``: remax), else None."""
 
 
 def rollout_settings(cfg: RLHFConfig) -> RolloutSettings:
-    """The rollout's settings; the filter and the estimator only read as ``config_sections`` reads them."""
+    """The rollout's settings; the filter and the estimator only read as ``config_sections`` reads them,
+    the reward's keys only when the filter scores with them."""
     fg = cfg.algorithm.filter_groups
     return RolloutSettings(gen=generation(cfg), filter_groups=fg if fg.enable else None,
+                           rewards=reward_settings(cfg) if fg.enable else None,
                            baseline_estimator=cfg.algorithm.adv_estimator if needs_baseline_rollout(cfg) else None)
 
 
 @dataclass(frozen=True)
 class ConfigCalls:
-    """The calls of the rollout's body that need the whole config, bound to it in ``run_rollout``'s
-    body: the rank processes rebuild the config (``stages.ranks``), and dynamic sampling scores as
-    the score stage does (``score.sequence_rewards``)."""
+    """The calls of the rollout's body that need the whole config, bound to it in ``run_rollout``:
+    the rank processes rebuild the config (``stages.ranks``), and the filter's models are looked up
+    (the reference's path, ``run.models``) only when it scores."""
 
     processes: Callable[[int], int]
     """``generation_processes`` for a draw of that many generation batches (0: this process)."""
@@ -121,8 +125,6 @@ class ConfigCalls:
     """``run_on_ranks``: the rollout's rank entry on that many processes, each rank's arrays."""
     filter_models: Callable[[Path], ModelPaths]
     """The models dynamic sampling scores with, for the actor at that path."""
-    rewards: Callable[[ModelPaths, list[dict]], SequenceRewards]
-    """``sequence_rewards`` of rollout-table rows of this iteration."""
 
 
 def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, force: bool = False) -> StageResult:
@@ -165,9 +167,7 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
         calls = ConfigCalls(
             processes=lambda batches: generation_processes(cfg, run, batches),
             on_ranks=lambda world: run_on_ranks(cfg, run, iteration, "rollout", world),
-            filter_models=filter_models,
-            rewards=lambda models, rows: sequence_rewards(cfg, models, rows, run.train_prompts,
-                                                          run.rollout(iteration)))
+            filter_models=filter_models)
 
         def body() -> StageResult:
             ensure_state(cfg, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
@@ -338,7 +338,7 @@ def _filter_and_refill(settings: RolloutSettings, calls: ConfigCalls, run: RunDi
     kept_groups = 0
     new_samples = drawn.samples
     while True:
-        kept, filtered = _kept_uids(settings, calls, iteration, models, drawn.prompt_rows, new_samples)
+        kept, filtered = _kept_uids(settings, run, iteration, models, drawn.prompt_rows, new_samples)
         drawn.filtered_groups += len(filtered)
         take = kept[:max(wanted - kept_groups, 0)]
         drawn.surplus_groups += len(kept) - len(take)
@@ -366,13 +366,13 @@ def _filter_and_refill(settings: RolloutSettings, calls: ConfigCalls, run: RunDi
     return drawn
 
 
-def _kept_uids(settings: RolloutSettings, calls: ConfigCalls, iteration: int, models: ModelPaths,
+def _kept_uids(settings: RolloutSettings, run: RunDir, iteration: int, models: ModelPaths,
                prompt_rows: list[dict], samples: list[GeneratedSample]) -> tuple[list[str], list[str]]:
     """(kept, filtered) group uids of one draw's samples, scored as the score stage will score them."""
     if not samples:
         return [], []
     rows = rollout_table(prompt_rows, samples, iteration, settings.gen.rollout.name).to_pylist()
-    rewards = calls.rewards(models, rows)
+    rewards = sequence_rewards_of(settings.rewards, models, rows, run.train_prompts, run.rollout(iteration))
     where = [f"iteration {iteration} response (prompt_id={r['prompt_id']!r}, sample_index={r['sample_index']})"
              for r in rows]
     values = metric_values(settings.filter_groups.metric, rewards.scores, rewards.raw, rewards.acc, where)
