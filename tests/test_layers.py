@@ -136,11 +136,14 @@ def test_the_whole_config_stops_above_the_narrow_subpackages():
     assert not wrong, "\n".join(wrong)
 
 
-WHOLE_CONFIG_AT_MOST = {"run": 10, "training": 32}
-"""Functions that still take the whole config in the subpackages below the stages not yet narrow: a
-ceiling that only comes down. A new function there takes the settings it reads (a config section,
-or a dataclass ``stages/settings.py`` builds); whoever narrows more lowers the number. (``config``
-is the config; ``stages`` and ``control`` are where it is meant to arrive whole.)"""
+WHOLE_CONFIG_AT_MOST = {"run": 10, "training": 32, "stages": 55}
+"""Functions that still take the whole config in the subpackages not yet narrow: a ceiling that only
+comes down. A new function there takes the settings it reads (a config section, or a dataclass its
+stage builds once: ``stages/settings.py``, ``guard.GuardSettings``, ``score.ScoreSettings``, ...);
+whoever narrows more lowers the number. In ``stages`` the config arrives whole at each stage's entry
+points (``run_<stage>``, ``config_sections``, ``<stage>_share``, its settings builder) and the bodies
+take settings (85 functions took it before issue 40). (``config`` is the config; ``control`` is
+where it is meant to arrive whole.)"""
 
 
 def test_no_new_function_below_the_stages_takes_the_whole_config():

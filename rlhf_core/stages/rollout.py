@@ -62,7 +62,7 @@ from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, merge_samples, merged_stats, run_on_ranks,
                                     write_share)
-from rlhf_core.stages.score import ModelPaths, RewardSettings, reward_model_paths, reward_settings, sequence_rewards_of
+from rlhf_core.stages.score import ModelPaths, RewardSettings, reward_model_paths, reward_settings, sequence_rewards
 from rlhf_core.stages.settings import generation
 from rlhf_core.training.resident import ensure_state
 
@@ -372,7 +372,7 @@ def _kept_uids(settings: RolloutSettings, run: RunDir, iteration: int, models: M
     if not samples:
         return [], []
     rows = rollout_table(prompt_rows, samples, iteration, settings.gen.rollout.name).to_pylist()
-    rewards = sequence_rewards_of(settings.rewards, models, rows, run.train_prompts, run.rollout(iteration))
+    rewards = sequence_rewards(settings.rewards, models, rows, run.train_prompts, run.rollout(iteration))
     where = [f"iteration {iteration} response (prompt_id={r['prompt_id']!r}, sample_index={r['sample_index']})"
              for r in rows]
     values = metric_values(settings.filter_groups.metric, rewards.scores, rewards.raw, rewards.acc, where)

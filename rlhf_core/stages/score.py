@@ -282,7 +282,7 @@ def _score(settings: ScoreSettings, run: RunDir, iteration: int, models: ModelPa
         rows = scored.to_pylist()
     _check_rollout(scored.column_names, rows, rollout_path)
     started = time.perf_counter()
-    sequence = sequence_rewards_of(settings.rewards, models, rows, run.train_prompts, rollout_path)
+    sequence = sequence_rewards(settings.rewards, models, rows, run.train_prompts, rollout_path)
     reward_seconds = time.perf_counter() - started
     rewards, extras = sequence.scores, sequence.extras
     baselines = (greedy_baselines(settings.rewards, run, iteration, models, scored.column("uid").to_pylist())
@@ -374,15 +374,8 @@ class SequenceRewards:
     when a dict result has none, and for reward-model scores)."""
 
 
-def sequence_rewards(cfg: RLHFConfig, models: ModelPaths, rows: list[dict], prompts_path: Path,
+def sequence_rewards(settings: RewardSettings, models: ModelPaths, rows: list[dict], prompts_path: Path,
                      where_path: Path) -> SequenceRewards:
-    """``sequence_rewards_of`` with the config's ``reward_settings``: the rollout stage's dynamic sampling
-    (``algorithm.filter_groups``) scores as the score stage does."""
-    return sequence_rewards_of(reward_settings(cfg), models, rows, prompts_path, where_path)
-
-
-def sequence_rewards_of(settings: RewardSettings, models: ModelPaths, rows: list[dict], prompts_path: Path,
-                        where_path: Path) -> SequenceRewards:
     """Every response's sequence reward, as the score stage writes it: shared with the rollout
     stage's dynamic sampling (``algorithm.filter_groups``) and the greedy baseline (remax).
     ``rows`` are rollout-table rows; ``where_path`` names their table in errors."""
@@ -406,7 +399,7 @@ def greedy_baselines(settings: RewardSettings, run: RunDir, iteration: int, mode
         table = pq.read_table(path)
         rows = table.to_pylist()
     _check_rollout(table.column_names, rows, path)
-    baseline_scores = sequence_rewards_of(settings, models, rows, run.train_prompts, path).scores
+    baseline_scores = sequence_rewards(settings, models, rows, run.train_prompts, path).scores
     by_uid: dict[str, float] = {}
     for row, score in zip(rows, baseline_scores):
         by_uid[row["uid"]] = by_uid.get(row["uid"], 0.0) + score
