@@ -35,7 +35,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve
+from rlhf_core.config import effective_deepspeed, resolve
 from rlhf_core.config.loader import ConfigError
 from rlhf_core.config.notes import say_once
 from rlhf_core.config.schema import DeepSpeedConfig
