@@ -43,6 +43,7 @@ from rlhf_core.training.advantages import AdvantageSettings, compute_advantages
 from rlhf_core.algos import estimator_takes, make_kl_controller
 from rlhf_core.config.resolve import uses_critic
 from rlhf_core.config import ConfigError, RLHFConfig
+from rlhf_core.config.schema import KLCtrlConfig
 from rlhf_core.data.schemas import ADVANTAGES
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
@@ -76,7 +77,9 @@ def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force
     inputs = [scored] + [p for p in (source, retry) if p is not None]
 
     def body() -> StageResult:
-        return _gae(cfg, run, iteration, source, read_retry_scale(run, iteration) if retry is not None else 1.0)
+        settings = replace(AdvantageSettings.from_algorithm(cfg.algorithm), use_critic=uses_critic(cfg))
+        scale = read_retry_scale(run, iteration) if retry is not None else 1.0
+        return _gae(settings, cfg.algorithm.kl_ctrl, run, iteration, source, scale)
 
     return execute_stage(stage="gae", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
                          config_sections=config_sections(cfg), body=body, force=force)
@@ -112,10 +115,9 @@ def read_controller_state(run: RunDir, path: Path) -> dict:
     return state
 
 
-def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path, scale: float = 1.0):
-    """The controller of ``algorithm.kl_ctrl`` starting at ``state["value"]`` (else at kl_coef) times
-    ``scale`` (the iteration's retry scale)."""
-    ctrl = cfg.algorithm.kl_ctrl
+def kl_controller_for(ctrl: KLCtrlConfig, state: Optional[dict], source: Path, scale: float = 1.0):
+    """The controller of ``ctrl`` (algorithm.kl_ctrl) starting at ``state["value"]`` (else at
+    kl_coef) times ``scale`` (the iteration's retry scale)."""
     coef = ctrl.kl_coef
     if state is not None:
         if not isinstance(state, dict) or not isinstance(state.get("value"), (int, float)):
@@ -133,13 +135,13 @@ def kl_controller_for(cfg: RLHFConfig, state: Optional[dict], source: Path, scal
 # ---------------------------------------------------------------------------------------------
 
 
-def _gae(cfg: RLHFConfig, run: RunDir, k: int, source: Optional[Path], scale: float) -> StageResult:
-    settings = replace(AdvantageSettings.from_algorithm(cfg.algorithm), use_critic=uses_critic(cfg))
+def _gae(settings: AdvantageSettings, ctrl: KLCtrlConfig, run: RunDir, k: int, source: Optional[Path],
+         scale: float) -> StageResult:
     controller, before = None, None
     if settings.use_kl_in_reward:
         start = read_controller_state(run, source) if source is not None else None
-        before = kl_controller_for(cfg, start, source or run.kl_state(k)).state_dict()  # the state k starts from
-        controller = kl_controller_for(cfg, start, source or run.kl_state(k), scale)  # times k's retry scale
+        before = kl_controller_for(ctrl, start, source or run.kl_state(k)).state_dict()  # the state k starts from
+        controller = kl_controller_for(ctrl, start, source or run.kl_state(k), scale)  # times k's retry scale
     used = controller.value if controller is not None else 0.0
     with timed(TABLE_READ):
         scored = pq.read_table(run.scored(k))
@@ -158,7 +160,7 @@ def _gae(cfg: RLHFConfig, run: RunDir, k: int, source: Optional[Path], scale: fl
         outputs["kl_ctrl"] = str(run.kl_state(k))
         scaled = f" × retry scale {scale:g}" if scale != 1 else ""
         kl_lines = [f"KL in reward: {settings.kl_penalty} estimator, coefficient {used:.6g} "
-                    f"({cfg.algorithm.kl_ctrl.type}{scaled}); measured KL {out.kl_mean:.5f} per token → next "
+                    f"({ctrl.type}{scaled}); measured KL {out.kl_mean:.5f} per token → next "
                     f"coefficient {controller.value:.6g}"]
     tokens = int(out.table.column("response_length").to_numpy().sum())
     return StageResult(stage="gae", iteration=k, outputs=outputs,
