@@ -20,7 +20,6 @@ With nnodes > 1 this machine is node 0 and each other node runs `rlhf node join`
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
@@ -37,10 +36,6 @@ def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
 
 STAGE_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy",
                  "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "perf/tokens_per_s", "perf/peak_rss_gb")
-
-
-def _inputs(cfg: RLHFConfig, run: RunDir, iteration: int) -> list[Path]:
-    return lineage.update_inputs(cfg, run, iteration)
 
 
 def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
@@ -74,5 +69,6 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
                      f"state held in memory (a checkpoint at save points): {run.checkpoint(iteration)}"
                      if trainer is not None else f"checkpoint: {run.checkpoint(iteration)}"])
 
-    return execute_stage(stage="update", cfg=cfg, run=run, iteration=iteration, inputs=_inputs(cfg, run, iteration),
-                         config_sections=config_sections(cfg), body=body, force=force)
+    return execute_stage(stage="update", cfg=cfg, run=run, iteration=iteration,
+                         inputs=lineage.update_inputs(cfg, run, iteration), config_sections=config_sections(cfg),
+                         body=body, force=force)
