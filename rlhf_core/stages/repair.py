@@ -24,7 +24,7 @@ Each action is one line on standard error and an event (``repaired`` or ``fallba
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Callable, Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import RLHFError, first_clause
@@ -80,7 +80,7 @@ def _repair(run: RunDir, cfg: RLHFConfig, damage: Damage) -> str:
     if damage.stage is None:
         raise Unrepairable("nothing records what it held")
     if damage.checkpoint:
-        return _rebuild_checkpoint(run, cfg, damage)
+        return _rebuild_checkpoint(run, damage, lambda k: ensure_state(cfg, run, k))
     return _rerun(run, iteration_config(run, damage.iteration, cfg), damage)
 
 
@@ -115,16 +115,17 @@ def _rerun(run: RunDir, cfg: RLHFConfig, damage: Damage) -> str:
     return f"{damage.describe(run)}: rebuilt by rerunning {which} (the same bytes as recorded)"
 
 
-def _rebuild_checkpoint(run: RunDir, cfg: RLHFConfig, damage: Damage) -> str:
+def _rebuild_checkpoint(run: RunDir, damage: Damage, replay: Callable[[int], bool]) -> str:
     """A damaged checkpoint goes; its state lives on in its record, and last-good's is replayed
-    from there and written again."""
+    from there and written again (``replay(k)``: ``resident.ensure_state``, which rebuilds with
+    the config in iteration k's record, not the run's)."""
     k = damage.iteration
     discard_checkpoint(run, k, damaged=True)
     if not is_replayable(run, k):
         raise Unrepairable(f"iteration {k}'s state record or advantages table is not there to replay its update")
     if k != last_good_iteration(run):
         return f"{damage.describe(run)}: removed (iteration {k}'s state is rebuilt by replay when a stage needs it)"
-    ensure_state(cfg, run, k)
+    replay(k)
     return f"{damage.describe(run)}: rebuilt by replaying iteration {k}'s update from its record"
 
 
