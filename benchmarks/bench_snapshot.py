@@ -352,6 +352,12 @@ def _exact(parts: dict) -> str:
     return "yes" if not bad else "NO (" + ", ".join(f"{k}: {v}" for k, v in bad.items()) + ")"
 
 
+def node_held(ms: list[dict]) -> float:
+    """What one round's snapshot holds on the machine: every rank's own (RSS) part, and the files,
+    which all ranks write into one directory, once."""
+    return sum(m["held_gb"] - m["files_gb"] for m in ms) + max(m["files_gb"] for m in ms)
+
+
 def summary(ranks: list[dict], method: str) -> dict:
     """A method's numbers over rounds and ranks: the median round of the slowest (largest) rank;
     exactness as the worst of all."""
@@ -370,15 +376,17 @@ def summary(ranks: list[dict], method: str) -> dict:
 
     return {"take_s": med(lambda m: m["take"]["seconds"]), "restore_s": med(lambda m: m["restore"]["seconds"]),
             "take_peak_gb": med(lambda m: m["take"]["peak_over_base_gb"] + m["files_gb"]),
-            "held_gb": med(lambda m: m["held_gb"]), "restore_peak_gb": med(lambda m: m["restore"]["peak_over_base_gb"]),
+            "held_gb": median(node_held([rank[i] for rank in runs]) for i in range(len(runs[0]))),
+            "restore_peak_gb": med(lambda m: m["restore"]["peak_over_base_gb"]),
             "exact": worst("exact"), "next_step": worst("next_step"),
             "rng_restored": all(m["rng_restored"] for rank in runs for m in rank),
             "differs": sorted({d for rank in runs for m in rank for d in m["exact_differs"]})[:4]}
 
 
 def table(results: dict[int, list[dict]]) -> str:
-    """One row per (stage, method)."""
-    rows = ["| ZeRO | method | take s | restore s | take, restore vs ours | take peak GB | held GB | held vs ours | "
+    """One row per (stage, method): seconds of the slowest rank, peaks of the largest, held memory of all
+    ranks together (median rounds)."""
+    rows = ["| ZeRO | method | take s | restore s | take, restore vs ours | take peak GB | held GB (all ranks) | held vs ours | "
             "restore peak GB | exact after restore (differing: params, master, moments, Adam step, counters) | "
             "next step identical | RNG back |",
             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
