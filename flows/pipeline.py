@@ -130,7 +130,7 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
         if initial_validation_due(cfg.trainer):  # the policy the run starts from, at its step (0 for a new run)
             metrics = validate_before_training(plan, cfg, mlflow_run_id)
         if not plan.iterations():  # trainer.val_only, or nothing left to run on resume
-            make_durable_task(cfg, run_dir)  # as a training flow run leaves it: last-good on disk
+            make_durable_task(run_dir)  # as a training flow run leaves it: last-good on disk
             return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
                     "export": None}
         settle_heap()  # every module is imported by now: keep the GC from rescanning them each iteration

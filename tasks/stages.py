@@ -111,10 +111,10 @@ def export_task(cfg: RLHFConfig, run_dir: str, mlflow_run_id: Optional[str] = No
 
 
 @task(name="make-durable", **NO_RESULTS)
-def make_durable_task(cfg: RLHFConfig, run_dir: str) -> Optional[str]:
+def make_durable_task(run_dir: str) -> Optional[str]:
     """Last-good's checkpoint written when its state is only in its record (a flow run with nothing
     left to train does what a training one does at its end)."""
-    line = make_last_good_durable(RunDir(run_dir), cfg)
+    line = make_last_good_durable(RunDir(run_dir))
     if line:
         prefect_artifacts.logger().info(line)
     return line

@@ -136,7 +136,7 @@ def test_the_whole_config_stops_above_the_narrow_subpackages():
     assert not wrong, "\n".join(wrong)
 
 
-WHOLE_CONFIG_AT_MOST = {"run": 10, "training": 32, "stages": 50}
+WHOLE_CONFIG_AT_MOST = {"run": 10, "training": 32, "stages": 48}
 """Functions that still take the whole config in the subpackages not yet narrow: a ceiling that only
 comes down. A new function there takes the settings it reads (a config section, or a dataclass its
 stage builds once: ``stages/settings.py``, ``guard.GuardSettings``, ``score.ScoreSettings``, ...);

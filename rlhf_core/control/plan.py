@@ -249,7 +249,7 @@ def prepare_resume(run: RunDir) -> dict:
     saved = saved_config(run)
     migrated = upgrade_format(run, saved)
     rebuilt = rebuild_commit_log(run)
-    repairs = repair_run(run, saved) + rebuild_last_good(run, saved)
+    repairs = repair_run(run, saved) + rebuild_last_good(run)
     return {"cleaned": [str(p) for p in removed], "migrated": migrated, "rebuilt_commit_log": rebuilt,
             "repairs": repairs}
 

@@ -172,7 +172,7 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
     k = iteration
 
     def body() -> StageResult:
-        ensure_state(cfg, run, k)  # the new actor: held in memory, on disk, or rebuilt now
+        ensure_state(run, k)  # the new actor: held in memory, on disk, or rebuilt now
         settings = guard_settings(cfg, run, k)
         threshold = settings.threshold
         kl = measure_kl(settings, run, k)

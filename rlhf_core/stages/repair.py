@@ -24,7 +24,7 @@ Each action is one line on standard error and an event (``repaired`` or ``fallba
 from __future__ import annotations
 
 import sys
-from typing import Callable, Optional
+from typing import Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import RLHFError, first_clause
@@ -80,7 +80,7 @@ def _repair(run: RunDir, cfg: RLHFConfig, damage: Damage) -> str:
     if damage.stage is None:
         raise Unrepairable("nothing records what it held")
     if damage.checkpoint:
-        return _rebuild_checkpoint(run, damage, lambda k: ensure_state(cfg, run, k))
+        return _rebuild_checkpoint(run, damage)
     return _rerun(run, iteration_config(run, damage.iteration, cfg), damage)
 
 
@@ -115,17 +115,17 @@ def _rerun(run: RunDir, cfg: RLHFConfig, damage: Damage) -> str:
     return f"{damage.describe(run)}: rebuilt by rerunning {which} (the same bytes as recorded)"
 
 
-def _rebuild_checkpoint(run: RunDir, damage: Damage, replay: Callable[[int], bool]) -> str:
+def _rebuild_checkpoint(run: RunDir, damage: Damage) -> str:
     """A damaged checkpoint goes; its state lives on in its record, and last-good's is replayed
-    from there and written again (``replay(k)``: ``resident.ensure_state``, which rebuilds with
-    the config in iteration k's record, not the run's)."""
+    from there and written again (``resident.ensure_state``, which rebuilds with the config in
+    iteration k's record, not the run's)."""
     k = damage.iteration
     discard_checkpoint(run, k, damaged=True)
     if not is_replayable(run, k):
         raise Unrepairable(f"iteration {k}'s state record or advantages table is not there to replay its update")
     if k != last_good_iteration(run):
         return f"{damage.describe(run)}: removed (iteration {k}'s state is rebuilt by replay when a stage needs it)"
-    replay(k)
+    ensure_state(run, k)
     return f"{damage.describe(run)}: rebuilt by replaying iteration {k}'s update from its record"
 
 
@@ -134,11 +134,11 @@ def prepare_export(run: RunDir, cfg: RLHFConfig) -> list[str]:
     move last-good under the export; ``Unrepairable`` says so instead), and last-good's checkpoint
     written when its state is only in its record (a crash between save points). Returns the lines."""
     lines = repair_run(run, cfg, may_fall_back=False)
-    written = make_last_good_durable(run, cfg)
+    written = make_last_good_durable(run)
     return lines + ([written] if written else [])
 
 
-def rebuild_last_good(run: RunDir, cfg: RLHFConfig) -> list[str]:
+def rebuild_last_good(run: RunDir) -> list[str]:
     """Before a resume continues: last-good's state written as a checkpoint when it was only in its
     record (a crash between save points), so the run never continues from a state it cannot
     rebuild. A replay that does not reproduce its record (``ReplayMismatch``: another machine or
@@ -148,18 +148,18 @@ def rebuild_last_good(run: RunDir, cfg: RLHFConfig) -> list[str]:
     lines: list[str] = []
     while True:
         try:
-            written = make_last_good_durable(run, cfg)
+            written = make_last_good_durable(run)
             return lines + ([written] if written else [])
         except ReplayMismatch as exc:
             good = max([k for k in committed_iterations(run) if k < exc.iteration], default=0)
             lines.append(fall_back(run, good, first_clause(exc)))
 
 
-def make_last_good_durable(run: RunDir, cfg: RLHFConfig) -> Optional[str]:
+def make_last_good_durable(run: RunDir) -> Optional[str]:
     """Write last-good's checkpoint when its state is only in its record (a crash between save
     points): what a flow run does at its end, for one that had nothing left to train. Returns the
     line saying so, or None."""
     k = last_good_iteration(run)
-    if not ensure_state(cfg, run, k):
+    if not ensure_state(run, k):
         return None
     return f"iteration {k}'s state was only in its record: its checkpoint is written again by replaying its update"

@@ -149,7 +149,7 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
         inputs = [run.train_prompts, model_dir, offline_file]
 
         def body() -> StageResult:
-            ensure_state(cfg, run, run.checkpoint_iteration(model_dir))
+            ensure_state(run, run.checkpoint_iteration(model_dir))
             return _offline_body(rollout_settings(cfg), run, iteration, model_dir, offline_file)
     else:
         if not run.generation_batches.is_file():
@@ -170,7 +170,7 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
             filter_models=filter_models)
 
         def body() -> StageResult:
-            ensure_state(cfg, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
+            ensure_state(run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
             return _generate_body(rollout_settings(cfg), calls, run, iteration, model_dir)
     return execute_stage(stage="rollout", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
                          config_sections=config_sections(cfg), body=body, force=force)

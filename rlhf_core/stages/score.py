@@ -267,7 +267,7 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         return run_on_ranks(cfg, run, iteration, "score", world) if world else None
 
     def body() -> StageResult:
-        ensure_state(cfg, run, run.checkpoint_iteration(models.actor))  # held in memory, on disk, or rebuilt now
+        ensure_state(run, run.checkpoint_iteration(models.actor))  # held in memory, on disk, or rebuilt now
         return _score(score_settings(cfg), run, iteration, models, on_ranks)
 
     return execute_stage(stage="score", cfg=cfg, run=run, iteration=iteration, inputs=inputs,

@@ -55,7 +55,7 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
         if trainer is not None:  # the flow keeps the engines: they hold the state this iteration starts from
             metrics = trainer.update(cfg, iteration)
         else:
-            resident.ensure_state(cfg, run, lineage.start_iteration(run, iteration))  # a start only in its record
+            resident.ensure_state(run, lineage.start_iteration(run, iteration))  # a start only in its record
             metrics = resident.update_once(cfg, run, iteration)
         rows = pq.ParquetFile(run.advantages(iteration)).metadata.num_rows
         shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in STAGE_METRICS if k in metrics)  # actor/, critic/ kept apart

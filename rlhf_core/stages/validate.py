@@ -241,7 +241,7 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
     actor = validation_actor(run, k) or initial_actor_path(cfg)
 
     def body() -> StageResult:
-        ensure_state(cfg, run, run.checkpoint_iteration(actor))  # held in memory, on disk, or rebuilt now
+        ensure_state(run, run.checkpoint_iteration(actor))  # held in memory, on disk, or rebuilt now
         settings = validation_settings(cfg, run, k)
         sampling = validation_sampling(settings.generation, seed=0)
         rows, samples = validation_samples(settings, run, actor)

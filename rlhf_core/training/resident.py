@@ -785,7 +785,7 @@ def settle_resident(trainer_cfg: TrainerConfig, run: RunDir, k: int, outcome: st
         trainer.settle(k, outcome, save=save_due(trainer_cfg, k) or not exact)
 
 
-def ensure_state(cfg: RLHFConfig, run: RunDir, k: Optional[int]) -> bool:
+def ensure_state(run: RunDir, k: Optional[int]) -> bool:
     """Make iteration ``k``'s checkpoint directory loadable before a stage reads it: held in memory,
     on disk, or — when only its state record is left (a crash, a CLI rerun) — rebuilt by replay and
     written as a checkpoint. Returns whether it was rebuilt. A lookup first; it trains only when the
