@@ -136,14 +136,17 @@ def test_the_whole_config_stops_above_the_narrow_subpackages():
     assert not wrong, "\n".join(wrong)
 
 
-WHOLE_CONFIG_AT_MOST = {"run": 10, "training": 32, "stages": 48}
+STAGE_ENTRY_POINTS = re.compile(r"^(run_\w+|config_sections|\w+_share)$")
+"""The stage contract's functions, which take the whole config by design (``run.stage_order``)."""
+WHOLE_CONFIG_AT_MOST = {"run": 10, "training": 32, "stages": 24}
 """Functions that still take the whole config in the subpackages not yet narrow: a ceiling that only
 comes down. A new function there takes the settings it reads (a config section, or a dataclass its
 stage builds once: ``stages/settings.py``, ``guard.GuardSettings``, ``score.ScoreSettings``, ...);
 whoever narrows more lowers the number. In ``stages`` the config arrives whole at each stage's entry
 points (``run_<stage>``, ``config_sections``, ``<stage>_share``, its settings builder) and the bodies
-take settings (85 functions took it before issue 40). (``config`` is the config; ``control`` is
-where it is meant to arrive whole.)"""
+take settings: the entry points a stage must have (``STAGE_ENTRY_POINTS``) are not counted, so a new
+stage by the README's recipe needs no change here (85 functions took the config before issue 40, 48
+with the entry points now, 24 without). (``config`` is the config; ``control`` is where it is meant to arrive whole.)"""
 
 
 def test_no_new_function_below_the_stages_takes_the_whole_config():
@@ -151,6 +154,8 @@ def test_no_new_function_below_the_stages_takes_the_whole_config():
     for module, path in MODULES.items():
         if module.startswith("rlhf_core.") and _inner(module) in WHOLE_CONFIG_AT_MOST:
             for node in _whole_config_functions(ast.parse(path.read_text(encoding="utf-8"))):
+                if _inner(module) == "stages" and STAGE_ENTRY_POINTS.match(node.name):
+                    continue
                 counts.setdefault(_inner(module), []).append(f"{module}.{node.name}")
     over = {sub: names for sub, names in counts.items() if len(names) > WHOLE_CONFIG_AT_MOST[sub]}
     assert not over, "\n".join(f"{sub}: {len(names)} functions take the whole config (at most "
