@@ -51,16 +51,9 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-GB = 1e9
+from benchmarks.bench_save import GB, build_models, hwm_gb, reset_hwm, rss_gb  # noqa: E402  (after the path)
 METHODS = ("ours", "ours-reuse", "deepspeed", "dcp")
 LR = 1e-4
-
-
-def _status(field: str) -> float:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024 / GB
-    return float("nan")
 
 
 @contextlib.contextmanager
@@ -69,13 +62,12 @@ def peak(report: dict, key: str):
     import gc
 
     gc.collect()
-    base = _status("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")
+    base = rss_gb()
+    reset_hwm()
     t0 = time.perf_counter()
     yield
     seconds = time.perf_counter() - t0
-    report[key] = {"seconds": seconds, "peak_over_base_gb": _status("VmHWM") - base,
-                   "rss_growth_gb": _status("VmRSS") - base}
+    report[key] = {"seconds": seconds, "peak_over_base_gb": hwm_gb() - base, "rss_growth_gb": rss_gb() - base}
 
 
 def dir_gb(path: Path) -> float:
@@ -409,12 +401,6 @@ def table(results: dict[int, list[dict]]) -> str:
             if s["differs"]:
                 notes.append(f"ZeRO-{stage} {method} differs after restore: {'; '.join(s['differs'])}")
     return "\n".join(rows + ([""] + notes if notes else []))
-
-
-def build_models(cache: Path, layers: int) -> tuple[Path, Path]:
-    from benchmarks.bench_save import build_models as build
-
-    return build(cache, layers)
 
 
 def main() -> None:
