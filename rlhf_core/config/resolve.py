@@ -4,6 +4,7 @@ Every stage asks here instead of reading the raw field, so "null = the actor's" 
 
     mini_batch_sequences(cfg, "critic")       critic.ppo_mini_batch_size (or the actor's) × rollout.n
     micro_batching(cfg, "ref")                (use_dynamic_bsz, token budget, sequences per forward)
+    update_values(cfg, world_size)            every derived value of an update, in one call
     update_world_size(trainer, cuda_devices)  trainer.nproc, else n_gpus_per_node × nnodes
     update_nodes(trainer, cuda_devices)       (nnodes, processes per node) of that world
     update_rendezvous(trainer, environ)       node 0's address and port: trainer.master_*, else $MASTER_*
@@ -244,12 +245,6 @@ def critic_loss_scale_factor(cfg: RLHFConfig) -> float:
     return float(factor) if factor is not None else loss_scale_factor(cfg)
 
 
-def actor_updates(trainer: TrainerConfig, iteration: int) -> bool:
-    """Whether training step ``iteration`` (1-based, verl's global_steps) updates the actor: verl's
-    ``critic_warmup <= global_steps``, so critic_warmup=N trains only the critic in steps 1..N-1."""
-    return trainer.critic_warmup <= iteration
-
-
 def rollout_correction(cfg: RLHFConfig) -> RolloutCorrection:
     """algorithm.rollout_correction as the plain settings the math takes."""
     c = cfg.algorithm.rollout_correction
@@ -265,6 +260,49 @@ def policy_loss_mode(cfg: RLHFConfig) -> str:
     if cfg.algorithm.rollout_correction.bypass_mode:
         return "bypass_mode"
     return cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+
+
+@dataclass(frozen=True)
+class RoleUpdate:
+    """One trained role's update settings, resolved as verl resolves them (the critic's null keys
+    take the actor's)."""
+
+    epochs: int
+    mini_batch_sequences: int
+    """Sequences per optimizer step over all processes (``mini_batch_sequences``)."""
+    shuffle: bool
+    micro_batching: MicroBatching
+    use_remove_padding: bool
+    """Packed rows: model.use_remove_padding (the critic's, else the actor's)."""
+    loss_agg_mode: str
+    loss_scale_factor: float
+
+
+@dataclass(frozen=True)
+class UpdateValues:
+    """Every derived value one update reads, resolved in one call (``update_values``): the training
+    loop's settings are built from these and the section's plain keys, with no second trip here."""
+
+    actor: RoleUpdate
+    critic: Optional[RoleUpdate]
+    """None in a run without a critic (``uses_critic``): its keys are then not read."""
+    clip_ratios: tuple[float, float]
+    """(ε_low, ε_high) (``clip_ratios``)."""
+    policy_loss_mode: str
+    rollout_correction: RolloutCorrection
+
+
+def update_values(cfg: RLHFConfig, world_size: int) -> UpdateValues:
+    """The derived values of an update on ``world_size`` ranks (the micro-batch size divides by it)."""
+    a = cfg.actor_rollout_ref.actor
+    actor = RoleUpdate(a.ppo_epochs, mini_batch_sequences(cfg, "actor"), a.shuffle,
+                       micro_batching(cfg, "actor", world_size), cfg.actor_rollout_ref.model.use_remove_padding,
+                       a.loss_agg_mode, loss_scale_factor(cfg))
+    critic = None if not uses_critic(cfg) else RoleUpdate(
+        critic_epochs(cfg), mini_batch_sequences(cfg, "critic"), critic_shuffle(cfg),
+        micro_batching(cfg, "critic", world_size), critic_use_remove_padding(cfg), critic_loss_agg_mode(cfg),
+        critic_loss_scale_factor(cfg))
+    return UpdateValues(actor, critic, clip_ratios(cfg), policy_loss_mode(cfg), rollout_correction(cfg))
 
 
 def role_model_key(cfg: RLHFConfig, role: str = "actor") -> str:

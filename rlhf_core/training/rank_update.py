@@ -7,7 +7,7 @@ moments and the lr schedule of iteration k — or from the initial models before
 writes ``iter_K/metrics.json`` and ``iter_K/state.json`` (``finish_update``).
 
 As verl's trainer: the critic trains first, then the actor unless the step is a critic warm-up step
-(``config.resolve.actor_updates``; the actor's weights, optimizer state and lr position are then
+(``UpdateSettings.actor_updates``; the actor's weights, optimizer state and lr position are then
 saved unchanged); each role has its own mini-batch, micro-batch, epoch and shuffle settings; and
 each role's lr schedule moves one step per iteration it trained in.
 """
@@ -27,7 +27,7 @@ import torch
 
 from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve
 from rlhf_core.config.errors import ConfigError
-from rlhf_core.config.schema import OptimConfig, TrainerConfig
+from rlhf_core.config.schema import ActorConfig, OptimConfig, TrainerConfig
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.paths import resolve_model_path
@@ -75,25 +75,56 @@ class UpdateSettings:
     critic: Optional[RoleSettings]
     """None in a run without a critic (``config.resolve.uses_critic``)."""
     trainer: TrainerConfig
-    """seed, critic_warmup (``config.resolve.actor_updates``), concurrent_critic_actor."""
+    """seed, critic_warmup (``actor_updates``), concurrent_critic_actor."""
     lora: Optional[LoraSettings]
     """The actor's adapters (None: full fine-tuning), recorded in trainer_state.json."""
     learning_rates: tuple[float, float]
     """The actor's and the critic's base lr (``optim.lr``; a retry halves the actor's)."""
 
+    def actor_updates(self, iteration: int) -> bool:
+        """Whether training step ``iteration`` (1-based, verl's global_steps) updates the actor: verl's
+        ``critic_warmup <= global_steps``, so critic_warmup=N trains only the critic in steps 1..N-1."""
+        return self.trainer.critic_warmup <= iteration
+
 
 def update_settings(cfg: RLHFConfig, world_size: int) -> UpdateSettings:
     """``UpdateSettings`` of ``cfg`` on ``world_size`` ranks (the micro-batching divides by it): each
-    role's loss (``actor_loss_from_config``, ``critic_loss_from_config``), epochs, micro-batching,
-    mini-batch and shuffle, as verl's critic.* keys fall back to the actor's."""
+    role's loss, epochs, micro-batching, mini-batch and shuffle, as verl's critic.* keys fall back to
+    the actor's. The derived values come from one call (``config.resolve.update_values``); the rest
+    are the sections' plain keys."""
+    values = resolve.update_values(cfg, world_size)
     a = cfg.actor_rollout_ref.actor
-    actor = RoleSettings(actor_loss_from_config(cfg), a.ppo_epochs, micro_batch_plan(cfg, "actor", world_size),
-                         resolve.mini_batch_sequences(cfg, "actor"), a.shuffle)
-    critic = None if not resolve.uses_critic(cfg) else RoleSettings(
-        critic_loss_from_config(cfg), resolve.critic_epochs(cfg), micro_batch_plan(cfg, "critic", world_size),
-        resolve.mini_batch_sequences(cfg, "critic"), resolve.critic_shuffle(cfg))
+    actor = _role_settings("actor", _actor_loss(a, cfg.actor_rollout_ref.rollout.temperature, values), values.actor)
+    critic = None if values.critic is None else _role_settings(
+        "critic", _critic_loss(cfg.critic.cliprange_value, values.critic), values.critic)
     return UpdateSettings(actor, critic, cfg.trainer, LoraSettings.from_config(cfg.actor_rollout_ref.model),
                           (a.optim.lr, cfg.critic.optim.lr))
+
+
+def _role_settings(role: str, loss: Any, values: resolve.RoleUpdate) -> RoleSettings:
+    mb = values.micro_batching
+    plan = MicroBatchPlan(use_dynamic_bsz=mb.use_dynamic_bsz, token_budget=mb.token_budget,
+                          micro_batch_size=mb.micro_batch_size, pack_rows=values.use_remove_padding,
+                          budget_key=BUDGET_KEYS[role])
+    return RoleSettings(loss, values.epochs, plan, values.mini_batch_sequences, values.shuffle)
+
+
+def _critic_loss(cliprange_value: float, values: resolve.RoleUpdate) -> CriticLoss:
+    return CriticLoss(cliprange_value=cliprange_value, loss_agg_mode=values.loss_agg_mode,
+                      loss_scale_factor=values.loss_scale_factor)
+
+
+def _actor_loss(a: ActorConfig, temperature: float, values: resolve.UpdateValues) -> ActorLoss:
+    low, high = values.clip_ratios
+    knobs = {f.name: getattr(a.policy_loss, f.name) for f in fields(a.policy_loss) if f.name != "loss_mode"}
+    correction = values.rollout_correction
+    return ActorLoss(
+        clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=values.actor.loss_agg_mode,
+        loss_mode=values.policy_loss_mode, entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
+        kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, temperature=temperature,
+        loss_scale_factor=values.actor.loss_scale_factor,
+        loss_mode_settings=tuple(sorted({**knobs, "tau_pos": a.tau_pos, "tau_neg": a.tau_neg}.items())),
+        rollout_correction=correction if correction.bypass_mode else None)
 
 
 def resolve_sources(cfg: RLHFConfig, run: RunDir, iteration: int) -> UpdateSources:
@@ -119,32 +150,19 @@ def resolve_sources(cfg: RLHFConfig, run: RunDir, iteration: int) -> UpdateSourc
 
 
 def micro_batch_plan(cfg: RLHFConfig, role: str = "actor", world_size: int = 1) -> MicroBatchPlan:
-    """``role``'s micro-batching (``config.resolve.micro_batching``): verl's use_dynamic_bsz, token
-    budget and per-GPU size for the actor or the critic; packed rows follow use_remove_padding."""
-    mb = resolve.micro_batching(cfg, role, world_size)
-    packed = (cfg.actor_rollout_ref.model.use_remove_padding if role == "actor"
-              else resolve.critic_use_remove_padding(cfg))
-    return MicroBatchPlan(use_dynamic_bsz=mb.use_dynamic_bsz, token_budget=mb.token_budget,
-                          micro_batch_size=mb.micro_batch_size, pack_rows=packed, budget_key=BUDGET_KEYS[role])
+    """``role``'s micro-batching in the update: verl's use_dynamic_bsz, token budget and per-GPU
+    size for the actor or the critic; packed rows follow use_remove_padding."""
+    return getattr(update_settings(cfg, world_size), role).plan
 
 
 def actor_loss_from_config(cfg: RLHFConfig) -> ActorLoss:
-    a = cfg.actor_rollout_ref.actor
-    low, high = resolve.clip_ratios(cfg)
-    knobs = {f.name: getattr(a.policy_loss, f.name) for f in fields(a.policy_loss) if f.name != "loss_mode"}
-    correction = resolve.rollout_correction(cfg)
-    return ActorLoss(
-        clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=a.loss_agg_mode,
-        loss_mode=resolve.policy_loss_mode(cfg), entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, temperature=cfg.actor_rollout_ref.rollout.temperature,
-        loss_scale_factor=resolve.loss_scale_factor(cfg),
-        loss_mode_settings=tuple(sorted({**knobs, "tau_pos": a.tau_pos, "tau_neg": a.tau_neg}.items())),
-        rollout_correction=correction if correction.bypass_mode else None)
+    """The actor's loss as the update builds it (``update_settings``)."""
+    return update_settings(cfg, 1).actor.loss_fn
 
 
 def critic_loss_from_config(cfg: RLHFConfig) -> CriticLoss:
-    return CriticLoss(cliprange_value=cfg.critic.cliprange_value, loss_agg_mode=resolve.critic_loss_agg_mode(cfg),
-                      loss_scale_factor=resolve.critic_loss_scale_factor(cfg))
+    """The critic's loss as the update builds it (``update_settings``; a run without a critic has none)."""
+    return update_settings(cfg, 1).critic.loss_fn
 
 
 def _needs_total_steps(optim: OptimConfig) -> bool:
@@ -354,9 +372,9 @@ def role_schedules(settings: UpdateSettings, actor: TrainEngine, critic: Optiona
                    iteration: int) -> list[RoleSchedule]:
     """What trains this iteration, critic first (verl's order): each role with its own budgets,
     mini-batch (prompts × rollout.n sequences), epochs and shuffle; the actor only when
-    ``resolve.actor_updates`` (verl's critic_warmup); no critic in a run without one."""
+    ``actor_updates`` (verl's critic_warmup); no critic in a run without one."""
     roles = [] if critic is None or settings.critic is None else [RoleSchedule(critic, settings.critic)]
-    if resolve.actor_updates(settings.trainer, iteration):
+    if settings.actor_updates(iteration):
         roles.append(RoleSchedule(actor, settings.actor))
     return roles
 
@@ -409,7 +427,7 @@ def train_iteration(settings: UpdateSettings, iteration: int, data: PPOData, act
                           progress=progress, concurrent=concurrent)
     metrics = aggregate(outcome)
     metrics.update(update_perf(roles, data, outcome, device, dist.world_size))
-    metrics["actor/updated"] = float(resolve.actor_updates(t, iteration))  # 0: a critic warm-up step
+    metrics["actor/updated"] = float(settings.actor_updates(iteration))  # 0: a critic warm-up step
     metrics["perf/peak_rss_gb"] = float(all_reduce(torch.tensor(peak_rss_gb()), op="max"))
     metrics["perf/world_size"] = float(dist.world_size)
     metrics["perf/threads_per_rank"] = float(threads)
