@@ -64,12 +64,13 @@ def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
         # resume (``lifecycle.unfinished_retry``, ``control.plan.finish_retry``): it saves the recorded
         # values, which applied twice change nothing, and never decides the retry again, so the
         # iteration reruns once with the recorded scale and learning rate (never multiplied twice).
-        *scale, retry_id = record_retry(run, k, attempt, changes,
-                                        t.retry_kl_coef_multiplier if cfg.algorithm.use_kl_in_reward else 1.0)
+        retry = record_retry(run, k, attempt, changes,
+                             t.retry_kl_coef_multiplier if cfg.algorithm.use_kl_in_reward else 1.0)
         fault_point("retry:before_config")  # kill tests: the retry recorded, its config changes not saved yet
         save_config(run, apply_overrides(cfg, overrides))
-        shown = {**changes, **({f"iter_{k}/retry.json {RETRY_SCALE}": tuple(scale)} if scale[0] != scale[1] else {})}
-        run.append_event("retry", k, attempt=attempt, changes=shown, retry_id=retry_id)
+        scaled = retry.scale != retry.scale_before
+        shown = {**changes, **({f"iter_{k}/retry.json {RETRY_SCALE}": (retry.scale_before, retry.scale)} if scaled else {})}
+        run.append_event("retry", k, attempt=attempt, changes=shown, retry_id=retry.id)
         text = ", ".join(f"{key} {old:.3g} → {new:.3g}" for key, (old, new) in shown.items()) or "no change"
         emit_alert(run, "rollback", k, f"{alert}; retrying ({text})", attempt=attempt, decision="retry")
         log.warning("retrying iteration %d (%d of at most %d): %s", k, attempt, t.max_rollbacks, text)

@@ -42,6 +42,7 @@ import shutil
 import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
@@ -296,22 +297,31 @@ def read_retry_scale(run: RunDir, k: int) -> float:
     return float(scale)
 
 
-def record_retry(run: RunDir, k: int, attempt: int, changes: dict[str, Any],
-                 multiplier: float) -> tuple[float, float, str]:
+@dataclass(frozen=True)
+class RetryRecord:
+    """What ``record_retry`` wrote: the reward KL coefficient's scale before and after, and the id
+    the "retry" event repeats."""
+
+    scale_before: float
+    scale: float
+    id: str
+
+
+def record_retry(run: RunDir, k: int, attempt: int, changes: dict[str, Any], multiplier: float) -> RetryRecord:
     """Write iteration ``k``'s retry decision, atomically, in ``iter_k/retry.json``: {"attempt",
     "kl_coef_scale": the previous retry's scale of ``k`` (1 for the first) times ``multiplier``
     (trainer.retry_kl_coef_multiplier with the KL in the reward, else 1), "changes": the
     config overrides of ``retry_overrides`` (``changes``: {key: (old, new)}), "id"}. The caller then
     saves those overrides in config.yaml and appends the "retry" event with that id: a kill between
     the two is finished by the resume (``unfinished_retry``, ``control.plan.finish_retry``).
-    Returns (old scale, new scale, id)."""
+    Returns what it wrote."""
     old = read_retry_scale(run, k)
     new = old * multiplier
     record_id = uuid.uuid4().hex
     atomic_write_json(run.retry_record(k), {"iteration": k, "attempt": attempt, RETRY_SCALE: new,
                                             "changes": {key: list(pair) for key, pair in changes.items()},
                                             "id": record_id})
-    return old, new, record_id
+    return RetryRecord(old, new, record_id)
 
 
 def unfinished_retry(run: RunDir, k: int) -> Optional[dict]:

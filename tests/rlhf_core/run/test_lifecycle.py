@@ -32,6 +32,10 @@ def _trained_iteration(run: RunDir, k: int, decision: str) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _scales(retry: lifecycle.RetryRecord) -> tuple[float, float]:
+    return retry.scale_before, retry.scale
+
+
 def test_settle_commit_moves_the_commit_log_once(tmp_path):
     run = RunDir(tmp_path / "run")
     _trained_iteration(run, 1, "commit")
@@ -122,11 +126,11 @@ def test_retry_overrides_divide_lr_and_multiply_the_kl_coefficients(tmp_path):
     assert not list(tmp_path.iterdir())
     run = RunDir(tmp_path / "run")
     assert lifecycle.read_retry_scale(run, 2) == 1.0
-    assert lifecycle.record_retry(run, 2, 1, changes, 4.0)[:2] == (1.0, 4.0)
-    assert lifecycle.record_retry(run, 2, 2, {}, 4.0)[:2] == (4.0, 16.0)  # again
+    assert _scales(lifecycle.record_retry(run, 2, 1, changes, 4.0)) == (1.0, 4.0)
+    assert _scales(lifecycle.record_retry(run, 2, 2, {}, 4.0)) == (4.0, 16.0)  # again
     record = run.read_json(run.retry_record(2))
     assert record["attempt"] == 2 and record["kl_coef_scale"] == 16.0
-    assert lifecycle.record_retry(run, 3, 1, changes, 1.0)[:2] == (1.0, 1.0)  # no KL in the reward: it stays
+    assert _scales(lifecycle.record_retry(run, 3, 1, changes, 1.0)) == (1.0, 1.0)  # no KL in the reward: it stays
     for bad in ('{"kl_coef_scale": 0}', '{"kl_coef_scale": "2"}', "[]"):
         run.retry_record(2).write_text(bad)
         with pytest.raises(StateFileError, match="retry.json is damaged"):
@@ -139,7 +143,7 @@ def test_an_unfinished_retry_is_finished_with_its_recorded_values(tmp_path):
     cfg = load_config(None, ["actor_rollout_ref.actor.optim.lr=1e-4", "trainer.retry_lr_divisor=10"])
     run = RunDir(tmp_path / "run")
     _, changes = lifecycle.retry_overrides(cfg)
-    *_, retry_id = lifecycle.record_retry(run, 2, 1, changes, 4.0)
+    retry_id = lifecycle.record_retry(run, 2, 1, changes, 4.0).id
     record = lifecycle.unfinished_retry(run, 2)
     assert record is not None and lifecycle.unfinished_retry(run, 3) is None
     finished, applied = finish_retry(cfg, record)
