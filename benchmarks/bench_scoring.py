@@ -71,6 +71,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_core.models.tiny import build_tiny_model
+    from rlhf_core.scoring.session import RunSession
     from rlhf_core.scoring import (ROW_TOKENS, Throughput, compute_token_logprobs, compute_token_values,
                                    load_causal_lm, load_critic)
 
@@ -83,10 +84,11 @@ def main() -> None:
             for p in ref_model.parameters():
                 p.add_(0.01 * torch.randn_like(p))
         ref_model.save_pretrained(Path(tmp) / "ref")
-        actor = load_causal_lm(actor_dir, cpu, torch.float32)
-        ref = load_causal_lm(Path(tmp) / "ref", cpu, torch.float32, role="reference")
+        disk = RunSession()  # every model read from its directory
+        actor = load_causal_lm(actor_dir, cpu, torch.float32, session=disk)
+        ref = load_causal_lm(Path(tmp) / "ref", cpu, torch.float32, role="reference", session=disk)
         torch.manual_seed(args.seed)
-        critic = load_critic(actor_dir, cpu, torch.float32)
+        critic = load_critic(actor_dir, cpu, torch.float32, session=disk)
         seqs, plens = load_sequences(AutoTokenizer.from_pretrained(actor_dir), args.prompts)
 
     tokens = 3 * sum(map(len, seqs))

@@ -36,6 +36,7 @@ from rlhf_core.control.plan import RunPlan, logs_to, open_run, plan_run, resolve
 from rlhf_core.run.report import format_iteration_header, format_iteration_row, iteration_metrics
 from rlhf_core.run.stage_order import SETUP_STAGES, VALIDATE
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.training.resident import resident_models, rollout_engine_kept
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.prefect_runs import claim_run_directory, fail_misplaced_parameters, keep_command_sigterm
@@ -122,13 +123,14 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
     """Setup stages, the training-step count, the validation before training, then the iteration
     loop; prints one table row per iteration when trainer.logger has console."""
     run_dir = str(plan.run.root)
+    session = RunSession()  # what this flow run keeps in memory, handed to every stage that uses models
     cfg = setup(plan, mlflow_run_id)
     if plan.resumed:
-        redo_missed_validations(plan, cfg, mlflow_run_id)
+        redo_missed_validations(plan, cfg, mlflow_run_id, session)
     metrics: dict = {}
-    with rollout_engine_kept(cfg):  # a vLLM engine, once started, serves every validation and rollout below
+    with rollout_engine_kept(cfg, session):  # a vLLM engine, once started, serves every validation and rollout below
         if initial_validation_due(cfg.trainer):  # the policy the run starts from, at its step (0 for a new run)
-            metrics = validate_before_training(plan, cfg, mlflow_run_id)
+            metrics = validate_before_training(plan, cfg, mlflow_run_id, session)
         if not plan.iterations():  # trainer.val_only, or nothing left to run on resume
             make_durable_task(run_dir)  # as a training flow run leaves it: last-good on disk
             return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
@@ -136,8 +138,8 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
         settle_heap()  # every module is imported by now: keep the GC from rescanning them each iteration
         reporter = Reporter(prefect_artifacts.logger())
         try:
-            with resident_models(cfg, plan.run):  # one load of actor and critic for all iterations
-                cfg, metrics = iterate(plan, cfg, mlflow_run_id, reporter)
+            with resident_models(cfg, plan.run, session):  # one load of actor and critic for all iterations
+                cfg, metrics = iterate(plan, cfg, mlflow_run_id, reporter, session)
         finally:  # every queued view is published (or its failure logged) before the flow returns or fails
             failed = reporter.close()
     if failed and mlflow_run_id:  # the batches a failed report did not log (a failed run catches up on resume)
@@ -176,13 +178,14 @@ def settle_heap() -> None:
     gc.freeze()
 
 
-def redo_missed_validations(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str]) -> list[int]:
+def redo_missed_validations(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], session: RunSession
+                            ) -> list[int]:
     """Validations a crash skipped (``schedule.missed_validations``), redone on the policy of their
     step and logged at that step; one whose policy's checkpoint was pruned cannot be, and says so."""
     run, redone = plan.run, []
     for k in missed_validations(cfg.trainer, run, committed_iterations(run)):
         try:
-            STAGE_TASKS[VALIDATE](cfg, str(run.root), k, mlflow_run_id=mlflow_run_id)
+            STAGE_TASKS[VALIDATE](cfg, str(run.root), k, mlflow_run_id=mlflow_run_id, session=session)
         except CheckpointError as exc:
             prefect_artifacts.logger().warning("validation of step %d was missed and cannot be redone: %s", k, exc)
             continue
@@ -194,12 +197,13 @@ def redo_missed_validations(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optio
     return redone
 
 
-def validate_before_training(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str]) -> dict:
+def validate_before_training(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], session: RunSession
+                             ) -> dict:
     """verl's val_before_train: validate the starting policy, logged at its step (0 for a new run;
     on resume the last committed iteration, reused when that validation is already on disk, and
     written into that iteration's iteration_metrics.json)."""
     step = plan.first_iteration - 1
-    result = STAGE_TASKS[VALIDATE](cfg, str(plan.run.root), step, mlflow_run_id=mlflow_run_id)
+    result = STAGE_TASKS[VALIDATE](cfg, str(plan.run.root), step, mlflow_run_id=mlflow_run_id, session=session)
     if step >= 1:  # a committed iteration's record gains it: rlhf status, rlhf query and the curve read it there
         iteration_metrics(cfg.data, plan.run, step)
     if logs_to(cfg, "console"):
@@ -208,8 +212,8 @@ def validate_before_training(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Opti
     return result["metrics"]
 
 
-def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], reporter: Reporter
-            ) -> tuple[RLHFConfig, dict]:
+def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], reporter: Reporter,
+            session: RunSession) -> tuple[RLHFConfig, dict]:
     """Iterations first..last: run, close, queue the views; returns the last config and metrics."""
     from tqdm.auto import tqdm
 
@@ -222,9 +226,10 @@ def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], report
         if console:
             bar.write(format_iteration_header())
         for k in plan.iterations():
-            cfg, results = ppo_iteration(cfg, run_dir, k, mlflow_run_id)
+            cfg, results = ppo_iteration(cfg, run_dir, k, mlflow_run_id, session)
             if validate_due(cfg.trainer, k):
-                results.append(STAGE_TASKS[VALIDATE](cfg, run_dir, k, mlflow_run_id=mlflow_run_id, report=False))
+                results.append(STAGE_TASKS[VALIDATE](cfg, run_dir, k, mlflow_run_id=mlflow_run_id, report=False,
+                                                     session=session))
             closed = finish_iteration_task(cfg, run_dir, k, mlflow_run_id=mlflow_run_id, progress_id=progress,
                                            stage_results=results, publish=False)
             reporter.submit(f"report of iteration {k}", publish_iteration, closed["report"])

@@ -38,6 +38,7 @@ from typing import Any, Optional
 
 from rlhf_core.config import RLHFConfig, apply_overrides
 from rlhf_core.run.lifecycle import KLGuardHalt
+from rlhf_core.scoring.session import RunSession
 from tasks.breach import handle_breach_task
 from tasks.stages import STAGE_TASKS, settle_task
 
@@ -50,21 +51,24 @@ class Attempt:
     run_dir: str
     k: int
     mlflow_run_id: Optional[str]
+    session: RunSession
     results: list[dict[str, Any]] = field(default_factory=list)
 
     def stage(self, name: str, cfg: RLHFConfig) -> dict[str, Any]:
-        result = STAGE_TASKS[name](cfg, self.run_dir, self.k, mlflow_run_id=self.mlflow_run_id, report=False)
+        result = STAGE_TASKS[name](cfg, self.run_dir, self.k, mlflow_run_id=self.mlflow_run_id, report=False,
+                                   session=self.session)
         self.results.append(result)
         return result
 
 
-def ppo_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional[str]
+def ppo_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional[str], session: RunSession
                   ) -> tuple[RLHFConfig, list[dict[str, Any]]]:
     """Iteration ``k`` until the guard commits it. Returns the config it committed with (a retry
     changes it) and the committed attempt's stage results. Raises KLGuardHalt when
-    trainer.on_kl_breach (or trainer.max_rollbacks) stops the run."""
+    trainer.on_kl_breach (or trainer.max_rollbacks) stops the run. ``session``: the flow run's
+    models in memory (the trainer, the reference, the kept engine), handed to every step."""
     for attempt in itertools.count(1):
-        steps = Attempt(run_dir, k, mlflow_run_id)
+        steps = Attempt(run_dir, k, mlflow_run_id, session)
 
         # 1. Generate: the last-good actor answers this iteration's prompts (the packed batch
         #    iter_K draws), rollout.n responses each, sampled at rollout.temperature/top_p/top_k;
@@ -98,7 +102,7 @@ def ppo_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional
         # 7. Commit or roll back on the guard's verdict: a commit makes this checkpoint last-good
         #    (one atomic rename); a rollback discards it, and the next attempt starts again from
         #    the same last-good actor (rollout and scores stay valid, steps 3-6 rerun).
-        if settle_task(cfg, run_dir, k, cfg.trainer.on_kl_breach, attempt) == "commit":
+        if settle_task(cfg, run_dir, k, cfg.trainer.on_kl_breach, attempt, session) == "commit":
             return cfg, steps.results
 
         # 8. After a breach: trainer.on_kl_breach=retry reruns the iteration with the learning rate

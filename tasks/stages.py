@@ -5,7 +5,9 @@ Each task resolves the run directory, calls ``run_<stage>(cfg, run, iteration, f
 stage's metrics to MLflow (one batch, step = iteration) and publishes a markdown artifact with the
 stage's summary — unless called with ``report=False``: the pipeline flow reports a whole iteration
 at once (one MLflow batch, one markdown artifact: tasks.iteration), single-stage reruns per stage.
-Tasks take and return small things: the config, paths, a result dict (never tensors). Prefect's result caching is off: whether a stage reruns is decided by the run's manifest
+Tasks take and return small things: the config, paths, a result dict (never tensors) — and the
+flow run's session (``scoring.session.RunSession``), a handle on the models it keeps in memory, for
+the stages that use models (``StageSpec.uses_models``); without one they read every model from disk. Prefect's result caching is off: whether a stage reruns is decided by the run's manifest
 (same input hashes and config hash → skipped), which also survives a crash and a CLI rerun.
 
 Retries only where the failure can be a transient I/O error (``OSError`` other than a missing file
@@ -28,6 +30,7 @@ from rlhf_core.run.lifecycle import settle
 from rlhf_core.run.manifest import mark_skipped
 from rlhf_core.run.report import stage_numbers
 from rlhf_core.run.stage_order import STAGES, StageSpec
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.repair import Unrepairable, make_last_good_durable, prepare_export
 from rlhf_core.training.resident import check_background_writes, settle_resident
 from tasks import mlflow_tracking, prefect_artifacts
@@ -55,10 +58,12 @@ def _stage_task(spec: StageSpec):
     artifact) when ``report``."""
 
     def run_stage(cfg: RLHFConfig, run_dir: str, iteration: Optional[int] = None, force: bool = False,
-                  mlflow_run_id: Optional[str] = None, report: bool = True) -> dict[str, Any]:
+                  mlflow_run_id: Optional[str] = None, report: bool = True,
+                  session: Optional[RunSession] = None) -> dict[str, Any]:
         with timing.span(f"task:{spec.name}"):
             run = RunDir(run_dir)
-            result = spec.load()(cfg, run, iteration, force=force)
+            models = {"session": session} if spec.uses_models else {}
+            result = spec.load()(cfg, run, iteration, force=force, **models)
             log = prefect_artifacts.logger()
             if result.skipped:
                 mark_skipped(run, iteration, spec.name)
@@ -121,7 +126,8 @@ def make_durable_task(run_dir: str) -> Optional[str]:
 
 
 @task(name="settle", task_run_name="settle-iter{iteration}", **NO_RESULTS)
-def settle_task(cfg: RLHFConfig, run_dir: str, iteration: int, policy: str, attempt: int) -> str:
+def settle_task(cfg: RLHFConfig, run_dir: str, iteration: int, policy: str, attempt: int,
+                session: Optional[RunSession] = None) -> str:
     """Act on iteration K's verdict: commit (last_good.json moves, one atomic rename) or roll back
     (the checkpoint discarded), then tell the resident trainer (a commit may start a background
     save, a rollback puts its in-memory snapshot back). First the background save of an earlier
@@ -129,7 +135,8 @@ def settle_task(cfg: RLHFConfig, run_dir: str, iteration: int, policy: str, atte
     decides a commit."""
     with timing.span("task:settle"):
         run = RunDir(run_dir)
-        check_background_writes(run)  # a save that failed stops the run before anything commits on top of it
+        session = session or RunSession()  # none: no trainer kept in memory to tell
+        check_background_writes(session)  # a save that failed stops the run before anything commits on top of it
         outcome = settle(run, iteration, policy=policy, attempt=attempt)
-        settle_resident(cfg.trainer, run, iteration, outcome)
+        settle_resident(cfg.trainer, session, iteration, outcome)
         return outcome

@@ -138,15 +138,15 @@ def test_the_whole_config_stops_above_the_narrow_subpackages():
 
 STAGE_ENTRY_POINTS = re.compile(r"^(run_\w+|config_sections|\w+_share)$")
 """The stage contract's functions, which take the whole config by design (``run.stage_order``)."""
-WHOLE_CONFIG_AT_MOST = {"run": 10, "training": 32, "stages": 24}
+WHOLE_CONFIG_AT_MOST = {"run": 10, "training": 32, "stages": 20}
 """Functions that still take the whole config in the subpackages not yet narrow: a ceiling that only
 comes down. A new function there takes the settings it reads (a config section, or a dataclass its
 stage builds once: ``stages/settings.py``, ``guard.GuardSettings``, ``score.ScoreSettings``, ...);
 whoever narrows more lowers the number. In ``stages`` the config arrives whole at each stage's entry
 points (``run_<stage>``, ``config_sections``, ``<stage>_share``, its settings builder) and the bodies
 take settings: the entry points a stage must have (``STAGE_ENTRY_POINTS``) are not counted, so a new
-stage by the README's recipe needs no change here (85 functions took the config before issue 40, 48
-with the entry points now, 24 without). (``config`` is the config; ``control`` is where it is meant to arrive whole.)"""
+stage by the README's recipe needs no change here (85 functions took the config before issue 40, 44
+with the entry points now, 20 without: the process counts take the trainer and rollout sections). (``config`` is the config; ``control`` is where it is meant to arrive whole.)"""
 
 
 def test_no_new_function_below_the_stages_takes_the_whole_config():
@@ -242,3 +242,62 @@ def test_every_source_folder_is_a_package_the_wheel_includes():
     found = set(find_packages(where=str(REPO), include=[f"{layer}*" for layer in LAYERS]))
     folders = {".".join(p.parent.relative_to(REPO).parts) for layer in LAYERS for p in (REPO / layer).rglob("*.py")}
     assert folders <= found, f"folders missing an __init__.py: {sorted(folders - found)}"
+
+
+PROCESS_WIDE = {
+    "rlhf_core.rewards.registry._REGISTERED": "a registry: reward functions by data source",
+    "rlhf_core.data.adapters.ADAPTERS": "a registry: dataset adapters by name",
+    "rlhf_core.scoring.cache._entries": "a memo of read-only model directories keyed by their files' identity",
+    "rlhf_core.io.hashing._known": "a memo of file digests keyed by (path, size, mtime)",
+    "rlhf_core.config.notes._SAID": "which one-time notes this process printed",
+    "rlhf_core.run.layout._WARNED": "which one-time warnings this process printed",
+    "rlhf_core.io.timing._spans": "the process's timing spans (accounting, not state a stage reads)",
+    "rlhf_core.io.timing._gc_sink": "where the garbage collector's pauses are counted",
+    "rlhf_core.io.timing._gc_started": "the start of the garbage collection in progress",
+    "rlhf_core.io.timing._blocks_open": "how many timed blocks are open",
+}
+"""The only module-level values a function may change, each a registry, a pure memo cache or process
+accounting. Live state (the trainer, lent modules, frozen models, a kept engine, kept reference
+states) belongs to the run session (``scoring.session.RunSession``) the flow hands to each stage."""
+
+
+MUTATORS = {"append", "add", "clear", "discard", "extend", "insert", "move_to_end", "pop", "popitem", "remove",
+            "setdefault", "update", "appendleft"}
+
+
+def _process_wide_values() -> set[str]:
+    """Module-level names of rlhf_core that a function changes: rebinds (``global``), assigns into,
+    deletes from or calls a mutating method of."""
+    found = set()
+    for module, path in MODULES.items():
+        if not module.startswith("rlhf_core."):
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        top = {t.id for node in tree.body if isinstance(node, (ast.Assign, ast.AnnAssign))
+               for t in (node.targets if isinstance(node, ast.Assign) else [node.target]) if isinstance(t, ast.Name)}
+        for func in [n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]:
+            local = {a.arg for a in [*func.args.posonlyargs, *func.args.args, *func.args.kwonlyargs]}
+            for node in ast.walk(func):
+                if isinstance(node, ast.Global):
+                    found |= {f"{module}.{name}" for name in node.names}
+                name = None
+                if isinstance(node, (ast.Assign, ast.AugAssign, ast.Delete)):
+                    targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
+                    name = next((t.value.id for t in targets if isinstance(t, ast.Subscript)
+                                 and isinstance(t.value, ast.Name)), None)
+                elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) \
+                        and node.func.attr in MUTATORS and isinstance(node.func.value, ast.Name):
+                    name = node.func.value.id
+                if name in top and name not in local:
+                    found.add(f"{module}.{name}")
+    return found
+
+
+def test_no_module_holds_live_state():
+    """Module-level holders of live state: none (registries, pure memo caches and process accounting
+    only, each named in PROCESS_WIDE with its reason)."""
+    extra = sorted(_process_wide_values() - set(PROCESS_WIDE))
+    assert not extra, (f"module-level state {extra}: a run's live state goes into the run session "
+                       "(rlhf_core/scoring/session.py); a registry or memo cache goes into PROCESS_WIDE with its reason")
+    gone = sorted(set(PROCESS_WIDE) - _process_wide_values())
+    assert not gone, f"PROCESS_WIDE names values that no longer exist: {gone}"

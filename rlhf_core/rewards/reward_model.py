@@ -34,9 +34,9 @@ from rlhf_core.errors import CheckpointError
 from rlhf_core.io.timing import MODEL_LOAD, timed
 from rlhf_core.models.storage import load_pretrained
 from rlhf_core.progress import bar_disabled
-from rlhf_core.scoring import frozen
 from rlhf_core.scoring.logprobs import micro_batch_indices
 from rlhf_core.scoring.models import load_tokenizer
+from rlhf_core.scoring.session import RunSession
 
 
 @dataclass
@@ -56,9 +56,9 @@ def load_reward_model(path: str | Path, device: str | torch.device = "cpu",
 
 
 @contextlib.contextmanager
-def held_reward_model(path: str | Path, device: torch.device, dtype: torch.dtype,
-                      param_offload: bool = False) -> Iterator[RewardModel]:
-    """``load_reward_model``'s model on ``device`` for one scoring pass, held by this process for
+def held_reward_model(path: str | Path, device: torch.device, dtype: torch.dtype, param_offload: bool = False,
+                      *, session: RunSession) -> Iterator[RewardModel]:
+    """``load_reward_model``'s model on ``device`` for one scoring pass, held by the session for
     the run and placed by ``reward_model.model.fsdp_config.param_offload`` (``scoring.frozen``)."""
     path = Path(path)
 
@@ -66,8 +66,9 @@ def held_reward_model(path: str | Path, device: torch.device, dtype: torch.dtype
         with timed(MODEL_LOAD):
             return _read_model(path, where, dtype)
 
-    with frozen.on_device("reward_model", path, device, param_offload, (str(dtype),), load) as model:
-        yield RewardModel(model=model, tokenizer=load_tokenizer(path, shared=True), device=device, path=path)
+    with session.frozen.on_device("reward_model", path, device, param_offload, (str(dtype),), load) as model:
+        yield RewardModel(model=model, tokenizer=load_tokenizer(path, session=session, shared=True), device=device,
+                          path=path)
 
 
 def _read_model(path: Path, where: torch.device, dtype: torch.dtype) -> torch.nn.Module:

@@ -5,7 +5,7 @@ the pack stage's generation batches, sampled) and validation (held-out prompts, 
 
     gen = stages.settings.generation(cfg)        # built once, above this layer
     rows = read_prompt_rows(run.val_prompts)
-    samples, stats = generate_responses(gen, model_dir, rows, validation_sampling(gen, seed=7))
+    samples, stats = generate_responses(gen, model_dir, rows, validation_sampling(gen, seed=7), session=RunSession())
 
 What generation reads of the config arrives as ``GenerationSettings``; the whole config stops above.
 """
@@ -24,13 +24,13 @@ from rlhf_core.config.schema import DataConfig, RolloutConfig
 from rlhf_core.config.notes import say_once
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
-from rlhf_core.models import live
 from rlhf_core.rollout.base import (
     FINISH_STOP, GeneratedSample, GenerationStats, RolloutEngine, SamplingParams, derive_seed, get_engine,
 )
 from rlhf_core.data.packing import Share, plan_generation_batches, shard_by_tokens
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.flops import floor_metrics, generation_flops, model_shape
 
@@ -81,18 +81,19 @@ def validation_sampling(gen: GenerationSettings, *, seed: int) -> SamplingParams
 
 
 def build_rollout_engine(gen: GenerationSettings, model_path: str | Path, name: Optional[str] = None, *,
-                         resident: bool = False, data_parallel_size: int = 1,
+                         session: RunSession, resident: bool = False, data_parallel_size: int = 1,
                          external_launcher: bool = False) -> RolloutEngine:
     """The engine named by ``actor_rollout_ref.rollout.name`` (or ``name``), loaded on ``model_path``;
     ``resident``: a vLLM engine that pauses during the update and takes new weights in place;
     ``external_launcher``: this process is one rank of ``data_parallel_size`` vLLM engines of
-    rollout.tensor_model_parallel_size ranks each, spread over torchrun's processes."""
+    rollout.tensor_model_parallel_size ranks each, spread over torchrun's processes; ``session``: the
+    run's models in memory (the hf engine borrows the trainer's module; vLLM loads a published copy)."""
     r = gen.rollout
     name = name or generation_engine(r)
     engine_cls = get_engine(name)  # unknown names fail here, listing the engines
     tokenizer_path = tokenizer_path_for(gen, Path(model_path))
     if name == "vllm":
-        model_path = live.on_disk(model_path)  # a state only a worker group holds: its published copy
+        model_path = session.live.on_disk(model_path)  # a state only a worker group holds: its published copy
         max_model_len = gen.data.max_prompt_length + gen.data.max_response_length
         sequences = gen.data.train_batch_size * max(r.n, r.val_kwargs.n)
         return engine_cls(model_path, tensor_parallel_size=r.tensor_model_parallel_size,
@@ -102,7 +103,7 @@ def build_rollout_engine(gen: GenerationSettings, model_path: str | Path, name: 
                           rollout_tokens=sequences * max_model_len, external_launcher=external_launcher)
     return engine_cls(model_path, device=gen.device, tokenizer_path=tokenizer_path, dtype=gen.dtype,
                       cpu_threads=r.cpu_threads, attention=gen.attention, decode=r.hf_decode,
-                      max_cache_len=gen.data.max_prompt_length + gen.data.max_response_length)
+                      max_cache_len=gen.data.max_prompt_length + gen.data.max_response_length, session=session)
 
 
 def generation_engine(rollout: RolloutConfig) -> str:
@@ -132,6 +133,7 @@ def generate_responses(
     sampling: SamplingParams,
     batches: Optional[Sequence[Sequence[str]]] = None,
     *,
+    session: RunSession,
     engine: Optional[RolloutEngine] = None,
     desc: str = "rollout",
     share: Optional[Share] = None,
@@ -146,14 +148,15 @@ def generate_responses(
     ``share`` = (rank, world): only that process's batches (``own_batches``), numbered and seeded
     as in one process, so the merged samples are the one-process samples; with vLLM, this process
     is one rank of world / TP engines and generates its engine's prompts (``_run_engine_share``).
+    ``session``: the run's models in memory, and its kept engine (``kept_engine``).
     """
     plan = generation_plan(gen.rollout, prompt_rows, sampling, batches)
     stats = GenerationStats()
     if engine is None:
-        engine = kept_engine(gen, model_path, **launch_options(gen.rollout, share))
+        engine = kept_engine(gen, model_path, session, **launch_options(gen.rollout, share))
     owned = engine is None
     started = time.perf_counter()
-    engine = engine or build_rollout_engine(gen, model_path, **launch_options(gen.rollout, share))
+    engine = engine or build_rollout_engine(gen, model_path, session=session, **launch_options(gen.rollout, share))
     stats.load_seconds = time.perf_counter() - started if owned else 0.0
     try:
         if engine.schedules_own_batches:  # one call with every prompt (a share: this engine's prompts)
@@ -167,16 +170,16 @@ def generate_responses(
     finally:
         if owned:
             engine.close()
-    stats.extra.update(generation_floor(gen, model_path, prompt_rows, samples))
+    stats.extra.update(generation_floor(gen, model_path, prompt_rows, samples, session))
     return samples, stats
 
 
 def generation_floor(gen: GenerationSettings, model_path: str | Path, prompt_rows: Sequence[Mapping[str, Any]],
-                     samples: Sequence[GeneratedSample]) -> dict[str, float]:
+                     samples: Sequence[GeneratedSample], session: RunSession) -> dict[str, float]:
     """The model FLOPs of generating ``samples`` and the seconds they take at this device's matmul rate,
     as the rollout stage reports them (``training.flops.floor_metrics``); {} when the model's shape cannot
     be read."""
-    shape = model_shape(model_path)
+    shape = model_shape(model_path, session.live)
     if shape is None or not samples:
         return {}
     flops = generation_flops(shape, [len(prompt_rows[s.prompt_index]["prompt_token_ids"]) for s in samples],
@@ -231,12 +234,14 @@ def _run_engine_share(engine: RolloutEngine, prompt_rows: Sequence[Mapping[str, 
     return out
 
 
-def kept_engine(gen: GenerationSettings, model_path: str | Path, **launch: Any) -> Optional[RolloutEngine]:
-    """With resident models and vLLM: the run's one engine (in a worker group, each rank's rank of
+def kept_engine(gen: GenerationSettings, model_path: str | Path, session: RunSession, **launch: Any
+                ) -> Optional[RolloutEngine]:
+    """With resident models and vLLM: the session's one engine (in a worker group, each rank's rank of
     it: ``launch``), holding ``model_path``'s weights, built on first use. The resident trainer
     syncs each new state into it in place; any other state is loaded into it here — from the module
     that holds it, else from its checkpoint on disk (an older step's validation). None otherwise:
     the caller builds an engine for this call and closes it."""
+    live = session.live
     if not live.keeping_engines() or gen.rollout.name != "vllm":
         return None
     engine = live.engine_for(model_path)
@@ -244,7 +249,7 @@ def kept_engine(gen: GenerationSettings, model_path: str | Path, **launch: Any) 
         return engine
     held = live.held_engine()
     if held is None:
-        engine = build_rollout_engine(gen, model_path, resident=True, **launch)
+        engine = build_rollout_engine(gen, model_path, session=session, resident=True, **launch)
     else:
         engine, borrowed = held.engine, live.lookup(model_path)
         if borrowed is not None:

@@ -23,6 +23,7 @@ from rlhf_core.rollout.base import (
     trim_response,
 )
 from rlhf_core.scoring.models import load_causal_lm, load_tokenizer, release
+from rlhf_core.scoring.session import RunSession
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DECODES = ("dynamic", "static")
@@ -56,7 +57,7 @@ class HFEngine:
 
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "auto",
                  tokenizer_path: Optional[str | Path] = None, cpu_threads: int = 0, attention: str = "auto",
-                 decode: str = "dynamic", max_cache_len: Optional[int] = None):
+                 decode: str = "dynamic", max_cache_len: Optional[int] = None, session: Optional[RunSession] = None):
         import torch
         from transformers import GenerationConfig
 
@@ -69,9 +70,11 @@ class HFEngine:
         torch_dtype = getattr(torch, _DTYPES[dtype])
         # shared (scoring.cache): the actor the guard just measured, or the one scoring will use next,
         # loaded with the same attention implementation as theirs so it is one cached model
-        self.tokenizer = load_tokenizer(tokenizer_path or model_path, shared=True)
-        model = load_causal_lm(Path(model_path), torch.device(self.device), torch_dtype, shared=True,
-                               attention=attention)
+        # session: the trainer's module when the run holds model_path's state (none: from disk)
+        self.session = session or RunSession()
+        self.tokenizer = load_tokenizer(tokenizer_path or model_path, session=self.session, shared=True)
+        model = load_causal_lm(Path(model_path), torch.device(self.device), torch_dtype, session=self.session,
+                               shared=True, attention=attention)
         self.model = model
         self.eos_ids = eos_token_ids(self.tokenizer, model.generation_config)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
@@ -119,7 +122,7 @@ class HFEngine:
             return
         alive = weakref.ref(self.model)
         self.model = None
-        release(alive, torch.device(self.device))
+        release(alive, torch.device(self.device), self.session)
 
     # -------------------------------------------------------------------------------------------
 

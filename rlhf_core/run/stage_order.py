@@ -25,7 +25,8 @@ class StageSpec:
 
     name: str
     target: str
-    """The stage function, "module:function" (``run_<stage>(cfg, run, iteration, force)``)."""
+    """The stage function, "module:function" (``run_<stage>(cfg, run, iteration, force)``, and
+    ``session=`` when ``uses_models``)."""
     per_iteration: bool
     help: str
     task: str
@@ -44,6 +45,11 @@ class StageSpec:
     """A rollback invalidates its outputs (``ROLLED_BACK_STAGES``): computed from the update, or
     handing state on to the next iteration, so a retry reruns it. Rollout and score stay valid: they
     were computed from the last-good actor, which the rollback keeps."""
+    uses_models: bool = False
+    """Its passes run models a flow run may hold in memory (the trainer's actor and critic, the
+    reference, a kept rollout engine): its function takes the flow's run session
+    (``session=``, ``scoring.session.RunSession``; None reads every model from disk), and so does
+    its ``share`` function (last argument)."""
     report_outputs: tuple[str, ...] = ()
     """Outputs (by their key in the stage's result) that report on the others (``REPORT_OUTPUTS``):
     they carry timings, so a rerun never writes them byte for byte, while the rest of what they hold
@@ -80,23 +86,23 @@ STAGES: dict[str, StageSpec] = {
                   "token-budget bin packing of prompts into generation batches", task="pack"),
         StageSpec("rollout", "rlhf_core.stages.rollout:run_rollout", True,
                   "generate responses (hf / vllm) or import offline ones → iter_K/rollout.parquet", task="rollout",
-                  share="rlhf_core.stages.rollout:rollout_share", in_commit=True),
+                  share="rlhf_core.stages.rollout:rollout_share", in_commit=True, uses_models=True),
         StageSpec("score", "rlhf_core.stages.score:run_score", True,
                   "rewards + old/ref log-probs + values → iter_K/scored.parquet", task="score",
-                  share="rlhf_core.stages.score:score_share", in_commit=True),
+                  share="rlhf_core.stages.score:score_share", in_commit=True, uses_models=True),
         StageSpec("gae", "rlhf_core.stages.gae:run_gae", True,
                   "KL-in-reward penalty + GAE advantages → iter_K/advantages.parquet", task="gae", in_commit=True,
                   rolled_back=True),
         StageSpec("update", "rlhf_core.stages.update:run_update", True,
                   "PPO update of actor and critic with DeepSpeed → iter_K/checkpoint/", task="update", retries=False,
-                  in_commit=True, rolled_back=True, report_outputs=("metrics",)),
+                  in_commit=True, rolled_back=True, report_outputs=("metrics",), uses_models=True),
         StageSpec("guard", "rlhf_core.stages.guard:run_guard", True,
                   "KL(actor‖ref) of the new actor vs the threshold → the verdict iter_K/guard.json",
                   task="kl-guard", retries=False, share="rlhf_core.stages.guard:guard_share", in_commit=True,
-                  rolled_back=True),
+                  rolled_back=True, uses_models=True),
         StageSpec("validate", "rlhf_core.stages.validate:run_validate", True,
                   "sampled accuracy of iteration K's actor on the validation prompts → iter_K/validation.parquet",
-                  task="validate", share="rlhf_core.stages.validate:validate_share"),
+                  task="validate", share="rlhf_core.stages.validate:validate_share", uses_models=True),
     ]
 }
 """Every stage, in the order a run runs them."""

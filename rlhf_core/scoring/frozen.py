@@ -19,6 +19,9 @@ of an iteration. Holding is what verl does: its reference worker keeps its model
 Identity as in ``scoring.cache``: an entry serves while its directory's files are unchanged. One
 model per role: asking for another directory (another run in the same process) drops the previous
 one. On CPU the device is the host memory, so both placements keep the one copy.
+
+One ``FrozenModels`` belongs to one run session (``scoring.session.RunSession``): a CLI rerun of a
+stage starts with none held.
 """
 
 from __future__ import annotations
@@ -40,69 +43,68 @@ class _Held:
     model: torch.nn.Module
 
 
-_held: dict[str, _Held] = {}
-
-
 def offloads(param_offload: bool, device: torch.device) -> bool:
     """Whether the weights go back to the host between passes: only where host and device differ."""
     return param_offload and device.type != "cpu"
 
 
-@contextlib.contextmanager
-def on_device(role: str, path: Path, device: torch.device, param_offload: bool, options: tuple,
-              load: Callable[[torch.device], torch.nn.Module]) -> Iterator[torch.nn.Module]:
-    """``role``'s model on ``device`` for the ``with`` block, held for the next pass afterwards.
-    ``load(where)`` reads the directory onto ``where`` (the host when offloading) in eval mode;
-    ``options`` (dtype, attention, ...) complete the key: another value loads afresh."""
-    offload = offloads(param_offload, device)
-    held = _lookup(role, Path(path), device, offload, options, load)
-    if not offload:
-        yield held.model
-        return
-    host = _host_tensors(held.model)
-    _point_to(_copied(host, device), held.model)
-    try:
-        yield held.model
-    finally:
-        _point_to(host, held.model)  # the host copy is the truth: the device copy is just dropped
+class FrozenModels:
+    """The reference policy and the reward model one run holds, one per role."""
 
+    def __init__(self) -> None:
+        self._held: dict[str, _Held] = {}
 
-def held_model(role: str) -> Optional[torch.nn.Module]:
-    """The model held for ``role``; None when there is none."""
-    held = _held.get(role)
-    return None if held is None else held.model
+    @contextlib.contextmanager
+    def on_device(self, role: str, path: Path, device: torch.device, param_offload: bool, options: tuple,
+                  load: Callable[[torch.device], torch.nn.Module]) -> Iterator[torch.nn.Module]:
+        """``role``'s model on ``device`` for the ``with`` block, held for the next pass afterwards.
+        ``load(where)`` reads the directory onto ``where`` (the host when offloading) in eval mode;
+        ``options`` (dtype, attention, ...) complete the key: another value loads afresh."""
+        offload = offloads(param_offload, device)
+        held = self._lookup(role, Path(path), device, offload, options, load)
+        if not offload:
+            yield held.model
+            return
+        host = _host_tensors(held.model)
+        _point_to(_copied(host, device), held.model)
+        try:
+            yield held.model
+        finally:
+            _point_to(host, held.model)  # the host copy is the truth: the device copy is just dropped
 
+    def held_model(self, role: str) -> Optional[torch.nn.Module]:
+        """The model held for ``role``; None when there is none."""
+        held = self._held.get(role)
+        return None if held is None else held.model
 
-def is_held(model: torch.nn.Module) -> bool:
-    """Whether ``model`` is held (then dropping a reference to it frees nothing)."""
-    return any(held.model is model for held in _held.values())
+    def is_held(self, model: torch.nn.Module) -> bool:
+        """Whether ``model`` is held (then dropping a reference to it frees nothing)."""
+        return any(held.model is model for held in self._held.values())
 
+    def drop(self, role: Optional[str] = None) -> None:
+        """Forget ``role``'s model (every role's with None); the caller frees the memory (``release``)."""
+        if role is None:
+            self._held.clear()
+        else:
+            self._held.pop(role, None)
 
-def drop(role: Optional[str] = None) -> None:
-    """Forget ``role``'s model (every role's with None); the caller frees the memory (``release``)."""
-    if role is None:
-        _held.clear()
-    else:
-        _held.pop(role, None)
-
-
-def _lookup(role: str, path: Path, device: torch.device, offload: bool, options: tuple,
-            load: Callable[[torch.device], torch.nn.Module]) -> _Held:
-    path = path.resolve()
-    key = (str(path), str(device), offload, options)
-    identity = directory_identity(path)
-    held = _held.get(role)
-    if held is not None and held.key == key and identity is not None and held.identity == identity:
+    def _lookup(self, role: str, path: Path, device: torch.device, offload: bool, options: tuple,
+                load: Callable[[torch.device], torch.nn.Module]) -> _Held:
+        path = path.resolve()
+        key = (str(path), str(device), offload, options)
+        identity = directory_identity(path)
+        held = self._held.get(role)
+        if held is not None and held.key == key and identity is not None and held.identity == identity:
+            return held
+        self._held.pop(role, None)  # before loading: the old model's memory is free for the new one
+        model = load(torch.device("cpu") if offload else device)
+        model.requires_grad_(False)
+        if offload:
+            _pin(model)
+        held = _Held(key, identity, model)
+        if identity is not None and directory_identity(path) == identity:  # not changed while loading
+            self._held[role] = held
         return held
-    _held.pop(role, None)  # before loading: the old model's memory is free for the new one
-    model = load(torch.device("cpu") if offload else device)
-    model.requires_grad_(False)
-    if offload:
-        _pin(model)
-    held = _Held(key, identity, model)
-    if identity is not None and directory_identity(path) == identity:  # not changed while loading
-        _held[role] = held
-    return held
 
 
 def _slots(model: torch.nn.Module) -> Iterator[tuple[tuple[int, str, bool], torch.nn.Module, str, bool]]:

@@ -16,11 +16,11 @@ from transformers import AutoModelForCausalLM
 
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.timing import HASHING, MEMORY_RELEASE, MODEL_LOAD, timed
-from rlhf_core.models import live
 from rlhf_core.models import sdpa_varlen as _sdpa_varlen  # noqa: F401  (registers attn_implementation=sdpa_varlen)
 from rlhf_core.models.attention import resolve_attention
 from rlhf_core.models.storage import load_pretrained, own_aligned_storage
-from rlhf_core.scoring import cache, frozen
+from rlhf_core.scoring import cache
+from rlhf_core.scoring.session import RunSession
 
 
 def scoring_device(preference: str = "auto") -> torch.device:
@@ -46,17 +46,18 @@ def _require_model_dir(path: Path, role: str) -> None:
 
 
 def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, role: str = "actor", *,
-                   shared: bool = False, attention: Optional[str] = None):
+                   session: RunSession, shared: bool = False, attention: Optional[str] = None):
     """``AutoModelForCausalLM`` in eval mode with gradients off, attention ``attention`` (an
     implementation name or 'auto', see ``rlhf_core.models.attention``: stages pass the config's, so
     scoring, update and guard share one kernel). ``shared=True``: possibly an already loaded, shared
     model from ``scoring.cache`` — only for code that never changes its weights. Gradients off as
-    on a module the trainer lends (``training.resident``): both give the same bits."""
+    on a module the trainer lends (``training.resident``): both give the same bits. ``session``:
+    the trainer's module when it holds ``path``'s state (an empty one reads the disk)."""
     path = Path(path)
-    held = _borrow(path, "causal_lm", device, dtype)
+    held = _borrow(session, path, "causal_lm", device, dtype)
     if held is not None:
         return held
-    path = live.on_disk(path)
+    path = session.live.on_disk(path)
     _require_model_dir(path, role)
     attention = resolve_attention(attention or "auto", device)
 
@@ -72,9 +73,9 @@ def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, r
 
 @contextlib.contextmanager
 def reference_policy(path: str | Path, device: torch.device, dtype: torch.dtype, attention: Optional[str],
-                     param_offload: bool) -> Iterator[torch.nn.Module]:
-    """The reference policy on ``device`` for one pass (score, guard, validation KL), held by this
-    process for the run and placed by ``actor_rollout_ref.ref.fsdp_config.param_offload``
+                     param_offload: bool, *, session: RunSession) -> Iterator[torch.nn.Module]:
+    """The reference policy on ``device`` for one pass (score, guard, validation KL), held by the
+    session for the run and placed by ``actor_rollout_ref.ref.fsdp_config.param_offload``
     (``scoring.frozen``); attention as ``load_causal_lm``'s."""
     path = Path(path)
     _require_model_dir(path, "reference")
@@ -85,20 +86,20 @@ def reference_policy(path: str | Path, device: torch.device, dtype: torch.dtype,
             model = load_pretrained(AutoModelForCausalLM, path, dtype=dtype, attn_implementation=attention)
             return model.to(where).eval()
 
-    with frozen.on_device("reference", path, device, param_offload, (str(dtype), attention), load) as model:
+    with session.frozen.on_device("reference", path, device, param_offload, (str(dtype), attention), load) as model:
         yield model
 
 
-def load_tokenizer(path: str | Path, *, shared: bool = False):
+def load_tokenizer(path: str | Path, *, session: RunSession, shared: bool = False):
     """``AutoTokenizer`` of a model directory (``shared``: see ``load_causal_lm``; callers must not
     change its settings)."""
     from transformers import AutoTokenizer
 
-    held = live.lookup(path)
+    held = session.live.lookup(path)
     if held is not None:  # the checkpoint is not on disk (yet): its tokenizer is the one it would copy
         path = held.tokenizer_dir
     else:
-        path = live.on_disk(path)
+        path = session.live.on_disk(path)
 
     def load():
         with timed(MODEL_LOAD):
@@ -107,12 +108,11 @@ def load_tokenizer(path: str | Path, *, shared: bool = False):
     return cache.shared("tokenizer", Path(path), "cpu", (), load) if shared else load()
 
 
-def _borrow(path: Path, kind: str, device: torch.device, dtype: torch.dtype):
-    """The trainer's own module when it holds ``path``'s state (``models.live``), in eval mode with
-    gradients off (as it is lent); None
-    otherwise. It must already sit on ``device`` in ``dtype`` — the update trains in the dtype scoring
+def _borrow(session: RunSession, path: Path, kind: str, device: torch.device, dtype: torch.dtype):
+    """The trainer's own module when the session holds ``path``'s state (``models.live``), in eval
+    mode with gradients off (as it is lent); None otherwise. It must already sit on ``device`` in ``dtype`` — the update trains in the dtype scoring
     uses (``scoring_dtype``) — else the caller would score other arithmetic than it asked for."""
-    held = live.lookup(path)
+    held = session.live.lookup(path)
     if held is None or held.kind != kind:
         return None
     first = next(held.module.parameters())
@@ -122,14 +122,14 @@ def _borrow(path: Path, kind: str, device: torch.device, dtype: torch.dtype):
     return held.module.eval()
 
 
-def release(model_ref: "weakref.ref", device: torch.device) -> None:
+def release(model_ref: "weakref.ref", device: torch.device, session: RunSession) -> None:
     """Give a model's memory back after the caller dropped its last reference (pass a weakref taken
     before ``del``). Reference counting frees a model at once unless a reference cycle holds it
     (seen for the first model a process loads) — only then run the full garbage collection, which
     walks the whole heap and costs 0.2-0.5 s in a process with Prefect and MLflow loaded. A model
-    the cache or ``scoring.frozen`` holds stays loaded on purpose."""
+    the cache or the session holds stays loaded on purpose."""
     model = model_ref()
-    pending = model is not None and not cache.holds(model) and not live.is_live(model) and not frozen.is_held(model)
+    pending = model is not None and not cache.holds(model) and not session.holds(model)
     del model
     if pending:
         with timed(MEMORY_RELEASE):
@@ -138,16 +138,17 @@ def release(model_ref: "weakref.ref", device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype, attention: str = "auto"):
+def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype, attention: str = "auto", *,
+                session: RunSession):
     """The value model: ``AutoModelForTokenClassification`` with one label, eval mode (no dropout),
     gradients off and attention as ``load_causal_lm``'s."""
     from transformers import AutoModelForTokenClassification
 
     path = Path(path)
-    held = _borrow(path, "critic", device, dtype)
+    held = _borrow(session, path, "critic", device, dtype)
     if held is not None:
         return held
-    path = live.on_disk(path)
+    path = session.live.on_disk(path)
     _require_model_dir(path, "critic")
     with timed(MODEL_LOAD):
         model = load_pretrained(
@@ -158,10 +159,8 @@ def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype, atte
 def weights_fingerprint(path: str | Path) -> Optional[str]:
     """sha256 over config.json and every *.safetensors file (None when there are no safetensors
     weights: then nothing can be proven equal). Tokenizer files are left out: they do not change the
-    log-probs of given token ids."""
+    log-probs of given token ids. A state held only in memory has no files: None."""
     path = Path(path)
-    if live.lookup(path) is not None:  # held in memory, not on disk: nothing to prove equal
-        return None
     weights = sorted(path.glob("*.safetensors"))
     if not weights or not (path / "config.json").is_file():
         return None
@@ -181,10 +180,9 @@ def same_weights(a: str | Path, b: str | Path) -> bool:
 
     Compared byte by byte, stopping at the first difference: a trained actor differs from its
     reference early in its first file, where hashing both (``weights_fingerprint``) read every byte
-    of both every iteration — seconds per score pass at 0.5B, a minute at 7B."""
+    of both every iteration — seconds per score pass at 0.5B, a minute at 7B. A state held only in
+    memory has no files: False."""
     a, b = Path(a), Path(b)
-    if live.lookup(a) is not None or live.lookup(b) is not None:  # held in memory: nothing to prove equal
-        return False
     names = _weight_files(a)
     if not names or names != _weight_files(b):
         return False
@@ -216,14 +214,16 @@ def is_lora_dir(path: Path) -> bool:
     return (Path(path) / "adapter_config.json").is_file()
 
 
-def load_merged_actor(path: str | Path, device=None, dtype=None, attention: str = "auto"):
+def load_merged_actor(path: str | Path, device=None, dtype=None, attention: str = "auto", *,
+                      session: Optional[RunSession] = None):
     """The actor as a plain causal LM in eval mode: a full model directory as is, a peft adapter
-    directory merged into its base (``base_model_name_or_path`` in adapter_config.json)."""
+    directory merged into its base (``base_model_name_or_path`` in adapter_config.json). Without a
+    session (an export) it is read from disk."""
     path = Path(path)
     device = device or torch.device("cpu")
     dtype = dtype or torch.float32
     if not is_lora_dir(path):
-        return load_causal_lm(path, device, dtype, role="actor", attention=attention)
+        return load_causal_lm(path, device, dtype, role="actor", attention=attention, session=session or RunSession())
     base_path = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base_path or not Path(base_path).is_dir():
         raise CheckpointError(f"{path}/adapter_config.json names base model {base_path!r}, which is not a "

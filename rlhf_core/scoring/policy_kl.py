@@ -15,8 +15,8 @@ from rlhf_core.errors import RLHFError
 from rlhf_core.io.timing import MODEL_LOAD, timed
 from rlhf_core.models.packed import output_head, pack_rows, packed_forward, packing_attention_mode, response_positions
 from rlhf_core.data.packing import Share
-from rlhf_core.scoring import ref_states
 from rlhf_core.scoring.logprobs import compute_token_logprobs, own_micro_batches, plan_micro_batches
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.scoring.models import (
     is_lora_dir, load_causal_lm, load_merged_actor, reference_policy,
 )
@@ -147,24 +147,26 @@ def _reference_logits(ref, packed, positions, owners, head_inputs: Optional[list
     return head(torch.cat([head_inputs[i] for i, _ in owners]).to(next(head.parameters()).device))
 
 
-def actor_ref_kl(settings: KLPassSettings, actor_dir: Path, ref_dir: Path, sequences: list[list[int]],
-                 prompt_lengths: list[int], share: Optional[Share] = None) -> tuple[list, list]:
+def actor_ref_kl(settings: KLPassSettings, session: RunSession, actor_dir: Path, ref_dir: Path,
+                 sequences: list[list[int]], prompt_lengths: list[int], share: Optional[Share] = None
+                 ) -> tuple[list, list]:
     """``token_kl`` of the actor in ``actor_dir`` against the reference policy in ``ref_dir``, packed
     like the scoring stage's reference forward; on the reference states the score stage kept for these
-    very sequences when this process has them (``scoring.ref_states``)."""
-    actor = load_actor_for_kl(actor_dir, settings.device, settings.dtype, settings.attention)
+    very sequences when the session has them (``scoring.ref_states``)."""
+    actor = load_actor_for_kl(session, actor_dir, settings.device, settings.dtype, settings.attention)
     pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
-    kept = None if share is not None else ref_states.lookup(ref_dir, settings.dtype, settings.attention, sequences,
-                                                           prompt_lengths)
-    with reference_policy(ref_dir, settings.device, settings.dtype, settings.attention, settings.ref_offload) as ref:
+    kept = None if share is not None else session.ref_states.lookup(ref_dir, settings.dtype, settings.attention,
+                                                                   sequences, prompt_lengths)
+    with reference_policy(ref_dir, settings.device, settings.dtype, settings.attention, settings.ref_offload,
+                          session=session) as ref:
         return token_kl(actor, ref, sequences, prompt_lengths, budget=settings.ref_budget,
                         temperature=settings.temperature, pad_id=pad_id, share=share, ref_head_inputs=kept)
 
 
-def actor_sampled_log_probs(settings: KLPassSettings, actor_dir: Path, sequences: list[list[int]],
-                            prompt_lengths: list[int]) -> list:
+def actor_sampled_log_probs(settings: KLPassSettings, session: RunSession, actor_dir: Path,
+                            sequences: list[list[int]], prompt_lengths: list[int]) -> list:
     """The actor in ``actor_dir``'s log-probs of the sampled response tokens: one no-grad forward."""
-    actor = load_actor_for_kl(actor_dir, settings.device, settings.dtype, settings.attention)
+    actor = load_actor_for_kl(session, actor_dir, settings.device, settings.dtype, settings.attention)
     pad_id = actor.config.pad_token_id if actor.config.pad_token_id is not None else 0
     return compute_token_logprobs(actor, sequences, prompt_lengths, settings.actor_batching,
                                   temperature=settings.temperature, pad_id=pad_id, packed=settings.packed,
@@ -172,10 +174,10 @@ def actor_sampled_log_probs(settings: KLPassSettings, actor_dir: Path, sequences
                                   desc="guard: actor log-probs")
 
 
-def load_actor_for_kl(actor_dir: Path, device, dtype, attention: str = "auto"):
+def load_actor_for_kl(session: RunSession, actor_dir: Path, device, dtype, attention: str = "auto"):
     """The trained actor for KL measurement: shared from ``scoring.cache`` (the next rollout samples
     from it when committed), except a LoRA adapter, which ``load_merged_actor`` merges into its base."""
     if is_lora_dir(actor_dir):
         with timed(MODEL_LOAD):
-            return load_merged_actor(actor_dir, device=device, dtype=dtype, attention=attention)
-    return load_causal_lm(actor_dir, device, dtype, role="actor", shared=True, attention=attention)
+            return load_merged_actor(actor_dir, device=device, dtype=dtype, attention=attention, session=session)
+    return load_causal_lm(actor_dir, device, dtype, role="actor", session=session, shared=True, attention=attention)

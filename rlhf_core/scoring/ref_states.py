@@ -13,7 +13,8 @@ positions (the model's last hidden state, after its final norm), on the host, in
 keyed by the reference directory's identity (``scoring.cache.directory_identity``), the dtype, the
 attention implementation and the sequence's tokens and prompt length. One pass's states at a time:
 the next pass replaces them. Only when they fit ``KEEP_LIMIT_BYTES`` (else the guard runs the
-reference's forward as before). A fresh process (`rlhf stage guard`) has none and runs the forward.
+reference's forward as before). One ``RefStates`` belongs to one run session
+(``scoring.session.RunSession``): a CLI rerun (`rlhf stage guard`) has none and runs the forward.
 
 Exactness: the LM head of the same hidden states gives the logits of the reference's forward; where
 the guard packs its micro-batches as scoring did (its budget is the reference's, ``KLPassSettings``)
@@ -44,9 +45,6 @@ class _Kept:
     overflow: bool = False
 
 
-_kept: Optional[_Kept] = None
-
-
 def _key(ref_dir: Path, dtype: torch.dtype, attention: str) -> Optional[tuple]:
     identity = directory_identity(Path(ref_dir).resolve())
     return None if identity is None else (str(Path(ref_dir).resolve()), identity, str(dtype), attention)
@@ -54,19 +52,6 @@ def _key(ref_dir: Path, dtype: torch.dtype, attention: str) -> Optional[tuple]:
 
 def _row_key(sequence: Sequence[int], prompt_length: int) -> tuple:
     return (prompt_length, tuple(sequence))
-
-
-@contextlib.contextmanager
-def recording(ref_dir: Path, dtype: torch.dtype, attention: str) -> Iterator[Optional["_Kept"]]:
-    """Start a new record of the reference's states (dropping the previous one); ``keep`` adds to it.
-    Yields None when the directory cannot be identified (nothing is kept then)."""
-    global _kept
-    key = _key(ref_dir, dtype, attention)
-    _kept = None
-    record = None if key is None else _Kept(key)
-    yield record
-    if record is not None and not record.overflow:
-        _kept = record
 
 
 def keep(record: Optional[_Kept], sequences: Sequence[Sequence[int]], prompt_lengths: Sequence[int],
@@ -83,17 +68,33 @@ def keep(record: Optional[_Kept], sequences: Sequence[Sequence[int]], prompt_len
         record.states[_row_key(sequences[i], prompt_lengths[i])] = host
 
 
-def lookup(ref_dir: Path, dtype: torch.dtype, attention: str, sequences: Sequence[Sequence[int]],
-           prompt_lengths: Sequence[int]) -> Optional[list[torch.Tensor]]:
-    """The kept states of every one of ``sequences`` (in order) for this reference, dtype and attention;
-    None unless all of them are kept."""
-    if _kept is None or _kept.key != _key(ref_dir, dtype, attention):
-        return None
-    found = [_kept.states.get(_row_key(s, p)) for s, p in zip(sequences, prompt_lengths)]
-    return None if any(f is None for f in found) else found
+class RefStates:
+    """The last score pass's reference states of one run (at most one pass's)."""
 
+    def __init__(self) -> None:
+        self._kept: Optional[_Kept] = None
 
-def forget() -> None:
-    """Drop what is kept (tests; a process that moves to another run)."""
-    global _kept
-    _kept = None
+    @contextlib.contextmanager
+    def recording(self, ref_dir: Path, dtype: torch.dtype, attention: str) -> Iterator[Optional[_Kept]]:
+        """Start a new record of the reference's states (dropping the previous one); ``keep`` adds
+        to it. Yields None when the directory cannot be identified (nothing is kept then)."""
+        key = _key(ref_dir, dtype, attention)
+        self._kept = None
+        record = None if key is None else _Kept(key)
+        yield record
+        if record is not None and not record.overflow:
+            self._kept = record
+
+    def lookup(self, ref_dir: Path, dtype: torch.dtype, attention: str, sequences: Sequence[Sequence[int]],
+               prompt_lengths: Sequence[int]) -> Optional[list[torch.Tensor]]:
+        """The kept states of every one of ``sequences`` (in order) for this reference, dtype and
+        attention; None unless all of them are kept."""
+        kept = self._kept
+        if kept is None or kept.key != _key(ref_dir, dtype, attention):
+            return None
+        found = [kept.states.get(_row_key(s, p)) for s, p in zip(sequences, prompt_lengths)]
+        return None if any(f is None for f in found) else found
+
+    def forget(self) -> None:
+        """Drop what is kept."""
+        self._kept = None

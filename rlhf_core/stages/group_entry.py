@@ -33,9 +33,9 @@ import yaml
 
 from rlhf_core.config import RLHFConfig, config_from_dict
 from rlhf_core.errors import RLHFError, disk_full_as_user_error
-from rlhf_core.models import live
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.stage_order import get_stage
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.training.checkpoint import full_state_dict, save_tokenizer
 from rlhf_core.training.distributed import DistInfo, init_distributed, shutdown_distributed
 from rlhf_core.training.resident import ResidentTrainer
@@ -51,7 +51,11 @@ class Rank:
 
     def __init__(self, run: RunDir, dist: DistInfo, *, kept: bool = True):
         self.run, self.dist = run, dist
-        self.trainer = ResidentTrainer(run, kept=kept)
+        self.session = RunSession()
+        """This rank's session for the group's life: the module its trainer lends, its rank of the
+        vLLM engines, the frozen models its shares of score and guard load."""
+        self.trainer = ResidentTrainer(run, self.session.live if kept else None)
+        self.session.trainer = self.trainer
 
     def handlers(self) -> dict:
         ops = {"update": self.update, "settle": self.settle, "hold": self.hold, "share": self.share,
@@ -92,12 +96,12 @@ class Rank:
         stage, k = command["stage"], command["iteration"]
         # vLLM: this rank keeps its rank of the run's engines for the whole flow run (built by the first
         # generation; the trainer syncs it after each update)
-        live.keep_engines(_config(command).actor_rollout_ref.rollout.name == "vllm")
+        self.session.live.keep_engines(_config(command).actor_rollout_ref.rollout.name == "vllm")
         before = torch.get_num_threads()
         torch.set_num_threads(command["threads"])
         try:
             get_stage(stage).load_share()(_config(command), self.run, k, rank, world,
-                                          self.run.stage_rank_share(k, stage, rank))
+                                          self.run.stage_rank_share(k, stage, rank), self.session)
         finally:
             torch.set_num_threads(before)
         return None
@@ -119,7 +123,7 @@ class Rank:
         try:
             self.trainer.close(make_durable=command["durable"])
         finally:
-            live.keep_engines(False)  # this rank's rank of the vLLM engines, if it kept one
+            self.session.live.keep_engines(False)  # this rank's rank of the vLLM engines, if it kept one
         return None
 
 

@@ -25,15 +25,14 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.timing import TABLE_READ, timed
-from rlhf_core.models import live
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import nonfinite_update, shown_apart
 from rlhf_core.run.models import reference_path
-from rlhf_core.scoring import ref_states
 from rlhf_core.rollout.generate import GenerationSettings
 from rlhf_core.scoring.policy_kl import (
     KLPassSettings, actor_ref_kl, actor_sampled_log_probs, importance_weighted_kl, response_kl,
 )
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
 from rlhf_core.stages.settings import generation, kl_pass
@@ -71,17 +70,18 @@ class GuardSettings:
     """``guard_share`` on that many processes, each rank's arrays (``ranks.run_on_ranks``)."""
 
 
-def guard_settings(cfg: RLHFConfig, run: RunDir, k: int) -> GuardSettings:
+def guard_settings(cfg: RLHFConfig, run: RunDir, k: int, session: RunSession) -> GuardSettings:
     """The guard's settings for iteration ``k`` of ``run``: the validation prompts' generation and the
-    reference are resolved only when the guard measures with them, the process counts when asked for."""
+    reference are resolved only when the guard measures with them, the process counts when asked for
+    (the session's worker group, when it keeps one, runs the shares)."""
     estimator, n = cfg.trainer.kl_guard_estimator, cfg.trainer.kl_guard_val_prompts
     validation = generation(cfg) if n > 0 and run.val_prompts.is_file() else None
     return GuardSettings(
         threshold=cfg.trainer.kl_rollback_threshold, estimator=estimator, kl=kl_pass(cfg),
         reference=reference_path(cfg) if estimator != "sampled" or validation is not None else None,
         val_prompts=n, validation=validation,
-        processes=lambda items: share_processes(cfg, run, items),
-        on_ranks=lambda world: run_on_ranks(cfg, run, k, "guard", world))
+        processes=lambda items: share_processes(cfg.trainer, session, items),
+        on_ranks=lambda world: run_on_ranks(cfg, run, session, k, "guard", world))
 
 
 def load_scored_sequences(path: Path, *columns: str) -> tuple:
@@ -97,19 +97,21 @@ def load_scored_sequences(path: Path, *columns: str) -> tuple:
     return ([prompts[i] + responses[i] for i in keep], [len(prompts[i]) for i in keep], *lists)
 
 
-def measure_kl(settings: GuardSettings, run: RunDir, k: int, actor_dir: Optional[Path] = None) -> dict[str, float]:
+def measure_kl(settings: GuardSettings, session: RunSession, run: RunDir, k: int,
+               actor_dir: Optional[Path] = None) -> dict[str, float]:
     """KL(new actor ‖ ref) over iteration ``k``'s scored responses (see ``token_kl``, ``response_kl``).
 
-    ``actor_dir`` defaults to the iteration's freshly trained actor (iter_k/checkpoint/actor).
+    ``actor_dir`` defaults to the iteration's freshly trained actor (iter_k/checkpoint/actor), lent
+    by the session's trainer when it holds it.
     """
     actor_dir = Path(actor_dir) if actor_dir else run.checkpoint(k) / "actor"
-    if not actor_dir.is_dir() and not live.available(actor_dir):
+    if not actor_dir.is_dir() and not session.live.available(actor_dir):
         raise CheckpointError(f"no trained actor at {actor_dir}: run `rlhf stage update --run-dir {run.root} "
                               f"--iteration {k}` before the guard")
     if settings.estimator == "sampled":  # one actor pass, against the stored log-probs
         sequences, prompt_lengths, ref_log_probs, old_log_probs = load_scored_sequences(
             run.scored(k), "ref_log_probs", "old_log_probs")
-        sampled = actor_sampled_log_probs(settings.kl, actor_dir, sequences, prompt_lengths)
+        sampled = actor_sampled_log_probs(settings.kl, session, actor_dir, sequences, prompt_lengths)
         kls = importance_weighted_kl(sampled, old_log_probs, ref_log_probs)
         k1 = [[a - b for a, b in zip(new.tolist(), ref)] for new, ref in zip(sampled, ref_log_probs)]
         return {**response_kl(kls, k1), "estimator": "sampled"}
@@ -121,12 +123,12 @@ def measure_kl(settings: GuardSettings, run: RunDir, k: int, actor_dir: Optional
         kls = [torch.tensor(v, dtype=torch.float32) for v in merge_shares(shares, "kl", len(sequences))]
         sampled = [torch.tensor(v, dtype=torch.float32) for v in merge_shares(shares, "sampled", len(sequences))]
     else:
-        kls, sampled = actor_ref_kl(settings.kl, actor_dir, settings.reference, sequences, prompt_lengths)
+        kls, sampled = actor_ref_kl(settings.kl, session, actor_dir, settings.reference, sequences, prompt_lengths)
     k1 = [[a - b for a, b in zip(new.tolist(), old)] for new, old in zip(sampled, ref_log_probs)]
     return response_kl(kls, k1)
 
 
-def guard_floor(settings: GuardSettings, run: RunDir, k: int) -> dict[str, float]:
+def guard_floor(settings: GuardSettings, session: RunSession, run: RunDir, k: int) -> dict[str, float]:
     """The model FLOPs of ``measure_kl``'s passes over iteration ``k``'s responses — the new actor's
     forward, and for the exact measure the reference's forward or, on the states the score stage kept
     (``scoring.ref_states``), only its LM head — and their floor (``training.flops``); whether the
@@ -134,15 +136,15 @@ def guard_floor(settings: GuardSettings, run: RunDir, k: int) -> dict[str, float
     sequences, prompt_lengths, _ = load_scored_sequences(run.scored(k))
     lengths = [len(s) for s in sequences]
     positions = sum(n - p for n, p in zip(lengths, prompt_lengths))
-    actor = flops.model_shape(run.checkpoint(k) / "actor")
+    actor = flops.model_shape(run.checkpoint(k) / "actor", session.live)
     if actor is None:
         return {}
     total, out, kl = flops.forward_flops(actor, lengths, positions), {}, settings.kl
     if settings.estimator != "sampled":
-        reference = flops.model_shape(settings.reference)
+        reference = flops.model_shape(settings.reference, session.live)
         if reference is None:
             return {}
-        kept = not settings.processes(len(sequences)) and ref_states.lookup(
+        kept = not settings.processes(len(sequences)) and session.ref_states.lookup(
             settings.reference, kl.dtype, kl.attention, sequences, prompt_lengths) is not None
         total += (2.0 * reference.hidden_size * reference.vocab_size * positions if kept
                   else flops.forward_flops(reference, lengths, positions))
@@ -161,23 +163,26 @@ def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
     return GUARD_SECTIONS
 
 
-def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
+def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False,
+              session: Optional[RunSession] = None) -> StageResult:
     """Measure iteration ``iteration``'s KL and write the verdict (iter_k/guard.json).
 
     This stage only decides; ``lifecycle.settle`` acts on the verdict (commit, or roll back; the
-    flow runs it as its settle task).
+    flow runs it as its settle task). ``session``: the flow run's (its trainer lends the new
+    actor); None: every model read from disk.
     """
+    session = session or RunSession()
     if iteration is None:
         raise ValueError("the guard stage needs an iteration")
     k = iteration
 
     def body() -> StageResult:
-        ensure_state(run, k)  # the new actor: held in memory, on disk, or rebuilt now
-        settings = guard_settings(cfg, run, k)
+        ensure_state(session, run, k)  # the new actor: held in memory, on disk, or rebuilt now
+        settings = guard_settings(cfg, run, k, session)
         threshold = settings.threshold
-        kl = measure_kl(settings, run, k)
+        kl = measure_kl(settings, session, run, k)
         verdict = {"iteration": k, "threshold": threshold, **kl}
-        val = measure_val_kl(settings, run, k)
+        val = measure_val_kl(settings, session, run, k)
         verdict.update(val)
         guarded = max(kl["kl_mean"], val.get("val_kl_mean", float("-inf")))
         verdict["decision"] = decide(guarded, threshold)
@@ -189,7 +194,7 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         metrics["guard/breach"] = float(verdict["decision"] == "rollback")
         metrics["guard/nonfinite_update"] = float(nonfinite is not None)
         metrics["guard/threshold"] = float(threshold)
-        metrics.update(guard_floor(settings, run, k))
+        metrics.update(guard_floor(settings, session, run, k))
         shown, bound = shown_apart(guarded, threshold)
         estimate = " (sampled estimate)" if kl.get("estimator") == "sampled" else ""
         line = (f"KL(actor‖ref) per-token mean{estimate} {shown}{' (validation prompts)' if guarded > kl['kl_mean'] else ''} "
@@ -204,19 +209,19 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
                          config_sections=config_sections(cfg), body=body, force=force)
 
 
-def measure_val_kl(settings: GuardSettings, run: RunDir, k: int) -> dict[str, float]:
+def measure_val_kl(settings: GuardSettings, session: RunSession, run: RunDir, k: int) -> dict[str, float]:
     """On-policy KL on validation prompts (trainer.kl_guard_val_prompts > 0): responses sampled from
     the new actor, scored under it and under the reference. {} when switched off or no val set."""
     if settings.validation is None:
         return {}
-    samples = sample_val_responses(settings.validation, run, run.checkpoint(k) / "actor", limit=settings.val_prompts,
-                                   seed_offset=k)
-    return val_kl_from_samples(settings.kl, settings.reference, samples, run.checkpoint(k) / "actor")
+    samples = sample_val_responses(settings.validation, session, run, run.checkpoint(k) / "actor",
+                                   limit=settings.val_prompts, seed_offset=k)
+    return val_kl_from_samples(settings.kl, session, settings.reference, samples, run.checkpoint(k) / "actor")
 
 
-def guard_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
+def guard_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path, session: RunSession) -> None:
     """This rank's micro-batches of the KL guard's measurement (exact per-token KL, sampled log-probs)."""
     sequences, prompt_lengths, _ = load_scored_sequences(run.scored(iteration))
-    kls, sampled = actor_ref_kl(kl_pass(cfg), run.checkpoint(iteration) / "actor", reference_path(cfg), sequences,
-                                prompt_lengths, share=(rank, world))
+    kls, sampled = actor_ref_kl(kl_pass(cfg), session, run.checkpoint(iteration) / "actor", reference_path(cfg),
+                                sequences, prompt_lengths, share=(rank, world))
     write_share(out, {"kl": kls, "sampled": sampled})

@@ -18,6 +18,7 @@ from rlhf_core.config.loader import read_preset
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.stage_order import STAGES, get_stage
+from rlhf_core.scoring.session import RunSession
 
 SHARED = sorted(name for name, spec in STAGES.items() if spec.share)
 """The stages whose model passes can be spread over several processes."""
@@ -35,8 +36,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # "cuda" below = this rank's GPU
     run = RunDir(args.run_dir)
     try:
+        # a process of its own for this stage: nothing in memory yet, every model read from disk
         get_stage(args.stage).load_share()(config_from_dict(read_preset(args.config)), run, args.iteration, rank,
-                                           world, run.stage_rank_share(args.iteration, args.stage, rank))
+                                           world, run.stage_rank_share(args.iteration, args.stage, rank), RunSession())
     except RLHFError as exc:
         print(f"rlhf: error: {exc}", file=sys.stderr)
         return 2

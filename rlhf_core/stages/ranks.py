@@ -42,50 +42,52 @@ import torch
 from rlhf_core.config import RLHFConfig, to_yaml
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.config.resolve import update_world_size
+from rlhf_core.config.schema import RolloutConfig, TrainerConfig
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.atomic import atomic_write_bytes, atomic_write_text
 from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingParams
-from rlhf_core.models import live
 from rlhf_core.rollout.generate import generation_engine, own_batches
 from rlhf_core.run.layout import RunDir
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.nodes import stream
-from rlhf_core.training.resident import active_group
+from rlhf_core.training.resident import group_of
 
 ENTRY = "rlhf_core.stages.rank_entry"
 
 
-def stage_processes(cfg: RLHFConfig) -> int:
+def stage_processes(trainer: TrainerConfig) -> int:
     """Processes the score stage and the KL guard run their model passes on (see the module doc)."""
-    if cfg.trainer.stage_processes is not None:
-        return cfg.trainer.stage_processes
-    gpus = cuda_devices() if cfg.trainer.device != "cpu" else 0
+    if trainer.stage_processes is not None:
+        return trainer.stage_processes
+    gpus = cuda_devices() if trainer.device != "cpu" else 0
     if gpus == 0:
         return 1
-    return max(1, min(gpus, update_world_size(cfg.trainer, gpus) // max(1, cfg.trainer.nnodes)))
+    return max(1, min(gpus, update_world_size(trainer, gpus) // max(1, trainer.nnodes)))
 
 
-def share_processes(cfg: RLHFConfig, run: RunDir, items: int) -> int:
+def share_processes(trainer: TrainerConfig, session: RunSession, items: int) -> int:
     """How many processes a stage deals its ``items`` (sequences, generation batches) to; 0 = none,
     it runs in this process. With the run's worker group (a flow run keeps one): its ranks, always —
     they hold the weights — on GPUs one rank per device; on CPU rank 0 alone, at this process's
     thread count (the ranks share the same cores: splitting would only oversubscribe them). Else
     ``stage_processes`` torchrun processes when that is more than one."""
-    group = active_group(run)
+    group = group_of(session)
     if group is not None:
-        return max(1, min(group.world if resolve_device(cfg.trainer.device) == "cuda" else 1, items))
-    world = min(stage_processes(cfg), items)
+        return max(1, min(group.world if resolve_device(trainer.device) == "cuda" else 1, items))
+    world = min(stage_processes(trainer), items)
     return world if world > 1 else 0
 
 
-def run_on_ranks(cfg: RLHFConfig, run: RunDir, iteration: int, stage: str, world: int) -> list[dict[str, np.ndarray]]:
-    """Run ``stage``'s rank entry on ``world`` local processes — the ranks of the run's worker group
-    when a flow run keeps one, else a torchrun launch for this stage; returns each rank's arrays,
-    rank order."""
+def run_on_ranks(cfg: RLHFConfig, run: RunDir, session: RunSession, iteration: int, stage: str, world: int
+                 ) -> list[dict[str, np.ndarray]]:
+    """Run ``stage``'s rank entry on ``world`` local processes — the ranks of the session's worker
+    group when its flow run keeps one, else a torchrun launch for this stage; returns each rank's
+    arrays, rank order."""
     scratch = run.stage_ranks_dir(iteration, stage)
     shutil.rmtree(scratch, ignore_errors=True)
     scratch.mkdir(parents=True)
-    group = active_group(run)
+    group = group_of(session)
     if group is not None:
         try:
             group.run_shares(cfg, iteration, stage, world)
@@ -128,26 +130,26 @@ def merge_samples(shares: list[dict[str, np.ndarray]], plan: list[list[int]], pr
             for _ in range(len(batch) * sampling.n)]
 
 
-def generation_processes(cfg: RLHFConfig, run: RunDir, batches: int) -> int:
+def generation_processes(trainer: TrainerConfig, rollout: RolloutConfig, session: RunSession, batches: int) -> int:
     """Processes a generation (rollout, validation) is dealt to; 0 = this process. The hf engine's
     generation batches go to ``share_processes``; vLLM's prompts to every rank of the run's worker
     group, whose ranks keep the engines for the whole flow run, else to one engine kept in this
-    process (``models.live``), else to ``vllm_processes``."""
-    name = generation_engine(cfg.actor_rollout_ref.rollout)
-    group = active_group(run)
+    process (the session's ``models.live``), else to ``vllm_processes``."""
+    name = generation_engine(rollout)
+    group = group_of(session)
     if name == "vllm" and group is not None:  # each rank holds a rank of the run's engines: all take part
         return group.world
     if name == "vllm":
-        return 0 if live.keeping_engines() else vllm_processes(cfg)
-    return share_processes(cfg, run, batches) if name == "hf" else 0
+        return 0 if session.live.keeping_engines() else vllm_processes(trainer, rollout)
+    return share_processes(trainer, session, batches) if name == "hf" else 0
 
 
-def vllm_processes(cfg: RLHFConfig) -> int:
+def vllm_processes(trainer: TrainerConfig, rollout: RolloutConfig) -> int:
     """Processes a vLLM generation runs on when no engine is kept for the run: engines of
     rollout.tensor_model_parallel_size ranks, ``stage_processes`` // TP of them (at least one);
     0 = one engine in this process."""
-    tp = cfg.actor_rollout_ref.rollout.tensor_model_parallel_size
-    world = tp * max(1, stage_processes(cfg) // tp)
+    tp = rollout.tensor_model_parallel_size
+    world = tp * max(1, stage_processes(trainer) // tp)
     return world if world > 1 else 0
 
 

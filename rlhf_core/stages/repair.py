@@ -33,6 +33,7 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import (committed_iterations, discard_checkpoint, fall_back, is_replayable,
                                     last_good_iteration)
 from rlhf_core.run.manifest import read_manifest, write_manifest
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import changed_outputs
 from rlhf_core.run.stage_order import get_stage
 from rlhf_core.training.lineage import read_state_record, recorded_config
@@ -125,7 +126,7 @@ def _rebuild_checkpoint(run: RunDir, damage: Damage) -> str:
         raise Unrepairable(f"iteration {k}'s state record or advantages table is not there to replay its update")
     if k != last_good_iteration(run):
         return f"{damage.describe(run)}: removed (iteration {k}'s state is rebuilt by replay when a stage needs it)"
-    ensure_state(run, k)
+    ensure_state(RunSession(), run, k)
     return f"{damage.describe(run)}: rebuilt by replaying iteration {k}'s update from its record"
 
 
@@ -160,6 +161,6 @@ def make_last_good_durable(run: RunDir) -> Optional[str]:
     points): what a flow run does at its end, for one that had nothing left to train. Returns the
     line saying so, or None."""
     k = last_good_iteration(run)
-    if not ensure_state(run, k):
+    if not ensure_state(RunSession(), run, k):
         return None
     return f"iteration {k}'s state was only in its record: its checkpoint is written again by replaying its update"

@@ -59,6 +59,7 @@ from rlhf_core.rollout.dynamic_sampling import (
 )
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
 from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, merge_samples, merged_stats, run_on_ranks,
                                     write_share)
@@ -127,8 +128,12 @@ class ConfigCalls:
     """The models dynamic sampling scores with, for the actor at that path."""
 
 
-def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, force: bool = False) -> StageResult:
-    """Write iteration ``iteration``'s rollout table; skipped when inputs and config are unchanged."""
+def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, force: bool = False,
+                session: Optional[RunSession] = None) -> StageResult:
+    """Write iteration ``iteration``'s rollout table; skipped when inputs and config are unchanged.
+    ``session``: the flow run's (its trainer lends the actor, its kept engine generates); None:
+    every model read from disk."""
+    session = session or RunSession()
     if iteration is None or iteration < 1:
         raise RLHFError(f"rollout is a per-iteration stage: pass --iteration K with K >= 1 (got {iteration})")
     if not run.train_prompts.is_file():
@@ -149,7 +154,7 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
         inputs = [run.train_prompts, model_dir, offline_file]
 
         def body() -> StageResult:
-            ensure_state(run, run.checkpoint_iteration(model_dir))
+            ensure_state(session, run, run.checkpoint_iteration(model_dir))
             return _offline_body(rollout_settings(cfg), run, iteration, model_dir, offline_file)
     else:
         if not run.generation_batches.is_file():
@@ -165,13 +170,13 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
                               rm_input_tokenizer=rm_tokenizer)
 
         calls = ConfigCalls(
-            processes=lambda batches: generation_processes(cfg, run, batches),
-            on_ranks=lambda world: run_on_ranks(cfg, run, iteration, "rollout", world),
+            processes=lambda batches: generation_processes(cfg.trainer, r, session, batches),
+            on_ranks=lambda world: run_on_ranks(cfg, run, session, iteration, "rollout", world),
             filter_models=filter_models)
 
         def body() -> StageResult:
-            ensure_state(run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
-            return _generate_body(rollout_settings(cfg), calls, run, iteration, model_dir)
+            ensure_state(session, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
+            return _generate_body(rollout_settings(cfg), calls, run, iteration, model_dir, session)
     return execute_stage(stage="rollout", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
                          config_sections=config_sections(cfg), body=body, force=force)
 
@@ -240,11 +245,11 @@ class Drawn:
 
 class StageEngine:
     """One engine for every generation of the stage in this process (refill draws, the greedy
-    baseline), built on first use: a model load per stage, not per draw. A resident engine
-    (``kept_engine``) is borrowed and left open."""
+    baseline), built on first use: a model load per stage, not per draw. A resident engine (the
+    session's, ``kept_engine``) is borrowed and left open."""
 
-    def __init__(self, gen: GenerationSettings, model_dir: Path) -> None:
-        self.gen, self.model_dir = gen, model_dir
+    def __init__(self, gen: GenerationSettings, model_dir: Path, session: RunSession) -> None:
+        self.gen, self.model_dir, self.session = gen, model_dir, session
         self.engine: Optional[RolloutEngine] = None
         self.owned = False
         self.load_seconds = 0.0
@@ -252,9 +257,9 @@ class StageEngine:
     def get(self) -> RolloutEngine:
         if self.engine is None:
             started = time.perf_counter()
-            self.engine = kept_engine(self.gen, self.model_dir)
+            self.engine = kept_engine(self.gen, self.model_dir, self.session)
             self.owned = self.engine is None
-            self.engine = self.engine or build_rollout_engine(self.gen, self.model_dir)
+            self.engine = self.engine or build_rollout_engine(self.gen, self.model_dir, session=self.session)
             self.load_seconds = time.perf_counter() - started
         return self.engine
 
@@ -265,8 +270,8 @@ class StageEngine:
 
 
 def _generate_body(settings: RolloutSettings, calls: ConfigCalls, run: RunDir, iteration: int,
-                   model_dir: Path) -> StageResult:
-    engines = StageEngine(settings.gen, model_dir)
+                   model_dir: Path, session: RunSession) -> StageResult:
+    engines = StageEngine(settings.gen, model_dir, session)
     try:
         return _generate_with(settings, calls, run, iteration, model_dir, engines)
     finally:
@@ -324,8 +329,8 @@ def _generate_draw(calls: ConfigCalls, iteration: int, engines: StageEngine, pro
     world = calls.processes(len(batches)) if first else 0
     if world:
         return _generate_on_ranks(engines.gen, calls, prompt_rows, sampling, batches, world)
-    return generate_responses(engines.gen, engines.model_dir, prompt_rows, sampling, batches, engine=engines.get(),
-                              desc=desc or f"rollout iter {iteration}")
+    return generate_responses(engines.gen, engines.model_dir, prompt_rows, sampling, batches,
+                              session=engines.session, engine=engines.get(), desc=desc or f"rollout iter {iteration}")
 
 
 def _filter_and_refill(settings: RolloutSettings, calls: ConfigCalls, run: RunDir, iteration: int,
@@ -338,7 +343,8 @@ def _filter_and_refill(settings: RolloutSettings, calls: ConfigCalls, run: RunDi
     kept_groups = 0
     new_samples = drawn.samples
     while True:
-        kept, filtered = _kept_uids(settings, run, iteration, models, drawn.prompt_rows, new_samples)
+        kept, filtered = _kept_uids(settings, engines.session, run, iteration, models, drawn.prompt_rows,
+                                    new_samples)
         drawn.filtered_groups += len(filtered)
         take = kept[:max(wanted - kept_groups, 0)]
         drawn.surplus_groups += len(kept) - len(take)
@@ -366,13 +372,13 @@ def _filter_and_refill(settings: RolloutSettings, calls: ConfigCalls, run: RunDi
     return drawn
 
 
-def _kept_uids(settings: RolloutSettings, run: RunDir, iteration: int, models: ModelPaths,
+def _kept_uids(settings: RolloutSettings, session: RunSession, run: RunDir, iteration: int, models: ModelPaths,
                prompt_rows: list[dict], samples: list[GeneratedSample]) -> tuple[list[str], list[str]]:
     """(kept, filtered) group uids of one draw's samples, scored as the score stage will score them."""
     if not samples:
         return [], []
     rows = rollout_table(prompt_rows, samples, iteration, settings.gen.rollout.name).to_pylist()
-    rewards = sequence_rewards(settings.rewards, models, rows, run.train_prompts, run.rollout(iteration))
+    rewards = sequence_rewards(settings.rewards, session, models, rows, run.train_prompts, run.rollout(iteration))
     where = [f"iteration {iteration} response (prompt_id={r['prompt_id']!r}, sample_index={r['sample_index']})"
              for r in rows]
     values = metric_values(settings.filter_groups.metric, rewards.scores, rewards.raw, rewards.acc, where)
@@ -401,8 +407,8 @@ def _write_baseline(run: RunDir, iteration: int, engines: StageEngine, drawn: Dr
     rows = [drawn.prompt_rows[i] for i in indices]
     seed = derive_seed(iteration_sampling(engines.gen, iteration).seed, "greedy_baseline")
     sampling = replace(train_sampling(engines.gen, seed=seed, greedy=True), n=1)
-    samples, _ = generate_responses(engines.gen, engines.model_dir, rows, sampling, engine=engines.get(),
-                                    desc=f"greedy baseline iter {iteration}")
+    samples, _ = generate_responses(engines.gen, engines.model_dir, rows, sampling, session=engines.session,
+                                    engine=engines.get(), desc=f"greedy baseline iter {iteration}")
     samples = [replace(s, prompt_index=indices[s.prompt_index]) for s in samples]
     table = rollout_table(drawn.prompt_rows, samples, iteration, engines.gen.rollout.name)
     return atomic_write_parquet(run.rollout_baseline(iteration), table, schema=ROLLOUT)
@@ -476,12 +482,12 @@ def _stats(name: str, lengths: list[int], budget: int) -> dict[str, float]:
             f"{name}/min": float(min(values)), f"{name}/clip_ratio": clipped}
 
 
-def rollout_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
+def rollout_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path, session: RunSession) -> None:
     """This rank's generation batches of the rollout (HF engine), seeded as in one process."""
     _, _, batches, prompt_rows = iteration_prompts(run, iteration)
     gen = generation(cfg)
     samples, stats = generate_responses(gen, actor_path(cfg, run, iteration), prompt_rows,
-                                        iteration_sampling(gen, iteration), batches,
+                                        iteration_sampling(gen, iteration), batches, session=session,
                                         desc=f"rollout iter {iteration} rank {rank}", share=(rank, world))
     write_share(out, {}, samples=json.dumps([dataclasses.asdict(s) for s in samples]),
                  generated_tokens=stats.generated_tokens, seconds=stats.seconds, load_seconds=stats.load_seconds)

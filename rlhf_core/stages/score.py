@@ -67,8 +67,9 @@ from rlhf_core.scoring import (
     scoring_device, scoring_dtype,
 )
 from rlhf_core.data.packing import Share
-from rlhf_core.scoring import ref_states
 from rlhf_core.scoring.models import load_tokenizer, reference_policy, release
+from rlhf_core.scoring import ref_states
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
 from rlhf_core.training import flops
@@ -239,8 +240,12 @@ def score_settings(cfg: RLHFConfig) -> ScoreSettings:
         ref_offload=frozen_param_offload(cfg, "ref"))
 
 
-def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
-    """Score iteration ``iteration``'s rollout; skipped when its inputs and config are unchanged."""
+def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False,
+              session: Optional[RunSession] = None) -> StageResult:
+    """Score iteration ``iteration``'s rollout; skipped when its inputs and config are unchanged.
+    ``session``: the flow run's (its trainer lends the actor and critic, it holds the reference and
+    keeps the reference's states for the guard); None: every model read from disk."""
+    session = session or RunSession()
     if iteration is None or iteration < 1:
         raise RLHFError("score is a per-iteration stage: give --iteration K (K >= 1)")
     rollout_path = run.rollout(iteration)
@@ -263,18 +268,18 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
 
     def on_ranks(items: int) -> Optional[list[dict]]:
         """Every rank's share of the model passes over ``items`` responses; None: run them here."""
-        world = share_processes(cfg, run, items)
-        return run_on_ranks(cfg, run, iteration, "score", world) if world else None
+        world = share_processes(cfg.trainer, session, items)
+        return run_on_ranks(cfg, run, session, iteration, "score", world) if world else None
 
     def body() -> StageResult:
-        ensure_state(run, run.checkpoint_iteration(models.actor))  # held in memory, on disk, or rebuilt now
-        return _score(score_settings(cfg), run, iteration, models, on_ranks)
+        ensure_state(session, run, run.checkpoint_iteration(models.actor))  # held in memory, on disk, or rebuilt now
+        return _score(score_settings(cfg), session, run, iteration, models, on_ranks)
 
     return execute_stage(stage="score", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
                          config_sections=config_sections(cfg), body=body, force=force)
 
 
-def _score(settings: ScoreSettings, run: RunDir, iteration: int, models: ModelPaths,
+def _score(settings: ScoreSettings, session: RunSession, run: RunDir, iteration: int, models: ModelPaths,
            on_ranks: Callable[[int], Optional[list[dict]]]) -> StageResult:
     rollout_path = run.rollout(iteration)
     with timed(TABLE_READ):
@@ -282,14 +287,14 @@ def _score(settings: ScoreSettings, run: RunDir, iteration: int, models: ModelPa
         rows = scored.to_pylist()
     _check_rollout(scored.column_names, rows, rollout_path)
     started = time.perf_counter()
-    sequence = sequence_rewards(settings.rewards, models, rows, run.train_prompts, rollout_path)
+    sequence = sequence_rewards(settings.rewards, session, models, rows, run.train_prompts, rollout_path)
     reward_seconds = time.perf_counter() - started
     rewards, extras = sequence.scores, sequence.extras
-    baselines = (greedy_baselines(settings.rewards, run, iteration, models, scored.column("uid").to_pylist())
+    baselines = (greedy_baselines(settings.rewards, session, run, iteration, models, scored.column("uid").to_pylist())
                  if settings.baseline else [None] * len(rows))
     meter = Throughput()
     reusable = old_from_rollout(settings, rows)
-    passes = _passes(settings, models, rows, meter, on_ranks, reusable)
+    passes = _passes(settings, session, models, rows, meter, on_ranks, reusable)
     old, ref, values, ref_reused = passes.old_log_probs, passes.ref_log_probs, passes.values, passes.ref_reused
     from_rollout = settings.bypass_mode or passes.old_from_rollout
     if from_rollout:  # verl's bypass mode, or rollout.old_log_probs=auto: the engine's own are the old policy
@@ -306,7 +311,7 @@ def _score(settings: ScoreSettings, run: RunDir, iteration: int, models: ModelPa
                             rule_based=models.reward_model is None, raw=sequence.raw)
     # rollout.old_log_probs=auto's choice (bypass mode's loss corrects the gap itself: not counted here)
     metrics["score/old_log_probs_from_rollout"] = float(passes.old_from_rollout and not settings.bypass_mode)
-    metrics.update(score_floor(settings, models, rows, passes))
+    metrics.update(score_floor(settings, session, models, rows, passes))
     metrics.update(pass_seconds(meter, reward_seconds))
     if baselines[0] is not None:
         metrics["reward/baseline_mean"] = statistics.fmean(baselines)
@@ -374,14 +379,14 @@ class SequenceRewards:
     when a dict result has none, and for reward-model scores)."""
 
 
-def sequence_rewards(settings: RewardSettings, models: ModelPaths, rows: list[dict], prompts_path: Path,
-                     where_path: Path) -> SequenceRewards:
+def sequence_rewards(settings: RewardSettings, session: RunSession, models: ModelPaths, rows: list[dict],
+                     prompts_path: Path, where_path: Path) -> SequenceRewards:
     """Every response's sequence reward, as the score stage writes it: shared with the rollout
     stage's dynamic sampling (``algorithm.filter_groups``) and the greedy baseline (remax).
     ``rows`` are rollout-table rows; ``where_path`` names their table in errors."""
     prompts = _prompt_lookup(prompts_path, rows)
     if models.reward_model is not None:
-        scores, extras = _reward_model_scores(settings.reward_model, models, rows, prompts)
+        scores, extras = _reward_model_scores(settings.reward_model, session, models, rows, prompts)
         return SequenceRewards(scores, extras, list(scores), [None] * len(scores))
     raw, extras, acc = _rule_rewards(settings, rows, prompts, where_path)
     scores, extras = shape_scores(settings.overlong, settings.max_response_length, raw,
@@ -389,8 +394,8 @@ def sequence_rewards(settings: RewardSettings, models: ModelPaths, rows: list[di
     return SequenceRewards(scores, extras, raw, acc)
 
 
-def greedy_baselines(settings: RewardSettings, run: RunDir, iteration: int, models: ModelPaths,
-                     uids: list[str]) -> list[float]:
+def greedy_baselines(settings: RewardSettings, session: RunSession, run: RunDir, iteration: int,
+                     models: ModelPaths, uids: list[str]) -> list[float]:
     """remax's reward_baselines: each row's group's greedy response scored by the same reward
     function (overlong shaping included), summed over the response as verl's sum_reward=True —
     one sequence score per response here, so the sum is that score."""
@@ -399,7 +404,7 @@ def greedy_baselines(settings: RewardSettings, run: RunDir, iteration: int, mode
         table = pq.read_table(path)
         rows = table.to_pylist()
     _check_rollout(table.column_names, rows, path)
-    baseline_scores = sequence_rewards(settings, models, rows, run.train_prompts, path).scores
+    baseline_scores = sequence_rewards(settings, session, models, rows, run.train_prompts, path).scores
     by_uid: dict[str, float] = {}
     for row, score in zip(rows, baseline_scores):
         by_uid[row["uid"]] = by_uid.get(row["uid"], 0.0) + score
@@ -448,23 +453,24 @@ def _cuda_devices() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def _reward_model_scores(settings: RewardModelSettings, models: ModelPaths, rows: list[dict],
+def _reward_model_scores(settings: RewardModelSettings, session: RunSession, models: ModelPaths, rows: list[dict],
                          prompts: dict[str, dict]) -> tuple[list[float], list[str]]:
     """verl's reward-model scoring: the RM reads the actor's own token ids when
     reward_model.model.input_tokenizer is null (its tokenizer must then be the actor's), else each
     response decoded with input_tokenizer and re-rendered with the RM's chat template, cut to
     reward_model.max_length tokens (null = max_prompt_length + max_response_length)."""
     device = settings.device
-    with held_reward_model(models.reward_model, device, scoring_dtype(device), settings.offload) as rm:
+    with held_reward_model(models.reward_model, device, scoring_dtype(device), settings.offload,
+                           session=session) as rm:
         if models.rm_input_tokenizer is None:
-            check_same_vocabulary(rm, load_tokenizer(models.actor, shared=True), models.actor)
+            check_same_vocabulary(rm, load_tokenizer(models.actor, session=session, shared=True), models.actor)
             sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
         else:
-            source = load_tokenizer(models.rm_input_tokenizer, shared=True)
+            source = load_tokenizer(models.rm_input_tokenizer, session=session, shared=True)
             sequences = [rerendered_ids(rm, prompts[r["prompt_id"]]["prompt"], r["response_token_ids"], source,
                                         settings.max_length) for r in rows]
         scores = score_sequences(rm, sequences, settings.batching, budget_key="critic.forward_max_token_len_per_gpu")
-    release(weakref.ref(rm.model), device)
+    release(weakref.ref(rm.model), device, session)
     return scores, [json.dumps({"rm_score": s}) for s in scores]
 
 
@@ -473,14 +479,14 @@ def _reward_model_scores(settings: RewardModelSettings, models: ModelPaths, rows
 # ---------------------------------------------------------------------------------------------
 
 
-def _passes(settings: ScoreSettings, models: ModelPaths, rows: list[dict], meter,
+def _passes(settings: ScoreSettings, session: RunSession, models: ModelPaths, rows: list[dict], meter,
             on_ranks: Callable[[int], Optional[list[dict]]], from_rollout: bool = False):
     """``model_passes`` in this process, or on ``stage_processes`` local processes (every GPU of
     the node), each a token-balanced share of every pass's micro-batches (``stages.ranks``):
     ``on_ranks`` runs them there and returns the shares, or None for this process."""
     shares = on_ranks(len(rows))
     if shares is None:
-        return model_passes(settings, models, rows, meter, from_rollout=from_rollout)
+        return model_passes(settings, session, models, rows, meter, from_rollout=from_rollout)
     meter.tokens += sum(int(s["tokens"]) for s in shares)
     meter.seconds += max(float(s["seconds"]) for s in shares)  # the ranks ran side by side
     # each rank ran its micro-batches of the one-process plans: the one-process values, bit for bit
@@ -529,7 +535,7 @@ def old_from_rollout(settings: ScoreSettings, rows: list[dict]) -> bool:
             and all(row.get("engine") == "hf" and row.get("rollout_log_probs") is not None for row in rows))
 
 
-def model_passes(settings: ScoreSettings, models: ModelPaths, rows: list[dict], meter,
+def model_passes(settings: ScoreSettings, session: RunSession, models: ModelPaths, rows: list[dict], meter,
                  share: Optional[Share] = None, from_rollout: bool = False) -> Passes:
     """The actor's old log-probs (and sum_pi_squared), the reference's log-probs and the critic's values;
     with ``share`` = (rank, world) only that process's micro-batches of each pass (None elsewhere).
@@ -550,7 +556,8 @@ def model_passes(settings: ScoreSettings, models: ModelPaths, rows: list[dict], 
     skipped = takes_old_from_rollout(settings, ref_reused, from_rollout)
     # the reference's last hidden states, kept for this iteration's KL guard (scoring.ref_states); in one
     # process only (a share's ranks are gone when the guard runs)
-    keeping = ref_states.recording(models.reference, dtype, actor_attention) if share is None else nullcontext()
+    keeping = (session.ref_states.recording(models.reference, dtype, actor_attention) if share is None
+               else nullcontext())
     with keeping as record:
         def logprobs(model, role: str, reference: bool) -> list[list[float]]:
             states: Optional[dict] = {} if reference and record is not None else None
@@ -564,7 +571,8 @@ def model_passes(settings: ScoreSettings, models: ModelPaths, rows: list[dict], 
             old = [None] * len(rows)  # the caller takes the rollout's log-probs
         else:
             # shared: the actor the rollout just sampled from, which the guard measures next
-            actor = load_causal_lm(models.actor, device, dtype, role="actor", shared=True, attention=actor_attention)
+            actor = load_causal_lm(models.actor, device, dtype, role="actor", session=session, shared=True,
+                                   attention=actor_attention)
             if settings.sum_pi_squared:  # one pass gives both: log-prob and sum_v pi^2 of the same softmax
                 both = compute_token_logprobs(actor, temperature=temperature, pad_id=_pad_id(actor),
                                               desc="actor log-probs", sum_pi_squared=True, **common("actor"))
@@ -574,22 +582,22 @@ def model_passes(settings: ScoreSettings, models: ModelPaths, rows: list[dict], 
                 old = logprobs(actor, "actor", reference=ref_reused)
             alive = weakref.ref(actor)
             del actor
-            release(alive, device)
+            release(alive, device, session)
         if ref_reused:
             ref = [None if x is None else list(x) for x in old]
         else:
             with reference_policy(models.reference, device, dtype, actor_attention,
-                                  settings.ref_offload) as reference:
+                                  settings.ref_offload, session=session) as reference:
                 ref = logprobs(reference, "reference", reference=True)
-            release(weakref.ref(reference), device)
+            release(weakref.ref(reference), device, session)
     if models.critic is None:  # a critic-free estimator: the column keeps its shape, nobody reads it
         return Passes(old, ref, [None if x is None else [0.0] * len(x) for x in ref], ref_reused, sums, skipped)
-    critic = load_critic(models.critic, device, dtype, attention=settings.critic_attention)
+    critic = load_critic(models.critic, device, dtype, attention=settings.critic_attention, session=session)
     values = compute_token_values(critic, pad_id=_pad_id(critic), desc="critic values", **common("critic"))
     values = _as_lists(values)
     alive = weakref.ref(critic)  # the critic changes every iteration: not worth caching
     del critic
-    release(alive, device)
+    release(alive, device, session)
     return Passes(old, ref, values, ref_reused, sums, skipped)
 
 
@@ -606,7 +614,8 @@ def pass_seconds(meter: Throughput, reward_seconds: float) -> dict[str, float]:
     return {**out, "perf/score_seconds/reward": reward_seconds}
 
 
-def score_floor(settings: ScoreSettings, models: ModelPaths, rows: list[dict], passes: Passes) -> dict[str, float]:
+def score_floor(settings: ScoreSettings, session: RunSession, models: ModelPaths, rows: list[dict],
+                passes: Passes) -> dict[str, float]:
     """The model FLOPs of the passes this stage ran (the actor's unless skipped, the reference's unless
     reused, the critic's, the reward model's) and their floor at this device's matmul rate
     (``training.flops``); {} when a model's shape cannot be read."""
@@ -615,7 +624,7 @@ def score_floor(settings: ScoreSettings, models: ModelPaths, rows: list[dict], p
     ran = [(models.actor, positions)] if not passes.old_from_rollout else []
     ran += [(models.reference, positions)] if not passes.ref_reused else []
     ran += [(p, 0) for p in (models.critic, models.reward_model) if p is not None]
-    shapes = [(flops.model_shape(path), at) for path, at in ran]
+    shapes = [(flops.model_shape(path, session.live), at) for path, at in ran]
     if any(shape is None for shape, _ in shapes):
         return {}
     device = settings.device.type
@@ -700,12 +709,12 @@ def _summary(rows, metrics, meter, ref_reused: bool, out: Path, from_rollout: bo
     return lines
 
 
-def score_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
+def score_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path, session: RunSession) -> None:
     """This rank's micro-batches of the score stage's model passes (old/ref log-probs, values)."""
     rows = pq.read_table(run.rollout(iteration), columns=["prompt_token_ids", "response_token_ids", "engine",
                                                            "rollout_log_probs"]).to_pylist()
     meter, settings = Throughput(), score_settings(cfg)
-    passes = model_passes(settings, model_paths(cfg, run, iteration), rows, meter, share=(rank, world),
+    passes = model_passes(settings, session, model_paths(cfg, run, iteration), rows, meter, share=(rank, world),
                           from_rollout=old_from_rollout(settings, rows))
     columns = {"old_log_probs": passes.old_log_probs, "ref_log_probs": passes.ref_log_probs, "values": passes.values}
     if passes.sum_pi_squared is not None:

@@ -25,6 +25,7 @@ from typing import Optional
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.run.layout import RunDir
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.training import lineage, resident
 from rlhf_core.training.rank_update import schedule_needs_total_steps
@@ -38,8 +39,11 @@ STAGE_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl
                  "actor/grad_norm", "critic/vf_loss", "critic/grad_norm", "perf/tokens_per_s", "perf/peak_rss_gb")
 
 
-def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
-    """Train iteration ``iteration``'s actor and critic; skipped when inputs and config are unchanged."""
+def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False,
+               session: Optional[RunSession] = None) -> StageResult:
+    """Train iteration ``iteration``'s actor and critic; skipped when inputs and config are unchanged.
+    ``session``: the flow run's, whose trainer keeps the models (None: a trainer for this update)."""
+    session = session or RunSession()
     if iteration is None or iteration < 1:
         raise RLHFError("update is a per-iteration stage: give --iteration K (K >= 1)")
     if not run.advantages(iteration).is_file():
@@ -51,11 +55,11 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
 
         nproc = resident.update_world(cfg.trainer)
         # the trainer times its own I/O (process start, setup, snapshot, replay, checkpoint) in io.timing
-        trainer = resident.active(run)
+        trainer = session.trainer
         if trainer is not None:  # the flow keeps the engines: they hold the state this iteration starts from
             metrics = trainer.update(cfg, iteration)
         else:
-            resident.ensure_state(run, lineage.start_iteration(run, iteration))  # a start only in its record
+            resident.ensure_state(session, run, lineage.start_iteration(run, iteration))  # a start only in its record
             metrics = resident.update_once(cfg, run, iteration)
         rows = pq.ParquetFile(run.advantages(iteration)).metadata.num_rows
         shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in STAGE_METRICS if k in metrics)  # actor/, critic/ kept apart

@@ -49,6 +49,7 @@ from rlhf_core.rollout.generate import (
     PROMPT_COLUMNS, GenerationSettings, generate_responses, generation_engine, generation_plan, read_prompt_rows,
     train_sampling, validation_sampling,
 )
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, run_on_ranks, write_share
 from rlhf_core.stages.settings import generation
@@ -79,12 +80,13 @@ class ValidationSettings:
     """``validate_share`` on that many processes, each rank's arrays (``ranks.run_on_ranks``)."""
 
 
-def validation_settings(cfg: RLHFConfig, run: RunDir, k: int) -> ValidationSettings:
-    """Validation's settings for iteration ``k`` of ``run``; the process counts are read when asked for."""
+def validation_settings(cfg: RLHFConfig, run: RunDir, k: int, session: RunSession) -> ValidationSettings:
+    """Validation's settings for iteration ``k`` of ``run``; the process counts are read when asked for
+    (the session's worker group or kept engine, when it has one, decides them)."""
     return ValidationSettings(
         generation=generation(cfg), reward_function=cfg.custom_reward_function, reward_fn_key=cfg.data.reward_fn_key,
-        processes=lambda batches: generation_processes(cfg, run, batches),
-        on_ranks=lambda world: run_on_ranks(cfg, run, k, "validate", world))
+        processes=lambda batches: generation_processes(cfg.trainer, cfg.actor_rollout_ref.rollout, session, batches),
+        on_ranks=lambda world: run_on_ranks(cfg, run, session, k, "validate", world))
 
 
 def validation_actor(run: RunDir, k: int) -> Optional[Path]:
@@ -95,7 +97,8 @@ def validation_actor(run: RunDir, k: int) -> Optional[Path]:
     return ckpt / "actor" if ckpt else None
 
 
-def sample_val_responses(gen: GenerationSettings, run: RunDir, actor_dir: Path, limit: Optional[int] = None,
+def sample_val_responses(gen: GenerationSettings, session: RunSession, run: RunDir, actor_dir: Path,
+                         limit: Optional[int] = None,
                          seed_offset: Any = "validation", sampling: Optional[SamplingParams] = None,
                          share: Optional[Share] = None) -> tuple[list[dict], list]:
     """(prompt rows, GeneratedSamples) on the first ``limit`` validation prompts. ``sampling``
@@ -104,7 +107,7 @@ def sample_val_responses(gen: GenerationSettings, run: RunDir, actor_dir: Path, 
     batches (``generate_responses``)."""
     rows = _val_rows(run, limit)
     samples, _ = generate_responses(gen, actor_dir, rows, _val_sampling(gen, seed_offset, sampling),
-                                    desc="validation", share=share)
+                                    session=session, desc="validation", share=share)
     return rows, samples
 
 
@@ -119,7 +122,8 @@ def _val_sampling(gen: GenerationSettings, seed_offset: Any, sampling: Optional[
     return replace(sampling or replace(train_sampling(gen, seed=seed), n=1), seed=seed)
 
 
-def validation_samples(settings: ValidationSettings, run: RunDir, actor: Path) -> tuple[list[dict], list]:
+def validation_samples(settings: ValidationSettings, session: RunSession, run: RunDir, actor: Path
+                       ) -> tuple[list[dict], list]:
     """``sample_val_responses`` at val_kwargs sampling, on ``settings.processes`` local processes
     (hf: each its share of the generation batches; vLLM: each engine its share of the prompts; all
     seeded as in one process)."""
@@ -135,7 +139,7 @@ def validation_samples(settings: ValidationSettings, run: RunDir, actor: Path) -
         if world:
             shares = settings.on_ranks(world)
             return rows, merge_samples(shares, plan, rows, seeded)
-    return sample_val_responses(gen, run, actor, sampling=sampling)
+    return sample_val_responses(gen, session, run, actor, sampling=sampling)
 
 
 def score_samples(reward: CustomRewardConfig, key: str, rows: list[dict],
@@ -232,19 +236,22 @@ def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
     return VALIDATION_SECTIONS
 
 
-def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
+def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False,
+                 session: Optional[RunSession] = None) -> StageResult:
     """Decode the validation prompts with the actor after ``iteration`` (val_kwargs sampling); write
-    iter_k/validation.parquet; metrics under our names and verl's."""
+    iter_k/validation.parquet; metrics under our names and verl's. ``session``: the flow run's (its
+    trainer lends the actor, its kept engine generates); None: every model read from disk."""
+    session = session or RunSession()
     if iteration is None:
         raise ValueError("the validate stage needs an iteration (the actor after that iteration is validated)")
     k = iteration
     actor = validation_actor(run, k) or initial_actor_path(cfg)
 
     def body() -> StageResult:
-        ensure_state(run, run.checkpoint_iteration(actor))  # held in memory, on disk, or rebuilt now
-        settings = validation_settings(cfg, run, k)
+        ensure_state(session, run, run.checkpoint_iteration(actor))  # held in memory, on disk, or rebuilt now
+        settings = validation_settings(cfg, run, k, session)
         sampling = validation_sampling(settings.generation, seed=0)
-        rows, samples = validation_samples(settings, run, actor)
+        rows, samples = validation_samples(settings, session, run, actor)
         scores, extras = score_samples(settings.reward_function, settings.reward_fn_key, rows, samples)
         table = pa.Table.from_pylist([{
             "iteration": k, "prompt_id": rows[s.prompt_index]["prompt_id"], "sample_index": s.sample_index,
@@ -274,7 +281,7 @@ def _our_metrics(rows: list[dict], samples: list, scores: list[float]) -> dict[s
             "val/num_prompts": float(len(rows)), "val/num_responses": float(len(scores))}
 
 
-def val_kl_from_samples(kl: KLPassSettings, reference: Path, samples: tuple[list[dict], list],
+def val_kl_from_samples(kl: KLPassSettings, session: RunSession, reference: Path, samples: tuple[list[dict], list],
                         actor_dir: Path) -> dict[str, float]:
     """On-policy KL(actor ‖ ref) on responses the actor itself sampled for validation prompts:
     {"val_kl_mean", "val_kl_tokens"} (per-token mean of the exact per-position KL, ``scoring.policy_kl.token_kl``)."""
@@ -282,14 +289,15 @@ def val_kl_from_samples(kl: KLPassSettings, reference: Path, samples: tuple[list
     keep = [s for s in generated if s.token_ids]
     sequences = [list(rows[s.prompt_index]["prompt_token_ids"]) + list(s.token_ids) for s in keep]
     prompt_lengths = [len(rows[s.prompt_index]["prompt_token_ids"]) for s in keep]
-    kls, _ = actor_ref_kl(kl, actor_dir, reference, sequences, prompt_lengths)
+    kls, _ = actor_ref_kl(kl, session, actor_dir, reference, sequences, prompt_lengths)
     measured = response_kl(kls)
     return {"val_kl_mean": measured["kl_mean"], "val_kl_tokens": float(measured["num_tokens"])}
 
 
-def validate_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path) -> None:
+def validate_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path, session: RunSession) -> None:
     """This rank's generation batches of validation (HF engine), seeded as in one process."""
     actor = validation_actor(run, iteration) or initial_actor_path(cfg)
     gen = generation(cfg)
-    _, samples = sample_val_responses(gen, run, actor, sampling=validation_sampling(gen, seed=0), share=(rank, world))
+    _, samples = sample_val_responses(gen, session, run, actor, sampling=validation_sampling(gen, seed=0),
+                                      share=(rank, world))
     write_share(out, {}, samples=json.dumps([dataclasses.asdict(s) for s in samples]))

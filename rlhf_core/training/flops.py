@@ -46,7 +46,7 @@ from typing import Optional, Sequence
 import torch
 
 from rlhf_core.config.errors import ConfigError
-from rlhf_core.models import live
+from rlhf_core.models.live import LiveModels
 from rlhf_core.training.memory import ModelShape
 
 GPU_PEAKS = {"GB200": 2.5e15, "B200": 2.25e15, "MI300X": 1.336e15, "H200": 989e12, "H100": 989e12, "H800": 989e12,
@@ -119,9 +119,9 @@ def _gpu_peak(name: str) -> Optional[float]:
     return GPU_PEAKS[max(matches, key=len)] if matches else None
 
 
-def model_shape(path: str | Path) -> Optional[ModelShape]:
-    """The shape of the model at ``path`` (the module the trainer holds there, or its config.json);
-    None when there is none to read."""
+def model_shape(path: str | Path, live: LiveModels) -> Optional[ModelShape]:
+    """The shape of the model at ``path`` (the module the run's trainer holds there, or its
+    config.json); None when there is none to read."""
     held = live.lookup(path)
     try:
         if held is not None:

@@ -6,14 +6,14 @@ writes (and hashes) a full checkpoint — at real sizes, most of the iteration. 
 
     update k     the engines already hold the state k starts from; a host-memory snapshot of it is
                  taken (the rollback's), the RNG is set to that state's, PPO trains, and the new state
-                 is served in memory for ``iter_k/checkpoint/{actor,critic}`` (``models.live``): the
+                 is served in memory for ``iter_k/checkpoint/{actor,critic}`` (the run session's ``live``): the
                  guard, the next rollout and score, and validation borrow these very modules.
                  ``iter_k/state.json`` records how to rebuild it (``training.lineage``).
     commit k     the snapshot is dropped; every ``trainer.save_freq`` iterations (and at the end of
                  the flow run) a full checkpoint is written by a background thread from a capture,
                  while the next iteration runs. Nothing else is written.
     rollback k   the snapshot is put back (no disk I/O): the engines hold k's starting state again.
-    vLLM         the run's one vLLM engine (``models.live``) pauses for each update (on CUDA, sleeps
+    vLLM         the run's one vLLM engine (the session's ``live``) pauses for each update (on CUDA, sleeps
                  to free its memory) and takes each new or restored actor in place, checked
                  against the actor's own log-probs (``rollout.vllm_engine.VLLMEngine.sync_from``).
     crash        a resume rebuilds what was only in memory: from the newest checkpoint before it,
@@ -23,8 +23,10 @@ writes (and hashes) a full checkpoint — at real sizes, most of the iteration. 
                  this for any stage — also a CLI rerun of one stage — and writes the rebuilt state
                  as a checkpoint, so it is rebuilt once.
 
-The engine state lives in this process only; the run directory stays the durable lineage (tables,
-manifests, state records, checkpoints at save points).
+The engine state lives in this process only, in the run session the flow hands to every stage
+(``scoring.session.RunSession``: ``resident_models`` puts the trainer there for the iterations);
+the run directory stays the durable lineage (tables, manifests, state records, checkpoints at save
+points).
 
 Every update runs in this one trainer. Where no flow run keeps one (`rlhf stage update`, or a run
 that cannot keep its models: ``resident_possible``), ``update_once`` makes a trainer that is not
@@ -58,10 +60,11 @@ from rlhf_core.config.notes import say_once
 from rlhf_core.errors import CheckpointError, RLHFError, first_clause
 from rlhf_core.io import timing
 from rlhf_core.io.hashing import sha256_tree
-from rlhf_core.models import live
+from rlhf_core.models.live import LiveModel, LiveModels
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import committed_iterations, is_replayable, newest_durable
 from rlhf_core.run.schedule import save_due
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.training.checkpoint import (BackgroundWriter, can_write_in_background, prepare_staging, restore_rng,
                                           rng_state, save_checkpoint, seed_rng)
 from rlhf_core.training.distributed import DistInfo, init_distributed
@@ -156,13 +159,15 @@ class Snapshot:
 class ResidentTrainer:
     """The engines of one run, kept between iterations (see the module docstring)."""
 
-    def __init__(self, run: RunDir, *, kept: bool = True):
+    def __init__(self, run: RunDir, live: Optional[LiveModels] = None):
         self.run = run
-        self.kept = kept
-        """Kept for a flow run: the held state is offered to the stages (``models.live``), each update
-        keeps a rollback snapshot and writes no checkpoint until a save point. Not kept (one update or
-        one rebuild, then closed): nothing is offered or snapshot, and each update writes its
-        checkpoint at once (``update_once``)."""
+        self.live = live
+        """Where the held state is offered to the stages: the run session's ``LiveModels``."""
+        self.kept = live is not None
+        """Kept for a flow run (a session to offer the state to): each update keeps a rollback
+        snapshot and writes no checkpoint until a save point. Not kept (one update or one rebuild,
+        then closed): nothing is offered or snapshot, and each update writes its checkpoint at once
+        (``update_once``)."""
         self.actor: Optional[TrainEngine] = None
         self.critic: Optional[TrainEngine] = None
         self.dist: Optional[DistInfo] = None
@@ -475,9 +480,9 @@ class ResidentTrainer:
         if not self.kept or not self.holds:
             return
         ckpt = self.run.checkpoint(self.holds)
-        live.hold(ckpt / "actor", live.LiveModel(self._lend(self.actor), "causal_lm", self.tokenizer))
+        self.live.hold(ckpt / "actor", LiveModel(self._lend(self.actor), "causal_lm", self.tokenizer))
         if self.critic is not None:
-            live.hold(ckpt / "critic", live.LiveModel(self._lend(self.critic), "critic", self.tokenizer))
+            self.live.hold(ckpt / "critic", LiveModel(self._lend(self.critic), "critic", self.tokenizer))
         self._sync_rollout_engine(ckpt / "actor")
 
     def _lend(self, te: TrainEngine) -> torch.nn.Module:
@@ -504,22 +509,23 @@ class ResidentTrainer:
         """A kept vLLM engine pauses for the update and, where its platform can, gives its memory to it
         (CUDA: KV cache freed, weights offloaded); returns the GiB that freed, measured (None: no
         engine kept, or nothing freed: CPU)."""
-        held = live.held_engine()
+        held = self.live.held_engine() if self.live is not None else None
         freed = held.engine.sleep() if held is not None else None
         return freed / 2 ** 30 if freed is not None else None
 
     def _sync_rollout_engine(self, actor_dir: Path) -> None:
         """The kept vLLM engine takes the held actor's weights in place (and wakes), checked against
         the actor's own log-probs; no disk round trip. A ZeRO-3 actor is gathered for it."""
-        held = live.held_engine()
+        held = self.live.held_engine()
         if held is None or self.actor is None:
             return
         with _gathered(self.actor):
             self.rollout_sync = held.engine.sync_from(self.actor.module)
-        live.hold_engine(held.engine, actor_dir)
+        self.live.hold_engine(held.engine, actor_dir)
 
     def _withdraw(self) -> None:
-        live.drop(self.run.root)
+        if self.live is not None:
+            self.live.drop(self.run.root)
         for param, requires_grad in self._lent_flags:  # the trainable parameters train again
             param.requires_grad_(requires_grad)
         self._lent_flags = []
@@ -683,34 +689,27 @@ def _rebuild_in_group(cfg: RLHFConfig, run: RunDir, k: int) -> bool:
 
 
 # ---------------------------------------------------------------------------------------------
-# one trainer per run in this process, for the length of a flow run
+# one trainer per run session, for the length of a flow run
 # ---------------------------------------------------------------------------------------------
 
 Trainer = Union[ResidentTrainer, GroupTrainer]
-_trainers: dict[Path, Trainer] = {}
 
 
-def active(run: RunDir) -> Optional[Trainer]:
-    """The resident trainer of ``run`` in this process, when a flow run keeps one."""
-    return _trainers.get(run.root)
-
-
-def active_group(run: RunDir) -> Optional[GroupTrainer]:
-    """The worker group keeping ``run``'s models, when a flow run of this process started one."""
-    trainer = _trainers.get(run.root)
-    return trainer if isinstance(trainer, GroupTrainer) else None
+def group_of(session: RunSession) -> Optional[GroupTrainer]:
+    """The worker group keeping the session's models, when its flow run started one."""
+    return session.trainer if isinstance(session.trainer, GroupTrainer) else None
 
 
 @contextlib.contextmanager
-def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]:
-    """Keep ``run``'s models resident for the block (the flow's iterations), when ``cfg`` allows
-    (``resident_possible``); at the end the last-good state is made durable and the models freed.
-    On an interrupt only the write in flight is finished: a resume replays the rest."""
+def resident_models(cfg: RLHFConfig, run: RunDir, session: RunSession) -> Iterator[Optional[Trainer]]:
+    """Keep ``run``'s models resident in ``session`` for the block (the flow's iterations), when
+    ``cfg`` allows (``resident_possible``); at the end the last-good state is made durable and the
+    models freed. On an interrupt only the write in flight is finished: a resume replays the rest."""
     reason = resident_possible(cfg)
-    if reason is not None or run.root in _trainers:
+    if reason is not None or session.trainer is not None:
         if reason is not None and cfg.trainer.resident_models:
             log.info("models are reloaded by every stage and every iteration is checkpointed: %s", reason)
-        yield _trainers.get(run.root)
+        yield session.trainer
         return
     device = resolve_device(cfg.trainer.device)
     if not replay_is_exact(device):
@@ -719,13 +718,13 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]
                  f"{cfg.trainer.save_freq} still decides which are kept")
     if update_world(cfg.trainer) > 1:
         trainer: Trainer = GroupTrainer(cfg, run)
-        live.provide_with(trainer)
+        session.live.provide_with(trainer)
         log.info("models are kept by a worker group of %d update processes for the whole run; the stages' model "
                  "passes run on them", trainer.world)
     else:
-        trainer = ResidentTrainer(run)
-        live.keep_engines(keeps_rollout_engine(cfg))  # one vLLM engine for the run
-    _trainers[run.root] = trainer
+        trainer = ResidentTrainer(run, session.live)
+        session.live.keep_engines(keeps_rollout_engine(cfg))  # one vLLM engine for the run
+    session.trainer = trainer
     try:
         try:
             yield trainer
@@ -739,17 +738,16 @@ def resident_models(cfg: RLHFConfig, run: RunDir) -> Iterator[Optional[Trainer]]
             raise
         trainer.close(make_durable=True)  # a failed background write stops the run here, in one line
     finally:
-        live.keep_engines(False)
-        live.provide_with(None)
-        del _trainers[run.root]
+        session.live.keep_engines(False)
+        session.live.provide_with(None)
+        session.trainer = None
 
 
-def check_background_writes(run: RunDir) -> None:
-    """Before a commit: this process's resident trainer's background save (if any) finished, or its
+def check_background_writes(session: RunSession) -> None:
+    """Before a commit: the session's resident trainer's background save (if any) finished, or its
     failure raised (``ResidentTrainer.check_writes``)."""
-    trainer = active(run)
-    if trainer is not None:
-        trainer.check_writes()
+    if session.trainer is not None:
+        session.trainer.check_writes()
 
 
 def keeps_rollout_engine(cfg: RLHFConfig) -> bool:
@@ -762,48 +760,48 @@ def keeps_rollout_engine(cfg: RLHFConfig) -> bool:
 
 
 @contextlib.contextmanager
-def rollout_engine_kept(cfg: RLHFConfig) -> Iterator[None]:
-    """For the block (a flow run), keep the vLLM rollout engine the first generation builds, for
-    every later validation and rollout, when the resident trainer of ``resident_models`` will sync
-    it (one update process): one engine start per flow run. Closed at the end."""
+def rollout_engine_kept(cfg: RLHFConfig, session: RunSession) -> Iterator[None]:
+    """For the block (a flow run), the session keeps the vLLM rollout engine the first generation
+    builds, for every later validation and rollout, when the resident trainer of ``resident_models``
+    will sync it (one update process): one engine start per flow run. Closed at the end."""
     if not keeps_rollout_engine(cfg):
         yield
         return
-    live.keep_engines(True)
+    session.live.keep_engines(True)
     try:
         yield
     finally:
-        live.keep_engines(False)
+        session.live.keep_engines(False)
 
 
-def settle_resident(trainer_cfg: TrainerConfig, run: RunDir, k: int, outcome: str) -> None:
-    """Tell this process's resident trainer (if any) how iteration ``k`` settled: a commit is saved
+def settle_resident(trainer_cfg: TrainerConfig, session: RunSession, k: int, outcome: str) -> None:
+    """Tell the session's resident trainer (if any) how iteration ``k`` settled: a commit is saved
     at a save point, and at every commit where a replay would not be exact (``replay_is_exact``)."""
-    trainer = active(run)
+    trainer = session.trainer
     if trainer is not None:
         exact = replay_is_exact(resolve_device(trainer_cfg.device))
         trainer.settle(k, outcome, save=save_due(trainer_cfg, k) or not exact)
 
 
-def ensure_state(run: RunDir, k: Optional[int]) -> bool:
+def ensure_state(session: RunSession, run: RunDir, k: Optional[int]) -> bool:
     """Make iteration ``k``'s checkpoint directory loadable before a stage reads it: held in memory,
     on disk, or — when only its state record is left (a crash, a CLI rerun) — rebuilt by replay and
     written as a checkpoint. Returns whether it was rebuilt. A lookup first; it trains only when the
-    state exists nowhere else."""
+    state exists nowhere else (neither in ``session`` nor on disk)."""
     if not k:
         return False
     ckpt = run.checkpoint(k)
-    group = active_group(run)
+    group = group_of(session)
     if group is not None and group.holds == k:
         return False
-    if live.lookup(ckpt / "actor") is not None or (ckpt / "actor").is_dir() or not is_replayable(run, k):
+    if session.live.lookup(ckpt / "actor") is not None or (ckpt / "actor").is_dir() or not is_replayable(run, k):
         return False
     if group is not None:
         return group.ensure(k)
     recorded = recorded_config(read_state_record(run, k))
     if update_world(recorded.trainer) > 1:
         return _rebuild_in_group(recorded, run, k)
-    builder = ResidentTrainer(run, kept=False)
+    builder = ResidentTrainer(run)
     try:
         builder.hold_recorded(k)
         save_checkpoint(ckpt, actor=builder.actor, critic=builder.critic, tokenizer_path=builder.tokenizer,
@@ -820,7 +818,7 @@ def update_once(cfg: RLHFConfig, run: RunDir, k: int, *, progress: Optional[bool
     update and closed after it — in this process, or as a worker group of the update's processes —
     which writes ``iter_k/checkpoint`` at once. Returns the update's metrics."""
     trainer: Trainer = (GroupTrainer(cfg, run, one_update=k) if update_world(cfg.trainer) > 1
-                        else ResidentTrainer(run, kept=False))
+                        else ResidentTrainer(run))
     try:
         return trainer.update(cfg, k, progress=progress)
     finally:

@@ -14,6 +14,7 @@ import numpy as np
 from rlhf_core.data.schemas import ADVANTAGES
 from rlhf_core.scoring.logprobs import compute_token_logprobs
 from rlhf_core.scoring.models import load_causal_lm
+from rlhf_core.scoring.session import RunSession
 
 
 def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, prompt_len: tuple[int, int] = (4, 12),
@@ -31,7 +32,8 @@ def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, p
 
     rng = np.random.default_rng(seed)
     torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    model = load_causal_lm(model_dir, torch.device(device), torch_dtype)
+    disk = RunSession()  # test data from model directories: nothing is held in memory
+    model = load_causal_lm(model_dir, torch.device(device), torch_dtype, session=disk)
     vocab = model.config.vocab_size
     if pairs is not None:
         prompts, responses, n = [list(p) for p, _ in pairs], [list(r) for _, r in pairs], len(pairs)
@@ -43,7 +45,7 @@ def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, p
     budget = budget or max(len(s) for s in sequences) * 4
     old = compute_token_logprobs(model, sequences, lengths, budget, temperature, progress=False)
     ref = old if ref_model_dir is None else compute_token_logprobs(
-        load_causal_lm(ref_model_dir, torch.device(device), torch_dtype), sequences, lengths, budget, temperature,
+        load_causal_lm(ref_model_dir, torch.device(device), torch_dtype, session=disk), sequences, lengths, budget, temperature,
         progress=False)
 
     def noise(k: int, scale: float = 1.0) -> list[float]:

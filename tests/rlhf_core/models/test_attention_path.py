@@ -21,6 +21,9 @@ from rlhf_core.scoring.policy_kl import token_kl
 from rlhf_core.training.batch import PER_TOKEN_COLUMNS, MicroBatchPlan, PPOData, build_micro_batch, split_mini_batch
 from rlhf_core.training.engines import load_actor_model
 from rlhf_core.training.forward import actor_forward
+from rlhf_core.scoring.session import RunSession
+
+DISK = RunSession()  # nothing held in memory: every model is read from its directory
 
 CPU = torch.device("cpu")
 BUDGET = 160  # tokens per micro-batch: several micro-batches, several sequences per row
@@ -55,7 +58,7 @@ def _update_logprobs(model, sequences, prompt_lengths) -> list[torch.Tensor]:
 @pytest.mark.parametrize("implementation", ["sdpa", "eager", "sdpa_varlen"])
 def test_score_update_and_guard_agree_bit_for_bit(tiny_model_dir, implementation):
     sequences, prompt_lengths = _batch()
-    scorer = load_causal_lm(tiny_model_dir, CPU, torch.float32, attention=implementation)
+    scorer = load_causal_lm(tiny_model_dir, CPU, torch.float32, attention=implementation, session=DISK)
     old = compute_token_logprobs(scorer, sequences, prompt_lengths, BUDGET)
     _, guard = token_kl(scorer, scorer, sequences, prompt_lengths, budget=BUDGET, temperature=1.0)
     trainee = load_actor_model(tiny_model_dir, torch.float32, attention=resolve_attention(implementation, CPU))
@@ -70,7 +73,7 @@ def test_score_update_and_guard_agree_bit_for_bit(tiny_model_dir, implementation
 def test_another_kernel_in_the_update_shows(tiny_model_dir):
     """The check above can fail: the update on eager against scores from sdpa_varlen differs."""
     sequences, prompt_lengths = _batch(seed=1)
-    scorer = load_causal_lm(tiny_model_dir, CPU, torch.float32, attention="sdpa_varlen")
+    scorer = load_causal_lm(tiny_model_dir, CPU, torch.float32, attention="sdpa_varlen", session=DISK)
     old = compute_token_logprobs(scorer, sequences, prompt_lengths, BUDGET)
     new = _update_logprobs(load_actor_model(tiny_model_dir, torch.float32, attention="eager"), sequences, prompt_lengths)
     assert any(not torch.equal(a, b) for a, b in zip(new, old))
@@ -79,11 +82,11 @@ def test_another_kernel_in_the_update_shows(tiny_model_dir):
 
 def test_varlen_kernels_get_one_flat_row_and_no_mask(tiny_model_dir):
     sequences, _ = _batch(n=4)
-    model = load_causal_lm(tiny_model_dir, CPU, torch.float32, attention="sdpa_varlen")
+    model = load_causal_lm(tiny_model_dir, CPU, torch.float32, attention="sdpa_varlen", session=DISK)
     assert packing_attention_mode(model) == "varlen"
     packed = pack_rows([[0, 1], [2, 3]], sequences, 0, mode=packing_attention_mode(model))
     assert packed.attention_mask is None and packed.input_ids.shape == (1, sum(map(len, sequences)))
-    alone = [load_causal_lm(tiny_model_dir, CPU, torch.float32, attention="sdpa")(input_ids=torch.tensor([s])).logits[0]
+    alone = [load_causal_lm(tiny_model_dir, CPU, torch.float32, attention="sdpa", session=DISK)(input_ids=torch.tensor([s])).logits[0]
              for s in sequences]
     logits = packed_forward(model, packed)[0]
     for i, start, end in packed.spans[0]:
@@ -91,7 +94,7 @@ def test_varlen_kernels_get_one_flat_row_and_no_mask(tiny_model_dir):
 
 
 def test_a_flash_model_refuses_a_4d_mask(tiny_model_dir):
-    model = load_causal_lm(tiny_model_dir, CPU, torch.float32, attention="sdpa")
+    model = load_causal_lm(tiny_model_dir, CPU, torch.float32, attention="sdpa", session=DISK)
     model.config._attn_implementation = "flash_attention_2"  # what packing decides from; no forward runs
     assert packing_attention_mode(model) == "varlen"
     with pytest.raises(ValueError, match="4-D mask"):

@@ -29,3 +29,15 @@ def test_each_declared_stage_is_one_prefect_task_named_as_declared():
         assert (task.retries > 0) == spec.retries
         assert (task.task_run_name == f"{spec.task}-iter{{iteration}}") == spec.per_iteration
         assert spec.load().__name__ == f"run_{name}"
+
+
+def test_a_stage_takes_the_run_session_exactly_when_it_declares_models():
+    """``uses_models``: the stage function takes ``session=`` (the flow hands it the run session) and
+    so does its share function (last parameter); a stage without models takes none."""
+    import inspect
+
+    for name, spec in STAGES.items():
+        takes = "session" in inspect.signature(spec.load()).parameters
+        assert takes == spec.uses_models, f"stage {name}: uses_models={spec.uses_models}, takes session={takes}"
+        if spec.share is not None:
+            assert spec.uses_models and list(inspect.signature(spec.load_share()).parameters)[-1] == "session", name

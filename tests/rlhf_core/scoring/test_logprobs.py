@@ -19,19 +19,22 @@ from rlhf_core.scoring import (
     same_weights,
     weights_fingerprint,
 )
+from rlhf_core.scoring.session import RunSession
+
+DISK = RunSession()  # nothing held in memory: every model is read from its directory
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture(scope="module")
 def actor(tiny_model_dir):
-    return load_causal_lm(tiny_model_dir, CPU, torch.float32)
+    return load_causal_lm(tiny_model_dir, CPU, torch.float32, session=DISK)
 
 
 @pytest.fixture(scope="module")
 def critic(tiny_model_dir):
     torch.manual_seed(3)
-    return load_critic(tiny_model_dir, CPU, torch.float32)  # fresh value head on the tiny backbone
+    return load_critic(tiny_model_dir, CPU, torch.float32, session=DISK)  # fresh value head on the tiny backbone
 
 
 @pytest.fixture(scope="module")

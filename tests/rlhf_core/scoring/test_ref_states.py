@@ -13,13 +13,15 @@ from rlhf_core.scoring.logprobs import compute_token_logprobs
 from rlhf_core.scoring.policy_kl import token_kl
 
 F32 = torch.float32
+KEPT = ref_states.RefStates()
+"""One run session's kept states (``scoring.session.RunSession.ref_states``)."""
 
 
 @pytest.fixture(autouse=True)
 def _nothing_kept():
-    ref_states.forget()
+    KEPT.forget()
     yield
-    ref_states.forget()
+    KEPT.forget()
 
 
 def _load(path):
@@ -53,7 +55,7 @@ def models(tiny_model_dir, tmp_path):
 
 def _score_reference(ref_dir, ref, seqs, plens, budget=64):
     """The score stage's reference pass, keeping the states as it does."""
-    with ref_states.recording(ref_dir, F32, "sdpa") as record:
+    with KEPT.recording(ref_dir, F32, "sdpa") as record:
         states: dict = {}
         log_probs = compute_token_logprobs(ref, seqs, plens, budget, head_inputs=states)
         ref_states.keep(record, seqs, plens, states)
@@ -66,7 +68,7 @@ def test_the_exact_kl_on_kept_states_is_the_kl_on_the_references_forward_bit_for
     log_probs, states = _score_reference(ref_dir, ref, seqs, plens)
     assert sorted(states) == list(range(len(seqs)))
     assert all(states[i].shape == (len(s) - p, ref.config.hidden_size) for i, (s, p) in enumerate(zip(seqs, plens)))
-    kept = ref_states.lookup(ref_dir, F32, "sdpa", seqs, plens)
+    kept = KEPT.lookup(ref_dir, F32, "sdpa", seqs, plens)
     assert kept is not None
     # the kept states through the LM head give the pass's own log-probs back (to rounding: one sequence
     # at a time through the head here, the whole micro-batch in the pass)
@@ -93,19 +95,19 @@ def test_a_kept_state_serves_only_its_reference_its_dtype_and_its_sequences(mode
     ref_dir, ref, _ = models
     seqs, plens = _sequences()
     _score_reference(ref_dir, ref, seqs, plens)
-    assert ref_states.lookup(ref_dir, F32, "sdpa", seqs[2:5], plens[2:5]) is not None  # any subset, in its order
-    assert ref_states.lookup(ref_dir, torch.bfloat16, "sdpa", seqs, plens) is None
-    assert ref_states.lookup(ref_dir, F32, "eager", seqs, plens) is None
+    assert KEPT.lookup(ref_dir, F32, "sdpa", seqs[2:5], plens[2:5]) is not None  # any subset, in its order
+    assert KEPT.lookup(ref_dir, torch.bfloat16, "sdpa", seqs, plens) is None
+    assert KEPT.lookup(ref_dir, F32, "eager", seqs, plens) is None
     other, _ = _sequences(seed=1)
-    assert ref_states.lookup(ref_dir, F32, "sdpa", other, plens) is None
+    assert KEPT.lookup(ref_dir, F32, "sdpa", other, plens) is None
     moved = list(plens)
     moved[0] += 1  # the same tokens with another prompt length are other positions
-    assert ref_states.lookup(ref_dir, F32, "sdpa", seqs, moved) is None
+    assert KEPT.lookup(ref_dir, F32, "sdpa", seqs, moved) is None
     elsewhere = tmp_path / "elsewhere"
     shutil.copytree(ref_dir, elsewhere)
-    assert ref_states.lookup(elsewhere, F32, "sdpa", seqs, plens) is None
+    assert KEPT.lookup(elsewhere, F32, "sdpa", seqs, plens) is None
     (ref_dir / "config.json").write_text((ref_dir / "config.json").read_text() + " ")  # the directory changed
-    assert ref_states.lookup(ref_dir, F32, "sdpa", seqs, plens) is None
+    assert KEPT.lookup(ref_dir, F32, "sdpa", seqs, plens) is None
 
 
 def test_nothing_is_kept_past_the_limit(models, monkeypatch):
@@ -113,7 +115,7 @@ def test_nothing_is_kept_past_the_limit(models, monkeypatch):
     seqs, plens = _sequences()
     monkeypatch.setattr(ref_states, "KEEP_LIMIT_BYTES", 4 * ref.config.hidden_size * 5)  # five positions' worth
     _score_reference(ref_dir, ref, seqs, plens)
-    assert ref_states.lookup(ref_dir, F32, "sdpa", seqs[:1], plens[:1]) is None
+    assert KEPT.lookup(ref_dir, F32, "sdpa", seqs[:1], plens[:1]) is None
 
 
 def test_the_next_pass_replaces_what_the_last_one_kept(models):
@@ -122,5 +124,5 @@ def test_the_next_pass_replaces_what_the_last_one_kept(models):
     _score_reference(ref_dir, ref, first, plens)
     second, plens2 = _sequences(seed=3)
     _score_reference(ref_dir, ref, second, plens2)
-    assert ref_states.lookup(ref_dir, F32, "sdpa", first, plens) is None
-    assert ref_states.lookup(ref_dir, F32, "sdpa", second, plens2) is not None
+    assert KEPT.lookup(ref_dir, F32, "sdpa", first, plens) is None
+    assert KEPT.lookup(ref_dir, F32, "sdpa", second, plens2) is not None

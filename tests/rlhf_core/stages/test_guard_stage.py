@@ -17,6 +17,7 @@ from rlhf_core.config import load_config
 from rlhf_core.run.manifest import read_manifest, record_stage
 from rlhf_core.run.lifecycle import read_last_good
 from rlhf_core.run.layout import RunDir
+from rlhf_core.scoring.session import RunSession
 
 
 def _cfg(model_dir, *extra):
@@ -26,7 +27,8 @@ def _cfg(model_dir, *extra):
 
 def _measure_kl(cfg, run):
     """Iteration 1's KL, measured with the settings the guard builds from ``cfg``."""
-    return guard.measure_kl(guard.guard_settings(cfg, run, 1), run, 1)
+    session = RunSession()  # a CLI rerun's: the actor read from iter_1/checkpoint
+    return guard.measure_kl(guard.guard_settings(cfg, run, 1, session), session, run, 1)
 
 
 def _sequences(n=6, seed=0):
@@ -207,12 +209,13 @@ def _val_prompts(run, tokenizer_dir, n=3):
 def test_guard_on_validation_prompts_samples_from_the_new_actor(tmp_path, tiny_model_dir):
     run = _scored_run(tmp_path, tiny_model_dir, actor_scale=2.0)
     _val_prompts(run, tiny_model_dir)
-    off = guard.guard_settings(_cfg(tiny_model_dir, "data.max_response_length=8"), run, 1)
+    session = RunSession()
+    off = guard.guard_settings(_cfg(tiny_model_dir, "data.max_response_length=8"), run, 1, session)
     assert off.validation is None  # trainer.kl_guard_val_prompts=0: no generation
-    assert guard.measure_val_kl(off, run, 1) == {}
+    assert guard.measure_val_kl(off, session, run, 1) == {}
     cfg = _cfg(tiny_model_dir, "data.max_response_length=8", "trainer.kl_guard_val_prompts=2",
                "trainer.kl_rollback_threshold=1000", "trainer.device=cpu")
-    val = guard.measure_val_kl(guard.guard_settings(cfg, run, 1), run, 1)
+    val = guard.measure_val_kl(guard.guard_settings(cfg, run, 1, session), session, run, 1)
     assert val["val_kl_mean"] > 0 and 2 <= val["val_kl_tokens"] <= 16
     guard.run_guard(cfg, run, 1)
     verdict = lifecycle.read_verdict(run, 1)
@@ -292,7 +295,7 @@ def test_the_sampled_guard_measures_zero_for_an_unchanged_actor(tmp_path, tiny_m
 
 
 def test_the_exact_guard_runs_only_the_references_lm_head_on_the_states_scoring_kept(tmp_path, tiny_model_dir):
-    """After the score stage's reference pass in this process (``scoring.ref_states``) the guard measures
+    """After the score stage's reference pass in this session (``scoring.ref_states``) the guard measures
     the same exact KL with the reference's LM head alone; its floor counts that head, not a forward."""
     from rlhf_core.scoring import compute_token_logprobs, ref_states
 
@@ -302,18 +305,16 @@ def test_the_exact_guard_runs_only_the_references_lm_head_on_the_states_scoring_
     seqs = [r["prompt_token_ids"] + r["response_token_ids"] for r in scored]
     plens = [len(r["prompt_token_ids"]) for r in scored]
     settings = guard.kl_pass(cfg)
-    ref_states.forget()
-    forward = guard.run_guard(cfg, run, 1, force=True).metrics
+    session = RunSession()
+    forward = guard.run_guard(cfg, run, 1, force=True, session=session).metrics
     assert forward["perf/guard_reference_states_kept"] == 0.0
-    with ref_states.recording(tiny_model_dir, settings.dtype, settings.attention) as record:  # as scoring does
+    with session.ref_states.recording(tiny_model_dir, settings.dtype, settings.attention) as record:  # as scoring does
         states = {}
         compute_token_logprobs(_load(tiny_model_dir), seqs, plens, budget=settings.ref_budget, head_inputs=states)
         ref_states.keep(record, seqs, plens, states)
-    try:
-        kept = guard.run_guard(cfg, run, 1, force=True).metrics
-    finally:
-        ref_states.forget()
+    kept = guard.run_guard(cfg, run, 1, force=True, session=session).metrics
     assert kept["perf/guard_reference_states_kept"] == 1.0
+    assert guard.run_guard(cfg, run, 1, force=True).metrics["perf/guard_reference_states_kept"] == 0.0  # another session
     assert kept["guard/kl_mean"] == forward["guard/kl_mean"] > 1e-3  # the same reference arithmetic, bit for bit
     assert kept["perf/stage_flops/guard"] < forward["perf/stage_flops/guard"]
     assert kept["perf/stage_floor_seconds/guard"] > 0

@@ -17,6 +17,9 @@ from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.init_critic import run_init_critic
 from rlhf_core.stages.score import run_score
+from rlhf_core.scoring.session import RunSession
+
+DISK = RunSession()  # nothing held in memory: every model is read from its directory
 
 DEMO = Path(__file__).resolve().parents[3] / "configs" / "demo.yaml"
 
@@ -99,9 +102,9 @@ def test_score_stage_on_embedded_data(tmp_path, repo_root, tiny_model_dir, token
     # the stored numbers are the models' (at the rollout temperature), not just the right shapes
     seqs = [r["prompt_token_ids"] + r["response_token_ids"] for r in rows]
     plens = [len(r["prompt_token_ids"]) for r in rows]
-    actor = load_causal_lm(tiny_model_dir, torch.device("cpu"), torch.float32)
+    actor = load_causal_lm(tiny_model_dir, torch.device("cpu"), torch.float32, session=DISK)
     direct = compute_token_logprobs(actor, seqs, plens, 4096, temperature=0.7, progress=False)
-    critic = load_critic(run.models_dir / "critic_init", torch.device("cpu"), torch.float32)
+    critic = load_critic(run.models_dir / "critic_init", torch.device("cpu"), torch.float32, session=DISK)
     values = compute_token_values(critic, seqs, plens, 4096, progress=False)
     for r, lp, v in zip(rows, direct, values):
         torch.testing.assert_close(torch.tensor(r["old_log_probs"]), lp, atol=1e-5, rtol=0)

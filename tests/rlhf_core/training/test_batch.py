@@ -17,6 +17,9 @@ from rlhf_core.training.batch import (
     read_advantages,
     split_mini_batch,
 )
+from rlhf_core.scoring.session import RunSession
+
+DISK = RunSession()  # nothing held in memory: every model is read from its directory
 
 
 def test_read_advantages_names_the_row_and_column_that_disagree_with_response_length(advantages_table, tmp_path):
@@ -120,8 +123,8 @@ def test_packed_grad_forward_matches_scoring_log_probs_entropy_and_values(ppo_da
     from rlhf_core.scoring.models import load_causal_lm, load_critic
     from rlhf_core.training.forward import actor_forward, critic_forward
 
-    actor = load_causal_lm(tiny_model_dir, torch.device("cpu"), torch.float32).requires_grad_()  # trained here: loads come frozen
-    critic = load_critic(critic_init_dir, torch.device("cpu"), torch.float32)
+    actor = load_causal_lm(tiny_model_dir, torch.device("cpu"), torch.float32, session=DISK).requires_grad_()  # trained here: loads come frozen
+    critic = load_critic(critic_init_dir, torch.device("cpu"), torch.float32, session=DISK)
     rows = [[0, 1, 2], [3], [4, 5]]
     mb = build_micro_batch(ppo_data, rows, pad_id=0)
     seqs = [ppo_data.sequence(i) for i in mb.order]

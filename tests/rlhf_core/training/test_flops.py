@@ -10,6 +10,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from rlhf_core.models.packed import pack_rows, packed_forward, response_positions
 from rlhf_core.training import flops
 from rlhf_core.training.memory import ModelShape
+from rlhf_core.models.live import LiveModels
 
 
 @pytest.fixture(scope="module")
@@ -92,9 +93,9 @@ def test_verls_promised_flops_follow_its_table():
 
 
 def test_a_models_shape_is_read_from_its_config_or_the_module_the_trainer_holds(tiny_model_dir, tmp_path):
-    shape = flops.model_shape(tiny_model_dir)
+    shape = flops.model_shape(tiny_model_dir, LiveModels())
     assert shape is not None and shape.hidden_size > 0 and shape.num_hidden_layers > 0
-    assert flops.model_shape(tmp_path / "absent") is None
+    assert flops.model_shape(tmp_path / "absent", LiveModels()) is None
 
 
 def test_measuring_the_device_leaves_the_training_rng_alone():

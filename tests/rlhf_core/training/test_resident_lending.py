@@ -8,19 +8,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.models import live
 from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.rollout.hf import HFEngine
 from rlhf_core.run.layout import RunDir
 from rlhf_core.scoring.models import load_causal_lm
+from rlhf_core.scoring.session import RunSession
 from rlhf_core.training.resident import ResidentTrainer
 
 pytestmark = pytest.mark.deepspeed
 
 
-def _lending_trainer(run: RunDir, actor, critic, dist) -> ResidentTrainer:
-    """A resident trainer holding ``actor``/``critic`` as iteration 1's state."""
-    trainer = ResidentTrainer(run)
+def _lending_trainer(run: RunDir, actor, critic, dist, session: RunSession) -> ResidentTrainer:
+    """A resident trainer of ``session`` holding ``actor``/``critic`` as iteration 1's state."""
+    trainer = ResidentTrainer(run, session.live)
     trainer.actor, trainer.critic, trainer.dist, trainer.holds = actor, critic, dist, 1
     return trainer
 
@@ -31,22 +31,25 @@ def test_a_lent_module_gives_the_bits_of_its_reloaded_checkpoint(make_engines, d
     run = RunDir(tmp_path / "run")
     saved = tmp_path / "saved_actor"
     actor.module.save_pretrained(saved)
-    trainer = _lending_trainer(run, actor, critic, dist)
+    session = RunSession()
+    trainer = _lending_trainer(run, actor, critic, dist, session)
     trainer._offer()
     try:
-        lent = live.lookup(run.checkpoint(1) / "actor")
+        lent = session.live.lookup(run.checkpoint(1) / "actor")
+        assert RunSession().live.lookup(run.checkpoint(1) / "actor") is None  # another session sees nothing
         assert lent is not None and lent.module is actor.module
         assert not any(p.requires_grad for p in actor.module.parameters())  # lent frozen, as loads are
         assert {n for n, _ in actor.named_trainable()} == trained  # the optimizer's view is unchanged
 
         prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [14, 15, 16, 17, 18, 19, 20, 21]]
         sampling = SamplingParams(max_new_tokens=12, n=2, seed=3)
-        borrowed = HFEngine(run.checkpoint(1) / "actor", tokenizer_path=saved).generate(prompts, sampling)
-        live.drop()
+        borrowed = HFEngine(run.checkpoint(1) / "actor", tokenizer_path=saved, session=session).generate(
+            prompts, sampling)
         loaded = HFEngine(saved).generate(prompts, sampling)
         assert [s.token_ids for s in borrowed] == [s.token_ids for s in loaded]
         assert [s.log_probs for s in borrowed] == [s.log_probs for s in loaded]  # bit for bit
-        assert not load_causal_lm(saved, torch.device("cpu"), torch.float32).model.embed_tokens.weight.requires_grad
+        assert not load_causal_lm(saved, torch.device("cpu"), torch.float32,
+                                  session=RunSession()).model.embed_tokens.weight.requires_grad
     finally:
         trainer._withdraw()
     assert {n for n, p in actor.module.named_parameters() if p.requires_grad} == trained  # trains again
@@ -66,16 +69,16 @@ def test_a_bf16_trainer_lends_its_modules_to_the_rollout_and_the_guard_on_a_cpu(
     cfg, actor, critic = make_engines(1, *bf16, f"actor_rollout_ref.model.tokenizer_path={tiny_model_dir}")
     assert next(actor.module.parameters()).dtype == torch.bfloat16
     run = RunDir(tmp_path / "run")
-    trainer = _lending_trainer(run, actor, critic, dist)
+    session = RunSession()
+    trainer = _lending_trainer(run, actor, critic, dist, session)
     trainer._offer()
     try:
         device = scoring_device(cfg.trainer.device)
         dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
-        assert load_actor_for_kl(run.checkpoint(1) / "actor", device, dtype) is actor.module
-        engine = build_rollout_engine(generation(cfg), run.checkpoint(1) / "actor")
+        assert load_actor_for_kl(session, run.checkpoint(1) / "actor", device, dtype) is actor.module
+        engine = build_rollout_engine(generation(cfg), run.checkpoint(1) / "actor", session=session)
         assert engine.model is actor.module
         samples = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=4, n=1, seed=0))
         assert len(samples[0].token_ids) > 0
     finally:
         trainer._withdraw()
-        live.drop()
