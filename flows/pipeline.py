@@ -30,6 +30,7 @@ from prefect import flow
 from rlhf_core.config import RLHFConfig
 from rlhf_core.data.preprocess import NoPromptsError, preprocess_headline
 from rlhf_core.errors import CheckpointError
+from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.run.lifecycle import KLGuardHalt, committed_iterations
 from rlhf_core.run.lock import RunLock
 from rlhf_core.control.plan import RunPlan, logs_to, open_run, plan_run, resolve_iterations
@@ -80,6 +81,7 @@ def rlhf_pipeline(params: PipelineParams = PipelineParams()) -> dict:
     """Run (or resume) a PPO RLHF run; returns {run_dir, mlflow_run_id (None without the mlflow
     logger), tracking_failed (why MLflow stopped tracking it, if it did), last_good, metrics, export}."""
     keep_command_sigterm()  # SIGTERM stops an `rlhf` command at once (Prefect's handler would report first)
+    keep_freed_memory()  # a Prefect worker runs this flow without the CLI: the allocator setting is set here too
     prefect_artifacts.redact_prefect_logs()
     plan = plan_run(preset=None if params.resume else params.config, overrides=params.overrides,
                     iterations=params.iterations, run_name=params.run_name, resume=params.resume)

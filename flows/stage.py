@@ -21,6 +21,7 @@ from prefect.cache_policies import NO_CACHE
 from rlhf_core.config import RLHFConfig
 from rlhf_core.run.layout import RunDir
 from rlhf_core.errors import RLHFError
+from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.run.lifecycle import last_good_iteration, require_reachable, rollback_count, settle
 from rlhf_core.run.lock import RunLock
 from rlhf_core.control.plan import logs_to, resume_point, stage_config
@@ -87,6 +88,7 @@ def apply_verdict_task(run_dir: str, iteration: int) -> str:
 def rlhf_stage(params: StageParams) -> dict:
     """Rerun one stage on a run directory; returns the stage result."""
     keep_command_sigterm()  # SIGTERM stops an `rlhf` command at once (Prefect's handler would report first)
+    keep_freed_memory()  # as the pipeline flow: freed activations stay this process's (rlhf_core.io.allocator)
     prefect_artifacts.redact_prefect_logs()
     run = RunDir(params.run_dir)
     with RunLock(run) as lock:

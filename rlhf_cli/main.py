@@ -43,6 +43,7 @@ from tqdm import tqdm
 
 from rlhf_cli import prefect_server, session, startup
 from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
+from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.paths import state_dir
 from rlhf_core.run.stage_order import STAGES
 
@@ -407,6 +408,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     print one line and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130
     (SIGTERM: 143); a Prefect server that goes away mid-command stops it the same way, with status 75."""
     args = parse_args(argv)
+    keep_freed_memory()  # the update's activations reuse freed pages instead of faulting in new ones
     if argv is None:
         _drop_inherited_world_of_one()
     log, handler, propagate = _console_logging(getattr(args, "verbose", False))

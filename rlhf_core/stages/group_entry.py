@@ -32,6 +32,7 @@ import torch
 import yaml
 
 from rlhf_core.config import RLHFConfig, config_from_dict
+from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.errors import RLHFError, disk_full_as_user_error
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.stage_order import get_stage
@@ -135,6 +136,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--one-update", action="store_true",
                         help="a group for one update (`rlhf stage update`): its checkpoint written at once, nothing kept")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # this rank's update and passes reuse freed pages (rlhf_core.io.allocator)
     if args.device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # "cuda" below = this rank's GPU
     dist = init_distributed(args.device)

@@ -15,6 +15,7 @@ import torch
 
 from rlhf_core.config import config_from_dict
 from rlhf_core.config.loader import read_preset
+from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.stage_order import STAGES, get_stage
@@ -31,6 +32,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     parser.add_argument("--iteration", type=int, required=True)
     parser.add_argument("--config", type=Path, required=True, help="resolved config YAML")
     args = parser.parse_args(argv)
+    keep_freed_memory()  # this rank's update and passes reuse freed pages (rlhf_core.io.allocator)
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))  # "cuda" below = this rank's GPU
