@@ -20,7 +20,6 @@ glibc's defaults.
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import os
 
 M_TRIM_THRESHOLD = -1
@@ -37,11 +36,8 @@ def keep_freed_memory() -> bool:
     took effect. Harmless to repeat; call it at a process's start, before the heavy work."""
     if os.environ.get(ENV, "1") == "0":
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
+    try:  # the running program's own symbols, libc's among them: no search for the library file
+        mallopt = ctypes.CDLL(None).mallopt
     except (OSError, AttributeError):  # not glibc (macOS; musl has no mallopt)
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
