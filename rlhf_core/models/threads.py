@@ -8,11 +8,21 @@ each matmul over the cores even when it has few layers: at Qwen2.5-0.5B's shape 
 layers (60 M parameters) decoding 8 prompts of 86 tokens took 1.82 s on 2 threads vs 2.76 s on 1, and
 the PPO update (critic then actor, 8 x 118 tokens) 4.8 s on 2 threads vs 5.5 s with the two roles
 side by side on one thread each (benchmarks/bench_real_shape.py).
+
+A background thread that does torch work (the rollback capture's copy, a checkpoint's write) runs it
+on itself alone (``serial_background_thread``): its first parallel torch op would otherwise start a
+second OpenMP team, and with more OpenMP threads than cores libgomp stops spin-waiting, so the main
+thread's team sleeps and wakes at every parallel region for the rest of the process. At Qwen2.5-0.5B's
+shape x 4 layers this slowed the rollout's generate from 1.69-1.73 s to 1.83-1.90 s an iteration after
+the first capture, and the update and the guard by 2-4% (docs/benchmarks.md section 8).
 """
 
 from __future__ import annotations
 
+import ctypes
 from typing import Iterable, Sequence
+
+import torch
 
 SMALL_MATMUL = 1_000_000
 """Elements of a model's largest weight matrix under which its work runs on one CPU thread."""
@@ -45,3 +55,20 @@ def module_largest_matrix(module) -> int:
 def small_matmuls(largest: int) -> bool:
     """Whether a model with this largest weight matrix runs on one CPU thread."""
     return largest < SMALL_MATMUL
+
+
+def serial_background_thread() -> bool:
+    """Run the calling thread's own parallel torch ops on it alone, leaving every other thread's
+    count as it is. Call it first thing in a background thread. ``torch.set_num_threads(1)`` would
+    not do: it sets the process-wide count, and the main thread's next parallel region ran on one
+    thread. So this lets torch set up the thread's OpenMP state from the process-wide count (its
+    first query does), then lowers that one thread's OpenMP limit. Returns whether it took effect
+    (False where torch runs without libgomp / Intel OpenMP exporting ``omp_set_num_threads``)."""
+    torch.get_num_threads()
+    try:
+        limit = ctypes.CDLL(None).omp_set_num_threads
+    except (OSError, AttributeError):
+        return False
+    limit.argtypes, limit.restype = [ctypes.c_int], None
+    limit(1)
+    return torch.get_num_threads() == 1

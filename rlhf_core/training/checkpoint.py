@@ -54,6 +54,7 @@ from rlhf_core.io.atomic import atomic_dir, atomic_write_text, seal_dir, staging
 from rlhf_core.io.checksums import FORMAT_VERSION, write_manifest
 from rlhf_core.io.timing import background
 from rlhf_core.io.safetensors_stream import LazyTensor, Source, write_hashed_json, write_safetensors
+from rlhf_core.models.threads import serial_background_thread
 from rlhf_core.training.distributed import DistInfo, barrier
 from rlhf_core.training.engines import TrainEngine, present
 from rlhf_core.training.optim_state import SEP, prime_optimizer, restore_optimizer_state
@@ -471,6 +472,7 @@ class BackgroundWriter:
         self._thread.start()
 
     def _run(self, directory: Path, job: _Job, dist: DistInfo, on_done, staging: Optional[Path]) -> None:
+        serial_background_thread()
         try:
             with background():  # its checkpoint_write span overlaps training, off the critical path
                 if staging is None:

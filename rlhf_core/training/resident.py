@@ -71,7 +71,7 @@ from rlhf_core.training.distributed import DistInfo, init_distributed
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.engines import LoraSettings, TrainEngine, present
 from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, weights_sample
-from rlhf_core.models.threads import module_largest_matrix
+from rlhf_core.models.threads import module_largest_matrix, serial_background_thread
 from rlhf_core.training.rank_update import (EngineSettings, UpdateSettings, UpdateSources, check_update_data,
                                             cpu_threads, engine_key, engine_settings, finish_update, open_engines,
                                             peak_rss_gb, reset_peak_rss, resolve_sources, trainer_state,
@@ -188,7 +188,8 @@ class ResidentTrainer:
         self.writer = BackgroundWriter()
         self._capturing: Optional[tuple[int, concurrent.futures.Future]] = None
         """A capture of the just-committed state in progress, while the next rollout and score run."""
-        self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-capture")
+        self._copier = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="rlhf-capture",
+                                                             initializer=serial_background_thread)
         self.rollout_sync: dict[str, float] = {}
         """The last sync of the kept rollout engine to the held actor: its seconds and log-prob gap."""
         self._saving: Optional[tuple[int, concurrent.futures.Future]] = None

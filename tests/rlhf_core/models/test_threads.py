@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
+from pathlib import Path
 
+import pytest
 import torch
 
-from rlhf_core.models.threads import SMALL_MATMUL, largest_matrix, module_largest_matrix, small_matmuls
+from rlhf_core.models.threads import (SMALL_MATMUL, largest_matrix, module_largest_matrix, serial_background_thread,
+                                      small_matmuls)
 from rlhf_core.training.rank_update import concurrent_roles, cpu_threads
 
 
@@ -36,3 +40,46 @@ def test_the_update_runs_a_small_model_on_one_thread_and_a_large_one_on_the_core
     # side by side only where each role has one thread and a second core exists
     assert concurrent_roles("auto", "cpu", 1, 1) == ((os.cpu_count() or 1) >= 2)
     assert not concurrent_roles("auto", "cpu", 2, 1) and not concurrent_roles("always", "cpu", 1, 2)
+
+
+def _os_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _copy_in_a_background_thread(serial: bool) -> tuple[int, int, int]:
+    """(OS threads the process gained while the thread lives, its torch thread count, the main
+    thread's afterwards) when a background thread copies a large tensor, with or without the limit."""
+    source, target = torch.randn(1 << 22), torch.empty(1 << 22)
+    target.copy_(source)  # the main thread's OpenMP team exists before the count
+    before, seen, copied, finish = _os_threads(), {}, threading.Event(), threading.Event()
+
+    def copy() -> None:
+        if serial:
+            seen["took"] = serial_background_thread()
+        torch.empty(1 << 22).copy_(source)  # a parallel op: a team of its own unless limited
+        seen["threads"] = torch.get_num_threads()
+        copied.set()
+        finish.wait()
+
+    thread = threading.Thread(target=copy, daemon=True)
+    thread.start()
+    copied.wait(60)
+    gained = _os_threads() - before
+    finish.set()
+    thread.join()
+    return gained, seen["threads"], torch.get_num_threads()
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").is_dir(), reason="counts threads in Linux's /proc")
+def test_a_serial_background_thread_starts_no_second_openmp_team_and_leaves_the_main_thread_alone():
+    # A second team means more OpenMP threads than cores on a busy machine: libgomp stops spinning
+    # and the main thread's parallel regions sleep and wake (threads.py's docstring has the cost).
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        unlimited = _copy_in_a_background_thread(serial=False)
+        limited = _copy_in_a_background_thread(serial=True)
+    finally:
+        torch.set_num_threads(before)
+    assert unlimited == (2, 2, 2), "the control: an unlimited thread's copy runs on a team of two"
+    assert limited == (1, 1, 2), "the limited thread runs alone; the main thread keeps its two"
