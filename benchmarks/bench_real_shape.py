@@ -9,11 +9,12 @@ The model: Qwen2.5-0.5B's layer shape (hidden 896, 14 heads, 2 KV heads, interme
 ``--layers`` layers, random weights, the project's tiny tokenizer (benchmarks/shapes.py; 4 layers = 60 M
 parameters, 8 = 120 M). Built once under .rlhf/models/shapes. Each ``--dtype`` runs both sides:
 ``auto`` (the default) is ours with its defaults — ``deepspeed_config.dtype: auto``, bf16 only on a CPU
-with native bf16 units at this size, fp32 elsewhere — against TRL in fp32, its faster setting on both
-kinds of CPU measured (§8); ``fp32`` is both sides in fp32; ``bf16`` both in bf16 mixed precision (TRL:
+whose bf16 matmuls measure well faster than its fp32 ones, at this size; fp32 elsewhere — against TRL in
+fp32, its faster setting on every CPU measured (§8); ``fp32`` is both sides in fp32; ``bf16`` both in bf16 mixed precision (TRL:
 ``bf16=True``, accelerate's autocast; ours: DeepSpeed bf16 at ZeRO 1 for actor and critic, fp32 master
 weights, and the rollout, scoring and guard in bf16). The CPU's model and flags, torch's threads and
-the load average are printed beside the ratios (the machines here differ: some have AVX512-BF16).
+the load average are printed beside the ratios, with the measured bf16 and fp32 matmul rates (the
+machines here differ: some have AVX512-BF16, and on some of those bf16 is the slower).
 
 The work, per iteration, on both sides: ``--batch`` prompts of the demo's prompt file in the model's
 chat template (the very token ids our run sampled, given to TRL in the same order), up to
@@ -217,16 +218,18 @@ def table(layers: int, params: float, ours: list[dict], trl: list[dict], spec: d
 
 
 def machine() -> str:
-    """This machine's CPU (model, the flags that decide bf16's speed), torch's threads and the load."""
+    """This machine's CPU (model, the flags that decide bf16's speed, the matmul rates that decide
+    ``dtype: auto``), torch's threads and the load."""
     import torch
 
-    from rlhf_core.training.ds_config import cpu_description, cpu_native_bf16
+    from rlhf_core.training import hardware
 
-    model, flags = cpu_description()
+    model, flags = hardware.cpu_description()
     shown = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16") if f in flags]
-    return (f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(shown) or '(none of avx2/avx512/amx)'} "
-            f"(native bf16: {'yes' if cpu_native_bf16() else 'no'}); torch {torch.__version__}, "
-            f"{torch.get_num_threads()} threads; load average {load()}")
+    pays = hardware.cpu_bf16_pays()
+    return (f"CPU: {model}, {os.cpu_count()} cores, flags {' '.join(shown) or '(none of avx2/avx512/amx)'}; "
+            f"{hardware.bf16_judgment()}: dtype auto picks {'bf16' if pays else 'fp32'} at these shapes; "
+            f"torch {torch.__version__}, {torch.get_num_threads()} threads; load average {load()}")
 
 
 def load() -> str:

@@ -306,9 +306,13 @@ class DeepSpeedConfig(Section):
     at stage >= 1 (DeepSpeed's stage-0 mixed-precision optimizer hides the per-parameter state we save)."""
     dtype: Literal["auto", "fp32", "bf16", "fp16"] = "auto"
     """'auto' = bf16 on CUDA; on a CPU bf16 where it pays — cores with native bf16 matrix units
-    (AVX512-BF16 or AMX) and a model whose largest weight matrix has at least 1 M elements (a 0.5B-shaped
-    4-layer model's iteration 9.8 s -> 5.0 s there) — else fp32 (the tiny demo's 64 x 512 matrices are
-    faster in fp32; a CPU without those units emulates bf16 tens of times slower). The choice is said once.
+    (AVX512-BF16 or AMX) on which a bf16 matmul measures at least 1.3x as fast as fp32 (once per run, ~1 s;
+    ``RLHF_CPU_BF16=0|1`` says it instead) and a model whose largest weight matrix has at least 1 M
+    elements — else fp32. Measured at a 0.5B-shaped 4-layer model: an AMD EPYC with AVX512-BF16 ran its
+    iteration in 5.0 s in bf16 against 9.8 s in fp32; an Intel Xeon with AVX512-BF16 but no AMX
+    multiplied bf16 at 0.55x its fp32 rate (11.2 s against 7.0 s an iteration). The tiny demo's 64 x 512
+    matrices are faster in fp32; a CPU without those units emulates bf16 tens of times slower. The
+    choice is said once, with the rates.
     The whole run follows the actor's: rollout, scoring and the KL guard run in its training dtype. bf16
     trains at zero_stage >= 1 (raised to 1 by itself). docs/benchmarks.md §8."""
     offload_optimizer: bool = False

@@ -29,7 +29,6 @@ offloaded state is then kept in pinned host memory (``pin_memory: true``) for fa
 from __future__ import annotations
 
 import copy
-import functools
 import json
 import os
 from pathlib import Path
@@ -41,6 +40,7 @@ from rlhf_core.config.notes import say_once
 from rlhf_core.config.schema import DeepSpeedConfig
 from rlhf_core.errors import RLHFError
 from rlhf_core.models.threads import SMALL_MATMUL, config_largest_matrix, small_matmuls
+from rlhf_core.training import hardware
 from rlhf_core.paths import resolve_model_path, resolve_path
 
 DTYPES = ("fp32", "bf16", "fp16")
@@ -59,12 +59,6 @@ def resolve_device(preference: str = "auto") -> str:
     return "cpu"
 
 
-NATIVE_BF16_FLAGS = ("avx512_bf16", "amx_bf16")
-"""/proc/cpuinfo flags of x86 cores with bf16 matrix instructions (AVX512-BF16's dot products, AMX's tiles).
-Without them torch runs bf16 matmuls without the vector units' help: measured on an AVX2-only AMD EPYC
-(``BF16_EMULATED_COST``) tens of times slower than fp32, where AVX512-BF16 ran the same matmul 2.1x faster
-than fp32 (docs/benchmarks.md §8)."""
-
 BF16_EMULATED_COST = "a matmul ~90x and a forward + backward ~30x slower than in fp32"
 """What bf16 costs on a CPU without ``NATIVE_BF16_FLAGS``, as measured on one (AMD EPYC, AVX2 only, one
 thread: a 944 x 896 x 4864 matmul at 0.9 GFLOP/s against 80 in fp32; forward + backward of 8 x 118 tokens
@@ -72,32 +66,16 @@ through 4 layers of Qwen2.5-0.5B's shape 192 s against 6.1 s; docs/benchmarks.md
 asks for bf16 there."""
 
 
-@functools.lru_cache(maxsize=1)
-def cpu_description() -> tuple[str, tuple[str, ...]]:
-    """(model name, flags) of this machine's CPU from /proc/cpuinfo; ('unknown', ()) where it cannot be read."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return "unknown", ()
-    fields = dict(line.split(":", 1) for line in text.splitlines() if ":" in line)
-    fields = {k.strip(): v.strip() for k, v in fields.items()}
-    return fields.get("model name", "unknown"), tuple(fields.get("flags", "").split())
-
-
-def cpu_native_bf16() -> bool:
-    """Whether this CPU multiplies bf16 matrices natively (``NATIVE_BF16_FLAGS``)."""
-    return any(flag in cpu_description()[1] for flag in NATIVE_BF16_FLAGS)
-
-
 def resolve_dtype(dtype: str, device: str, largest_matrix: Optional[int] = None) -> str:
-    """deepspeed_config.dtype: 'auto' = bf16 on CUDA; on a CPU bf16 only where it pays — the cores multiply
-    bf16 natively (``cpu_native_bf16``) and the model's largest weight matrix (``largest_matrix``, None =
-    unknown) is not small (``models.threads.SMALL_MATMUL``: the tiny demo's 64 x 512 runs faster in fp32,
-    Qwen2.5-0.5B's 896 x 4864 2x faster in bf16 on AVX512-BF16, docs/benchmarks.md §8) — else fp32."""
+    """deepspeed_config.dtype: 'auto' = bf16 on CUDA; on a CPU bf16 only where it pays — bf16 matmuls run
+    well faster than fp32 ones on this CPU (``hardware.cpu_bf16_pays``, measured) and the model's largest
+    weight matrix (``largest_matrix``, None = unknown) is not small (``models.threads.SMALL_MATMUL``: the
+    tiny demo's 64 x 512 runs faster in fp32) — else fp32."""
     if dtype == "auto":
         if device != "cpu":
             return "bf16"
-        return "bf16" if cpu_native_bf16() and largest_matrix is not None and not small_matmuls(largest_matrix) else "fp32"
+        large = largest_matrix is not None and not small_matmuls(largest_matrix)
+        return "bf16" if large and hardware.cpu_bf16_pays() else "fp32"
     if dtype not in DTYPES:
         raise ConfigError(f"deepspeed_config.dtype={dtype!r}: must be auto, fp32, bf16 or fp16")
     return dtype
@@ -126,18 +104,29 @@ def role_dtype(configured: str, model_path: str, device: str, key: str = "actor_
 
 
 def _say_cpu_dtype(key: str, configured: str, dtype: str, largest: Optional[int]) -> None:
-    model, _ = cpu_description()
-    native = cpu_native_bf16()
+    model, _ = hardware.cpu_description()
+    native = hardware.cpu_native_bf16()
     units = "with native bf16 (AVX512-BF16 / AMX)" if native else "without native bf16 (no AVX512-BF16 / AMX)"
     if configured == "auto":
         size = "size unknown" if largest is None else f"largest weight matrix {largest / 1e6:.2f} M elements"
-        why = ("bf16 pays for a model this size" if dtype == "bf16" else
-               "bf16 would be emulated" if not native else
-               f"fp32 is faster for a model with matrices under {SMALL_MATMUL / 1e6:.0f} M elements")
+        if not native:
+            why = "bf16 would be emulated"
+        elif largest is None:
+            why = "the model's size is not known yet"
+        elif small_matmuls(largest):
+            why = f"fp32 is faster for a model with matrices under {SMALL_MATMUL / 1e6:.0f} M elements"
+        else:
+            why = f"{hardware.bf16_judgment()}: {'bf16 pays' if dtype == 'bf16' else _NOT_PAYING}"
         say_once(f"{key}.deepspeed_config.dtype=auto: {dtype} on this CPU ({model}, {units}; {size}): {why}")
     elif dtype in ("bf16", "fp16") and not native:
         say_once(f"{key}.deepspeed_config.dtype={dtype} on a CPU {units} ({model}): {dtype} is emulated here, "
                  f"measured on such a CPU {BF16_EMULATED_COST}; leave it at auto (fp32 here)")
+    elif dtype == "bf16" and not hardware.cpu_bf16_pays():
+        say_once(f"{key}.deepspeed_config.dtype=bf16 on this CPU ({model}): {hardware.bf16_judgment()}: "
+                 f"{_NOT_PAYING}; leave it at auto (fp32 here)")
+
+
+_NOT_PAYING = f"bf16 does not pay here (it needs {hardware.BF16_PAYS_AT}x fp32's matmul rate)"
 
 
 def torch_dtype(name: str):

@@ -19,14 +19,8 @@ The embedding lookup, norms, activations and the value head's H x 1 are left out
 counting). Decoding is bound by memory traffic more than by FLOPs, so a rollout's floor is far below
 what any engine reaches at small batches: the report says how far, not that it is reachable.
 
-The rate (``device_rate``): on a GPU its dense bf16/fp16 peak from ``GPU_PEAKS`` (as verl does), else
-measured once per process in this dtype. On a CPU: one core's matmul rate — a 944 x 896 x 4864 product
-(the MLP's shape at Qwen2.5-0.5B's width, a 944-token micro-batch) on one thread, timed by that thread's
-CPU time, best of five (~0.3 s in fp32) — times the physical cores: what every core multiplying at once
-would reach. Wall-clock timing on all cores at once came out, on a machine shared with other work, below
-what the score stage then achieved (60 GFLOP/s measured on 2 busy cores against 69 reached), which no
-floor may be; a thread's CPU time only counts while it runs, so other work on the machine does not
-lower the rate (only what it does to the caches).
+The rate is this device's matmul rate in the run's dtype (``hardware.device_rate``: a GPU's listed
+peak, a CPU's measured).
 
 verl's names keep verl's definitions: ``verl_update_flops`` is verl's estimate for Qwen2/Llama
 (``verl/utils/flops_counter.py``: 6 x (dense + embedding and LM head) parameters x tokens + the causal
@@ -36,10 +30,7 @@ so ``perf/mfu/actor`` and ``perf/mfu/critic`` read as verl's would on the same w
 
 from __future__ import annotations
 
-import functools
 import json
-import os
-import time
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -47,12 +38,8 @@ import torch
 
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.models.live import LiveModels
+from rlhf_core.training.hardware import device_rate
 from rlhf_core.training.memory import ModelShape
-
-GPU_PEAKS = {"GB200": 2.5e15, "B200": 2.25e15, "MI300X": 1.336e15, "H200": 989e12, "H100": 989e12, "H800": 989e12,
-             "H20": 148e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "A40": 150e12,
-             "L20": 119.5e12, "L4": 121e12, "A10": 125e12}
-"""Dense bf16/fp16 FLOP/s of GPUs by a part of their device name (the longest matching name wins)."""
 
 VERL_DEVICE_FLOPS = {"CPU": 448e9, "GB200": 2.5e15, "B200": 2.25e15, "MI300X": 1307e12, "MI350X": 2300e12,
                      "MI355X": 2500e12, "H100": 989e12, "H800": 989e12, "H200": 989e12, "A100": 312e12,
@@ -114,11 +101,6 @@ def verl_promised_flops(device: str, name: Optional[str] = None) -> float:
     return next((flops for key, flops in sorted(VERL_DEVICE_FLOPS.items(), reverse=True) if key in name), float("inf"))
 
 
-def _gpu_peak(name: str) -> Optional[float]:
-    matches = [key for key in GPU_PEAKS if key in name]
-    return GPU_PEAKS[max(matches, key=len)] if matches else None
-
-
 def model_shape(path: str | Path, live: LiveModels) -> Optional[ModelShape]:
     """The shape of the model at ``path`` (the module the run's trainer holds there, or its
     config.json); None when there is none to read."""
@@ -131,62 +113,6 @@ def model_shape(path: str | Path, live: LiveModels) -> Optional[ModelShape]:
         return ModelShape.from_dict(json.loads((live.on_disk(path) / "config.json").read_text()))
     except (AttributeError, OSError, ValueError, ConfigError):
         return None
-
-
-@functools.lru_cache(maxsize=None)
-def device_rate(device: str, dtype: str) -> float:
-    """FLOP/s of a matmul on ``device`` ('cpu' | 'cuda') in ``dtype`` ('fp32' | 'bf16' | 'fp16'): a GPU's
-    listed peak in bf16/fp16, else measured once per process (module docstring)."""
-    if device.startswith("cuda") and dtype != "fp32":
-        peak = _gpu_peak(torch.cuda.get_device_name())
-        if peak is not None:
-            return peak
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    if device != "cpu":
-        return _measure(torch.device(device), torch_dtype)
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        return _measure(torch.device("cpu"), torch_dtype) * physical_cores()
-    finally:
-        torch.set_num_threads(before)
-
-
-def physical_cores() -> int:
-    import psutil
-
-    return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-
-
-def _measure(device: torch.device, dtype: torch.dtype) -> float:
-    # a GPU by wall time; a CPU on one thread by that thread's CPU time (module docstring)
-    clock = time.thread_time if device.type == "cpu" else time.perf_counter
-
-    # a private generator: the global RNG is the training's (its state goes into checkpoints, and a
-    # measurement made (and cached) in one process but not another must not shift it)
-    generator = torch.Generator(device=device).manual_seed(0)
-
-    def rate(m: int, k: int, n: int, repeats: int) -> float:
-        a = torch.randn(m, k, device=device, generator=generator).to(dtype)
-        b = torch.randn(k, n, device=device, generator=generator).to(dtype)
-        best = float("inf")
-        for _ in range(repeats):
-            _sync(device)
-            started = clock()
-            a @ b
-            _sync(device)
-            best = min(best, clock() - started)
-        return 2.0 * m * k * n / max(best, 1e-9)
-
-    small = rate(128, 896, 1024, 2)  # 0.24 GFLOP: enough where the dtype is slow (bf16 without bf16 units)
-    if 2.0 * 128 * 896 * 1024 / small > 0.02:
-        return small
-    return rate(944, 896, 4864, 5 if device.type == "cpu" else 20)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def floor_metrics(stage: str, flops: float, device: str, dtype: str, devices: int = 1) -> dict[str, float]:

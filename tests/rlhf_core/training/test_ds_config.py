@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -100,27 +101,57 @@ def test_offload_pins_host_memory_and_steps_cpu_adam_only_on_cuda():
 
 @pytest.fixture
 def cpu(monkeypatch):
-    """Pretend this machine's CPU is a given model with given /proc/cpuinfo flags."""
-    from rlhf_core.training import ds_config
+    """Pretend this machine's CPU is a given model with given /proc/cpuinfo flags and, where asked,
+    given matmul rates (GFLOP/s by dtype); nothing judged yet in this process tree."""
+    from rlhf_core.training import hardware
 
-    def pretend(model: str, *flags: str) -> None:
-        monkeypatch.setattr(ds_config, "cpu_description", lambda: (model, flags))
+    monkeypatch.setenv(hardware.CPU_BF16_ENV, "")
+    monkeypatch.delenv(hardware.CPU_BF16_ENV)  # restored as it was after the test
+
+    def pretend(model: str, *flags: str, rates: dict[str, float] | None = None) -> None:
+        monkeypatch.setattr(hardware, "cpu_description", lambda: (model, flags))
+        monkeypatch.setattr(hardware, "_judged", {})
+        os.environ.pop(hardware.CPU_BF16_ENV, None)
+
+        def rate(device: str, dtype: str) -> float:
+            assert rates is not None, "no rate may be measured on this CPU"
+            return rates[dtype] * 1e9
+
+        monkeypatch.setattr(hardware, "device_rate", rate)
 
     return pretend
 
 
-@pytest.mark.parametrize("flags, largest, want", [
-    (("avx2", "avx512f", "avx512_bf16"), 896 * 4864, "bf16"),   # native bf16, Qwen2.5-0.5B's MLP
-    (("avx2", "amx_tile", "amx_bf16"), 896 * 4864, "bf16"),     # AMX
-    (("avx2", "avx512_bf16"), 64 * 512, "fp32"),                # native, but the tiny demo's matrices
-    (("avx2", "avx512_bf16"), None, "fp32"),                    # the model's size unknown (not built yet)
-    (("avx2", "avx512f"), 896 * 4864, "fp32"),                  # AVX-512 without bf16: emulated
+@pytest.mark.parametrize("flags, largest, rates, want", [
+    (("avx2", "avx512f", "avx512_bf16"), 896 * 4864, {"bf16": 207, "fp32": 98}, "bf16"),  # AMD EPYC, Qwen2.5-0.5B's MLP
+    (("avx2", "avx512f", "avx512_bf16"), 896 * 4864, {"bf16": 164, "fp32": 297}, "fp32"),  # Intel Xeon, no AMX: MKL's fp32 wins
+    (("avx2", "avx512_bf16"), 896 * 4864, {"bf16": 120, "fp32": 100}, "fp32"),  # faster, but under the margin
+    (("avx2", "amx_tile", "amx_bf16"), 896 * 4864, {"bf16": 900, "fp32": 100}, "bf16"),  # AMX
+    (("avx2", "avx512_bf16"), 64 * 512, None, "fp32"),  # native, but the tiny demo's matrices: nothing measured
+    (("avx2", "avx512_bf16"), None, None, "fp32"),  # the model's size unknown (not built yet)
+    (("avx2", "avx512f"), 896 * 4864, None, "fp32"),  # AVX-512 without bf16: emulated, nothing measured
 ])
-def test_dtype_auto_on_a_cpu_is_bf16_only_with_native_units_and_a_large_model(cpu, flags, largest, want):
-    cpu("Test CPU", *flags)
+def test_dtype_auto_on_a_cpu_is_bf16_only_where_its_measured_matmuls_pay_for_a_large_model(cpu, flags, largest,
+                                                                                          rates, want):
+    cpu("Test CPU", *flags, rates=rates)
     assert resolve_dtype("auto", "cpu", largest) == want
     assert resolve_dtype("auto", "cuda", largest) == "bf16"  # a GPU: always
     assert resolve_dtype("fp32", "cpu", largest) == "fp32"  # an explicit choice stands
+
+
+def test_the_cpu_judgment_is_made_once_for_the_process_tree_and_a_users_word_stands(cpu, monkeypatch):
+    from rlhf_core.training import hardware
+
+    cpu("Test CPU", "avx512_bf16", rates={"bf16": 207, "fp32": 98})
+    assert resolve_dtype("auto", "cpu", 896 * 4864) == "bf16"
+    assert os.environ[hardware.CPU_BF16_ENV] == "1"  # what the stage and rank processes it starts inherit
+    assert "207 GFLOP/s against 98 in fp32" in hardware.bf16_judgment()
+    monkeypatch.setattr(hardware, "device_rate", lambda device, dtype: pytest.fail("measured twice"))
+    assert resolve_dtype("auto", "cpu", 896 * 4864) == "bf16"
+    monkeypatch.setenv(hardware.CPU_BF16_ENV, "0")  # the user's word, or a parent process's judgment
+    monkeypatch.setattr(hardware, "_judged", {})
+    assert resolve_dtype("auto", "cpu", 896 * 4864) == "fp32"
+    assert hardware.bf16_judgment().startswith("RLHF_CPU_BF16=0")
 
 
 def test_the_auto_choice_is_said_once_with_the_cpu_and_why(cpu, tmp_path):
@@ -146,16 +177,10 @@ def test_an_explicit_bf16_on_a_cpu_without_bf16_units_says_what_it_costs(cpu, tm
     assert role_dtype("bf16", str(tmp_path / "absent"), "cpu", "critic") == "bf16"
     line = [s for s in said() if "Emulating Test CPU 3" in s]
     assert len(line) == 1 and line[0].startswith("critic.deepspeed_config.dtype=bf16") and BF16_EMULATED_COST in line[0]
-    cpu("Native Test CPU 4", "avx512_bf16")
+    cpu("Native Test CPU 4", "avx512_bf16", rates={"bf16": 207, "fp32": 98})
     role_dtype("bf16", str(tmp_path / "absent"), "cpu")
-    assert not any("Native Test CPU 4" in s for s in said())  # native units: nothing to warn about
-
-
-def test_cpu_description_reads_the_model_and_flags_of_this_machine():
-    from pathlib import Path
-
-    from rlhf_core.training.ds_config import cpu_description
-
-    model, flags = cpu_description()
-    if Path("/proc/cpuinfo").is_file():
-        assert model != "unknown" and flags and all(" " not in f for f in flags)
+    assert not any("Native Test CPU 4" in s for s in said())  # bf16 pays here: nothing to warn about
+    cpu("Native Test CPU 5", "avx512_bf16", rates={"bf16": 164, "fp32": 297})
+    assert role_dtype("bf16", str(tmp_path / "absent"), "cpu") == "bf16"  # warned, not overruled
+    line = [s for s in said() if "Native Test CPU 5" in s]
+    assert len(line) == 1 and "164 GFLOP/s against 297 in fp32" in line[0] and "does not pay" in line[0]
