@@ -271,13 +271,38 @@ def role_views(te: TrainEngine, world_size: int) -> tuple[dict[str, torch.Tensor
     return params, optim, meta
 
 
+def _fits(into: Optional[torch.Tensor], t: torch.Tensor, pin: bool) -> bool:
+    return into is not None and into.shape == t.shape and into.dtype == t.dtype and (into.is_pinned() or not pin)
+
+
 def _host_copy(t: torch.Tensor, pin: bool, into: Optional[torch.Tensor]) -> torch.Tensor:
     t = t.detach()
-    if into is not None and into.shape == t.shape and into.dtype == t.dtype and (into.is_pinned() or not pin):
+    if _fits(into, t, pin):
         return into.copy_(t)  # no fresh pages to fault in: several times faster than a new copy
     if pin:
         return torch.empty(t.shape, dtype=t.dtype, device="cpu", pin_memory=True).copy_(t)
     return t.to("cpu", copy=True)
+
+
+def covers(state: TrainState, engines: Sequence[TrainEngine], *, pin_memory: bool = False) -> bool:
+    """Whether ``capture(engines, reuse=state)`` would only overwrite ``state``'s buffers: every tensor
+    of the engines' state (weights and optimizer fragments) has a buffer of its shape and dtype there.
+    Not so for a capture made before the first update, which has no moments yet."""
+    pin = pin_memory and torch.cuda.is_available()
+    for te in engines:
+        old = state.roles.get(te.role)
+        if old is None:
+            return False
+        params, optim, _ = role_views(te, _world_size())
+        if not all(_fits(old.params.get(k), v, pin) for k, v in params.items()) or \
+                not all(_fits(old.optim.get(k), v, pin) for k, v in optim.items()):
+            return False
+    return True
+
+
+def _world_size() -> int:
+    dist = torch.distributed
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 def capture(engines: Sequence[TrainEngine], *, pin_memory: bool = False,

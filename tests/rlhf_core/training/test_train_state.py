@@ -113,3 +113,18 @@ def test_a_capture_into_an_earlier_ones_buffers_restores_exactly(make_engines, p
     step_both(actor, critic, ppo_data, STEP_ROWS[1], dist)
     for w, g in zip(want, (full_params(actor), full_params(critic))):
         assert [n for n in w if not torch.equal(w[n], g[n])] == []
+
+
+def test_a_capture_before_the_first_step_does_not_cover_the_state_after_it(make_engines, ppo_data, dist):
+    """``covers``: a capture made before any step has no buffers for Adam's moments, so reusing it
+    after the first step allocates fresh memory (the resident trainer then copies in the foreground)."""
+    from rlhf_core.training.train_state import capture, covers
+
+    _, actor, critic = make_engines(0, *OVERRIDES)
+    initial = capture([actor, critic])
+    assert covers(initial, [actor, critic])  # nothing has changed yet
+    step_both(actor, critic, ppo_data, STEP_ROWS[0], dist)
+    assert not covers(initial, [actor, critic]) and not covers(initial, [actor])
+    after = capture([actor, critic], reuse=initial)
+    assert covers(after, [actor, critic]) and covers(after, [critic])
+    assert not covers(capture([actor]), [actor, critic])  # the critic's state is not there at all
