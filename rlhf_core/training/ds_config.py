@@ -40,8 +40,8 @@ from rlhf_core.config.notes import say_once
 from rlhf_core.config.schema import DeepSpeedConfig
 from rlhf_core.errors import RLHFError
 from rlhf_core.models.threads import SMALL_MATMUL, config_largest_matrix, small_matmuls
-from rlhf_core.training import hardware
 from rlhf_core.paths import resolve_model_path, resolve_path
+from rlhf_core.training import hardware
 
 DTYPES = ("fp32", "bf16", "fp16")
 
@@ -60,7 +60,7 @@ def resolve_device(preference: str = "auto") -> str:
 
 
 BF16_EMULATED_COST = "a matmul ~90x and a forward + backward ~30x slower than in fp32"
-"""What bf16 costs on a CPU without ``NATIVE_BF16_FLAGS``, as measured on one (AMD EPYC, AVX2 only, one
+"""What bf16 costs on a CPU without ``hardware.NATIVE_BF16_FLAGS``, as measured on one (AMD EPYC, AVX2 only, one
 thread: a 944 x 896 x 4864 matmul at 0.9 GFLOP/s against 80 in fp32; forward + backward of 8 x 118 tokens
 through 4 layers of Qwen2.5-0.5B's shape 192 s against 6.1 s; docs/benchmarks.md §8): said when a config
 asks for bf16 there."""
