@@ -74,26 +74,27 @@ def cpu_bf16_pays() -> bool:
     said = os.environ.get(CPU_BF16_ENV)
     if said in ("0", "1"):
         return said == "1"
-    pays = False
-    if cpu_native_bf16():
-        _judged.update(bf16=device_rate("cpu", "bf16"), fp32=device_rate("cpu", "fp32"))
-        pays = _judged["bf16"] >= BF16_PAYS_AT * _judged["fp32"]
+    pays = cpu_native_bf16() and _rates_judged()[0] >= BF16_PAYS_AT * _rates_judged()[1]
     os.environ[CPU_BF16_ENV] = "1" if pays else "0"
     return pays
 
 
-_judged: dict[str, float] = {}
-"""The rates behind this process's ``cpu_bf16_pays``, where it measured them."""
+@functools.lru_cache(maxsize=1)
+def _rates_judged() -> tuple[float, float]:
+    """(bf16, fp32) matmul rates behind this process's ``cpu_bf16_pays``, measured once."""
+    return device_rate("cpu", "bf16"), device_rate("cpu", "fp32")
 
 
 def bf16_judgment() -> str:
     """Why ``cpu_bf16_pays`` answered as it did, in a few words for the line a run prints."""
-    if _judged:
-        return (f"bf16 matmuls at {_judged['bf16'] / 1e9:.0f} GFLOP/s against {_judged['fp32'] / 1e9:.0f} "
-                f"in fp32, measured")
+    if _rates_judged.cache_info().currsize:
+        bf16, fp32 = _rates_judged()
+        return f"bf16 matmuls at {bf16 / 1e9:.0f} GFLOP/s against {fp32 / 1e9:.0f} in fp32, measured"
+    if not cpu_native_bf16():
+        return "no bf16 matrix instructions"
     if CPU_BF16_ENV in os.environ:
         return f"{CPU_BF16_ENV}={os.environ[CPU_BF16_ENV]} (set by the user or the process that started this one)"
-    return "no bf16 matrix instructions" if not cpu_native_bf16() else "not judged yet"
+    return "not judged yet"
 
 
 @functools.lru_cache(maxsize=None)

@@ -110,7 +110,7 @@ def cpu(monkeypatch):
 
     def pretend(model: str, *flags: str, rates: dict[str, float] | None = None) -> None:
         monkeypatch.setattr(hardware, "cpu_description", lambda: (model, flags))
-        monkeypatch.setattr(hardware, "_judged", {})
+        hardware._rates_judged.cache_clear()
         os.environ.pop(hardware.CPU_BF16_ENV, None)
 
         def rate(device: str, dtype: str) -> float:
@@ -119,7 +119,8 @@ def cpu(monkeypatch):
 
         monkeypatch.setattr(hardware, "device_rate", rate)
 
-    return pretend
+    yield pretend
+    hardware._rates_judged.cache_clear()  # pretended rates must not outlive the test
 
 
 @pytest.mark.parametrize("flags, largest, rates, want", [
@@ -149,9 +150,12 @@ def test_the_cpu_judgment_is_made_once_for_the_process_tree_and_a_users_word_sta
     monkeypatch.setattr(hardware, "device_rate", lambda device, dtype: pytest.fail("measured twice"))
     assert resolve_dtype("auto", "cpu", 896 * 4864) == "bf16"
     monkeypatch.setenv(hardware.CPU_BF16_ENV, "0")  # the user's word, or a parent process's judgment
-    monkeypatch.setattr(hardware, "_judged", {})
+    hardware._rates_judged.cache_clear()
     assert resolve_dtype("auto", "cpu", 896 * 4864) == "fp32"
     assert hardware.bf16_judgment().startswith("RLHF_CPU_BF16=0")
+    cpu("AVX2 Test CPU", "avx2")  # no bf16 instructions: nothing measured, and the line says why
+    assert resolve_dtype("auto", "cpu", 896 * 4864) == "fp32"
+    assert hardware.bf16_judgment() == "no bf16 matrix instructions"
 
 
 def test_the_auto_choice_is_said_once_with_the_cpu_and_why(cpu, tmp_path):

@@ -40,7 +40,7 @@ def test_cpu_description_reads_the_model_and_flags_of_this_machine():
 def test_this_cpus_bf16_judgment_is_measured_where_it_has_bf16_units_and_handed_to_child_processes(monkeypatch):
     monkeypatch.setenv(hardware.CPU_BF16_ENV, "")
     monkeypatch.delenv(hardware.CPU_BF16_ENV)
-    monkeypatch.setattr(hardware, "_judged", {})
+    hardware._rates_judged.cache_clear()
     pays = hardware.cpu_bf16_pays()
     assert os.environ[hardware.CPU_BF16_ENV] == ("1" if pays else "0")
     if hardware.cpu_native_bf16():
