@@ -103,6 +103,9 @@ def role_dtype(configured: str, model_path: str, device: str, key: str = "actor_
     return dtype
 
 
+_NOT_PAYING = f"bf16 does not pay here (it needs {hardware.BF16_PAYS_AT}x fp32's matmul rate)"
+
+
 def _say_cpu_dtype(key: str, configured: str, dtype: str, largest: Optional[int]) -> None:
     model, _ = hardware.cpu_description()
     native = hardware.cpu_native_bf16()
@@ -124,9 +127,6 @@ def _say_cpu_dtype(key: str, configured: str, dtype: str, largest: Optional[int]
     elif dtype == "bf16" and not hardware.cpu_bf16_pays():
         say_once(f"{key}.deepspeed_config.dtype=bf16 on this CPU ({model}): {hardware.bf16_judgment()}: "
                  f"{_NOT_PAYING}; leave it at auto (fp32 here)")
-
-
-_NOT_PAYING = f"bf16 does not pay here (it needs {hardware.BF16_PAYS_AT}x fp32's matmul rate)"
 
 
 def torch_dtype(name: str):

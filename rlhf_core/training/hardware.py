@@ -74,7 +74,10 @@ def cpu_bf16_pays() -> bool:
     said = os.environ.get(CPU_BF16_ENV)
     if said in ("0", "1"):
         return said == "1"
-    pays = cpu_native_bf16() and _rates_judged()[0] >= BF16_PAYS_AT * _rates_judged()[1]
+    pays = False
+    if cpu_native_bf16():
+        bf16, fp32 = _rates_judged()
+        pays = bf16 >= BF16_PAYS_AT * fp32
     os.environ[CPU_BF16_ENV] = "1" if pays else "0"
     return pays
 
