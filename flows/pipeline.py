@@ -38,6 +38,7 @@ from rlhf_core.run.report import format_iteration_header, format_iteration_row, 
 from rlhf_core.run.stage_order import SETUP_STAGES, VALIDATE
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
 from rlhf_core.scoring.session import RunSession
+from rlhf_core.stages.validate import BASE_PREFIX, accuracy_text
 from rlhf_core.training.resident import resident_models, rollout_engine_kept
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.prefect_runs import claim_run_directory, fail_misplaced_parameters, keep_command_sigterm
@@ -209,9 +210,21 @@ def validate_before_training(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Opti
     if step >= 1:  # a committed iteration's record gains it: rlhf status, rlhf query and the curve read it there
         iteration_metrics(cfg.data, plan.run, step)
     if logs_to(cfg, "console"):
-        what = "initial policy" if step == 0 else "resumed policy"
-        print(f"{what} (iteration {step}): val/accuracy {result['metrics'].get('val/accuracy', float('nan')):.3f}")
+        for line in initial_validation_lines(step, result["metrics"]):
+            print(line)
     return result["metrics"]
+
+
+def initial_validation_lines(step: int, metrics: dict) -> list[str]:
+    """What the console says of the validation before training: the model before the warm start
+    when it was validated too, then the starting policy, each with its 95 % interval."""
+    lines = []
+    if f"{BASE_PREFIX}/accuracy" in metrics:
+        lines.append(f"before the warm start: {BASE_PREFIX}/accuracy {accuracy_text(metrics, BASE_PREFIX)}")
+    what = "initial policy" if step == 0 else "resumed policy"
+    shown = (accuracy_text(metrics, "val") if "val/accuracy_ci_low" in metrics else
+             f"{metrics.get('val/accuracy', float('nan')):.3f}")  # a validation recorded before the intervals were
+    return lines + [f"{what} (iteration {step}): val/accuracy {shown}"]
 
 
 def iterate(plan: RunPlan, cfg: RLHFConfig, mlflow_run_id: Optional[str], reporter: Reporter,

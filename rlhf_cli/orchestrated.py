@@ -26,6 +26,7 @@ from flows.stage import StageParams, rlhf_rebuild, rlhf_stage
 from rlhf_cli import prefect_server, session, startup
 from rlhf_cli.inspection import demo_as_run, plan_run_command, require_run_dir
 from rlhf_cli.local import print_result, quiet_deepspeed, stage_overrides
+from rlhf_core.control.query import accuracy_lines
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
 from rlhf_core.security import redact_text
@@ -209,7 +210,7 @@ def closing_block(summary: dict) -> str:
         lines.append(f"exported actor: {exported['path']}")
     elif exported.get("reason"):
         lines.append(f"export: {exported['reason']}")
-    return "\n".join(lines + [where_to_look(summary)])
+    return "\n".join(lines + accuracy_lines(RunDir(summary["run_dir"])) + [where_to_look(summary)])
 
 
 def where_to_look(summary: dict) -> str:

@@ -182,6 +182,8 @@ def plot_learning_curve(run: RunDir, out: Path, kl_threshold: Optional[float] = 
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", linewidth=1.5)
         if key == "actor/pg_clipfrac":
             fraction_axis(ax, [p[1] for p in points])
+        if key == "val/accuracy":
+            accuracy_intervals(ax, by_iter)
         if key == "kl/mean" and kl_threshold is not None:
             ax.axhline(kl_threshold, color="red", linestyle="--", linewidth=1, label="rollback threshold")
             ax.legend(loc="best", fontsize=8)
@@ -195,6 +197,25 @@ def plot_learning_curve(run: RunDir, out: Path, kl_threshold: Optional[float] = 
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=80)
     return out
+
+
+def accuracy_intervals(ax, by_iter: dict[int, dict[str, float]]) -> None:
+    """The validation accuracies' 95 % intervals as a band, and the model before the warm start
+    (``val_base/accuracy``, measured at iteration 0) as its own point with its interval."""
+    band = [(k, m["val/accuracy_ci_low"], m["val/accuracy_ci_high"]) for k, m in sorted(by_iter.items())
+            if "val/accuracy_ci_low" in m and "val/accuracy_ci_high" in m]
+    if band:
+        ax.fill_between([b[0] for b in band], [b[1] for b in band], [b[2] for b in band], alpha=0.2,
+                        label="95 % interval")
+    base = by_iter.get(0, {})
+    if "val_base/accuracy" in base:
+        low, high = base.get("val_base/accuracy_ci_low", base["val_base/accuracy"]), base.get(
+            "val_base/accuracy_ci_high", base["val_base/accuracy"])
+        ax.errorbar([0], [base["val_base/accuracy"]], yerr=[[base["val_base/accuracy"] - low],
+                                                           [high - base["val_base/accuracy"]]],
+                    fmt="s", color="grey", capsize=3, label="before the warm start")
+    if band or "val_base/accuracy" in base:
+        ax.legend(loc="best", fontsize=8)
 
 
 def fraction_axis(ax, values: list[float]) -> None:

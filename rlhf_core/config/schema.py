@@ -871,6 +871,11 @@ class TrainerConfig(Section):
     two above when a run starts."""
     val_before_train: bool = True
     """verl: validate the initial policy before the first step (logged at step 0)."""
+    val_base_model: bool = True
+    """With the warm start on (actor_rollout_ref.model.warm_start.enable), the validation before training
+    also validates actor_rollout_ref.model.path itself, the model before the SFT, once: the run then
+    reports accuracy before the SFT, after it and after PPO on the same held-out prompts
+    (iter_0/validation_base.parquet, val_base/*)."""
     val_only: bool = False
     """verl: only validate the initial policy, then stop."""
     test_freq: int = -1

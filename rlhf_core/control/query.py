@@ -333,7 +333,7 @@ def format_status(run: RunDir | str | Path) -> str:
         lines.append(format_table(table, max_rows=10_000, missing="-").rsplit("\n", 1)[0])
     else:
         lines.append("no iterations yet")
-    lines += time_floor_lines(run)
+    lines += accuracy_lines(run) + time_floor_lines(run)
     problems = status_problems(run)
     if problems:
         lines += [f"problem: {line}" for line in problems]
@@ -353,6 +353,27 @@ def last_good_line(run: RunDir, last_good: Optional[dict]) -> str:
     if (run.checkpoint(k) / "actor").is_dir():
         return f"last-good: iteration {k} ({where})"
     return f"last-good: iteration {k} (its checkpoint {where} is not written: only its record is on disk)"
+
+
+def accuracy_lines(run: RunDir) -> list[str]:
+    """Held-out accuracy with its 95 % interval at the run's landmarks: the model before the warm
+    start (when it was validated), the initial policy (iteration 0) and the latest validated policy;
+    [] before any validation carried its interval."""
+    validated = [(k, m) for k in run.iterations() if "val/accuracy_ci_low" in (m := _metrics_or_empty(run, k))]
+    if not validated:
+        return []
+    (first_k, first), (last_k, last) = validated[0], validated[-1]
+    rows = []
+    if "val_base/accuracy_ci_low" in first:
+        rows.append(("before the warm start", "val_base", first))
+    rows.append((f"iteration {first_k}" + (" (after the warm start)" if rows else " (the initial policy)" if first_k == 0
+                                           else ""), "val", first))
+    if last_k != first_k:
+        rows.append((f"iteration {last_k}", "val", last))
+    width = max(len(label) for label, _, _ in rows)
+    return [f"held-out accuracy ({int(first.get('val/num_prompts', 0))} validation prompts; 95 % interval):"] + [
+        f"  {label:<{width}}  {m[f'{p}/accuracy']:.3f} [{m[f'{p}/accuracy_ci_low']:.3f}, {m[f'{p}/accuracy_ci_high']:.3f}]"
+        for label, p, m in rows]
 
 
 def time_floor_lines(run: RunDir) -> list[str]:

@@ -212,6 +212,11 @@ class RunDir:
     def validation(self, k: int) -> Path:
         return self.iter_dir(k) / "validation.parquet"
 
+    def base_validation(self) -> Path:
+        """The warm start's base model (actor_rollout_ref.model.path) validated beside the initial
+        policy, once (``stages.validate``, warm_start.validate_base): the accuracy before the SFT."""
+        return self.iter_dir(0) / "validation_base.parquet"
+
     def iteration_metrics(self, k: int) -> Path:
         return self.iter_dir(k) / "iteration_metrics.json"
 

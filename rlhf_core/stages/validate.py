@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, replace
@@ -32,13 +33,14 @@ import numpy as np
 import pyarrow as pa
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.config.schema import CustomRewardConfig
+from rlhf_core.config.schema import CustomRewardConfig, ModelConfig, TrainerConfig
 from rlhf_core.data.packing import Share
 from rlhf_core.data.schemas import VALIDATION
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import policy_after
+from rlhf_core.paths import resolve_model_path
 from rlhf_core.run.models import initial_actor_path
 from rlhf_core.scoring.policy_kl import KLPassSettings, actor_ref_kl, response_kl
 from rlhf_core.io.timing import TABLE_READ, timed
@@ -239,13 +241,16 @@ def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
 def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False,
                  session: Optional[RunSession] = None) -> StageResult:
     """Decode the validation prompts with the actor after ``iteration`` (val_kwargs sampling); write
-    iter_k/validation.parquet; metrics under our names and verl's. ``session``: the flow run's (its
-    trainer lends the actor, its kept engine generates); None: every model read from disk."""
+    iter_k/validation.parquet; metrics under our names and verl's. At iteration 0 with the warm start
+    on (and trainer.val_base_model), the model it started from too: iter_0/validation_base.parquet,
+    ``val_base/*``. ``session``: the flow run's (its trainer lends the actor, its kept engine
+    generates); None: every model read from disk."""
     session = session or RunSession()
     if iteration is None:
         raise ValueError("the validate stage needs an iteration (the actor after that iteration is validated)")
     k = iteration
     actor = validation_actor(run, k) or initial_actor_path(cfg)
+    base = base_model_validated(cfg.actor_rollout_ref.model, cfg.trainer, k)
 
     def body() -> StageResult:
         ensure_state(session, run, run.checkpoint_iteration(actor))  # held in memory, on disk, or rebuilt now
@@ -253,30 +258,77 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
         sampling = validation_sampling(settings.generation, seed=0)
         rows, samples = validation_samples(settings, session, run, actor)
         scores, extras = score_samples(settings.reward_function, settings.reward_fn_key, rows, samples)
-        table = pa.Table.from_pylist([{
-            "iteration": k, "prompt_id": rows[s.prompt_index]["prompt_id"], "sample_index": s.sample_index,
-            "data_source": rows[s.prompt_index].get("data_source"),
-            "ground_truth": (rows[s.prompt_index].get("reward_model") or {}).get("ground_truth"),
-            "response_text": s.text, "response_length": len(s.token_ids), "finish_reason": s.finish_reason,
-            "reward": score, "correct": score >= CORRECT_AT} for s, score in zip(samples, scores)], schema=VALIDATION)
-        out = atomic_write_parquet(run.validation(k), table, schema=VALIDATION)
-        metrics = _our_metrics(rows, samples, scores)
+        metrics, out = _record_validation(k, rows, samples, scores, run.validation(k))
         metrics.update(validation_metrics([rows[s.prompt_index].get("data_source") or "unknown" for s in samples],
                                           [rows[s.prompt_index]["prompt_id"] for s in samples],
                                           score_variables(scores, extras)))
         how = "greedy" if sampling.greedy else f"sampled at temperature {sampling.temperature:g}"
-        return StageResult(stage="validate", iteration=k, outputs={"validation": str(out)},
-                           rows={"validation": len(scores)}, metrics=metrics,
-                           summary=[f"val/accuracy {metrics['val/accuracy']:.3f} on {len(rows)} prompts × "
-                                    f"{sampling.n} ({how}; actor {actor})"])
+        summary = [f"val/accuracy {accuracy_text(metrics, 'val')} on {len(rows)} prompts × {sampling.n} "
+                   f"({how}; actor {actor})"]
+        outputs = {"validation": str(out)}
+        if base is not None:  # one process: the stage's ranks validate the run's own policies only
+            base_rows, base_samples = sample_val_responses(settings.generation, session, run, base, sampling=sampling)
+            base_scores, _ = score_samples(settings.reward_function, settings.reward_fn_key, base_rows, base_samples)
+            base_metrics, outputs["base_validation"] = _record_validation(k, base_rows, base_samples, base_scores,
+                                                                          run.base_validation())
+            metrics.update({f"{BASE_PREFIX}/{name.split('/', 1)[1]}": v for name, v in base_metrics.items()})
+            summary.append(f"{BASE_PREFIX}/accuracy {accuracy_text(metrics, BASE_PREFIX)}: the model before the "
+                           f"warm start ({base})")
+        return StageResult(stage="validate", iteration=k, outputs={k_: str(v) for k_, v in outputs.items()},
+                           rows={"validation": len(samples)}, metrics=metrics, summary=summary)
 
-    return execute_stage(stage="validate", cfg=cfg, run=run, iteration=k, inputs=[run.val_prompts, actor],
+    return execute_stage(stage="validate", cfg=cfg, run=run, iteration=k,
+                         inputs=[run.val_prompts, actor] + ([base] if base is not None else []),
                          config_sections=config_sections(cfg), body=body, force=force)
+
+
+BASE_PREFIX = "val_base"
+"""Metric prefix of the model before the warm start (``val_base/accuracy``, ...): ours, measured once."""
+
+
+def base_model_validated(model: ModelConfig, trainer: TrainerConfig, k: int) -> Optional[Path]:
+    """The model the warm start fine-tunes (``model.path``: actor_rollout_ref.model), when validation at
+    step ``k`` validates it too: at k = 0 only, with the warm start on and trainer.val_base_model."""
+    if k != 0 or not (model.warm_start.enable and trainer.val_base_model):
+        return None
+    return resolve_model_path(model.path)
+
+
+def _record_validation(k: int, rows: list[dict], samples: list, scores: list[float],
+                       path: Path) -> tuple[dict[str, float], Path]:
+    """``samples`` and their ``scores`` written to ``path`` (schema VALIDATION); our metrics (``val/*``) and the file."""
+    table = pa.Table.from_pylist([{
+        "iteration": k, "prompt_id": rows[s.prompt_index]["prompt_id"], "sample_index": s.sample_index,
+        "data_source": rows[s.prompt_index].get("data_source"),
+        "ground_truth": (rows[s.prompt_index].get("reward_model") or {}).get("ground_truth"),
+        "response_text": s.text, "response_length": len(s.token_ids), "finish_reason": s.finish_reason,
+        "reward": score, "correct": score >= CORRECT_AT} for s, score in zip(samples, scores)], schema=VALIDATION)
+    return _our_metrics(rows, samples, scores), atomic_write_parquet(path, table, schema=VALIDATION)
+
+
+def wilson_interval(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """The 95 % (z = 1.96) Wilson score interval of a success rate ``correct / n``: unlike the normal
+    approximation it stays inside [0, 1] and is not empty at 0 or n successes. (0, 1) when n = 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = correct / n
+    centre = (p + z * z / (2 * n)) / (1 + z * z / n)
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def accuracy_text(metrics: dict[str, float], prefix: str = "val") -> str:
+    """'0.582 [0.521, 0.641]': the accuracy under ``prefix`` and its 95 % interval."""
+    return (f"{metrics[f'{prefix}/accuracy']:.3f} [{metrics[f'{prefix}/accuracy_ci_low']:.3f}, "
+            f"{metrics[f'{prefix}/accuracy_ci_high']:.3f}]")
 
 
 def _our_metrics(rows: list[dict], samples: list, scores: list[float]) -> dict[str, float]:
     n = max(len(scores), 1)
-    return {"val/accuracy": sum(x >= CORRECT_AT for x in scores) / n, "val/reward_mean": sum(scores) / n,
+    correct = sum(x >= CORRECT_AT for x in scores)
+    low, high = wilson_interval(correct, len(scores))
+    return {"val/accuracy": correct / n, "val/accuracy_ci_low": low, "val/accuracy_ci_high": high,
+            "val/reward_mean": sum(scores) / n,
             "val/response_length_mean": sum(len(s.token_ids) for s in samples) / n,
             "val/num_prompts": float(len(rows)), "val/num_responses": float(len(scores))}
 

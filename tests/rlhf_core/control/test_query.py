@@ -210,3 +210,36 @@ def test_status_shows_the_latest_iterations_time_against_its_floor(run):
     table = {line.split()[0]: line.split()[1:] for line in lines[start + 3:start + 8]}
     assert table["rollout"] == ["4", "0.5", "8"] and table["update"] == ["6", "3", "2"]
     assert table["gae"] == ["1", "-", "-"]
+
+
+def _accuracy(prefix: str, correct: int, n: int = 256) -> dict:
+    from rlhf_core.stages.validate import wilson_interval
+
+    low, high = wilson_interval(correct, n)
+    return {f"{prefix}/accuracy": correct / n, f"{prefix}/accuracy_ci_low": low, f"{prefix}/accuracy_ci_high": high}
+
+
+def test_status_and_the_closing_block_show_accuracy_before_and_after_the_warm_start_and_the_latest(run):
+    """The landmarks a run is judged by, each with its 95 % interval: the model before the SFT, the
+    initial (warm-started) policy, the latest validation."""
+    from rlhf_cli.orchestrated import closing_block
+
+    assert query.accuracy_lines(run) == []  # no validation yet
+    record_stage(run, 0, "validate", status="done", inputs={}, outputs={}, config_hash="h", seconds=1.0,
+                 metrics={**_accuracy("val_base", 2), **_accuracy("val", 30), "val/num_prompts": 256.0})
+    atomic_write_json(run.iteration_metrics(2), {**_accuracy("val", 90), "val/num_prompts": 256.0})
+    lines = query.accuracy_lines(run)
+    assert lines[0] == "held-out accuracy (256 validation prompts; 95 % interval):"
+    assert [line.split()[:3] for line in lines[1:]] == [["before", "the", "warm"], ["iteration", "0", "(after"],
+                                                       ["iteration", "2", "0.352"]]
+    assert "0.008 [0.002, 0.028]" in lines[1] and "0.117 [0.083, 0.162]" in lines[2]
+    assert "\n".join(lines) in query.format_status(run)
+    summary = {"run_dir": str(run.root), "last_good": {"iteration": 2}, "export": None}
+    assert "\n".join(lines) in closing_block(summary)
+
+
+def test_without_a_warm_start_the_first_line_is_the_initial_policy(run):
+    record_stage(run, 0, "validate", status="done", inputs={}, outputs={}, config_hash="h", seconds=1.0,
+                 metrics={**_accuracy("val", 30), "val/num_prompts": 256.0})
+    lines = query.accuracy_lines(run)
+    assert len(lines) == 2 and lines[1].split()[:4] == ["iteration", "0", "(the", "initial"]

@@ -152,3 +152,60 @@ def test_rewards_are_routed_by_the_reward_fn_key_column(val_run, tmp_path):
                          schema=PROMPTS)
     with pytest.raises(ConfigError, match="data.reward_fn_key='nope'"):
         _validate(routed, overrides, 4, "data.reward_fn_key=nope")
+
+
+@pytest.mark.parametrize("correct, n, low, high", [(0, 256, 0.0, 0.0148), (128, 256, 0.4392, 0.5608),
+                                                   (256, 256, 0.9852, 1.0), (3, 10, 0.1078, 0.6032)])
+def test_the_accuracy_interval_is_wilsons(correct, n, low, high):
+    """The 95 % Wilson score interval (tabulated values): inside [0, 1], not empty at 0 or n successes."""
+    assert validate.wilson_interval(correct, n) == pytest.approx((low, high), abs=1e-4)
+
+
+def test_no_responses_give_the_whole_interval():
+    assert validate.wilson_interval(0, 0) == (0.0, 1.0)
+
+
+def _warm_started(cfg, source) -> None:
+    """Put ``source`` where the config's warm start is looked up, as a finished warm start (its record
+    file), so iteration 0's actor is that model and model.path stays the base."""
+    import shutil
+
+    from rlhf_core.run.models import warm_start_path
+
+    target = warm_start_path(cfg.actor_rollout_ref.model, cfg.data)
+    shutil.copytree(source, target)
+    (target / "warm_start.json").write_text("{}")
+
+
+def test_with_the_warm_start_on_the_base_model_is_validated_beside_the_initial_policy(val_run, chat_models):
+    """k = 0: the warm-started policy as always, and model.path (the model before the SFT) into
+    iter_0/validation_base.parquet under val_base/*, each with its interval; the base model's
+    responses are the ones a plain validation of model.path gives."""
+    run, overrides = val_run
+    on = [*overrides, "actor_rollout_ref.model.warm_start.enable=true"]
+    cfg = load_config(None, on)
+    _warm_started(cfg, chat_models["tiny"])  # the "fine-tuned" policy: the tiny model taught to answer and stop
+    result = validate.run_validate(cfg, run, 0, force=True)
+    base_rows = pq.read_table(run.base_validation()).to_pylist()
+    policy_rows = pq.read_table(run.validation(0)).to_pylist()
+    m = result.metrics
+    assert {"val_base/accuracy", "val_base/accuracy_ci_low", "val_base/accuracy_ci_high",
+            "val/accuracy_ci_low"} <= set(m)
+    assert m["val_base/accuracy_ci_low"] <= m["val_base/accuracy"] <= m["val_base/accuracy_ci_high"]
+    assert not any(k.startswith("val_base/") and "val-core" in k for k in m)  # verl's names stay the policy's
+    assert [r["response_text"] for r in base_rows] != [r["response_text"] for r in policy_rows]
+    _, plain = _validate(run, overrides, 0, "trainer.val_base_model=true")  # warm start off: model.path itself
+    assert [r["response_text"] for r in base_rows] == [r["response_text"] for r in plain]
+    assert any("before the warm start" in line for line in result.summary)
+
+
+def test_the_base_model_is_validated_only_at_step_0_and_when_asked(val_run):
+    run, overrides = val_run
+    cfg = load_config(None, [*overrides, "actor_rollout_ref.model.warm_start.enable=true"])
+    model, trainer = cfg.actor_rollout_ref.model, cfg.trainer
+    assert validate.base_model_validated(model, trainer, 0) is not None
+    assert validate.base_model_validated(model, trainer, 1) is None
+    off = load_config(None, [*overrides, "actor_rollout_ref.model.warm_start.enable=true", "trainer.val_base_model=false"])
+    assert validate.base_model_validated(off.actor_rollout_ref.model, off.trainer, 0) is None
+    plain = load_config(None, overrides)
+    assert validate.base_model_validated(plain.actor_rollout_ref.model, plain.trainer, 0) is None
