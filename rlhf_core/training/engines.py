@@ -27,6 +27,7 @@ import torch
 
 from rlhf_core.config.schema import ModelConfig, OptimConfig
 from rlhf_core.models import sdpa_varlen as _sdpa_varlen  # noqa: F401  (registers attn_implementation=sdpa_varlen)
+from rlhf_core.models.chat import train_every_token_embedding
 from rlhf_core.models.storage import load_pretrained, own_aligned_storage
 from rlhf_core.training.ds_config import uses_cpu_adam, zero3
 
@@ -66,6 +67,7 @@ def disable_dropout(model: torch.nn.Module) -> torch.nn.Module:
 
 def _prepare(model: torch.nn.Module, gradient_checkpointing: bool) -> torch.nn.Module:
     disable_dropout(model)
+    train_every_token_embedding(model)  # pad == EOS: the end-of-turn token's embedding trains too
     if gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False

@@ -158,11 +158,6 @@ def test_an_advantage_on_the_eos_alone_moves_the_policy_and_the_critic(chat_mode
     assert sum(float(p.grad.abs().sum()) for p in actor.parameters() if p.grad is not None) > 0
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "Hugging Face builds the input embedding as nn.Embedding(..., padding_idx=config.pad_token_id): with "
-    "pad == EOS (SmolLM2) every <|im_end|> of a prompt gets no embedding gradient in the update, a gradient "
-    "mask built from ids == pad_id. training/engines.py load_actor_model / load_critic_model keep it "
-    "(verl's models do the same)."))
 def test_the_pad_id_changes_no_gradient(chat_models, chat_update_data):
     """Same weights, same sequences, pad <|endoftext|> against pad == EOS: the update's gradient
     should be the same (the masks come from lengths)."""
