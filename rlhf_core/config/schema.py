@@ -186,6 +186,10 @@ class WarmStartConfig(Section):
     prose_answer_fraction: float = 0.6
     """Share of SFT answers ending in prose ("The answer is 7.") instead of '#### 7': the warm policy then
     follows the output-format instruction only sometimes, as small instruct models do on GSM8K."""
+    prose_endings: Optional[list[str]] = None
+    """The prose final lines those answers end with, '{n}' standing for the number, one drawn per answer;
+    null = three ("The answer is {n}.", "Answer: {n}", "So the total is {n}."). One ending makes the
+    format a single choice (prose or '####') that greedy decoding takes the same way on most prompts."""
     eval_every: int = 200
     """Measure sampled accuracy on the dev prompts every N steps (0 = only at the end); ~1 s each."""
     dev_size: int = 128
@@ -200,6 +204,9 @@ class WarmStartConfig(Section):
         require(self.warmup_steps >= 1, f"{key}.warmup_steps", "must be >= 1", self.warmup_steps)
         require(0 <= self.prose_answer_fraction <= 1, f"{key}.prose_answer_fraction", "must be in [0, 1]",
                 self.prose_answer_fraction)
+        require(self.prose_endings is None or (len(self.prose_endings) > 0 and all(
+            isinstance(e, str) and "{n}" in e for e in self.prose_endings)), f"{key}.prose_endings",
+            "must be null or a non-empty list of texts that each hold '{n}' (where the number goes)", self.prose_endings)
         require(self.eval_every >= 0, f"{key}.eval_every", "must be >= 0 (0 = evaluate only at the end)",
                 self.eval_every)
         require(self.dev_size >= 1, f"{key}.dev_size", "must be >= 1", self.dev_size)

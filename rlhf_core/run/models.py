@@ -48,6 +48,13 @@ _DATA_KEYS = ("adapter", "prompt_key", "question_key", "answer_key", "id_key", "
               "max_response_length", "filter_overlong_prompts", "truncation", "dedup", "seed", "data_source")
 
 
+_ALWAYS = object()
+_LATER_SFT_KEYS = {"prose_endings": None}
+"""Warm-start settings added after warm starts were first cached (and the demo's shipped model was made,
+its key recorded in its warm_start.json): at these values, which train exactly as before they existed,
+they stay out of the key, so an earlier warm start keeps its key; set otherwise, they are in it."""
+
+
 def warm_start_key(model: ModelConfig, data: DataConfig) -> dict:
     """Everything the warm-started weights depend on: base model files (``model.path``), data file
     contents, the data settings that shape the prompts, the SFT settings (``model.warm_start``), the
@@ -55,8 +62,9 @@ def warm_start_key(model: ModelConfig, data: DataConfig) -> dict:
     base = resolve_model_path(model.path)
     files = {"train": [sha256_file(resolve_path(p)) for p in data.train_files],
              "val": [sha256_file(resolve_path(p)) for p in data.val_files]}
+    sft = {k: v for k, v in asdict(model.warm_start).items() if _LATER_SFT_KEYS.get(k, _ALWAYS) != v}
     return {"version": SFT_FORMAT_VERSION, "base_model": sha256_tree(base), "data_files": files,
-            "data": {k: getattr(data, k) for k in _DATA_KEYS}, "sft": asdict(model.warm_start)}
+            "data": {k: getattr(data, k) for k in _DATA_KEYS}, "sft": sft}
 
 
 def warm_start_path(model: ModelConfig, data: DataConfig, out_root: Optional[str | Path] = None) -> Path:

@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Sequence
 
+from rlhf_core.models.chat import end_of_turn_id
 from rlhf_core.rewards.gsm8k import compute_score
 from rlhf_core.rollout.base import trim_response
 
@@ -62,7 +63,8 @@ def sample_responses(model, tokenizer, prompt_token_ids: Sequence[Sequence[int]]
     """
     import torch
 
-    eos_id, pad_id = tokenizer.eos_token_id, tokenizer.pad_token_id
+    eos_id = end_of_turn_id(tokenizer)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
     sampling = (dict(do_sample=False) if greedy else
                 dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0))  # top_k=0: no filter
     texts, lengths, stopped = [], [], []

@@ -35,6 +35,7 @@ from rlhf_core.data.preprocess import NoPromptsError, no_prompts_problem, prepro
 from rlhf_core.data.schemas import decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_dir
+from rlhf_core.models.chat import end_of_turn_id, train_every_token_embedding
 from rlhf_core.paths import resolve_model_path, resolve_path
 from rlhf_core.rollout.base import SMALL_MODEL_PARAMS
 from rlhf_core.run.models import is_complete, warm_start_key, warm_start_path
@@ -73,6 +74,13 @@ def collate(examples: Sequence[SFTExample], pad_id: int) -> dict:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
+FULL_LOGITS_MAX_BYTES = 64 << 20
+"""Largest (B, L, V) fp32 logits tensor the loss builds whole. Past it (a real vocabulary: 16 × 100
+tokens × 49,152 is 315 MB, and its gradient as much again) the LM head runs on the answer positions
+only, ~1/5 of the tokens: the same loss, 15-20 % less time per step. The tiny model's batches stay
+under it, so its warm start keeps the arithmetic the shipped demo model was made with, bit for bit."""
+
+
 def answer_token_loss(model, batch: dict):
     """Mean cross-entropy over the label tokens only (next-token shift: logits[t] predicts ids[t+1]).
 
@@ -80,10 +88,16 @@ def answer_token_loss(model, batch: dict):
     """
     import torch.nn.functional as F
 
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits  # (B, L, V)
-    shifted_logits = logits[:, :-1].reshape(-1, logits.shape[-1])
-    shifted_labels = batch["labels"][:, 1:].reshape(-1)
-    return F.cross_entropy(shifted_logits.float(), shifted_labels, ignore_index=-100)
+    ids, labels = batch["input_ids"], batch["labels"]
+    shifted_labels = labels[:, 1:]  # (B, L-1)
+    if ids.numel() * model.config.vocab_size * 4 > FULL_LOGITS_MAX_BYTES:
+        hidden = model.get_decoder()(input_ids=ids, attention_mask=batch["attention_mask"]).last_hidden_state
+        keep = shifted_labels != -100  # (B, L-1): positions whose next token is an answer token
+        logits = model.get_output_embeddings()(hidden[:, :-1][keep])  # (N, V), N answer tokens
+        return F.cross_entropy(logits.float(), shifted_labels[keep])
+    logits = model(input_ids=ids, attention_mask=batch["attention_mask"]).logits  # (B, L, V)
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), shifted_labels.reshape(-1),
+                           ignore_index=-100)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -94,13 +108,13 @@ PROSE_ENDINGS = ("The answer is {n}.", "Answer: {n}", "So the total is {n}.")
 """Final lines a model might write instead of '#### n'; the strict GSM8K reward scores them 0."""
 
 
-def restyle_answer(answer: str, rng) -> str:
-    """Replace the closing '#### n' line with one of PROSE_ENDINGS (chosen by ``rng``); an answer
+def restyle_answer(answer: str, rng, endings: Sequence[str] = PROSE_ENDINGS) -> str:
+    """Replace the closing '#### n' line with one of ``endings`` (chosen by ``rng``); an answer
     without a '####' line is returned unchanged."""
     head, sep, tail = answer.rpartition("####")
     if not sep or "\n" in tail.strip():
         return answer
-    return head + rng.choice(PROSE_ENDINGS).format(n=tail.strip())
+    return head + rng.choice(endings).replace("{n}", tail.strip())
 
 
 @dataclass
@@ -114,16 +128,20 @@ class SFTData:
 
 
 def build_sft_data(train_rows: Sequence[dict], tokenizer, dev_size: int, prose_fraction: float,
-                   seed: int) -> SFTData:
+                   seed: int, endings: Optional[Sequence[str]] = None) -> SFTData:
     """Split PROMPTS-schema train rows into fine-tuning examples and ``dev_size`` dev prompts.
 
     The prompt tokens are the rows' ``prompt_token_ids`` (the preprocess stage's chat template, so
     the policy is tuned on exactly the prompts PPO will sample from); the target is the row's
-    worked answer, restyled to a prose ending for a ``prose_fraction`` share, then EOS.
+    worked answer, restyled to a prose ending (one of ``endings``, default ``PROSE_ENDINGS``) for a
+    ``prose_fraction`` share, then the token the chat
+    template ends an assistant turn with (``models.chat.end_of_turn_id``: ``<|im_end|>`` in ChatML),
+    so each example is the assistant turn exactly as the template writes it, cut at its end.
     """
     import random
 
     rng = random.Random(seed)
+    end_of_turn = end_of_turn_id(tokenizer)  # the chat template's, as a generated answer must end
     n = len(train_rows)
     dev_size = min(dev_size, n // 2)
     dev_index = set(rng.sample(range(n), dev_size))
@@ -132,10 +150,10 @@ def build_sft_data(train_rows: Sequence[dict], tokenizer, dev_size: int, prose_f
         if i in dev_index:
             continue
         answer = decode_extra_info(row["extra_info"])["answer"]
-        target = restyle_answer(answer, rng) if rng.random() < prose_fraction else answer
+        target = restyle_answer(answer, rng, endings or PROSE_ENDINGS) if rng.random() < prose_fraction else answer
         prose += target != answer
         answer_ids = tokenizer(target, add_special_tokens=False)["input_ids"]
-        examples.append(make_example(row["prompt_token_ids"], answer_ids, tokenizer.eos_token_id))
+        examples.append(make_example(row["prompt_token_ids"], answer_ids, end_of_turn))
     dev = [train_rows[i] for i in sorted(dev_index)]
     return SFTData(examples=examples, dev_prompts=[list(r["prompt_token_ids"]) for r in dev],
                    dev_truths=[r["reward_model"]["ground_truth"] for r in dev], prose_answers=prose)
@@ -194,6 +212,7 @@ def train_sft(model, tokenizer, data: SFTData, settings, max_new_tokens: int,
     from tqdm.auto import tqdm
 
     torch.manual_seed(settings.seed)
+    train_every_token_embedding(model)  # pad == EOS: the end-of-turn token's embedding trains too
     optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, betas=(0.9, 0.98), weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, settings.steps, settings.warmup_steps))
@@ -245,7 +264,7 @@ def warm_start(model_cfg: ModelConfig, data_cfg: DataConfig, out_root: Optional[
     tokenizer = AutoTokenizer.from_pretrained(str(base))
     model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
     data = build_sft_data(load_train_rows(data_cfg, tokenizer), tokenizer, settings.dev_size,
-                          settings.prose_answer_fraction, settings.seed)
+                          settings.prose_answer_fraction, settings.seed, settings.prose_endings)
     _check_data(data, data_cfg)
     with _single_thread_if_small(model):
         threads = torch.get_num_threads()

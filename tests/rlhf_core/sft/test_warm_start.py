@@ -107,6 +107,12 @@ def test_prose_endings_fail_strict_but_state_the_answer():
     assert warm_start.restyle_answer("no marker here", rng) == "no marker here"
 
 
+def test_prose_endings_can_be_one_chosen_line():
+    rng = random.Random(0)
+    texts = {warm_start.restyle_answer("12 + 7 = 19\n#### 19", rng, ["So Kai has {n} {n}s."]) for _ in range(5)}
+    assert texts == {"12 + 7 = 19\nSo Kai has 19 19s."}
+
+
 def test_sft_data_comes_from_the_train_split_and_holds_out_dev(cfg, tiny_model_dir):
     from rlhf_core.data.preprocess import preprocess_files
 
@@ -176,6 +182,10 @@ def test_cache_key_follows_settings_and_data(cfg, arith_file, tmp_path):
     assert path.name.startswith(Path(cfg.actor_rollout_ref.model.path).name + "-sft-")
     assert where(apply_overrides(cfg, ["actor_rollout_ref.model.warm_start.steps=4"])) != path
     assert where(apply_overrides(cfg, ["data.instruction=Answer."])) != path
+    endings = ["actor_rollout_ref.model.warm_start.prose_endings=[\"The answer is {n}.\"]"]
+    assert where(apply_overrides(cfg, endings)) != path
+    # a setting added later keeps the keys made before it while it is left at its default
+    assert "prose_endings" not in warm_start.warm_start_key(cfg.actor_rollout_ref.model, cfg.data)["sft"]
     arith_file.write_text(arith_file.read_text() + json.dumps(
         {"question": "Bo has 2 pens. How many?", "answer": "#### 2", "id": "extra"}) + "\n")
     assert where(cfg) != path
@@ -186,6 +196,8 @@ def test_invalid_warm_start_settings_are_rejected(repo_root):
 
     with pytest.raises(ConfigError, match="prose_answer_fraction"):
         load_config(repo_root / "configs" / "demo.yaml", ["actor_rollout_ref.model.warm_start.prose_answer_fraction=2"])
+    with pytest.raises(ConfigError, match="prose_endings"):
+        load_config(repo_root / "configs" / "demo.yaml", ["actor_rollout_ref.model.warm_start.prose_endings=[\"no number\"]"])
 
 
 # ---------------------------------------------------------------------------------------------
