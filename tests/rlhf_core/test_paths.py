@@ -124,3 +124,17 @@ def test_check_inputs_names_each_missing_model_key_before_any_work(hf_home, tmp_
         assert f"{key}: model " in message and name in message
     assert str(hf_home / "hub") in message
     assert not (tmp_path / "runs").exists()
+
+
+def test_a_missing_model_a_command_makes_names_that_command(tmp_path, monkeypatch):
+    """The presets' imported models (data/models/smollm2-135m-instruct) are made by `make smollm2`: a
+    checkout that has not run it is told so, not to fetch a hub id."""
+    from rlhf_core import paths
+    from rlhf_core.paths import IMPORTED_MODELS, model_problem
+
+    monkeypatch.chdir(tmp_path)  # a checkout without the imported model (this machine's may have it)
+    monkeypatch.setattr(paths, "project_root", lambda: tmp_path)
+    for name, command in IMPORTED_MODELS.items():
+        for spelled in (name, f"./{name}", f"{name}/"):
+            problem = model_problem(spelled)
+            assert problem is not None and f"run `{command.split('`')[0]}`" in problem, problem
