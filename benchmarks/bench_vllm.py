@@ -5,6 +5,10 @@ sync of a resident engine (names and shapes checked, weights written, a probe's 
 with the trainer module's) against starting a new engine on the new checkpoint.
 
     .venv-vllm/bin/python benchmarks/bench_vllm.py [--layers 8] [--prompts 64] [--new-tokens 32] [--syncs 3]
+    .venv-vllm/bin/python benchmarks/bench_vllm.py --model data/models/smollm2-135m-instruct   (a real model)
+
+``--model DIR`` measures a real model instead (`make smollm2` imports SmolLM2-135M-Instruct): its own
+tokenizer and chat template, its own weights, so responses stop at its end-of-turn token as in a run.
 
 Run it in the environment `make test-vllm` builds (vLLM's CPU build); without vLLM it exits with
 status 2 and the reason. Prompts are the embedded arithmetic problems in the chat template; each
@@ -105,6 +109,7 @@ def moved_copy(model_dir: Path, out: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", type=Path, help="a model directory to measure instead of the random-weight shape")
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--prompts", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
@@ -113,6 +118,8 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, help="also write the numbers here as JSON")
     args = parser.parse_args()
+    if args.model is not None and not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there (for SmolLM2: `make smollm2`)")
 
     from rlhf_core.rollout.vllm_engine import vllm_unavailable_reason
 
@@ -128,15 +135,18 @@ def main() -> None:
     from rlhf_core.rollout.base import SamplingParams
 
     root = state_dir() / "models" / "shapes"
-    model_dir = build_shape_model(root, "qwen2.5-0.5b", layers=args.layers, seed=args.seed)
+    if args.model is None:
+        model_dir = build_shape_model(root, "qwen2.5-0.5b", layers=args.layers, seed=args.seed)
+        what = f"Qwen2.5-0.5B shape cut to {args.layers} layers"
+    else:
+        model_dir, what = args.model.resolve(), f"{args.model.name} (its own weights and tokenizer)"
     moved = moved_copy(model_dir, root / f"{model_dir.name}-moved")
     prompts = chat_prompts(AutoTokenizer.from_pretrained(model_dir), args.prompts)
     sampling = SamplingParams(max_new_tokens=args.new_tokens, seed=args.seed)
     hf = hf_side(model_dir, prompts, sampling, args.budget)
     vl = vllm_side(model_dir, moved, prompts, sampling, args.syncs)
     numbers = {"layers": args.layers, "prompts": args.prompts, "new_tokens": args.new_tokens, "hf": hf, "vllm": vl}
-    print(f"{args.prompts} prompts x {args.new_tokens} new tokens, Qwen2.5-0.5B shape cut to {args.layers} layers, "
-          f"fp32, CPU ({os.cpu_count()} cores)")
+    print(f"{args.prompts} prompts x at most {args.new_tokens} new tokens, {what}, fp32, CPU ({os.cpu_count()} cores)")
     print(f"{'':24}{'hf generate':>14}{'vllm':>14}{'ratio':>10}")
     print(f"{'engine start (s)':24}{hf['start_s']:14.2f}{vl['start_s']:14.2f}{vl['start_s'] / hf['start_s']:10.1f}")
     print(f"{'generate (s)':24}{hf['generate_s']:14.2f}{vl['generate_s']:14.2f}"
