@@ -34,6 +34,15 @@ def test_regenerates_the_committed_file_byte_for_byte(generator, repo_root, tmp_
     assert out.read_bytes() == (repo_root / "data/arith/train.jsonl").read_bytes()
 
 
+@pytest.mark.parametrize("name, args", [("demo.jsonl", ["--seed", "1", "--levels", "1"]),
+                                        ("levels12.jsonl", ["--seed", "2", "--levels", "1,2"])])
+def test_the_presets_files_are_regenerated_by_their_readme_commands(generator, repo_root, tmp_path, name, args):
+    """data/arith/README.md's table: each committed file is its command's output, byte for byte."""
+    out = tmp_path / name
+    generator.main(["--n", "3000", *args, "--out", str(out)])
+    assert out.read_bytes() == (repo_root / "data/arith" / name).read_bytes()
+
+
 def test_other_seed_gives_other_problems(generator):
     assert generator.generate(20, seed=1) != generator.generate(20, seed=0)
     assert generator.generate(20, seed=1) == generator.generate(20, seed=1)
