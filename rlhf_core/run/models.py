@@ -39,8 +39,11 @@ from rlhf_core.run.lifecycle import checkpoint_before, last_good_checkpoint
 # where the warm start (``sft.warm_start``) lives: cached outside the run, keyed by its inputs
 # ---------------------------------------------------------------------------------------------
 
-SFT_FORMAT_VERSION = 1
-"""Bumped when the warm start's training procedure changes, so old cached warm starts are not reused."""
+SFT_FORMAT_VERSION = 2
+"""Bumped when the warm start's training procedure changes, so old cached warm starts are not reused.
+2: answers end with the chat template's end-of-turn token and its embedding trains when it is also the
+pad token (SmolLM2); the tiny model's warm start is unchanged (the shipped demo model rebuilds to the
+same weights)."""
 
 # data settings that change which prompts are trained on or how they are tokenized
 _DATA_KEYS = ("adapter", "prompt_key", "question_key", "answer_key", "id_key", "instruction", "system_prompt",
