@@ -21,7 +21,7 @@ Shapes: R rows, L = longest row (right-padded), V vocabulary, N = total tokens, 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal, Optional, Sequence
+from typing import Iterator, Literal, Optional, Sequence
 
 import torch
 
@@ -258,19 +258,72 @@ def gather_response_logprobs(logits: torch.Tensor, packed: PackedRows, prompt_le
     return _split_by_owner(flat, owners)
 
 
+HEAD_CHUNK_BYTES = 512 << 20
+"""Largest fp32 (rows, V) logits block a no-grad pass builds at once. A real vocabulary's logits are
+the largest tensor of a pass (32 responses × 500 tokens × 49,152 = 3.1 GB): past this size the LM
+head runs on row blocks of the response positions' hidden states, each block reduced before the next.
+Under it (the tiny model always, typical micro-batches) the head runs once, as it always did."""
+
+
+def head_rows(n: int, vocab: int) -> int:
+    """Rows per LM-head block for ``n`` positions of a ``vocab``-wide head (n itself when they fit)."""
+    per_row = 4 * max(vocab, 1)
+    return n if n * per_row <= HEAD_CHUNK_BYTES else max(1, HEAD_CHUNK_BYTES // per_row)
+
+
+def response_hidden(model: torch.nn.Module, packed: PackedRows,
+                    positions: tuple[torch.Tensor, torch.Tensor]) -> tuple[torch.Tensor, torch.nn.Module]:
+    """(the LM head's input at ``positions`` (N, H), the head) of ``model``'s forward on ``packed``: the
+    head itself runs on no row here, so its (N, V) output is never built; ``head_logits`` runs it."""
+    head = output_head(model)
+    if head is None:
+        raise ValueError("response_hidden needs a causal LM (a model with an output-embedding head)")
+    device = next(model.parameters()).device
+    rows, cols = positions[0].to(device), positions[1].to(device)
+    seen: list[torch.Tensor] = []
+
+    def keep_and_skip(_module, args):
+        seen.append(args[0][rows, cols])
+        return (seen[-1][:0], *args[1:])  # the head on 0 rows
+
+    hook = head.register_forward_pre_hook(keep_and_skip)
+    try:
+        packed_forward(model, packed)
+    finally:
+        hook.remove()
+    return seen[0], head
+
+
+def head_logits(head: torch.nn.Module, hidden: torch.Tensor) -> Iterator[torch.Tensor]:
+    """``head(hidden)`` in row blocks whose fp32 logits stay within HEAD_CHUNK_BYTES (``head_rows``):
+    (rows_b, V) each, in order, in the head's dtype (one block: exactly the head on all rows)."""
+    vocab = head.weight.shape[0] if getattr(head, "weight", None) is not None else 1
+    step = head_rows(hidden.shape[0], vocab)
+    for s in range(0, hidden.shape[0], step):
+        yield head(hidden[s:s + step])
+
+
 def response_logprobs(model: torch.nn.Module, packed: PackedRows, prompt_lengths: Sequence[int],
                       temperature: float = 1.0, chunk_tokens: int = 4096,
-                      sum_pi_squared: bool = False) -> dict[int, torch.Tensor]:
+                      sum_pi_squared: bool = False, hidden_out: Optional[list] = None) -> dict[int, torch.Tensor]:
     """``gather_response_logprobs`` of ``model``'s forward on ``packed``, with the LM head run on the
-    response positions only (``packed_forward(positions=...)``): the same values, without the
-    prompt positions' (tokens, V) logits. With ``sum_pi_squared`` each entry is (n, 2): log-prob and
-    sum_v pi_v^2 of the same softmax."""
+    response positions only, in row blocks (``head_logits``): the same values, without the prompt
+    positions' logits nor, past HEAD_CHUNK_BYTES, the responses' whole (N, V). With ``sum_pi_squared``
+    each entry is (n, 2): log-prob and sum_v pi_v^2 of the same softmax. ``hidden_out``: gets the
+    head's input (N, H) appended (what ``scoring.ref_states`` keeps)."""
     rows, cols, owners = response_positions(packed, prompt_lengths)
     if not owners:
         return {}
-    logits = packed_forward(model, packed, positions=(rows, cols))  # (N, V)
-    labels = packed.input_ids[rows, cols + 1].to(logits.device)
-    return _split_by_owner(_chunked_logprobs(logits, labels, temperature, chunk_tokens, sum_pi_squared), owners)
+    hidden, head = response_hidden(model, packed, (rows, cols))  # (N, H)
+    if hidden_out is not None:
+        hidden_out.append(hidden.detach())
+    labels = packed.input_ids[rows, cols + 1].to(hidden.device)
+    out, offset = [], 0
+    for block in head_logits(head, hidden):
+        n = block.shape[0]
+        out.append(_chunked_logprobs(block, labels[offset:offset + n], temperature, chunk_tokens, sum_pi_squared))
+        offset += n
+    return _split_by_owner(torch.cat(out), owners)
 
 
 def gather_response_values(values: torch.Tensor, packed: PackedRows,

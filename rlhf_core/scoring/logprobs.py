@@ -17,8 +17,10 @@ per micro-batch. Only response positions are read back:
     log_probs[i][t] = log softmax(logits(s_i[:P_i + t]) / T)[response_i[t]]     t < n_i
     values[i][t]    = V(s_i[:P_i + t])       (the critic's estimate before response token t)
 
-Memory: the LM head runs on the response positions only and the log-softmax over chunks of them
-(``response_logprobs``), so no (tokens, vocabulary) logits or log-probability matrix is ever built.
+Memory: the LM head runs on the response positions only, in row blocks past
+``models.packed.HEAD_CHUNK_BYTES``, and the log-softmax over chunks of them (``response_logprobs``), so
+no (tokens, vocabulary) logits or log-probability matrix is ever built, nor a real vocabulary's
+(responses, vocabulary) one.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from rlhf_core.data.packing import (
     Bins, Share, fixed_micro_batches, micro_batches_by_budget, shard_by_tokens, split_into_rows,
 )
 from rlhf_core.models.packed import (
-    gather_response_values, output_head, pack_rows, packed_forward, packing_attention_mode, response_logprobs,
+    gather_response_values, pack_rows, packed_forward, packing_attention_mode, response_logprobs,
     response_positions,
 )
 from rlhf_core.progress import bar_disabled
@@ -182,16 +184,9 @@ def compute_token_logprobs(model: torch.nn.Module, sequences: Sequence[Sequence[
         raise ValueError(f"temperature must be > 0 to define log-probs, got {temperature}")
 
     def score(layout):
-        if head_inputs is None:
-            return response_logprobs(model, layout, prompt_lengths, temperature=temperature,
-                                     sum_pi_squared=sum_pi_squared)
-        seen: list[torch.Tensor] = []  # a forward hook sees the head's input as the positions hook cut it
-        hook = output_head(model).register_forward_hook(lambda _m, args, _out: seen.append(args[0].detach()))
-        try:
-            out = response_logprobs(model, layout, prompt_lengths, temperature=temperature,
-                                    sum_pi_squared=sum_pi_squared)
-        finally:
-            hook.remove()
+        seen: list[torch.Tensor] = []  # the head's input at the response positions, (N, H)
+        out = response_logprobs(model, layout, prompt_lengths, temperature=temperature,
+                                sum_pi_squared=sum_pi_squared, hidden_out=seen if head_inputs is not None else None)
         offset = 0
         for i, n in response_positions(layout, prompt_lengths)[2] if seen else ():
             head_inputs[i] = seen[0][offset:offset + n]

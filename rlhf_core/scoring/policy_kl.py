@@ -13,7 +13,9 @@ from rlhf_core.algos import logprobs_from_logits
 from rlhf_core.config.resolve import MicroBatching
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.timing import MODEL_LOAD, timed
-from rlhf_core.models.packed import output_head, pack_rows, packed_forward, packing_attention_mode, response_positions
+from rlhf_core.models.packed import (
+    head_logits, output_head, pack_rows, packing_attention_mode, response_hidden, response_positions,
+)
 from rlhf_core.data.packing import Share
 from rlhf_core.scoring.logprobs import compute_token_logprobs, own_micro_batches, plan_micro_batches
 from rlhf_core.scoring.session import RunSession
@@ -121,30 +123,45 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
             rows, cols, owners = response_positions(packed, prompt_lengths)
             if not owners:
                 continue
-            # the LM heads run on the response positions only: (N, V) each
-            actor_logits = packed_forward(actor, packed, positions=(rows, cols)).float() / temperature
-            la = torch.log_softmax(actor_logits, dim=-1)
-            lr = torch.log_softmax(_reference_logits(ref, packed, (rows, cols), owners, ref_head_inputs).float()
-                                   / temperature, dim=-1)
-            kl = (la.exp() * (la - lr)).sum(-1).clamp_min(0.0).cpu()  # clamp: rounding only
-            labels = packed.input_ids[rows, cols + 1].to(la.device)
-            # the sampled tokens' log-probs by the formula scoring and the update use, to the bit
-            picked = logprobs_from_logits(actor_logits, labels).cpu()
+            # the LM heads run on the response positions only, in row blocks: (rows_b, V) each at a time
+            actor_hidden, actor_head = response_hidden(actor, packed, (rows, cols))
+            ref_hidden, ref_head = _reference_hidden(ref, packed, (rows, cols), owners, ref_head_inputs)
+            labels = packed.input_ids[rows, cols + 1].to(actor_hidden.device)
+            kl, picked, start = [], [], 0
+            for a_block, r_block in zip(head_logits(actor_head, actor_hidden), head_logits(ref_head, ref_hidden)):
+                end = start + a_block.shape[0]
+                block_kl, block_picked = _block_kl(a_block.float() / temperature, r_block.float() / temperature,
+                                                   labels[start:end])
+                kl.append(block_kl)
+                picked.append(block_picked)
+                start = end
+            kl, picked = torch.cat(kl).cpu(), torch.cat(picked).cpu()
             offset = 0
             for i, n in owners:
                 kls[i], sampled[i] = kl[offset:offset + n], picked[offset:offset + n]
                 offset += n
-            del la, lr
     return kls, sampled
 
 
-def _reference_logits(ref, packed, positions, owners, head_inputs: Optional[list]) -> torch.Tensor:
-    """(N, V) reference logits at ``positions``: its LM head on the kept hidden states when given, else
-    its forward."""
+def _block_kl(actor_logits: torch.Tensor, ref_logits: torch.Tensor,
+              labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(exact KL(actor ‖ ref) per row, the actor's log-prob of ``labels``) of (rows, V) fp32 logits
+    already divided by the temperature."""
+    la = torch.log_softmax(actor_logits, dim=-1)
+    lr = torch.log_softmax(ref_logits, dim=-1)
+    kl = (la.exp() * (la - lr)).sum(-1).clamp_min(0.0)  # clamp: rounding only
+    # the sampled tokens' log-probs by the formula scoring and the update use, to the bit
+    return kl, logprobs_from_logits(actor_logits, labels)
+
+
+def _reference_hidden(ref, packed, positions, owners, head_inputs: Optional[list]
+                      ) -> tuple[torch.Tensor, torch.nn.Module]:
+    """(the reference's LM-head input at ``positions`` (N, H), its head): the kept hidden states when
+    given, else its forward's."""
     if head_inputs is None:
-        return packed_forward(ref, packed, positions=positions)
+        return response_hidden(ref, packed, positions)
     head = output_head(ref)
-    return head(torch.cat([head_inputs[i] for i, _ in owners]).to(next(head.parameters()).device))
+    return torch.cat([head_inputs[i] for i, _ in owners]).to(next(head.parameters()).device), head
 
 
 def actor_ref_kl(settings: KLPassSettings, session: RunSession, actor_dir: Path, ref_dir: Path,

@@ -90,6 +90,31 @@ def test_packed_logprobs_match_one_at_a_time(policy, temperature):
     assert max_error(got, want) < TOL
 
 
+@pytest.mark.parametrize("block_bytes", [None, 3 * 512 * 4])  # one head call; blocks of 3 rows
+def test_response_logprobs_in_head_blocks_match_one_at_a_time(policy, monkeypatch, block_bytes):
+    """Past HEAD_CHUNK_BYTES the LM head runs on row blocks of the response positions (a real
+    vocabulary's (responses, V) logits never whole): the same log-probs; the head's inputs it hands
+    back are the ones the head saw."""
+    from rlhf_core.models import packed as packed_module
+
+    if block_bytes is not None:
+        monkeypatch.setattr(packed_module, "HEAD_CHUNK_BYTES", block_bytes)
+    sequences, prompts = make_batch(seed=3)
+    packed = pack_rows(several_rows(sequences), sequences, pad_id=0)
+    seen, hidden = [], []
+    hook = policy.get_output_embeddings().register_forward_hook(lambda _m, args, out: seen.append(out.shape[0]))
+    try:
+        with torch.no_grad():
+            got = packed_module.response_logprobs(policy, packed, prompts, temperature=0.7, hidden_out=hidden)
+    finally:
+        hook.remove()
+    assert max_error(got, reference_logprobs(policy, sequences, prompts, 0.7)) < TOL
+    responses = sum(len(s) - p for s, p in zip(sequences, prompts))
+    rows = [n for n in seen if n]  # the model's own head call runs on 0 rows
+    assert sum(rows) == responses and max(rows) == (3 if block_bytes else responses)
+    assert hidden[0].shape == (responses, policy.config.hidden_size)
+
+
 def test_packed_values_match_one_at_a_time(critic):
     sequences, prompts = make_batch(seed=2)
     packed = pack_rows(several_rows(sequences), sequences, pad_id=0)

@@ -83,7 +83,14 @@ def test_token_kl_is_zero_for_identical_models(tiny_model_dir):
     assert max(float(t.abs().max()) for t in kls) == 0.0
 
 
-def test_token_kl_matches_an_unpacked_loop(tiny_model_dir, tmp_path):
+@pytest.mark.parametrize("block_bytes", [None, 5 * 512 * 4])  # one head call each; blocks of 5 rows
+def test_token_kl_matches_an_unpacked_loop(tiny_model_dir, tmp_path, monkeypatch, block_bytes):
+    """Also with the heads run on row blocks (HEAD_CHUNK_BYTES: a real vocabulary's two (N, V) logits,
+    their log-softmaxes and the product would be six full copies)."""
+    from rlhf_core.models import packed as packed_module
+
+    if block_bytes is not None:
+        monkeypatch.setattr(packed_module, "HEAD_CHUNK_BYTES", block_bytes)
     actor = _load(_perturbed_copy(tiny_model_dir, tmp_path / "actor", scale=0.5))
     ref = _load(tiny_model_dir)
     seqs, plens = _sequences(seed=1)
