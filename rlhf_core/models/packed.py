@@ -217,13 +217,19 @@ def response_positions(packed: PackedRows, prompt_lengths: Sequence[int]
     return torch.cat(rows), torch.cat(cols), owners
 
 
+def scaled(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """fp32 ``logits / temperature``; at temperature 1 fp32 logits themselves (x / 1 is x: no copy)."""
+    logits = logits.float()
+    return logits if temperature == 1.0 else logits / temperature
+
+
 def _chunked_logprobs(flat_logits: torch.Tensor, flat_labels: torch.Tensor, temperature: float,
                       chunk_tokens: int, sum_pi_squared: bool = False) -> torch.Tensor:
     """log softmax(logits / T)[label] per row of (N, V) logits, ``chunk_tokens`` rows at a time: (N,).
     With ``sum_pi_squared`` (N, 2): the log-prob and sum over the vocabulary of softmax(logits / T)^2."""
     out = []
     for s in range(0, flat_logits.shape[0], chunk_tokens):
-        chunk = flat_logits[s:s + chunk_tokens].float() / temperature
+        chunk = scaled(flat_logits[s:s + chunk_tokens], temperature)
         log_z = torch.logsumexp(chunk, dim=-1)
         picked = chunk.gather(-1, flat_labels[s:s + chunk_tokens, None]).squeeze(-1) - log_z
         if sum_pi_squared:
@@ -258,7 +264,7 @@ def gather_response_logprobs(logits: torch.Tensor, packed: PackedRows, prompt_le
     return _split_by_owner(flat, owners)
 
 
-HEAD_CHUNK_BYTES = 512 << 20
+HEAD_CHUNK_BYTES = 256 << 20
 """Largest fp32 (rows, V) logits block a no-grad pass builds at once. A real vocabulary's logits are
 the largest tensor of a pass (32 responses × 500 tokens × 49,152 = 3.1 GB): past this size the LM
 head runs on row blocks of the response positions' hidden states, each block reduced before the next.

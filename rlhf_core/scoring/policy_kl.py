@@ -14,7 +14,7 @@ from rlhf_core.config.resolve import MicroBatching
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.timing import MODEL_LOAD, timed
 from rlhf_core.models.packed import (
-    head_logits, output_head, pack_rows, packing_attention_mode, response_hidden, response_positions,
+    head_logits, output_head, pack_rows, packing_attention_mode, response_hidden, response_positions, scaled,
 )
 from rlhf_core.data.packing import Share
 from rlhf_core.scoring.logprobs import compute_token_logprobs, own_micro_batches, plan_micro_batches
@@ -130,11 +130,12 @@ def token_kl(actor, ref, sequences: list[list[int]], prompt_lengths: list[int], 
             kl, picked, start = [], [], 0
             for a_block, r_block in zip(head_logits(actor_head, actor_hidden), head_logits(ref_head, ref_hidden)):
                 end = start + a_block.shape[0]
-                block_kl, block_picked = _block_kl(a_block.float() / temperature, r_block.float() / temperature,
+                block_kl, block_picked = _block_kl(scaled(a_block, temperature), scaled(r_block, temperature),
                                                    labels[start:end])
                 kl.append(block_kl)
                 picked.append(block_picked)
                 start = end
+                del a_block, r_block
             kl, picked = torch.cat(kl).cpu(), torch.cat(picked).cpu()
             offset = 0
             for i, n in owners:
@@ -149,7 +150,9 @@ def _block_kl(actor_logits: torch.Tensor, ref_logits: torch.Tensor,
     already divided by the temperature."""
     la = torch.log_softmax(actor_logits, dim=-1)
     lr = torch.log_softmax(ref_logits, dim=-1)
-    kl = (la.exp() * (la - lr)).sum(-1).clamp_min(0.0)  # clamp: rounding only
+    diff = lr.neg_().add_(la)  # la - lr, in lr's memory (the same floats: a - b is a + (-b))
+    kl = (la.exp_() * diff).sum(-1).clamp_min(0.0)  # clamp: rounding only
+    del la, lr, diff
     # the sampled tokens' log-probs by the formula scoring and the update use, to the bit
     return kl, logprobs_from_logits(actor_logits, labels)
 
