@@ -236,14 +236,14 @@ def cmd_logits(args: argparse.Namespace) -> None:
                 results.append((case, blocks, json.loads(out.read_text()), ""))
     print(f"{args.sequences} sequences x ({args.prompt} prompt + {args.response} response) tokens in one "
           f"micro-batch, {args.model.name}, fp32, no grad")
-    print(f"{'pass':<28}{'LM head':<14}{'peak growth GiB':>16}{'x one logits copy':>19}{'seconds':>9}")
+    print(f"{'pass':<30}{'LM head':<14}{'peak growth GiB':>16}{'x one logits copy':>19}{'seconds':>9}")
     for case, blocks, r, error in results:
         name = {"logprobs": "log-probs (score)", "kl": "exact KL (guard, two models)"}[case]
         head = "row blocks" if blocks else "one call"
         if r is None:
-            print(f"{name:<28}{head:<14}{error}")
+            print(f"{name:<30}{head:<14}{error}")
             continue
-        print(f"{name:<28}{head:<14}{r['growth'] / GIB:>16.2f}{r['growth'] / r['logits_bytes']:>19.2f}"
+        print(f"{name:<30}{head:<14}{r['growth'] / GIB:>16.2f}{r['growth'] / r['logits_bytes']:>19.2f}"
               f"{r['seconds']:>9.1f}")
     if results and results[0][2]:
         print(f"one fp32 copy of the responses' logits: {results[0][2]['logits_bytes'] / GIB:.2f} GiB")
