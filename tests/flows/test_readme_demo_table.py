@@ -56,7 +56,9 @@ def test_a_short_demo_gives_the_readmes_first_columns(tmp_path, prefect_server):
     # the closing block's MLflow command serves on one worker (its default four were killed by their
     # health check on a loaded laptop)
     assert "mlflow ui --host 127.0.0.1 --workers 1 --backend-store-uri sqlite:///" in out.stdout, out.stdout[-2000:]
-    initial = re.search(r"^initial policy \(iteration 0\): val/accuracy (\d\.\d{3})$", out.stdout, re.MULTILINE)
+    # "initial policy (iteration 0): val/accuracy 0.328 [0.253, 0.413]": the accuracy, then its 95 % interval
+    initial = re.search(r"^initial policy \(iteration 0\): val/accuracy (\d\.\d{3}) \[\d\.\d{3}, \d\.\d{3}\]$",
+                        out.stdout, re.MULTILINE)
     assert initial, out.stdout[-3000:]
     fifth = json.loads((tmp_path / "readme" / "iter_5" / "iteration_metrics.json").read_text())
     measured = {"val accuracy": {0: initial.group(1), 5: f"{fifth['val/accuracy']:.3f}"},

@@ -74,7 +74,8 @@ def test_status_and_the_resumes_validation_between_save_points(tmp_path, prefect
                              text=True, env=env, cwd=tmp_path, timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     printed = next(x for x in resumed.stdout.splitlines() if x.startswith(f"resumed policy (iteration {k})"))
-    accuracy = float(printed.rsplit(" ", 1)[1])
+    # "resumed policy (iteration k): val/accuracy 0.512 [0.478, 0.547]": the accuracy, then its 95 % interval
+    accuracy = float(printed.split("val/accuracy ", 1)[1].split()[0])
     recorded = json.loads((run / f"iter_{k}" / "iteration_metrics.json").read_text())
     assert f"{recorded['val/accuracy']:.3f}" == f"{accuracy:.3f}", recorded
 
