@@ -19,12 +19,14 @@ from prefect.events import Event, emit_event
 from prefect.events.worker import emit_events_to_cloud, should_emit_events_to_running_server
 
 from rlhf_core.run.layout import RunDir
+from rlhf_core.run.report import ALERT_KINDS
 from rlhf_core.security import redact_text, redact_value
 
 EVENT_PREFIX = "rlhf.alert."
 """Every alert event's name starts with this (the automation's trigger expects ``rlhf.alert.*``)."""
-NOTIFIED_KINDS = ("kl-breach", "val-drop", "rollback", "halt")
-"""The kinds emitted as events; the clip-fraction signal is information and stays in the log."""
+NOTIFIED_KINDS = (*(kind for kind, level in ALERT_KINDS.items() if level == "warning"), "rollback", "halt")
+"""The kinds emitted as events: every warning-level alert of a committed iteration (declared once, in
+``report.ALERT_KINDS``), a rollback and a halt; the clip-fraction signal is information and stays in the log."""
 
 
 def run_resource(run: RunDir) -> dict[str, str]:

@@ -17,7 +17,7 @@ import yaml
 from deployments.alerts import AUTOMATION_FILE, automation_spec, create_alerting
 from rlhf_core.config import load_config
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.report import dropped_from_best, iteration_alerts
+from rlhf_core.run.report import ALERT_KINDS, dropped_from_best, iteration_alerts
 from tasks.events import EVENT_PREFIX, NOTIFIED_KINDS, emit_alert, run_resource
 
 REPO = Path(__file__).resolve().parents[2]
@@ -44,7 +44,16 @@ def test_the_automation_file_expects_every_event_kind_we_emit():
     spec = yaml.safe_load(AUTOMATION_FILE.read_text())
     assert spec["trigger"]["expect"] == [EVENT_PREFIX + "*"]
     assert automation_spec("0" * 8)["actions"][0]["block_document_id"] == "0" * 8
-    assert set(NOTIFIED_KINDS) == {"kl-breach", "val-drop", "rollback", "halt"}
+    assert set(NOTIFIED_KINDS) == {"kl-breach", "val-drop", "old-log-prob-gap", "rollback", "halt"}
+
+
+def test_every_warning_an_iteration_raises_can_be_emitted(tmp_path):
+    """A committed iteration emits each warning-level alert it raises: a kind the report declares
+    and the events refuse ended the run in tracebacks (the old-log-prob gap of a bf16 resume)."""
+    warnings = [kind for kind, level in ALERT_KINDS.items() if level == "warning"]
+    assert "old-log-prob-gap" in warnings
+    for kind in warnings:
+        emit_alert(RunDir(tmp_path / "run"), kind, 1, "a message")  # raised ValueError for an undeclared kind
 
 
 class _Webhook(BaseHTTPRequestHandler):
