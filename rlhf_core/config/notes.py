@@ -7,15 +7,19 @@ from __future__ import annotations
 import logging
 
 log = logging.getLogger("rlhf.config")
-_SAID: set[str] = set()
+_SAID: dict[str, str] = {}
+"""topic -> the line said about it."""
 
 
-def say_once(line: str) -> None:
-    if line not in _SAID:
-        _SAID.add(line)
+def say_once(line: str, topic: str | None = None) -> None:
+    """Log ``line`` unless this process said it already, or already said a line on ``topic`` (the same
+    choice made for another role: the critic's dtype after the actor's)."""
+    topic = line if topic is None else topic
+    if topic not in _SAID:
+        _SAID[topic] = line
         log.warning(line)
 
 
 def said() -> list[str]:
     """Every note said so far in this process (for tests and the run's closing summary)."""
-    return sorted(_SAID)
+    return sorted(_SAID.values())

@@ -120,13 +120,18 @@ def _say_cpu_dtype(key: str, configured: str, dtype: str, largest: Optional[int]
             why = f"fp32 is faster for a model with matrices under {SMALL_MATMUL / 1e6:.0f} M elements"
         else:
             why = f"{hardware.bf16_judgment()}: {'bf16 pays' if dtype == 'bf16' else _NOT_PAYING}"
-        say_once(f"{key}.deepspeed_config.dtype=auto: {dtype} on this CPU ({model}, {units}; {size}): {why}")
+        note = f"deepspeed_config.dtype=auto: {dtype} on this CPU ({model}, {units}; {size}): {why}"
     elif dtype in ("bf16", "fp16") and not native:
-        say_once(f"{key}.deepspeed_config.dtype={dtype} on a CPU {units} ({model}): {dtype} is emulated here, "
-                 f"measured on such a CPU {BF16_EMULATED_COST}; leave it at auto (fp32 here)")
+        note = (f"deepspeed_config.dtype={dtype} on a CPU {units} ({model}): {dtype} is emulated here, "
+                f"measured on such a CPU {BF16_EMULATED_COST}; leave it at auto (fp32 here)")
     elif dtype == "bf16" and not hardware.cpu_bf16_pays():
-        say_once(f"{key}.deepspeed_config.dtype=bf16 on this CPU ({model}): {hardware.bf16_judgment()}: "
-                 f"{_NOT_PAYING}; leave it at auto (fp32 here)")
+        note = (f"deepspeed_config.dtype=bf16 on this CPU ({model}): {hardware.bf16_judgment()}: "
+                f"{_NOT_PAYING}; leave it at auto (fp32 here)")
+    else:
+        return
+    # said once for the run: the critic's same choice for the same reason is not repeated (it printed
+    # inside the iteration table)
+    say_once(f"{key}.{note}", topic=note)
 
 
 def torch_dtype(name: str):

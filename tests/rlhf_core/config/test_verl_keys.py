@@ -19,7 +19,7 @@ from rlhf_core.config.machine import fit_to_machine
 @pytest.fixture
 def said(monkeypatch, caplog):
     """Fresh 'said once' memory; returns the config notes logged during the test."""
-    monkeypatch.setattr(notes, "_SAID", set())
+    monkeypatch.setattr(notes, "_SAID", {})
     caplog.set_level(logging.WARNING, logger="rlhf.config")
     return lambda: [r.getMessage() for r in caplog.records if r.name == "rlhf.config"]
 

@@ -168,6 +168,9 @@ def test_the_auto_choice_is_said_once_with_the_cpu_and_why(cpu, tmp_path):
     assert role_dtype("auto", str(model), "cpu") == "fp32"  # the tiny model is faster in fp32
     line = [s for s in said() if "Native Test CPU 1" in s]
     assert len(line) == 1 and "dtype=auto: fp32" in line[0] and "under 1 M elements" in line[0]
+    # the critic's same choice for the same reason is not said again (it landed inside the iteration table)
+    assert role_dtype("auto", str(model), "cpu", "critic") == "fp32"
+    assert [s for s in said() if "Native Test CPU 1" in s] == line
     cpu("Emulating Test CPU 2", "avx2")
     assert role_dtype("auto", str(model), "cpu") == "fp32"
     assert any("Emulating Test CPU 2" in s and "bf16 would be emulated" in s for s in said())
