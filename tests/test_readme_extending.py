@@ -118,7 +118,7 @@ def _ok(proc: subprocess.CompletedProcess) -> str:
 def _pytest(copy: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
     """The copy's own tests (its tests/conftest.py: offline, a tiny model built once)."""
     basetemp = tempfile.mkdtemp(prefix="pytest-", dir=copy.parent)
-    return _child(copy, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-q", "-rA", f"--basetemp={basetemp}",
+    return _child(copy, "-m", "pytest", "-p", "no:cacheprovider", "-n", "0", "-v", "-rA", f"--basetemp={basetemp}",
                   *args, timeout=600, **env)
 
 
@@ -382,8 +382,8 @@ def copy_checks(project):
     selected = (f"test_stage_order or test_recipe or test_layers or registered_name or our_own_names or {_estimator_name()} "
                 f"or no_key_is_both_a_schema_field")
     proc = _pytest(project, *CHECKS, "-k", selected, **env)
-    outcomes = dict((test, outcome) for outcome, test in
-                    re.findall(r"^(PASSED|FAILED|SKIPPED|ERROR) (\S+)", proc.stdout, flags=re.MULTILINE))
+    # the verbose lines, "path::test OUTCOME [ n%]": the summary's skip lines name a file and line, not the test
+    outcomes = dict(re.findall(r"^(\S+::\S+) (PASSED|FAILED|SKIPPED|ERROR)\b", proc.stdout, flags=re.MULTILINE))
     assert outcomes, proc.stdout[-3000:] + proc.stderr[-3000:]
     return SimpleNamespace(outcomes=outcomes, output=proc.stdout, verl=verl is not None)
 
