@@ -128,7 +128,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=128)
     parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--mini-batch", type=int, default=64)
+    parser.add_argument("--mini-batch", type=int, help="sequences per optimizer step (default: 64, or --batch if smaller)")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--token-budget", type=int, default=16384)
     parser.add_argument("--zero", type=int, default=1)
@@ -138,6 +138,11 @@ def main() -> None:
     if args.dry_run:
         args.small, args.device = True, "cpu"
         args.batch, args.prompt_len, args.new_tokens, args.mini_batch, args.epochs, args.token_budget = 4, 8, 8, 4, 1, 256
+    if args.mini_batch is None:
+        args.mini_batch = min(64, args.batch)
+    elif not 1 <= args.mini_batch <= args.batch:
+        parser.error(f"--mini-batch {args.mini_batch} must be between 1 and --batch {args.batch} (sequences per "
+                     "optimizer step out of the batch)")
     os.environ.setdefault("RLHF_HOME", tempfile.mkdtemp(prefix="rlhf-bench-gpu-"))
     home = Path(os.environ["RLHF_HOME"])
     model_dir = home / "qwen2-shaped"

@@ -35,6 +35,18 @@ def test_bench_h200_dry_run_samples_scores_and_updates_through_update_once(tmp_p
     assert 0 < numbers["mfu"] < 1
 
 
+def test_bench_h200_refuses_a_mini_batch_larger_than_the_batch_in_one_line(tmp_path, subprocess_env):
+    """A mini-batch the batch cannot hold is the command line's mistake: one line before anything is
+    built (it was a ConfigError traceback after the model build; without --mini-batch it is derived)."""
+    env = subprocess_env(RLHF_HOME=str(tmp_path / "home"))
+    proc = subprocess.run([sys.executable, str(GPU / "bench_h200.py"), "--small", "--device", "cpu", "--batch", "8",
+                           "--mini-batch", "16"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines()[-1].endswith("--mini-batch 16 must be between 1 and --batch 8 (sequences "
+                                                         "per optimizer step out of the batch)"), proc.stderr
+    assert not (tmp_path / "home").exists()
+
+
 def test_device_check_dry_run_runs_every_step_and_writes_its_files(tmp_path, subprocess_env):
     """device_check.sh --dry-run: the environment, the gpu-marked tests (skipped on the CPU), the demo
     through `rlhf demo` and `rlhf status`/`query`, the quickstart iteration through `rlhf run` with the
