@@ -26,6 +26,7 @@ from flows.stage import StageParams, rlhf_rebuild, rlhf_stage
 from rlhf_cli import prefect_server, session, startup
 from rlhf_cli.inspection import demo_as_run, plan_run_command, require_run_dir
 from rlhf_cli.local import print_result, quiet_deepspeed, stage_overrides
+from rlhf_cli.typed_commands import as_typed
 from rlhf_core.control.query import accuracy_lines
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
@@ -225,7 +226,7 @@ def where_to_look(summary: dict) -> str:
         uri = display_uri()
         page = ui_path(summary["mlflow_run_id"]) or f"#/experiments?{TRAINING_VIEW}"  # the runs view, not GenAI's
         mlflow = f"run {summary['mlflow_run_id']}: " + (run_url(summary["mlflow_run_id"]) or (
-            f"mlflow ui --host 127.0.0.1 --workers 1 --backend-store-uri {uri}   (then http://127.0.0.1:5000/{page})"))
+            f"{as_typed('mlflow')} ui --host 127.0.0.1 --workers 1 --backend-store-uri {uri}   (then http://127.0.0.1:5000/{page})"))
     else:
         mlflow = "not tracked (trainer.logger has no mlflow)"
     reporting = session.REPORTING
@@ -234,9 +235,10 @@ def where_to_look(summary: dict) -> str:
     prefect = (f"{_ui(api)}/runs (flow rlhf-pipeline)" if api and not temporary else
                "this run used a temporary Prefect server, now stopped; `make services-up` starts a "
                "persistent one (http://127.0.0.1:4200) where later runs and the deployments appear")
+    rlhf = as_typed("rlhf")
     lines = [
         "where to look:",
-        f"  run directory   {run_dir}   (rlhf status {run_dir}; rlhf query {run_dir} \"select * from metrics_wide\")",
+        f"  run directory   {run_dir}   ({rlhf} status {run_dir}; {rlhf} query {run_dir} \"select * from metrics_wide\")",
         f"  learning curve  {curve if curve.is_file() else 'none (no iteration ran)'}",
         f"  MLflow          {mlflow}",
         f"  Prefect UI      {prefect}",
