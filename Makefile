@@ -97,8 +97,10 @@ $(VERL_STAMP):
 
 venv-verl: $(VERL_STAMP)
 
+# with it, the README's estimator recipe is checked against verl's names too (`make test` consults no extra environment)
 test-verl: $(STAMP) $(VERL_STAMP)
-	VERL_PYTHON=$(VERL_VENV)/bin/python RLHF_REQUIRE_VERL=1 $(BIN)/python -m pytest tests/conformance $(PYTEST_ARGS)
+	VERL_PYTHON=$(VERL_VENV)/bin/python RLHF_REQUIRE_VERL=1 $(BIN)/python -m pytest tests/conformance \
+	  tests/test_readme_extending.py::test_the_conformance_step_takes_the_estimator_as_a_name_of_our_own $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VERL_VENV) $(VLLM_VENV) runs .rlhf .pytest_cache .hypothesis

@@ -10,8 +10,8 @@ in child processes (PYTHONPATH = the copy, so the edited modules are the ones im
   demo (the README's reward command plus the estimator's override);
 - a verl key listed in ``NO_EFFECT`` made a schema field;
 - the copy's own checks the recipes name, in one session of its tests: the stage table and tasks,
-  the layers, the conformance step's names (against verl 0.9.1 itself where ``.venv-verl`` is built,
-  as ``make test-verl`` runs them) and the schema against verl_keys.py, which fails naming the
+  the layers, the conformance step's names (against verl 0.9.1 itself under ``make test-verl``,
+  which names its environment by VERL_PYTHON) and the schema against verl_keys.py, which fails naming the
   entry to remove, and holds once it is removed.
 """
 
@@ -123,9 +123,10 @@ def _pytest(copy: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
 
 
 def _verl_python() -> Path | None:
+    """verl's environment where ``make test-verl`` names it (VERL_PYTHON); `make test` consults none, so
+    the README's test command gives the same outcomes on a fresh clone and beside a built .venv-verl."""
     given = os.environ.get("VERL_PYTHON")
-    python = Path(given) if given else REPO / ".venv-verl" / "bin" / "python"
-    return python if python.is_file() else None
+    return Path(given) if given and Path(given).is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -374,8 +375,7 @@ CHECKS = ("tests/rlhf_core/run/test_stage_order.py", "tests/flows/test_recipe.py
 @pytest.fixture(scope="module")
 def copy_checks(project):
     """The copy's own checks the recipes name, in one session of its tests: the stage table and
-    tasks, the layers, the conformance step's names (with verl 0.9.1 itself where ``.venv-verl`` is
-    built, as ``make test-verl`` runs it) and the schema against verl_keys.py. Returns the outcome
+    tasks, the layers, the conformance step's names (with verl 0.9.1 itself under ``make test-verl``) and the schema against verl_keys.py. Returns the outcome
     of each test (``PASSED`` / ``FAILED`` / ``SKIPPED``) and the session's output."""
     verl = _verl_python()
     env = {"VERL_PYTHON": str(verl), "RLHF_REQUIRE_VERL": "1"} if verl else {}
