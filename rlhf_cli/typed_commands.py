@@ -1,5 +1,5 @@
-"""How the commands a run prints are typed: `rlhf status …` and `mlflow ui …` as printed must work in
-the shell that ran the command. After `make demo` the project's environment is not activated, so its
+"""How the commands a run prints are typed: its closing block's rlhf and MLflow commands must work as
+printed in the shell that ran the run. After `make demo` the project's environment is not activated, so its
 console scripts are not on the PATH: the printed command then names them by path (`.venv/bin/rlhf`)."""
 
 from __future__ import annotations
