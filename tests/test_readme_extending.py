@@ -125,8 +125,8 @@ def _pytest(copy: Path, *args: str, **env: str) -> subprocess.CompletedProcess:
 def _verl_python() -> Path | None:
     """verl's environment where ``make test-verl`` names it (VERL_PYTHON); `make test` consults none, so
     the README's test command gives the same outcomes on a fresh clone and beside a built .venv-verl."""
-    given = os.environ.get("VERL_PYTHON")
-    return Path(given) if given and Path(given).is_file() else None
+    given = os.environ.get("VERL_PYTHON")  # make test-verl gives it relative to the project; the copy runs elsewhere
+    return Path(given).absolute() if given and Path(given).is_file() else None
 
 
 # ---------------------------------------------------------------------------------------------
