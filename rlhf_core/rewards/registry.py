@@ -42,6 +42,7 @@ from rlhf_core.data.schemas import decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.rewards import dapo_math, gsm8k, hendrycks_math
 from rlhf_core.rewards.user_process import UserProcess
+from rlhf_core.rewards.user_process_main import plain
 
 FLOAT32_MAX = 3.4028234663852886e38
 """The largest finite float32: rewards are stored as float32 (the scored table), so a larger
@@ -235,6 +236,10 @@ def normalize_result(result: Any, where: str) -> tuple[float, str]:
     except (TypeError, ValueError):
         raise DataError(f"{where}: the reward function returned {result!r}; return a number or a "
                         "dict with a numeric 'score'") from None
+    except OverflowError:  # an int beyond any float, e.g. 10**400
+        raise DataError(f"{where}: the reward function returned an integer of {int(result).bit_length()} bits, "
+                        f"beyond float32's range (±{FLOAT32_MAX:.4g}) in which the tables store rewards; "
+                        "return a score of a sensible scale") from None
     if not math.isfinite(score):
         raise DataError(f"{where}: the reward function returned a non-finite score ({score}); "
                         "NaN or inf would poison the advantages")
@@ -242,4 +247,13 @@ def normalize_result(result: Any, where: str) -> tuple[float, str]:
         raise DataError(f"{where}: the reward function returned {score:g}, beyond float32's range (±{FLOAT32_MAX:.4g}) "
                         "in which the tables store rewards: it would be stored as inf and poison the advantages; "
                         "return a score of a sensible scale")
-    return score, json.dumps(extra, sort_keys=True, default=str)
+    return score, json.dumps(extra, sort_keys=True, default=_plain_or_text)
+
+
+def _plain_or_text(value: Any) -> Any:
+    """A numpy or torch value as the number or list it holds, as a user function's result crosses
+    from its own process (``user_process_main.plain``); anything else as its text."""
+    try:
+        return plain(value)
+    except TypeError:
+        return str(value)

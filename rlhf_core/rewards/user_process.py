@@ -8,17 +8,20 @@ each stage, as before). Every way out of the user's code becomes one ``DataError
 function (its name and file): ``sys.exit`` / ``SystemExit``, a ``KeyboardInterrupt`` it raises,
 ``os._exit`` or a crash (the process's exit status or signal), any other exception (its traceback on
 standard error above the line), and a call or import that takes longer than
-``custom_reward_function.call_timeout_s`` (the process is killed). A result crosses back as the
-function returned it (``multiprocessing.connection``'s pickling, so the scores are the in-process
-ones bit for bit), unless it holds an object of a class of the user's own code, which the run could
-only read by importing that code: that is refused too.
+``custom_reward_function.call_timeout_s`` (the process is killed). A result crosses back as JSON
+text, never a pickle (reading a pickle runs whatever its ``__reduce__`` names, in the run's process):
+numbers (floats bit for bit), strings, lists and dicts, numpy and torch scalars and arrays as their
+numbers; an object of a class of the user's own code, or anything else JSON cannot hold, is refused.
 
-The child leaves when its parent closes the pipe, and also as soon as the parent is gone however it
-went (kill -9 included); a terminal's Ctrl-C reaches the parent, which stops the child on its way out.
+Nothing the function starts outlives its call: the child kills every process below it when a call
+returns, and the run kills them before it kills the child at a timeout (``user_process_main``). The
+child leaves when its parent closes the pipe, and also as soon as the parent is gone however it went
+(kill -9 included); a terminal's Ctrl-C reaches the parent, which stops the child on its way out.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -32,6 +35,7 @@ from typing import Any, Optional
 from rlhf_core.config import ConfigError
 from rlhf_core.errors import DataError
 from rlhf_core.paths import resolve_path
+from rlhf_core.rewards.user_process_main import kill_descendants
 
 PROGRAM = Path(__file__).with_name("user_process_main.py")
 """The child's program, run by its path (importing it as a module would import the package's torch)."""
@@ -150,12 +154,9 @@ class UserProcess:
                 f"the reward function {self.shown} took longer than {TIMEOUT_KEY}={self.timeout_s:g} s {doing} "
                 f"and was stopped; make it return sooner, or raise {TIMEOUT_KEY}"))
         try:
-            return self._receive.recv()
+            return json.loads(self._receive.recv_bytes())
         except EOFError:
             return ("died", _exit_status(self._proc))
-        except Exception as exc:  # the result names a class the run cannot import
-            raise self._fail(DataError(f"the reward function {self.shown} returned a value the run cannot read "
-                                       f"({type(exc).__name__}: {exc}); return a number or a dict with a 'score'"))
 
     def _ending(self, reply: tuple, when: str) -> str:
         """The one line for a way out of the user's code other than a result."""
@@ -191,6 +192,7 @@ def _exit_status(proc: subprocess.Popen) -> int:
     try:
         return proc.wait(timeout=GRACE_S)
     except subprocess.TimeoutExpired:  # it closed its end and lives on: stop it
+        kill_descendants(proc.pid)
         proc.kill()
         return proc.wait()
 
@@ -205,5 +207,6 @@ def _stop(proc: subprocess.Popen, send: Connection, receive: Connection, grace_s
         except subprocess.TimeoutExpired:
             pass
     if proc.poll() is None:
+        kill_descendants(proc.pid)  # while the child, their subreaper, still holds them together
         proc.kill()
         proc.wait()

@@ -3,28 +3,40 @@
     python user_process_main.py PARENT_PID READ_FD WRITE_FD
 
 Run as a script by its path, so it imports nothing of the project: the standard modules below start
-it in a fraction of a second, while importing ``rlhf_core.rewards`` would import torch. Messages are
-``multiprocessing.connection`` messages on two pipes:
+it in a fraction of a second, while importing ``rlhf_core.rewards`` would import torch. Messages go on
+two pipes: the parent's are ``multiprocessing.connection`` messages (this process trusts the run), the
+replies are JSON text (the run trusts nothing of the user's code: a pickle would run code when read,
+JSON holds only numbers, strings, lists and dicts):
 
     parent → child   {"sys_path": [...], "target": module name or .py file, "is_file": bool, "name": str}
-    child → parent   ("ready",) | ("no_module", text) | ("no_function", [callable names]) | an ending
+    child → parent   ["ready"] | ["no_module", text] | ["no_function", [callable names]] | an ending
     parent → child   {"data_source": ..., "solution_str": ..., "ground_truth": ..., "extra_info": {...}}
-    child → parent   ("ok", result) | ("own_class", type name) | ("unsendable", text) | an ending
+    child → parent   ["ok", result] | ["own_class", type name] | ["unsendable", text] | an ending
 
-An ending is ``("exit", code)`` (the code called sys.exit / raised SystemExit), ``("interrupt",)``
-(it raised KeyboardInterrupt) or ``("raised", "Type: message", location)`` (any other exception: its
-traceback is printed on this process's standard error, which is the run's). ``os._exit``, a crash
-or a kill send nothing: the parent reads the end of the pipe and the process's exit status.
+A result crosses as JSON after ``plain``: numpy and torch scalars and arrays become numbers and lists
+(``.item()`` / ``.tolist()``), Python floats keep every bit (JSON writes their shortest round-trip
+form). An ending is ``["exit", code]`` (the code called sys.exit / raised SystemExit),
+``["interrupt"]`` (it raised KeyboardInterrupt) or ``["raised", "Type: message", location]`` (any
+other exception: its traceback is printed on this process's standard error, which is the run's).
+``os._exit``, a crash or a kill send nothing: the parent reads the end of the pipe and the process's
+exit status.
+
+Whatever the user's code starts does not outlive the call: this process is a child subreaper (an
+orphaned grandchild, a double-forked daemon included, is reparented to it, not to init) and kills
+every descendant when a call or the import returns (``kill_descendants``); the parent does the same
+before it kills this process (a timeout) and this process does it when the parent is gone.
 
 A terminal's Ctrl-C is the parent's to handle (it stops this process on its way out), so SIGINT is
 ignored here. The process leaves as soon as its parent is gone, however the parent went (a thread
 watches for the reparenting): it never outlives the run, even inside a call that never returns.
 """
 
+import ctypes
 import functools
 import hashlib
 import importlib
 import importlib.util
+import json
 import os
 import signal
 import site
@@ -46,9 +58,83 @@ def installed() -> tuple[str, ...]:
     return tuple({str(Path(p).resolve()) for p in [*paths, *site.getsitepackages(), site.getusersitepackages()] if p})
 
 
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def become_subreaper() -> None:
+    """Orphans among this process's descendants are reparented to it (Linux; elsewhere a no-op)."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
+
+
+def descendants(root: int) -> list[int]:
+    """The pids below ``root`` in the process tree, read from /proc (empty where there is none)."""
+    parent_of: dict[int, int] = {}
+    try:
+        entries = os.listdir("/proc")
+    except OSError:
+        return []
+    for entry in filter(str.isdigit, entries):
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                fields = fh.read().rpartition(b")")[2].split()  # after the name, which may hold spaces
+        except OSError:  # it ended meanwhile
+            continue
+        parent_of[int(entry)] = int(fields[1])
+    found, frontier = [], [root]
+    while frontier:
+        below = [pid for pid, ppid in parent_of.items() if ppid in frontier]
+        found += below
+        frontier = below
+    return found
+
+
+def kill_descendants(root: int) -> None:
+    """SIGKILL every process below ``root``, again until none is left (one may fork while it goes),
+    and reap those that were ``root``'s own children when ``root`` is this process. For this
+    process, a subreaper, one system call answers the common case: no child, so no descendant."""
+    if root == os.getpid() and not _has_children():
+        return
+    for _ in range(20):
+        pids = descendants(root)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        if root == os.getpid():
+            _reap()
+        time.sleep(0.01)
+
+
+def _has_children() -> bool:
+    """Whether this process has a child still running (finished ones are reaped on the way)."""
+    _reap()
+    try:
+        os.waitpid(-1, os.WNOHANG)
+    except ChildProcessError:
+        return False
+    return True
+
+
+def _reap() -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+
+
 def leave_with_parent(parent: int) -> None:
     while os.getppid() == parent:
         time.sleep(0.25)
+    kill_descendants(os.getpid())
     os._exit(1)
 
 
@@ -135,9 +221,31 @@ def call(fn, kwargs: dict) -> tuple:
     return ("own_class", found) if found else ("ok", result)
 
 
+def plain(value):
+    """``json.dumps``' hook for what it cannot write: a numpy or torch scalar or array as its number
+    or list; anything else stays unsendable (TypeError)."""
+    for method in ("item", "tolist"):
+        convert = getattr(value, method, None)
+        if callable(convert) and type(value).__module__.split(".")[0] in ("numpy", "torch"):
+            try:
+                return convert()
+            except (ValueError, RuntimeError):  # .item() of an array with several elements
+                continue
+    raise TypeError(f"{type(value).__module__}.{type(value).__qualname__} is not a number, string, list or dict")
+
+
+def encode(reply: tuple) -> bytes:
+    """The reply as JSON text; a result JSON cannot hold becomes an "unsendable" reply."""
+    try:
+        return json.dumps(reply, default=plain).encode()
+    except (TypeError, ValueError, RecursionError) as exc:
+        return json.dumps(["unsendable", f"{type(reply[-1]).__name__}: {exc}"]).encode()
+
+
 def serve(reader: Connection, writer: Connection) -> None:
     reply, fn = load(reader.recv())
-    writer.send(reply)
+    kill_descendants(os.getpid())
+    writer.send_bytes(encode(reply))
     if fn is None:
         return
     while True:
@@ -146,15 +254,14 @@ def serve(reader: Connection, writer: Connection) -> None:
         except EOFError:  # the parent closed the pipe: done
             return
         reply = call(fn, kwargs)
-        try:
-            writer.send(reply)
-        except Exception as exc:  # pickling failed before a byte was written: the pipe is intact
-            writer.send(("unsendable", f"{type(reply[-1]).__name__}: {exc}"))
+        kill_descendants(os.getpid())
+        writer.send_bytes(encode(reply))
 
 
 def main() -> None:
     parent, read_fd, write_fd = (int(a) for a in sys.argv[1:4])
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    become_subreaper()
     if os.getppid() != parent:
         os._exit(1)
     threading.Thread(target=leave_with_parent, args=(parent,), daemon=True).start()

@@ -156,6 +156,33 @@ LEAVING_REWARDS = textwrap.dedent("""
         Path(os.environ["REWARD_PID_FILE"]).write_text(str(os.getpid()))
         while True:
             time.sleep(0.05)
+
+    class Bomb:  # passes for a class of the standard library; reading its pickle would run os._exit
+        __module__ = "json"
+
+        def __reduce__(self):
+            return (os._exit, (0,))
+
+    def pickle_bomb(**kwargs):
+        return {"score": 1.0, "why": Bomb()}
+
+    def huge_score(**kwargs):
+        return 10 ** 400
+
+    def starts_a_daemon(**kwargs):  # double fork, a session of its own: reparented away from its parent
+        pid_file = Path(os.environ["REWARD_PID_FILE"])
+        middle = os.fork()
+        if middle == 0:
+            os.setsid()
+            if os.fork() == 0:
+                pid_file.with_suffix(".new").write_text(str(os.getpid()))
+                pid_file.with_suffix(".new").rename(pid_file)
+                time.sleep(600)
+            os._exit(0)
+        os.waitpid(middle, 0)
+        while not pid_file.exists():
+            time.sleep(0.01)
+        return 1.0
 """)
 
 
@@ -183,6 +210,7 @@ def test_a_reward_function_that_ends_its_process_stops_rlhf_run_in_one_line(pref
     ("keyboard_interrupt", "raised KeyboardInterrupt, which would stop the run as Ctrl-C does"),
     ("kill_itself", "crashed: its process was killed by SIGKILL"),
     ("never_returns", "took longer than custom_reward_function.call_timeout_s=3 s on one response and was stopped"),
+    ("pickle_bomb", "returned a value that cannot be sent back to the run (dict: json.Bomb is not a number"),
 ])
 def test_every_way_out_of_a_reward_function_is_one_line_naming_it(two_iterations, tmp_path, subprocess_env,
                                                                    name, said):
@@ -205,6 +233,37 @@ def test_every_way_out_of_a_reward_function_is_one_line_naming_it(two_iterations
     assert "iter_1/rollout.parquet row 0" in errors[0] and "Traceback" not in out.stderr
     if pid_file.exists():
         assert not Path(f"/proc/{pid_file.read_text()}").exists(), "the reward function's process outlived rlhf"
+
+
+def test_a_score_beyond_float_is_one_line_and_no_child_of_the_reward_outlives_its_call(two_iterations, tmp_path,
+                                                                                      subprocess_env):
+    """Issue 49: a score of 10**400 ended in an OverflowError traceback; a daemon the reward function
+    forked kept running after the stage. Now the first is one line naming the row, exit 2; after the
+    second the stage succeeds and the daemon is gone."""
+    import shutil
+    import time
+
+    run = shutil.copytree(two_iterations.pristine.root, tmp_path / "run")
+    rewards, pid_file = tmp_path / "rewards.py", tmp_path / "reward.pid"
+    rewards.write_text(LEAVING_REWARDS)
+    outs = {name: subprocess.run([sys.executable, "-m", "rlhf_cli.main", "stage", "score", "--local", "--run-dir",
+                                  str(run), "--iteration", "1", "--force", f"custom_reward_function.path={rewards}",
+                                  f"custom_reward_function.name={name}"],
+                                 capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                                 env=subprocess_env(REWARD_PID_FILE=str(pid_file)))
+            for name in ("huge_score", "starts_a_daemon")}
+    out = outs["huge_score"]
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and "iter_1/rollout.parquet row 0" in errors[0], out.stderr[-3000:]
+    assert "returned an integer of 1329 bits, beyond float32's range" in errors[0], errors
+    out = outs["starts_a_daemon"]
+    assert out.returncode == 0, out.stderr[-3000:]
+    daemon = int(pid_file.read_text())
+    deadline = time.monotonic() + 5
+    while Path(f"/proc/{daemon}").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not Path(f"/proc/{daemon}").exists(), "the reward function's daemon outlived its call"
 
 
 def test_ctrl_c_during_a_reward_call_interrupts_and_leaves_no_reward_process(two_iterations, tmp_path,

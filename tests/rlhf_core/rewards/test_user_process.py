@@ -8,8 +8,10 @@ import os
 import signal
 import subprocess
 import sys
+import json
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,9 +19,11 @@ from rlhf_core.config import ConfigError, load_config
 from rlhf_core.errors import DataError
 from rlhf_core.rewards import registry, reward_function
 from rlhf_core.rewards.user_process import UserProcess
+from rlhf_core.rewards.user_process_main import plain
 
 USER = textwrap.dedent("""
     import asyncio, os, signal, sys, time
+    from pathlib import Path
     import numpy as np
 
     def numpy_dict(data_source, solution_str, ground_truth, extra_info=None):
@@ -76,6 +80,45 @@ USER = textwrap.dedent("""
 
     def generator(**kwargs):
         return (x for x in [1.0])
+
+    class Bomb:  # passes for a class of the standard library; reading its pickle would run os._exit
+        __module__ = "json"
+
+        def __reduce__(self):
+            return (os._exit, (0,))
+
+    def pickle_bomb(**kwargs):
+        return {"score": 1.0, "why": Bomb()}
+
+    def huge(**kwargs):
+        return 10 ** 400
+
+    def tensor_score(**kwargs):
+        import torch
+        return {"score": torch.tensor(0.5), "per_step": np.arange(3)}
+
+    def _spawn(pid_file):  # a plain child and a double-forked daemon in a session of its own
+        import subprocess
+        child = subprocess.Popen(["sleep", "600"])
+        middle = os.fork()
+        if middle == 0:
+            os.setsid()
+            if os.fork() == 0:
+                Path(pid_file + ".daemon").write_text(str(os.getpid()))
+                time.sleep(600)
+            os._exit(0)
+        os.waitpid(middle, 0)
+        while not Path(pid_file + ".daemon").exists():
+            time.sleep(0.01)
+        Path(pid_file).write_text(f"{child.pid} {Path(pid_file + '.daemon').read_text()}")
+
+    def starts_children(extra_info=None, **kwargs):
+        _spawn(extra_info["pid_file"])
+        return 1.0
+
+    def starts_children_and_hangs(extra_info=None, **kwargs):
+        _spawn(extra_info["pid_file"])
+        time.sleep(600)
 """)
 
 
@@ -97,7 +140,8 @@ ARGS = [("src", "the answer is 42", "42", '{"index": 4, "split": "train"}'), ("s
 
 @pytest.mark.parametrize("name", ["numpy_dict", "plain", "sequence", "later"])
 def test_results_are_the_in_process_calls_bit_for_bit(user_file, name, monkeypatch):
-    """The same function called in this process (as a registered route) and in its own process."""
+    """The same function called in this process (as a registered route) and in its own process: the
+    same scores to the bit; numpy values cross as the Python numbers they hold."""
     monkeypatch.syspath_prepend(str(user_file.parent))
     import my_reward  # noqa: PLC0415  the user's module, in this process for the comparison
 
@@ -106,10 +150,11 @@ def test_results_are_the_in_process_calls_bit_for_bit(user_file, name, monkeypat
     with reward_function(_settings(user_file, name)) as there:
         for args in ARGS:
             a, b = here(*args), there(*args)
-            assert type(a) is type(b) and repr(a) == repr(b)
-            assert registry.normalize_result(a, "row") == registry.normalize_result(b, "row")
+            as_json = json.loads(json.dumps(a, default=plain))  # numpy values as their numbers
+            assert type(as_json) is type(b) and repr(as_json) == repr(b)
+            assert registry.normalize_result(a, "row")[0] == registry.normalize_result(b, "row")[0]
             if isinstance(a, dict):
-                assert all(type(a[k]) is type(b[k]) for k in a)
+                assert all(type(as_json[k]) is type(b[k]) for k in a)
     sys.modules.pop("my_reward", None)
 
 
@@ -125,6 +170,7 @@ def test_results_are_the_in_process_calls_bit_for_bit(user_file, name, monkeypat
     ("own_class", r"returned an object of its own class rlhf_user_reward_\w+\.Mine"),
     ("own_dict", r"returned an object of its own class rlhf_user_reward_\w+\.Result"),
     ("generator", r"returned a value that cannot be sent back to the run \(generator"),
+    ("pickle_bomb", r"returned a value that cannot be sent back to the run \(dict: json.Bomb is not a number"),
 ])
 def test_every_way_out_of_the_function_is_one_data_error_naming_it(user_file, name, said, capfd):
     with reward_function(_settings(user_file, name)) as fn:
@@ -135,6 +181,40 @@ def test_every_way_out_of_the_function_is_one_data_error_naming_it(user_file, na
     if name == "divides_by_zero":  # the user's own traceback, not ours
         err = capfd.readouterr().err
         assert "Traceback" in err and "in divides_by_zero" in err and "user_process_main" not in err
+
+
+def test_a_result_is_json_never_a_pickle(user_file):
+    """Issue 49: a result whose pickle runs code (its class passing for the standard library's) made
+    the run exit 0 when unpickled. Results now cross as JSON: plain numbers, torch and numpy included."""
+    with reward_function(_settings(user_file, "tensor_score")) as fn:
+        assert fn(*ARGS[0]) == {"score": 0.5, "per_step": [0, 1, 2]}
+    with reward_function(_settings(user_file, "huge")) as fn:
+        result = fn(*ARGS[0])
+    assert result == 10 ** 400
+    with pytest.raises(DataError, match=r"^row 3: the reward function returned an integer of 1329 bits, beyond "
+                                        r"float32's range"):
+        registry.normalize_result(result, "row 3")
+
+
+@pytest.mark.parametrize("name", ["starts_children", "starts_children_and_hangs"])
+def test_nothing_the_function_starts_outlives_its_call(user_file, tmp_path, name):
+    """Issue 49: a child (Popen) or a double-forked daemon started by the reward function kept running
+    after the stage, and after the timeout's kill. Both are gone when the call returns or times out."""
+    pid_file = tmp_path / "pids"
+    with reward_function(_settings(user_file, name, "custom_reward_function.call_timeout_s=5")) as fn:
+        process = fn.process._proc.pid
+        if name == "starts_children":
+            assert fn("src", "x", "1", {"pid_file": str(pid_file)}) == 1.0
+            assert _alive(process)  # the function's own process serves the next call
+        else:
+            with pytest.raises(DataError, match="took longer than"):
+                fn("src", "x", "1", {"pid_file": str(pid_file)})
+        pids = [int(p) for p in pid_file.read_text().split()]
+        assert len(pids) == 2
+        deadline = time.monotonic() + 5
+        while any(map(_alive, pids)) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not any(map(_alive, pids)), f"still running: {[p for p in pids if _alive(p)]}"
 
 
 def test_a_call_that_never_returns_is_stopped_at_the_timeout(user_file):
