@@ -130,6 +130,24 @@ def kl_controller_for(ctrl: KLCtrlConfig, state: Optional[dict], source: Path, s
     return make_kl_controller(ctrl.type, coef * scale, ctrl.target_kl, ctrl.horizon)
 
 
+def check_reward_kl_coef(run: RunDir, k: int, start: float, scale: float, source: Optional[Path]) -> None:
+    """Refuse, in one line naming where each factor comes from, a reward KL coefficient
+    (``start`` × the retry ``scale``) beyond ``MAX_REWARD_KL_COEF``."""
+    if start * scale <= MAX_REWARD_KL_COEF:  # False for NaN too
+        return
+    origin = f"the KL controller's state in {source}" if source is not None else "algorithm.kl_ctrl.kl_coef"
+    fix = (f"delete {run.retry_record(k)} to run iteration {k} with the controller's own coefficient"
+           if scale != 1 else "lower algorithm.kl_ctrl.kl_coef")
+    raise DataError(f"iteration {k}'s reward KL coefficient would be {start:g} ({origin}) × {scale:g} (the retry "
+                    f"scale in {run.retry_record(k)}) = {start * scale:g}, beyond {MAX_REWARD_KL_COEF:g}: the KL "
+                    f"penalty would drown every score and overflow the rewards; {fix}, then rlhf run --resume {run.root}")
+
+
+MAX_REWARD_KL_COEF = 1e6
+"""The largest KL coefficient the reward takes: a million times a KL of nats per token already
+drowns any score; a larger one (an edited retry.json, a huge kl_coef) would overflow float32 rewards."""
+
+
 # ---------------------------------------------------------------------------------------------
 # body
 # ---------------------------------------------------------------------------------------------
@@ -141,6 +159,7 @@ def _gae(settings: AdvantageSettings, ctrl: KLCtrlConfig, run: RunDir, k: int, s
     if settings.use_kl_in_reward:
         start = read_controller_state(run, source) if source is not None else None
         before = kl_controller_for(ctrl, start, source or run.kl_state(k)).state_dict()  # the state k starts from
+        check_reward_kl_coef(run, k, before["value"], scale, source)
         controller = kl_controller_for(ctrl, start, source or run.kl_state(k), scale)  # times k's retry scale
     used = controller.value if controller is not None else 0.0
     with timed(TABLE_READ):

@@ -393,3 +393,32 @@ def test_rejected_tokens_keep_their_score_in_the_group_estimators(tmp_path, name
     if name == "grpo":  # the issue's numbers: [1, 0, 0] with the correct answer's last token rejected
         assert rows[0]["advantages"][:2] == pytest.approx([1.1547] * 2, abs=1e-4)
         assert rows[3]["advantages"] == pytest.approx([-0.5774] * 3, abs=1e-4)
+
+
+def test_a_retry_scale_beyond_any_sensible_coefficient_is_one_line_naming_its_file(tmp_path):
+    """Issue 49: a retry scale of 1e308 in iter_k/retry.json ended in an AssertionError in the
+    advantages' metrics, at the run and at every resume. Now gae refuses in one line naming the file
+    to delete; nothing is written."""
+    run = RunDir(tmp_path / "run")
+    cfg = config(*ADAPTIVE)
+    write_scored(run, 1)
+    retry(cfg, run, 1)
+    record = json.loads(run.retry_record(1).read_text())
+    run.retry_record(1).write_text(json.dumps({**record, "kl_coef_scale": 1e308}))
+    with pytest.raises(DataError, match=rf"iteration 1's reward KL coefficient would be 0.1 \(algorithm.kl_ctrl.kl_coef\) "
+                                        rf"× 1e\+308 \(the retry scale in {run.retry_record(1)}\) = 1e\+307, beyond 1e\+06: "
+                                        rf".*delete {run.retry_record(1)} to run iteration 1 with the controller's own"):
+        run_gae(cfg, run, 1)
+    assert not run.advantages(1).exists()
+    run.retry_record(1).unlink()
+    assert run_gae(cfg, run, 1).metrics["kl/coef"] == 0.1
+
+
+@pytest.mark.parametrize("key", ["retry_kl_coef_multiplier", "retry_lr_divisor"])
+def test_retry_factors_whose_last_retry_leaves_any_sensible_range_are_refused_at_load(key):
+    """trainer.retry_kl_coef_multiplier=1e200 was legal and overflowed the rewards at the first retry."""
+    with pytest.raises(ConfigError, match=rf"^trainer.{key}=1e\+200: its power trainer.max_rollbacks=2 .* would be "
+                                          rf"10\^400, beyond 10\^6"):
+        config(f"trainer.{key}=1e200")
+    assert getattr(config(f"trainer.{key}=1000", "trainer.max_rollbacks=2").trainer, key) == 1000
+    config(f"trainer.{key}=1e200", "trainer.max_rollbacks=0")  # never applied
