@@ -37,7 +37,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from rlhf_core.config import RLHFConfig, apply_overrides
-from rlhf_core.run.lifecycle import KLGuardHalt
+from rlhf_core.run.layout import RunDir
+from rlhf_core.run.lifecycle import KLGuardHalt, retries_recorded
 from rlhf_core.scoring.session import RunSession
 from tasks.breach import handle_breach_task
 from tasks.stages import STAGE_TASKS, settle_task
@@ -67,7 +68,9 @@ def ppo_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional
     changes it) and the committed attempt's stage results. Raises KLGuardHalt when
     trainer.on_kl_breach (or trainer.max_rollbacks) stops the run. ``session``: the flow run's
     models in memory (the trainer, the reference, the kept engine), handed to every step."""
-    for attempt in itertools.count(1):
+    # The attempt count lives with the iteration (its retry record): a resume continues it, so a
+    # kill during a retry never grants more than trainer.max_rollbacks retries.
+    for attempt in itertools.count(retries_recorded(RunDir(run_dir), k) + 1):
         steps = Attempt(run_dir, k, mlflow_run_id, session)
 
         # 1. Generate: the last-good actor answers this iteration's prompts (the packed batch

@@ -46,8 +46,8 @@ LOGGERS_ELSEWHERE = ("wandb", "swanlab", "tensorboard", "vemlp_wandb", "clearml"
 
 
 MAX_RETRY_LOG10 = 6
-"""How far, in powers of ten, a run's retries may scale the KL coefficients or divide the learning
-rate (factor ** max_rollbacks): 2 ** 2 = 4 by default; a million already drowns any score."""
+"""How far, in powers of ten, a run's retries may scale the KL coefficients
+(retry_kl_coef_multiplier ** max_rollbacks): 2 ** 2 = 4 by default; a million already drowns any score."""
 
 
 def require(ok: bool, key: str, rule: str, value: object) -> None:
@@ -1009,13 +1009,12 @@ class TrainerConfig(Section):
         require(self.retry_kl_coef_multiplier >= 1, f"{key}.retry_kl_coef_multiplier", "must be >= 1",
                 self.retry_kl_coef_multiplier)
         require(self.retry_lr_divisor >= 1, f"{key}.retry_lr_divisor", "must be >= 1", self.retry_lr_divisor)
-        for name in ("retry_kl_coef_multiplier", "retry_lr_divisor"):
-            factor = getattr(self, name)
-            last = self.max_rollbacks * math.log10(factor) if math.isfinite(factor) else math.inf
-            require(last <= MAX_RETRY_LOG10, f"{key}.{name}",
-                    f"its power trainer.max_rollbacks={self.max_rollbacks} (the last retry's factor) would be "
-                    f"10^{last:.4g}, beyond 10^{MAX_RETRY_LOG10}: the coefficients it scales would leave any sensible "
-                    f"range and overflow the rewards; e.g. {name}=2 (the default)", factor)
+        factor = self.retry_kl_coef_multiplier
+        last = self.max_rollbacks * math.log10(factor) if math.isfinite(factor) else math.inf
+        require(last <= MAX_RETRY_LOG10, f"{key}.retry_kl_coef_multiplier",
+                f"its power trainer.max_rollbacks={self.max_rollbacks} (the last retry's factor) would be "
+                f"10^{last:.4g}, beyond 10^{MAX_RETRY_LOG10}: the KL coefficients it scales would leave any sensible "
+                "range and overflow the rewards; e.g. retry_kl_coef_multiplier=2 (the default)", factor)
         require(self.nproc is None or self.nproc >= 1, f"{key}.nproc",
                 "must be >= 1 (or null: n_gpus_per_node × nnodes)", self.nproc)
         require(self.nnodes >= 1, f"{key}.nnodes", "must be >= 1", self.nnodes)

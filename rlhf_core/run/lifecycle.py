@@ -297,6 +297,20 @@ def read_retry_scale(run: RunDir, k: int) -> float:
     return float(scale)
 
 
+def retries_recorded(run: RunDir, k: int) -> int:
+    """How many retries of iteration ``k`` were decided (``iter_k/retry.json``'s "attempt", 0 when
+    none): the attempt count lives with the iteration, so a kill during a retry grants none anew.
+    A damaged file raises ``StateFileError`` naming it."""
+    record = run.read_json(run.retry_record(k))
+    if record is None:
+        return 0
+    attempt = record.get("attempt")
+    if isinstance(attempt, bool) or not isinstance(attempt, int) or attempt < 1:
+        raise StateFileError(f"{run.retry_record(k)} is damaged (its 'attempt' is {attempt!r}, not a count >= 1); "
+                             f"delete it to run iteration {k} with the controller's own KL coefficient")
+    return attempt
+
+
 @dataclass(frozen=True)
 class RetryRecord:
     """What ``record_retry`` wrote: the reward KL coefficient's scale before and after, and the id

@@ -233,6 +233,24 @@ def test_a_kill_inside_the_retry_bookkeeping_retries_once(base, rlhf, cli, tmp_p
     assert resolve_run_config(run.root, None, ()).actor_rollout_ref.actor.optim.lr == pytest.approx(1e-5)
 
 
+def test_a_kill_inside_a_retry_grants_no_more_retries(base, rlhf, cli, tmp_path):
+    """Issue 49, 6: killed just after iter_4/retry.json was written, the resume restarted the attempt
+    count: 3 retries instead of trainer.max_rollbacks=2, β scaled 8× instead of 4×, and the halt line
+    still said "2 retries used". The count lives in the retry record: 2 retries in all, β 4×."""
+    run = _copy(base, tmp_path)
+    breach = ["trainer.kl_rollback_threshold=1e-12", "trainer.on_kl_breach=retry", "trainer.max_rollbacks=2"]
+    proc = rlhf("run", "--resume", str(run.root), "--iterations", "4", *breach, RLHF_FAULT="retry:before_config")
+    assert proc.returncode == 137, proc.stderr[-3000:]
+    assert run.read_json(run.retry_record(4))["attempt"] == 1
+    proc = _resume(cli, run, 4, *breach)
+    assert proc.returncode != 0 and "trainer.max_rollbacks=2 retries used" in proc.stderr, proc.stderr[-3000:]
+    assert committed_iterations(run) == [1, 2, 3]
+    record = run.read_json(run.retry_record(4))
+    assert record["attempt"] == 2 and record["kl_coef_scale"] == 4.0
+    assert [e["attempt"] for e in run.events() if e["kind"] == "retry"] == [1, 2]
+    assert [e.get("attempt") for e in run.events() if e["kind"] == "rollback" and e["iteration"] == 4] == [1, 2, 3]
+
+
 def test_a_damaged_last_good_checkpoint_is_rebuilt_never_exported(base, cli, tmp_path, same_weights):
     """Issue 28, 3: a byte flipped in last-good's actor weights and its rank shard truncated: status,
     export and resume agree that the checkpoint is damaged; the export rebuilds it by replaying its
