@@ -29,6 +29,7 @@ from rlhf_core.run.inputs import check_inputs
 from rlhf_core.config.loader import parse_override
 from rlhf_core.config.notes import say_once
 from rlhf_core.config.validate import LOGGERS_HERE
+from rlhf_core.training.run_dtype import keep_recorded_dtype
 from rlhf_core.data.preprocess import prompt_supply_problem
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.paths import resolve_path
@@ -210,6 +211,7 @@ def open_run(plan: RunPlan) -> None:
     retry = None
     if plan.resumed:
         repaired = prepare_resume(plan.run)
+        keep_recorded_dtype(plan.cfg, plan.run)
         plan.first_iteration = resume_point(plan.run)
         retry = unfinished_retry(plan.run, plan.first_iteration)
         if retry is not None:  # killed between the retry's record and its config write (tasks.breach)
@@ -305,6 +307,7 @@ def stage_config(run: RunDir, preset: Optional[str], overrides: Sequence[str]) -
     upgrade_format(run, saved_config(run))
     saved = fill_total_iterations(resolve_run_config(run.root, None, ()), run)  # saves only the run's own config
     cfg = apply_overrides(saved, overrides) if preset is None else resolve_run_config(None, preset, overrides)
+    keep_recorded_dtype(cfg, run)
     if cfg.trainer.total_iterations is None and saved.trainer.total_iterations is not None:
         cfg = apply_overrides(cfg, [f"trainer.total_iterations={saved.trainer.total_iterations}"])
     return cfg

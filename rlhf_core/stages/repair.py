@@ -38,6 +38,7 @@ from rlhf_core.stages.base import changed_outputs
 from rlhf_core.run.stage_order import get_stage
 from rlhf_core.training.lineage import read_state_record, recorded_config
 from rlhf_core.training.resident import ReplayMismatch, ensure_state
+from rlhf_core.training.run_dtype import keep_recorded_dtype
 
 
 class Unrepairable(RLHFError):
@@ -133,7 +134,9 @@ def _rebuild_checkpoint(run: RunDir, damage: Damage) -> str:
 def prepare_export(run: RunDir, cfg: RLHFConfig) -> list[str]:
     """Before an export reads last-good: what is damaged rebuilt (never fallen back from: that would
     move last-good under the export; ``Unrepairable`` says so instead), and last-good's checkpoint
-    written when its state is only in its record (a crash between save points). Returns the lines."""
+    written when its state is only in its record (a crash between save points); a replay in the dtype
+    the run trained in (``keep_recorded_dtype``). Returns the lines."""
+    keep_recorded_dtype(cfg, run)
     lines = repair_run(run, cfg, may_fall_back=False)
     written = make_last_good_durable(run)
     return lines + ([written] if written else [])

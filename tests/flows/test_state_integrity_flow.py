@@ -251,6 +251,24 @@ def test_a_kill_inside_a_retry_grants_no_more_retries(base, rlhf, cli, tmp_path)
     assert [e.get("attempt") for e in run.events() if e["kind"] == "rollback" and e["iteration"] == 4] == [1, 2, 3]
 
 
+def test_a_resume_in_another_dtype_than_the_run_trained_in_is_one_line(base, cli, tmp_path):
+    """Issue 49, 1: the dtype is part of the run. A resume (or a stage rerun) configured for another
+    dtype than the checkpoints recorded refuses in one line naming both, before any work."""
+    run = _copy(base, tmp_path)
+    events = len(run.events())
+    key = "actor_rollout_ref.actor.deepspeed_config.dtype"
+    proc = _resume(cli, run, 4, f"{key}=bf16")
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert errors == [f"rlhf: error: {key}=bf16, but this run trained in fp32 (recorded with iter_3/checkpoint): "
+                      f"resuming would mix dtypes; resume with {key}=fp32 (or auto), or start a new run to train in "
+                      "bf16"], proc.stderr[-3000:]
+    assert committed_iterations(run) == [1, 2, 3] and not run.iter_dir(4).exists()
+    proc = cli("stage", "update", "--local", "--run-dir", str(run.root), "--iteration", "3", "--force", f"{key}=bf16")
+    assert proc.returncode == 2 and "this run trained in fp32" in proc.stderr, proc.stderr[-3000:]
+    assert [e["kind"] for e in run.events()[events:]] in ([], ["resume"])
+
+
 def test_a_damaged_last_good_checkpoint_is_rebuilt_never_exported(base, cli, tmp_path, same_weights):
     """Issue 28, 3: a byte flipped in last-good's actor weights and its rank shard truncated: status,
     export and resume agree that the checkpoint is damaged; the export rebuilds it by replaying its
