@@ -410,6 +410,40 @@ def _after_interrupt(command: str, console: bool) -> int:
     return code
 
 
+class StdoutOutlivingItsReader:
+    """The console script's stdout: when its reader goes (``rlhf run … | head -3``), the command goes
+    on as if it still printed — a run trains to its end, its record in the run directory and MLflow
+    — and exits as it would have, with no BrokenPipeError traceback (it ended such commands with
+    status 1 mid-run). The descriptor is pointed at /dev/null, so Python's own flush at exit and
+    the processes the command starts afterwards write there too."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except BrokenPipeError:
+            self._reader_gone()
+            return len(text)
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except BrokenPipeError:
+            self._reader_gone()
+
+    def _reader_gone(self) -> None:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        try:
+            os.dup2(devnull, self._stream.fileno())
+        finally:
+            os.close(devnull)
+
+    def __getattr__(self, name: str):
+        return getattr(self._stream, name)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """The `rlhf` entry point. User errors (RLHFError, ConfigError, a missing file, a full disk)
     print one line and exit 2 (3 for a KL-guard halt); Ctrl-C prints how to resume and exits 130
@@ -418,6 +452,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     keep_freed_memory()  # the update's activations reuse freed pages instead of faulting in new ones
     if argv is None:
         _drop_inherited_world_of_one()
+        sys.stdout = StdoutOutlivingItsReader(sys.stdout)
     log, handler, propagate = _console_logging(getattr(args, "verbose", False))
     if argv is None and runs_flows(args):  # the console script, on a command that runs flows
         _on_ctrl_c(args.command)

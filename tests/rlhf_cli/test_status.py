@@ -57,3 +57,24 @@ def test_status_after_ctrl_c_advises_the_resume_not_a_stage_rerun(tmp_path, caps
     assert "last-good: iteration 2 (iter_2/checkpoint)" in out
     assert (f"not committed: iteration 3 (running, or stopped before its commit); `rlhf run --resume {run.root}` "
             "continues from last-good") in out
+
+
+def test_a_reader_that_goes_away_is_a_clean_exit(tmp_path):
+    """Issue 49, 10: `rlhf … | head -3` died of BrokenPipeError tracebacks with status 1. With its
+    reader gone before the first line, `rlhf status` ends as it would have: status 0, nothing on
+    stderr but its own lines."""
+    import subprocess
+    import sys
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    cfg = load_config(None, [])
+    write_config(run, to_yaml(cfg))
+    for k in range(1, 40):
+        record_stage(run, k, "rollout", status="done", inputs={}, outputs={}, config_hash="h",
+                     metrics={"reward/mean": 0.01 * k}, seconds=1.0)
+        iteration_metrics(cfg.data, run, k)
+    shell = f"{sys.executable} -m rlhf_cli.main status {run.root} | true; echo ${{PIPESTATUS[0]}} >&2"
+    out = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=120)
+    assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr[-3000:]
+    assert out.stderr.splitlines()[-1] == "0", out.stderr[-3000:]
