@@ -144,9 +144,20 @@ def _quiet_mlflow_store() -> None:
     logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
 
 
+HTTP_LIMITS = {"MLFLOW_HTTP_REQUEST_TIMEOUT": "5", "MLFLOW_HTTP_REQUEST_MAX_RETRIES": "1",
+               "MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR": "1"}
+"""How long a tracking server may keep the run waiting, unless the user's environment says otherwise:
+MLflow's own defaults (120 s reads, 7 retries with backoff) held a run for minutes in start-tracking
+before anything trained when a server accepted connections and never answered (a closed port: ~4
+min). With these a dead or mute server costs about 10 s once, then one warning line and tracking off
+for the run (``best_effort``)."""
+
+
 def client():
     """One MlflowClient per tracking URI (the SQLite engine is created once)."""
     os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+    for key, value in HTTP_LIMITS.items():
+        os.environ.setdefault(key, value)
     # forced, not defaulted: MLflow's line shows the tracking URI's password; the CLI prints a masked URL
     os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
     _quiet_mlflow_store()

@@ -128,3 +128,33 @@ def test_the_printed_addresses_open_mlflows_training_view(run):
     run_id = mlflow_tracking.start_pipeline_run(run, cfg)
     exp = mlflow_tracking.client().get_run(run_id).info.experiment_id
     assert mlflow_tracking.ui_path(run_id) == f"#/experiments/{exp}/runs/{run_id}?workflowType=machine_learning"
+
+
+@pytest.mark.parametrize("server", ["mute", "closed"])
+def test_a_mute_or_closed_tracking_server_costs_seconds_and_one_line(run, monkeypatch, caplog, server):
+    """Issue 49, 10: a server that accepts connections and never answers held the run in
+    start-tracking for 300 s and more before anything trained; a closed port ~4 min. Now it costs
+    about 10 s, once: the run goes on untracked, said in one warning line."""
+    import socket
+    import threading
+    import time
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    port = listener.getsockname()[1]
+    held = []
+    if server == "mute":
+        listener.listen(16)
+        threading.Thread(target=lambda: [held.append(listener.accept()) for _ in range(16)], daemon=True).start()
+    else:
+        listener.close()
+    for key in mlflow_tracking.HTTP_LIMITS:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    started = time.monotonic()
+    with caplog.at_level("WARNING"):
+        assert mlflow_tracking.start_pipeline_run(run, load_config(None, [])) is None
+    assert time.monotonic() - started < 30
+    lines = [r.getMessage() for r in caplog.records if "MLflow tracking failed" in r.getMessage()]
+    assert len(lines) == 1 and "the run goes on" in lines[0], lines
+    listener.close()
