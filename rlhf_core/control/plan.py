@@ -43,6 +43,7 @@ from rlhf_core.run.saved_config import run_config_tree
 from rlhf_core.run.report import iteration_metrics
 from rlhf_core.run.schedule import initial_validation_due, stops_after_validation
 from rlhf_core.stages.base import refuse_out_of_date
+from rlhf_core.stages.preprocess import refuse_changed_data
 from rlhf_core.stages.repair import rebuild_last_good, repair_run
 
 
@@ -139,7 +140,7 @@ def plan_run(preset: Optional[str] = None, overrides: Sequence[str] = (), iterat
         if not run.config_path.is_file():
             raise RLHFError(f"cannot resume {run.root}: it has no config.yaml (is it a run directory?)")
         cfg = resolve_run_config(run.root, preset, overrides)
-        check_resumable(run)
+        check_resumable(run, cfg)
         note_loggers(cfg)
         return RunPlan(cfg=cfg, run=run, first_iteration=resume_point(run), resumed=True)
     cfg = resolve_run_config(None, preset, overrides)
@@ -313,10 +314,12 @@ def stage_config(run: RunDir, preset: Optional[str], overrides: Sequence[str]) -
     return cfg
 
 
-def check_resumable(run: RunDir) -> None:
+def check_resumable(run: RunDir, cfg: RLHFConfig) -> None:
     """A resume continues from last-good: refuse while a stage at or before it is stale or was rerun
-    with overrides (``stages.base.out_of_date``), naming them and `rlhf rebuild`."""
+    with overrides (``stages.base.out_of_date``), naming them and `rlhf rebuild`, and while the data
+    files it trained on have changed (``refuse_changed_data``)."""
     refuse_out_of_date(run, resume_point(run) - 1, "resume")
+    refuse_changed_data(cfg, run, resume_point(run) - 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -33,13 +33,15 @@ import pyarrow as pa
 from rlhf_core.data import schemas
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.integrity import damaged_checkpoints, find_damage
-from rlhf_core.errors import CheckpointError
+from rlhf_core.config import ConfigError, config_from_dict
+from rlhf_core.errors import CheckpointError, DataError
 from rlhf_core.run.lifecycle import (commit_log_problem, committed_iterations, last_good_iteration, newest_durable,
                                     read_last_good)
 from rlhf_core.run.migrate import outdated
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.saved_config import run_config_tree
 from rlhf_core.stages.base import out_of_date, stage_label
+from rlhf_core.stages.preprocess import refuse_changed_data
 from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES
 from rlhf_core.training.lineage import environment_changes, read_state_record
 
@@ -414,6 +416,20 @@ def config_problems(run: RunDir) -> list[str]:
     return [damaged] if damaged else []
 
 
+def data_problems(run: RunDir, last_good: int) -> list[str]:
+    """The data files the committed iterations trained on, changed since (what a resume refuses on:
+    ``stages.preprocess.refuse_changed_data``)."""
+    if last_good < 1 or not run.config_path.is_file():
+        return []
+    try:
+        refuse_changed_data(config_from_dict(run_config_tree(run)[0]), run, last_good)
+    except (StateFileError, ConfigError):
+        return []  # config_problems names a config that cannot be read
+    except DataError as exc:
+        return [str(exc)]
+    return []
+
+
 def replay_lines(run: RunDir) -> list[str]:
     """When last-good's state is only in its record (a crash between save points), what a resume
     does about it — what ``stages.repair.rebuild_last_good`` will do: replay the updates since the
@@ -507,7 +523,7 @@ def status_problems(run: RunDir) -> list[str]:
     else:
         committed, last_good = committed_iterations(run), last_good_iteration(run)
         problems += [f"{d.describe(run)}; {d.remedy(run, last_good)}" for d in find_damage(run)]
-    problems += config_problems(run)
+    problems += config_problems(run) + data_problems(run, committed[-1] if committed else 0)
     for k in (k for k in run.iterations() if k not in committed):  # committed ones: find_damage's
         try:
             manifest = run.read_json(run.manifest_path(k))

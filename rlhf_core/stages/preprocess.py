@@ -20,6 +20,7 @@ from rlhf_core.data.schemas import PROMPTS, REJECTS
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.layout import RunDir
+from rlhf_core.run.manifest import hash_paths, read_manifest
 from rlhf_core.paths import resolve_path
 from rlhf_core.stages.base import StageResult, execute_stage
 
@@ -38,6 +39,30 @@ def _resolve_files(paths: list[str], key: str) -> list[Path]:
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
     """The config this stage's output depends on (its manifest's config hash)."""
     return CONFIG_SECTIONS
+
+
+def refuse_changed_data(cfg: RLHFConfig, run: RunDir, trained_through: int) -> None:
+    """Refuse (``DataError``, one line naming the file and the commands) to continue a run whose
+    iterations 1..``trained_through`` trained on data files that have changed since preprocess read
+    them: the resume would re-preprocess and train on the new rows after the old ones. Reads the
+    recorded digests (``manifest.json``) and hashes the files; writes nothing."""
+    if trained_through < 1:
+        return
+    recorded = (read_manifest(run, None).get("preprocess") or {}).get("inputs")
+    if not recorded:
+        return  # a run directory whose prompts came by other means
+    files = _resolve_files(cfg.data.train_files, "data.train_files") + _resolve_files(cfg.data.val_files,
+                                                                                      "data.val_files")
+    now = hash_paths(run, files)
+    changed = [key for key in now if recorded.get(key) != now[key]]
+    if not changed and set(now) == set(recorded):
+        return
+    what = (f"data file {changed[0]} changed since preprocess read it" if changed and changed[0] in recorded
+            else f"the data files are now {', '.join(now)}, not {', '.join(recorded)}")
+    trained = "iteration 1" if trained_through == 1 else f"iterations 1..{trained_through}"
+    raise DataError(f"cannot resume {run.root}: {what} ({trained} trained on its old rows; resuming would train on "
+                    f"new rows after old ones); put the old data back to resume, or retrain on the new data with "
+                    f"`rlhf stage preprocess --run-dir {run.root}` then `rlhf rebuild {run.root}`, or start a new run")
 
 
 def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None,

@@ -269,6 +269,36 @@ def test_a_resume_in_another_dtype_than_the_run_trained_in_is_one_line(base, cli
     assert [e["kind"] for e in run.events()[events:]] in ([], ["resume"])
 
 
+def test_a_resume_whose_data_changed_refuses_before_any_work(cli, demo_preset, tiny_overrides, tmp_path):
+    """Issue 49, 3: one answer edited in the data file after a run: the resume re-preprocessed without
+    a word and trained iteration 2 on the new ground truth. Now it refuses in one line naming the file
+    and the commands, before any work; the same for a resume pointed at other data files."""
+    data = tmp_path / "train.jsonl"
+    shutil.copy(Path(__file__).parents[2] / "data" / "arith" / "demo.jsonl", data)
+    proc = cli("run", "-c", demo_preset, "--iterations", "1", "--run-name", "data",
+               *tiny_overrides(tmp_path / "runs", f"data.train_files=[{data}]", "trainer.logger=[console]"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = RunDir(tmp_path / "runs" / "data")
+    lines = data.read_text().splitlines()
+    row = json.loads(lines[5])
+    lines[5] = json.dumps({**row, "answer": row["answer"].replace("####", "#### 1")})
+    data.write_text("\n".join(lines) + "\n")
+    events = len(run.events())
+    proc = _resume(cli, run, 2)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert errors == [f"rlhf: error: cannot resume {run.root}: data file {data} changed since preprocess read it "
+                      "(iteration 1 trained on its old rows; resuming would train on new rows after old ones); put "
+                      f"the old data back to resume, or retrain on the new data with `rlhf stage preprocess "
+                      f"--run-dir {run.root}` then `rlhf rebuild {run.root}`, or start a new run"], proc.stderr[-3000:]
+    assert len(run.events()) == events and not run.iter_dir(2).exists()
+    assert _problems(_status(cli, run)) == [f"problem: {errors[0].removeprefix('rlhf: error: ')}"]
+    other = tmp_path / "other.jsonl"
+    shutil.copy(data, other)
+    proc = _resume(cli, run, 2, f"data.train_files=[{other}]")
+    assert proc.returncode == 2 and f"the data files are now {other}, not {data}" in proc.stderr, proc.stderr[-3000:]
+
+
 def test_a_damaged_last_good_checkpoint_is_rebuilt_never_exported(base, cli, tmp_path, same_weights):
     """Issue 28, 3: a byte flipped in last-good's actor weights and its rank shard truncated: status,
     export and resume agree that the checkpoint is damaged; the export rebuilds it by replaying its
