@@ -71,6 +71,37 @@ def disk_full_error(path: Optional[str | Path]) -> DiskFullError:
                          "larger disk, then rerun (`rlhf run --resume RUN_DIR` continues a run)")
 
 
+PROBE_BYTES = 64 * 1024
+"""What ``require_writable`` writes and syncs: enough blocks that a full disk says so (an empty file
+takes only an inode)."""
+
+
+def require_writable(directory: Path, doing: str) -> None:
+    """Refuse, in one line, a run directory this command could not write: read-only (or not ours
+    to write), or on a full disk (``disk_full_error`` with the free space of *its* disk). Found by
+    writing and syncing a probe file there, removed again: a resume used to meet this in its lock's
+    lease, inside a flow, as Prefect ERROR lines and tracebacks."""
+    probe = directory / f".rlhf-write-probe-{os.getpid()}"
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            os.write(fd, bytes(PROBE_BYTES))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        if is_disk_full(exc):
+            raise disk_full_error(directory) from None
+        if exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            raise RLHFError(f"cannot {doing}: run directory {shown_path(directory)} cannot be written ({exc.strerror}); "
+                            "the run writes its lock, records and checkpoints there: make it writable, or copy it "
+                            "to a writable disk and use the copy") from None
+        raise
+    finally:
+        with contextlib.suppress(OSError):
+            probe.unlink()
+
+
 @contextlib.contextmanager
 def disk_full_as_user_error(path: Path) -> Iterator[None]:
     """Inside: a disk-full failure becomes ``disk_full_error(path)`` (other errors pass as they are)."""

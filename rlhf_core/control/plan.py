@@ -31,7 +31,7 @@ from rlhf_core.config.notes import say_once
 from rlhf_core.config.validate import LOGGERS_HERE
 from rlhf_core.training.run_dtype import keep_recorded_dtype
 from rlhf_core.data.preprocess import prompt_supply_problem
-from rlhf_core.errors import DataError, RLHFError
+from rlhf_core.errors import DataError, RLHFError, require_writable
 from rlhf_core.paths import resolve_path
 from rlhf_core.run.layout import RunDir, StateFileError, write_config
 from rlhf_core.io.atomic import clean_temporaries
@@ -140,6 +140,7 @@ def plan_run(preset: Optional[str] = None, overrides: Sequence[str] = (), iterat
         if not run.config_path.is_file():
             raise RLHFError(f"cannot resume {run.root}: it has no config.yaml (is it a run directory?)")
         cfg = resolve_run_config(run.root, preset, overrides)
+        require_writable(run.root, f"resume {run.root}")  # before any server starts
         check_resumable(run, cfg)
         note_loggers(cfg)
         return RunPlan(cfg=cfg, run=run, first_iteration=resume_point(run), resumed=True)

@@ -18,6 +18,7 @@ will try, for `rlhf status`.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -151,8 +152,31 @@ def checkpoint_damage(run: RunDir, committed: list[int]) -> list[Damage]:
         except CheckpointError as exc:
             found.append(Damage(k, "update", ckpt, f"is damaged ({first_clause(exc)})", checkpoint=True))
             continue
+        foreign = not_its_own(run, k)
+        if foreign:
+            found.append(Damage(k, "update", ckpt, foreign, checkpoint=True))
+            continue
         break
     return found
+
+
+def not_its_own(run: RunDir, k: int) -> Optional[str]:
+    """Why iteration ``k``'s checkpoint, whole by its own manifest, is not the state this run's
+    record names (a symbolic link, or one swapped in from another run or iteration: its
+    trainer_state.json names another lineage id than ``iter_k/state.json``), else None. A
+    checkpoint written before the id was saved in it is taken as it is."""
+    ckpt = run.checkpoint(k)
+    if ckpt.is_symlink():
+        return f"is a symbolic link (to {os.readlink(ckpt)}), not a checkpoint this run wrote"
+    try:
+        saved = (run.read_json(ckpt / "trainer_state.json") or {}).get("state_id")
+        recorded = (run.read_json(run.state_record(k)) or {}).get("id")
+    except StateFileError:
+        return None  # a damaged record is output_damage's
+    if saved is None or recorded is None or saved == recorded:
+        return None
+    return (f"is not this run's own: it holds state {saved[:12]}, while {_rel(run, run.state_record(k))} names "
+            f"{recorded[:12]} (copied in from another run or iteration)")
 
 
 def _records(run: RunDir, k: int, stage: str, path: Path) -> bool:

@@ -222,11 +222,14 @@ def discard_checkpoint(run: RunDir, k: int, *, damaged: bool = False) -> bool:
     checkpoint = run.checkpoint(k)
     if last_good_iteration(run) == k and not damaged:
         raise CheckpointError(f"refusing to discard {checkpoint}: it is the last-good checkpoint")
-    if not checkpoint.exists():
+    if not checkpoint.exists() and not checkpoint.is_symlink():
         return False
     doomed = checkpoint.with_name(f"{checkpoint.name}{TMP_MARK}discarded-{os.getpid()}-{uuid.uuid4().hex[:6]}")
     os.replace(checkpoint, doomed)
-    shutil.rmtree(doomed, ignore_errors=True)
+    if doomed.is_symlink():  # the link goes, never what it points at (another run's checkpoint)
+        doomed.unlink()
+    else:
+        shutil.rmtree(doomed, ignore_errors=True)
     return True
 
 

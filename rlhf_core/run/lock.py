@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
-from rlhf_core.errors import RLHFError
+from rlhf_core.errors import RLHFError, require_writable
 from rlhf_core.run.layout import RunDir
 
 LEASE_ENV = "RLHF_RUN_LEASE_S"
@@ -352,6 +352,7 @@ class RunLock:
             return self
         self.outermost = True
         self.run.root.mkdir(parents=True, exist_ok=True)
+        require_writable(self.run.root, "take the run's lock")
         fd = self._lock_host()
         try:
             lease = self._take_lease()

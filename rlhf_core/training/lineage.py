@@ -140,12 +140,13 @@ def environment_changes(record: dict[str, Any]) -> list[str]:
     return [f"{key} {then[key]} → {now.get(key)}" for key in sorted(then) if then[key] != now.get(key)]
 
 
-def write_state_record(cfg: RLHFConfig, run: RunDir, k: int, *, needs_total_steps: bool,
-                       sample: str) -> dict[str, Any]:
-    """Write ``iter_k/state.json`` for the state iteration ``k``'s update just produced."""
+def write_state_record(run: RunDir, k: int, identity: tuple[str, dict[str, str]], *, sample: str,
+                       cfg: RLHFConfig) -> dict[str, Any]:
+    """Write ``iter_k/state.json`` for the state iteration ``k``'s update just produced;
+    ``identity``: its ``state_id``."""
     start = start_iteration(run, k)
     parent = (run.read_json(run.state_record(start)) or {}).get("id") if start else None  # None: a run from before
-    ident, inputs = state_id(cfg, run, k, needs_total_steps)
+    ident, inputs = identity
     record = {"iteration": k, "id": ident, "start": start, "parent": parent, "inputs": inputs,
               "config": to_dict(cfg), "weights_sample": sample,  # no clock: reruns compare equal
               "environment": environment()}

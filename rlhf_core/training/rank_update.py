@@ -31,6 +31,7 @@ from rlhf_core.config.schema import ActorConfig, OptimConfig, TrainerConfig
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.paths import resolve_model_path
+from rlhf_core.run.integrity import not_its_own
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import checkpoint_before
 from rlhf_core.io.checksums import verify_checkpoint
@@ -132,6 +133,10 @@ def resolve_sources(cfg: RLHFConfig, run: RunDir, iteration: int) -> UpdateSourc
     committed iteration (``checkpoint_before``), else the initial models — the same ones its rollout
     and score used, also when an old iteration is rerun after later ones committed."""
     ckpt = checkpoint_before(run, iteration)
+    foreign = not_its_own(run, int(ckpt.parent.name.removeprefix("iter_"))) if ckpt is not None else None
+    if foreign:  # never trained on, whatever loads it
+        raise CheckpointError(f"{ckpt} {foreign}; `rlhf run --resume {run.root}` removes it and rebuilds the "
+                              "state from its record")
     lora = LoraSettings.from_config(cfg.actor_rollout_ref.model)
     adapter = None
     if lora is not None:
@@ -355,10 +360,14 @@ def _pad_id(path: Path) -> int:
     return int(pad) if pad is not None else 0
 
 
-def trainer_state(settings: UpdateSettings, iteration: int, sources: UpdateSources, steps: int) -> dict:
+def trainer_state(settings: UpdateSettings, iteration: int, sources: UpdateSources, steps: int, state_id: str) -> dict:
+    """What a checkpoint saves as trainer_state.json. ``state_id``: the lineage id of the state
+    (``iter_k/state.json``'s "id"), which binds the checkpoint to its run's record: a checkpoint
+    swapped in from another run, or from another iteration, names another id (``run.integrity``)."""
     lora = settings.lora
     return {
         "iteration": iteration,
+        "state_id": state_id,
         "data_position": {"iteration": iteration, "epochs": settings.actor.epochs,
                           "optimizer_steps_this_iteration": steps, "next_iteration": iteration + 1},
         "sources": {"actor": str(sources.actor), "adapter": str(sources.adapter) if sources.adapter else None,
@@ -460,11 +469,13 @@ def update_perf(roles: list[RoleSchedule], data: PPOData, outcome: Any, device: 
 
 
 def finish_update(cfg: RLHFConfig, run: RunDir, iteration: int, metrics: dict[str, float], outcome: Any,
-                  actor: TrainEngine, critic: Optional[TrainEngine], dist: DistInfo) -> None:
-    """Rank 0 records what the update produced: iter_K/metrics.json and iter_K/state.json."""
+                  actor: TrainEngine, critic: Optional[TrainEngine], dist: DistInfo,
+                  identity: tuple[str, dict[str, str]]) -> None:
+    """Rank 0 records what the update produced: iter_K/metrics.json and iter_K/state.json.
+    ``identity``: ``lineage.state_id`` of the update, computed once by the caller."""
     if not dist.is_main:
         return
     atomic_write_json(run.metrics(iteration), {"iteration": iteration, "stage": "update", "metrics": metrics,
                                                "steps": outcome.steps})
-    write_state_record(cfg, run, iteration, needs_total_steps=schedule_needs_total_steps(cfg),
-                       sample=weights_sample([te.module for te in present(actor, critic)]))
+    write_state_record(run, iteration, identity,
+                       sample=weights_sample([te.module for te in present(actor, critic)]), cfg=cfg)

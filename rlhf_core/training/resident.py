@@ -70,12 +70,12 @@ from rlhf_core.training.checkpoint import (BackgroundWriter, can_write_in_backgr
 from rlhf_core.training.distributed import DistInfo, init_distributed
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.engines import LoraSettings, TrainEngine, present
-from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, weights_sample
+from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, state_id, weights_sample
 from rlhf_core.models.threads import module_largest_matrix, serial_background_thread
 from rlhf_core.training.rank_update import (EngineSettings, UpdateSettings, UpdateSources, check_update_data,
                                             cpu_threads, engine_key, engine_settings, finish_update, open_engines,
                                             peak_rss_gb, reset_peak_rss, resolve_sources, trainer_state,
-                                            train_iteration, training_steps, update_settings)
+                                            schedule_needs_total_steps, train_iteration, training_steps, update_settings)
 from rlhf_core.training.train_state import TrainState, capture, covers, restore
 from rlhf_core.training.nodes import GROUP_ENTRY, node0_address
 from rlhf_core.training.worker_group import Nodes, RankFailure, WorkerGroup
@@ -220,7 +220,8 @@ class ResidentTrainer:
         metrics, outcome = train_iteration(settings, k, data, self.actor, self.critic, self.dist, self.device,
                                            self.pad_id, progress=progress)
         sources = resolve_sources(cfg, self.run, k)
-        self._held_now(k, sources, settings, outcome)
+        identity = state_id(cfg, self.run, k, schedule_needs_total_steps(cfg))
+        self._held_now(k, sources, settings, outcome, identity[0])
         metrics.update(self.rollout_sync)  # the kept vLLM engine's sync to the new weights, checked
         metrics["perf/setup_seconds"] = setup
         lora_base = sources.actor if self.actor.lora else None
@@ -230,7 +231,7 @@ class ResidentTrainer:
             metrics["perf/resident"] = 1.0
         if freed is not None:
             metrics["perf/rollout_engine_freed_gb"] = freed
-        finish_update(cfg, self.run, k, metrics, outcome, self.actor, self.critic, self.dist)
+        finish_update(cfg, self.run, k, metrics, outcome, self.actor, self.critic, self.dist, identity)
         return metrics
 
     def _write_checkpoint(self, k: int, lora_base: Optional[Path]) -> float:
@@ -244,10 +245,10 @@ class ResidentTrainer:
                             trainer_state=self.trainer_state or {}, dist=self.dist, lora_base=lora_base)
         return time.perf_counter() - started
 
-    def _held_now(self, k: int, sources: UpdateSources, settings: UpdateSettings, outcome: Any) -> None:
+    def _held_now(self, k: int, sources: UpdateSources, settings: UpdateSettings, outcome: Any, ident: str) -> None:
         self.rng = rng_state()
         self.holds = k
-        self.trainer_state = trainer_state(settings, k, sources, len(outcome.steps.get("actor", [])))
+        self.trainer_state = trainer_state(settings, k, sources, len(outcome.steps.get("actor", [])), ident)
         self._offer()
 
     def settle(self, k: int, outcome: str, *, save: bool) -> None:
@@ -444,7 +445,7 @@ class ResidentTrainer:
         self.rng = rng_state()
         self.holds = i
         self.trainer_state = trainer_state(settings, i, resolve_sources(cfg, self.run, i),
-                                           len(outcome.steps.get("actor", [])))
+                                           len(outcome.steps.get("actor", [])), record["id"])
         self._offer()
 
     def drop_engines(self) -> None:

@@ -299,6 +299,42 @@ def test_a_resume_whose_data_changed_refuses_before_any_work(cli, demo_preset, t
     assert proc.returncode == 2 and f"the data files are now {other}, not {data}" in proc.stderr, proc.stderr[-3000:]
 
 
+@pytest.mark.parametrize("how", ["copied", "symlinked"])
+def test_a_checkpoint_that_is_not_the_runs_own_is_never_trained_on_or_exported(base, cli, tmp_path, same_weights,
+                                                                               how):
+    """Issue 49, 2: last-good's checkpoint replaced by a copy of another one (whole by its own
+    manifest), or by a symbolic link to one: status called it last-good and export exported the other
+    weights with exit 0. Now its lineage id (saved in its trainer_state.json) disagrees with the run's
+    record: status names it, the export rebuilds the real one by replaying and exports that, and the
+    link is removed without touching what it pointed at."""
+    run = _copy(base, tmp_path)
+    elsewhere = tmp_path / "elsewhere"
+    shutil.copytree(run.checkpoint(2), elsewhere)
+    shutil.rmtree(run.checkpoint(3))
+    if how == "copied":
+        shutil.copytree(elsewhere, run.checkpoint(3))
+    else:
+        run.checkpoint(3).symlink_to(elsewhere, target_is_directory=True)
+    proc = _status(cli, run)
+    [row] = [line for line in proc.stdout.splitlines() if line.split()[:1] == ["3"]]
+    assert row.split()[-1] == "damaged"  # never "last-good"
+    [problem] = _problems(proc)
+    said = ("is a symbolic link (to " if how == "symlinked" else "is not this run's own: it holds state ")
+    assert problem.startswith(f"problem: iter_3/checkpoint {said}"), problem
+    assert problem.endswith("a resume rebuilds it by replaying iteration 3's update"), problem
+    proc = cli("export", str(run.root))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert any(f"iter_3/checkpoint {said}" in line for line in _warnings(proc)), proc.stderr[-3000:]
+    assert not run.checkpoint(3).is_symlink()
+    same_weights(run.checkpoint(3), base.checkpoint(3))
+    same_weights(elsewhere, base.checkpoint(2))  # what the link pointed at is untouched
+    from safetensors.torch import load_file
+
+    exported, real = (load_file(str(d / "model.safetensors")) for d in (run.exported_actor, base.checkpoint(3) / "actor"))
+    assert all(exported[k].equal(real[k]) for k in real)
+    assert not _problems(_status(cli, run))
+
+
 def test_a_damaged_last_good_checkpoint_is_rebuilt_never_exported(base, cli, tmp_path, same_weights):
     """Issue 28, 3: a byte flipped in last-good's actor weights and its rank shard truncated: status,
     export and resume agree that the checkpoint is damaged; the export rebuilds it by replaying its

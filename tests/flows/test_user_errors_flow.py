@@ -293,3 +293,62 @@ def test_ctrl_c_during_a_reward_call_interrupts_and_leaves_no_reward_process(two
     assert proc.returncode == 130, err[-3000:]
     assert "rlhf: error:" not in err and "Traceback" not in err, err[-3000:]
     assert not Path(f"/proc/{pid_file.read_text()}").exists(), "the reward function's process outlived rlhf"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """``small_disk(name, mib)``: a tmpfs of ``mib`` MiB mounted at tmp_path/name (root only; skipped
+    where mounting is not allowed), unmounted after the test."""
+    mounted = []
+
+    def mount(name: str, mib: int) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(point)],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here ({done.stderr.strip()}): a read-only or full disk needs one")
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in reversed(mounted):
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+@pytest.mark.parametrize("disk", ["read-only", "full"])
+def test_a_resume_on_a_read_only_or_full_disk_is_one_line_before_any_server(two_iterations, small_disk,
+                                                                            subprocess_env, tmp_path, disk):
+    """Issue 49, 8: on a read-only run directory the resume printed Prefect ERROR lines and two
+    tracebacks (Errno 30 on run.lock.vm) and no rlhf: line; on a full disk its line named the free
+    space of the current directory's disk instead of the run directory's. Now each is one line that
+    names the run directory's own disk, before any server starts."""
+    import shutil
+
+    source = two_iterations.pristine.root
+    size = sum(p.stat().st_size for p in source.rglob("*") if p.is_file())
+    point = small_disk("disk", size // 2**20 + 8)
+    run = Path(shutil.copytree(source, point / "run", symlinks=True))
+    if disk == "read-only":
+        subprocess.run(["mount", "-o", "remount,ro", str(point)], check=True)
+    else:
+        with open(point / "filler", "wb") as fh:  # every block the tmpfs has left
+            try:
+                while True:
+                    fh.write(bytes(1 << 20))
+                    fh.flush()
+            except OSError:
+                pass
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "--resume", str(run), "--iterations", "3"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=300, env=subprocess_env())
+    assert out.returncode == 2, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and "ERROR" not in out.stderr, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1, out.stderr[-3000:]
+    if disk == "read-only":
+        assert errors[0] == (f"rlhf: error: cannot resume {run}: run directory {run} cannot be written (Read-only file "
+                             "system); the run writes its lock, records and checkpoints there: make it writable, or "
+                             "copy it to a writable disk and use the copy")
+    else:
+        assert errors[0].startswith(f"rlhf: error: no space left on the device writing {run} (0 B free); "), errors
+    assert "starting: the Prefect server" not in out.stderr
