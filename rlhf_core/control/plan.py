@@ -43,6 +43,7 @@ from rlhf_core.run.saved_config import run_config_tree
 from rlhf_core.run.report import iteration_metrics
 from rlhf_core.run.schedule import initial_validation_due, stops_after_validation
 from rlhf_core.stages.base import refuse_out_of_date
+from rlhf_core.stages.gae import refuse_edited_retry_records
 from rlhf_core.stages.preprocess import refuse_changed_data
 from rlhf_core.stages.repair import rebuild_last_good, repair_run
 
@@ -318,9 +319,11 @@ def stage_config(run: RunDir, preset: Optional[str], overrides: Sequence[str]) -
 def check_resumable(run: RunDir, cfg: RLHFConfig) -> None:
     """A resume continues from last-good: refuse while a stage at or before it is stale or was rerun
     with overrides (``stages.base.out_of_date``), naming them and `rlhf rebuild`, and while the data
-    files it trained on have changed (``refuse_changed_data``)."""
+    files it trained on have changed (``refuse_changed_data``) or a committed iteration's retry record
+    was edited (``refuse_edited_retry_records``)."""
     refuse_out_of_date(run, resume_point(run) - 1, "resume")
     refuse_changed_data(cfg, run, resume_point(run) - 1)
+    refuse_edited_retry_records(run, resume_point(run) - 1)
 
 
 # ---------------------------------------------------------------------------------------------

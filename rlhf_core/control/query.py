@@ -41,6 +41,7 @@ from rlhf_core.run.migrate import outdated
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.saved_config import run_config_tree
 from rlhf_core.stages.base import out_of_date, stage_label
+from rlhf_core.stages.gae import edited_retry_records
 from rlhf_core.stages.preprocess import refuse_changed_data
 from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES
 from rlhf_core.training.lineage import environment_changes, read_state_record
@@ -523,7 +524,9 @@ def status_problems(run: RunDir) -> list[str]:
     else:
         committed, last_good = committed_iterations(run), last_good_iteration(run)
         problems += [f"{d.describe(run)}; {d.remedy(run, last_good)}" for d in find_damage(run)]
-    problems += config_problems(run) + data_problems(run, committed[-1] if committed else 0)
+    last = committed[-1] if committed else 0
+    problems += config_problems(run) + data_problems(run, last)
+    problems += [f"{line}; a resume refuses: put the file back as the retry wrote it" for line in edited_retry_records(run, last)]
     for k in (k for k in run.iterations() if k not in committed):  # committed ones: find_damage's
         try:
             manifest = run.read_json(run.manifest_path(k))

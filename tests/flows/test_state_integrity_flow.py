@@ -231,6 +231,21 @@ def test_a_kill_inside_the_retry_bookkeeping_retries_once(base, rlhf, cli, tmp_p
     assert "kl_coef_scale" not in run.config_path.read_text()  # β is not config
     assert [e.get("finished_by") for e in run.events() if e["kind"] == "retry"] == ["resume"]  # recorded, then finished
     assert resolve_run_config(run.root, None, ()).actor_rollout_ref.actor.optim.lr == pytest.approx(1e-5)
+    # Issue 49, 9: the committed retry's record edited (scale 2 → 4) and the KL state deleted: the resume
+    # fell back to the initial models and retrained every iteration with the edited scale. It refuses now.
+    record = run.read_json(run.retry_record(4))
+    run.retry_record(4).write_text(json.dumps({**record, "kl_coef_scale": 4.0}))
+    run.kl_state(4).unlink()
+    events = len(run.events())
+    proc = _resume(cli, run, 5)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    line = ("iter_4/retry.json was edited after iteration 4's gae read it (iteration 4 trained with what it said, and "
+            "a retry's record is never edited)")
+    errors = [e for e in proc.stderr.splitlines() if e.startswith("rlhf: error:")]
+    assert errors == [f"rlhf: error: cannot resume {run.root}: {line}; put the file back as the retry wrote it (or "
+                      "start a new run)"], proc.stderr[-3000:]
+    assert len(run.events()) == events and committed_iterations(run) == [1, 2, 3, 4]
+    assert f"problem: {line}; a resume refuses: put the file back as the retry wrote it" in _problems(_status(cli, run))
 
 
 def test_a_kill_inside_a_retry_grants_no_more_retries(base, rlhf, cli, tmp_path):
