@@ -36,7 +36,7 @@ from rlhf_core.run.integrity import damaged_checkpoints, find_damage
 from rlhf_core.config import ConfigError, config_from_dict
 from rlhf_core.errors import CheckpointError, DataError
 from rlhf_core.run.lifecycle import (commit_log_problem, committed_iterations, last_good_iteration, newest_durable,
-                                    read_last_good)
+                                    read_last_good, read_retry_scale, retries_recorded)
 from rlhf_core.run.migrate import outdated
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.saved_config import run_config_tree
@@ -417,6 +417,21 @@ def config_problems(run: RunDir) -> list[str]:
     return [damaged] if damaged else []
 
 
+def retry_record_problems(run: RunDir) -> list[str]:
+    """Retry records (``iter_k/retry.json``) a resume could not read: damaged, or with a scale or an
+    attempt count that is not one."""
+    problems = []
+    for k in run.iterations():
+        if not run.retry_record(k).is_file():
+            continue
+        try:
+            read_retry_scale(run, k)
+            retries_recorded(run, k)
+        except StateFileError as exc:
+            problems.append(str(exc))
+    return problems
+
+
 def data_problems(run: RunDir, last_good: int) -> list[str]:
     """The data files the committed iterations trained on, changed since (what a resume refuses on:
     ``stages.preprocess.refuse_changed_data``)."""
@@ -527,6 +542,7 @@ def status_problems(run: RunDir) -> list[str]:
     last = committed[-1] if committed else 0
     problems += config_problems(run) + data_problems(run, last)
     problems += [f"{line}; a resume refuses: put the file back as the retry wrote it" for line in edited_retry_records(run, last)]
+    problems += retry_record_problems(run)
     for k in (k for k in run.iterations() if k not in committed):  # committed ones: find_damage's
         try:
             manifest = run.read_json(run.manifest_path(k))

@@ -320,7 +320,12 @@ class RunLock:
     def ensure_held(self) -> None:
         """Raise RunLockedError if this process's lease was taken over while it could not renew."""
         if self.lost:
-            raise RunLockedError(f"run directory {self.run.root} was taken over by {self._who(self.holder())} "
+            holder = self.holder()
+            if holder is None:  # nobody took it: the file went (deleted by hand, a cleanup script)
+                raise RunLockedError(f"run directory {self.run.root}: its lease {self.lease_path} was deleted while "
+                                     "this process held it, so another could start on the run; stopped here to keep "
+                                     f"one writer: `rlhf run --resume {self.run.root}` continues it")
+            raise RunLockedError(f"run directory {self.run.root} was taken over by {self._who(holder)} "
                                  f"after this process missed its lease renewals; stop writing to it")
 
     def is_locked(self) -> bool:

@@ -144,6 +144,8 @@ def outdated(run: RunDir) -> Optional[str]:
     """Why the directory needs upgrading before this code reads it (for `rlhf status`), else None (also
     for an older one that holds nothing the upgrade would change)."""
     version = run_format(run)
+    if version > RUN_FORMAT:
+        return newer_format(run, version)
     if version < RUN_FORMAT and run.format_journal.is_file():
         # killed part-way: tables already rewritten no longer match their records until the upgrade
         # finishes, which is not damage (a resume finishes it and nothing reruns)
@@ -155,6 +157,12 @@ def outdated(run: RunDir) -> Optional[str]:
         return None
     return (f"{run.root} is in run-directory format {version}; any command that writes it (`rlhf run --resume "
             f"{run.root}`, a stage) upgrades it to format {RUN_FORMAT} first")
+
+
+def newer_format(run: RunDir, version: int) -> str:
+    """What a directory of a format newer than this code's is (every command refuses it)."""
+    return (f"{run.root} is in run-directory format {version}, newer than this rlhf-dag reads ({RUN_FORMAT}); "
+            "use the version that wrote it")
 
 
 def _holds_format_1_state(run: RunDir) -> bool:
@@ -176,8 +184,7 @@ def migrate(run: RunDir, kl_ctrl: KLCtrlConfig, reward_fn_key: str) -> Optional[
     if version == RUN_FORMAT:
         return None
     if version > RUN_FORMAT:
-        raise RLHFError(f"{run.root} is in run-directory format {version}, newer than this rlhf-dag reads "
-                        f"({RUN_FORMAT}); use the version that wrote it")
+        raise RLHFError(newer_format(run, version))
     done = []
     if version < 2:
         moved = _upgrade_from_1(run, kl_ctrl)

@@ -78,3 +78,26 @@ def test_a_reader_that_goes_away_is_a_clean_exit(tmp_path):
     out = subprocess.run(["bash", "-c", shell], capture_output=True, text=True, timeout=120)
     assert "Traceback" not in out.stderr and "BrokenPipe" not in out.stderr, out.stderr[-3000:]
     assert out.stderr.splitlines()[-1] == "0", out.stderr[-3000:]
+
+
+def test_status_names_a_newer_format_and_a_damaged_retry_record(tmp_path, capsys):
+    """Issue 49, 11: `rlhf status` said nothing about a format.json from a newer version or a damaged
+    retry.json, on which every writing command refuses."""
+    import json
+
+    run = RunDir(tmp_path / "run")
+    run.root.mkdir()
+    write_config(run, to_yaml(load_config(None, [])))
+    run.iter_dir(1).mkdir(parents=True)
+    run.retry_record(1).write_text(json.dumps({"attempt": 1, "kl_coef_scale": "two"}))
+    assert main(["status", str(run.root)]) == 0
+    problems = [line for line in capsys.readouterr().out.splitlines() if line.startswith("problem:")]
+    assert problems == [f"problem: {run.retry_record(1)} is damaged (its 'kl_coef_scale' is 'two', not a number > 0); "
+                        "delete it to run iteration 1 with the controller's own KL coefficient"]
+    run.format_path.write_text(json.dumps({"format": 99}))
+    assert main(["status", str(run.root)]) == 0
+    problems = [line for line in capsys.readouterr().out.splitlines() if line.startswith("problem:")]
+    from rlhf_core.run.migrate import RUN_FORMAT
+
+    assert problems == [f"problem: {run.root} is in run-directory format 99, newer than this rlhf-dag reads ({RUN_FORMAT}); "
+                        "use the version that wrote it"]

@@ -255,3 +255,20 @@ def test_a_damaged_lease_is_an_unknown_holder_taken_over_once_expired(tmp_path, 
     (event,) = [e for e in run.events() if e["kind"] == "stale_lease_taken_over"]
     assert event["previous_holder"] == {"host": None, "pid": None, "renewed": old, "unreadable": True}
     assert not run.lock_path.exists()
+
+
+def test_a_lease_deleted_under_its_holder_is_said_as_deleted_not_taken_over(tmp_path):
+    """Issue 49, 11: a lock file deleted under a live run made it say the run directory "was taken
+    over by another process" — nobody took it. It says the file was deleted now, and how to go on."""
+    run = RunDir(tmp_path / "run")
+    lock = RunLock(run, host="node-a", lease_s=LEASE_S).acquire()
+    try:
+        run.lock_path.unlink()
+        deadline = time.monotonic() + 5 * LEASE_S
+        while not lock.lost and time.monotonic() < deadline:
+            time.sleep(0.05)
+        with pytest.raises(RunLockedError, match=rf"its lease {run.lock_path} was deleted while this process held "
+                                                 rf"it, so another could start on the run; .*rlhf run --resume"):
+            lock.ensure_held()
+    finally:
+        lock.release()
