@@ -19,7 +19,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 
-.PHONY: install demo smollm2 smollm2-arith test test-verl test-vllm venv-verl venv-vllm clean
+.PHONY: install demo smollm2 smollm2-arith test test-verl test-vllm venv-verl venv-vllm wheelhouse clean
 
 # pip runs quiet (hundreds of lines otherwise): each step says first what it installs and for how
 # long (a fresh 2-core machine, pip's download cache empty: 3 min 42 s in all, README "First run")
@@ -134,6 +134,14 @@ test-vllm: export VLLM_CPU_KVCACHE_SPACE ?= 1
 test-vllm: export VLLM_HOST_IP ?= 127.0.0.1
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_BIN)/python -m pytest $(VLLM_TESTS) $(PYTEST_ARGS)
+
+# An offline install for a GPU host with no network: what the project needs beyond the host's own
+# packages, as .wheelhouse/ (site.tar.xz + env.sh) to carry with the checkout (docs/benchmarks.md §6).
+# HOST_PACKAGES: the host's `python3 -m pip freeze`; HOST_PYTHON: its Python version.
+WHEELHOUSE_ARGS ?=
+wheelhouse: $(STAMP)
+	$(BIN)/python benchmarks/gpu/wheelhouse.py $(if $(HOST_PACKAGES),--host-packages $(HOST_PACKAGES)) \
+	  $(if $(HOST_PYTHON),--python $(HOST_PYTHON)) $(WHEELHOUSE_ARGS)
 
 # Local Prefect server + worker + MLflow UI on 127.0.0.1 (deployments/README.md)
 .PHONY: services-up services-down services-status services-register

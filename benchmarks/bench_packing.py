@@ -1,6 +1,6 @@
 """Packing efficiency on GSM8K: token-budget packing vs pad-to-longest batches.
 
-    python benchmarks/bench_packing.py [--data ../shared/data/gsm8k/train.jsonl] [--seed 0]
+    python benchmarks/bench_packing.py [--data data/gsm8k/train.jsonl] [--seed 0]
 
 Prompt lengths come from the real preprocess core (chat template + the tiny model's tokenizer,
 configs/gsm8k.yaml with every row kept for training); response lengths are the GSM8K reference
@@ -27,7 +27,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-DEFAULT_DATA = REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl"
+DEFAULT_DATA = next((p for p in (REPO / "data" / "gsm8k" / "train.jsonl",
+                                  REPO.parent / "shared" / "data" / "gsm8k" / "train.jsonl") if p.is_file()),
+                    REPO / "data" / "gsm8k" / "train.jsonl")
 ITERATION_PROMPTS = 256  # configs/gsm8k.yaml data.train_batch_size
 MAX_RESPONSE = 256  # configs/gsm8k.yaml data.max_response_length
 
@@ -137,7 +139,7 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
     if not args.data.is_file():
-        print(f"GSM8K train split not found at {args.data}: it lives in ../shared beside the checkout; "
+        print(f"GSM8K train split not found at {args.data}: put it at data/gsm8k/train.jsonl (git-ignored), or "
               f"pass --data PATH to a GSM8K-format JSONL", file=sys.stderr)
         return 2
     started = time.perf_counter()

@@ -135,6 +135,10 @@ def train(plan: RunPlan, mlflow_run_id: Optional[str]) -> dict:
         if initial_validation_due(cfg.trainer):  # the policy the run starts from, at its step (0 for a new run)
             metrics = validate_before_training(plan, cfg, mlflow_run_id, session)
         if not plan.iterations():  # trainer.val_only, or nothing left to run on resume
+            total = cfg.trainer.total_iterations
+            if plan.resumed and plan.first_iteration > total and logs_to(cfg, "console"):
+                print(f"nothing left to do: iterations 1..{total} are committed (trainer.total_iterations={total}); "
+                      f"`rlhf run --resume {run_dir} --iterations N` goes on to iteration N")
             make_durable_task(run_dir)  # as a training flow run leaves it: last-good on disk
             return {"run_dir": run_dir, "last_good": plan.run.read_json(plan.run.last_good_path), "metrics": metrics,
                     "export": None}

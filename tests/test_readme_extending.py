@@ -1,6 +1,6 @@
 """The README's "Extending" recipes, applied as written to a copy of the project and run there.
 
-Each recipe is read from README.md's Extending section (its code, the files and the command it
+Each recipe is read from docs/guide.md's Extending section (its code, the files and the command it
 names) and applied to one copy of the packages in a temporary directory; the copy's code then runs
 in child processes (PYTHONPATH = the copy, so the edited modules are the ones imported):
 
@@ -31,9 +31,10 @@ import pyarrow.parquet as pq
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-README = REPO / "README.md"
+GUIDE = REPO / "docs" / "guide.md"
+"""Where the Extending recipes and the stage table live (the README links there)."""
 COPIED = ("rlhf_core", "tasks", "flows", "rlhf_cli", "deployments", "configs", "data", "docs", "pyproject.toml",
-          "README.md", "tests/conftest.py", "tests/test_layers.py", "tests/rlhf_core/run/test_stage_order.py",
+          "README.md", "docs/guide.md", "tests/conftest.py", "tests/test_layers.py", "tests/rlhf_core/run/test_stage_order.py",
           "tests/flows/test_recipe.py",
           "tests/rlhf_core/config/test_verl_keys.py", "tests/conformance")
 """What the copy holds: the packages, what they read at run time, and the checks run on it."""
@@ -53,13 +54,13 @@ kept), without validation or MLflow: what is checked here is the stages' order a
 
 
 def _section() -> str:
-    return README.read_text(encoding="utf-8").split("## Extending", 1)[1].split("\n## ", 1)[0]
+    return GUIDE.read_text(encoding="utf-8").split("## Extending", 1)[1].split("\n## ", 1)[0]
 
 
 def _recipe(title: str) -> str:
     """The paragraph(s) of the Extending section under ``**<title>**``, up to the next recipe."""
     text = _section()
-    assert f"**{title}**" in text, f"README's Extending section has no recipe '{title}'"
+    assert f"**{title}**" in text, f"docs/guide.md's Extending section has no recipe '{title}'"
     return re.split(r"\n\*\*A new ", text.split(f"**{title}**", 1)[1], maxsplit=1)[0]
 
 
@@ -275,9 +276,9 @@ def _add_stages(copy: Path) -> None:
     assert {"flows/recipe.py", 'steps.stage("<name>", cfg)'} <= named
     _insert(copy / "flows" / "recipe.py", RECIPE_STEP, before='        steps.stage("update", cfg)\n')
     # 4. its row in the README's stage table
-    assert "this README's stage table" in steps
+    assert "the stage table above" in steps
     for following, row in ROWS.items():
-        _insert(copy / "README.md", row, before=f"| {following} | `rlhf stage {following} ")
+        _insert(copy / "docs" / "guide.md", row, before=f"| {following} | `rlhf stage {following} ")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -13,10 +13,10 @@
 #   quickstart.json the same numbers; quickstart.md its tables in Markdown, for docs/benchmarks.md
 #   summary.md      one row per step: its result and seconds
 #
-# Here, where pip works, once after `make install`:  ../shared/tools/gpu-bundle   (writes .gpu/, ~45 MB)
-# On the GPU machine, from the checkout's root, .gpu/ beside it:   bash benchmarks/gpu/device_check.sh OUT_DIR
+# Here, where pip works, once after `make install`:  make wheelhouse   (writes .wheelhouse/, ~45 MB)
+# On the GPU machine, from the checkout's root, .wheelhouse/ beside it:   bash benchmarks/gpu/device_check.sh OUT_DIR
 # Here, the same steps on the CPU at tiny shapes (CI runs it):      bash benchmarks/gpu/device_check.sh --dry-run OUT_DIR
-# A copy of the checkout without .git (the device tool's) names its commit with COMMIT=<hash>.
+# A copy of the checkout without .git names its commit with COMMIT=<hash>.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 dry=0
@@ -39,8 +39,8 @@ if (( dry )); then
   export RLHF_HOME=$work/home PREFECT_HOME=$work/home/prefect
   mkdir -p "$PREFECT_HOME"
 else
-  [ -f .gpu/env.sh ] || { echo "device_check: no .gpu/env.sh here: run ../shared/tools/gpu-bundle where pip works, and carry .gpu" >&2; exit 2; }
-  source .gpu/env.sh
+  [ -f .wheelhouse/env.sh ] || { echo "device_check: no .wheelhouse/env.sh here: run 'make wheelhouse' where pip works, and carry .wheelhouse/" >&2; exit 2; }
+  source .wheelhouse/env.sh
   py=python3
   # 8 minutes in all. The quickstart's first iteration builds both engines and compiles the decode
   # step of the model it loads; the second compiles it again for the trainer's module it borrows (a

@@ -322,7 +322,7 @@ def check_resumable(run: RunDir, cfg: RLHFConfig) -> None:
     files it trained on have changed (``refuse_changed_data``) or a committed iteration's retry record
     was edited (``refuse_edited_retry_records``)."""
     refuse_out_of_date(run, resume_point(run) - 1, "resume")
-    refuse_changed_data(cfg, run, resume_point(run) - 1)
+    refuse_changed_data(cfg.data, run, resume_point(run) - 1)
     refuse_edited_retry_records(run, resume_point(run) - 1)
 
 

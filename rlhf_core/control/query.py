@@ -438,7 +438,7 @@ def data_problems(run: RunDir, last_good: int) -> list[str]:
     if last_good < 1 or not run.config_path.is_file():
         return []
     try:
-        refuse_changed_data(config_from_dict(run_config_tree(run)[0]), run, last_good)
+        refuse_changed_data(config_from_dict(run_config_tree(run)[0]).data, run, last_good)
     except (StateFileError, ConfigError):
         return []  # config_problems names a config that cannot be read
     except DataError as exc:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.schema import DataConfig
 from rlhf_core.data.preprocess import (
     NoPromptsError, PreprocessResult, load_tokenizer, no_prompts_problem, preprocess_files,
 )
@@ -41,7 +42,7 @@ def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
     return CONFIG_SECTIONS
 
 
-def refuse_changed_data(cfg: RLHFConfig, run: RunDir, trained_through: int) -> None:
+def refuse_changed_data(data: DataConfig, run: RunDir, trained_through: int) -> None:
     """Refuse (``DataError``, one line naming the file and the commands) to continue a run whose
     iterations 1..``trained_through`` trained on data files that have changed since preprocess read
     them: the resume would re-preprocess and train on the new rows after the old ones. Reads the
@@ -51,8 +52,7 @@ def refuse_changed_data(cfg: RLHFConfig, run: RunDir, trained_through: int) -> N
     recorded = (read_manifest(run, None).get("preprocess") or {}).get("inputs")
     if not recorded:
         return  # a run directory whose prompts came by other means
-    files = _resolve_files(cfg.data.train_files, "data.train_files") + _resolve_files(cfg.data.val_files,
-                                                                                      "data.val_files")
+    files = _resolve_files(data.train_files, "data.train_files") + _resolve_files(data.val_files, "data.val_files")
     now = hash_paths(run, files)
     changed = [key for key in now if recorded.get(key) != now[key]]
     if not changed and set(now) == set(recorded):

@@ -33,7 +33,7 @@ from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.run.integrity import not_its_own
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.lifecycle import checkpoint_before
+from rlhf_core.run.lifecycle import checkpoint_before, committed_iterations
 from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.models.attention import resolve_attention
 from rlhf_core.models.threads import module_largest_matrix, small_matmuls
@@ -133,7 +133,7 @@ def resolve_sources(cfg: RLHFConfig, run: RunDir, iteration: int) -> UpdateSourc
     committed iteration (``checkpoint_before``), else the initial models — the same ones its rollout
     and score used, also when an old iteration is rerun after later ones committed."""
     ckpt = checkpoint_before(run, iteration)
-    foreign = not_its_own(run, int(ckpt.parent.name.removeprefix("iter_"))) if ckpt is not None else None
+    foreign = not_its_own(run, max(j for j in committed_iterations(run) if j < iteration)) if ckpt is not None else None
     if foreign:  # never trained on, whatever loads it
         raise CheckpointError(f"{ckpt} {foreign}; `rlhf run --resume {run.root}` removes it and rebuilds the "
                               "state from its record")

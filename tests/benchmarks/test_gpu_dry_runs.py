@@ -79,3 +79,25 @@ def test_every_gpu_test_is_in_the_files_the_device_check_runs():
               if re.search(r"^\s*@pytest\.mark\.gpu\b|pytestmark.*pytest\.mark\.gpu\b", p.read_text(), re.M)}
     assert marked and marked <= listed, sorted(marked - listed)
     assert all((REPO / path).is_file() for path in listed)
+
+
+def test_the_wheelhouse_carries_what_the_gpu_host_lacks_and_never_its_cuda_stack(tmp_path):
+    """`make wheelhouse`'s choice, on this checkout's own environment and the H200 host's package list:
+    the project's services and DeepSpeed travel, the host's torch and CUDA libraries never do, and a
+    host that lacks a package gets it."""
+    script = REPO / "benchmarks" / "gpu" / "wheelhouse.py"
+    out = subprocess.run([sys.executable, str(script), "--dry-run", "--venv-python", sys.executable],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    carried = {line.split()[1].split("==")[0].lower() for line in out.stdout.splitlines() if line.startswith("  carry ")}
+    left = {line.split()[1].rstrip(":") for line in out.stdout.splitlines() if line.startswith("  leave ")}
+    assert {"deepspeed", "prefect", "duckdb", "mlflow-skinny", "pydantic"} <= carried, carried
+    assert {"torch", "numpy", "transformers", "pyarrow"} <= left and not carried & {"torch", "triton"}
+    bare = tmp_path / "host.txt"
+    bare.write_text("torch==2.11.0\n")  # a host with nothing but torch: numpy must travel
+    out = subprocess.run([sys.executable, str(script), "--dry-run", "--venv-python", sys.executable,
+                          "--host-packages", str(bare)], capture_output=True, text=True, timeout=120)
+    assert "  carry numpy==" in out.stdout and "  leave torch: the host's CUDA stack" in out.stdout
+    out = subprocess.run([sys.executable, str(script), "--dry-run", "--python", "twelve"], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and "--python 'twelve': give the host's Python as 3.N" in out.stderr

@@ -65,7 +65,7 @@ SKIPPED = {
     "python -m deployments.alerts": _SERVER,
     "prefect automation create": _SERVER,
     "curl -s -X POST \"$PREFECT_API_URL": _SERVER,
-    "bash benchmarks/gpu/device_check.sh OUT_DIR": "needs a GPU and the .gpu/ bundle; its --dry-run runs here in "
+    "bash benchmarks/gpu/device_check.sh OUT_DIR": "needs a GPU and the .wheelhouse/ of make wheelhouse; its --dry-run runs here in "
                                                    "tests/benchmarks/test_gpu_dry_runs.py",
     "make smollm2-arith": "downloads the SmolLM2 wheel and trains a real 135 M model for ~37 min; "
                           "tests/rlhf_core/models/test_gguf_import.py imports a GGUF and "
@@ -94,8 +94,8 @@ NOT_COMMANDS = {
 """(file, first line) of a fenced block → what it shows instead of commands."""
 
 RUN_ELSEWHERE = {
-    ("README.md", '@register_adv_estimator("sign_of_reward")'): "tests/test_readme_extending.py",
-    ("README.md", "def compute_score("): "tests/test_readme_extending.py",
+    ("docs/guide.md", '@register_adv_estimator("sign_of_reward")'): "tests/test_readme_extending.py",
+    ("docs/guide.md", "def compute_score("): "tests/test_readme_extending.py",
 }
 """(file, start of the first line) of a python example → the test that runs it as written (an example
 is code a user pastes into a module of theirs, not a command)."""
@@ -319,8 +319,9 @@ def unknown_option(text: str) -> str | None:
     """What in an inline `rlhf ...` the parser does not have (a command or an option), else None.
     Synopsis notation is read as such: [optional] parts, NAME / <name> for a stage, `...`."""
     words = [w.strip("[]") for w in shlex.split(re.sub(r"\bNAME\b|<name>", "score", text))[1:]]
+    words = words[:words.index("|")] if "|" in words else words  # `rlhf run … | head -3`: the pipe's reader is not ours
     parser = build_parser()
-    while words and _subcommands(parser):
+    while words and _subcommands(parser) and words[0] not in ("-h", "--help"):
         choices = _subcommands(parser)
         if words[0] not in choices:
             return f"no command {words[0]!r} (valid: {', '.join(choices)})"
@@ -362,7 +363,7 @@ def run_tree_entries(body: str) -> list[str]:
 
 
 def check_run_tree(run: Path) -> list[str]:
-    body = next(b for f, lang, b in fenced_blocks() if f == "README.md" and b.startswith("runs/<name>/"))
+    body = next(b for f, lang, b in fenced_blocks() if f == "docs/guide.md" and b.startswith("runs/<name>/"))
     listed = run_tree_entries(body)
     missing = [n for n in listed if n not in WHILE_WRITING and not (run / n).exists()]
     unlisted = [p for p in _run_files(run) if re.sub(r"^iter_\d+", "iter_2", p) not in listed]
@@ -383,7 +384,7 @@ def _run_files(run: Path) -> list[str]:
 
 
 def check_package_layout(_run: Path) -> list[str]:
-    body = next(b for f, lang, b in fenced_blocks() if f == "README.md" and b.startswith("rlhf_core/"))
+    body = next(b for f, lang, b in fenced_blocks() if f == "docs/guide.md" and b.startswith("rlhf_core/"))
     listed, top = set(), ""
     for line in body.splitlines():
         if not line.startswith(" "):
@@ -403,8 +404,8 @@ def check_package_layout(_run: Path) -> list[str]:
 
 
 PICTURES = {
-    ("README.md", "runs/<name>/"): check_run_tree,
-    ("README.md", "rlhf_core/   the library"): check_package_layout,
+    ("docs/guide.md", "runs/<name>/"): check_run_tree,
+    ("docs/guide.md", "rlhf_core/   the library"): check_package_layout,
 }
 """(file, start of the first line) of a picture checked against the run / the checkout → its check."""
 

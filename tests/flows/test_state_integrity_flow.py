@@ -613,3 +613,13 @@ def test_the_export_gate_never_reads_an_edited_report(base, cli, tmp_path):
     assert proc.returncode != 0 and not run.exported_actor.exists()
     assert f"latest validation accuracy {measured:.4f} (iteration 3) is below trainer.export_min_val_score=0.5" in \
         proc.stdout + proc.stderr
+
+
+def test_a_resume_of_a_finished_run_says_there_was_nothing_left_to_do(base, cli, tmp_path):
+    """Issue 50: `rlhf run --resume` of a finished run never said that nothing was left to do."""
+    run = _copy(base, tmp_path)
+    proc = _resume(cli, run, 3)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (f"nothing left to do: iterations 1..3 are committed (trainer.total_iterations=3); `rlhf run --resume "
+            f"{run.root} --iterations N` goes on to iteration N") in proc.stdout, proc.stdout[-3000:]
+    assert committed_iterations(run) == [1, 2, 3]

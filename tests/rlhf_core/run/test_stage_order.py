@@ -1,5 +1,5 @@
 """The stage declarations (``run.stage_order.STAGES``) are the one list: the Prefect tasks, the CLI's
-stage commands and the README's stage table follow them."""
+stage commands and the guide's stage table (docs/guide.md) follow them."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from pathlib import Path
 
 from rlhf_core.run.stage_order import STAGES
 
-README = Path(__file__).resolve().parents[3] / "README.md"
+GUIDE = Path(__file__).resolve().parents[3] / "docs" / "guide.md"
 
 
 def test_the_readmes_stage_table_lists_every_declared_stage_in_order():
-    section = README.read_text(encoding="utf-8").split("## Stages", 1)[1].split("\n## ", 1)[0]
+    section = GUIDE.read_text(encoding="utf-8").split("## Stages", 1)[1].split("\n## ", 1)[0]
     rows = re.findall(r"^\| (\w+) \| `rlhf stage (\w+) --run-dir RUN( -k K)?", section, flags=re.MULTILINE)
     assert [name for name, _, _ in rows] == list(STAGES)
     assert all(name == command for name, command, _ in rows)
