@@ -116,6 +116,10 @@ def prepare_environment(args: argparse.Namespace) -> None:
             os.environ.setdefault(key, value)
         warnings.filterwarnings("ignore", category=FutureWarning)
         warnings.showwarning = _warning_line
+    elif args.command == "export":  # its own line says what it did: transformers' loading bars are noise
+        for key, value in {"TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+                           "TRANSFORMERS_VERBOSITY": "error"}.items():
+            os.environ.setdefault(key, value)
 
 
 QUIET_WARNINGS = "ignore::FutureWarning"

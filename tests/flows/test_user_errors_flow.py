@@ -352,3 +352,15 @@ def test_a_resume_on_a_read_only_or_full_disk_is_one_line_before_any_server(two_
     else:
         assert errors[0].startswith(f"rlhf: error: no space left on the device writing {run} (0 B free); "), errors
     assert "starting: the Prefect server" not in out.stderr
+
+
+def test_export_prints_its_own_line_and_no_third_party_progress_bar(two_iterations, tmp_path, subprocess_env):
+    """Issue 50: `rlhf export` printed transformers' weight-loading progress bars around its own line."""
+    import shutil
+
+    run = shutil.copytree(two_iterations.pristine.root, tmp_path / "run", symlinks=True)
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "export", str(run)], capture_output=True, text=True,
+                         cwd=tmp_path, timeout=300, env=subprocess_env())
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == f"exported the last-good actor to {run / 'export' / 'actor'}"
+    assert "%|" not in out.stderr and "Loading" not in out.stderr, out.stderr[-3000:]
