@@ -89,8 +89,14 @@ def edited_retry_records(run: RunDir, through: int) -> list[str]:
     """One line for each committed iteration up to ``through`` whose retry record
     (``iter_k/retry.json``, an input of its gae) is not what its gae read: edited or deleted since. Its iteration trained with what the record said; a resume must not rebuild it from another
     (it fell back and retrained with the edited scale). Reads and hashes; writes nothing."""
+    if through < 1:
+        return []
+    try:
+        committed = committed_iterations(run)
+    except StateFileError:
+        return []  # a damaged commit log: the resume rebuilds it first, status names it
     lines = []
-    for k in (k for k in committed_iterations(run) if k <= through):
+    for k in (k for k in committed if k <= through):
         try:
             record = read_manifest(run, k).get("gae") or {}
         except StateFileError:

@@ -104,7 +104,8 @@ USER = textwrap.dedent("""
         if middle == 0:
             os.setsid()
             if os.fork() == 0:
-                Path(pid_file + ".daemon").write_text(str(os.getpid()))
+                Path(pid_file + ".new").write_text(str(os.getpid()))
+                os.rename(pid_file + ".new", pid_file + ".daemon")  # whole when seen
                 time.sleep(600)
             os._exit(0)
         os.waitpid(middle, 0)
@@ -201,7 +202,7 @@ def test_nothing_the_function_starts_outlives_its_call(user_file, tmp_path, name
     """Issue 49: a child (Popen) or a double-forked daemon started by the reward function kept running
     after the stage, and after the timeout's kill. Both are gone when the call returns or times out."""
     pid_file = tmp_path / "pids"
-    with reward_function(_settings(user_file, name, "custom_reward_function.call_timeout_s=5")) as fn:
+    with reward_function(_settings(user_file, name, "custom_reward_function.call_timeout_s=15")) as fn:
         process = fn.process._proc.pid
         if name == "starts_children":
             assert fn("src", "x", "1", {"pid_file": str(pid_file)}) == 1.0
