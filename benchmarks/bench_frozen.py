@@ -37,14 +37,7 @@ if str(REPO) not in sys.path:
 
 os.environ["RLHF_MODEL_CACHE_MB"] = "0"  # as on CUDA: before this change the reference was read every pass
 
-import torch  # noqa: E402
-from transformers import AutoModelForCausalLM  # noqa: E402
-
-from benchmarks.shapes import build_shape_model, parameter_count  # noqa: E402
-from rlhf_core.scoring.models import load_causal_lm, reference_policy, same_weights, weights_fingerprint  # noqa: E402
-from rlhf_core.scoring.session import RunSession  # noqa: E402
-
-CPU = torch.device("cpu")
+from benchmarks.arguments import output_dir, positive_int  # noqa: E402  (stdlib only: the heavy imports wait for the arguments)
 
 
 def seconds(fn, repeats: int) -> float:
@@ -58,6 +51,9 @@ def seconds(fn, repeats: int) -> float:
 
 def trained_copy(reference: Path, out: Path) -> Path:
     """The reference with every tensor nudged, saved as a checkpoint would be."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(reference, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
@@ -68,10 +64,17 @@ def trained_copy(reference: Path, out: Path) -> Path:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=int, default=24)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--model-cache", type=Path, default=REPO / ".rlhf" / "models" / "shapes")
+    parser.add_argument("--layers", type=positive_int, default=24)
+    parser.add_argument("--repeats", type=positive_int, default=3)
+    parser.add_argument("--model-cache", type=output_dir, default=REPO / ".rlhf" / "models" / "shapes")
     a = parser.parse_args()
+    import torch
+
+    from benchmarks.shapes import build_shape_model, parameter_count
+    from rlhf_core.scoring.models import load_causal_lm, reference_policy, same_weights, weights_fingerprint
+    from rlhf_core.scoring.session import RunSession
+
+    cpu = torch.device("cpu")
     reference = build_shape_model(a.model_cache, "qwen2.5-0.5b", a.layers)
     size = sum(f.stat().st_size for f in reference.glob("*.safetensors")) / 1e9
     print(f"model: {reference.name}, {parameter_count(reference) / 1e6:.0f} M parameters, {size:.2f} GB safetensors")
@@ -85,10 +88,10 @@ def main() -> None:
         session = RunSession()  # a flow run's: it holds the reference after the first pass
 
         def one_pass():
-            with reference_policy(reference, CPU, torch.float32, "sdpa", param_offload=False, session=session):
+            with reference_policy(reference, cpu, torch.float32, "sdpa", param_offload=False, session=session):
                 pass
 
-        read = seconds(lambda: load_causal_lm(reference, CPU, torch.float32, attention="sdpa", session=RunSession()),
+        read = seconds(lambda: load_causal_lm(reference, cpu, torch.float32, attention="sdpa", session=RunSession()),
                        a.repeats)
         one_pass()  # the first pass reads it
         held = seconds(one_pass, a.repeats)

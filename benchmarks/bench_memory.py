@@ -27,7 +27,23 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from arguments import positive_int, tiny_hidden_size, zero_stage  # noqa: E402
+
 BYTES_PER_PARAM = 4 * 4  # fp32 weight + fp32 grad + Adam exp_avg + exp_avg_sq
+
+
+def hidden_x_layers(text: str) -> str:
+    """A ``--shapes`` entry, HIDDENxLAYERS (kept as text: it names the shape's row and files)."""
+    hidden, x, layers = text.partition("x")
+    if not (x and hidden.isdigit() and layers.isdigit()):
+        raise argparse.ArgumentTypeError(f"{text!r} is not HIDDENxLAYERS (e.g. 256x4)")
+    for part, what, check in ((hidden, "the hidden size", tiny_hidden_size), (layers, "the layers", positive_int)):
+        try:
+            check(part)
+        except argparse.ArgumentTypeError as exc:
+            raise argparse.ArgumentTypeError(f"{text!r}: {what} {exc}") from None
+    return text
 
 
 def vm_rss_gb() -> float:
@@ -78,9 +94,10 @@ def worker(hidden: int, layers: int, sequences: int, zero: int, out: Path) -> No
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--shapes", nargs="+", default=["64x2", "256x4", "512x8"], help="HIDDENxLAYERS")
-    parser.add_argument("--sequences", type=int, default=32)
-    parser.add_argument("--zero", type=int, default=0, help="ZeRO stage of actor and critic")
+    parser.add_argument("--shapes", nargs="+", type=hidden_x_layers, default=["64x2", "256x4", "512x8"],
+                        help="HIDDENxLAYERS")
+    parser.add_argument("--sequences", type=positive_int, default=32)
+    parser.add_argument("--zero", type=zero_stage, default=0, help="ZeRO stage of actor and critic")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:

@@ -60,6 +60,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from arguments import output_dir, output_file, override, positive_int
 from shapes import SHAPES, build_shape_model, parameter_count
 
 REPO = Path(__file__).resolve().parent.parent
@@ -343,24 +344,36 @@ def run_worker(home: Path, iterations: int, overrides: list[str], keep: Optional
         return json.loads(out.read_text())
 
 
+def save_freq(text: str) -> int:
+    """trainer.save_freq as the config takes it: every N >= 1 iterations, or -1 for the last-good one only."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1 and value != -1:
+        raise argparse.ArgumentTypeError(f"must be >= 1 (save every N iterations) or -1 (the last-good checkpoint "
+                                         f"only), got {text}")
+    return value
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--iterations", type=int, help="iterations measured (one more is run); default 5 on the "
+    parser.add_argument("--iterations", type=positive_int, help="iterations measured (one more is run); default 5 on the "
                         "demo (it validates and redraws its curve every 5th), 3 with --shape")
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a real model's layer shape, random weights, "
                         "the tiny batch (benchmarks/shapes.py); default: the demo's tiny model and batch")
-    parser.add_argument("--layers", type=int, default=8, help="layers of the --shape model")
+    parser.add_argument("--layers", type=positive_int, default=8, help="layers of the --shape model")
     parser.add_argument("--validate", action="store_true", help="with --shape: keep the demo's validation")
-    parser.add_argument("--save-freq", type=int, nargs="+", help="trainer.save_freq values, one run each "
-                        "(default: the preset's)")
+    parser.add_argument("--save-freq", type=save_freq, nargs="+", help="trainer.save_freq values, one run each "
+                        "(>= 1, or -1: the last-good checkpoint only; default: the preset's)")
     parser.add_argument("--design", choices=("legacy", "resident", "both"), default="resident",
                         help="trainer.resident_models=false|true; both: one run each, side by side")
-    parser.add_argument("--model-cache", type=Path, default=REPO / ".rlhf" / "models" / "shapes",
+    parser.add_argument("--model-cache", type=output_dir, default=REPO / ".rlhf" / "models" / "shapes",
                         help="where --shape models are built once and reused")
-    parser.add_argument("--keep", type=Path, help="copy each run directory under here (<design>-sf<N>)")
-    parser.add_argument("--json", type=Path, help="write every run's per-iteration rows here")
+    parser.add_argument("--keep", type=output_dir, help="copy each run directory under here (<design>-sf<N>)")
+    parser.add_argument("--json", type=output_file, help="write every run's per-iteration rows here")
     parser.add_argument("--worker", nargs=2, type=Path, help=argparse.SUPPRESS)
-    parser.add_argument("overrides", nargs="*", help="extra dotted config overrides")
+    parser.add_argument("overrides", nargs="*", type=override, help="extra dotted config overrides")
     return parser.parse_args()
 
 

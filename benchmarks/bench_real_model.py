@@ -38,6 +38,9 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
+
+from arguments import output_file, positive_float, positive_int  # noqa: E402
+
 GIB = 1024 ** 3
 STAGES = ("rollout", "score", "gae", "update", "guard", "validate")
 
@@ -217,8 +220,6 @@ def logits_worker(model_dir: Path, case: str, blocks: bool, sequences: int, prom
 
 
 def cmd_logits(args: argparse.Namespace) -> None:
-    if not (args.model / "config.json").is_file():
-        sys.exit(f"bench_real_model: --model {args.model}: no config.json there (SmolLM2: `make smollm2`)")
     results = []
     with tempfile.TemporaryDirectory(prefix="rlhf-bench-logits-") as scratch:
         for case in ("logprobs", "kl"):
@@ -254,28 +255,26 @@ def main() -> None:
     sub = parser.add_subparsers(dest="what", required=True)
     run = sub.add_parser("run", help="a preset's whole run: memory, time by stage, accuracy")
     run.add_argument("--preset", default="configs/smollm2-arith.yaml")
-    run.add_argument("--budget-gb", type=float, default=12.0, help="the peak RSS the run must stay within")
-    run.add_argument("--log", type=Path, help="where the run's own output goes")
-    run.add_argument("--out", type=Path, help="also write the numbers here as JSON")
+    run.add_argument("--budget-gb", type=positive_float, default=12.0, help="the peak RSS the run must stay within")
+    run.add_argument("--log", type=output_file, help="where the run's own output goes")
+    run.add_argument("--out", type=output_file, help="also write the numbers here as JSON")
     logits = sub.add_parser("logits", help="one pass's memory with the LM head on row blocks and in one call")
     logits.add_argument("--model", type=Path, default=REPO / "data/models/smollm2-135m-instruct")
-    logits.add_argument("--sequences", type=int, default=32)
-    logits.add_argument("--prompt", type=int, default=100)
-    logits.add_argument("--response", type=int, default=500)
+    logits.add_argument("--sequences", type=positive_int, default=32)
+    logits.add_argument("--prompt", type=positive_int, default=100)
+    logits.add_argument("--response", type=positive_int, default=500)
     logits.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args, rest = parser.parse_known_args()
     if args.what == "run":
         if not Path(args.preset).is_file():
             parser.error(f"--preset {args.preset}: no such file")
-        if args.budget_gb <= 0:
-            parser.error("--budget-gb must be > 0")
         args.overrides = rest  # key=value overrides and rlhf run's own options (--iterations N)
         cmd_run(args)
         return
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    if min(args.sequences, args.prompt, args.response) < 1:
-        parser.error("--sequences, --prompt and --response must be >= 1")
+    if not (args.model / "config.json").is_file():
+        parser.error(f"--model {args.model}: no config.json there (SmolLM2: `make smollm2`)")
     if args.worker:
         case, how, out = args.worker
         logits_worker(args.model, case, how == "blocks", args.sequences, args.prompt, args.response, Path(out))

@@ -56,6 +56,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 sys.path.insert(0, str(HERE))
+from arguments import nonnegative_int, output_dir, override, positive_int  # noqa: E402
 from bench_vs_trl import _trl_models, ensure_trl_venv, median, run_worker  # noqa: E402  (stdlib-only at import: the TRL venv imports it too)
 
 OUR_PHASES = ("rollout", "score", "gae", "update", "guard")
@@ -238,22 +239,22 @@ def load() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--iterations", type=int, default=3, help="iterations measured per run (after a warm-up one)")
-    parser.add_argument("--repeats", type=int, default=2, help="runs per side and shape, interleaved")
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--response-length", type=int, default=32)
+    parser.add_argument("--layers", type=positive_int, nargs="+", default=[4, 8])
+    parser.add_argument("--iterations", type=positive_int, default=3, help="iterations measured per run (after a warm-up one)")
+    parser.add_argument("--repeats", type=positive_int, default=2, help="runs per side and shape, interleaved")
+    parser.add_argument("--batch", type=positive_int, default=8)
+    parser.add_argument("--response-length", type=positive_int, default=32)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trl-threads", type=int, default=2)
+    parser.add_argument("--trl-threads", type=nonnegative_int, default=2, help="torch threads of TRL (0: torch's own choice)")
     parser.add_argument("--dtype", nargs="+", choices=("auto", "fp32", "bf16"), default=["auto"],
                         help="auto: ours with its default dtype against TRL in fp32; fp32: both in fp32; bf16: "
                              "both in bf16 mixed precision (TRL: bf16=True, autocast)")
-    parser.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--ours-override", action="append", type=override, default=[], metavar="KEY=VALUE")
     parser.add_argument("--bypass", action="store_true", help="ours with verl's bypass mode")
     parser.add_argument("--sampled-guard", action="store_true", help="ours with trainer.kl_guard_estimator=sampled "
                         "(one pass) instead of the default exact KL")
     parser.add_argument("--only", choices=("ours", "trl"), help="run one side only (a quick look; no ratio)")
-    parser.add_argument("--model-cache", type=Path, default=REPO / ".rlhf" / "models" / "shapes")
+    parser.add_argument("--model-cache", type=output_dir, default=REPO / ".rlhf" / "models" / "shapes")
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "rlhf-bench-trl-venv")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()

@@ -29,14 +29,16 @@ import tempfile
 import textwrap
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 REPO = Path(__file__).resolve().parents[1]
 os.environ.setdefault("TQDM_DISABLE", "1")  # the score loop's bar, as `rlhf run` hides it
 sys.path.insert(0, str(REPO))
 
-from rlhf_core.config import load_config  # noqa: E402
-from rlhf_core.rewards import registry  # noqa: E402
-from rlhf_core.stages import score  # noqa: E402
+from arguments import positive_int  # noqa: E402  (stdlib only: the score stage is imported after the arguments)
+
+if TYPE_CHECKING:
+    from rlhf_core.stages.score import RewardSettings
 
 USER = textwrap.dedent("""
     import re
@@ -77,9 +79,11 @@ def _time(fn, repeats: int) -> tuple[float, object]:
     return statistics.median(times), out
 
 
-def _split(settings: score.RewardSettings, rows: list[dict], repeats: int) -> tuple[float, float]:
+def _split(settings: RewardSettings, rows: list[dict], repeats: int) -> tuple[float, float]:
     """(median start of the function's process, median time of its calls on ``rows``), measured in the
     same repetitions: the start is the import of the user's module in a fresh child."""
+    from rlhf_core.rewards import registry
+
     starts, calls = [], []
     for _ in range(repeats):
         started = time.perf_counter()
@@ -95,9 +99,13 @@ def _split(settings: score.RewardSettings, rows: list[dict], repeats: int) -> tu
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, nargs="+", default=[64, 256])
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--rows", type=positive_int, nargs="+", default=[64, 256])
+    parser.add_argument("--repeats", type=positive_int, default=5)
     args = parser.parse_args()
+    from rlhf_core.config import load_config
+    from rlhf_core.rewards import registry
+    from rlhf_core.stages import score
+
     work = Path(tempfile.mkdtemp(prefix="bench-reward-"))
     user_file = work / "my_reward.py"
     user_file.write_text(USER)

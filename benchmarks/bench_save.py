@@ -37,7 +37,10 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.arguments import output_dir, output_file, positive_int, zero_stage  # noqa: E402
+
 GB = 1e9
+METHODS = ("legacy", "sharded")
 
 
 def rss_gb() -> float:
@@ -252,11 +255,11 @@ def table(results: dict) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--stages", type=int, nargs="+", default=[2, 3])
-    ap.add_argument("--methods", nargs="+", default=["legacy", "sharded"])
-    ap.add_argument("--model-cache", default=str(REPO / ".rlhf" / "models" / "shapes"))
-    ap.add_argument("--json")
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--stages", type=zero_stage, nargs="+", default=[2, 3])
+    ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
+    ap.add_argument("--model-cache", type=output_dir, default=str(REPO / ".rlhf" / "models" / "shapes"))
+    ap.add_argument("--json", type=output_file)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for a in ("--method", "--model", "--critic", "--scratch", "--out"):
         ap.add_argument(a, help=argparse.SUPPRESS)

@@ -24,6 +24,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from arguments import positive_int  # noqa: E402
+
 
 def load_sequences(tokenizer, n: int) -> tuple[list[list[int]], list[int]]:
     rows = [json.loads(line) for line in (REPO / "data/arith/train.jsonl").read_text().splitlines()[:n]]
@@ -60,10 +62,10 @@ def padded_passes(models, seqs, plens, batch: int = 16) -> float:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--prompts", type=int, default=256)
-    ap.add_argument("--budget", type=int, default=8192)
-    ap.add_argument("--repeats", type=int, default=3)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=positive_int, default=256)
+    ap.add_argument("--budget", type=positive_int, default=8192, help="tokens per packed micro-batch")
+    ap.add_argument("--repeats", type=positive_int, default=3)
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
@@ -90,6 +92,10 @@ def main() -> None:
         torch.manual_seed(args.seed)
         critic = load_critic(actor_dir, cpu, torch.float32, session=disk)
         seqs, plens = load_sequences(AutoTokenizer.from_pretrained(actor_dir), args.prompts)
+    longest = max(map(len, seqs))  # known only once tokenized: checked before any pass is timed
+    if longest > args.budget:
+        ap.error(f"--budget {args.budget} cannot hold the longest sequence ({longest} tokens); give --budget "
+                 f"{longest} or more")
 
     tokens = 3 * sum(map(len, seqs))
     packed_best, padded_best = 0.0, 0.0

@@ -51,6 +51,7 @@ REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.arguments import existing_dir, output_dir, output_file, positive_int, zero_stage  # noqa: E402
 from benchmarks.bench_save import GB, build_models, hwm_gb, reset_hwm, rss_gb  # noqa: E402  (after the path)
 METHODS = ("ours", "ours-reuse", "deepspeed", "dcp")
 LR = 1e-4
@@ -405,15 +406,15 @@ def table(results: dict[int, list[dict]]) -> str:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--stages", type=int, nargs="+", default=[0, 2, 3])
+    ap.add_argument("--layers", type=positive_int, default=4)
+    ap.add_argument("--stages", type=zero_stage, nargs="+", default=[0, 2, 3])
     ap.add_argument("--methods", nargs="+", default=list(METHODS), choices=METHODS)
-    ap.add_argument("--nproc", type=int, default=1, help="gloo ranks (1: one process, no launcher)")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds of every method (the table: medians)")
-    ap.add_argument("--tokens", type=int, default=64, help="tokens per sequence of the training steps (2 sequences)")
-    ap.add_argument("--scratch", default="/dev/shm", help="where the libraries write (RAM-backed)")
-    ap.add_argument("--model-cache", default=str(REPO / ".rlhf" / "models" / "shapes"))
-    ap.add_argument("--json")
+    ap.add_argument("--nproc", type=positive_int, default=1, help="gloo ranks (1: one process, no launcher)")
+    ap.add_argument("--repeat", type=positive_int, default=3, help="rounds of every method (the table: medians)")
+    ap.add_argument("--tokens", type=positive_int, default=64, help="tokens per sequence of the training steps (2 sequences)")
+    ap.add_argument("--scratch", type=existing_dir, default="/dev/shm", help="where the libraries write (RAM-backed)")
+    ap.add_argument("--model-cache", type=output_dir, default=str(REPO / ".rlhf" / "models" / "shapes"))
+    ap.add_argument("--json", type=output_file)
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     for a in ("--model", "--critic", "--out"):
         ap.add_argument(a, help=argparse.SUPPRESS)

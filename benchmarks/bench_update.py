@@ -30,6 +30,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from arguments import positive_int, zero_stage  # noqa: E402
+
 
 def arith_pairs(tokenizer, n: int) -> list[tuple[list[int], list[int]]]:
     rows = [json.loads(line) for line in (REPO / "data/arith/train.jsonl").read_text().splitlines()[:n]]
@@ -76,9 +78,9 @@ def worker(stage: int, sequences: int, epochs: int, seed: int, out: Path) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--sequences", type=int, default=64)
-    parser.add_argument("--stages", type=int, nargs="+", default=[0, 2, 3])
-    parser.add_argument("--epochs", type=int, default=1)
+    parser.add_argument("--sequences", type=positive_int, default=64)
+    parser.add_argument("--stages", type=zero_stage, nargs="+", default=[0, 2, 3])
+    parser.add_argument("--epochs", type=positive_int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--worker-stage", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--worker-out", type=Path, help=argparse.SUPPRESS)

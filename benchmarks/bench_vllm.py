@@ -31,6 +31,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
+from arguments import output_file, positive_int  # noqa: E402
+
 os.environ.setdefault("VLLM_HOST_IP", "127.0.0.1")
 
 
@@ -110,13 +112,13 @@ def moved_copy(model_dir: Path, out: Path) -> Path:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", type=Path, help="a model directory to measure instead of the random-weight shape")
-    parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--prompts", type=int, default=64)
-    parser.add_argument("--new-tokens", type=int, default=32)
-    parser.add_argument("--syncs", type=int, default=3, help="weight syncs timed (best reported)")
-    parser.add_argument("--budget", type=int, default=8192, help="hf: generation batch token budget")
+    parser.add_argument("--layers", type=positive_int, default=8)
+    parser.add_argument("--prompts", type=positive_int, default=64)
+    parser.add_argument("--new-tokens", type=positive_int, default=32)
+    parser.add_argument("--syncs", type=positive_int, default=3, help="weight syncs timed (best reported)")
+    parser.add_argument("--budget", type=positive_int, default=8192, help="hf: generation batch token budget")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, help="also write the numbers here as JSON")
+    parser.add_argument("--out", type=output_file, help="also write the numbers here as JSON")
     args = parser.parse_args()
     if args.model is not None and not (args.model / "config.json").is_file():
         parser.error(f"--model {args.model}: no config.json there (for SmolLM2: `make smollm2`)")

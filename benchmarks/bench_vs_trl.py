@@ -64,6 +64,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from arguments import nonnegative_int, override, positive_int, tiny_hidden_size  # stdlib only, as this module must be
+
 REPO = Path(__file__).resolve().parent.parent
 TRL_VERSION = "1.12.0"
 PINS = (["torch==2.13.0"], [f"trl=={TRL_VERSION}", "transformers==5.24.0"])
@@ -356,25 +358,27 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--mode", choices=("iteration", "update"), default="iteration",
                         help="iteration: whole iterations, ours through the real flow; update: the PPO update alone")
-    parser.add_argument("--iterations", type=int, default=5, help="(iteration mode) iterations measured per run "
+    parser.add_argument("--iterations", type=positive_int, default=5, help="(iteration mode) iterations measured per run "
                         "(one more is run: its start ends the last measured one)")
-    parser.add_argument("--batch", type=int, default=64)
-    parser.add_argument("--mini-batch", type=int, default=32)
-    parser.add_argument("--response-length", type=int, default=32)
-    parser.add_argument("--epochs", type=int, help="PPO epochs (default: 1 in iteration mode, as the demo; 2 in update mode)")
-    parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--intermediate", type=int, default=176)
+    parser.add_argument("--batch", type=positive_int, default=64)
+    parser.add_argument("--mini-batch", type=positive_int, default=32, help="prompts per optimizer step: it divides "
+                        "--batch (TRL splits the batch into equal mini-batches)")
+    parser.add_argument("--response-length", type=positive_int, default=32)
+    parser.add_argument("--epochs", type=positive_int, help="PPO epochs (default: 1 in iteration mode, as the demo; 2 in update mode)")
+    parser.add_argument("--hidden", type=tiny_hidden_size, default=64,
+                        help="a multiple of 8: the tiny model's 4 attention heads, each of an even width")
+    parser.add_argument("--layers", type=positive_int, default=2)
+    parser.add_argument("--intermediate", type=positive_int, default=176)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--token-budget", type=int, default=2048, help="our micro-batch token budget (the demo's 2048)")
-    parser.add_argument("--ours-override", action="append", default=[], metavar="KEY=VALUE",
+    parser.add_argument("--token-budget", type=positive_int, default=2048, help="our micro-batch token budget (the demo's 2048)")
+    parser.add_argument("--ours-override", action="append", type=override, default=[], metavar="KEY=VALUE",
                         help="extra config override for our update (repeatable), e.g. data.use_sequence_packing=false")
-    parser.add_argument("--trl-threads", type=int, nargs="+",
+    parser.add_argument("--trl-threads", type=nonnegative_int, nargs="+",
                         help="torch thread settings to run TRL at (0 = torch's own choice, all cores; default: 2 in "
                              "iteration mode, 1 and 0 in update mode); each is reported with its own ratio. Ours "
                              "picks its threads itself (1 per model of small matmuls, models.threads; the critic and the actor "
                              "at the same time on >= 2 cores)")
-    parser.add_argument("--repeats", type=int, default=3, help="runs per side (interleaved); medians are reported")
+    parser.add_argument("--repeats", type=positive_int, default=3, help="runs per side (interleaved); medians are reported")
     parser.add_argument("--venv", type=Path, default=Path(tempfile.gettempdir()) / "rlhf-bench-trl-venv")
     parser.add_argument("--worker", nargs=3, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -382,6 +386,9 @@ def main() -> None:
         role, spec_path, out = args.worker
         WORKERS[role](json.loads(Path(spec_path).read_text()), Path(out))
         return
+    if args.batch % args.mini_batch:  # also refuses a mini-batch larger than the batch
+        parser.error(f"--mini-batch {args.mini_batch} must divide --batch {args.batch} (TRL splits the batch into "
+                     "equal mini-batches; ours takes the same ones)")
     iteration_mode = args.mode == "iteration"
     args.epochs = args.epochs or (1 if iteration_mode else 2)
     args.trl_threads = args.trl_threads or ([2] if iteration_mode else [1, 0])

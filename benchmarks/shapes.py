@@ -110,12 +110,15 @@ def parameter_count(model_dir: str | Path) -> int:
 if __name__ == "__main__":
     import argparse
 
+    from arguments import at_least, output_dir, positive_int  # benchmarks/arguments.py: this script's folder is on sys.path
+
     parser = argparse.ArgumentParser(description="build (or find) a shape model")
-    parser.add_argument("--out", type=Path, default=REPO / ".rlhf" / "models" / "shapes")
+    parser.add_argument("--out", type=output_dir, default=REPO / ".rlhf" / "models" / "shapes")
     parser.add_argument("--shape", default="qwen2.5-0.5b", choices=sorted(SHAPES))
-    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--layers", type=positive_int, default=8)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--vocab", type=int, help="the model's vocabulary (default: the tokenizer's 512)")
+    parser.add_argument("--vocab", type=at_least(TOKENIZER_VOCAB),
+                        help=f"the model's vocabulary (default: the tokenizer's {TOKENIZER_VOCAB})")
     a = parser.parse_args()
     path = build_shape_model(a.out, a.shape, a.layers, a.seed, a.vocab)
     print(f"{path} ({parameter_count(path) / 1e6:.1f} M parameters)")

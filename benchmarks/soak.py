@@ -38,6 +38,8 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from arguments import positive_int  # benchmarks/arguments.py: sys.path[0] is this script's folder
+
 REPO = Path(__file__).resolve().parents[1]
 KINDS = ("kill_point", "kill_time", "corrupt", "nan")
 SHARE = {"kill_point": 0.3, "kill_time": 0.15, "corrupt": 0.15, "nan": 0.15}
@@ -106,7 +108,8 @@ def run_iteration(cfg, run, k: int, fault: dict) -> None:
 
 def worker(run_dir: Path, until: int, fault: dict) -> None:
     from rlhf_core.run.lock import RunLock
-    from rlhf_core.control.plan import open_run, plan_run
+    from rlhf_core.control.opening import open_run
+    from rlhf_core.control.plan import plan_run
     from rlhf_core.run.stage_order import get_stage
 
     plan = plan_run(resume=run_dir)
@@ -303,11 +306,23 @@ def print_table(result: dict, iterations: int, seed: int, seconds: float) -> Non
     print(f"data lost: {sum(len(v) for v in lost.values())}" + (f"  {lost}" if lost else ""))
 
 
+def fresh_dir(text: str) -> Path:
+    """--work-dir: the soak starts a new run in DIR/run, so an earlier soak's run there would be refused
+    only after the model is built."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; give a directory")
+    if (path / "run").exists():
+        raise argparse.ArgumentTypeError(f"{text} already holds a soak run ({path / 'run'}); give a new directory")
+    return path
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--iterations", type=int, default=20)
+    p.add_argument("--iterations", type=positive_int, default=20)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--work-dir", type=Path, help="where the run goes (default: a temporary directory)")
+    p.add_argument("--work-dir", type=fresh_dir, help="where the run goes, a directory without a run in it "
+                   "(default: a temporary directory)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
     p.add_argument("--verbose", action="store_true", help="list each fault")
     p.add_argument("--worker", type=Path, help=argparse.SUPPRESS)

@@ -11,7 +11,10 @@ tokens, sampled to exactly ``--new-tokens`` new tokens (min = max), one warm-up 
 (3) scoring: old log-probs of those sequences under the same model (rlhf_core.scoring.logprobs) into an
 advantages table (Gaussian advantages/returns: throughput does not depend on their values); (4) one PPO
 update with ``--epochs`` epochs and mini-batches of ``--mini-batch`` sequences, micro-batches packed to
-``--token-budget`` tokens.
+``--token-budget`` tokens. ``--mini-batch`` defaults to 64, cut to ``--batch`` when that is smaller (said in
+one line on stderr). A bad argument (a count below 1, a ``--mini-batch`` above ``--batch``, a sequence longer
+than ``--token-budget``, ``--device cuda`` without CUDA) is refused in one line, exit status 2, before
+anything is built.
 
 MFU = 6 × params × tokens/s / peak: training costs ~6 FLOPs per parameter per token (forward 2, backward
 4; attention's own FLOPs left out, as is usual). Update: actor and critic each train on every token, so
@@ -31,10 +34,18 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from arguments import (device_name, note, output_file, positive_float, positive_int, require_device,  # noqa: E402
+                       zero_stage)
+
 QWEN25_05B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936)
 SMALL = dict(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=352, vocab_size=4096)
+MAX_POSITIONS = 4096
+"""The model's max_position_embeddings (build_model): a prompt and its response must fit in it."""
+DEFAULT_MINI_BATCH = 64
 
 
 def build_model(out: Path, shape: dict, device: str) -> int:
@@ -119,30 +130,54 @@ def update(model_dir: Path, home: Path, table, args, device: str) -> dict:
     return update_once(cfg, run, 1, progress=False)
 
 
-def main() -> None:
+def parse_args(argv=None) -> argparse.Namespace:
+    """The arguments, checked before anything is built: a bad value is one line and exit status 2."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--device", type=device_name, default="cuda")
     parser.add_argument("--small", action="store_true", help="a small shape, for a dry run without a GPU")
     parser.add_argument("--dry-run", action="store_true",
                         help="every step on the CPU at the small shape and a handful of tokens (what CI runs)")
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--prompt-len", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--mini-batch", type=int, help="sequences per optimizer step (default: 64, or --batch if smaller)")
-    parser.add_argument("--epochs", type=int, default=2)
-    parser.add_argument("--token-budget", type=int, default=16384)
-    parser.add_argument("--zero", type=int, default=1)
-    parser.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the GPU")
-    parser.add_argument("--out", type=Path, help="also write the numbers here as JSON")
-    args = parser.parse_args()
+    parser.add_argument("--batch", type=positive_int, default=256)
+    parser.add_argument("--prompt-len", type=positive_int, default=128)
+    parser.add_argument("--new-tokens", type=positive_int, default=256)
+    parser.add_argument("--mini-batch", type=positive_int,
+                        help=f"sequences per optimizer step (default: {DEFAULT_MINI_BATCH}, or --batch if smaller)")
+    parser.add_argument("--epochs", type=positive_int, default=2)
+    parser.add_argument("--token-budget", type=positive_int, default=16384)
+    parser.add_argument("--zero", type=zero_stage, default=1)
+    parser.add_argument("--peak-tflops", type=positive_float, default=989.0, help="dense bf16 peak of the GPU")
+    parser.add_argument("--out", type=output_file, help="also write the numbers here as JSON")
+    args = parser.parse_args(argv)
     if args.dry_run:
         args.small, args.device = True, "cpu"
         args.batch, args.prompt_len, args.new_tokens, args.mini_batch, args.epochs, args.token_budget = 4, 8, 8, 4, 1, 256
     if args.mini_batch is None:
-        args.mini_batch = min(64, args.batch)
-    elif not 1 <= args.mini_batch <= args.batch:
+        args.mini_batch = derived_mini_batch(args.batch)
+    elif args.mini_batch > args.batch:
         parser.error(f"--mini-batch {args.mini_batch} must be between 1 and --batch {args.batch} (sequences per "
                      "optimizer step out of the batch)")
+    length = args.prompt_len + args.new_tokens  # every sequence is sampled to exactly this length
+    if length > MAX_POSITIONS:
+        parser.error(f"--prompt-len {args.prompt_len} + --new-tokens {args.new_tokens} = {length} tokens is more "
+                     f"than the model's {MAX_POSITIONS} positions; shorten one of them")
+    if length > args.token_budget:
+        parser.error(f"--token-budget {args.token_budget} cannot hold one sequence of --prompt-len {args.prompt_len} "
+                     f"+ --new-tokens {args.new_tokens} tokens; give --token-budget {length} or more")
+    require_device(parser, "--device", args.device, " (or --dry-run)")
+    return args
+
+
+def derived_mini_batch(batch: int) -> int:
+    """The mini-batch when none is given: the default, cut to the batch (the config refuses a mini-batch
+    larger than data.train_batch_size; it asks for no divisibility), said in one line when cut."""
+    if batch >= DEFAULT_MINI_BATCH:
+        return DEFAULT_MINI_BATCH
+    note("bench_h200", f"--mini-batch {batch}: the default {DEFAULT_MINI_BATCH} is more than --batch {batch}")
+    return batch
+
+
+def main() -> None:
+    args = parse_args()
     os.environ.setdefault("RLHF_HOME", tempfile.mkdtemp(prefix="rlhf-bench-gpu-"))
     home = Path(os.environ["RLHF_HOME"])
     model_dir = home / "qwen2-shaped"

@@ -30,8 +30,10 @@ with the stages that reach them: update ↔ update, scoring ↔ score. ``nvidia-
 too (a vLLM engine runs in its own process, which torch's counters miss).
 
 MFU = 6 × (actor + critic parameters) × update tokens/s / ``--peak-tflops`` (H200 dense bf16: 989).
-Writes every number to ``--out`` (JSON) and prints the tables. Exits 2 without CUDA unless
-``--allow-cpu`` (or ``--dry-run``).
+Writes every number to ``--out`` (JSON) and prints the tables. Exits 2 with one line on stderr without
+CUDA unless ``--allow-cpu`` (or ``--dry-run``), with ``--rollout vllm`` where vLLM cannot run, and for a bad
+argument (a count below 1, a vocabulary below the tokenizer's 512, an override without ``=``, an
+``--out`` or ``--markdown`` in a directory that does not exist) before anything is built.
 """
 
 from __future__ import annotations
@@ -52,8 +54,9 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
+from arguments import at_least, nonnegative_int, output_file, override, positive_float, positive_int  # noqa: E402
 from bench_overhead import offline_env  # noqa: E402
-from shapes import build_shape_model, parameter_count  # noqa: E402
+from shapes import TOKENIZER_VOCAB, build_shape_model, parameter_count  # noqa: E402
 
 STAGES = ("rollout", "score", "gae", "update", "guard", "validate")
 GIB = 2 ** 30
@@ -231,18 +234,19 @@ VERL_QUICKSTART_STEP_S = 68.0
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--layers", type=int, default=24, help="Qwen2.5-0.5B has 24")
-    p.add_argument("--iterations", type=int, default=1, help="iterations measured (one more runs first)")
-    p.add_argument("--prompts", type=int, default=256)
-    p.add_argument("--max-response", type=int, default=256)
-    p.add_argument("--vocab", type=int, default=QWEN25_VOCAB, help="embedding and LM head rows (tokenizer: 512)")
+    p.add_argument("--layers", type=positive_int, default=24, help="Qwen2.5-0.5B has 24")
+    p.add_argument("--iterations", type=nonnegative_int, default=1, help="iterations measured (one more runs first)")
+    p.add_argument("--prompts", type=positive_int, default=256)
+    p.add_argument("--max-response", type=positive_int, default=256)
+    p.add_argument("--vocab", type=at_least(TOKENIZER_VOCAB), default=QWEN25_VOCAB,
+                   help=f"embedding and LM head rows (tokenizer: {TOKENIZER_VOCAB})")
     p.add_argument("--rollout", choices=("vllm", "hf"), default="hf")
-    p.add_argument("--peak-tflops", type=float, default=989.0)
+    p.add_argument("--peak-tflops", type=positive_float, default=989.0)
     p.add_argument("--allow-cpu", action="store_true", help="run on a machine without CUDA (fp32 there)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny shape: the whole path in about a minute")
-    p.add_argument("--out", type=Path, default=Path(tempfile.gettempdir()) / "bench_iteration.json")
-    p.add_argument("--markdown", type=Path, help="also append the tables to this Markdown file")
-    p.add_argument("override", nargs="*", help="extra dotted config overrides")
+    p.add_argument("--out", type=output_file, default=Path(tempfile.gettempdir()) / "bench_iteration.json")
+    p.add_argument("--markdown", type=output_file, help="also append the tables to this Markdown file")
+    p.add_argument("override", nargs="*", type=override, help="extra dotted config overrides")
     args = p.parse_args(argv)
     if args.dry_run:
         vars(args).update(DRY_RUN)
@@ -260,10 +264,19 @@ def main(argv: Optional[list[str]] = None) -> None:
     import torch
 
     cuda = torch.cuda.is_available() and not args.dry_run
-    if not cuda and not args.allow_cpu:
-        sys.exit(2)  # nothing to measure: this script is the GPU check (see --allow-cpu, --dry-run)
+    if not cuda and not args.allow_cpu:  # nothing to measure: this script is the GPU check
+        print("bench_iteration: this machine has no CUDA device; pass --allow-cpu to measure on the CPU, or "
+              "--dry-run", file=sys.stderr)
+        sys.exit(2)
     if not cuda and MMAP_THRESHOLD not in os.environ and argv is None:  # read by glibc at start: start again
         os.execve(sys.executable, [sys.executable, *sys.argv], {**os.environ, MMAP_THRESHOLD: str(1 << 20)})
+    if args.rollout == "vllm":  # after the re-start above: vLLM is imported once, by the process that runs
+        from rlhf_core.rollout.vllm_engine import vllm_unavailable_reason
+
+        reason = vllm_unavailable_reason()
+        if reason:
+            print(f"bench_iteration: --rollout vllm cannot run here: {reason}", file=sys.stderr)
+            sys.exit(2)
     home = Path(tempfile.mkdtemp(prefix="rlhf-bench-iteration-"))
     offline_env(home)
     os.environ.pop("PREFECT_API_URL", None)  # rlhf's own temporary server, as a user's first run gets

@@ -17,7 +17,9 @@ bf16, seed 0), written locally, no hub. Its vocabulary is the real 151,936 token
 knows 512, so the checks generate with ``detokenize=False`` straight on ``engine.llm``. The "updated
 actor" is the checkpoint's own tensors on the GPU (bf16, as a trainer holds them) plus Gaussian noise
 (``--noise`` × each tensor's standard deviation).
-Exits with status 2 and the reason when this machine has no CUDA GPU or no vllm. The dry run takes
+Exits with status 2 and the reason when this machine has no CUDA GPU or no vllm, or when an argument is
+bad (a count below 1, a ``--gpu-memory-utilization`` outside (0, 1], a ``--max-model-len`` that cannot hold
+the 32-token prompts and ``--new-tokens``), before anything is built. The dry run takes
 the same steps with vLLM's CPU build at a small shape in fp32 (1 layer, 2 heads of 64, vocabulary
 4096): there sleep frees nothing and the memory columns read 0, and the checks still hold.
 """
@@ -34,7 +36,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from arguments import fraction, output_file, positive_float, positive_int  # noqa: E402
+
 GiB = 1024 ** 3
+PROMPT_TOKENS = 32
+"""Tokens of each random prompt the checks generate from."""
 
 
 def greedy_tokens(engine, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -85,18 +93,22 @@ def timed(fn) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--layers", type=int, default=24, help="decoder layers (Qwen2.5-0.5B has 24)")
-    parser.add_argument("--rounds", type=int, default=3, help="sleep → load_weights → generate rounds")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.5)
-    parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--prompts", type=int, default=8)
-    parser.add_argument("--new-tokens", type=int, default=16)
-    parser.add_argument("--out", type=Path, help="also write the numbers here as JSON")
-    parser.add_argument("--noise", type=float, default=0.5, help="the updated actor: weights + noise × each tensor's std")
+    parser.add_argument("--layers", type=positive_int, default=24, help="decoder layers (Qwen2.5-0.5B has 24)")
+    parser.add_argument("--rounds", type=positive_int, default=3, help="sleep → load_weights → generate rounds")
+    parser.add_argument("--gpu-memory-utilization", type=fraction, default=0.5)
+    parser.add_argument("--max-model-len", type=positive_int, default=2048)
+    parser.add_argument("--prompts", type=positive_int, default=8)
+    parser.add_argument("--new-tokens", type=positive_int, default=16)
+    parser.add_argument("--out", type=output_file, help="also write the numbers here as JSON")
+    parser.add_argument("--noise", type=positive_float, default=0.5,
+                        help="the updated actor: weights + noise × each tensor's std (> 0: the check needs a change)")
     parser.add_argument("--dry-run", action="store_true", help="vLLM's CPU build at a small shape, fp32, one round")
     args = parser.parse_args()
     if args.dry_run:  # one random layer with tied embeddings repeats its input token unless the noise swamps it
         args.rounds, args.prompts, args.new_tokens, args.max_model_len, args.noise = 1, 4, 16, 256, 4.0
+    if args.max_model_len < PROMPT_TOKENS + args.new_tokens:
+        parser.error(f"--max-model-len {args.max_model_len} cannot hold a {PROMPT_TOKENS}-token prompt and "
+                     f"--new-tokens {args.new_tokens}; give --max-model-len {PROMPT_TOKENS + args.new_tokens} or more")
 
     from rlhf_core.rollout.vllm_engine import VLLMEngine, vllm_unavailable_reason
 
@@ -105,6 +117,10 @@ def main() -> None:
         print(f"bench_vllm_resident: cannot run here: {reason}", file=sys.stderr)
         sys.exit(2)
     import torch
+
+    if not args.dry_run and not torch.cuda.is_available():  # a vLLM CPU build passes the check above
+        print("bench_vllm_resident: cannot run here: no CUDA GPU is visible (on the CPU: --dry-run)", file=sys.stderr)
+        sys.exit(2)
     import vllm
 
     from bench_h200 import QWEN25_05B, build_model
@@ -114,7 +130,7 @@ def main() -> None:
     shape = DRY_RUN_SHAPE if args.dry_run else dict(QWEN25_05B, num_hidden_layers=args.layers)
     params = build_model(model_dir, shape, "cpu")
     g = torch.Generator().manual_seed(0)
-    prompts = torch.randint(0, 512, (args.prompts, 32), generator=g).tolist()
+    prompts = torch.randint(0, 512, (args.prompts, PROMPT_TOKENS), generator=g).tolist()
 
     before_engine = in_use()
     started = time.perf_counter()

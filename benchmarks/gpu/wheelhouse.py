@@ -138,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.host_packages.is_file():
         parser.error(f"--host-packages {args.host_packages}: no such file; on the host: python3 -m pip freeze > host.txt")
     if not args.venv_python.is_file():
-        parser.error(f"{args.venv_python} not found: run `make install` first (the project's packages are read from it)")
+        parser.error(f"--venv-python {args.venv_python}: no such file; run `make install` first (the project's "
+                     "packages are read from it)")
+    if args.out.exists() and not args.out.is_dir():  # found only after minutes of downloads otherwise
+        parser.error(f"--out {args.out} is a file; give a directory for the archive and env.sh")
     carry, left = to_carry(frozen(args.venv_python), read_host_packages(args.host_packages))
     print(f"wheelhouse: {len(carry)} packages to carry, {len(left)} left to the host")
     if args.dry_run:
