@@ -33,7 +33,8 @@ from rlhf_core.errors import CheckpointError
 from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.run.lifecycle import KLGuardHalt, committed_iterations
 from rlhf_core.run.lock import RunLock
-from rlhf_core.control.plan import RunPlan, logs_to, open_run, plan_run, resolve_iterations
+from rlhf_core.control.opening import open_run
+from rlhf_core.control.plan import RunPlan, logs_to, plan_run, resolve_iterations
 from rlhf_core.run.report import format_iteration_header, format_iteration_row, iteration_metrics
 from rlhf_core.run.stage_order import SETUP_STAGES, VALIDATE
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due

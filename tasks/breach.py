@@ -61,7 +61,7 @@ def _handle_breach(cfg: RLHFConfig, run_dir: str, iteration: int, attempt: int,
         # reward's KL coefficient, the config changes as values, an id); config.yaml second. A kill
         # before retry.json leaves the run as it was (the resume redoes the breach and retries once).
         # A kill after it and before the "retry" event below (which names the id) is finished by the
-        # resume (``lifecycle.unfinished_retry``, ``control.plan.finish_retry``): it saves the recorded
+        # resume (``lifecycle.unfinished_retry``, ``control.opening.finish_retry``): it saves the recorded
         # values, which applied twice change nothing, and never decides the retry again, so the
         # iteration reruns once with the recorded scale and learning rate (never multiplied twice).
         retry = record_retry(run, k, attempt, changes,

@@ -4,7 +4,8 @@ The Prefect flow (flows/pipeline.py) only wires tasks; the decisions it needs li
 ``run.schedule`` (what is due when), ``run.lifecycle`` (commit, roll back, resume) and
 ``run.report`` (what an iteration reports), as plain functions that tests call without Prefect:
 
-    plan = plan_run(preset="configs/demo.yaml", overrides=[...], run_name="demo"); open_run(plan)
+    plan = plan_run(preset="configs/demo.yaml", overrides=[...], run_name="demo")
+    open_run(plan)  (``control.opening``, under the run lock)
     (preprocess) cfg = resolve_iterations(plan)
     for k in plan.iterations(): ...
 
@@ -16,36 +17,32 @@ the update's learning-rate schedule all read that one number.
 
 from __future__ import annotations
 
-import shutil
 import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from rlhf_core.config import ConfigError, RLHFConfig, apply_overrides, config_from_dict, flatten, load_config, to_yaml
+from rlhf_core.config import ConfigError, RLHFConfig, apply_overrides, config_from_dict, load_config, to_yaml
 from rlhf_core.config import resolve
 from rlhf_core.run.inputs import check_inputs
 from rlhf_core.config.loader import parse_override
 from rlhf_core.config.notes import say_once
 from rlhf_core.config.validate import LOGGERS_HERE
 from rlhf_core.training.run_dtype import keep_recorded_dtype
-from rlhf_core.data.preprocess import prompt_supply_problem
+from rlhf_core.data.preprocess import (NoPromptsError, first_reject, no_prompts_problem, prompt_supply_problem,
+                                       rejects_query, screen_files)
 from rlhf_core.errors import DataError, RLHFError, require_writable
 from rlhf_core.paths import resolve_path
 from rlhf_core.run.layout import RunDir, StateFileError, write_config
-from rlhf_core.io.atomic import clean_temporaries
-from rlhf_core.run.lifecycle import (committed_iterations, last_good_iteration, prune_checkpoints,
-                                     rebuild_commit_log, unfinished_retry)
+from rlhf_core.run.lifecycle import last_good_iteration
 from rlhf_core.run.migrate import migrate, stamp
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.saved_config import run_config_tree
-from rlhf_core.run.report import iteration_metrics
 from rlhf_core.run.schedule import initial_validation_due, stops_after_validation
 from rlhf_core.stages.base import refuse_out_of_date
 from rlhf_core.stages.gae import refuse_edited_retry_records
-from rlhf_core.stages.preprocess import refuse_changed_data
-from rlhf_core.stages.repair import rebuild_last_good, repair_run
+from rlhf_core.stages.preprocess import data_files, refuse_changed_data
 
 
 @dataclass
@@ -103,20 +100,6 @@ def never_trained(run: RunDir) -> bool:
     return run.config_path.is_file() and not run.last_good_path.exists() and not run.iterations()
 
 
-def start_afresh(run: RunDir) -> bool:
-    """Under the run lock: empty a ``never_trained`` directory (its lock files stay) for a new run of
-    that name; False when there was nothing to empty. A directory that trained meanwhile is refused."""
-    leftovers = [p for p in run.root.iterdir() if not p.name.startswith(run.lock_path.name)]
-    if not leftovers:
-        return False
-    if not never_trained(run):
-        raise RLHFError(f"run directory {run.root} already exists; pick another run name or resume it with "
-                        f"`rlhf run --resume {run.root}`")
-    for p in leftovers:
-        shutil.rmtree(p) if p.is_dir() and not p.is_symlink() else p.unlink()
-    return True
-
-
 def resume_point(run: RunDir) -> int:
     """The first iteration not yet committed: last-good + 1 (1 when nothing was committed; also
     while the commit log is damaged, which ``open_run`` repairs before it asks again)."""
@@ -147,6 +130,7 @@ def plan_run(preset: Optional[str] = None, overrides: Sequence[str] = (), iterat
         return RunPlan(cfg=cfg, run=run, first_iteration=resume_point(run), resumed=True)
     cfg = resolve_run_config(None, preset, overrides)
     check_inputs(cfg)  # a missing data/model path fails before a run directory or MLflow run exists
+    screen_data(cfg)
     note_loggers(cfg)
     return RunPlan(cfg=cfg, run=RunDir(new_run_dir(cfg, run_name)), first_iteration=1, resumed=False)
 
@@ -180,9 +164,29 @@ def check_prompt_supply(cfg: RLHFConfig, run: RunDir) -> None:
     rows = (read_manifest(run, None).get("preprocess") or {}).get("rows")
     if not rows:  # preprocess has not recorded counts here (tables written by other means)
         return
+    problem = supply_problem(cfg, rows, rejects_query(run.root))
+    if problem:
+        raise DataError(problem)
+
+
+def supply_problem(cfg: RLHFConfig, rows: dict[str, int], rejects_at: str) -> Optional[str]:
+    """``prompt_supply_problem`` for this run's schedule: whether it trains and whether it validates."""
     validates = initial_validation_due(cfg.trainer) or cfg.trainer.test_freq > 0 or cfg.trainer.kl_guard_val_prompts > 0
-    problem = prompt_supply_problem(rows, cfg.data, trains=not stops_after_validation(cfg.trainer), validates=validates,
-                                    run_root=run.root)
+    return prompt_supply_problem(rows, cfg.data, trains=not stops_after_validation(cfg.trainer), validates=validates,
+                                 rejects_at=rejects_at)
+
+
+def screen_data(cfg: RLHFConfig) -> None:
+    """A new run's data mistakes, refused before its run directory, Prefect server or MLflow run
+    exists (``data.preprocess.screen_files``: files read, rows adapted and deduplicated, no
+    tokenizer): no rows, no row in the adapter's layout, too few rows accepted or too few to train
+    or validate on. Only what the tokenizer decides (the length rule) is left to the stage; a
+    refusal here is one the stage would make too."""
+    train_files, val_files = data_files(cfg.data)
+    screening = screen_files(train_files, val_files, cfg.data)
+    if screening.train == 0:
+        raise NoPromptsError(no_prompts_problem(screening, cfg.data), rows=screening.rows)
+    problem = supply_problem(cfg, screening.rows, first_reject(screening))
     if problem:
         raise DataError(problem)
 
@@ -208,57 +212,6 @@ def fill_total_iterations(cfg: RLHFConfig, run: RunDir) -> RLHFConfig:
     return cfg
 
 
-def open_run(plan: RunPlan) -> None:
-    """Save the run's config (a resume's overrides included) and note a resume in the event log."""
-    plan.run.root.mkdir(parents=True, exist_ok=True)
-    retry = None
-    if plan.resumed:
-        repaired = prepare_resume(plan.run)
-        keep_recorded_dtype(plan.cfg, plan.run)
-        plan.first_iteration = resume_point(plan.run)
-        retry = unfinished_retry(plan.run, plan.first_iteration)
-        if retry is not None:  # killed between the retry's record and its config write (tasks.breach)
-            plan.cfg, finished = finish_retry(plan.cfg, retry)
-            repaired["finished_retry"] = finished
-        plan.run.append_event("resume", plan.first_iteration, **repaired,
-                              closed=close_committed(plan.cfg, plan.run))
-    else:
-        if start_afresh(plan.run):
-            say_once(f"run directory {plan.run.root}: its earlier run stopped before its first iteration; "
-                     "started afresh")
-        stamp(plan.run)
-    write_config(plan.run, to_yaml(plan.cfg))
-    if retry is not None:  # its changes are saved now: the retry is finished, never decided again
-        plan.run.append_event("retry", plan.first_iteration, attempt=retry.get("attempt"),
-                              changes=retry.get("changes") or {}, retry_id=retry["id"], finished_by="resume")
-
-
-def finish_retry(cfg: RLHFConfig, record: dict) -> tuple[RLHFConfig, list[str]]:
-    """``cfg`` with an unfinished retry's config changes applied, each where ``cfg`` still holds the
-    value the retry changed (a key the resume's command line set keeps that value); and the overrides
-    applied. Applying them again changes nothing, so a kill before the resume's event is harmless."""
-    flat = flatten(cfg)
-    overrides = []
-    for key, pair in (record.get("changes") or {}).items():
-        if isinstance(pair, list) and len(pair) == 2 and key in flat and flat[key] == pair[0]:
-            overrides.append(f"{key}={pair[1]!r}")
-    return (apply_overrides(cfg, overrides) if overrides else cfg), overrides
-
-
-def prepare_resume(run: RunDir) -> dict:
-    """Before a resume continues, under the run lock: leftovers of interrupted writes removed, the
-    directory upgraded to the current format, a lost or damaged commit log rebuilt from the guard
-    verdicts, and every damaged artifact of the committed lineage rebuilt by its producer or fallen
-    back from (``stages.repair``), each said in one line. Returns what was done, for the resume event."""
-    removed = clean_temporaries(run.root)
-    saved = saved_config(run)
-    migrated = upgrade_format(run, saved)
-    rebuilt = rebuild_commit_log(run)
-    repairs = repair_run(run, saved) + rebuild_last_good(run)
-    return {"cleaned": [str(p) for p in removed], "migrated": migrated, "rebuilt_commit_log": rebuilt,
-            "repairs": repairs}
-
-
 def saved_config(run: RunDir) -> RLHFConfig:
     """The run's config as config.yaml holds it (what its iterations ran with, before any overrides
     of the command at hand)."""
@@ -268,22 +221,6 @@ def saved_config(run: RunDir) -> RLHFConfig:
 def upgrade_format(run: RunDir, saved: RLHFConfig) -> Optional[str]:
     """``migrate`` with what it reads of the run's saved config; one line of what it did, or None."""
     return migrate(run, saved.algorithm.kl_ctrl, saved.data.reward_fn_key)
-
-
-def close_committed(cfg: RLHFConfig, run: RunDir) -> list[int]:
-    """What a commit implies, redone for every committed iteration a crash left without it (a kill
-    right after the commit's rename): its commit event, its iteration metrics, then the checkpoint
-    pruning. Returns the iterations whose metrics were written."""
-    committed = committed_iterations(run)
-    noted = {e.get("iteration") for e in run.events() if e.get("kind") == "commit"}
-    for k in committed:
-        if k not in noted:
-            run.append_event("commit", k, recovered=True)
-    unreported = [k for k in committed if not run.iteration_metrics(k).is_file()]
-    for k in unreported:
-        iteration_metrics(cfg.data, run, k)
-    prune_checkpoints(cfg.trainer, run)
-    return unreported
 
 
 def save_config(run: RunDir, cfg: RLHFConfig) -> None:

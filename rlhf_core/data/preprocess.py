@@ -134,6 +134,19 @@ REJECTS_SQL = "SELECT reason, count(*) AS n FROM rejects GROUP BY 1 ORDER BY 2 D
 SELECT source_file, source_row, reason FROM rejects)."""
 
 
+def rejects_query(run_root: str | Path) -> str:
+    """The command that lists a run's rejected rows, as a refusal names it."""
+    return f"rlhf query {run_root} \"{REJECTS_SQL}\" lists them"
+
+
+def first_reject(result: PreprocessResult | Screening) -> str:
+    """The first rejected row, as a refusal shows it when there is no run to query: 'e.g. FILE row N: reason'."""
+    if not result.rejected:
+        return ""
+    first = result.rejected[0]
+    return f"e.g. {first.row.source_file} row {first.row.source_row}: {first.reason}"
+
+
 def rejected_by_reason(rows: dict[str, int]) -> dict[str, int]:
     """Reject kind → count, from a preprocess record's rows (most frequent first, then by name)."""
     found = [(key[len(REJECTED_BY):], n) for key, n in rows.items() if key.startswith(REJECTED_BY)]
@@ -159,15 +172,16 @@ def preprocess_headline(rows: dict[str, int], run_root: str | Path) -> str:
 
 
 def prompt_supply_problem(rows: dict[str, int], data: DataConfig, *, trains: bool, validates: bool,
-                          run_root: str | Path) -> Optional[str]:
+                          rejects_at: str) -> Optional[str]:
     """Why a run cannot train on what preprocess accepted (``rows``: its record), else None: less
     than data.min_accepted_fraction of the rows accepted; fewer train prompts than one training
     batch (``trains``: verl's dataloader, which drops the last partial batch, has no step then);
-    no validation prompt while the run validates (``validates``; its accuracy would read 0.000)."""
+    no validation prompt while the run validates (``validates``; its accuracy would read 0.000).
+    ``rejects_at``: where the rejected rows are to be seen (``rejects_query``, or an example row)."""
     counts = f"{rows.get('input', 0)} rows -> train {rows.get('train', 0)}, validation {rows.get('val', 0)}"
     reasons = rejected_by_reason(rows)
-    why = (f", rejected {rows['rejected']}: {', '.join(f'{k} {n}' for k, n in reasons.items())}; "
-           f"rlhf query {run_root} \"{REJECTS_SQL}\" lists them" if rows.get("rejected") and reasons else "")
+    why = (f", rejected {rows['rejected']}: {', '.join(f'{k} {n}' for k, n in reasons.items())}; {rejects_at}"
+           if rows.get("rejected") and reasons else "")
     fraction = accepted_fraction(rows)
     broken_down = bool(reasons) or not rows.get("rejected")  # a record of an older version has no reasons
     if broken_down and fraction < data.min_accepted_fraction:
@@ -206,7 +220,7 @@ UNREADABLE_KINDS = ("malformed JSON", "not a JSON object", "not valid UTF-8", "n
 """Reject kinds of rows the reader could not turn into a record (``data.readers``)."""
 
 
-def no_prompts_problem(result: PreprocessResult, data: DataConfig, rejects_at: Optional[str] = None) -> str:
+def no_prompts_problem(result: PreprocessResult | Screening, data: DataConfig, rejects_at: Optional[str] = None) -> str:
     """Why ``result`` holds no train prompt, in one line naming the file(s), the problem and the fix:
     no rows at all (empty files), no row a record (not JSON / not the file's format), no row with
     the fields the adapter reads (their own keys named), else the reject counts with one example.
@@ -219,7 +233,7 @@ def no_prompts_problem(result: PreprocessResult, data: DataConfig, rejects_at: O
     top, n = kinds.most_common(1)[0] if kinds else ("", 0)
     first = next((r for r in result.rejected if r.kind == top), None)
     if first is None:  # rows that were all accepted into validation (data.val_files): no train row
-        return (f"no train prompts from {files} (validation {result.val.num_rows}); give train rows, or "
+        return (f"no train prompts from {files} (validation {result.rows['val']}); give train rows, or "
                 "check data.val_fraction")
     where = first.row.source_file
     example = f"row {first.row.source_row}: {first.reason}: {_excerpt(first.row.raw)}"
@@ -650,15 +664,10 @@ def _rejects_table(rejects: list[_Reject]) -> pa.Table:
 # ---------------------------------------------------------------------------------------------
 
 
-def preprocess_rows(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[RawRow]], data: DataConfig,
-                    tokenizer: Any, progress: bool = True) -> PreprocessResult:
-    """Raw rows → train / validation prompts tables (schema PROMPTS) and rejects (schema REJECTS).
-
-    ``val_rows`` None holds out a validation split of the train rows (data.val_fraction, capped at
-    ``validation_cap``); given, it is the validation set (capped the same way). Raises
-    ``DataError`` for a file that fits no layout (adapter 'auto') and for an overlong prompt with
-    data.truncation=error and data.filter_overlong_prompts off.
-    """
+def _screen(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[RawRow]], data: DataConfig
+            ) -> tuple[list[_Candidate], list[_Reject], int, dict[str, int], dict[str, str]]:
+    """The tokenizer-free head of preprocess: read, adapt, drop duplicates. Returns (candidates,
+    rejects, rows in, source file → rows read, source file → layout)."""
     files: dict[str, int] = {}
     layouts: dict[str, str] = {}
 
@@ -672,6 +681,19 @@ def preprocess_rows(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[Ra
     if data.dedup:
         candidates, duplicates = _drop_duplicates(candidates)
         rejects += duplicates
+    return candidates, rejects, rows_in, files, layouts
+
+
+def preprocess_rows(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[RawRow]], data: DataConfig,
+                    tokenizer: Any, progress: bool = True) -> PreprocessResult:
+    """Raw rows → train / validation prompts tables (schema PROMPTS) and rejects (schema REJECTS).
+
+    ``val_rows`` None holds out a validation split of the train rows (data.val_fraction, capped at
+    ``validation_cap``); given, it is the validation set (capped the same way). Raises
+    ``DataError`` for a file that fits no layout (adapter 'auto') and for an overlong prompt with
+    data.truncation=error and data.filter_overlong_prompts off.
+    """
+    candidates, rejects, rows_in, files, layouts = _screen(train_rows, val_rows, data)
     texts, ids = tokenize_prompts(tokenizer, [c.example.messages for c in candidates], progress=progress)
     for c, text, token_ids in zip(candidates, texts, ids):
         c.prompt_text, c.token_ids = text, list(token_ids)
@@ -719,6 +741,45 @@ def preprocess_files(train_files: Sequence[str | Path], val_files: Sequence[str 
     result = preprocess_rows(itertools.chain.from_iterable(train_iters),
                              itertools.chain.from_iterable(val_iters) if val_files else None,
                              data, tokenizer, progress=progress)
-    # list every file, also one that held no rows
-    result.files = {str(Path(p)): result.files.get(str(Path(p)), 0) for p in [*train_files, *val_files]}
+    result.files = _every_file(result.files, [*train_files, *val_files])
     return result
+
+
+def _every_file(read: dict[str, int], paths: Sequence[str | Path]) -> dict[str, int]:
+    """source file → rows read, listing also a file that held no rows."""
+    return {str(Path(p)): read.get(str(Path(p)), 0) for p in paths}
+
+
+@dataclass
+class Screening:
+    """What preprocess decides before it tokenizes (``screen_files``): rows read, the rows it rejects
+    while reading, adapting and deduplicating, and the train / validation split of the rest.
+
+    Its counts bound the stage's: the length rule only rejects more, and the split's sizes grow with
+    the prompts kept, so a run this screening refuses the stage would refuse too."""
+
+    rows_in: int
+    files: dict[str, int]
+    rejected: list[_Reject]
+    train: int
+    val: int
+
+    @property
+    def rows(self) -> dict[str, int]:
+        """The keys of ``PreprocessResult.rows``."""
+        kinds = Counter(r.kind for r in self.rejected).most_common()
+        return {"input": self.rows_in, "train": self.train, "val": self.val, "rejected": len(self.rejected),
+                **{f"{REJECTED_BY}{kind}": n for kind, n in kinds}}
+
+
+def screen_files(train_files: Sequence[str | Path], val_files: Sequence[str | Path], data: DataConfig) -> Screening:
+    """The data mistakes found without a tokenizer, before a run exists (``control.plan``): each file
+    read, each row adapted, duplicates dropped and the rest split, as preprocess does. Writes nothing."""
+    separate_val = bool(val_files)
+    candidates, rejects, rows_in, files, _ = _screen(
+        itertools.chain.from_iterable(read_rows(p) for p in train_files),
+        itertools.chain.from_iterable(read_rows(p) for p in val_files) if separate_val else None, data)
+    _assign_prompt_ids(candidates)
+    train, val, over_cap = _assign_splits(candidates, data, separate_val=separate_val)
+    return Screening(rows_in=rows_in, files=_every_file(files, [*train_files, *val_files]),
+                     rejected=sorted(rejects + over_cap, key=lambda r: r.seq), train=len(train), val=len(val))

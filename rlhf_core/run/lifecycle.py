@@ -330,7 +330,7 @@ def record_retry(run: RunDir, k: int, attempt: int, changes: dict[str, Any], mul
     (trainer.retry_kl_coef_multiplier with the KL in the reward, else 1), "changes": the
     config overrides of ``retry_overrides`` (``changes``: {key: (old, new)}), "id"}. The caller then
     saves those overrides in config.yaml and appends the "retry" event with that id: a kill between
-    the two is finished by the resume (``unfinished_retry``, ``control.plan.finish_retry``).
+    the two is finished by the resume (``unfinished_retry``, ``control.opening.finish_retry``).
     Returns what it wrote."""
     old = read_retry_scale(run, k)
     new = old * multiplier

@@ -37,6 +37,11 @@ def _resolve_files(paths: list[str], key: str) -> list[Path]:
     return resolved
 
 
+def data_files(data: DataConfig) -> tuple[list[Path], list[Path]]:
+    """(train files, validation files) as preprocess reads them; a missing one is refused naming it."""
+    return _resolve_files(data.train_files, "data.train_files"), _resolve_files(data.val_files, "data.val_files")
+
+
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
     """The config this stage's output depends on (its manifest's config hash)."""
     return CONFIG_SECTIONS
@@ -52,7 +57,8 @@ def refuse_changed_data(data: DataConfig, run: RunDir, trained_through: int) -> 
     recorded = (read_manifest(run, None).get("preprocess") or {}).get("inputs")
     if not recorded:
         return  # a run directory whose prompts came by other means
-    files = _resolve_files(data.train_files, "data.train_files") + _resolve_files(data.val_files, "data.val_files")
+    train_files, val_files = data_files(data)
+    files = train_files + val_files
     now = hash_paths(run, files)
     changed = [key for key in now if recorded.get(key) != now[key]]
     if not changed and set(now) == set(recorded):
@@ -68,8 +74,7 @@ def refuse_changed_data(data: DataConfig, run: RunDir, trained_through: int) -> 
 def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None,
                    force: bool = False) -> StageResult:
     """Preprocess ``cfg.data.train_files`` (and ``val_files``) into the run's prompts tables."""
-    train_files = _resolve_files(cfg.data.train_files, "data.train_files")
-    val_files = _resolve_files(cfg.data.val_files, "data.val_files")
+    train_files, val_files = data_files(cfg.data)
 
     def body() -> StageResult:
         tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)

@@ -17,7 +17,7 @@ a missing or damaged artifact and one that was only ever in memory are both rebu
 producer, checked against what was recorded.
 
 Each action is one line on standard error and an event (``repaired`` or ``fallback``). A resume
-(``run.plan.open_run``) and `rlhf export` run this under the run lock; `rlhf status` shows what
+(``control.opening.open_run``) and `rlhf export` run this under the run lock; `rlhf status` shows what
 ``integrity.find_damage`` finds and ``Damage.remedy``, what this will do.
 """
 

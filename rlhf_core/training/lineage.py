@@ -35,7 +35,6 @@ from rlhf_core.run.lifecycle import checkpoint_before, committed_iterations
 from rlhf_core.run.manifest import hash_paths
 from rlhf_core.run.migrate import current_config_tree
 from rlhf_core.run.models import actor_path, critic_path, initial_actor_path
-from rlhf_core.training.engines import LoraSettings
 
 CONFIG_SECTIONS = ("actor_rollout_ref.model.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.temperature",
                    "actor_rollout_ref.rollout.n", "critic.", "data.max_response_length", "data.train_batch_size",
@@ -63,7 +62,7 @@ def update_inputs(cfg: RLHFConfig, run: RunDir, k: int) -> list[Path]:
     """What iteration ``k``'s update reads: its advantages table, the actor (with LoRA: the frozen
     base and the adapters) and critic it starts from, and their optimizer state."""
     ckpt = checkpoint_before(run, k)
-    if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
+    if cfg.actor_rollout_ref.model.lora_rank > 0:  # the update trains adapters (training.engines.LoraSettings)
         paths = [run.advantages(k), initial_actor_path(cfg), critic_path(cfg, run, k)]
         if ckpt is not None:
             paths.append(ckpt / "actor_adapter")

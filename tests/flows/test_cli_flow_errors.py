@@ -46,36 +46,32 @@ def _refusal(out: subprocess.CompletedProcess) -> str:
 
 
 CASES = {
-    "empty": ("", "preprocess: 0 rows -> train 0, validation 0, none rejected",
-              ["no rows to read (empty)", '{"question": "...", "answer": "... #### 42"}']),
+    "empty": ("", ["no rows to read (empty)", '{"question": "...", "answer": "... #### 42"}']),
     "other-keys": ("".join(json.dumps({"q": f"What is {i} + 1?", "a": str(i + 1)}) + "\n" for i in range(5)),
-                   "preprocess: 5 rows -> train 0, validation 0, rejected 5 (missing question 5)",
                    ["no row has the fields data.adapter=gsm8k reads", "its rows have 'q', 'a'",
                     "data.question_key=q data.answer_key=a"]),
     "not-json": ("hello, this is not JSON\nnor is this\n",
-                 "preprocess: 2 rows -> train 0, validation 0, rejected 2 (malformed JSON 2)",
                  ["no row could be read as a record", "malformed JSON", "one JSON object per line"]),
 }
 
 
 @pytest.mark.parametrize("case", sorted(CASES))
-def test_bad_data_with_the_demo_preset_is_one_line_from_preprocess(tmp_path, prefect_server, repo_root, case):
-    text, headline, said = CASES[case]
+def test_bad_data_with_the_demo_preset_is_one_line_before_the_run_starts(tmp_path, prefect_server, repo_root, case):
+    """The plan reads the data before anything starts (issue 50): one line naming the file, nothing on
+    stdout, no run directory, no wait for torch, Prefect or MLflow to load."""
+    text, said = CASES[case]
     data = tmp_path / f"{case}.jsonl"
     data.write_text(text)
     out = _demo_run(tmp_path, prefect_server, data)
     error = _refusal(out)
     assert str(data) in error and all(s in error for s in said), error
-    assert headline in out.stdout, out.stdout[-2000:]
-    # the start is never silent: a line that says what it waits for, cleared before the run prints
-    assert "starting: loading torch, Prefect, MLflow, DeepSpeed" in out.stderr, out.stderr[:2000]
-    assert "starting: the Prefect server" in out.stderr, out.stderr[:2000]
-    if case == "other-keys":  # the same command once the data is fixed: the run directory is taken over
+    assert out.stdout == "" and "starting:" not in out.stderr, out.stdout[-2000:] + out.stderr[:2000]
+    assert not (tmp_path / "runs").exists()
+    if case == "other-keys":  # the same command once the data is fixed runs
         good = (repo_root / "data" / "arith" / "demo.jsonl").read_text().splitlines()[:40]
         data.write_text("\n".join(good) + "\n")
         again = _demo_run(tmp_path, prefect_server, data)
         assert again.returncode == 0, again.stderr[-3000:]
-        assert "already exists" not in again.stderr and "started afresh" in again.stderr, again.stderr[-3000:]
         assert (tmp_path / "runs" / "bad" / "iter_1").is_dir()
         assert "preprocess: 40 rows -> train 36" in again.stdout, again.stdout[-2000:]
 

@@ -62,15 +62,22 @@ def test_a_run_that_keeps_too_few_prompts_says_why_and_trains_nothing(prefect_se
     assert "raise data.max_prompt_length=128" in errors[0], errors[0]
     assert "Traceback" not in out.stderr and "val/accuracy" not in out.stdout, out.stderr[-3000:]
     assert not (runs / "broken" / "iter_1").exists() and not (runs / "broken" / "iter_0").exists()
+    # the run directory this refusal leaves (only the tokenizer finds the mistake) is taken over once the data is fixed
+    _gsm8k_like(tmp_path / "broken.jsonl", short=8, long=0)
+    again = subprocess.run(out.args, capture_output=True, text=True, cwd=tmp_path, timeout=300,
+                           env=subprocess_env(PREFECT_API_URL=prefect_server))
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "already exists" not in again.stderr and "started afresh" in again.stderr, again.stderr[-3000:]
+    assert (runs / "broken" / "iter_1").is_dir()
 
 
-def test_a_run_that_validates_on_no_prompt_is_refused(prefect_server, demo_preset, tiny_overrides, tmp_path,
-                                                      monkeypatch, capsys):
+def test_a_run_that_validates_on_no_prompt_is_refused(demo_preset, tiny_overrides, tmp_path, monkeypatch, capsys):
     """Every row accepted but none held out for validation (val_fraction of 3 rounds to 0), while the
-    run validates: refused in one line (in-process `rlhf run`, the console script's code path)."""
+    run validates: refused in one line (in-process `rlhf run`, the console script's code path) by the
+    plan's data screening, before a run directory or a server: the Prefect API named here is a closed port."""
     from rlhf_cli.main import main
 
-    monkeypatch.setenv("PREFECT_API_URL", prefect_server)
+    monkeypatch.setenv("PREFECT_API_URL", "http://127.0.0.1:9/api")
     data = _gsm8k_like(tmp_path / "three.jsonl", short=3, long=0)
     runs = tmp_path / "runs"
     code = main(["run", "-c", demo_preset, "--iterations", "1", "--run-name", "noval",
@@ -78,10 +85,36 @@ def test_a_run_that_validates_on_no_prompt_is_refused(prefect_server, demo_prese
                                  "actor_rollout_ref.actor.ppo_mini_batch_size=2")])
     out = capsys.readouterr()
     assert code == 2, out.err[-3000:]
-    assert "preprocess: 3 rows -> train 3, validation 0, none rejected" in out.out
     errors = [line for line in out.err.splitlines() if line.startswith("rlhf: error:")]
-    assert len(errors) == 1 and "no validation prompt was accepted" in errors[0], out.err[-3000:]
-    assert "trainer.test_freq=-1" in errors[0] and not (runs / "noval" / "iter_1").exists()
+    assert len(errors) == 1 and "no validation prompt was accepted (3 rows -> train 3, validation 0)" in errors[0], \
+        out.err[-3000:]
+    assert "trainer.test_freq=-1" in errors[0] and not runs.exists()
+
+
+@pytest.mark.parametrize("rows, words", [
+    ("", "three.jsonl: no rows to read (empty)"),
+    ('{"q": "1+1", "a": "#### 2"}\n', "no row has the fields data.adapter=gsm8k reads"),
+    ('{"question": "1+1", "answer": "#### 2"}\n{"question": "1+2"}\n{"question": "1+3"}\n',
+     "preprocess accepted 33.3% of the rows, under data.min_accepted_fraction=0.5 (3 rows -> train 1, validation 0, "
+     "rejected 2: missing answer 2; e.g. "),
+])
+def test_a_data_mistake_is_refused_before_anything_exists(rows, words, demo_preset, tmp_path, subprocess_env):
+    """Issue 50: a data mistake took 18-20 s (the Prefect server started before preprocess) and left a
+    run directory and a FAILED MLflow run. Now the plan reads the files first: one line, exit 2, no run
+    directory, no tracking store, no server (the Prefect API named is a closed port)."""
+    data = tmp_path / "three.jsonl"
+    data.write_text(rows)
+    runs, store = tmp_path / "runs", tmp_path / "mlflow.db"
+    out = subprocess.run([sys.executable, "-m", "rlhf_cli.main", "run", "-c", demo_preset, "--iterations", "1",
+                          f"data.train_files=[{data}]", f"trainer.runs_root={runs}"],
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120,
+                         env=subprocess_env(PREFECT_API_URL="http://127.0.0.1:9/api",
+                                            MLFLOW_TRACKING_URI=f"sqlite:///{store}"))
+    assert out.returncode == 2, out.stdout[-3000:] + out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("rlhf: error:")]
+    assert len(errors) == 1 and words in errors[0], out.stderr[-3000:]
+    assert "Traceback" not in out.stderr and out.stdout == "", out.stdout + out.stderr
+    assert not runs.exists() and not store.exists()
 
 
 def test_a_reward_that_exits_or_overflows_float32_is_one_line(two_iterations, tmp_path, subprocess_env, capsys):

@@ -24,7 +24,8 @@ from rlhf_core.run.migrate import stamp
 from rlhf_core.run.manifest import read_manifest, write_manifest
 from rlhf_core.run.lifecycle import commit_iteration as write_last_good, committed_iterations, read_last_good
 from rlhf_core.run.layout import RunDir, write_config
-from rlhf_core.control.plan import open_run, plan_run, resume_point
+from rlhf_core.control.opening import open_run
+from rlhf_core.control.plan import plan_run, resume_point
 from rlhf_core.stages.repair import repair_run
 from rlhf_core.io.checksums import verify_checkpoint
 from rlhf_core.io.checksums import write_checksums as write_checkpoint_manifest

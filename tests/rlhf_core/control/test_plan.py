@@ -7,7 +7,7 @@ import pytest
 
 from rlhf_core.run import report
 from rlhf_core.run import schedule
-from rlhf_core.control import plan
+from rlhf_core.control import opening, plan
 from rlhf_core.run import lifecycle
 from rlhf_core.config import load_config
 from rlhf_core.data import schemas
@@ -24,14 +24,14 @@ def test_new_run_then_resume(tmp_path):
     p = plan.plan_run(None, [f"trainer.runs_root={tmp_path}"], iterations=3, run_name="a")
     assert p.run.root == tmp_path / "a" and list(p.iterations()) == [1, 2, 3] and not p.resumed
     assert not p.run.root.exists()  # planning writes nothing
-    plan.open_run(p)
+    opening.open_run(p)
     assert p.run.config_path.is_file()
     # a run that stopped in its setup (its data refused, say): the same command takes the name over
     (p.run.root / "prompts").mkdir()
     (p.run.root / "prompts" / "rejects.parquet").write_bytes(b"rejects")
     again = plan.plan_run(None, [f"trainer.runs_root={tmp_path}"], iterations=3, run_name="a")
     assert again.run.root == p.run.root and not again.resumed
-    plan.open_run(again)
+    opening.open_run(again)
     assert not (p.run.root / "prompts").exists() and p.run.config_path.is_file()
     for k in (1, 2):  # a sealed checkpoint each, so the resume's last-good check passes
         _fake_checkpoint(p.run, k)
@@ -42,7 +42,7 @@ def test_new_run_then_resume(tmp_path):
     resumed = plan.plan_run(None, ["trainer.test_freq=5"], resume=p.run.root)
     assert resumed.first_iteration == 3 and resumed.cfg.trainer.total_iterations == 3
     assert resumed.cfg.trainer.test_freq == 5
-    plan.open_run(resumed)
+    opening.open_run(resumed)
     assert p.run.events()[-1]["kind"] == "resume" and resumed.first_iteration == 3
     with pytest.raises(RLHFError, match="no config.yaml"):
         plan.plan_run(resume=tmp_path / "nothing")
@@ -80,7 +80,7 @@ def _train_prompts(run: RunDir, n: int) -> None:
 def test_training_steps_are_derived_after_preprocess_and_saved(tmp_path, overrides, expected):
     p = plan.plan_run(None, [f"trainer.runs_root={tmp_path}", "data.train_batch_size=4",
                                     "actor_rollout_ref.actor.ppo_mini_batch_size=4", *overrides], run_name="a")
-    plan.open_run(p)
+    opening.open_run(p)
     _train_prompts(p.run, 10)
     cfg = plan.resolve_iterations(p)
     assert cfg.trainer.total_iterations == expected and list(p.iterations()) == list(range(1, expected + 1))
@@ -95,11 +95,11 @@ def test_training_steps_are_derived_after_preprocess_and_saved(tmp_path, overrid
 
 def test_fewer_prompts_than_a_batch_make_one_step_per_epoch_and_val_only_runs_none(tmp_path):
     p = plan.plan_run(None, [f"trainer.runs_root={tmp_path}", "trainer.total_epochs=3"], run_name="a")
-    plan.open_run(p)
+    opening.open_run(p)
     _train_prompts(p.run, 10)  # data.train_batch_size is verl's 1024
     assert plan.resolve_iterations(p).trainer.total_iterations == 3  # one smaller step per epoch
     only = plan.plan_run(None, [f"trainer.runs_root={tmp_path}", "trainer.val_only=true"], run_name="b")
-    plan.open_run(only)
+    opening.open_run(only)
     _train_prompts(only.run, 10)
     plan.resolve_iterations(only)
     assert list(only.iterations()) == []

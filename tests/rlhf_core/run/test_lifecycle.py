@@ -11,7 +11,7 @@ import pytest
 from rlhf_core.config import apply_overrides, load_config
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
-from rlhf_core.control.plan import finish_retry
+from rlhf_core.control.opening import finish_retry
 from rlhf_core.run import lifecycle
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.manifest import read_manifest, record_stage

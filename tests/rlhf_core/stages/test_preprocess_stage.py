@@ -185,13 +185,11 @@ BATCH_8 = ("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_si
     (_rows(1, 1), ["trainer.val_only=true"], None),  # validation only: no training batch needed
 ])
 def test_a_run_refuses_too_little_to_train_on(rows, overrides, words):
-    from rlhf_core.data.preprocess import prompt_supply_problem
-    from rlhf_core.run.schedule import initial_validation_due, stops_after_validation
+    from rlhf_core.control.plan import supply_problem
+    from rlhf_core.data.preprocess import rejects_query
 
     cfg = load_config(None, overrides)
-    validates = initial_validation_due(cfg.trainer) or cfg.trainer.test_freq > 0
-    problem = prompt_supply_problem(rows, cfg.data, trains=not stops_after_validation(cfg.trainer), validates=validates,
-                                    run_root="RUN")
+    problem = supply_problem(cfg, rows, rejects_query("RUN"))
     if words is None:
         assert problem is None
     else:
