@@ -299,7 +299,7 @@ def _on_ctrl_c(command: str) -> None:
             signal.signal(sig, lambda *_: os._exit(code))
         with contextlib.suppress(Exception):  # the line must come whatever the bar's stream is doing
             startup.end()  # a line of its own, not after the start's bar (nothing once the run has started)
-        _say(line)
+        _say(("\n" if _bar_drawn() else "") + line)  # its own line, not glued to a bar's
         session.SAID_INTERRUPTED = True
         _silence()
         _exit_soon(code)
@@ -321,6 +321,14 @@ def _silence() -> None:
     devnull = os.open(os.devnull, os.O_WRONLY)
     os.dup2(devnull, 2)
     os.close(devnull)
+
+
+def _bar_drawn() -> bool:
+    """Whether a progress bar is on screen: tqdm draws a bar without ending its line, so the cursor
+    stands after it."""
+    with contextlib.suppress(Exception):  # the set of bars may change under a signal handler
+        return any(not bar.disable for bar in list(tqdm._instances))
+    return False
 
 
 def _say(line: str) -> None:
