@@ -145,7 +145,7 @@ def phases(run_dir: Path) -> dict[str, float]:
 
 
 def cmd_run(args: argparse.Namespace) -> None:
-    from rlhf_core.control.query import accuracy_lines
+    from rlhf_core.control.status import accuracy_lines
     from rlhf_core.run.layout import RunDir
 
     log = args.log or Path(f"bench-real-model-{time.strftime('%Y%m%d-%H%M%S')}.log")

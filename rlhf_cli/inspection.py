@@ -1,7 +1,7 @@
-"""The commands that only read: the resolved config, a run's status, SQL over a run. They load
-neither Prefect, MLflow nor the model libraries' loaders.
+"""The commands that only read a config or a run's records: the resolved config and a run's status.
+They load neither Prefect, MLflow nor the model libraries' loaders (SQL over a run: ``querying``).
 
-    rlhf config show | status RUN | query RUN "SQL"
+    rlhf config show | status RUN
 
 ``plan_run_command`` is `rlhf run` / `rlhf demo`'s own check of the same kind: the config, its
 inputs and the run directory, made before the command loads Prefect, MLflow and DeepSpeed.
@@ -10,24 +10,14 @@ inputs and the run directory, made before the command loads Prefect, MLflow and 
 from __future__ import annotations
 
 import argparse
-from pathlib import Path
-
-import duckdb
-import pyarrow.csv as pacsv
 
 from rlhf_core.config import flatten, to_yaml
 from rlhf_core.paths import project_root
 from rlhf_core.run.inputs import check_inputs
-from rlhf_core.errors import RLHFError, disk_full_as_user_error
-from rlhf_core.run.layout import RunDir
+from rlhf_core.errors import RLHFError
+from rlhf_core.run.layout import require_run_dir
 from rlhf_core.control.plan import RunPlan, note_loggers, plan_run, resolve_run_config
-from rlhf_core.control.query import csv_ready, format_status, format_table, query
-
-
-def require_run_dir(path: Path) -> None:
-
-    if not RunDir(path).config_path.is_file():
-        raise RLHFError(f"{path} is not a run directory (no config.yaml); runs live under trainer.runs_root")
+from rlhf_core.control.status import format_status
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -71,20 +61,4 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     require_run_dir(args.run_dir)
     print(format_status(args.run_dir))
-    return 0
-
-
-def cmd_query(args: argparse.Namespace) -> int:
-
-    require_run_dir(args.run_dir)
-    try:
-        table = query(args.run_dir, args.sql)
-    except duckdb.Error as exc:
-        raise RLHFError(f"query failed: {exc}\n(views: prompts, rejects, generation_batches, rollouts, scored, "
-                        "advantages, response_kl, validation, metrics, metrics_wide, stages, events)") from None
-    print(format_table(table, max_rows=args.max_rows))
-    if args.csv:
-        with disk_full_as_user_error(args.csv):
-            pacsv.write_csv(csv_ready(table), args.csv)  # nested columns as JSON text
-        print(f"wrote {args.csv}")
     return 0

@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from rlhf_cli.inspection import require_run_dir
+from rlhf_core.run.layout import require_run_dir
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.errors import RLHFError
 from rlhf_core.models.gguf_import import import_gguf

@@ -46,6 +46,7 @@ from rlhf_cli import prefect_server, session, startup
 from rlhf_core.errors import RLHFError, disk_full_error, is_disk_full
 from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.paths import state_dir
+from rlhf_core.run.layout import require_run_dir
 from rlhf_core.run.stage_order import STAGES
 
 # quiet, offline defaults for every entry point (a user's explicit setting wins)
@@ -58,7 +59,7 @@ for _key, _value in {
 
 COMMANDS = {
     "config": "rlhf_cli.inspection:cmd_config_show", "status": "rlhf_cli.inspection:cmd_status",
-    "query": "rlhf_cli.inspection:cmd_query", "export": "rlhf_cli.local:cmd_export",
+    "query": "rlhf_cli.querying:cmd_query", "export": "rlhf_cli.local:cmd_export",
     "model": "rlhf_cli.local:cmd_model",
     "stage": "rlhf_cli.orchestrated:cmd_stage", "run": "rlhf_cli.orchestrated:cmd_run",
     "demo": "rlhf_cli.orchestrated:cmd_demo", "rebuild": "rlhf_cli.orchestrated:cmd_rebuild",
@@ -81,9 +82,16 @@ PLANNED_FIRST = ("run", "demo")
 MLflow, DeepSpeed: 10-20 s of imports) loads, so a mistake is one line within seconds."""
 
 
+ON_A_RUN = ("status", "query", "rebuild", "export")
+"""The commands whose RUN argument must be a run directory already."""
+
+
 def plan_first(args: argparse.Namespace) -> argparse.Namespace:
     """`rlhf run` / `rlhf demo` (as the run it stands for) with its plan made (``args.plan``) by the
-    module that loads neither Prefect nor MLflow; other commands as they are."""
+    module that loads neither Prefect nor MLflow; a command on a run directory that is none refused
+    before its module (torch: seconds) loads; other commands as they are."""
+    if args.command in ON_A_RUN:
+        require_run_dir(args.run_dir)
     if args.command not in PLANNED_FIRST:
         return args
     inspection = importlib.import_module("rlhf_cli.inspection")

@@ -24,10 +24,11 @@ from deployments.services import main as services_main
 from flows.pipeline import PipelineParams, rlhf_pipeline
 from flows.stage import StageParams, rlhf_rebuild, rlhf_stage
 from rlhf_cli import prefect_server, session, startup
-from rlhf_cli.inspection import demo_as_run, plan_run_command, require_run_dir
+from rlhf_cli.inspection import demo_as_run, plan_run_command
+from rlhf_core.run.layout import require_run_dir
 from rlhf_cli.local import print_result, quiet_deepspeed, stage_overrides
 from rlhf_cli.typed_commands import as_typed
-from rlhf_core.control.query import accuracy_lines
+from rlhf_core.control.status import accuracy_lines
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
 from rlhf_core.security import redact_text

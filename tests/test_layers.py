@@ -21,7 +21,7 @@ LAYERS = ("rlhf_core", "tasks", "flows", "deployments", "rlhf_cli")
 INNER = ("foundation", "io", "models", "algos", "config", "data", "scoring", "rewards", "run", "training",
          "rollout", "sft", "stages", "control")
 """rlhf_core's subpackages, lowest first: a module may import its own subpackage and those before it.
-"foundation" = the modules at rlhf_core's top (errors, paths, progress, security)."""
+"foundation" = the modules at rlhf_core's top (errors, paths, progress, security, notes)."""
 ORCHESTRATION = ("prefect", "mlflow")
 """Libraries only the Prefect layer and above may import (the library runs without them)."""
 
@@ -249,7 +249,7 @@ PROCESS_WIDE = {
     "rlhf_core.data.adapters.ADAPTERS": "a registry: dataset adapters by name",
     "rlhf_core.scoring.cache._entries": "a memo of read-only model directories keyed by their files' identity",
     "rlhf_core.io.hashing._known": "a memo of file digests keyed by (path, size, mtime)",
-    "rlhf_core.config.notes._SAID": "which one-time notes this process printed",
+    "rlhf_core.notes._SAID": "which one-time notes this process printed",
     "rlhf_core.run.layout._WARNED": "which one-time warnings this process printed",
     "rlhf_core.io.timing._spans": "the process's timing spans (accounting, not state a stage reads)",
     "rlhf_core.io.timing._gc_sink": "where the garbage collector's pauses are counted",

@@ -40,7 +40,7 @@ for _first in "-+0123456789.":
 from rlhf_core.config import verl_keys
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.machine import fit_to_machine
-from rlhf_core.config.notes import say_once
+from rlhf_core.notes import say_once
 from rlhf_core.config.schema import RLHFConfig
 from rlhf_core.config.validate import validate
 from rlhf_core.errors import shown_path

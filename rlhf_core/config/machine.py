@@ -27,7 +27,7 @@ import psutil
 import torch
 
 from rlhf_core.config.errors import ConfigError
-from rlhf_core.config.notes import say_once
+from rlhf_core.notes import say_once
 from rlhf_core.config.resolve import update_rendezvous, update_world_size
 from rlhf_core.config.schema import RLHFConfig
 from rlhf_core.models.tiny import TinyModelSpec

@@ -38,7 +38,7 @@ from rlhf_core.algos import losses as _losses  # noqa: F401  (registers the poli
 from rlhf_core.algos import controllers as _controllers  # noqa: F401  (registers the KL controllers)
 from rlhf_core.algos.rollout_correction import parse_is_threshold, parse_rs_options, parse_rs_thresholds
 from rlhf_core.config.errors import ConfigError
-from rlhf_core.config.notes import say_once
+from rlhf_core.notes import say_once
 from rlhf_core.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 
 LOGGERS_HERE = ("console", "mlflow")

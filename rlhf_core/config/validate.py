@@ -13,7 +13,7 @@ from typing import Literal
 
 from rlhf_core.algos import estimator_takes
 from rlhf_core.config.errors import ConfigError
-from rlhf_core.config.notes import say_once
+from rlhf_core.notes import say_once
 from rlhf_core.config.resolve import micro_batching, needs_baseline_rollout, uses_critic
 from rlhf_core.config.schema import LOGGERS_HERE, DeepSpeedConfig, RLHFConfig, Section, require
 

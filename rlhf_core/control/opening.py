@@ -12,7 +12,7 @@ from __future__ import annotations
 import shutil
 
 from rlhf_core.config import RLHFConfig, apply_overrides, flatten, to_yaml
-from rlhf_core.config.notes import say_once
+from rlhf_core.notes import say_once
 from rlhf_core.errors import RLHFError
 from rlhf_core.control.plan import RunPlan, never_trained, resume_point, saved_config, upgrade_format
 from rlhf_core.io.atomic import clean_temporaries

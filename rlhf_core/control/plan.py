@@ -27,7 +27,7 @@ from rlhf_core.config import ConfigError, RLHFConfig, apply_overrides, config_fr
 from rlhf_core.config import resolve
 from rlhf_core.run.inputs import check_inputs
 from rlhf_core.config.loader import parse_override
-from rlhf_core.config.notes import say_once
+from rlhf_core.notes import say_once
 from rlhf_core.config.validate import LOGGERS_HERE
 from rlhf_core.training.run_dtype import keep_recorded_dtype
 from rlhf_core.data.preprocess import (NoPromptsError, first_reject, no_prompts_problem, prompt_supply_problem,

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core.config.schema import DataConfig, RolloutConfig
-from rlhf_core.config.notes import say_once
+from rlhf_core.notes import say_once
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.rollout.base import (

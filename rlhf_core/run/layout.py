@@ -382,3 +382,9 @@ def read_config_text(run: RunDir) -> tuple[str, Optional[str]]:
     if first[len(CONFIG_SEAL):].strip() != _seal(body):
         return body, "was changed since rlhf wrote it (its content no longer matches its seal line)"
     return body, None
+
+
+def require_run_dir(path: Path) -> None:
+    """Refuse a path that is not a run directory (no config.yaml), naming where runs live."""
+    if not RunDir(path).config_path.is_file():
+        raise RLHFError(f"{path} is not a run directory (no config.yaml); runs live under trainer.runs_root")

@@ -44,10 +44,8 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
-from rlhf_core.config import RLHFConfig
-from rlhf_core.config.schema import TrainerConfig
 from rlhf_core.errors import CheckpointError, RLHFError
 from rlhf_core.io.atomic import TMP_MARK, atomic_write_json
 from rlhf_core.run.layout import RunDir, StateFileError
@@ -55,6 +53,10 @@ from rlhf_core.run.lock import RunLock
 from rlhf_core.run.manifest import read_manifest, write_manifest
 from rlhf_core.run.schedule import save_due
 from rlhf_core.run.stage_order import ROLLED_BACK_STAGES
+
+if TYPE_CHECKING:  # annotations only: reading the commit log (`rlhf query`) does not load the config's schema
+    from rlhf_core.config import RLHFConfig
+    from rlhf_core.config.schema import TrainerConfig
 
 
 class KLGuardHalt(RLHFError):

@@ -25,6 +25,8 @@ from rlhf_core.run.layout import RunDir, StateFileError, read_config_text
 from rlhf_core.run.lifecycle import committed_iterations
 from rlhf_core.run.migrate import SEALED_FORMAT, current_config_tree, run_format
 
+PLAIN_YAML = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+"""yaml.safe_load's rules, in C where PyYAML has it: `rlhf status` reads config.yaml twice (0.16 s in Python)."""
 SHOWN_KEYS = 4
 """Differences named one by one in the warning; more are counted per section."""
 
@@ -32,7 +34,7 @@ SHOWN_KEYS = 4
 def parse_config(text: str, where: Any) -> dict:
     """A config.yaml's text as a tree; text that is not a YAML mapping raises ``StateFileError``."""
     try:
-        tree = yaml.safe_load(text) or {}
+        tree = yaml.load(text, Loader=PLAIN_YAML) or {}
     except yaml.YAMLError as exc:
         raise StateFileError(f"{where} is damaged (not YAML: {str(exc).splitlines()[0]})") from None
     if not isinstance(tree, dict):

@@ -4,12 +4,14 @@ every N steps and at the last step, and -1 means never. Pure functions of the tr
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from rlhf_core.config.schema import TrainerConfig
-from rlhf_core.config.notes import say_once
+from rlhf_core.notes import say_once
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.manifest import read_manifest
+
+if TYPE_CHECKING:  # annotations only (see run.lifecycle)
+    from rlhf_core.config.schema import TrainerConfig
 
 
 def _every(freq: int, k: int, total: Optional[int]) -> bool:

@@ -40,7 +40,7 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.config.schema import DataConfig, FilterGroupsConfig
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.resolve import needs_baseline_rollout
-from rlhf_core.config.notes import say_once
+from rlhf_core.notes import say_once
 from rlhf_core.data.schemas import REJECTS, ROLLOUT
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet

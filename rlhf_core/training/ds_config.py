@@ -36,7 +36,7 @@ from typing import Any, Optional
 
 from rlhf_core.config import effective_deepspeed, resolve
 from rlhf_core.config.loader import ConfigError
-from rlhf_core.config.notes import say_once
+from rlhf_core.notes import say_once
 from rlhf_core.config.schema import DeepSpeedConfig
 from rlhf_core.errors import RLHFError
 from rlhf_core.models.threads import SMALL_MATMUL, config_largest_matrix, small_matmuls

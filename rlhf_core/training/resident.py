@@ -56,7 +56,7 @@ import torch
 from rlhf_core.config import RLHFConfig, resolve, to_yaml
 from rlhf_core.config.schema import TrainerConfig
 from rlhf_core.config.machine import cuda_devices
-from rlhf_core.config.notes import say_once
+from rlhf_core.notes import say_once
 from rlhf_core.errors import CheckpointError, RLHFError, first_clause
 from rlhf_core.io import timing
 from rlhf_core.io.hashing import sha256_tree

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from rlhf_cli.main import main
 from rlhf_core.config.loader import load_config
-from rlhf_core.config.notes import said
+from rlhf_core.notes import said
 from rlhf_core.config.resolve import uses_critic
 
 REPO = Path(__file__).resolve().parents[2]

@@ -8,7 +8,7 @@ import pytest
 
 from rlhf_cli.main import main
 from rlhf_core.config import load_config
-from rlhf_core.config.notes import said
+from rlhf_core.notes import said
 from rlhf_core.run.layout import RunDir
 
 pytestmark = [pytest.mark.prefect]

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from rlhf_cli.main import main
-from rlhf_core.config.notes import said
+from rlhf_core.notes import said
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import read_last_good
 

@@ -9,7 +9,8 @@ import pytest
 
 from rlhf_core.config import flatten
 from rlhf_core.control.plan import resolve_run_config
-from rlhf_core.control.query import read_iteration_metrics, status_table
+from rlhf_core.control.query import read_iteration_metrics
+from rlhf_core.control.status import status_table
 from tasks import mlflow_tracking
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]

@@ -23,7 +23,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rlhf_core.control.query import format_status
+from rlhf_core.control.status import format_status
 from rlhf_core.run.layout import RunDir
 from rlhf_core.training import lineage
 from rlhf_core.run.lifecycle import read_last_good

@@ -15,7 +15,7 @@ import pytest
 from flows.pipeline import PipelineParams, rlhf_pipeline
 from rlhf_core.run.lifecycle import read_last_good
 from rlhf_core.run.layout import RunDir
-from rlhf_core.control.query import status_table
+from rlhf_core.control.status import status_table
 from tasks import mlflow_tracking
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]

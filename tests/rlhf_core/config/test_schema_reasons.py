@@ -12,7 +12,8 @@ import dataclasses
 import re
 from pathlib import Path
 
-from rlhf_core.config import load_config, notes, schema
+from rlhf_core import notes
+from rlhf_core.config import load_config, schema
 
 REPO = Path(__file__).resolve().parents[3]
 

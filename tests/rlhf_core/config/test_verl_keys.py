@@ -12,7 +12,8 @@ import pytest
 
 from rlhf_core.algos.registry import ADV_ESTIMATORS
 from rlhf_core.config import ConfigError, flatten, load_config, valid_keys
-from rlhf_core.config import notes, verl_keys
+from rlhf_core import notes
+from rlhf_core.config import verl_keys
 from rlhf_core.config.machine import fit_to_machine
 
 

@@ -123,7 +123,7 @@ def test_loggers_say_once_what_is_unavailable(caplog):
         plan.note_loggers(cfg)
     lines = [r.getMessage() for r in caplog.records if "wandb" in r.getMessage()]
     assert len(lines) <= 1  # said once per process (an earlier test may have said it already)
-    from rlhf_core.config.notes import said
+    from rlhf_core.notes import said
 
     assert any("wandb, tensorboard not available here" in line for line in said())
     assert plan.logs_to(cfg, "console") and not plan.logs_to(cfg, "mlflow")

@@ -8,7 +8,7 @@ import time
 import pyarrow as pa
 import pytest
 
-from rlhf_core.control import query
+from rlhf_core.control import query, status
 from rlhf_core.data import schemas
 from rlhf_core.io.checksums import write_checksums
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
@@ -123,8 +123,8 @@ def test_an_empty_run_directory_is_queryable(tmp_path):
     empty = RunDir(tmp_path / "empty")
     empty.root.mkdir()
     assert query.query(empty, "SELECT count(*) AS n FROM scored").column("n").to_pylist() == [0]
-    assert query.status_table(empty) == []
-    assert "last-good: none" in query.format_status(empty)
+    assert status.status_table(empty) == []
+    assert "last-good: none" in status.format_status(empty)
 
 
 def test_status_table_states(run):
@@ -134,18 +134,18 @@ def test_status_table_states(run):
     mark_skipped(run, 2, "rollout")
     mark_downstream_stale(run, 2, "score")  # gae, update, guard of iteration 2 go stale
     set_status(run, 2, "guard", "rolled_back")
-    rows = {r["iteration"]: r for r in query.status_table(run)}
+    rows = {r["iteration"]: r for r in status.status_table(run)}
     assert rows[1]["guard"] == "committed" and rows[1]["last_good"] and rows[1]["checkpoint"]
     assert rows[2]["rollout"] == "skipped" and rows[2]["score"] == "done"
     assert rows[2]["gae"] == "stale" and rows[2]["guard"] == "rolled_back" and rows[2]["rollbacks"] == 1
     assert rows[2]["reward"] == pytest.approx(2 / 3) and not rows[2]["checkpoint"]
-    text = query.format_status(run)
+    text = status.format_status(run)
     assert "last-good: iteration 1 (iter_1/checkpoint)" in text and "rolled_back" in text
     weights = run.checkpoint(1) / "actor" / "model.safetensors"
     weights.write_bytes(b"weighty")  # damaged: never called last-good, and the problem says what a resume does
-    rows = {r["iteration"]: r for r in query.status_table(run)}
+    rows = {r["iteration"]: r for r in status.status_table(run)}
     assert rows[1]["checkpoint_damaged"]
-    text = query.format_status(run)
+    text = status.format_status(run)
     [row] = [line.split() for line in text.splitlines() if line.split()[:1] == ["1"]]
     assert "last-good: iteration" not in text and row[-1] == "damaged"
     assert f"problem: iter_1/checkpoint is damaged (checkpoint file {weights} is corrupt: its sha256 does not " \
@@ -191,7 +191,7 @@ def test_status_shows_the_latest_iterations_time_against_its_floor(run):
     from rlhf_core.config.schema import DataConfig
     from rlhf_core.run.report import iteration_metrics
 
-    assert "time against floor" not in query.format_status(run)  # nothing reported floors yet
+    assert "time against floor" not in status.format_status(run)  # nothing reported floors yet
     seconds_floor = {"rollout": (4.0, 0.5), "score": (1.0, 0.4), "update": (6.0, 3.0), "guard": (0.5, 0.25)}
     for stage, (seconds, floor) in seconds_floor.items():
         record_stage(run, 2, stage, status="done", inputs={}, outputs={}, config_hash="h", seconds=seconds,
@@ -204,7 +204,7 @@ def test_status_shows_the_latest_iterations_time_against_its_floor(run):
     assert metrics["perf/total_num_tokens"] == 15.0 and metrics["timing_s/step"] == 12.5
     assert metrics["perf/time_per_step"] == 12.5 and metrics["perf/throughput"] == pytest.approx(15 / 12.5)
 
-    lines = query.format_status(run).splitlines()
+    lines = status.format_status(run).splitlines()
     start = lines.index("time against floor, iteration 2 (device matmul 160.0 GFLOP/s); verl's perf/mfu: "
                         "actor 0.310, critic 0.290:")
     table = {line.split()[0]: line.split()[1:] for line in lines[start + 3:start + 8]}
@@ -224,16 +224,16 @@ def test_status_and_the_closing_block_show_accuracy_before_and_after_the_warm_st
     initial (warm-started) policy, the latest validation."""
     from rlhf_cli.orchestrated import closing_block
 
-    assert query.accuracy_lines(run) == []  # no validation yet
+    assert status.accuracy_lines(run) == []  # no validation yet
     record_stage(run, 0, "validate", status="done", inputs={}, outputs={}, config_hash="h", seconds=1.0,
                  metrics={**_accuracy("val_base", 2), **_accuracy("val", 30), "val/num_prompts": 256.0})
     atomic_write_json(run.iteration_metrics(2), {**_accuracy("val", 90), "val/num_prompts": 256.0})
-    lines = query.accuracy_lines(run)
+    lines = status.accuracy_lines(run)
     assert lines[0] == "held-out accuracy (256 validation prompts; 95 % interval):"
     assert [line.split()[:3] for line in lines[1:]] == [["before", "the", "warm"], ["iteration", "0", "(after"],
                                                        ["iteration", "2", "0.352"]]
     assert "0.008 [0.002, 0.028]" in lines[1] and "0.117 [0.083, 0.162]" in lines[2]
-    assert "\n".join(lines) in query.format_status(run)
+    assert "\n".join(lines) in status.format_status(run)
     summary = {"run_dir": str(run.root), "last_good": {"iteration": 2}, "export": None}
     assert "\n".join(lines) in closing_block(summary)
 
@@ -241,5 +241,5 @@ def test_status_and_the_closing_block_show_accuracy_before_and_after_the_warm_st
 def test_without_a_warm_start_the_first_line_is_the_initial_policy(run):
     record_stage(run, 0, "validate", status="done", inputs={}, outputs={}, config_hash="h", seconds=1.0,
                  metrics={**_accuracy("val", 30), "val/num_prompts": 256.0})
-    lines = query.accuracy_lines(run)
+    lines = status.accuracy_lines(run)
     assert len(lines) == 2 and lines[1].split()[:4] == ["iteration", "0", "(the", "initial"]

@@ -159,7 +159,7 @@ def test_the_cpu_judgment_is_made_once_for_the_process_tree_and_a_users_word_sta
 
 
 def test_the_auto_choice_is_said_once_with_the_cpu_and_why(cpu, tmp_path):
-    from rlhf_core.config.notes import said
+    from rlhf_core.notes import said
     from rlhf_core.models.tiny import ensure_tiny_model
     from rlhf_core.training.ds_config import role_dtype
 
@@ -177,7 +177,7 @@ def test_the_auto_choice_is_said_once_with_the_cpu_and_why(cpu, tmp_path):
 
 
 def test_an_explicit_bf16_on_a_cpu_without_bf16_units_says_what_it_costs(cpu, tmp_path):
-    from rlhf_core.config.notes import said
+    from rlhf_core.notes import said
     from rlhf_core.training.ds_config import BF16_EMULATED_COST, role_dtype
 
     cpu("Emulating Test CPU 3", "avx2", "fma")

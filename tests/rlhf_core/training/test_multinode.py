@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from rlhf_core.config import config_hash, load_config, to_yaml
 from rlhf_core.config.errors import ConfigError
-from rlhf_core.config.notes import said
+from rlhf_core.notes import said
 from rlhf_core.config.resolve import update_nodes, update_rendezvous, update_world_size
 from rlhf_core.data.schemas import ADVANTAGES
 from rlhf_core.errors import RLHFError

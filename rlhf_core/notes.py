@@ -1,5 +1,6 @@
-"""Notes about a config that the user reads once: a renamed key, a verl key with no effect here, a
-fall-back to what this machine can do. A config is loaded several times per run (CLI, flow, each
+"""Notes the user reads once: a renamed config key, a verl key with no effect here, a fall-back to
+what this machine can do. Apart from ``rlhf_core.config`` so that modules which only read a run
+(``rlhf query``) say them without loading the config's schema, and with it torch. A config is loaded several times per run (CLI, flow, each
 stage), so each line is logged once per process, on the ``rlhf.config`` logger."""
 
 from __future__ import annotations
