@@ -35,7 +35,7 @@ from rlhf_core.config.schema import DataConfig, ModelConfig
 from rlhf_core.data.adapters import (
     AUTO, PromptExample, RowRejected, get_adapter, matching_layout, unknown_layout_error,
 )
-from rlhf_core.data.readers import RawRow, read_rows
+from rlhf_core.data.readers import SUFFIX_FORMATS, RawRow, read_rows
 from rlhf_core.data.schemas import PROMPTS, REJECTS, encode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.paths import resolve_model_path
@@ -228,7 +228,7 @@ def no_prompts_problem(result: PreprocessResult | Screening, data: DataConfig, r
     files = ", ".join(result.files) or "data.train_files"
     if result.rows_in == 0:
         return (f"{files}: no rows to read (empty); give data.train_files rows in the layout data.adapter="
-                f"{data.adapter} reads: {layout_hint(data)}")
+                f"{data.adapter} reads: {layout_hint(data, next(iter(result.files), None))}")
     kinds = Counter(r.kind for r in result.rejected)
     top, n = kinds.most_common(1)[0] if kinds else ("", 0)
     first = next((r for r in result.rejected if r.kind == top), None)
@@ -245,18 +245,37 @@ def no_prompts_problem(result: PreprocessResult | Screening, data: DataConfig, r
         lacking = [field for field in adapter_fields(data) if field[0] not in keys]
         return (f"{where}: no row has {'the field' if len(lacking) == 1 else 'the fields'} data.adapter="
                 f"{data.adapter} reads ({', '.join(shown for _, _, shown in lacking)}); its rows have "
-                f"{', '.join(map(repr, keys)) or 'no fields'}: {_key_hint(keys, lacking, data)}")
+                f"{', '.join(map(repr, keys)) or 'no fields'}: {_key_hint(keys, lacking, data, where)}")
     counts = ", ".join(f"{kind} {m}" for kind, m in kinds.most_common())
     listed = f"; every rejected row and its reason: {rejects_at}" if rejects_at else ""
     return (f"no train prompts accepted from {files} (rejected {len(result.rejected)}: {counts}; e.g. {where} "
             f"{example}); fix those rows or the data.* keys that read them{listed}")
 
 
-def layout_hint(data: DataConfig) -> str:
-    """The layout ``data.adapter`` reads, with one example row."""
+def layout_hint(data: DataConfig, source_file: Optional[str] = None) -> str:
+    """The layout ``data.adapter`` reads, said in the format of ``source_file`` (by its suffix: a
+    Parquet file's columns, a CSV file's header, a JSONL file's line; JSONL when there is none)."""
+    fmt = SUFFIX_FORMATS.get(Path(source_file).suffix.lower(), "jsonl") if source_file else "jsonl"
+    if fmt == "parquet":
+        return f"a Parquet table with the columns {_columns(data)}"
+    if fmt == "csv":
+        return f"a CSV file whose header row names the columns {_columns(data)}"
+    if source_file:
+        layout = " in verl's layout" if data.adapter == "verl" else ""
+        return f"one JSON object per line{layout}, e.g. {example_row(data)}"
     return {"gsm8k": "one JSON object per line, e.g. ", "generic": "one JSON object per line, e.g. ",
             "verl": "verl's Parquet layout, e.g. "}.get(data.adapter, "JSONL, Parquet or CSV rows, e.g. ") + \
         example_row(data)
+
+
+def _columns(data: DataConfig) -> str:
+    """The columns ``data.adapter`` reads, with what each holds."""
+    if data.adapter == "verl":
+        return (f"'{data.prompt_key}' (a list of {{role, content}} messages) and 'reward_model' (a struct with "
+                "'ground_truth')")
+    if data.adapter == "generic":
+        return f"'{data.prompt_key}' (text) and '{data.answer_key}' (text)"
+    return f"'{data.question_key}' (text) and '{data.answer_key}' (text ending in '#### <number>')"  # gsm8k's, auto's example
 
 
 def example_row(data: DataConfig) -> str:
@@ -276,9 +295,9 @@ def adapter_fields(data: DataConfig) -> list[tuple[str, str, str]]:
     return [(key, setting, f"'{key}' ({setting})") for key, setting in fields]
 
 
-def _key_hint(keys: list[str], lacking: list[tuple[str, str, str]], data: DataConfig) -> str:
+def _key_hint(keys: list[str], lacking: list[tuple[str, str, str]], data: DataConfig, source_file: str) -> str:
     """Which settings to point at the rows' own keys (a guess in the rows' order when it is one to one)."""
-    tail = f", or give rows in the layout it reads: {layout_hint(data)}"
+    tail = f", or give rows in the layout it reads: {layout_hint(data, source_file)}"
     settings = [setting for _, setting, _ in lacking if setting.startswith("data.")]
     if settings and len(keys) == len(adapter_fields(data)) == len(lacking) == len(settings):
         guess = " ".join(f"{setting}={key}" for setting, key in zip(settings, keys))
@@ -291,8 +310,8 @@ def _key_hint(keys: list[str], lacking: list[tuple[str, str, str]], data: DataCo
 
 def _format_hint(source_file: str, data: DataConfig) -> str:
     suffix = Path(source_file).suffix.lower()
-    if suffix == ".jsonl":
-        return f"a .jsonl file holds one JSON object per line, e.g. {example_row(data)}"
+    if suffix in SUFFIX_FORMATS:
+        return f"a {suffix} file for data.adapter={data.adapter} holds {layout_hint(data, source_file)}"
     return f"check that the file is {suffix or 'a data file'} in the layout data.adapter={data.adapter} reads"
 
 

@@ -232,3 +232,24 @@ def test_rows_api_without_files(tokenizer, tmp_path):
     assert stats["min"] <= stats["p50"] <= stats["p95"] <= stats["max"] and stats["min"] <= stats["mean"]
     lines = "\n".join(result.summary_lines())
     assert "rows in: 4 = train 3 + val 1 + rejected 0" in lines and "prompt length (tokens): min" in lines
+
+
+@pytest.mark.parametrize("name, write, says, never", [
+    ("empty.parquet", lambda p: pq.write_table(pa.table({"question": pa.array([], pa.string()),
+                                                        "answer": pa.array([], pa.string())}), p),
+     "a Parquet table with the columns 'question' (text) and 'answer' (text ending in '#### <number>')", "per line"),
+    ("keys.parquet", lambda p: pq.write_table(pa.table({"q": ["1+1"], "a": ["#### 2"]}), p),
+     "a Parquet table with the columns 'question'", "per line"),
+    ("empty.csv", lambda p: p.write_text("question,answer\n"),
+     "a CSV file whose header row names the columns 'question' (text)", "per line"),
+    ("empty.jsonl", lambda p: p.write_text(""), 'one JSON object per line, e.g. {"question"', "Parquet"),
+])
+def test_the_advice_for_a_file_without_prompts_speaks_of_its_format(tmp_path, name, write, says, never):
+    """Issue 50: an empty Parquet file was given advice written for JSONL ("one JSON object per line")."""
+    from rlhf_core.data.preprocess import no_prompts_problem, screen_files
+
+    path = tmp_path / name
+    write(path)
+    data = DataConfig(adapter="gsm8k")
+    problem = no_prompts_problem(screen_files([path], [], data), data)
+    assert str(path) in problem and says in problem and never not in problem, problem
