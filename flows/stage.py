@@ -75,8 +75,9 @@ def apply_verdict_task(run_dir: str, iteration: int) -> str:
     run = RunDir(run_dir)
     last_good = last_good_iteration(run)
     if last_good >= iteration:
-        prefect_artifacts.logger().warning("iteration %d is at or before last-good (%d): verdict recorded, nothing "
-                                           "moved", iteration, last_good)
+        # info, not a warning: what a rebuild of committed iterations does by design (the command says it)
+        prefect_artifacts.logger().info("iteration %d is at or before last-good (%d): verdict recorded, nothing moved",
+                                        iteration, last_good)
         return "recorded"
     done = settle(run, iteration, policy="stage-rerun", attempt=rollback_count(run, iteration) + 1)
     if done == "rollback":

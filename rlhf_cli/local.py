@@ -30,6 +30,9 @@ def quiet_deepspeed() -> None:
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
+VERDICT_NOTES = {"recorded": " (the iteration is at or before last-good: re-measured, nothing moved)"}
+
+
 def print_result(result: dict) -> None:
     status = "skipped (up to date)" if result["skipped"] else f"done in {result['seconds']:.1f}s"
     where = f" iteration {result['iteration']}" if result.get("iteration") is not None else ""
@@ -37,7 +40,7 @@ def print_result(result: dict) -> None:
     for line in result.get("summary", []):
         print(f"  {line}")
     if result.get("action"):
-        print(f"  guard verdict applied: {result['action']}")
+        print(f"  guard verdict applied: {result['action']}{VERDICT_NOTES.get(result['action'], '')}")
 
 
 def stage_overrides(args: argparse.Namespace) -> list[str]:
