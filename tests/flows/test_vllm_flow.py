@@ -47,6 +47,12 @@ def rlhf_run(prefect_server, demo_preset, model_dir, work, *extra, name="vllm", 
     return proc, work / "runs" / name
 
 
+def said_once(proc: subprocess.CompletedProcess) -> None:
+    """Each of our lines said once, whichever of the run's processes (flow, engine, ranks) found it."""
+    ours = [line for line in proc.stderr.splitlines() if line.startswith("rlhf: ")]
+    assert len(ours) == len(set(ours)), proc.stderr[-3000:]
+
+
 @pytest.fixture(scope="module")
 def vllm_run(prefect_server, demo_preset, vllm_model_dir, tmp_path_factory):
     return rlhf_run(prefect_server, demo_preset, vllm_model_dir, tmp_path_factory.mktemp("vllm_run"))
@@ -56,6 +62,7 @@ def test_two_iterations_run_on_one_engine(vllm_run):
     proc, run_dir = vllm_run
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    said_once(proc)
     assert json.loads((run_dir / "last_good.json").read_text())["iteration"] == 2
     log = proc.stdout + proc.stderr
     assert log.count("Initializing a V1 LLM engine") == 1, "one engine start for the whole flow run"
@@ -88,6 +95,7 @@ def test_a_worker_group_keeps_the_engines_on_its_ranks(prefect_server, demo_pres
     proc, run_dir = rlhf_run(prefect_server, demo_preset, vllm_model_dir, tmp_path, "trainer.nproc=2")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert json.loads((run_dir / "last_good.json").read_text())["iteration"] == 2
+    said_once(proc)
     # the flow process's engine for the validation before training, then one per rank for the run (the
     # ranks' own output goes to the run's worker-group log)
     ranks_log = (run_dir / "logs" / "worker-group.log").read_text()
@@ -118,3 +126,4 @@ def test_without_verbose_the_console_has_no_vllm_line(prefect_server, demo_prese
     others = [line for line in proc.stderr.replace("\r", "\n").splitlines()
               if line.strip() and not line.startswith(("iterations:", "rlhf: ", "starting: "))]  # ours, each one line
     assert others == [], proc.stderr[-3000:]
+    said_once(proc)
