@@ -19,7 +19,7 @@ export TRANSFORMERS_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 export PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS := 90
 
-.PHONY: install demo smollm2 smollm2-arith test test-verl test-vllm venv-verl venv-vllm wheelhouse clean
+.PHONY: install demo smollm2 smollm2-arith test test-verl test-vllm test-ray venv-verl venv-vllm wheelhouse clean
 
 # pip runs quiet (hundreds of lines otherwise): each step says first what it installs and for how
 # long (a fresh 2-core machine, pip's download cache empty: 3 min 42 s in all, README "First run")
@@ -79,6 +79,16 @@ smollm2-arith: $(SMOLLM2_STAMP)
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(BIN)/python -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# Several machines on a Ray cluster (docs/scaling.md §4): the ray extra into .venv, then the tests that start a
+# real two-node cluster on this machine (tests marked `ray`; `make test` skips them while Ray is absent).
+RAY_STAMP := $(VENV)/.ray-installed
+$(RAY_STAMP): $(STAMP)
+	$(BIN)/python -m pip install --quiet -e '.[ray]'
+	touch $(RAY_STAMP)
+
+test-ray: $(RAY_STAMP)
+	$(BIN)/python -m pytest -m ray $(PYTEST_ARGS)
 
 # verl 0.9.1 in an environment of its own (its transformers range excludes ours): the conformance
 # step computes every verl-named quantity with verl's own functions there and compares (tests/conformance).

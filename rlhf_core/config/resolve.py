@@ -7,7 +7,7 @@ Every stage asks here instead of reading the raw field, so "null = the actor's" 
     update_values(cfg, world_size)            every derived value of an update, in one call
     update_world_size(trainer, cuda_devices)  trainer.nproc, else n_gpus_per_node × nnodes
     update_nodes(trainer, cuda_devices)       (nnodes, processes per node) of that world
-    update_rendezvous(trainer, environ)       node 0's address and port: trainer.master_*, else $MASTER_*
+    ray_address(trainer, environ)       the Ray cluster of a multi-node update: trainer.ray_address, else $RAY_ADDRESS, else auto
     total_iterations(cfg, train_prompts)      trainer.total_iterations / total_training_steps / epochs
     uses_critic(cfg)                          critic.enable, else whether the estimator reads values
     needs_baseline_rollout(cfg)               the estimator takes reward_baselines (remax)
@@ -23,7 +23,6 @@ from typing import Literal, Mapping, Optional
 
 from rlhf_core.algos import estimator_takes
 from rlhf_core.algos.rollout_correction import RolloutCorrection
-from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.schema import DataConfig, OptimConfig, RLHFConfig, TrainerConfig
 
 Role = Literal["actor", "critic", "rollout", "ref", "reward_model"]
@@ -215,27 +214,10 @@ def update_world_size(trainer: TrainerConfig, cuda_devices: int) -> int:
     return nnodes * per_node
 
 
-DEFAULT_MASTER_PORT = 29500
-"""torchrun's own default --master_port."""
-
-
-def update_rendezvous(trainer: TrainerConfig, environ: Mapping[str, str]) -> tuple[Optional[str], int]:
-    """(node 0's address or None when nothing names it, port) for a multi-node update:
-    trainer.master_addr / master_port, else $MASTER_ADDR / $MASTER_PORT, else port 29500. The
-    variables are ignored inside a launcher's world (WORLD_SIZE set): they are that world's, not a
-    choice for the next one (an in-process update sets them for its world of one)."""
-    t = trainer
-    env = {} if "WORLD_SIZE" in environ else environ
-    addr = t.master_addr if t.master_addr is not None else (env.get("MASTER_ADDR") or None)
-    if t.master_port is not None:
-        return addr, t.master_port
-    port = env.get("MASTER_PORT")
-    if port is None:
-        return addr, DEFAULT_MASTER_PORT
-    if not port.isdigit() or not 1 <= int(port) <= 65535:
-        raise ConfigError(f"MASTER_PORT={port!r} (environment): not a TCP port; fix the variable or set "
-                          "trainer.master_port=N")
-    return addr, int(port)
+def ray_address(trainer: TrainerConfig, environ: Mapping[str, str]) -> str:
+    """The Ray cluster a multi-node update's ranks go to: trainer.ray_address, else $RAY_ADDRESS, else
+    "auto" (the cluster this node belongs to)."""
+    return trainer.ray_address or environ.get("RAY_ADDRESS") or "auto"
 
 
 def critic_loss_scale_factor(cfg: RLHFConfig) -> float:

@@ -913,9 +913,9 @@ class TrainerConfig(Section):
     verl's default is 8. More than the machine has falls back (CPU) or is refused (GPU), saying so."""
     nnodes: int = 1
     """verl: machines in the update's training world (world = nnodes × processes per node). With
-    nnodes > 1 the flow runs on node 0 and every other node runs `rlhf node join --run-dir RUN
-    --node-rank R`; the run directory must be on storage every node sees at the same path (the
-    ranks of every node write their checkpoint shards there). Processes per node: trainer.nproc /
+    nnodes > 1 the flow runs on the head node of a Ray cluster, which places the update's ranks on
+    nnodes of its nodes (trainer.ray_address); the run directory must be on storage every node sees
+    at the same path (the ranks of every node write their checkpoint shards there). Processes per node: trainer.nproc /
     nnodes when trainer.nproc is set, else n_gpus_per_node on GPUs, else 1 on CPU."""
     curve_freq: int = 1
     """Redraw the learning-curve PNG and the Prefect run report every N iterations (always after the
@@ -968,17 +968,14 @@ class TrainerConfig(Section):
     are the same bit for bit at any count; on CPU more processes only pay off for large models.
     Not read while the update's ranks are a worker group (resident models on several processes):
     the stages then run on those ranks, which hold the weights."""
-    master_addr: Optional[str] = None
-    """Our name: the host name or IP address of node 0 as every node reaches it, for the update's
-    rendezvous (torchrun's --master_addr, static rendezvous) when nnodes > 1; null = $MASTER_ADDR.
-    Only places processes: no stage's config hash includes it."""
-    master_port: Optional[int] = None
-    """Our name: the TCP port on node 0 of that rendezvous (torchrun's --master_port); null =
-    $MASTER_PORT, else 29500 (torchrun's default). It must be free on node 0 and open to the others."""
-    node_join_timeout_s: int = 600
-    """Our name: seconds an update's torchrun on each node waits for all nnodes to join (torchrun's
-    static rendezvous `timeout`, whose default is 600); then node 0 fails, naming the nodes that
-    did not join and the command to run there."""
+    ray_address: Optional[str] = None
+    """Our name: the Ray cluster the update's ranks are placed on when trainer.nnodes > 1 (ray.init's
+    address); null = $RAY_ADDRESS, else "auto": the cluster this node belongs to (`ray start --head`
+    here, `ray start --address=HEAD_IP:6379` on each other node). Only places processes: no stage's
+    config hash includes it."""
+    ray_placement_timeout_s: int = 60
+    """Our name: seconds the update's placement group may wait for the cluster's nodes and devices;
+    then the start is refused, naming what the cluster has and what is missing."""
     concurrent_critic_actor: Literal["auto", "always", "never"] = "auto"
     """Train the critic and the actor at the same time, one thread each, in a one-process update (their
     updates only share the fixed advantages table, so the weights and metrics are the same as one
@@ -1022,12 +1019,11 @@ class TrainerConfig(Section):
                 "must be >= 1 (or null: every GPU of the node, 1 on CPU)", self.stage_processes)
         require(self.nproc is None or self.nproc % self.nnodes == 0, f"{key}.nproc",
                 f"must be a multiple of {key}.nnodes={self.nnodes} (the same processes on every node)", self.nproc)
-        require(self.master_port is None or 1 <= self.master_port <= 65535, f"{key}.master_port",
-                "must be a TCP port, 1..65535 (or null: $MASTER_PORT, else 29500)", self.master_port)
-        require(self.master_addr is None or self.master_addr.strip() != "", f"{key}.master_addr",
-                "must be node 0's host name or IP address (or null: $MASTER_ADDR)", self.master_addr)
-        require(self.node_join_timeout_s >= 1, f"{key}.node_join_timeout_s", "must be >= 1 second",
-                self.node_join_timeout_s)
+        require(self.ray_address is None or self.ray_address.strip() != "", f"{key}.ray_address",
+                "must be a Ray cluster's address (HOST:PORT, ray://HOST:PORT or auto; or null: $RAY_ADDRESS, else auto)",
+                self.ray_address)
+        require(self.ray_placement_timeout_s >= 1, f"{key}.ray_placement_timeout_s", "must be >= 1 second",
+                self.ray_placement_timeout_s)
         require(self.concurrent_critic_actor != "always" or (self.nproc or 1) == 1, f"{key}.concurrent_critic_actor",
                 f"'always' needs {key}.nproc=1 (two threads' collectives could pair up differently on each rank); "
                 "use 'auto' or 'never'", self.concurrent_critic_actor)

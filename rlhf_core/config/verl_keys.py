@@ -163,7 +163,16 @@ NO_EFFECT: dict[str, str] = {
 }
 """verl key (or section prefix ending in '.') → why it changes nothing here."""
 
+RAY_STEPS = ("the update's nodes are a Ray cluster: `ray start --head` on the node that runs the flow, "
+             "`ray start --address=HEAD_IP:6379` on each other one (docs/scaling.md)")
+"""How a multi-node run starts, as a refusal of the retired node-join keys and command says it."""
+
 ONLY_DEFAULT: dict[str, tuple[tuple[Any, ...], str]] = {
+    # our keys of the node-join protocol, retired for Ray: a saved config's defaults are dropped
+    "trainer.master_addr": ((None,), f"retired: {RAY_STEPS}; trainer.ray_address names the cluster"),
+    "trainer.master_port": ((None,), f"retired: {RAY_STEPS}"),
+    "trainer.node_join_timeout_s": ((600,), f"retired: {RAY_STEPS}; trainer.ray_placement_timeout_s bounds the "
+                                            "wait for the cluster's nodes"),
     A + "ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not implemented; use 1"),
     C + "ulysses_sequence_parallel_size": ((1,), "sequence parallelism is not implemented; use 1"),
     R + "data_parallel_size": ((1,), "use 1: the rollout's engines are its processes over "

@@ -36,9 +36,6 @@
       iter_<k>/iteration_metrics.json  everything the iteration reports (run.report)
       plots/learning_curve.png    the learning curve
       export/actor/               the exported actor (run.export)
-      nodes/update_request.json   with trainer.nnodes > 1: the update node 0 is launching now, for the
-                                  other nodes' `rlhf node join` (training.nodes); removed when it ends
-      nodes/<launch id>.node<r>.json  node r's record of that launch: joined, then its exit status
 
 Small JSON state is read through ``read_json``, which turns a damaged file into one
 ``StateFileError`` line naming the file (the caller decides the fallback).
@@ -243,20 +240,6 @@ class RunDir:
         of the flow process that loads them itself (``training.resident.GroupTrainer``); removed when
         the group's state moves on. Holds ``actor/`` and ``critic/`` model directories."""
         return self.iter_dir(k) / f".published{n}"
-
-    # several nodes (training.nodes) ------------------------------------------------------------
-    @property
-    def nodes_dir(self) -> Path:
-        return self.root / "nodes"
-
-    @property
-    def update_request(self) -> Path:
-        """The multi-node update being launched: what every other node's joiner runs."""
-        return self.nodes_dir / "update_request.json"
-
-    def node_record(self, launch_id: str, node_rank: int) -> Path:
-        """Node ``node_rank``'s record of launch ``launch_id`` (written by its joiner)."""
-        return self.nodes_dir / f"{launch_id}.node{node_rank}.json"
 
     def manifest_path(self, k: Optional[int]) -> Path:
         return self.root / "manifest.json" if k is None else self.iter_dir(k) / "manifest.json"

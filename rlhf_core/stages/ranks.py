@@ -50,7 +50,7 @@ from rlhf_core.rollout.generate import generation_engine, own_batches
 from rlhf_core.run.layout import RunDir
 from rlhf_core.scoring.session import RunSession
 from rlhf_core.training.ds_config import resolve_device
-from rlhf_core.training.nodes import stream
+from rlhf_core.training.launch import stream
 from rlhf_core.training.resident import group_of
 
 ENTRY = "rlhf_core.stages.rank_entry"

@@ -14,8 +14,8 @@ run cannot keep its models) the same trainer is made for this one update and clo
 trainer.n_gpus_per_node on GPUs, else 1). With N > 1 in all the trainer is a worker group of N
 data-parallel ranks under torchrun (gloo on CPU, nccl on CUDA; OMP_NUM_THREADS = cores // processes
 per node); the result matches one process on the same batch up to floating-point summation order.
-With nnodes > 1 this machine is node 0 and each other node runs `rlhf node join`
-(``training.nodes``); the run directory must be on storage every node sees.
+With nnodes > 1 a Ray cluster places the ranks on its nodes (``training.ray_ranks``); the run
+directory must be on storage every node sees.
 """
 
 from __future__ import annotations

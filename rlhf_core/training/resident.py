@@ -45,6 +45,7 @@ import concurrent.futures
 import contextlib
 import gc
 import logging
+import os
 import shutil
 import time
 from dataclasses import dataclass
@@ -77,8 +78,8 @@ from rlhf_core.training.rank_update import (EngineSettings, UpdateSettings, Upda
                                             peak_rss_gb, reset_peak_rss, resolve_sources, trainer_state,
                                             schedule_needs_total_steps, train_iteration, training_steps, update_settings)
 from rlhf_core.training.train_state import TrainState, capture, covers, restore
-from rlhf_core.training.nodes import GROUP_ENTRY, node0_address
-from rlhf_core.training.worker_group import Nodes, RankFailure, WorkerGroup
+from rlhf_core.training.launch import GROUP_ENTRY
+from rlhf_core.training.worker_group import RankFailure, RayPlacement, WorkerGroup
 
 SNAPSHOT = "state_snapshot"
 """io.timing kind: copying the engines' state to host memory (the rollback snapshot, a save's capture)."""
@@ -581,7 +582,7 @@ class GroupTrainer:
                 else f"worker group of {self.world} update processes")
         started = time.perf_counter()
         self.group = WorkerGroup(GROUP_ENTRY, self.world, args, what=what,
-                                 nodes=_nodes(cfg.trainer, run, device, one_update),
+                                 placement=_placement(cfg.trainer, device),
                                  log=run.launch_log(f"update-iter_{one_update}" if one_update else "worker-group"))
         timing.add(PROCESS_LAUNCH, time.perf_counter() - started)
         self.holds: Optional[int] = None
@@ -666,13 +667,13 @@ class GroupTrainer:
             raise RuntimeError(f"rank {exc.rank} of the {self.group.what} failed in {op!r}:\n{exc.message}") from None
 
 
-def _nodes(trainer: TrainerConfig, run: RunDir, device: str, one_update: int) -> Optional[Nodes]:
-    """Where the group's ranks run when the update spans machines (None: this one alone)."""
+def _placement(trainer: TrainerConfig, device: str) -> Optional[RayPlacement]:
+    """Where the group's ranks go when the update spans machines: a Ray cluster (None: this one alone)."""
     nnodes, per_node = resolve.update_nodes(trainer, cuda_devices() if trainer.device != "cpu" else 0)
     if nnodes == 1:
         return None
-    addr, port = node0_address(trainer)
-    return Nodes(run, nnodes, per_node, addr, port, trainer.node_join_timeout_s, device, one_update)
+    return RayPlacement(nnodes, per_node, device, resolve.ray_address(trainer, os.environ),
+                        float(trainer.ray_placement_timeout_s))
 
 
 @contextlib.contextmanager

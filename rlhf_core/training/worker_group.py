@@ -17,9 +17,10 @@ module that runs them (``stages.group_entry``), so this module knows nothing of 
 The store is torch's own key-value server (what torchrun's rendezvous uses), so no other
 transport is needed; a command's round trip costs under a millisecond.
 
-Across machines (``Nodes``) the store listens on node 0's address and the ranks of the other nodes
-are started by their `rlhf node join` from one launch request in the run directory
-(``training.nodes``); a node that fails or stops beating ends the group as a rank's failure does.
+Across machines (``RayPlacement``: trainer.nnodes > 1) Ray places the ranks on a cluster's nodes
+(``training.ray_ranks``: one actor per rank, each running the same rank process torchrun would) and
+the store listens on this node's address as the others reach it; a lost node ends the group as a
+rank's failure does.
 
 Failure: a rank's error ends the group (the other ranks may be waiting in a collective that will
 never complete): torchrun is stopped and the error raised here, as ``RLHFError`` when the rank's
@@ -32,7 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import importlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -44,10 +47,8 @@ from pathlib import Path
 from typing import Any, Callable, Optional, Sequence
 
 from rlhf_core.errors import RLHFError
-from rlhf_core.run.layout import RunDir
-from rlhf_core.training.nodes import (DEAD_AFTER_S, POLL_S, LaunchOutput, NodeWatch, UpdateRequest, failure_line,
-                                     group_request, launch_failure, node_command, publish_request, rank_env,
-                                     withdraw_request)
+from rlhf_core.notes import say_once
+from rlhf_core.training.launch import LaunchOutput, failure_line, rank_env
 
 READY = "ready/{rank}"
 COMMAND = "cmd/{seq}"
@@ -74,40 +75,45 @@ class RankFailure(Exception):
         return self.message
 
 
-class _Output(LaunchOutput):
-    """torchrun's output through ``LaunchOutput`` (into ``log``), read by a thread of its own."""
+class _Torchrun:
+    """The ranks on this machine: torchrun's process, its output read by a thread of its own."""
 
-    def __init__(self, proc: subprocess.Popen, log: Optional[Path]):
-        super().__init__(log)
-        self._thread = threading.Thread(target=self._pump, args=(proc,), name="worker-group-output", daemon=True)
+    def __init__(self, cmd: list[str], env: dict[str, str], output: LaunchOutput):
+        self._proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self._output = output
+        self._thread = threading.Thread(target=self._pump, name="worker-group-output", daemon=True)
         self._thread.start()
 
-    def _pump(self, proc: subprocess.Popen) -> None:
-        try:
-            for line in proc.stdout:
-                self.feed(line)
-        finally:
-            self.close()
+    def _pump(self) -> None:
+        for line in self._proc.stdout:
+            self._output.feed(line)
 
-    def join(self, timeout: float) -> None:
-        self._thread.join(timeout)
+    def poll(self) -> Optional[int]:
+        return self._proc.poll()
+
+    def stop(self, grace_s: float) -> None:
+        """Until torchrun has ended (killed with its ranks after ``grace_s``) and its output is read."""
+        _stop_tree(self._proc, grace_s)
+        self._thread.join(5.0)
 
 
 @dataclass(frozen=True)
-class Nodes:
-    """A group over several machines: this one is node 0; every other one runs `rlhf node join`
-    (``training.nodes``), which starts its ranks from the request published in ``run``."""
+class RayPlacement:
+    """Where a group's ranks go when they span machines (trainer.nnodes > 1): a Ray cluster's nodes
+    (``training.ray_ranks``, the only module that loads Ray, an optional extra)."""
 
-    run: RunDir
     nnodes: int
     nproc_per_node: int
-    master_addr: str
-    """Node 0's address as the others reach it: torchrun's rendezvous and the command store."""
-    master_port: int
-    join_timeout_s: int
     device: str
-    iteration: int = 0
-    """0: a group keeping a flow run's models; K: a group for iteration K's update alone."""
+    """cpu or cuda: a CPU or a GPU per rank."""
+    address: str
+    """The cluster (ray.init's address): "auto" = the one this node belongs to."""
+    timeout_s: float
+    """How long the placement may wait for the cluster's nodes before the start is refused."""
+
+    @property
+    def world(self) -> int:
+        return self.nnodes * self.nproc_per_node
 
 
 class WorkerGroup:
@@ -115,37 +121,34 @@ class WorkerGroup:
     commands, stop them. One command at a time (the flow's stages run one after the other)."""
 
     def __init__(self, entry: str, world: int, args: Sequence[str] = (), *, what: str = "worker group",
-                 nodes: Optional[Nodes] = None, log: Optional[Path] = None):
+                 placement: Optional[RayPlacement] = None, log: Optional[Path] = None):
         """``entry``: the module every rank runs (or a script's path, ending in .py), given
-        ``--store HOST:PORT`` and ``args``; it calls ``serve``. With ``nodes`` the ranks span
-        machines, each node's running the group entry (``nodes.GROUP_ENTRY``). ``log``: where
-        torchrun's whole output goes (a failure is one line naming it)."""
+        ``--store HOST:PORT`` and ``args``; it calls ``serve``. With ``placement`` the ranks span a
+        Ray cluster's nodes. ``log``: where the ranks' whole output goes (a failure is one line
+        naming it)."""
         import torch.distributed as tdist
 
-        self.world, self.what, self.nodes = world, what, nodes
-        host = nodes.master_addr if nodes else "127.0.0.1"
+        self.world, self.what, self.placement = world, what, placement
+        ray_ranks = importlib.import_module("rlhf_core.training.ray_ranks") if placement else None
+        host = ray_ranks.driver_address(placement.address) if ray_ranks else "127.0.0.1"
         self._store = tdist.TCPStore(host, 0, is_master=True, wait_for_workers=False)
         store = f"{host}:{self._store.port}"
-        self._request: Optional[UpdateRequest] = None
-        self._watch: Optional[NodeWatch] = None
-        if nodes is None:
-            cmd, env = _one_node_command(entry, world, store, args), rank_env(world)
-        else:  # node 0's part of a launch every other node's joiner runs too
-            self._request = group_request(nodes.nnodes, nodes.nproc_per_node, nodes.master_addr, nodes.master_port,
-                                          nodes.join_timeout_s, store, nodes.device, nodes.iteration)
-            self._watch = NodeWatch(nodes.run, self._request, DEAD_AFTER_S)
-            publish_request(nodes.run, self._request)
-            cmd, env = node_command(self._request, nodes.run, 0), rank_env(nodes.nproc_per_node)
+        self._output = LaunchOutput(log)
         # a rank whose coordinator died would print the store's C++ warning with a stack trace: the
         # coordinator's own error (or the kill) already says what happened
-        env.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
-        self._proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        self._output = _Output(self._proc, log)
+        quiet = {"TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+        self.alive = False
+        if ray_ranks is None:
+            self._ranks = _Torchrun(_one_node_command(entry, world, store, args), {**rank_env(world), **quiet},
+                                    self._output)
+        else:
+            threads = {"OMP_NUM_THREADS": rank_env(placement.nproc_per_node)["OMP_NUM_THREADS"]}
+            self._ranks = ray_ranks.RayRanks(placement, [*_target(entry), "--store", store, *args],
+                                             {**quiet, **threads}, self._output.feed, say_once)
         self._seq = 0
         self.alive = True
         try:
-            self._wait_for([READY.format(rank=r) for r in range(world)],
-                           START_TIMEOUT_S + (nodes.join_timeout_s if nodes else 0), "start")
+            self._wait_for([READY.format(rank=r) for r in range(world)], START_TIMEOUT_S, "start")
         except BaseException:
             self.kill()
             raise
@@ -180,9 +183,7 @@ class WorkerGroup:
         try:
             if op is not None and self.alive:
                 self.call(op, **payload)
-                self._proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
+                self._wait_exit(timeout_s)
         finally:
             self.kill()
 
@@ -192,33 +193,38 @@ class WorkerGroup:
         self.alive = False
         with contextlib.suppress(Exception):
             self._store.set(COMMAND.format(seq=self._seq), json.dumps({"op": LEAVE}))
-        _stop_tree(self._proc, STOP_GRACE_S)
-        self._output.join(5.0)
-        if self.nodes is not None:
-            withdraw_request(self.nodes.run)  # the other nodes' ranks left with the store; their joiners wait on
+        self._ranks.stop(STOP_GRACE_S)
+        self._output.close()
+
+    def _wait_exit(self, timeout_s: float) -> None:
+        """Until the ranks have left by themselves (after the last command), at most ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._ranks.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def _failure(self, how: str) -> RLHFError:
-        """The error of a group whose torchrun (or, across nodes, another node) is gone: a rank's own
-        one-line error first, then what the nodes' records say, else the output's tail."""
-        result = self._output.result(self._proc.poll() if self._proc.poll() is not None else -1)
-        if self._request is not None:
-            return launch_failure(self.nodes.run, self._request, result, self._watch)
+        """The error of a group whose ranks are gone: a rank's own one-line error first, then a lost
+        Ray node, else the output's tail."""
+        code = self._ranks.poll()
+        result = self._output.result(code if code is not None else -1)
         if self._output.user_errors:
             return RLHFError(self._output.user_errors[0])
+        lost = getattr(self._ranks, "lost", None)
+        if lost:
+            return RLHFError(f"the {self.what} lost Ray node {lost} ({how}): its ranks died with it (a stopped "
+                             f"raylet, a machine that went down) and the other ranks were stopped; once the cluster "
+                             f"has its nodes again (`ray status`), `rlhf run --resume RUN` continues from the last "
+                             f"committed iteration")
         return RLHFError(result.failure(f"the {self.what} ({how})"))
 
     def _wait_for(self, keys: list[str], timeout_s: Optional[float], what: str, any_of: bool = False) -> None:
         """Until every key is set (``any_of``: one of them); fails when torchrun ends first (or
         after ``timeout_s``)."""
-        started, delay, looked = time.monotonic(), 0.0005, time.monotonic()
+        started, delay = time.monotonic(), 0.0005
         while not (any(self._store.check([k]) for k in keys) if any_of else self._store.check(keys)):
-            if self._proc.poll() is not None:
-                self._output.join(5.0)
+            if self._ranks.poll() is not None:
+                self._ranks.stop(STOP_GRACE_S)  # the output to its end: a rank's last line may be its error
                 raise self._failure(f"ended during {what!r}")
-            if self._watch is not None and time.monotonic() - looked > POLL_S:
-                looked = time.monotonic()
-                if self._watch.check():  # another node failed, or stopped beating
-                    raise self._failure(f"lost a node during {what!r}")
             if timeout_s is not None and time.monotonic() - started > timeout_s:
                 raise RLHFError(failure_line(f"the {self.what}'s {self.world} processes did not {what} within "
                                              f"{timeout_s:.0f} s, they", -1, list(self._output.tail), self._output.log))
@@ -226,10 +232,14 @@ class WorkerGroup:
             delay = min(delay * 2, 0.02)  # sub-millisecond replies stay fast, long ones cost no CPU
 
 
+def _target(entry: str) -> list[str]:
+    """How the interpreter runs ``entry``: a script's path, or a module."""
+    return [entry] if entry.endswith(".py") else ["-m", entry]
+
+
 def _one_node_command(entry: str, world: int, store: str, args: Sequence[str]) -> list[str]:
-    target = [entry] if entry.endswith(".py") else ["-m", entry]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", f"--nproc_per_node={world}",
-            *target, "--store", store, *args]
+            *_target(entry), "--store", store, *args]
 
 
 def _stop_tree(proc: subprocess.Popen, grace_s: float) -> None:

@@ -8,8 +8,6 @@ and a CLI rerun rebuilds a state that was never written on as many ranks as trai
 
 from __future__ import annotations
 
-import subprocess
-import sys
 
 import psutil
 import pytest
@@ -19,7 +17,6 @@ from safetensors.torch import load_file
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import committed_iterations, read_last_good
 from rlhf_core.run.manifest import read_manifest
-from rlhf_core.training.distributed import free_port
 
 pytestmark = [pytest.mark.prefect, pytest.mark.slow, pytest.mark.deepspeed]
 
@@ -115,28 +112,16 @@ def _eventually_gone(before: set[int], seconds: float = 60.0) -> bool:
     return True
 
 
-def test_two_nodes_keep_one_group_for_the_run_and_train_the_same_bits(group_run, prefect_server, flow_run,
-                                                                      same_tables, same_weights, tmp_path,
-                                                                      subprocess_env):
-    """Two "nodes" on 127.0.0.1, one rank each: node 0 is the flow, node 1 the real `rlhf node join`,
-    which runs its rank of the group for the whole run and leaves when the run is finished."""
-    runs = tmp_path / "runs"
-    joiner = subprocess.Popen([sys.executable, "-m", "rlhf_cli.main", "node", "join", "--run-dir",
-                               str(runs / "nodes"), "--node-rank", "1"], env=subprocess_env(),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        run = RunDir(flow_run(runs, "nodes", *TWO_RANKS, *BREACH_THEN_RETRY, "trainer.nnodes=2",
-                              "trainer.master_addr=127.0.0.1", f"trainer.master_port={free_port()}",
-                              "trainer.node_join_timeout_s=120", iterations=2)["run_dir"])
-        out, _ = joiner.communicate(timeout=120)
-    finally:
-        if joiner.poll() is None:
-            joiner.kill()
-    assert joiner.returncode == 0, out[-3000:]
-    assert out.count("joining launch") == 1 and "(the worker group)" in out  # one launch for the whole run
-    assert "the run is finished (iteration 2 of 2 is committed)" in out
+@pytest.mark.ray
+def test_two_ray_nodes_keep_one_group_for_the_run_and_train_the_same_bits(group_run, flow_run, same_tables,
+                                                                          same_weights, ray_cluster, tmp_path):
+    """Two nodes of a real Ray cluster on this machine, one rank each, for a whole flow run (a breach,
+    its retry, a save point): the same tables and bits as one node of two ranks under torchrun."""
+    run = RunDir(flow_run(tmp_path / "runs", "nodes", *TWO_RANKS, *BREACH_THEN_RETRY, "trainer.nnodes=2",
+                          f"trainer.ray_address={ray_cluster.address}", iterations=2)["run_dir"])
+    log = (run.root / "logs" / "worker-group.log").read_text()
+    assert log.count("--- ") == 1, log[-3000:]  # one launch for the whole run
     same_tables(run, group_run, (1, 2))  # two nodes of one rank = one node of two ranks
     same_weights(run.checkpoint(2), group_run.checkpoint(2))
     mine, theirs = optimizer_shards(run.checkpoint(2)), optimizer_shards(group_run.checkpoint(2))
     assert [k for k in mine if not torch.equal(mine[k], theirs[k])] == [] and sorted(mine) == sorted(theirs)
-    assert not run.update_request.exists()

@@ -4,6 +4,7 @@ project cannot honour are refused with the fix, and what the machine cannot do f
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import logging
 import subprocess
 import sys
@@ -116,8 +117,14 @@ def test_machine_fit_without_and_with_gpus(said):
     with pytest.raises(ConfigError, match="trainer.n_gpus_per_node=8: only 2 CUDA device"):
         fit_to_machine(cfg, gpus=2)
     assert fit_to_machine(cfg, gpus=8) is cfg
-    with pytest.raises(ConfigError, match="trainer.nnodes=2"):
-        load_config(None, ["trainer.nnodes=2"])
+    if importlib.util.find_spec("ray") is None:  # the ray extra places several nodes' ranks
+        with pytest.raises(ConfigError, match=r"trainer.nnodes=2: the update's nodes are a Ray cluster and Ray is "
+                                              r"not installed here; install the ray extra"):
+            load_config(None, ["trainer.nnodes=2"])
+    else:
+        assert load_config(None, ["trainer.nnodes=2"]).trainer.nnodes == 2
+        assert any("trainer.nnodes=2: Ray places the update's ranks on 2 nodes of the cluster at 'auto'" in s
+                   for s in said())
     vllm = dataclasses.replace(cfg, trainer=dataclasses.replace(cfg.trainer, n_gpus_per_node=1))
     vllm.actor_rollout_ref.rollout.name = "vllm"
     assert fit_to_machine(vllm, gpus=0).actor_rollout_ref.rollout.name == "hf"
@@ -148,3 +155,24 @@ def test_cli_config_show_prints_notes_as_single_lines(verl_quickstart, tmp_path)
     assert "actor_rollout_ref.rollout.name=hf" in out.stdout.splitlines()
     notes = [line for line in out.stderr.splitlines() if "vllm needs a CUDA GPU" in line]
     assert len(notes) == 1, out.stderr
+
+
+
+@pytest.mark.parametrize("key", ["trainer.master_addr=node0", "trainer.master_port=29500",
+                                 "trainer.node_join_timeout_s=30"])
+def test_the_retired_node_join_keys_answer_with_the_ray_steps(key):
+    with pytest.raises(ConfigError, match=rf"{key.split('=')[0]}=.*retired: the update's nodes are a Ray cluster: "
+                                          r"`ray start --head`"):
+        load_config(None, [key])
+
+
+def test_a_saved_config_with_the_retired_keys_at_their_defaults_still_loads(tmp_path):
+    """config.yaml of a run made before Ray holds them at their defaults: dropped without a word."""
+    from rlhf_core.config import to_yaml
+    import yaml
+
+    tree = yaml.safe_load(to_yaml(load_config(None, [])))
+    tree["trainer"].update(master_addr=None, master_port=None, node_join_timeout_s=600)
+    preset = tmp_path / "old.yaml"
+    preset.write_text(yaml.safe_dump(tree))
+    assert load_config(str(preset), []).trainer.nnodes == 1

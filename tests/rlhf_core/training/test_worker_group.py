@@ -54,7 +54,7 @@ def test_a_failed_rank_is_reported_while_the_others_still_wait_for_it(group):
     with pytest.raises(RankFailure, match="rank 0 says gone"):
         group.call("user_error", rank=0, why="gone", others_hang=True)
     assert time.monotonic() - started < 60  # not the other rank's hour: it was killed
-    assert group._proc.poll() is not None
+    assert group._ranks.poll() is not None
 
 
 def test_a_bug_comes_back_with_its_traceback(group):
