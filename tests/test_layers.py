@@ -301,3 +301,11 @@ def test_no_module_holds_live_state():
                        "(rlhf_core/scoring/session.py); a registry or memo cache goes into PROCESS_WIDE with its reason")
     gone = sorted(set(PROCESS_WIDE) - _process_wide_values())
     assert not gone, f"PROCESS_WIDE names values that no longer exist: {gone}"
+
+
+def test_only_the_ray_launcher_imports_ray():
+    """Ray is an optional extra (several machines): one module loads it, and only when a run spans nodes."""
+    launcher = REPO / "rlhf_core" / "training" / "ray_ranks.py"
+    importers = sorted(str(path.relative_to(REPO)) for module, path in MODULES.items()
+                       for _, names, _ in _imports(path) if path != launcher and names[0].split(".")[0] == "ray")
+    assert importers == []
