@@ -56,10 +56,32 @@ LOST_NODE = -9
 """The exit status a rank of a lost node is given (its process died with the node)."""
 
 
+PROBE_TIMEOUT_S = 3.0
+"""How long the cluster's address may take to accept a connection before it is taken for none:
+ray.init itself retries a dead address for minutes, logging each try."""
+
+
+def _unreachable(address: str) -> Optional[str]:
+    """Why ``address`` (HOST:PORT, or ray://HOST:PORT) has no cluster listening, else None ("auto"
+    is Ray's own lookup of the cluster this node belongs to, which fails at once)."""
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return None
+    try:
+        socket.create_connection((host, int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
+
+
 def connect(address: str) -> None:
     """Join the cluster at ``address`` as a driver (once per process); one line when there is none."""
     if ray.is_initialized():
         return
+    why = _unreachable(address)
+    if why:
+        raise RLHFError(f"trainer.nnodes > 1 runs the update's ranks on a Ray cluster, and nothing answers at "
+                        f"{address!r} ({why}); {RAY_STEPS}; trainer.ray_address (or $RAY_ADDRESS) names the head")
     try:
         ray.init(address=address, log_to_driver=False, logging_level="ERROR", configure_logging=True,
                  include_dashboard=False)

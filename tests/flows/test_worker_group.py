@@ -8,6 +8,9 @@ and a CLI rerun rebuilds a state that was never written on as many ranks as trai
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 
 import psutil
 import pytest
@@ -102,7 +105,6 @@ def test_a_cli_rerun_rebuilds_a_state_never_written_on_two_ranks(group_run, scor
 
 
 def _eventually_gone(before: set[int], seconds: float = 60.0) -> bool:
-    import time
 
     deadline = time.monotonic() + seconds
     while no_orphans(before):
@@ -125,3 +127,38 @@ def test_two_ray_nodes_keep_one_group_for_the_run_and_train_the_same_bits(group_
     same_weights(run.checkpoint(2), group_run.checkpoint(2))
     mine, theirs = optimizer_shards(run.checkpoint(2)), optimizer_shards(group_run.checkpoint(2))
     assert [k for k in mine if not torch.equal(mine[k], theirs[k])] == [] and sorted(mine) == sorted(theirs)
+
+
+@pytest.mark.ray
+def test_a_run_that_lost_a_ray_node_resumes_to_the_same_bits(group_run, flow_run, same_tables, same_weights,
+                                                             ray_cluster, tmp_path):
+    """A node leaves the cluster once iteration 1 is committed: iteration 2 fails naming it and the
+    resume command; with a node back, `rlhf run --resume` continues exactly — the same tables and bits
+    as one node of two ranks that never lost anything."""
+    runs = tmp_path / "runs"
+    run = RunDir(runs / "lost")
+    (worker,) = [node for node in ray_cluster.list_all_nodes() if node is not ray_cluster.head_node]
+
+    def remove_once_committed() -> None:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                if read_last_good(run)["iteration"] == 1:
+                    break
+            time.sleep(0.2)
+        ray_cluster.remove_node(worker)
+
+    remover = threading.Thread(target=remove_once_committed)
+    remover.start()
+    with pytest.raises(Exception) as lost:
+        flow_run(runs, "lost", *TWO_RANKS, *BREACH_THEN_RETRY, "trainer.nnodes=2",
+                 f"trainer.ray_address={ray_cluster.address}", iterations=2)
+    remover.join()
+    assert "lost Ray node" in str(lost.value) and "rlhf run --resume RUN" in str(lost.value), str(lost.value)
+    assert committed_iterations(run) == [1]
+    ray_cluster.add_node(num_cpus=2)
+    ray_cluster.wait_for_nodes()
+    flow_run(runs, "lost", iterations=2, resume=run.root)
+    assert committed_iterations(run) == [1, 2]
+    same_tables(run, group_run, (1, 2))
+    same_weights(run.checkpoint(2), group_run.checkpoint(2))

@@ -7,6 +7,8 @@ and its ranks do not outlive it. Needs the ray extra (`make test-ray`)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -149,3 +151,16 @@ def test_a_lost_node_fails_the_group_naming_it_and_leaves_no_rank(cluster, tmp_p
         time.sleep(0.5)
     c.add_node(num_cpus=2)  # the next test's cluster is whole again
     c.wait_for_nodes()
+
+
+def test_no_cluster_at_the_address_is_one_line_at_once():
+    """In a process of its own: this one is already a driver of the test cluster."""
+    from rlhf_core.training.distributed import free_port
+
+    address = f"127.0.0.1:{free_port()}"
+    code = (f"from rlhf_core.training.ray_ranks import connect\nconnect({address!r})")
+    started = time.monotonic()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert time.monotonic() - started < 30  # ray.init alone retries a dead address for minutes
+    assert f"RLHFError: trainer.nnodes > 1 runs the update's ranks on a Ray cluster, and nothing answers at " \
+           f"'{address}'" in out.stderr and "`ray start --head`" in out.stderr, out.stderr[-2000:]
