@@ -151,6 +151,9 @@ class RankProcess:
 
     def start(self, argv: Sequence[str], env: dict[str, str], cwd: str) -> int:
         """Start the rank: ``python argv...`` with this node's interpreter, in ``cwd``; its pid."""
+        gpus = ray.get_gpu_ids()
+        if gpus:  # Ray gave this actor its GPU: the rank sees it alone, as its device 0 (LOCAL_RANK picks the device)
+            env = {**env, "CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus)), "LOCAL_RANK": "0"}
         here = cwd if os.path.isdir(cwd) else None  # the head's directory, where the nodes share it
         self._proc = subprocess.Popen([sys.executable, *argv], env={**os.environ, **env}, cwd=here,
                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
