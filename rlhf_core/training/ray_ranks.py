@@ -42,14 +42,12 @@ from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from rlhf_core.config.verl_keys import RAY_STEPS
 from rlhf_core.errors import RLHFError
 
 if TYPE_CHECKING:
     from rlhf_core.training.worker_group import RayPlacement
 
-RAY_STEPS = ("start the cluster as for verl: `ray start --head` on this node and `ray start --address=HEAD_IP:6379` "
-             "on each other one, then run here (docs/scaling.md)")
-"""What a refusal tells the user to do."""
 POLL_S = 0.2
 """How often the coordinator fetches the ranks' output and exit statuses."""
 LOST_NODE = -9
