@@ -20,13 +20,16 @@ from typing import Any, Optional
 
 import yaml
 
+try:  # yaml.safe_load's rules, in C: `rlhf status` reads config.yaml twice (0.16 s in Python)
+    from yaml import CSafeLoader
+except ImportError:  # a PyYAML built without libyaml
+    from yaml import SafeLoader as CSafeLoader
+
 from rlhf_core.config.loader import flatten_tree
 from rlhf_core.run.layout import RunDir, StateFileError, read_config_text
 from rlhf_core.run.lifecycle import committed_iterations
 from rlhf_core.run.migrate import SEALED_FORMAT, current_config_tree, run_format
 
-PLAIN_YAML = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
-"""yaml.safe_load's rules, in C where PyYAML has it: `rlhf status` reads config.yaml twice (0.16 s in Python)."""
 SHOWN_KEYS = 4
 """Differences named one by one in the warning; more are counted per section."""
 
@@ -34,7 +37,7 @@ SHOWN_KEYS = 4
 def parse_config(text: str, where: Any) -> dict:
     """A config.yaml's text as a tree; text that is not a YAML mapping raises ``StateFileError``."""
     try:
-        tree = yaml.load(text, Loader=PLAIN_YAML) or {}
+        tree = yaml.load(text, Loader=CSafeLoader) or {}
     except yaml.YAMLError as exc:
         raise StateFileError(f"{where} is damaged (not YAML: {str(exc).splitlines()[0]})") from None
     if not isinstance(tree, dict):

@@ -142,10 +142,11 @@ class RankProcess:
 
     def where(self) -> tuple[str, str, int]:
         """(this node's address as Ray reports it, its node id, a TCP port free on it)."""
+        address = ray.util.get_node_ip_address()  # where the other nodes reach this one: the rendezvous listens there
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
+            s.bind((address, 0))
             port = s.getsockname()[1]
-        return ray.util.get_node_ip_address(), ray.get_runtime_context().get_node_id(), port
+        return address, ray.get_runtime_context().get_node_id(), port
 
     def start(self, argv: Sequence[str], env: dict[str, str], cwd: str) -> int:
         """Start the rank: ``python argv...`` with this node's interpreter, in ``cwd``; its pid."""
