@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -41,12 +42,13 @@ def optimizer_shards(checkpoint) -> dict[str, torch.Tensor]:
     return out
 
 
-def no_orphans(before: set[int]) -> list[str]:
-    """Processes of a worker group (or its torchrun) started since ``before`` and still alive."""
+def no_orphans(before: set[int], runs: Path) -> list[str]:
+    """Processes of a worker group (or its torchrun) of a run under ``runs`` started since ``before``
+    and still alive (another test worker's groups, at the same time, are none of this test's)."""
     alive = []
     for proc in psutil.process_iter(["pid", "cmdline"]):
         cmd = " ".join(proc.info["cmdline"] or [])
-        if proc.info["pid"] not in before and "rlhf_core.stages.group_entry" in cmd:
+        if proc.info["pid"] not in before and "rlhf_core.stages.group_entry" in cmd and str(runs) in cmd:
             alive.append(cmd)
     return alive
 
@@ -58,7 +60,7 @@ def group_run(prefect_server, flow_run, tmp_path_factory) -> RunDir:
     before = {p.pid for p in psutil.process_iter()}
     run = RunDir(flow_run(runs, "grp", *TWO_RANKS, *BREACH_THEN_RETRY,
                           iterations=2)["run_dir"])
-    assert no_orphans(before) == []  # the group left with the flow run
+    assert no_orphans(before, runs) == []  # the group left with the flow run
     return run
 
 
@@ -92,7 +94,7 @@ def test_a_kill_between_save_points_resumes_on_a_new_group_to_the_same_bits(
     run = killed_run(runs, "grp", *TWO_RANKS, *BREACH_THEN_RETRY, iterations=2, at="iter_2/guard.json")
     assert read_last_good(run)["iteration"] == 1
     assert not any(run.checkpoint(k).exists() for k in (1, 2))  # only in the ranks' memory
-    assert _eventually_gone(before)  # the ranks saw their coordinator die and left
+    assert _eventually_gone(before, runs)  # the ranks saw their coordinator die and left
 
     done = flow_run(runs, "grp", iterations=2, resume=run.root)
     assert done["last_good"]["iteration"] == 2
@@ -104,10 +106,9 @@ def test_a_cli_rerun_rebuilds_a_state_never_written_on_two_ranks(group_run, scor
     score_rerun_rebuilds(group_run)  # on two ranks, as it trained: one would not reproduce it
 
 
-def _eventually_gone(before: set[int], seconds: float = 60.0) -> bool:
-
+def _eventually_gone(before: set[int], runs: Path, seconds: float = 60.0) -> bool:
     deadline = time.monotonic() + seconds
-    while no_orphans(before):
+    while no_orphans(before, runs):
         if time.monotonic() > deadline:
             return False
         time.sleep(0.5)
