@@ -23,7 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from rlhf_core.algos import compute_gae, compute_gae_reference  # noqa: E402
+from rlhf_core.algos.advantage import compute_gae, compute_gae_reference  # noqa: E402
 
 GAMMA, LAM = 0.99, 0.95
 GOAL = 20.0

@@ -1,7 +1,7 @@
-"""The commands that only read a config or a run's records: the resolved config and a run's status.
-They load neither Prefect, MLflow nor the model libraries' loaders (SQL over a run: ``querying``).
+"""The commands that only read a config: the resolved config. They load neither Prefect, MLflow nor
+the model libraries' loaders (a run's status: ``run_status``; SQL over its tables: ``querying``).
 
-    rlhf config show | status RUN
+    rlhf config show
 
 ``plan_run_command`` is `rlhf run` / `rlhf demo`'s own check of the same kind: the config, its
 inputs and the run directory, made before the command loads Prefect, MLflow and DeepSpeed.
@@ -15,9 +15,7 @@ from rlhf_core.config import flatten, to_yaml
 from rlhf_core.paths import project_root
 from rlhf_core.run.inputs import check_inputs
 from rlhf_core.errors import RLHFError
-from rlhf_core.run.layout import require_run_dir
 from rlhf_core.control.plan import RunPlan, note_loggers, plan_run, resolve_run_config
-from rlhf_core.control.status import format_status
 
 
 def cmd_config_show(args: argparse.Namespace) -> int:
@@ -55,10 +53,3 @@ def plan_run_command(args: argparse.Namespace) -> RunPlan:
         raise RLHFError(f"--iterations {args.iterations}: must be at least 1; give --iterations N with N >= 1")
     return plan_run(preset=None if args.resume else args.preset, overrides=list(args.overrides),
                     iterations=args.iterations, run_name=args.run_name, resume=args.resume)
-
-
-def cmd_status(args: argparse.Namespace) -> int:
-
-    require_run_dir(args.run_dir)
-    print(format_status(args.run_dir))
-    return 0

@@ -18,7 +18,7 @@
 
 Each command lives in the module named in ``COMMANDS`` and is imported when it runs: the commands
 that need neither Prefect nor MLflow (``rlhf_cli.inspection``, ``rlhf_cli.local``) start without
-loading them.
+loading them, and those that read a run (``rlhf_cli.run_status``, ``rlhf_cli.querying``) without torch.
 `run`, `demo`, `stage` and `rebuild` run as Prefect flow runs (on the server PREFECT_API_URL names,
 else the local services' server when it is up, else a temporary one: ``rlhf_cli.prefect_server``)
 tracked in MLflow (an SQLite store under $RLHF_HOME unless
@@ -57,7 +57,7 @@ for _key, _value in {
     os.environ.setdefault(_key, _value)
 
 COMMANDS = {
-    "config": "rlhf_cli.inspection:cmd_config_show", "status": "rlhf_cli.inspection:cmd_status",
+    "config": "rlhf_cli.inspection:cmd_config_show", "status": "rlhf_cli.run_status:cmd_status",
     "query": "rlhf_cli.querying:cmd_query", "export": "rlhf_cli.local:cmd_export",
     "model": "rlhf_cli.local:cmd_model",
     "stage": "rlhf_cli.orchestrated:cmd_stage", "run": "rlhf_cli.orchestrated:cmd_run",

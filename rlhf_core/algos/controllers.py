@@ -7,13 +7,14 @@ another type fails loudly rather than silently resetting the coefficient.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
-
-import torch
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 from .registry import KL_CONTROLLERS, register_kl_controller
 
-Number = Union[float, int, torch.Tensor]
+if TYPE_CHECKING:  # plain floats in, plain floats out: a run's records are read without torch (run.migrate)
+    import torch
+
+Number = Union[float, int, "torch.Tensor"]
 
 
 class _KLController:

@@ -25,7 +25,8 @@ import torch
 from .aggregation import Count, agg_loss, masked_mean, masked_sum
 from .losses import compute_policy_loss
 from .registry import register_policy_loss
-from .rollout_correction import LOSS_TYPES, RolloutCorrection, correct_rollout
+from .correction_specs import LOSS_TYPES, RolloutCorrection
+from .rollout_correction import correct_rollout
 
 # gspo: verl clamps the per-token log of the sequence ratio from above for stability.
 GSPO_MAX_LOG_RATIO = 10.0

@@ -41,7 +41,7 @@ from rlhf_core.config import verl_keys
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.machine import fit_to_machine
 from rlhf_core.notes import say_once
-from rlhf_core.config.schema import RLHFConfig
+from rlhf_core.config.schema import DataConfig, RLHFConfig
 from rlhf_core.config.validate import validate
 from rlhf_core.errors import shown_path
 
@@ -307,6 +307,15 @@ def load_config(preset: str | Path | None = None, overrides: Iterable[str] = ())
 def config_from_dict(tree: dict) -> RLHFConfig:
     """Rebuild a config saved with ``to_dict`` (e.g. a run directory's config.yaml)."""
     return _finish(normalise(tree))
+
+
+def data_config_from_dict(tree: dict) -> DataConfig:
+    """The ``data`` section of a config saved with ``to_dict``, typed and checked by its own rules
+    only: what reading a run's records needs (``rlhf status``). Unlike ``config_from_dict`` it looks
+    up no algorithm name (whose tables import torch) and fits nothing to this machine."""
+    section = _build(DataConfig, normalise(tree).get("data") or {}, "data.")
+    section.check("data")
+    return section
 
 
 def apply_overrides(cfg: RLHFConfig, overrides: Iterable[str]) -> RLHFConfig:

@@ -24,7 +24,6 @@ import os
 from typing import Optional
 
 import psutil
-import torch
 
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.notes import say_once
@@ -46,7 +45,11 @@ which the CPU engine ignores once the KV cache has a size, as it always has here
 
 
 def cuda_devices() -> int:
-    """Visible CUDA devices (0 on a CPU machine)."""
+    """Visible CUDA devices (0 on a CPU machine). torch is imported here, not with the module: loading
+    a config must not cost torch's import (1.7 s on a 2-core machine) to a command that only reads a
+    run (``rlhf status``)."""
+    import torch
+
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 

@@ -21,8 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal, Mapping, Optional
 
-from rlhf_core.algos import estimator_takes
-from rlhf_core.algos.rollout_correction import RolloutCorrection
+from rlhf_core.algos.registry import estimator_takes
+from rlhf_core.algos.correction_specs import RolloutCorrection
 from rlhf_core.config.schema import DataConfig, OptimConfig, RLHFConfig, TrainerConfig
 
 Role = Literal["actor", "critic", "rollout", "ref", "reward_model"]

@@ -32,11 +32,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
 from rlhf_core.algos.registry import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, KL_ESTIMATORS, POLICY_LOSSES, Registry
-from rlhf_core.algos import kl as _kl  # noqa: F401  (registers the KL estimators)
-from rlhf_core.algos import advantage as _advantage  # noqa: F401  (registers the estimators)
-from rlhf_core.algos import losses as _losses  # noqa: F401  (registers the policy losses)
-from rlhf_core.algos import controllers as _controllers  # noqa: F401  (registers the KL controllers)
-from rlhf_core.algos.rollout_correction import parse_is_threshold, parse_rs_options, parse_rs_thresholds
+from rlhf_core.algos.correction_specs import parse_is_threshold, parse_rs_options, parse_rs_thresholds
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.notes import say_once
 from rlhf_core.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Literal
 
-from rlhf_core.algos import estimator_takes
+from rlhf_core.algos.registry import estimator_takes
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.notes import say_once
 from rlhf_core.config.resolve import micro_batching, needs_baseline_rollout, uses_critic

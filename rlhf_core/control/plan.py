@@ -35,13 +35,12 @@ from rlhf_core.data.preprocess import (NoPromptsError, first_reject, no_prompts_
 from rlhf_core.errors import DataError, RLHFError, require_writable
 from rlhf_core.paths import resolve_path
 from rlhf_core.run.layout import RunDir, StateFileError, write_config
-from rlhf_core.run.lifecycle import last_good_iteration
+from rlhf_core.run.lifecycle import last_good_iteration, refuse_edited_retry_records
 from rlhf_core.run.migrate import migrate, stamp
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.saved_config import run_config_tree
 from rlhf_core.run.schedule import initial_validation_due, stops_after_validation
 from rlhf_core.stages.base import refuse_out_of_date
-from rlhf_core.stages.gae import refuse_edited_retry_records
 from rlhf_core.stages.preprocess import data_files, refuse_changed_data
 
 

@@ -11,15 +11,15 @@ import pyarrow as pa
 
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.integrity import damaged_checkpoints, find_damage
-from rlhf_core.config import ConfigError, config_from_dict
+from rlhf_core.config import ConfigError
+from rlhf_core.config.loader import data_config_from_dict
 from rlhf_core.errors import CheckpointError, DataError
 from rlhf_core.run.lifecycle import (commit_log_problem, committed_iterations, last_good_iteration, newest_durable,
-                                    read_last_good, read_retry_scale, retries_recorded)
+                                    edited_retry_records, read_last_good, read_retry_scale, retries_recorded)
 from rlhf_core.run.migrate import outdated
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.saved_config import run_config_tree
 from rlhf_core.stages.base import out_of_date, stage_label
-from rlhf_core.stages.gae import edited_retry_records
 from rlhf_core.stages.preprocess import refuse_changed_data
 from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES
 from rlhf_core.training.lineage import environment_changes, read_state_record
@@ -196,7 +196,7 @@ def data_problems(run: RunDir, last_good: int) -> list[str]:
     if last_good < 1 or not run.config_path.is_file():
         return []
     try:
-        refuse_changed_data(config_from_dict(run_config_tree(run)[0]).data, run, last_good)
+        refuse_changed_data(data_config_from_dict(run_config_tree(run)[0]), run, last_good)
     except (StateFileError, ConfigError):
         return []  # config_problems names a config that cannot be read
     except DataError as exc:

@@ -18,8 +18,10 @@ flash_attention_2 on CUDA when the flash-attn package is importable, else sdpa.
 from __future__ import annotations
 
 import importlib.util
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # only annotations here: the config's schema imports this module without torch
+    import torch
 
 from rlhf_core.errors import RLHFError
 

@@ -20,9 +20,6 @@ import struct
 from pathlib import Path
 from typing import Optional
 
-import torch
-from torch.serialization import get_unsafe_globals_in_checkpoint
-
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.data.readers import data_file_problem
 from rlhf_core.paths import TINY, locate_model, model_problem, resolve_path
@@ -102,7 +99,11 @@ def _model_lacks(folder: Path) -> list[str]:
 def _unsafe_pickle(path: Path) -> Optional[str]:
     """What torch's safe loader (``weights_only=True``, the only way a pickle is read here) would
     refuse in the pickle ``path``: the Python objects besides tensors it holds, read from its pickle
-    opcodes without running them; None when it holds tensors only."""
+    opcodes without running them; None when it holds tensors only. torch is imported here, for the
+    rare model kept as a pickle, so that checking a run's inputs (``rlhf status``) costs no torch import."""
+    import torch
+    from torch.serialization import get_unsafe_globals_in_checkpoint
+
     try:
         refused = get_unsafe_globals_in_checkpoint(path)
     except ValueError:  # not torch's zip format (an old torch.save): its safe load tells

@@ -46,11 +46,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Optional
 
-from rlhf_core.errors import CheckpointError, RLHFError
+from rlhf_core.errors import CheckpointError, DataError, RLHFError
 from rlhf_core.io.atomic import TMP_MARK, atomic_write_json
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lock import RunLock
-from rlhf_core.run.manifest import read_manifest, write_manifest
+from rlhf_core.run.manifest import path_digest, read_manifest, record_key, write_manifest
 from rlhf_core.run.schedule import save_due
 from rlhf_core.run.stage_order import ROLLED_BACK_STAGES
 
@@ -518,3 +518,40 @@ def prune_checkpoints(trainer: TrainerConfig, run: RunDir) -> list[int]:
         discard_checkpoint(run, k)
         removed.append(k)
     return removed
+
+
+def edited_retry_records(run: RunDir, through: int) -> list[str]:
+    """One line for each committed iteration up to ``through`` whose retry record
+    (``iter_k/retry.json``, an input of its gae) is not what its gae read: edited or deleted since.
+    Its iteration trained with what the record said; a resume must not rebuild it from another
+    (it fell back and retrained with the edited scale). Reads and hashes; writes nothing."""
+    if through < 1:
+        return []
+    try:
+        committed = committed_iterations(run)
+    except StateFileError:
+        return []  # a damaged commit log: the resume rebuilds it first, status names it
+    lines = []
+    for k in (k for k in committed if k <= through):
+        try:
+            record = read_manifest(run, k).get("gae") or {}
+        except StateFileError:
+            continue  # a damaged record is status's and the resume's to name
+        inputs = record.get("inputs") or {}
+        retry = run.retry_record(k)
+        key = record_key(run, retry)
+        now = path_digest(run, retry)
+        if key not in inputs or now == inputs[key]:  # not an input without the KL in the reward
+            continue
+        how = "deleted" if now is None else "edited"
+        lines.append(f"{key} was {how} after iteration {k}'s gae read it (iteration {k} trained with what it said, "
+                     "and a retry's record is never edited)")
+    return lines
+
+
+def refuse_edited_retry_records(run: RunDir, through: int) -> None:
+    """``edited_retry_records`` as one ``DataError``: put the file back, or start a new run."""
+    lines = edited_retry_records(run, through)
+    if lines:
+        raise DataError(f"cannot resume {run.root}: {lines[0]}; put the file back as the retry wrote it (or start a "
+                        "new run)")

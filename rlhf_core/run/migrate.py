@@ -62,7 +62,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import yaml
 
-from rlhf_core.algos import make_kl_controller
+from rlhf_core.algos.controllers import make_kl_controller
 from rlhf_core.config.loader import flatten_tree
 from rlhf_core.config.schema import KLCtrlConfig
 from rlhf_core.data.schemas import PROMPTS, ROLLOUT, SCORED

@@ -9,7 +9,7 @@ from typing import Optional
 
 import torch
 
-from rlhf_core.algos import logprobs_from_logits
+from rlhf_core.algos.logits import logprobs_from_logits
 from rlhf_core.config.resolve import MicroBatching
 from rlhf_core.errors import RLHFError
 from rlhf_core.io.timing import MODEL_LOAD, timed

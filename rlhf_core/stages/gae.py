@@ -40,7 +40,8 @@ from typing import Optional
 import pyarrow.parquet as pq
 
 from rlhf_core.training.advantages import AdvantageSettings, compute_advantages
-from rlhf_core.algos import estimator_takes, make_kl_controller
+from rlhf_core.algos.registry import estimator_takes
+from rlhf_core.algos.controllers import make_kl_controller
 from rlhf_core.config.resolve import uses_critic
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.config.schema import KLCtrlConfig
@@ -49,7 +50,7 @@ from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lifecycle import committed_iterations, read_retry_scale
-from rlhf_core.run.manifest import path_digest, read_manifest, record_key
+from rlhf_core.run.manifest import read_manifest
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, execute_stage
 
@@ -83,42 +84,6 @@ def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force
 
     return execute_stage(stage="gae", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
                          config_sections=config_sections(cfg), body=body, force=force)
-
-
-def edited_retry_records(run: RunDir, through: int) -> list[str]:
-    """One line for each committed iteration up to ``through`` whose retry record
-    (``iter_k/retry.json``, an input of its gae) is not what its gae read: edited or deleted since. Its iteration trained with what the record said; a resume must not rebuild it from another
-    (it fell back and retrained with the edited scale). Reads and hashes; writes nothing."""
-    if through < 1:
-        return []
-    try:
-        committed = committed_iterations(run)
-    except StateFileError:
-        return []  # a damaged commit log: the resume rebuilds it first, status names it
-    lines = []
-    for k in (k for k in committed if k <= through):
-        try:
-            record = read_manifest(run, k).get("gae") or {}
-        except StateFileError:
-            continue  # a damaged record is status's and the resume's to name
-        inputs = record.get("inputs") or {}
-        retry = run.retry_record(k)
-        key = record_key(run, retry)
-        now = path_digest(run, retry)
-        if key not in inputs or now == inputs[key]:  # not an input without the KL in the reward
-            continue
-        how = "deleted" if now is None else "edited"
-        lines.append(f"{key} was {how} after iteration {k}'s gae read it (iteration {k} trained with what it said, "
-                     "and a retry's record is never edited)")
-    return lines
-
-
-def refuse_edited_retry_records(run: RunDir, through: int) -> None:
-    """``edited_retry_records`` as one ``DataError``: put the file back, or start a new run."""
-    lines = edited_retry_records(run, through)
-    if lines:
-        raise DataError(f"cannot resume {run.root}: {lines[0]}; put the file back as the retry wrote it (or start a "
-                        "new run)")
 
 
 def controller_source(run: RunDir, k: int) -> Optional[Path]:

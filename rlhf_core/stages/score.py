@@ -40,7 +40,7 @@ import pyarrow.parquet as pq
 import torch
 from tqdm.auto import tqdm
 
-from rlhf_core.algos import estimator_takes
+from rlhf_core.algos.registry import estimator_takes
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.resolve import (
     MicroBatching, critic_use_remove_padding, critic_value_batching, frozen_param_offload, micro_batching,

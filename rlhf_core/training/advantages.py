@@ -23,10 +23,11 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-from rlhf_core.algos import (
-    accepted_kwargs, apply_kl_penalty, estimator_takes, get_adv_estimator, masked_whiten,
-)
-from rlhf_core.algos.rollout_correction import RolloutCorrection, correct_rollout
+from rlhf_core.algos.registry import accepted_kwargs, estimator_takes, get_adv_estimator
+from rlhf_core.algos.kl import apply_kl_penalty
+from rlhf_core.algos.aggregation import masked_whiten
+from rlhf_core.algos.correction_specs import RolloutCorrection
+from rlhf_core.algos.rollout_correction import correct_rollout
 from rlhf_core.config import ConfigError
 from rlhf_core.data.schemas import ADVANTAGES_EXTRA, SCORED
 from rlhf_core.errors import DataError

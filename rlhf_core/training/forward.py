@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 from torch.nn.utils.rnn import pad_sequence
 
-from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
+from rlhf_core.algos.logits import entropy_from_logits, logprobs_from_logits
 from rlhf_core.models.packed import packed_forward, response_slices
 from rlhf_core.training.batch import MicroBatch
 

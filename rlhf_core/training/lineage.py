@@ -10,9 +10,10 @@ weights the update produced without reading them: the same id whether the checkp
 held in memory, or still to be rebuilt. Stage manifests use it for every checkpoint input
 (``run.manifest.path_digest``), so no stage re-hashes weight files.
 
-``weights_sample`` is a cheap fingerprint of the trained weights (every tensor's sum and a fixed
-strided sample): a replay (``training.resident``) that does not reproduce it stops instead of going on from
-different weights.
+``weights_sample`` is a cheap fingerprint of the trained weights (``training.fingerprint``: every
+tensor's sum and a fixed strided sample): a replay (``training.resident``) that does not reproduce it
+stops instead of going on from different weights. This module reads and writes the records without
+torch, so ``rlhf status`` can read them quickly.
 """
 
 from __future__ import annotations
@@ -23,9 +24,7 @@ import json
 import os
 import platform
 from pathlib import Path
-from typing import Any, Sequence
-
-import torch
+from typing import Any
 
 from rlhf_core.config import RLHFConfig, config_from_dict, config_hash, to_dict
 from rlhf_core.errors import CheckpointError
@@ -42,10 +41,6 @@ CONFIG_SECTIONS = ("actor_rollout_ref.model.", "actor_rollout_ref.actor.", "acto
                    "trainer.critic_warmup", "algorithm.adv_estimator", "algorithm.rollout_correction.")
 STEP_SECTIONS = ("trainer.total_iterations", "trainer.total_training_steps", "trainer.total_epochs")
 """The run's length enters the update only through a cosine or ratio warm-up lr schedule."""
-
-SAMPLE_POINTS = 64
-"""Elements taken from each tensor for ``weights_sample``: enough that any real divergence shows."""
-
 
 def config_sections(cfg: RLHFConfig, needs_total_steps: bool) -> tuple[str, ...]:
     """The config the update of an iteration depends on (its manifest's config hash)."""
@@ -80,29 +75,6 @@ def state_id(cfg: RLHFConfig, run: RunDir, k: int, needs_total_steps: bool) -> t
     cfg_hash = config_hash(cfg, config_sections(cfg, needs_total_steps))
     blob = json.dumps({"iteration": k, "inputs": inputs, "config": cfg_hash}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest(), inputs
-
-
-def weights_sample(modules: Sequence[torch.nn.Module]) -> str:
-    """sha256 over every parameter and buffer (by name, in order) of its float64 sum and of
-    ``SAMPLE_POINTS`` evenly strided elements: one pass at memory speed, no copy of the weights, and
-    it changes when a replayed step differs anywhere (the sum also sees the few embedding rows one
-    batch touches, which a sample alone would miss). A ZeRO-3 parameter is read as this rank's
-    partition: its full tensor exists only while gathered, and what a state dict shows of it
-    depends on what ran before, not on the weights; the partition is the same on every path to the
-    same state. Rank 0's sample is the one recorded and checked."""
-    h = hashlib.sha256()
-    for module in modules:
-        params = dict(module.named_parameters(remove_duplicate=False))  # tied names too
-        for name, tensor in module.state_dict().items():
-            partition = getattr(params.get(name), "ds_tensor", None)
-            flat = (tensor if partition is None else partition).detach().reshape(-1)
-            if flat.numel() == 0:
-                continue
-            stride = max(1, flat.numel() // SAMPLE_POINTS)
-            h.update(name.encode())
-            h.update(torch.sum(flat, dtype=torch.float64).cpu().numpy().tobytes())
-            h.update(flat[::stride].float().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 REPLAY_LIBRARIES = ("torch", "transformers", "deepspeed")

@@ -28,8 +28,11 @@ from typing import Callable, Optional
 
 import torch
 
-from rlhf_core.algos import accepted_kwargs, agg_loss, compute_value_loss, get_policy_loss_fn, kl_penalty
-from rlhf_core.algos.rollout_correction import RolloutCorrection
+from rlhf_core.algos.registry import accepted_kwargs, get_policy_loss_fn
+from rlhf_core.algos.aggregation import agg_loss
+from rlhf_core.algos.losses import compute_value_loss
+from rlhf_core.algos.kl import kl_penalty
+from rlhf_core.algos.correction_specs import RolloutCorrection
 from rlhf_core.io.atomic import fault_point
 from rlhf_core.models.packed import packing_attention_mode
 from rlhf_core.progress import bar_disabled

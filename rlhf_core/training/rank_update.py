@@ -44,7 +44,8 @@ from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, PPOData, check
 from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, seed_rng
 from rlhf_core.training.distributed import DistInfo, all_reduce
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, role_dtype, torch_dtype
-from rlhf_core.training.lineage import weights_sample, write_state_record
+from rlhf_core.training.fingerprint import weights_sample
+from rlhf_core.training.lineage import write_state_record
 from rlhf_core.training.flops import floor_metrics, training_flops, verl_promised_flops, verl_update_flops
 from rlhf_core.training.memory import ModelShape, Shapes, check_update_memory, memory_settings
 from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, present, load_actor_model, load_critic_model,

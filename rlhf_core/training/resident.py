@@ -71,7 +71,8 @@ from rlhf_core.training.checkpoint import (BackgroundWriter, can_write_in_backgr
 from rlhf_core.training.distributed import DistInfo, init_distributed
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.engines import LoraSettings, TrainEngine, present
-from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, state_id, weights_sample
+from rlhf_core.training.fingerprint import weights_sample
+from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, state_id
 from rlhf_core.models.threads import module_largest_matrix, serial_background_thread
 from rlhf_core.training.rank_update import (EngineSettings, UpdateSettings, UpdateSources, check_update_data,
                                             cpu_threads, engine_key, engine_settings, finish_update, open_engines,

@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from rlhf_core.algos import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, POLICY_LOSSES, kl_estimator_names
+from rlhf_core.algos.registry import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, POLICY_LOSSES
+from rlhf_core.algos.kl import kl_estimator_names
 
 DT = torch.float64
 POLICY_KNOBS = {

@@ -19,11 +19,12 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from rlhf_core.algos import (
-    ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, POLICY_LOSSES, agg_loss, kl_estimator_names, kl_penalty,
-    make_kl_controller,
-)
-from rlhf_core.algos.rollout_correction import RolloutCorrection, correct_rollout
+from rlhf_core.algos.registry import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, POLICY_LOSSES
+from rlhf_core.algos.aggregation import agg_loss
+from rlhf_core.algos.kl import kl_estimator_names, kl_penalty
+from rlhf_core.algos.controllers import make_kl_controller
+from rlhf_core.algos.correction_specs import RolloutCorrection
+from rlhf_core.algos.rollout_correction import correct_rollout
 from rlhf_core.config import load_config
 from rlhf_core.data.schemas import SCORED
 from rlhf_core.io.atomic import atomic_write_parquet

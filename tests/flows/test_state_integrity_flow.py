@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -623,3 +625,16 @@ def test_a_resume_of_a_finished_run_says_there_was_nothing_left_to_do(base, cli,
     assert (f"nothing left to do: iterations 1..3 are committed (trainer.total_iterations=3); `rlhf run --resume "
             f"{run.root} --iterations N` goes on to iteration N") in proc.stdout, proc.stdout[-3000:]
     assert committed_iterations(run) == [1, 2, 3]
+
+
+def test_the_status_of_a_run_imports_no_torch(base):
+    """Issue 50: `rlhf status RUN` answers in about a second because reading a run's records (its
+    config's data section, its manifests and lineage records) imports no torch, whose import alone
+    takes ~1.7 s here (benchmarks/bench_cli_start.py); the table is the whole status all the same."""
+    code = ("import sys, contextlib, io\nfrom rlhf_cli.main import main\nout = io.StringIO()\n"
+            f"with contextlib.redirect_stdout(out):\n    assert main(['status', {str(base.root)!r}]) == 0\n"
+            "print(out.getvalue())\nprint('torch' in sys.modules, 'transformers' in sys.modules)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.splitlines()[-1] == "False False", proc.stdout
+    assert "last-good: iteration 3" in proc.stdout and "problem:" not in proc.stdout, proc.stdout

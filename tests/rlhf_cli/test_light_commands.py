@@ -1,6 +1,7 @@
 """The commands that answer at once stay light: `rlhf --help`, a RUN that is no run directory and
-`rlhf query` load neither torch nor the config schema (torch's import alone takes ~1.7 s on a
-2-core machine; benchmarks/bench_cli_start.py measures the commands)."""
+`rlhf query` load neither torch nor the config schema, and the config package and its schema load
+without torch (torch's import alone takes ~1.7 s on a 2-core machine; benchmarks/bench_cli_start.py
+measures the commands; the status of a whole run: tests/flows/test_state_integrity_flow.py)."""
 
 from __future__ import annotations
 
@@ -35,3 +36,11 @@ def test_a_query_over_a_run_loads_no_heavy_library(tmp_path):
     code = (f"from rlhf_cli.main import main\nassert main(['query', {str(tmp_path)!r}, "
             "'SELECT count(*) AS n FROM metrics']) == 0")
     assert _loaded_after(code) == []
+
+
+def test_the_config_loads_without_torch_until_a_name_is_looked_up():
+    """The schema checks algorithm names against tables that import their torch providers only when
+    asked, so a command that reads a config's sections (rlhf status) never imports torch."""
+    code = ("from rlhf_core.config import schema, loader\n"
+            "from rlhf_core.run.layout import RunDir\nfrom rlhf_cli import run_status")
+    assert _loaded_after(code) == ["rlhf_core.config"]

@@ -7,12 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_core.algos import (
-    compute_gae,
-    compute_gae_reference,
-    discounted_reverse_cumsum,
-    get_adv_estimator,
-)
+from rlhf_core.algos.advantage import compute_gae, compute_gae_reference, discounted_reverse_cumsum
+from rlhf_core.algos.registry import get_adv_estimator
 from rlhf_core.algos import advantage as advantage_module
 
 SETTINGS = settings(max_examples=40, deadline=None)

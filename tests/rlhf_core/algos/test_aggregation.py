@@ -8,15 +8,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_core.algos import (
-    AGG_MODES,
-    agg_loss,
-    get_agg_fn,
-    global_counts,
-    masked_mean,
-    masked_var,
-    masked_whiten,
-)
+from rlhf_core.algos.registry import AGG_MODES, get_agg_fn
+from rlhf_core.algos.aggregation import agg_loss, global_counts, masked_mean, masked_var, masked_whiten
 
 SETTINGS = settings(max_examples=40, deadline=None)
 MODES = ["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

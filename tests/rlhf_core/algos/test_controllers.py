@@ -9,13 +9,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_core.algos import (
-    KL_CONTROLLERS,
-    AdaptiveKLController,
-    FixedKLController,
-    kl_controller_from_state,
-    make_kl_controller,
-)
+from rlhf_core.algos.registry import KL_CONTROLLERS
+from rlhf_core.algos.controllers import AdaptiveKLController, FixedKLController, kl_controller_from_state, make_kl_controller
 
 SETTINGS = settings(max_examples=50, deadline=None)
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_core.algos import apply_kl_penalty, get_kl_estimator, kl_estimator_names, kl_penalty
+from rlhf_core.algos.kl import apply_kl_penalty, get_kl_estimator, kl_estimator_names, kl_penalty
 
 SETTINGS = settings(max_examples=40, deadline=None)
 BASE_KINDS = ["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_core.algos import entropy_from_logits, logprobs_from_logits
+from rlhf_core.algos.logits import entropy_from_logits, logprobs_from_logits
 
 SETTINGS = settings(max_examples=30, deadline=None)
 

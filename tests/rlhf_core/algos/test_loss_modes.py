@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlhf_core.algos import POLICY_LOSSES, accepted_kwargs, get_policy_loss_fn
-from rlhf_core.algos.rollout_correction import RolloutCorrection
+from rlhf_core.algos.registry import POLICY_LOSSES, accepted_kwargs, get_policy_loss_fn
+from rlhf_core.algos.correction_specs import RolloutCorrection
 
 MODES = ["gspo", "gpg", "clip_cov", "kl_cov", "geo_mean"]
 ALL_MODES = sorted(set(POLICY_LOSSES.names()) - {"vanilla"})

@@ -7,14 +7,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rlhf_core.algos import (
-    POLICY_LOSSES,
-    compute_policy_loss,
-    compute_value_loss,
-    get_policy_loss_fn,
-    global_counts,
-    register_policy_loss,
-)
+from rlhf_core.algos.registry import POLICY_LOSSES, get_policy_loss_fn, register_policy_loss
+from rlhf_core.algos.losses import compute_policy_loss, compute_value_loss
+from rlhf_core.algos.aggregation import global_counts
 
 SETTINGS = settings(max_examples=40, deadline=None)
 MODES = ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

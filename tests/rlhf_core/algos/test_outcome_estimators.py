@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_core.algos import ADV_ESTIMATORS, accepted_kwargs, estimator_takes, get_adv_estimator
+from rlhf_core.algos.registry import ADV_ESTIMATORS, accepted_kwargs, estimator_takes, get_adv_estimator
 
 CRITIC_FREE = ["grpo", "grpo_passk", "rloo", "opo", "gpg", "reinforce_plus_plus",
                "reinforce_plus_plus_baseline", "remax"]

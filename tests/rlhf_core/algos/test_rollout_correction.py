@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from rlhf_core.algos.rollout_correction import RolloutCorrection, correct_rollout
+from rlhf_core.algos.correction_specs import RolloutCorrection
+
+from rlhf_core.algos.rollout_correction import correct_rollout
 
 
 def test_icepop_cutting_every_weight_gives_an_effective_sample_size_of_zero():

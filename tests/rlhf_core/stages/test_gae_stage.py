@@ -226,7 +226,7 @@ def test_after_a_retry_the_next_iteration_starts_from_the_raised_state_and_retri
 def test_scaling_before_the_step_equals_scaling_after_it(kind, scale):
     """Format 4 stepped the controller at its own value and scaled the coefficient after; format 5
     scales before the step. The step is proportional to the value, so the numbers are the same."""
-    from rlhf_core.algos import make_kl_controller
+    from rlhf_core.algos.controllers import make_kl_controller
 
     for value, kl, n in ((0.1, 0.3, 5), (0.02, 0.001, 64), (0.5, 0.05, 1)):
         before, after = (make_kl_controller(kind, v, 0.05, 40.0) for v in (value * scale, value))

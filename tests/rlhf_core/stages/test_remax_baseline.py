@@ -10,7 +10,7 @@ import zlib
 import pyarrow.parquet as pq
 import pytest
 
-from rlhf_core.algos import ADV_ESTIMATORS, register_adv_estimator
+from rlhf_core.algos.registry import ADV_ESTIMATORS, register_adv_estimator
 from rlhf_core.config import load_config, to_yaml
 from rlhf_core.data.schemas import ROLLOUT
 from rlhf_core.errors import DataError

@@ -227,7 +227,7 @@ def _with_rollout_log_probs(table: pa.Table, shift: list[float]) -> pa.Table:
 
 
 def _correction(**kw):
-    from rlhf_core.algos.rollout_correction import RolloutCorrection
+    from rlhf_core.algos.correction_specs import RolloutCorrection
 
     return AdvantageSettings(norm_adv=False, rollout_correction=RolloutCorrection(**kw))
 

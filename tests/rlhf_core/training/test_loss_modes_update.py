@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from rlhf_core.algos import POLICY_LOSSES, accepted_kwargs, get_policy_loss_fn
-from rlhf_core.algos.rollout_correction import RolloutCorrection
+from rlhf_core.algos.registry import POLICY_LOSSES, accepted_kwargs, get_policy_loss_fn
+from rlhf_core.algos.correction_specs import RolloutCorrection
 from rlhf_core.training.batch import MicroBatchPlan, build_micro_batch, split_mini_batch
 from rlhf_core.training.ppo import ActorLoss, train_step
 

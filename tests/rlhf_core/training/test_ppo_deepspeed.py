@@ -37,7 +37,10 @@ def _reference_actor_grads(model_dir, data: PPOData, rows: list[int], loss: Acto
     whole mini-batch in one (B, T) loss, one backward. Returns ({name: grad}, total norm, policy loss)."""
     from transformers import AutoModelForCausalLM
 
-    from rlhf_core.algos import agg_loss, compute_policy_loss, entropy_from_logits, kl_penalty
+    from rlhf_core.algos.aggregation import agg_loss
+    from rlhf_core.algos.losses import compute_policy_loss
+    from rlhf_core.algos.logits import entropy_from_logits
+    from rlhf_core.algos.kl import kl_penalty
     from rlhf_core.training.batch import build_micro_batch
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="sdpa")
