@@ -245,8 +245,6 @@ def test_every_source_folder_is_a_package_the_wheel_includes():
 
 
 PROCESS_WIDE = {
-    "rlhf_core.rewards.registry._REGISTERED": "a registry: reward functions by data source",
-    "rlhf_core.data.adapters.ADAPTERS": "a registry: dataset adapters by name",
     "rlhf_core.scoring.cache._entries": "a memo of read-only model directories keyed by their files' identity",
     "rlhf_core.io.hashing._known": "a memo of file digests keyed by (path, size, mtime)",
     "rlhf_core.notes._SAID": "which one-time notes this process printed",

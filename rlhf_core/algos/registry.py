@@ -8,71 +8,18 @@ New variants plug in by name, e.g.::
 Lookups of unknown names raise ``ValueError`` listing the valid names, so a typo in a run
 config fails at start-up with the fix in the message rather than deep inside training.
 
-Each registry names the modules whose decorators register its built-in entries (``providers``) and
-imports them at its first lookup: the config's schema checks names against these tables, and a
-command that reads a run without training (``rlhf status``, ``rlhf query``) then never pays torch's
-import (1.7 s of a 2-core machine's start-up), which every provider needs.
+Each registry names the modules whose decorators register its built-in entries (``providers``,
+``rlhf_core.registry``) and imports them at its first lookup: the config's schema checks names
+against these tables, and a command that reads a run without training (``rlhf status``) then never
+pays torch's import (1.7 s of a 2-core machine's start-up), which every provider needs.
 """
 
 from __future__ import annotations
 
-import importlib
 import inspect
-from typing import Any, Callable, Generic, Mapping, TypeVar
+from typing import Any, Callable, Mapping
 
-T = TypeVar("T")
-
-
-class Registry(Generic[T]):
-    """A named table of implementations for one family (``kind`` is used in error messages;
-    ``providers``: the modules that register the built-in entries, imported at the first lookup)."""
-
-    def __init__(self, kind: str, providers: tuple[str, ...]) -> None:
-        self.kind = kind
-        self.providers = providers
-        self._entries: dict[str, T] = {}
-        self._provided = False
-
-    def _table(self) -> dict[str, T]:
-        """The entries, the built-in ones registered first (a provider's import registers them)."""
-        if not self._provided:
-            self._provided = True
-            for module in self.providers:
-                importlib.import_module(module)
-        return self._entries
-
-    def register(self, name: str) -> Callable[[T], T]:
-        """Decorator registering ``obj`` under ``name``; re-registering a different object errors."""
-
-        def decorator(obj: T) -> T:
-            # the entries as they stand: a provider registers while it imports, before the lookups
-            existing = self._entries.get(name)
-            # Silently replacing an entry would make behaviour depend on import order.
-            if existing is not None and existing is not obj:
-                raise ValueError(f"{self.kind} {name!r} is already registered as {existing!r}")
-            self._entries[name] = obj
-            return obj
-
-        return decorator
-
-    def unregister(self, name: str) -> None:
-        """Remove ``name`` (for tests and plugins that register temporary variants)."""
-        self._table().pop(name, None)
-
-    def get(self, name: str) -> T:
-        try:
-            return self._table()[name]
-        except (KeyError, TypeError):
-            raise ValueError(f"unknown {self.kind} {name!r}; valid: {self.names()}") from None
-
-    def names(self) -> list[str]:
-        return sorted(self._table())
-
-    def __contains__(self, name: object) -> bool:
-        try:
-            return name in self._table()
-        except TypeError:  # unhashable, e.g. a list from a mis-parsed config
-            return False
+from rlhf_core.registry import Registry
 
 
 ADV_ESTIMATORS: Registry[Callable[..., Any]] = Registry(

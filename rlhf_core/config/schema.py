@@ -31,10 +31,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal, Optional, Union
 
-from rlhf_core.algos.registry import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, KL_ESTIMATORS, POLICY_LOSSES, Registry
+from rlhf_core.algos.registry import ADV_ESTIMATORS, AGG_MODES, KL_CONTROLLERS, KL_ESTIMATORS, POLICY_LOSSES
 from rlhf_core.algos.correction_specs import parse_is_threshold, parse_rs_options, parse_rs_thresholds
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.notes import say_once
+from rlhf_core.registry import Registry
 from rlhf_core.models.attention import IMPLEMENTATIONS as ATTENTION_IMPLEMENTATIONS
 
 LOGGERS_HERE = ("console", "mlflow")

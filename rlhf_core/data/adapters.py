@@ -24,6 +24,7 @@ from typing import Any, Callable, Mapping, Optional
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.schema import DataConfig
 from rlhf_core.errors import DataError
+from rlhf_core.registry import Registry
 
 
 class RowRejected(Exception):
@@ -56,7 +57,7 @@ class PromptExample:
 
 
 Adapter = Callable[[dict[str, Any], DataConfig], PromptExample]
-ADAPTERS: dict[str, Adapter] = {}
+ADAPTERS: Registry[Adapter] = Registry("dataset adapter")
 AUTO = "auto"
 
 # verl's pattern: '#### ' then an optionally negative number that may carry thousands separators;
@@ -65,18 +66,14 @@ GSM8K_ANSWER = re.compile(r"####\s*(-?[0-9][0-9,]*(?:\.[0-9]+)?)")
 
 
 def register_adapter(name: str) -> Callable[[Adapter], Adapter]:
-    def wrap(fn: Adapter) -> Adapter:
-        ADAPTERS[name] = fn
-        return fn
-
-    return wrap
+    return ADAPTERS.register(name)
 
 
 def get_adapter(name: str) -> Adapter:
-    if name not in ADAPTERS:
+    if name not in ADAPTERS:  # the config key's own error (the table's names a ValueError)
         raise ConfigError(f"data.adapter={name!r}: unknown adapter; valid adapters: "
-                          f"{', '.join(sorted([*ADAPTERS, AUTO]))}")
-    return ADAPTERS[name]
+                          f"{', '.join(sorted([*ADAPTERS.names(), AUTO]))}")
+    return ADAPTERS.get(name)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,6 +40,7 @@ from rlhf_core.config import ConfigError
 from rlhf_core.config.schema import CustomRewardConfig
 from rlhf_core.data.schemas import decode_extra_info
 from rlhf_core.errors import DataError
+from rlhf_core.registry import Registry
 from rlhf_core.rewards import dapo_math, gsm8k, hendrycks_math
 from rlhf_core.rewards.user_process import UserProcess
 from rlhf_core.rewards.user_process_main import plain
@@ -73,7 +74,9 @@ VERL_SOURCES_NOT_BUILT_IN = {
 not built in here: PRIME's math grader (sympy-based) and code sandbox, geometry3k (mathruler), and
 search-R1 (its ground truth is a dict of targets, and its rollouts call a search tool)."""
 
-_REGISTERED: dict[str, RewardFn] = {}
+REWARDS: Registry[RewardFn] = Registry("reward function")
+"""Reward functions registered by data source (``register_reward``); the built-in routes are not in
+it: a registered function overrides a built-in of the same name (``_routes``)."""
 
 
 def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
@@ -83,7 +86,7 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
 
     def decorate(fn: RewardFn) -> RewardFn:
         for source in data_sources:
-            _REGISTERED[source] = fn
+            REWARDS.register(source)(fn)
         return fn
 
     return decorate
@@ -92,7 +95,7 @@ def register_reward(*data_sources: str) -> Callable[[RewardFn], RewardFn]:
 def registered_sources() -> list[str]:
     """Every data_source that has a route (built-in and registered)."""
     built_in = {*GSM8K_SOURCES, *MATH_SOURCES, *DAPO_SOURCES, DAPO_PREFIX + "*"}
-    return sorted(built_in | set(_REGISTERED))
+    return sorted(built_in | set(REWARDS.names()))
 
 
 def _gsm8k_route(c: CustomRewardConfig) -> RewardFn:
@@ -115,7 +118,7 @@ def _routes(settings: CustomRewardConfig) -> dict[str, RewardFn]:
     routes = {source: _gsm8k_route(settings) for source in GSM8K_SOURCES}
     routes.update(dict.fromkeys(MATH_SOURCES, _score_math))
     routes.update(dict.fromkeys(DAPO_SOURCES, _score_dapo))
-    routes.update(_REGISTERED)  # a registered function overrides a built-in of the same name
+    routes.update(REWARDS.entries())  # a registered function overrides a built-in of the same name
     return routes
 
 

@@ -79,7 +79,7 @@ def test_generic_adapter_maps_columns_and_keeps_answer_verbatim():
 
 
 def test_registry_lists_valid_names_on_unknown():
-    assert {"gsm8k", "generic", "verl"} <= set(ADAPTERS)
+    assert {"gsm8k", "generic", "verl"} <= set(ADAPTERS.names())
     assert get_adapter("gsm8k") is gsm8k_adapter and get_adapter("verl") is verl_adapter
     with pytest.raises(ConfigError, match="valid adapters: auto, generic, gsm8k, verl"):
         get_adapter("alpaca")

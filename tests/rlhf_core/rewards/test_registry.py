@@ -12,11 +12,12 @@ from rlhf_core.config import ConfigError, load_config
 from rlhf_core.errors import DataError
 from rlhf_core.rewards import get_reward_fn, normalize_result, register_reward, registered_sources
 from rlhf_core.rewards import registry
+from rlhf_core.registry import Registry
 
 
 @pytest.fixture(autouse=True)
 def _clean_registry(monkeypatch):
-    monkeypatch.setattr(registry, "_REGISTERED", {})
+    monkeypatch.setattr(registry, "REWARDS", Registry("reward function"))
 
 
 @pytest.mark.parametrize("source", ["openai/gsm8k", "gsm8k", "arith"])

@@ -17,6 +17,7 @@ import pytest
 
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.errors import DataError
+from rlhf_core.registry import Registry
 from rlhf_core.rewards import registry, reward_function
 from rlhf_core.rewards.user_process import UserProcess
 from rlhf_core.rewards.user_process_main import plain
@@ -146,7 +147,10 @@ def test_results_are_the_in_process_calls_bit_for_bit(user_file, name, monkeypat
     monkeypatch.syspath_prepend(str(user_file.parent))
     import my_reward  # noqa: PLC0415  the user's module, in this process for the comparison
 
-    monkeypatch.setattr(registry, "_REGISTERED", {"src": getattr(my_reward, name), "other": getattr(my_reward, name)})
+    routes = Registry("reward function")
+    for source in ("src", "other"):
+        routes.register(source)(getattr(my_reward, name))
+    monkeypatch.setattr(registry, "REWARDS", routes)
     here = registry.get_reward_fn(load_config(None, []).custom_reward_function)
     with reward_function(_settings(user_file, name)) as there:
         for args in ARGS:
