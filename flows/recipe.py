@@ -26,22 +26,28 @@ step 2 computes no values (no critic), step 4 is the group's normalised score (a
 (actor.use_kl_loss) instead of step 3's reward penalty (β = 0 when algorithm.use_kl_in_reward is off).
 
 The steps are the iteration stages in their declared order (``run.stage_order.ITERATION_STAGES``,
-from each stage's ``StageSpec``): a new iteration stage gets its step here, and
-tests/flows/test_recipe.py fails until it has one.
+from each stage's ``StageSpec``), each called by its function: go to its definition to read the stage.
+A new iteration stage gets its step here, and tests/flows/test_recipe.py fails until it has one.
 """
 
 from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from rlhf_core.config import RLHFConfig, apply_overrides
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import KLGuardHalt, retries_recorded
 from rlhf_core.scoring.session import RunSession
+from rlhf_core.stages.base import StageResult
+from rlhf_core.stages.gae import run_gae
+from rlhf_core.stages.guard import run_guard
+from rlhf_core.stages.rollout import run_rollout
+from rlhf_core.stages.score import run_score
+from rlhf_core.stages.update import run_update
 from tasks.breach import handle_breach_task
-from tasks.stages import STAGE_TASKS, settle_task
+from tasks.stages import settle_task, stage_task
 
 
 @dataclass
@@ -55,9 +61,11 @@ class Attempt:
     session: RunSession
     results: list[dict[str, Any]] = field(default_factory=list)
 
-    def stage(self, name: str, cfg: RLHFConfig) -> dict[str, Any]:
-        result = STAGE_TASKS[name](cfg, self.run_dir, self.k, mlflow_run_id=self.mlflow_run_id, report=False,
-                                   session=self.session)
+    def stage(self, function: Callable[..., StageResult], cfg: RLHFConfig) -> dict[str, Any]:
+        """Run stage ``function`` as its Prefect task (``tasks.stages``: logged, retried where it may
+        be, skipped when its inputs and config are unchanged)."""
+        result = stage_task(function)(cfg, self.run_dir, self.k, mlflow_run_id=self.mlflow_run_id, report=False,
+                                      session=self.session)
         self.results.append(result)
         return result
 
@@ -76,12 +84,12 @@ def ppo_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional
         # 1. Generate: the last-good actor answers this iteration's prompts (the packed batch
         #    iter_K draws), rollout.n responses each, sampled at rollout.temperature/top_p/top_k;
         #    a vLLM engine on a GPU, HF generate on a CPU, or responses imported offline.
-        steps.stage("rollout", cfg)
+        steps.stage(run_rollout, cfg)
 
         # 2. Score: each response's reward r(x, y) (a rule such as GSM8K's exact answer, or a reward
         #    model), and the per-token numbers the loss needs: log-probs of the generating policy
         #    (π_old) and of the reference (π_ref), and the critic's values V(s_t).
-        steps.stage("score", cfg)
+        steps.stage(run_score, cfg)
 
         # 3. Shape rewards with KL: R_t = −β·KL_t + the score on the last token, KL_t estimated by
         #    algorithm.kl_penalty from log π_old − log π_ref; β is the KL controller's value
@@ -90,17 +98,17 @@ def ppo_iteration(cfg: RLHFConfig, run_dir: str, k: int, mlflow_run_id: Optional
         #    whitened over the batch (algorithm.norm_adv); returns = Â + V. Group estimators: the score normalised
         #    within each prompt's responses. Both steps are one stage: they share one read of
         #    the scored table and one write of the advantages.
-        steps.stage("gae", cfg)
+        steps.stage(run_gae, cfg)
 
         # 5. Update: ppo_epochs passes over the batch in mini-batches (one optimizer step each,
         #    micro-batches accumulated): the clipped surrogate (dual-clip for negative
         #    advantages), optionally a KL loss to π_ref and an entropy bonus; the critic's
         #    clipped value loss on the returns; gradients clipped to actor.grad_clip.
-        steps.stage("update", cfg)
+        steps.stage(run_update, cfg)
 
         # 6. Guard: KL(π_new‖π_ref) per token on this rollout (and the validation prompts when
         #    configured) against trainer.kl_rollback_threshold; a non-finite update fails too.
-        steps.stage("guard", cfg)
+        steps.stage(run_guard, cfg)
 
         # 7. Commit or roll back on the guard's verdict: a commit makes this checkpoint last-good
         #    (one atomic rename); a rollback discards it, and the next attempt starts again from

@@ -17,7 +17,7 @@ from rlhf_core.control.export import check_export_allowed, export_actor
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lock import RunLock
 from rlhf_core.control.plan import resolve_run_config, saved_config, stage_config, upgrade_format
-from rlhf_core.run.stage_order import get_stage
+from rlhf_core.stages.catalog import stage_functions
 from rlhf_core.sft.demo_model import build_demo_model
 from rlhf_core.stages.repair import prepare_export
 
@@ -69,7 +69,7 @@ def stage_local(args: argparse.Namespace, overrides: list[str]) -> dict:
     run = RunDir(args.run_dir)
     with RunLock(run):
         cfg = stage_config(run, args.preset, overrides)  # a rerun's overrides stay out of config.yaml
-        return get_stage(args.stage).load()(cfg, run, iteration, force=args.force).to_dict()
+        return stage_functions(args.stage).run(cfg, run, iteration, force=args.force).to_dict()
 
 
 def cmd_export(args: argparse.Namespace) -> int:

@@ -1,5 +1,5 @@
-"""One Prefect task per stage, built from the stage's declaration (``run.stage_order.STAGES``): a
-thin wrapper over the core stage function.
+"""One Prefect task per stage, built from the stage's declaration (``run.stage_order.STAGES``) and its
+function (``stages.catalog.CATALOG``): a thin wrapper over the core stage function.
 
 Each task resolves the run directory, calls ``run_<stage>(cfg, run, iteration, force)``, logs the
 stage's metrics to MLflow (one batch, step = iteration) and publishes a markdown artifact with the
@@ -7,7 +7,7 @@ stage's summary — unless called with ``report=False``: the pipeline flow repor
 at once (one MLflow batch, one markdown artifact: tasks.iteration), single-stage reruns per stage.
 Tasks take and return small things: the config, paths, a result dict (never tensors) — and the
 flow run's session (``scoring.session.RunSession``), a handle on the models it keeps in memory, for
-the stages that use models (``StageSpec.uses_models``); without one they read every model from disk. Prefect's result caching is off: whether a stage reruns is decided by the run's manifest
+the stages whose function takes ``session``; without one they read every model from disk. Prefect's result caching is off: whether a stage reruns is decided by the run's manifest
 (same input hashes and config hash → skipped), which also survives a crash and a CLI rerun.
 
 Retries only where the failure can be a transient I/O error (``OSError`` other than a missing file
@@ -17,7 +17,7 @@ guard, whose verdict decides a commit.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from prefect import task
 from prefect.cache_policies import NO_CACHE
@@ -31,6 +31,8 @@ from rlhf_core.run.manifest import mark_skipped
 from rlhf_core.run.report import stage_numbers
 from rlhf_core.run.stage_order import STAGES, StageSpec
 from rlhf_core.scoring.session import RunSession
+from rlhf_core.stages.base import StageResult
+from rlhf_core.stages.catalog import CATALOG, StageFunctions, stage_name
 from rlhf_core.stages.repair import Unrepairable, make_last_good_durable, prepare_export
 from rlhf_core.training.resident import check_background_writes, settle_resident
 from tasks import mlflow_tracking, prefect_artifacts
@@ -53,17 +55,17 @@ IO_RETRIES = dict(retries=2, retry_delay_seconds=3, retry_condition_fn=transient
 NO_RESULTS = dict(cache_policy=NO_CACHE, persist_result=False)
 
 
-def _stage_task(spec: StageSpec):
-    """The Prefect task of ``spec``: run the stage, log it, and report it (MLflow metrics, a Prefect
-    artifact) when ``report``."""
+def _stage_task(spec: StageSpec, functions: StageFunctions):
+    """The Prefect task of ``spec``: run its function, log it, and report it (MLflow metrics, a
+    Prefect artifact) when ``report``."""
 
     def run_stage(cfg: RLHFConfig, run_dir: str, iteration: Optional[int] = None, force: bool = False,
                   mlflow_run_id: Optional[str] = None, report: bool = True,
                   session: Optional[RunSession] = None) -> dict[str, Any]:
         with timing.span(f"task:{spec.name}"):
             run = RunDir(run_dir)
-            models = {"session": session} if spec.uses_models else {}
-            result = spec.load()(cfg, run, iteration, force=force, **models)
+            models = {"session": session} if functions.uses_models else {}
+            result = functions.run(cfg, run, iteration, force=force, **models)
             log = prefect_artifacts.logger()
             if result.skipped:
                 mark_skipped(run, iteration, spec.name)
@@ -85,9 +87,15 @@ def _stage_task(spec: StageSpec):
     return task(name=spec.task, **naming, **NO_RESULTS, **(IO_RETRIES if spec.retries else {}))(run_stage)
 
 
-STAGE_TASKS = {name: _stage_task(spec) for name, spec in STAGES.items()}
-"""One Prefect task per stage, built from its declaration (``run.stage_order.STAGES``): the flows
-run them by name, in the declared order, so a new stage needs no line here."""
+STAGE_TASKS = {name: _stage_task(spec, CATALOG[name]) for name, spec in STAGES.items()}
+"""One Prefect task per stage, built from its declaration (``run.stage_order.STAGES``) and its
+functions (``stages.catalog.CATALOG``), so a new stage needs no line here: the pipeline runs the
+setup stages by name in the declared order, the recipe each iteration stage by its function."""
+
+
+def stage_task(function: Callable[..., StageResult]):
+    """The Prefect task of the stage whose function is ``function`` (``stages.catalog``)."""
+    return STAGE_TASKS[stage_name(function)]
 
 
 @task(name="export", **NO_RESULTS, **IO_RETRIES)

@@ -5,7 +5,7 @@ names) and applied to one copy of the packages in a temporary directory; the cop
 in child processes (PYTHONPATH = the copy, so the edited modules are the ones imported):
 
 - a new setup stage and a new in-commit iteration stage (module, file names in the layout, one
-  ``StageSpec`` each, README rows), an advantage estimator under a name of our own and a reward
+  ``StageSpec`` each and its function in the catalog, README rows), an advantage estimator under a name of our own and a reward
   function by ``custom_reward_function.path``, run by one 1-iteration ``rlhf run`` of the shrunk
   demo (the README's reward command plus the estimator's override);
 - a verl key listed in ``NO_EFFECT`` made a schema field;
@@ -227,18 +227,26 @@ LAYOUT_NAMES = '''    @property
 '''
 
 SPECS = {  # the declaration, and the stage it goes before in the order
-    "pack": '''        StageSpec("prompt_lengths", "rlhf_core.stages.prompt_lengths:run_prompt_lengths", False,
+    "pack": '''        StageSpec("prompt_lengths", False,
                   "the train prompts' lengths against data.max_prompt_length → stats/prompt_lengths.json",
                   task="prompt-lengths"),
 ''',
-    "update": '''        StageSpec("advantage_signs", "rlhf_core.stages.advantage_signs:run_advantage_signs", True,
+    "update": '''        StageSpec("advantage_signs", True,
                   "the share of response tokens with a positive advantage → iter_K/advantage_signs.json",
                   task="advantage-signs", in_commit=True, rolled_back=True),
 ''',
 }
 
+CATALOG_ENTRIES = {  # the functions, imported, and the stage they go before in the catalog
+    "pack": ("from rlhf_core.stages.prompt_lengths import run_prompt_lengths\n",
+             '    "prompt_lengths": StageFunctions(run_prompt_lengths),\n'),
+    "update": ("from rlhf_core.stages.advantage_signs import run_advantage_signs\n",
+               '    "advantage_signs": StageFunctions(run_advantage_signs),\n'),
+}
+
+RECIPE_IMPORT = "from rlhf_core.stages.advantage_signs import run_advantage_signs\n"
 RECIPE_STEP = '''        #    The share of tokens with a positive advantage, before the update uses them.
-        steps.stage("advantage_signs", cfg)
+        steps.stage(run_advantage_signs, cfg)
 
 '''
 """The iteration stage's step in flows/recipe.py, before the update (a comment continuing step 4's)."""
@@ -268,13 +276,19 @@ def _add_stages(copy: Path) -> None:
     (copy / "rlhf_core" / "stages" / f"{SETUP_STAGE}.py").write_text(SETUP_MODULE, encoding="utf-8")
     (copy / "rlhf_core" / "stages" / f"{ITERATION_STAGE}.py").write_text(ITERATION_MODULE, encoding="utf-8")
     _insert(copy / "rlhf_core" / "run" / "layout.py", LAYOUT_NAMES, before="    def iter_dir(self, k: int) -> Path:\n")
-    # 2. one StageSpec each in the stage order, at its place
-    assert {"StageSpec", "rlhf_core/run/stage_order.py", "in_commit=True", "rolled_back=True"} <= named
+    # 2. one StageSpec each in the stage order, at its place, and its function in the catalog
+    assert {"StageSpec", "rlhf_core/run/stage_order.py", "in_commit=True", "rolled_back=True",
+            "rlhf_core/stages/catalog.py", "StageFunctions(run_<name>)"} <= named
+    catalog = copy / "rlhf_core" / "stages" / "catalog.py"
     for following, spec in SPECS.items():
         _insert(copy / "rlhf_core" / "run" / "stage_order.py", spec, before=f'        StageSpec("{following}",')
-    # 3. the iteration stage's numbered step in the recipe, at its place
-    assert {"flows/recipe.py", 'steps.stage("<name>", cfg)'} <= named
-    _insert(copy / "flows" / "recipe.py", RECIPE_STEP, before='        steps.stage("update", cfg)\n')
+        imported, entry = CATALOG_ENTRIES[following]
+        _insert(catalog, imported, before="from rlhf_core.stages.base import StageResult\n")
+        _insert(catalog, entry, before=f'    "{following}": StageFunctions(')
+    # 3. the iteration stage's numbered step in the recipe, at its place, its function imported there
+    assert {"flows/recipe.py", "steps.stage(run_<name>, cfg)"} <= named
+    _insert(copy / "flows" / "recipe.py", RECIPE_IMPORT, before="from tasks.breach import handle_breach_task\n")
+    _insert(copy / "flows" / "recipe.py", RECIPE_STEP, before="        steps.stage(run_update, cfg)\n")
     # 4. its row in the README's stage table
     assert "the stage table above" in steps
     for following, row in ROWS.items():

@@ -1,7 +1,8 @@
-"""The stages and their one order: name → "module:function", imported when the stage runs (so
-`rlhf --help` stays fast and a stage's heavy dependencies load only when that stage runs). It lives
-with the run's state because the manifests, the lifecycle and the integrity check below the stages
-need the order; it imports no stage.
+"""The stages and their one order, with what the run's state, the CLI and the Prefect tasks need to
+know of each. It lives with the run's state because the manifests, the lifecycle and the integrity
+check below the stages need the order; it imports no stage (so `rlhf --help` and `rlhf status` stay
+fast). Each stage's functions are imported under the same name in ``rlhf_core.stages.catalog``,
+which refuses to load unless it lists every stage declared here, in this order.
 
 Every stage function has the contract
     run_<stage>(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, force: bool = False) -> StageResult
@@ -11,22 +12,17 @@ writes only its outputs and never decides a commit (``rlhf_core.run.lifecycle`` 
 
 from __future__ import annotations
 
-import importlib
 from dataclasses import dataclass
-from typing import Callable, Optional
 
-from rlhf_core.errors import RLHFError
 
 
 @dataclass(frozen=True)
 class StageSpec:
     """One stage, declared once: the Prefect task (``tasks.stages``), the CLI command (`rlhf stage
-    NAME`), the single-stage flow's choices and the docs are built from it."""
+    NAME`), the single-stage flow's choices and the docs are built from it; its functions are
+    ``stages.catalog.CATALOG[name]``."""
 
     name: str
-    target: str
-    """The stage function, "module:function" (``run_<stage>(cfg, run, iteration, force)``, and
-    ``session=`` when ``uses_models``)."""
     per_iteration: bool
     help: str
     task: str
@@ -34,9 +30,6 @@ class StageSpec:
     retries: bool = True
     """Retried on a transient I/O error: never the update (its optimizer step is not idempotent) nor
     the guard (its verdict decides a commit), nor the warm start (it trains)."""
-    share: Optional[str] = None
-    """The function each process runs for its share of the stage's model passes when they are spread
-    over several ("module:function", ``stages.rank_entry``); None: the stage runs in one process."""
     in_commit: bool = False
     """One of the stages an iteration runs before its commit (``ITERATION_STAGES``): the flow runs it
     in every attempt, and a committed iteration without its record is damage (``run.integrity``). A
@@ -45,64 +38,38 @@ class StageSpec:
     """A rollback invalidates its outputs (``ROLLED_BACK_STAGES``): computed from the update, or
     handing state on to the next iteration, so a retry reruns it. Rollout and score stay valid: they
     were computed from the last-good actor, which the rollback keeps."""
-    uses_models: bool = False
-    """Its passes run models a flow run may hold in memory (the trainer's actor and critic, the
-    reference, a kept rollout engine): its function takes the flow's run session
-    (``session=``, ``scoring.session.RunSession``; None reads every model from disk), and so does
-    its ``share`` function (last argument)."""
     report_outputs: tuple[str, ...] = ()
     """Outputs (by their key in the stage's result) that report on the others (``REPORT_OUTPUTS``):
     they carry timings, so a rerun never writes them byte for byte, while the rest of what they hold
     follows from the other outputs. A rerun whose other outputs are unchanged leaves everything
     downstream as it was."""
 
-    def load(self) -> Callable:
-        return _function(self.target)
-
-    def load_share(self) -> Callable:
-        if self.share is None:
-            raise RLHFError(f"stage {self.name!r} has no model passes to spread over several processes")
-        return _function(self.share)
-
-
-def _function(target: str) -> Callable:
-    module, _, fn = target.partition(":")
-    return getattr(importlib.import_module(module), fn)
-
 
 STAGES: dict[str, StageSpec] = {
     s.name: s
     for s in [
-        StageSpec("warm_start", "rlhf_core.stages.warm_start:run_warm_start", False,
-                  "the initial policy: builds the tiny model, runs the SFT warm start when enabled",
+        StageSpec("warm_start", False, "the initial policy: builds the tiny model, runs the SFT warm start when enabled",
                   task="warm-start", retries=False),
-        StageSpec("init_critic", "rlhf_core.stages.init_critic:run_init_critic", False,
-                  "the initial critic: the backbone with a fresh value head → models/critic_init/",
+        StageSpec("init_critic", False, "the initial critic: the backbone with a fresh value head → models/critic_init/",
                   task="init-critic"),
-        StageSpec("preprocess", "rlhf_core.stages.preprocess:run_preprocess", False,
+        StageSpec("preprocess", False,
                   "raw prompts (JSONL/Parquet/CSV) → prompts/train.parquet, val.parquet, rejects.parquet",
                   task="preprocess"),
-        StageSpec("pack", "rlhf_core.stages.pack:run_pack", False,
-                  "token-budget bin packing of prompts into generation batches", task="pack"),
-        StageSpec("rollout", "rlhf_core.stages.rollout:run_rollout", True,
-                  "generate responses (hf / vllm) or import offline ones → iter_K/rollout.parquet", task="rollout",
-                  share="rlhf_core.stages.rollout:rollout_share", in_commit=True, uses_models=True),
-        StageSpec("score", "rlhf_core.stages.score:run_score", True,
-                  "rewards + old/ref log-probs + values → iter_K/scored.parquet", task="score",
-                  share="rlhf_core.stages.score:score_share", in_commit=True, uses_models=True),
-        StageSpec("gae", "rlhf_core.stages.gae:run_gae", True,
-                  "KL-in-reward penalty + GAE advantages → iter_K/advantages.parquet", task="gae", in_commit=True,
-                  rolled_back=True),
-        StageSpec("update", "rlhf_core.stages.update:run_update", True,
-                  "PPO update of actor and critic with DeepSpeed → iter_K/checkpoint/", task="update", retries=False,
-                  in_commit=True, rolled_back=True, report_outputs=("metrics",), uses_models=True),
-        StageSpec("guard", "rlhf_core.stages.guard:run_guard", True,
-                  "KL(actor‖ref) of the new actor vs the threshold → the verdict iter_K/guard.json",
-                  task="kl-guard", retries=False, share="rlhf_core.stages.guard:guard_share", in_commit=True,
-                  rolled_back=True, uses_models=True),
-        StageSpec("validate", "rlhf_core.stages.validate:run_validate", True,
+        StageSpec("pack", False, "token-budget bin packing of prompts into generation batches", task="pack"),
+        StageSpec("rollout", True,
+                  "generate responses (hf / vllm) or import offline ones → iter_K/rollout.parquet",
+                  task="rollout", in_commit=True),
+        StageSpec("score", True, "rewards + old/ref log-probs + values → iter_K/scored.parquet",
+                  task="score", in_commit=True),
+        StageSpec("gae", True, "KL-in-reward penalty + GAE advantages → iter_K/advantages.parquet",
+                  task="gae", in_commit=True, rolled_back=True),
+        StageSpec("update", True, "PPO update of actor and critic with DeepSpeed → iter_K/checkpoint/",
+                  task="update", retries=False, in_commit=True, rolled_back=True, report_outputs=("metrics",)),
+        StageSpec("guard", True, "KL(actor‖ref) of the new actor vs the threshold → the verdict iter_K/guard.json",
+                  task="kl-guard", retries=False, in_commit=True, rolled_back=True),
+        StageSpec("validate", True,
                   "sampled accuracy of iteration K's actor on the validation prompts → iter_K/validation.parquet",
-                  task="validate", share="rlhf_core.stages.validate:validate_share", uses_models=True),
+                  task="validate"),
     ]
 }
 """Every stage, in the order a run runs them."""
@@ -128,8 +95,3 @@ REPORT_OUTPUTS = {name: spec.report_outputs for name, spec in STAGES.items() if 
 ROLLED_BACK_STAGES = tuple(name for name, spec in STAGES.items() if spec.rolled_back)
 """Stages whose outputs a rollback invalidates (``StageSpec.rolled_back``)."""
 
-
-def get_stage(name: str) -> StageSpec:
-    if name not in STAGES:
-        raise RLHFError(f"unknown stage {name!r}; valid stages: {', '.join(STAGES)}")
-    return STAGES[name]

@@ -35,7 +35,7 @@ from rlhf_core.config import RLHFConfig, config_from_dict
 from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.errors import RLHFError, disk_full_as_user_error
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.stage_order import get_stage
+from rlhf_core.stages.catalog import stage_functions
 from rlhf_core.scoring.session import RunSession
 from rlhf_core.training.checkpoint import full_state_dict, save_tokenizer
 from rlhf_core.training.distributed import DistInfo, init_distributed, shutdown_distributed
@@ -101,8 +101,8 @@ class Rank:
         before = torch.get_num_threads()
         torch.set_num_threads(command["threads"])
         try:
-            get_stage(stage).load_share()(_config(command), self.run, k, rank, world,
-                                          self.run.stage_rank_share(k, stage, rank), self.session)
+            stage_functions(stage).share(_config(command), self.run, k, rank, world,
+                                         self.run.stage_rank_share(k, stage, rank), self.session)
         finally:
             torch.set_num_threads(before)
         return None

@@ -1,7 +1,6 @@
 """Entry point of each process of a stage's model passes on several local processes (started by
 ``rlhf_core.stages.ranks.run_on_ranks`` under torchrun; see that module). Each process runs the
-stage's share function, which its declaration names (``run.stage_order.StageSpec.share``) and its
-stage module holds. A user error exits with status 2 and a one-line message, like the CLI."""
+stage's share function (``stages.catalog.CATALOG[stage].share``), which its stage module holds. A user error exits with status 2 and a one-line message, like the CLI."""
 
 from __future__ import annotations
 
@@ -18,12 +17,8 @@ from rlhf_core.config.loader import read_preset
 from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
-from rlhf_core.run.stage_order import STAGES, get_stage
+from rlhf_core.stages.catalog import SHARED, stage_functions
 from rlhf_core.scoring.session import RunSession
-
-SHARED = sorted(name for name, spec in STAGES.items() if spec.share)
-"""The stages whose model passes can be spread over several processes."""
-
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhf_core.stages.rank_entry")
@@ -39,8 +34,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     run = RunDir(args.run_dir)
     try:
         # a process of its own for this stage: nothing in memory yet, every model read from disk
-        get_stage(args.stage).load_share()(config_from_dict(read_preset(args.config)), run, args.iteration, rank,
-                                           world, run.stage_rank_share(args.iteration, args.stage, rank), RunSession())
+        stage_functions(args.stage).share(config_from_dict(read_preset(args.config)), run, args.iteration, rank,
+                                          world, run.stage_rank_share(args.iteration, args.stage, rank), RunSession())
     except RLHFError as exc:
         print(f"rlhf: error: {exc}", file=sys.stderr)
         return 2

@@ -35,7 +35,7 @@ from rlhf_core.run.lifecycle import (committed_iterations, discard_checkpoint, f
 from rlhf_core.run.manifest import read_manifest, write_manifest
 from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import changed_outputs
-from rlhf_core.run.stage_order import get_stage
+from rlhf_core.stages.catalog import stage_functions
 from rlhf_core.training.lineage import read_state_record, recorded_config
 from rlhf_core.training.resident import ReplayMismatch, ensure_state
 from rlhf_core.training.run_dtype import keep_recorded_dtype
@@ -101,7 +101,7 @@ def _rerun(run: RunDir, cfg: RLHFConfig, damage: Damage) -> str:
     which = stage if k is None else f"{stage} of iteration {k}"
     before = read_manifest(run, k)[stage]
     try:
-        get_stage(stage).load()(cfg, run, k, force=True)
+        stage_functions(stage).run(cfg, run, k, force=True)
     except RLHFError as exc:
         raise Unrepairable(f"rerunning {which} failed: {first_clause(exc)}") from None
     manifest = read_manifest(run, k)

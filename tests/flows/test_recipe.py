@@ -9,17 +9,19 @@ import re
 
 from flows import pipeline, recipe
 from rlhf_core.run.stage_order import ITERATION_STAGES
+from rlhf_core.stages.catalog import stage_name
 
 SOURCE = inspect.getsource(recipe)
 
 
 def _stage_calls(function) -> list[str]:
-    """The stage names ``function`` runs through ``Attempt.stage``, in source order."""
+    """The names of the stages ``function`` runs through ``Attempt.stage``, in source order: each is
+    called by its function, a name of the recipe's module (what go-to-definition follows)."""
     tree = ast.parse(inspect.getsource(function))
     calls = [n for n in ast.walk(tree) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)
              and n.func.attr == "stage"]
     calls.sort(key=lambda n: (n.lineno, n.col_offset))
-    return [c.args[0].value for c in calls]
+    return [stage_name(getattr(recipe, c.args[0].id)) for c in calls]
 
 
 def test_the_recipe_runs_every_iteration_stage_in_the_declared_order():

@@ -57,11 +57,11 @@ def run_stage_here(run: RunDir, stage: str, k: int | None = None) -> None:
     """Run one stage in this process from the run's saved config, holding the run lock (which clears
     the stale lock a killed process left)."""
     from rlhf_core.control.plan import resolve_run_config
-    from rlhf_core.run.stage_order import get_stage
+    from rlhf_core.stages.catalog import stage_functions
 
     cfg = resolve_run_config(run.root, None, [])
     with RunLock(run):
-        get_stage(stage).load()(cfg, run, k if stage in PER_ITERATION else None)
+        stage_functions(stage).run(cfg, run, k if stage in PER_ITERATION else None)
 
 
 def stage_command(run: RunDir, stage: str) -> list[str]:

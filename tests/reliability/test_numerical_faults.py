@@ -59,7 +59,7 @@ def scored_run(tmp_path_factory, tiny_model_dir) -> Path:
     """A tiny run after gae of iteration 1 (4 prompts, one PPO mini-batch: one actor step)."""
     from rlhf_core.config import load_config, to_yaml
     from rlhf_core.run.layout import write_config
-    from rlhf_core.run.stage_order import get_stage
+    from rlhf_core.stages.catalog import stage_functions
 
     base = tmp_path_factory.mktemp("nan_run")
     overrides = [f"actor_rollout_ref.model.path={tiny_model_dir}", f"trainer.runs_root={base}",
@@ -76,7 +76,7 @@ def scored_run(tmp_path_factory, tiny_model_dir) -> Path:
         run.root.mkdir()
         write_config(run, to_yaml(cfg))
         for stage in ("init_critic", "preprocess", "pack", "rollout", "score", "gae"):  # registry order
-            get_stage(stage).load()(cfg, run, 1 if stage in ("rollout", "score", "gae") else None)
+            stage_functions(stage).run(cfg, run, 1 if stage in ("rollout", "score", "gae") else None)
     return run.root
 
 

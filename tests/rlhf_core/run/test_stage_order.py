@@ -20,24 +20,42 @@ def test_the_readmes_stage_table_lists_every_declared_stage_in_order():
 
 
 def test_each_declared_stage_is_one_prefect_task_named_as_declared():
-    from tasks.stages import STAGE_TASKS
+    from rlhf_core.stages.catalog import CATALOG
+    from tasks.stages import STAGE_TASKS, stage_task
 
-    assert list(STAGE_TASKS) == list(STAGES)
+    assert list(STAGE_TASKS) == list(STAGES) == list(CATALOG)
     for name, spec in STAGES.items():
         task = STAGE_TASKS[name]
         assert task.name == spec.task and task.__doc__ == spec.help
         assert (task.retries > 0) == spec.retries
         assert (task.task_run_name == f"{spec.task}-iter{{iteration}}") == spec.per_iteration
-        assert spec.load().__name__ == f"run_{name}"
+        assert CATALOG[name].run.__name__ == f"run_{name}" and stage_task(CATALOG[name].run) is task
 
 
-def test_a_stage_takes_the_run_session_exactly_when_it_declares_models():
-    """``uses_models``: the stage function takes ``session=`` (the flow hands it the run session) and
-    so does its share function (last parameter); a stage without models takes none."""
+def test_a_share_takes_the_run_session_as_its_stage_does():
+    """A stage whose function takes ``session`` gets the flow's run session; its share function, when
+    it has one, takes it too (last parameter): a rank keeps its own session for the group's life."""
     import inspect
 
-    for name, spec in STAGES.items():
-        takes = "session" in inspect.signature(spec.load()).parameters
-        assert takes == spec.uses_models, f"stage {name}: uses_models={spec.uses_models}, takes session={takes}"
-        if spec.share is not None:
-            assert spec.uses_models and list(inspect.signature(spec.load_share()).parameters)[-1] == "session", name
+    from rlhf_core.stages.catalog import CATALOG
+
+    for name, functions in CATALOG.items():
+        if functions.share is not None:
+            assert functions.uses_models, name
+            assert list(inspect.signature(functions.share).parameters)[-1] == "session", name
+            assert functions.share.__name__ == f"{name}_share"
+    assert [name for name, f in CATALOG.items() if f.uses_models] == ["rollout", "score", "update", "guard", "validate"]
+
+
+def test_the_catalog_refuses_to_load_unless_it_lists_every_declared_stage(tmp_path):
+    """A stage declared in run/stage_order.py without its functions in stages/catalog.py fails at
+    import, naming both files, rather than when a flow reaches it."""
+    import subprocess
+    import sys
+
+    code = ("from rlhf_core.run import stage_order\n"
+            "stage_order.STAGES['extra'] = stage_order.StageSpec('extra', False, 'h', task='extra')\n"
+            "import rlhf_core.stages.catalog")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and "rlhf_core/stages/catalog.py lists" in proc.stderr, proc.stderr[-2000:]
+    assert "give each declared stage its functions here" in proc.stderr

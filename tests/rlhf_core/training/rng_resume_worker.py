@@ -16,7 +16,8 @@ from rlhf_core.config import load_config, to_yaml
 from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.run.lifecycle import settle
 from rlhf_core.control.plan import fill_total_iterations
-from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES, get_stage
+from rlhf_core.run.stage_order import ITERATION_STAGES, SETUP_STAGES
+from rlhf_core.stages.catalog import stage_functions
 
 
 def main(run_dir: str, first: int, last: int, until: str, preset: str, overrides: list[str]) -> None:
@@ -24,12 +25,12 @@ def main(run_dir: str, first: int, last: int, until: str, preset: str, overrides
     cfg = load_config(preset, overrides)
     write_config(run, to_yaml(cfg))
     for name in SETUP_STAGES:
-        get_stage(name).load()(cfg, run, None)
+        stage_functions(name).run(cfg, run, None)
         cfg = fill_total_iterations(cfg, run)
     for k in range(first, last + 1):
         stages = ITERATION_STAGES[:ITERATION_STAGES.index(until) + 1] if k == last else ITERATION_STAGES
         for name in stages:
-            result = get_stage(name).load()(cfg, run, k)
+            result = stage_functions(name).run(cfg, run, k)
             print(f"iteration {k} {name}: {'skipped' if result.skipped else 'ran'}")
         if "guard" in stages:
             print(f"iteration {k}: {settle(run, k, policy='test', attempt=1)}")
