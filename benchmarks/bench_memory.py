@@ -5,7 +5,7 @@ weights + gradients + Adam's two moments = 4 × parameters × 4 bytes (fp32), fo
 
 Each shape (hidden × layers; Qwen2 layout with the tiny model's 512-token vocabulary, 4 heads, 2 KV heads,
 intermediate ≈ 2.75 × hidden) is built with ``rlhf_core.models.tiny.build_tiny_model`` and trained by
-``rlhf_core.training.resident.update_once`` (the body of ``rlhf stage update``) in a fresh process on a
+``rlhf_core.training.run_trainer.update_once`` (the body of ``rlhf stage update``) in a fresh process on a
 synthetic advantages table of ``--sequences`` rows (prompts 80-110 tokens, responses 32: the demo's shapes).
 
 Columns: params (actor / critic), ``state GB`` = 16 bytes × (actor + critic parameters), ``base GB`` =
@@ -72,7 +72,7 @@ def worker(hidden: int, layers: int, sequences: int, zero: int, out: Path) -> No
     from rlhf_core.run.layout import RunDir
     from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
     from rlhf_core.training.synthetic import synthetic_advantages
-    from rlhf_core.training.resident import update_once
+    from rlhf_core.training.run_trainer import update_once
 
     home = Path(os.environ["RLHF_HOME"])
     model_dir = home / f"model_{hidden}x{layers}"

@@ -56,7 +56,7 @@ def worker(stage: int, sequences: int, epochs: int, seed: int, out: Path) -> Non
     from rlhf_core.run.models import initial_actor_path
     from rlhf_core.stages.init_critic import run_init_critic as ensure_initial_critic
     from rlhf_core.training.synthetic import synthetic_advantages
-    from rlhf_core.training.resident import update_once
+    from rlhf_core.training.run_trainer import update_once
 
     # the demo's SFT warm start changes the weights, not the update's cost: skip it here
     cfg = load_config(str(REPO / "configs/demo.yaml"), [

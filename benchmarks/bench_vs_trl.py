@@ -41,7 +41,7 @@ What is measured, --mode update:
          grad-enabled forward → last optimizer step). One AdamW over policy+value (TRL's design).
   ours — the same prompts and the very responses TRL generated, as an advantages table
          (``rlhf_core.training.synthetic.synthetic_advantages``: old/ref log-probs scored by the model =
-         our scoring phase), then ``rlhf_core.training.resident.update_once`` (what ``rlhf stage update``
+         our scoring phase), then ``rlhf_core.training.run_trainer.update_once`` (what ``rlhf stage update``
          runs: critic and actor through DeepSpeed ZeRO on CPU, packed micro-batches) with the same
          epochs and mini-batch size. Phases: scoring, setup (engines), update loop, checkpoint.
   update tokens/s = real (non-pad) prompt+response tokens × epochs / training-phase seconds, for both.
@@ -198,7 +198,7 @@ def ours_worker(spec: dict, out: Path) -> None:
     from rlhf_core.run.layout import RunDir
     from rlhf_core.stages.init_critic import run_init_critic
     from rlhf_core.training.synthetic import synthetic_advantages
-    from rlhf_core.training.resident import update_once
+    from rlhf_core.training.run_trainer import update_once
 
     pairs = list(zip(spec["prompts"], spec["responses"]))
     run = RunDir(out.parent / "ours_run")

@@ -40,7 +40,7 @@ from rlhf_core.run.stage_order import SETUP_STAGES, VALIDATE
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
 from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.validate import BASE_PREFIX, accuracy_text
-from rlhf_core.training.resident import resident_models, rollout_engine_kept
+from rlhf_core.training.run_trainer import resident_models, rollout_engine_kept
 from tasks import mlflow_tracking, prefect_artifacts
 from tasks.prefect_runs import claim_run_directory, fail_misplaced_parameters, keep_command_sigterm
 from tasks.iteration import (

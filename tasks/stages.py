@@ -34,7 +34,7 @@ from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import StageResult
 from rlhf_core.stages.catalog import CATALOG, StageFunctions, stage_name
 from rlhf_core.stages.repair import Unrepairable, make_last_good_durable, prepare_export
-from rlhf_core.training.resident import check_background_writes, settle_resident
+from rlhf_core.training.run_trainer import check_background_writes, settle_resident
 from tasks import mlflow_tracking, prefect_artifacts
 
 NOT_TRANSIENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError)

@@ -115,7 +115,7 @@ def update(model_dir: Path, home: Path, table, args, device: str) -> dict:
     from rlhf_core.io.atomic import atomic_write_parquet
     from rlhf_core.run.layout import RunDir
     from rlhf_core.stages.init_critic import run_init_critic
-    from rlhf_core.training.resident import update_once
+    from rlhf_core.training.run_trainer import update_once
 
     run = RunDir(home / "run")
     atomic_write_parquet(run.advantages(1), table, ADVANTAGES)

@@ -205,7 +205,7 @@ def memory_estimate(overrides_: list[str], model_dir: Path, device: str) -> dict
     """The estimate's bytes per phase for this run (one rank, the flow's resident trainer), and its terms."""
     from rlhf_core.config import load_config
     from rlhf_core.training.memory import ModelShape, Shapes, capacity, estimate, memory_settings
-    from rlhf_core.training.resident import resident_possible
+    from rlhf_core.training.run_trainer import resident_possible
 
     cfg = load_config(str(REPO / "configs/demo.yaml"), overrides_)
     shape = ModelShape.read(model_dir)  # actor, critic backbone and reference are the one model

@@ -237,7 +237,7 @@ class RunDir:
 
     def published_weights(self, k: int, n: int) -> Path:
         """Copy ``n`` of iteration ``k``'s weights, written by the update's worker group for a stage
-        of the flow process that loads them itself (``training.resident.GroupTrainer``); removed when
+        of the flow process that loads them itself (``training.group_trainer.GroupTrainer``); removed when
         the group's state moves on. Holds ``actor/`` and ``critic/`` model directories."""
         return self.iter_dir(k) / f".published{n}"
 

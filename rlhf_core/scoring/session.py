@@ -6,7 +6,7 @@ the flow creates and hands to every stage.
     frozen      the reference policy and the reward model, loaded once        (scoring.frozen)
     ref_states  the score pass's reference hidden states, for the guard       (scoring.ref_states)
     trainer     the resident trainer (or worker group) of the run, while
-                ``training.resident.resident_models`` keeps one               (training.resident)
+                ``training.run_trainer.resident_models`` keeps one            (training.run_trainer)
 
 A stage's arguments say where its models come from: a session that holds ``iter_k``'s actor lends
 the trainer's module; an empty one (``RunSession()``: a CLI rerun of one stage, a process a stage

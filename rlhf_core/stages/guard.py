@@ -38,7 +38,7 @@ from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, 
 from rlhf_core.stages.settings import generation, kl_pass
 from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
 from rlhf_core.training import flops
-from rlhf_core.training.resident import ensure_state
+from rlhf_core.training.run_trainer import ensure_state
 
 GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts", "trainer.kl_guard_estimator",
                   "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.log_prob",

@@ -22,7 +22,7 @@ its place in that call (``rollout.generate.own_prompts``, ``vllm_processes``).
 The number of processes is ``stage_processes``: ``trainer.stage_processes`` when set, else every
 GPU of the node the update uses (verl's ``trainer.n_gpus_per_node``), else 1 (the CPU). In a flow
 run whose update spans several processes, the shares go to the ranks of its worker group instead
-(``training.resident.GroupTrainer``, ``share_processes``): no launch, and each rank borrows the
+(``training.group_trainer.GroupTrainer``, ``share_processes``): no launch, and each rank borrows the
 module it trains.
 """
 
@@ -51,7 +51,7 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.scoring.session import RunSession
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.launch import stream
-from rlhf_core.training.resident import group_of
+from rlhf_core.training.run_trainer import group_of
 
 ENTRY = "rlhf_core.stages.rank_entry"
 

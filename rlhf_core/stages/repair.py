@@ -37,7 +37,8 @@ from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import changed_outputs
 from rlhf_core.stages.catalog import stage_functions
 from rlhf_core.training.lineage import read_state_record, recorded_config
-from rlhf_core.training.resident import ReplayMismatch, ensure_state
+from rlhf_core.training.resident import ReplayMismatch
+from rlhf_core.training.run_trainer import ensure_state
 from rlhf_core.training.run_dtype import keep_recorded_dtype
 
 
@@ -119,7 +120,7 @@ def _rerun(run: RunDir, cfg: RLHFConfig, damage: Damage) -> str:
 
 def _rebuild_checkpoint(run: RunDir, damage: Damage) -> str:
     """A damaged checkpoint goes; its state lives on in its record, and last-good's is replayed
-    from there and written again (``resident.ensure_state``, which rebuilds with the config in
+    from there and written again (``run_trainer.ensure_state``, which rebuilds with the config in
     iteration k's record, not the run's)."""
     k = damage.iteration
     discard_checkpoint(run, k, damaged=True)

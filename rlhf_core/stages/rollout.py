@@ -65,7 +65,7 @@ from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, 
                                     write_share)
 from rlhf_core.stages.score import ModelPaths, RewardSettings, reward_model_paths, reward_settings, sequence_rewards
 from rlhf_core.stages.settings import generation
-from rlhf_core.training.resident import ensure_state
+from rlhf_core.training.run_trainer import ensure_state
 
 CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.",
                    "actor_rollout_ref.actor.deepspeed_config.dtype")

@@ -74,7 +74,7 @@ from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
 from rlhf_core.training import flops
 from rlhf_core.training.ds_config import role_dtype
-from rlhf_core.training.resident import ensure_state
+from rlhf_core.training.run_trainer import ensure_state
 
 CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
 

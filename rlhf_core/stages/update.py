@@ -9,7 +9,7 @@ does not move ``last_good.json``: the KL guard decides whether this iteration is
 
 The update runs in the trainer a flow run keeps (``training.resident``); outside a flow (or where a
 run cannot keep its models) the same trainer is made for this one update and closed after it
-(``resident.update_once``), writing the checkpoint at once. The processes are
+(``run_trainer.update_once``), writing the checkpoint at once. The processes are
 ``config.resolve.update_nodes``: trainer.nnodes machines × (trainer.nproc / nnodes, else
 trainer.n_gpus_per_node on GPUs, else 1). With N > 1 in all the trainer is a worker group of N
 data-parallel ranks under torchrun (gloo on CPU, nccl on CUDA; OMP_NUM_THREADS = cores // processes
@@ -27,7 +27,9 @@ from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.run.layout import RunDir
 from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import StageResult, execute_stage
-from rlhf_core.training import lineage, resident
+from rlhf_core.training import lineage
+from rlhf_core.training.group_trainer import update_world
+from rlhf_core.training.run_trainer import ensure_state, update_once
 from rlhf_core.training.rank_update import schedule_needs_total_steps
 
 
@@ -53,14 +55,14 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
     def body() -> StageResult:
         import pyarrow.parquet as pq
 
-        nproc = resident.update_world(cfg.trainer)
+        nproc = update_world(cfg.trainer)
         # the trainer times its own I/O (process start, setup, snapshot, replay, checkpoint) in io.timing
         trainer = session.trainer
         if trainer is not None:  # the flow keeps the engines: they hold the state this iteration starts from
             metrics = trainer.update(cfg, iteration)
         else:
-            resident.ensure_state(session, run, lineage.start_iteration(run, iteration))  # a start only in its record
-            metrics = resident.update_once(cfg, run, iteration)
+            ensure_state(session, run, lineage.start_iteration(run, iteration))  # a start only in its record
+            metrics = update_once(cfg, run, iteration)
         rows = pq.ParquetFile(run.advantages(iteration)).metadata.num_rows
         shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in STAGE_METRICS if k in metrics)  # actor/, critic/ kept apart
         return StageResult(

@@ -55,7 +55,7 @@ from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, run_on_ranks, write_share
 from rlhf_core.stages.settings import generation
-from rlhf_core.training.resident import ensure_state
+from rlhf_core.training.run_trainer import ensure_state
 
 
 VALIDATION_SECTIONS = ("data.max_response_length", "data.reward_fn_key", "actor_rollout_ref.rollout.val_kwargs.",

@@ -1,5 +1,5 @@
 """An update on several processes keeps its models in a worker group for the whole flow run
-(``training.resident.GroupTrainer``): two gloo ranks on CPU (actor at ZeRO-3, critic at ZeRO-0),
+(``training.group_trainer.GroupTrainer``): two gloo ranks on CPU (actor at ZeRO-3, critic at ZeRO-0),
 started once, train, roll back from
 their in-memory snapshots, serve the stages' model passes and save only at save points — and
 every table and weight (optimizer shards included) equals the design that starts torchrun ranks

@@ -95,7 +95,7 @@ def test_tensor_parallel_with_one_update_process_says_what_it_costs_and_reads_th
     the models are not kept resident (they were, and iteration 2's rollout found no checkpoint); the
     config says once what that costs and what keeps one engine for the run."""
     from rlhf_core.config import load_config
-    from rlhf_core.training.resident import resident_possible
+    from rlhf_core.training.run_trainer import resident_possible
 
     tp = [f"actor_rollout_ref.model.path={vllm_model_dir}", "actor_rollout_ref.rollout.name=vllm",
           "actor_rollout_ref.rollout.tensor_model_parallel_size=2"]

@@ -259,7 +259,7 @@ def test_update_estimate_matches_the_measured_cuda_peak(tmp_path):
     from rlhf_core.io.atomic import atomic_write_parquet
     from rlhf_core.run.layout import RunDir
     from rlhf_core.stages.init_critic import run_init_critic
-    from rlhf_core.training.resident import update_once
+    from rlhf_core.training.run_trainer import update_once
     from rlhf_core.training.synthetic import synthetic_advantages
 
     sys.path.insert(0, str(REPO / "benchmarks"))
