@@ -2,7 +2,7 @@
 
     python benchmarks/bench_reward_process.py [--rows 64 256] [--repeats 5]
 
-The score stage's own reward loop (``stages.score._rule_rewards``) on GSM8K-style responses to the
+The score stage's own reward loop (``rewards.sequence.rule_rewards``) on GSM8K-style responses to the
 demo's prompts (data/arith/train.jsonl, half of them right), three ways:
 
   built-in    configs/demo.yaml as it is: the built-in GSM8K rule, in the run's process (the demo's
@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 from arguments import positive_int  # noqa: E402  (stdlib only: the score stage is imported after the arguments)
 
 if TYPE_CHECKING:
-    from rlhf_core.stages.score import RewardSettings
+    from rlhf_core.rewards.sequence import RewardSettings
 
 USER = textwrap.dedent("""
     import re
@@ -104,7 +104,8 @@ def main() -> None:
     args = parser.parse_args()
     from rlhf_core.config import load_config
     from rlhf_core.rewards import registry
-    from rlhf_core.stages import score
+    from rlhf_core.rewards.sequence import rule_rewards
+    from rlhf_core.stages.settings import reward_settings
 
     work = Path(tempfile.mkdtemp(prefix="bench-reward-"))
     user_file = work / "my_reward.py"
@@ -112,21 +113,21 @@ def main() -> None:
     sys.path.insert(0, str(work))
     import my_reward  # noqa: PLC0415  the user's module, in this process for the in-process way
 
-    demo = score.reward_settings(load_config(REPO / "configs" / "demo.yaml", []))
-    custom = score.reward_settings(load_config(REPO / "configs" / "demo.yaml",
-                                               [f"custom_reward_function.path={user_file}"]))
+    demo = reward_settings(load_config(REPO / "configs" / "demo.yaml", []))
+    custom = reward_settings(load_config(REPO / "configs" / "demo.yaml",
+                                         [f"custom_reward_function.path={user_file}"]))
     where = work / "rollout.parquet"
     print(f"{'rows':>5} {'built-in':>10} {'in-process':>11} {'own process':>12} {'(start':>8} {'calls)':>8} "
           f"{'per call':>9} {'ratio':>6}  identical")
     for n in args.rows:
         rows, prompts = _rows(n)
-        builtin_s, _ = _time(lambda: score._rule_rewards(demo, rows, prompts, where), args.repeats)
-        registry._REGISTERED["arith"] = my_reward.compute_score
+        builtin_s, _ = _time(lambda: rule_rewards(demo, rows, prompts, where), args.repeats)
+        registry.REWARDS.register("arith")(my_reward.compute_score)
         try:
-            inproc_s, inproc = _time(lambda: score._rule_rewards(demo, rows, prompts, where), args.repeats)
+            inproc_s, inproc = _time(lambda: rule_rewards(demo, rows, prompts, where), args.repeats)
         finally:
-            registry._REGISTERED.pop("arith")
-        own_s, own = _time(lambda: score._rule_rewards(custom, rows, prompts, where), args.repeats)
+            registry.REWARDS.unregister("arith")
+        own_s, own = _time(lambda: rule_rewards(custom, rows, prompts, where), args.repeats)
         start_s, calls_s = _split(custom, rows, args.repeats)
         same = inproc == own
         print(f"{n:>5} {builtin_s * 1e3:>8.1f}ms {inproc_s * 1e3:>9.1f}ms {own_s * 1e3:>10.0f}ms {start_s * 1e3:>6.0f}ms "

@@ -84,7 +84,7 @@ def legacy_save(directory: Path, actor, critic, tokenizer_path: Path, dist) -> N
 
     from rlhf_core.io.atomic import atomic_dir
     from rlhf_core.io.checksums import write_checksums
-    from rlhf_core.training.checkpoint import _save_tokenizer, full_state_dict, rng_state
+    from rlhf_core.training.checkpoint import full_state_dict, rng_state, save_tokenizer
     from rlhf_core.training.distributed import barrier
     from rlhf_core.training.optim_state import counters, gather_optimizer_state
 
@@ -94,7 +94,7 @@ def legacy_save(directory: Path, actor, critic, tokenizer_path: Path, dist) -> N
             for te in (actor, critic):
                 weights, optim, meta = gathered[te.role]
                 te.module.save_pretrained(tmp / te.role, state_dict=weights, safe_serialization=True)
-                _save_tokenizer(tokenizer_path, tmp / te.role)
+                save_tokenizer(tokenizer_path, tmp / te.role)
                 (tmp / "deepspeed").mkdir(exist_ok=True)
                 save_file({k: v.contiguous() for k, v in optim.items()}, str(tmp / "deepspeed" / f"{te.role}_optim.safetensors"))
                 (tmp / "deepspeed" / f"{te.role}_state.json").write_text(json.dumps(meta))

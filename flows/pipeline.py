@@ -28,7 +28,7 @@ from pydantic import Field
 from prefect import flow
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.data.preprocess import NoPromptsError, preprocess_headline
+from rlhf_core.data.outcome import NoPromptsError, preprocess_headline
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.run.lifecycle import KLGuardHalt, committed_iterations

@@ -307,3 +307,15 @@ def test_only_the_ray_launcher_imports_ray():
     importers = sorted(str(path.relative_to(REPO)) for module, path in MODULES.items()
                        for _, names, _ in _imports(path) if path != launcher and names[0].split(".")[0] == "ray")
     assert importers == []
+
+
+LONGEST = 600
+"""Lines a module may hold: past it a module holds more than one thing a reader looks for (the config
+schema is the exception: every key a user can set, each beside its rule, is one thing)."""
+
+
+def test_no_module_is_longer_than_one_home_holds():
+    long = [f"{path.relative_to(REPO)}: {n} lines" for module, path in MODULES.items()
+            if module != "rlhf_core.config.schema"
+            and (n := len(path.read_text(encoding="utf-8").splitlines())) > LONGEST]
+    assert not long, f"split these by what they hold (at most {LONGEST} lines each):\n" + "\n".join(long)

@@ -30,8 +30,9 @@ from rlhf_core.config.loader import parse_override
 from rlhf_core.notes import say_once
 from rlhf_core.config.validate import LOGGERS_HERE
 from rlhf_core.training.run_dtype import keep_recorded_dtype
-from rlhf_core.data.preprocess import (NoPromptsError, first_reject, no_prompts_problem, prompt_supply_problem,
-                                       rejects_query, screen_files)
+from rlhf_core.data.preprocess import screen_files
+from rlhf_core.data.outcome import (NoPromptsError, first_reject, no_prompts_problem, prompt_supply_problem,
+                                    rejects_query)
 from rlhf_core.errors import DataError, RLHFError, require_writable
 from rlhf_core.paths import resolve_path
 from rlhf_core.run.layout import RunDir, StateFileError, write_config
@@ -157,7 +158,7 @@ def resolve_iterations(plan: RunPlan) -> RLHFConfig:
 
 def check_prompt_supply(cfg: RLHFConfig, run: RunDir) -> None:
     """Refuse (``DataError``, one line with the counts, the reasons and the fix) a run whose
-    preprocess kept too little to train on (``data.preprocess.prompt_supply_problem``): under
+    preprocess kept too little to train on (``data.outcome.prompt_supply_problem``): under
     data.min_accepted_fraction of its rows, fewer train prompts than one batch, or no validation
     prompt while it validates. Such a run used to train on what was left and exit 0."""
     rows = (read_manifest(run, None).get("preprocess") or {}).get("rows")

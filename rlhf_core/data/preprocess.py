@@ -12,6 +12,9 @@ data.filter_overlong_prompts (here: rejected with its length), else data.truncat
 'error' stops with one line naming the row, 'left' / 'right' / 'middle' cut its tokens
 (``truncate_prompt``) and the prompts table says how many (prompt_tokens_cut).
 
+What comes out (``PreprocessResult``, the plan's ``Screening``) and what is said about too few
+prompts or none: ``data.outcome``.
+
 The split is decided by hashing (data.seed, prompt_id), so it does not depend on the order of the
 input rows: the same prompts land on the same side however the files are shuffled. DuckDB does the
 set work (duplicate groups, per-group ranking, length quantiles) over zero-copy Arrow tables.
@@ -35,7 +38,8 @@ from rlhf_core.config.schema import DataConfig, ModelConfig
 from rlhf_core.data.adapters import (
     AUTO, PromptExample, RowRejected, get_adapter, matching_layout, unknown_layout_error,
 )
-from rlhf_core.data.readers import SUFFIX_FORMATS, RawRow, read_rows
+from rlhf_core.data.outcome import PreprocessResult, Reject, Screening
+from rlhf_core.data.readers import RawRow, read_rows
 from rlhf_core.data.schemas import PROMPTS, REJECTS, encode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.paths import resolve_model_path
@@ -58,287 +62,6 @@ class _Candidate:
     token_ids: list[int] = field(default_factory=list)
     tokens_cut: int = 0
     prompt_id: str = ""
-
-
-@dataclass
-class _Reject:
-    seq: int
-    row: RawRow
-    kind: str
-    reason: str
-
-
-@dataclass
-class PreprocessResult:
-    """The three tables plus the counts the stage prints and records."""
-
-    train: pa.Table
-    val: pa.Table
-    rejects: pa.Table
-    rows_in: int
-    files: dict[str, int]
-    """source file → rows read from it."""
-    reject_counts: dict[str, int]
-    """reject kind → count, most frequent first."""
-    length_stats: dict[str, float]
-    """prompt_length min / mean / p50 / p95 / max over accepted prompts (empty when none)."""
-    id_source: str = ""
-    """Where prompt_id came from: "source ids" or "content hashes"."""
-    layouts: dict[str, str] = field(default_factory=dict)
-    """source file → the adapter its rows went through (what 'auto' picked)."""
-    truncated: int = 0
-    """Accepted prompts whose tokens data.truncation cut to data.max_prompt_length."""
-    notes: list[str] = field(default_factory=list)
-    """Lines the summary adds (a cap that held validation prompts back)."""
-    rejected: list[_Reject] = field(default_factory=list, repr=False)
-    """The rejects as found, in input order (their kinds: what ``no_prompts_problem`` reads)."""
-
-    @property
-    def rows(self) -> dict[str, int]:
-        """Rows in, accepted (train, val), rejected, and rejected by reason (``REJECTED_BY``<kind>)."""
-        return {"input": self.rows_in, "train": self.train.num_rows, "val": self.val.num_rows,
-                "rejected": self.rejects.num_rows,
-                **{f"{REJECTED_BY}{kind}": n for kind, n in self.reject_counts.items()}}
-
-    def summary_lines(self) -> list[str]:
-        lines = [f"files read: {len(self.files)}"]
-        lines += [f"  {path}: {n} rows" + (f" ({self.layouts[path]} layout)" if path in self.layouts else "")
-                  for path, n in self.files.items()]
-        lines.append(f"rows in: {self.rows_in} = train {self.train.num_rows} + val {self.val.num_rows} "
-                     f"+ rejected {self.rejects.num_rows}")
-        if self.reject_counts:
-            lines.append("rejected by reason: " + ", ".join(f"{k} {n}" for k, n in self.reject_counts.items()))
-        if self.truncated:
-            lines.append(f"prompts truncated to data.max_prompt_length: {self.truncated} (column prompt_tokens_cut)")
-        if self.id_source:
-            lines.append(f"prompt_id from {self.id_source}")
-        lines += self.notes
-        s = self.length_stats
-        if s:
-            lines.append(f"prompt length (tokens): min {s['min']:.0f} / mean {s['mean']:.1f} / "
-                         f"p50 {s['p50']:.0f} / p95 {s['p95']:.0f} / max {s['max']:.0f}")
-        return lines
-
-
-# ---------------------------------------------------------------------------------------------
-# enough prompts to train on: what the run checks once preprocess has counted them
-# ---------------------------------------------------------------------------------------------
-
-REJECTED_BY = "rejected/"
-"""Prefix of the per-reason counts among the stage's rows (``rejected/prompt too long``: 196)."""
-CAPS = ("over validation cap", "over train cap")
-"""Reject kinds that are sampling the user asked for (data.max_val_samples, train_max_samples),
-not data lost: left out of the accepted fraction."""
-REJECTS_SQL = "SELECT reason, count(*) AS n FROM rejects GROUP BY 1 ORDER BY 2 DESC"
-"""The query that lists the rejected rows' reasons (`rlhf query RUN "..."`; the rows themselves:
-SELECT source_file, source_row, reason FROM rejects)."""
-
-
-def rejects_query(run_root: str | Path) -> str:
-    """The command that lists a run's rejected rows, as a refusal names it."""
-    return f"rlhf query {run_root} \"{REJECTS_SQL}\" lists them"
-
-
-def first_reject(result: PreprocessResult | Screening) -> str:
-    """The first rejected row, as a refusal shows it when there is no run to query: 'e.g. FILE row N: reason'."""
-    if not result.rejected:
-        return ""
-    first = result.rejected[0]
-    return f"e.g. {first.row.source_file} row {first.row.source_row}: {first.reason}"
-
-
-def rejected_by_reason(rows: dict[str, int]) -> dict[str, int]:
-    """Reject kind → count, from a preprocess record's rows (most frequent first, then by name)."""
-    found = [(key[len(REJECTED_BY):], n) for key, n in rows.items() if key.startswith(REJECTED_BY)]
-    return dict(sorted(found, key=lambda item: (-item[1], item[0])))
-
-
-def accepted_fraction(rows: dict[str, int]) -> float:
-    """Accepted (train + val) over the rows read, less those a sample cap left out; 1.0 with no rows."""
-    considered = rows.get("input", 0) - sum(rejected_by_reason(rows).get(kind, 0) for kind in CAPS)
-    return (rows.get("train", 0) + rows.get("val", 0)) / considered if considered > 0 else 1.0
-
-
-def preprocess_headline(rows: dict[str, int], run_root: str | Path) -> str:
-    """The preprocess stage in one line for the terminal of `rlhf run`: rows read, accepted into
-    train and validation, rejected by reason, and the query that lists the rejected rows."""
-    line = f"preprocess: {rows.get('input', 0)} rows -> train {rows.get('train', 0)}, validation {rows.get('val', 0)}"
-    reasons = rejected_by_reason(rows)
-    if not rows.get("rejected"):
-        return line + ", none rejected"
-    shown = ", ".join(f"{kind} {n}" for kind, n in reasons.items()) or "see the rejects table"
-    return (f"{line}, rejected {rows['rejected']} ({shown}); the rejected rows: "
-            f"rlhf query {run_root} \"{REJECTS_SQL}\"")
-
-
-def prompt_supply_problem(rows: dict[str, int], data: DataConfig, *, trains: bool, validates: bool,
-                          rejects_at: str) -> Optional[str]:
-    """Why a run cannot train on what preprocess accepted (``rows``: its record), else None: less
-    than data.min_accepted_fraction of the rows accepted; fewer train prompts than one training
-    batch (``trains``: verl's dataloader, which drops the last partial batch, has no step then);
-    no validation prompt while the run validates (``validates``; its accuracy would read 0.000).
-    ``rejects_at``: where the rejected rows are to be seen (``rejects_query``, or an example row)."""
-    counts = f"{rows.get('input', 0)} rows -> train {rows.get('train', 0)}, validation {rows.get('val', 0)}"
-    reasons = rejected_by_reason(rows)
-    why = (f", rejected {rows['rejected']}: {', '.join(f'{k} {n}' for k, n in reasons.items())}; {rejects_at}"
-           if rows.get("rejected") and reasons else "")
-    fraction = accepted_fraction(rows)
-    broken_down = bool(reasons) or not rows.get("rejected")  # a record of an older version has no reasons
-    if broken_down and fraction < data.min_accepted_fraction:
-        return (f"preprocess accepted {fraction:.1%} of the rows, under data.min_accepted_fraction="
-                f"{data.min_accepted_fraction} ({counts}{why}); fix what rejects them"
-                f"{_fix_hint(reasons, data)}, or lower data.min_accepted_fraction (0 = no check)")
-    if trains and rows.get("train", 0) < data.train_batch_size:
-        return (f"{rows.get('train', 0)} train prompts are fewer than one training batch "
-                f"(data.train_batch_size={data.train_batch_size}; {counts}{why}): no training step can run; "
-                f"lower data.train_batch_size to at most {rows.get('train', 0)} (and ppo_mini_batch_size with it), "
-                f"or add prompts{_fix_hint(reasons, data, ' or keep more of them')}")
-    if validates and rows.get("val", 0) == 0:
-        return (f"the run validates (trainer.val_before_train, trainer.test_freq or trainer.kl_guard_val_prompts) "
-                f"but no validation prompt was accepted ({counts}{why}): its val/accuracy would read 0; give "
-                "data.val_files=[...], raise data.val_fraction or data.max_val_samples, or turn validation off "
-                "(trainer.val_before_train=false trainer.test_freq=-1)")
-    return None
-
-
-# ---------------------------------------------------------------------------------------------
-# no prompt at all: what is wrong with the files, said once
-# ---------------------------------------------------------------------------------------------
-
-
-class NoPromptsError(DataError):
-    """Preprocess accepted no train prompt. ``rows`` are its counts (``PreprocessResult.rows``), so
-    the caller can print the preprocess line before the refusal."""
-
-    def __init__(self, message: str, rows: dict[str, int]):
-        super().__init__(message)
-        self.rows = rows
-
-
-UNREADABLE_KINDS = ("malformed JSON", "not a JSON object", "not valid UTF-8", "not valid Unicode", "blank line",
-                    "malformed CSV", "unreadable row")
-"""Reject kinds of rows the reader could not turn into a record (``data.readers``)."""
-
-
-def no_prompts_problem(result: PreprocessResult | Screening, data: DataConfig, rejects_at: Optional[str] = None) -> str:
-    """Why ``result`` holds no train prompt, in one line naming the file(s), the problem and the fix:
-    no rows at all (empty files), no row a record (not JSON / not the file's format), no row with
-    the fields the adapter reads (their own keys named), else the reject counts with one example.
-    ``rejects_at``: where the rejected rows can be listed (the run's `rlhf query` command), if anywhere."""
-    files = ", ".join(result.files) or "data.train_files"
-    if result.rows_in == 0:
-        return (f"{files}: no rows to read (empty); give data.train_files rows in the layout data.adapter="
-                f"{data.adapter} reads: {layout_hint(data, next(iter(result.files), None))}")
-    kinds = Counter(r.kind for r in result.rejected)
-    top, n = kinds.most_common(1)[0] if kinds else ("", 0)
-    first = next((r for r in result.rejected if r.kind == top), None)
-    if first is None:  # rows that were all accepted into validation (data.val_files): no train row
-        return (f"no train prompts from {files} (validation {result.rows['val']}); give train rows, or "
-                "check data.val_fraction")
-    where = first.row.source_file
-    example = f"row {first.row.source_row}: {first.reason}: {_excerpt(first.row.raw)}"
-    if top in UNREADABLE_KINDS and n == len(result.rejected):
-        return (f"{where}: no row could be read as a record ({n} of {result.rows_in} rows: {top}; {example}); "
-                f"{_format_hint(first.row.source_file, data)}")
-    if top.startswith("missing ") and n == len(result.rejected):
-        keys = _record_keys(r for r in result.rejected if r.kind == top)
-        lacking = [field for field in adapter_fields(data) if field[0] not in keys]
-        return (f"{where}: no row has {'the field' if len(lacking) == 1 else 'the fields'} data.adapter="
-                f"{data.adapter} reads ({', '.join(shown for _, _, shown in lacking)}); its rows have "
-                f"{', '.join(map(repr, keys)) or 'no fields'}: {_key_hint(keys, lacking, data, where)}")
-    counts = ", ".join(f"{kind} {m}" for kind, m in kinds.most_common())
-    listed = f"; every rejected row and its reason: {rejects_at}" if rejects_at else ""
-    return (f"no train prompts accepted from {files} (rejected {len(result.rejected)}: {counts}; e.g. {where} "
-            f"{example}); fix those rows or the data.* keys that read them{listed}")
-
-
-def layout_hint(data: DataConfig, source_file: Optional[str] = None) -> str:
-    """The layout ``data.adapter`` reads, said in the format of ``source_file`` (by its suffix: a
-    Parquet file's columns, a CSV file's header, a JSONL file's line; JSONL when there is none)."""
-    fmt = SUFFIX_FORMATS.get(Path(source_file).suffix.lower(), "jsonl") if source_file else "jsonl"
-    if fmt == "parquet":
-        return f"a Parquet table with the columns {_columns(data)}"
-    if fmt == "csv":
-        return f"a CSV file whose header row names the columns {_columns(data)}"
-    if source_file:
-        layout = " in verl's layout" if data.adapter == "verl" else ""
-        return f"one JSON object per line{layout}, e.g. {example_row(data)}"
-    return {"gsm8k": "one JSON object per line, e.g. ", "generic": "one JSON object per line, e.g. ",
-            "verl": "verl's Parquet layout, e.g. "}.get(data.adapter, "JSONL, Parquet or CSV rows, e.g. ") + \
-        example_row(data)
-
-
-def _columns(data: DataConfig) -> str:
-    """The columns ``data.adapter`` reads, with what each holds."""
-    if data.adapter == "verl":
-        return (f"'{data.prompt_key}' (a list of {{role, content}} messages) and 'reward_model' (a struct with "
-                "'ground_truth')")
-    if data.adapter == "generic":
-        return f"'{data.prompt_key}' (text) and '{data.answer_key}' (text)"
-    return f"'{data.question_key}' (text) and '{data.answer_key}' (text ending in '#### <number>')"  # gsm8k's, auto's example
-
-
-def example_row(data: DataConfig) -> str:
-    """One row in the layout ``data.adapter`` reads (gsm8k's for 'auto')."""
-    if data.adapter == "generic":
-        return f'{{"{data.prompt_key}": "...", "{data.answer_key}": "42"}}'
-    if data.adapter == "verl":
-        return f'{{"{data.prompt_key}": [{{"role": "user", "content": "..."}}], "reward_model": {{"ground_truth": "42"}}}}'
-    return f'{{"{data.question_key}": "...", "{data.answer_key}": "... #### 42"}}'
-
-
-def adapter_fields(data: DataConfig) -> list[tuple[str, str, str]]:
-    """The fields data.adapter reads: (key, its setting, "'<key>' (<setting>)")."""
-    settings = {"gsm8k": ("question_key", "answer_key"), "generic": ("prompt_key", "answer_key")}
-    fields = ([(getattr(data, s), f"data.{s}") for s in settings[data.adapter]] if data.adapter in settings else
-              [(data.prompt_key, "data.prompt_key"), ("reward_model", "reward_model.ground_truth")])
-    return [(key, setting, f"'{key}' ({setting})") for key, setting in fields]
-
-
-def _key_hint(keys: list[str], lacking: list[tuple[str, str, str]], data: DataConfig, source_file: str) -> str:
-    """Which settings to point at the rows' own keys (a guess in the rows' order when it is one to one)."""
-    tail = f", or give rows in the layout it reads: {layout_hint(data, source_file)}"
-    settings = [setting for _, setting, _ in lacking if setting.startswith("data.")]
-    if settings and len(keys) == len(adapter_fields(data)) == len(lacking) == len(settings):
-        guess = " ".join(f"{setting}={key}" for setting, key in zip(settings, keys))
-        answer = " (the answer must end in '#### <number>')" if data.adapter == "gsm8k" else ""
-        return f"name them, e.g. {guess}{answer}{tail}"
-    if settings:
-        return f"set {' and '.join(settings)} to the key(s) that hold it{tail}"
-    return f"give each row those fields{tail}"
-
-
-def _format_hint(source_file: str, data: DataConfig) -> str:
-    suffix = Path(source_file).suffix.lower()
-    if suffix in SUFFIX_FORMATS:
-        return f"a {suffix} file for data.adapter={data.adapter} holds {layout_hint(data, source_file)}"
-    return f"check that the file is {suffix or 'a data file'} in the layout data.adapter={data.adapter} reads"
-
-
-def _record_keys(rejects: Iterable[_Reject], limit: int = 8) -> list[str]:
-    """The field names the rejected rows carry (from their raw JSON), first seen first."""
-    keys: dict[str, None] = {}
-    for r in rejects:
-        record = r.row.record if isinstance(r.row.record, dict) else {}
-        keys.update(dict.fromkeys(map(str, record)))
-        if len(keys) >= limit:
-            break
-    return list(keys)[:limit]
-
-
-def _excerpt(text: str, limit: int = 60) -> str:
-    text = " ".join(str(text).split())
-    return repr(text if len(text) <= limit else text[:limit] + "...")
-
-
-def _fix_hint(reasons: dict[str, int], data: DataConfig, lead: str = "") -> str:
-    """A pointer at the setting behind the most frequent reject kind, when one setting is behind it."""
-    top = next(iter(reasons), None)
-    if top == "prompt too long":
-        return f"{lead} (the most frequent reason is prompt too long: raise data.max_prompt_length={data.max_prompt_length})"
-    if top == "duplicate":
-        return f"{lead} (the most frequent reason is duplicate: data.dedup=false keeps repeated prompts)"
-    return lead
 
 
 # ---------------------------------------------------------------------------------------------
@@ -426,23 +149,23 @@ def _resolve_layouts(stream: Iterable[Tagged], data: DataConfig, layouts: dict[s
 
 
 def _adapt(rows: Iterable[tuple[str, RawRow, str]], data: DataConfig
-           ) -> tuple[list[_Candidate], list[_Reject], int]:
+           ) -> tuple[list[_Candidate], list[Reject], int]:
     """Run each row's adapter over (group, row, adapter) triples; returns (candidates, rejects, rows seen)."""
     candidates: list[_Candidate] = []
-    rejects: list[_Reject] = []
+    rejects: list[Reject] = []
     rows_seen = 0
     for seq, (group, row, layout) in enumerate(rows):
         rows_seen = seq + 1
         if row.record is None:
-            rejects.append(_Reject(seq, row, row.error_kind or "unreadable row", row.error or "unreadable row"))
+            rejects.append(Reject(seq, row, row.error_kind or "unreadable row", row.error or "unreadable row"))
             continue
         if layout == AUTO:  # a decodable record with no fields: nothing to tell a layout by
-            rejects.append(_Reject(seq, row, "empty row", "empty row: no fields to read a prompt from"))
+            rejects.append(Reject(seq, row, "empty row", "empty row: no fields to read a prompt from"))
             continue
         try:
             example = get_adapter(layout)(row.record, data)
         except RowRejected as exc:
-            rejects.append(_Reject(seq, row, exc.kind, exc.reason))
+            rejects.append(Reject(seq, row, exc.kind, exc.reason))
             continue
         key = json.dumps(example.messages, ensure_ascii=False, sort_keys=True)
         candidates.append(_Candidate(seq, group, row, example, dedup_key=key))
@@ -461,7 +184,7 @@ def _sql_rows(sql: str, name: str, table: pa.Table) -> list[tuple]:
         con.close()
 
 
-def _drop_duplicates(candidates: list[_Candidate]) -> tuple[list[_Candidate], list[_Reject]]:
+def _drop_duplicates(candidates: list[_Candidate]) -> tuple[list[_Candidate], list[Reject]]:
     """Keep the first occurrence of each exact prompt; reject the others naming the row they repeat."""
     if not candidates:
         return candidates, []
@@ -477,7 +200,7 @@ def _drop_duplicates(candidates: list[_Candidate]) -> tuple[list[_Candidate], li
             kept.append(c)
             continue
         where = "" if first.row.source_file == c.row.source_file else f" of {first.row.source_file}"
-        rejects.append(_Reject(c.seq, c.row, "duplicate", f"duplicate of row {first.row.source_row}{where}"))
+        rejects.append(Reject(c.seq, c.row, "duplicate", f"duplicate of row {first.row.source_row}{where}"))
     return kept, rejects
 
 
@@ -510,7 +233,7 @@ def _overlong_error(c: _Candidate, n_over: int, data: DataConfig) -> DataError:
 
 
 def _apply_length_rule(candidates: list[_Candidate], data: DataConfig, tokenizer: Any
-                       ) -> tuple[list[_Candidate], list[_Reject]]:
+                       ) -> tuple[list[_Candidate], list[Reject]]:
     """Prompts over data.max_prompt_length: rejected (filter_overlong_prompts), an error
     (truncation=error), or cut (left / right / middle; prompt_text is then the cut tokens' text)."""
     max_len = data.max_prompt_length
@@ -518,7 +241,7 @@ def _apply_length_rule(candidates: list[_Candidate], data: DataConfig, tokenizer
     if not over:
         return candidates, []
     if data.filter_overlong_prompts:
-        rejects = [_Reject(c.seq, c.row, "prompt too long",
+        rejects = [Reject(c.seq, c.row, "prompt too long",
                            f"prompt too long ({len(c.token_ids)} > {max_len} tokens, data.max_prompt_length)")
                    for c in over]
         dropped = {id(c) for c in over}
@@ -595,7 +318,7 @@ def _ranks(candidates: list[_Candidate], seed: int) -> tuple[dict[int, int], dic
 
 
 def _assign_splits(candidates: list[_Candidate], data: DataConfig, separate_val: bool
-                   ) -> tuple[list[_Candidate], list[_Candidate], list[_Reject]]:
+                   ) -> tuple[list[_Candidate], list[_Candidate], list[Reject]]:
     """(train, val, over-cap rejects).
 
     Without validation files the first ``_validation_size`` of the train group's hash ranking become
@@ -616,14 +339,14 @@ def _assign_splits(candidates: list[_Candidate], data: DataConfig, separate_val:
         elif (chosen if separate_val else hashed)[i] <= n_val:
             val.append(c)
         else:
-            rejects.append(_Reject(c.seq, c.row, "over validation cap",
+            rejects.append(Reject(c.seq, c.row, "over validation cap",
                                    f"over validation cap ({cap_key}={cap}; -1 scores every validation prompt)"))
     train, over_train = _cap_train(train, {id(c): chosen[i] for i, c in enumerate(candidates)}, data)
     return train, val, rejects + over_train
 
 
 def _cap_train(train: list[_Candidate], rank: dict[int, int], data: DataConfig
-               ) -> tuple[list[_Candidate], list[_Reject]]:
+               ) -> tuple[list[_Candidate], list[Reject]]:
     """At most data.train_max_samples train prompts (the best-ranked; input order kept)."""
     cap = data.train_max_samples
     if cap <= 0 or len(train) <= cap:
@@ -631,7 +354,7 @@ def _cap_train(train: list[_Candidate], rank: dict[int, int], data: DataConfig
     keep = {id(c) for c in sorted(train, key=lambda c: rank[id(c)])[:cap]}
     reason = f"over train cap (data.train_max_samples={cap})"
     return ([c for c in train if id(c) in keep],
-            [_Reject(c.seq, c.row, "over train cap", reason) for c in train if id(c) not in keep])
+            [Reject(c.seq, c.row, "over train cap", reason) for c in train if id(c) not in keep])
 
 
 def prompt_length_stats(lengths: Sequence[int]) -> dict[str, float]:
@@ -672,7 +395,7 @@ def _prompts_table(candidates: list[_Candidate], split: str) -> pa.Table:
     return pa.Table.from_pylist(rows, schema=PROMPTS)
 
 
-def _rejects_table(rejects: list[_Reject]) -> pa.Table:
+def _rejects_table(rejects: list[Reject]) -> pa.Table:
     rows = [{"source_file": r.row.source_file, "source_row": r.row.source_row, "reason": r.reason,
              "raw": r.row.raw} for r in sorted(rejects, key=lambda r: r.seq)]
     return pa.Table.from_pylist(rows, schema=REJECTS)
@@ -684,7 +407,7 @@ def _rejects_table(rejects: list[_Reject]) -> pa.Table:
 
 
 def _screen(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[RawRow]], data: DataConfig
-            ) -> tuple[list[_Candidate], list[_Reject], int, dict[str, int], dict[str, str]]:
+            ) -> tuple[list[_Candidate], list[Reject], int, dict[str, int], dict[str, str]]:
     """The tokenizer-free head of preprocess: read, adapt, drop duplicates. Returns (candidates,
     rejects, rows in, source file → rows read, source file → layout)."""
     files: dict[str, int] = {}
@@ -735,7 +458,7 @@ def preprocess_rows(train_rows: Iterable[RawRow], val_rows: Optional[Iterable[Ra
     )
 
 
-def _cap_notes(candidates: list[_Candidate], val: list[_Candidate], over_cap: list[_Reject], data: DataConfig,
+def _cap_notes(candidates: list[_Candidate], val: list[_Candidate], over_cap: list[Reject], data: DataConfig,
                separate_val: bool) -> list[str]:
     """One line when a cap kept validation prompts out (validation files), or shrank the split."""
     cap, key = validation_cap(data, separate_val)
@@ -767,28 +490,6 @@ def preprocess_files(train_files: Sequence[str | Path], val_files: Sequence[str 
 def _every_file(read: dict[str, int], paths: Sequence[str | Path]) -> dict[str, int]:
     """source file → rows read, listing also a file that held no rows."""
     return {str(Path(p)): read.get(str(Path(p)), 0) for p in paths}
-
-
-@dataclass
-class Screening:
-    """What preprocess decides before it tokenizes (``screen_files``): rows read, the rows it rejects
-    while reading, adapting and deduplicating, and the train / validation split of the rest.
-
-    Its counts bound the stage's: the length rule only rejects more, and the split's sizes grow with
-    the prompts kept, so a run this screening refuses the stage would refuse too."""
-
-    rows_in: int
-    files: dict[str, int]
-    rejected: list[_Reject]
-    train: int
-    val: int
-
-    @property
-    def rows(self) -> dict[str, int]:
-        """The keys of ``PreprocessResult.rows``."""
-        kinds = Counter(r.kind for r in self.rejected).most_common()
-        return {"input": self.rows_in, "train": self.train, "val": self.val, "rejected": len(self.rejected),
-                **{f"{REJECTED_BY}{kind}": n for kind, n in kinds}}
 
 
 def screen_files(train_files: Sequence[str | Path], val_files: Sequence[str | Path], data: DataConfig) -> Screening:

@@ -3,7 +3,7 @@ differ on a metric, and draw more prompts until data.train_batch_size groups are
 
 The rollout stage generates iteration k's prompts (draw 0: the pack stage's slot
 ``(k - 1) % num_slots``), scores every response with the score stage's reward function
-(``stages.score.sequence_rewards``, overlong shaping included) and keeps a group (one uid: one
+(``rewards.sequence.sequence_rewards``, overlong shaping included) and keeps a group (one uid: one
 prompt's n responses) when the metric's standard deviation over the group is > 0 or the group has
 one response, as verl's DAPO trainer. While fewer than train_batch_size groups are kept it draws the
 next slots (draw d: slot ``(first + d) % num_slots``, seeded ``draw_seed``), up to

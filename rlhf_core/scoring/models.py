@@ -7,6 +7,7 @@ import gc
 import hashlib
 import json
 import weakref
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -21,6 +22,20 @@ from rlhf_core.models.attention import resolve_attention
 from rlhf_core.models.storage import load_pretrained, own_aligned_storage
 from rlhf_core.scoring import cache
 from rlhf_core.scoring.session import RunSession
+
+
+@dataclass
+class ModelPaths:
+    """The models a score pass over iteration k reads (the ones k started from, so a rerun of an old
+    iteration reproduces its table)."""
+
+    actor: Path
+    reference: Path
+    critic: Optional[Path]
+    """None in a run without a critic: the values column then holds zeros."""
+    reward_model: Optional[Path]
+    rm_input_tokenizer: Optional[Path] = None
+    """reward_model.model.input_tokenizer: decode responses with it and re-render for the RM."""
 
 
 def scoring_device(preference: str = "auto") -> torch.device:

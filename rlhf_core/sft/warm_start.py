@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
 from rlhf_core.config.schema import DataConfig, ModelConfig
-from rlhf_core.data.preprocess import NoPromptsError, no_prompts_problem, preprocess_files
+from rlhf_core.data.preprocess import preprocess_files
+from rlhf_core.data.outcome import NoPromptsError, no_prompts_problem
 from rlhf_core.data.schemas import decode_extra_info
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_dir

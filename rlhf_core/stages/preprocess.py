@@ -14,9 +14,8 @@ from typing import Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.schema import DataConfig
-from rlhf_core.data.preprocess import (
-    NoPromptsError, PreprocessResult, load_tokenizer, no_prompts_problem, preprocess_files,
-)
+from rlhf_core.data.preprocess import load_tokenizer, preprocess_files
+from rlhf_core.data.outcome import NoPromptsError, PreprocessResult, no_prompts_problem
 from rlhf_core.data.schemas import PROMPTS, REJECTS
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_parquet

@@ -59,12 +59,13 @@ from rlhf_core.rollout.dynamic_sampling import (
 )
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
 from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
+from rlhf_core.rewards.sequence import RewardSettings, sequence_rewards
+from rlhf_core.scoring.models import ModelPaths
 from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, merge_samples, merged_stats, run_on_ranks,
                                     write_share)
-from rlhf_core.stages.score import ModelPaths, RewardSettings, reward_model_paths, reward_settings, sequence_rewards
-from rlhf_core.stages.settings import generation
+from rlhf_core.stages.settings import generation, reward_model_paths, reward_settings
 from rlhf_core.training.run_trainer import ensure_state
 
 CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.",
@@ -100,7 +101,7 @@ class RolloutSettings:
     filter_groups: Optional[FilterGroupsConfig]
     """algorithm.filter_groups when enabled (DAPO's dynamic sampling), else None."""
     rewards: Optional[RewardSettings]
-    """What the filter scores responses with, as the score stage (``score.reward_settings``); None without it."""
+    """What the filter scores responses with, as the score stage (``settings.reward_settings``); None without it."""
     baseline_estimator: Optional[str]
     """algorithm.adv_estimator when it takes greedy baselines (``needs_baseline_rollout``: remax), else None."""
 

@@ -5,7 +5,7 @@
 Per response: a sequence-level ``reward`` (the reward model when ``reward_model.enable``, else the
 reward function routed by the row's ``data.reward_fn_key`` column, verl's ``data_source`` by
 default, plus DAPO's overlong penalty when ``reward_model.overlong_buffer.enable``:
-``rewards.overlong``; ``sequence_rewards``, which the rollout stage's dynamic sampling shares),
+``rewards.overlong``; ``rewards.sequence``, which the rollout stage's dynamic sampling shares),
 ``reward_baseline`` (remax: the score of the prompt's greedy response in
 ``iter_K/rollout_baseline.parquet``, same reward function; null for other estimators), and three per-token lists, each exactly ``response_length`` long: ``old_log_probs`` under
 the actor that generated (at the rollout temperature), ``ref_log_probs`` under the frozen reference
@@ -26,52 +26,45 @@ Inspect it with DuckDB:  SELECT avg(reward) FROM 'RUN/iter_1/scored.parquet'
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
-from tqdm.auto import tqdm
 
 from rlhf_core.algos.registry import estimator_takes
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.machine import cuda_devices
 from rlhf_core.config.resolve import (
     MicroBatching, critic_use_remove_padding, critic_value_batching, frozen_param_offload, micro_batching,
     needs_baseline_rollout, role_model_key, update_world_size,
 )
-from rlhf_core.config.schema import CustomRewardConfig, OverlongBufferConfig
+from rlhf_core.config.schema import CustomRewardConfig
 from rlhf_core.data.schemas import ROLLOUT, SCORED
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet
-from rlhf_core.run.models import actor_path, critic_path, reference_path, reward_model_path
+from rlhf_core.run.models import actor_path, critic_path, reference_path
 from rlhf_core.run.layout import RunDir
-from rlhf_core.io.tables import rows_with_ids
 from rlhf_core.io.timing import TABLE_READ, timed
-from rlhf_core.paths import resolve_model_path
-from rlhf_core.progress import bar_disabled
-from rlhf_core.rewards import normalize_result, reward_function, routing_value
 from rlhf_core.config.validate import check_overlong_buffer
-from rlhf_core.rewards.overlong import shape_scores
-from rlhf_core.rewards.reward_model import (
-    check_same_vocabulary, held_reward_model, rerendered_ids, score_sequences,
-)
+from rlhf_core.rewards.sequence import RewardSettings, row_where, sequence_rewards
 from rlhf_core.scoring import (
     Throughput, compute_token_logprobs, compute_token_values, load_causal_lm, load_critic, same_weights,
     scoring_device, scoring_dtype,
 )
 from rlhf_core.data.packing import Share
-from rlhf_core.scoring.models import load_tokenizer, reference_policy, release
+from rlhf_core.scoring.models import ModelPaths, reference_policy, release
 from rlhf_core.scoring import ref_states
 from rlhf_core.scoring.session import RunSession
 from rlhf_core.stages.base import StageResult, execute_stage
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
+from rlhf_core.stages.settings import reward_model_paths, reward_settings
 from rlhf_core.training import flops
 from rlhf_core.training.ds_config import role_dtype
 from rlhf_core.training.run_trainer import ensure_state
@@ -93,74 +86,11 @@ def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
     return CONFIG_SECTIONS + extra
 
 
-@dataclass
-class ModelPaths:
-    actor: Path
-    reference: Path
-    critic: Optional[Path]
-    """None in a run without a critic: the values column then holds zeros."""
-    reward_model: Optional[Path]
-    rm_input_tokenizer: Optional[Path] = None
-    """reward_model.model.input_tokenizer: decode responses with it and re-render for the RM."""
-
-
-def reward_model_paths(cfg: RLHFConfig) -> tuple[Optional[Path], Optional[Path]]:
-    """(reward model, its input tokenizer): (None, None) for rule-based rewards."""
-    rm, rm_tokenizer = reward_model_path(cfg), None
-    if rm is not None and cfg.reward_model.model.input_tokenizer:
-        rm_tokenizer = resolve_model_path(cfg.reward_model.model.input_tokenizer)
-    return rm, rm_tokenizer
-
-
 def model_paths(cfg: RLHFConfig, run: RunDir, iteration: int) -> ModelPaths:
     rm, rm_tokenizer = reward_model_paths(cfg)
     # the models iteration k started from, so a rerun of an old iteration reproduces its table
     return ModelPaths(actor=actor_path(cfg, run, iteration), reference=reference_path(cfg),
                       critic=critic_path(cfg, run, iteration), reward_model=rm, rm_input_tokenizer=rm_tokenizer)
-
-
-@dataclass(frozen=True)
-class RewardModelSettings:
-    """How the reward model scores (reward_model.enable)."""
-
-    device: torch.device
-    batching: MicroBatching
-    """reward_model's micro-batching over the update's world (``micro_batching``)."""
-    offload: bool
-    """Its weights wait in host memory between passes (``frozen_param_offload``)."""
-    max_length: int
-    """reward_model.max_length, null = data.max_prompt_length + max_response_length: where a re-rendered
-    response is cut (reward_model.model.input_tokenizer)."""
-
-
-@dataclass(frozen=True)
-class RewardSettings:
-    """What a response's sequence reward reads of the config (``reward_settings``): the score stage's
-    rewards, and the rollout's dynamic sampling scores with the same."""
-
-    reward_function: CustomRewardConfig
-    """custom_reward_function: the function (its own process for a path), and the score counted correct."""
-    reward_fn_key: str
-    """data.reward_fn_key: the column that routes a row to its reward function."""
-    overlong: OverlongBufferConfig
-    """reward_model.overlong_buffer (DAPO's overlong penalty, ``rewards.overlong``)."""
-    max_response_length: int
-    reward_model: Optional[RewardModelSettings]
-    """None for rule-based rewards."""
-
-
-def reward_settings(cfg: RLHFConfig) -> RewardSettings:
-    """The rewards' settings; the reward model's keys only read when it scores."""
-    rm, data, model = cfg.reward_model, cfg.data, None
-    if rm.enable:
-        model = RewardModelSettings(
-            device=scoring_device(cfg.trainer.device),
-            batching=micro_batching(cfg, "reward_model", update_world_size(cfg.trainer, _cuda_devices())),
-            offload=frozen_param_offload(cfg, "reward_model"),
-            max_length=rm.max_length or data.max_prompt_length + data.max_response_length)
-    return RewardSettings(reward_function=cfg.custom_reward_function, reward_fn_key=data.reward_fn_key,
-                          overlong=rm.overlong_buffer, max_response_length=data.max_response_length,
-                          reward_model=model)
 
 
 @dataclass(frozen=True)
@@ -217,7 +147,7 @@ def score_settings(cfg: RLHFConfig) -> ScoreSettings:
     ``old_from_rollout``."""
     a, correction = cfg.actor_rollout_ref, cfg.algorithm.rollout_correction
     r, device = a.rollout, scoring_device(cfg.trainer.device)
-    world = update_world_size(cfg.trainer, _cuda_devices())
+    world = update_world_size(cfg.trainer, cuda_devices())
     plans = {
         "actor": PassPlan(micro_batching(cfg, "rollout", world), a.model.use_remove_padding,
                           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
@@ -325,10 +255,6 @@ def _score(settings: ScoreSettings, session: RunSession, run: RunDir, iteration:
 # ---------------------------------------------------------------------------------------------
 
 
-def _where(path: Path, i: int, row: dict) -> str:
-    return f"{path} row {i} (prompt_id={row['prompt_id']!r}, sample_index={row['sample_index']})"
-
-
 def _check_rollout(columns: list[str], rows: list[dict], path: Path) -> None:
     missing = [name for name in ROLLOUT.names if name not in columns]
     if missing:
@@ -338,60 +264,10 @@ def _check_rollout(columns: list[str], rows: list[dict], path: Path) -> None:
     for i, row in enumerate(rows):
         n = len(row["response_token_ids"] or [])
         if row["response_length"] != n:
-            raise DataError(f"{_where(path, i, row)}: response_length={row['response_length']} but "
+            raise DataError(f"{row_where(path, i, row)}: response_length={row['response_length']} but "
                             f"response_token_ids holds {n} tokens; rerun the rollout stage")
         if not row["prompt_token_ids"]:
-            raise DataError(f"{_where(path, i, row)}: empty prompt_token_ids; rerun preprocess and rollout")
-
-
-def _prompt_lookup(prompts_path: Path, rows: list[dict]) -> dict[str, dict]:
-    """prompt_id → {"prompt": chat messages, "extra_info", "reward_source"} for the prompts the
-    rollout used."""
-    used = {r["prompt_id"] for r in rows}
-    columns = ["prompt_id", "prompt", "extra_info", "reward_source"]
-    lookup = {r["prompt_id"]: r for r in rows_with_ids(prompts_path, "prompt_id", used, columns)}
-    missing = sorted(used - set(lookup))
-    if missing:
-        raise DataError(f"{len(missing)} rollout prompt_id(s) are not in {prompts_path} (first: "
-                        f"{missing[0]!r}); the prompts were re-preprocessed after the rollout: rerun the "
-                        "rollout stage")
-    return lookup
-
-
-# ---------------------------------------------------------------------------------------------
-# rewards
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class SequenceRewards:
-    """Per response, in row order."""
-
-    scores: list[float]
-    """The sequence score: the reward model's, or the reward function's plus the overlong penalty
-    (``rewards.overlong``); the scored table's ``reward`` and verl's token_level_scores sum."""
-    extras: list[str]
-    """reward_extra JSON (a dict result's other keys; overlong_reward / overlong when logged)."""
-    raw: list[float]
-    """The reward function's (or model's) own score, before the overlong penalty."""
-    acc: list[Optional[float]]
-    """verl's reward_extra_info["acc"]: a float result's score, a dict result's 'acc' key (None
-    when a dict result has none, and for reward-model scores)."""
-
-
-def sequence_rewards(settings: RewardSettings, session: RunSession, models: ModelPaths, rows: list[dict],
-                     prompts_path: Path, where_path: Path) -> SequenceRewards:
-    """Every response's sequence reward, as the score stage writes it: shared with the rollout
-    stage's dynamic sampling (``algorithm.filter_groups``) and the greedy baseline (remax).
-    ``rows`` are rollout-table rows; ``where_path`` names their table in errors."""
-    prompts = _prompt_lookup(prompts_path, rows)
-    if models.reward_model is not None:
-        scores, extras = _reward_model_scores(settings.reward_model, session, models, rows, prompts)
-        return SequenceRewards(scores, extras, list(scores), [None] * len(scores))
-    raw, extras, acc = _rule_rewards(settings, rows, prompts, where_path)
-    scores, extras = shape_scores(settings.overlong, settings.max_response_length, raw,
-                                  [r["response_length"] for r in rows], extras)
-    return SequenceRewards(scores, extras, raw, acc)
+            raise DataError(f"{row_where(path, i, row)}: empty prompt_token_ids; rerun preprocess and rollout")
 
 
 def greedy_baselines(settings: RewardSettings, session: RunSession, run: RunDir, iteration: int,
@@ -414,64 +290,6 @@ def greedy_baselines(settings: RewardSettings, session: RunSession, run: RunDir,
                         f"{run.rollout(iteration)} ({len(missing)} missing); the two tables come from "
                         f"different rollouts: rerun `rlhf stage rollout --iteration {iteration} --force`")
     return [by_uid[u] for u in uids]
-
-
-def _rule_rewards(settings: RewardSettings, rows: list[dict], prompts: dict[str, dict],
-                  path: Path) -> tuple[list[float], list[str], list[Optional[float]]]:
-    """One compute_score call per response (verl's naive reward manager), routed by the row's
-    data.reward_fn_key column, with the row's verl extra_info: (scores, reward_extra, acc)."""
-    key = settings.reward_fn_key
-    rewards, extras, accs = [], [], []
-    with reward_function(settings.reward_function) as reward_fn:  # custom_reward_function.path: its own process
-        for i, row in enumerate(tqdm(rows, desc="rewards", unit="resp", leave=False, disable=bar_disabled())):
-            prompt = prompts[row["prompt_id"]]
-            where = _where(path, i, row)
-            source = routing_value(row, prompt, key=key, where=where)
-            try:
-                result = reward_fn(source, row["response_text"], row["ground_truth"], row["extra_info"])
-            except RLHFError as exc:
-                raise type(exc)(f"{where}: {exc}") from None
-            except Exception as exc:  # a bug in a registered function: keep its traceback, add the row
-                exc.add_note(f"while scoring {where} with the reward function")
-                raise
-            score, extra = normalize_result(result, where)
-            rewards.append(score)
-            extras.append(extra)
-            accs.append(_acc(result, score))
-    return rewards, extras, accs
-
-
-def _acc(result: Any, score: float) -> Optional[float]:
-    """verl's reward_extra_info["acc"] of one result: the score of a plain result, a dict's 'acc'."""
-    if not isinstance(result, dict):
-        return score
-    acc = result.get("acc")
-    return None if acc is None else float(acc)
-
-
-def _cuda_devices() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def _reward_model_scores(settings: RewardModelSettings, session: RunSession, models: ModelPaths, rows: list[dict],
-                         prompts: dict[str, dict]) -> tuple[list[float], list[str]]:
-    """verl's reward-model scoring: the RM reads the actor's own token ids when
-    reward_model.model.input_tokenizer is null (its tokenizer must then be the actor's), else each
-    response decoded with input_tokenizer and re-rendered with the RM's chat template, cut to
-    reward_model.max_length tokens (null = max_prompt_length + max_response_length)."""
-    device = settings.device
-    with held_reward_model(models.reward_model, device, scoring_dtype(device), settings.offload,
-                           session=session) as rm:
-        if models.rm_input_tokenizer is None:
-            check_same_vocabulary(rm, load_tokenizer(models.actor, session=session, shared=True), models.actor)
-            sequences = [list(r["prompt_token_ids"]) + list(r["response_token_ids"]) for r in rows]
-        else:
-            source = load_tokenizer(models.rm_input_tokenizer, session=session, shared=True)
-            sequences = [rerendered_ids(rm, prompts[r["prompt_id"]]["prompt"], r["response_token_ids"], source,
-                                        settings.max_length) for r in rows]
-        scores = score_sequences(rm, sequences, settings.batching, budget_key="critic.forward_max_token_len_per_gpu")
-    release(weakref.ref(rm.model), device, session)
-    return scores, [json.dumps({"rm_score": s}) for s in scores]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ other libraries write (tokenizer, config) are read back. With N ranks all write 
 temporary directory and rank 0 renames it after a barrier.
 
 Checkpoints written before the sharded layout (``deepspeed/{role}_optim.safetensors`` + ``_state.json``,
-full tensors by parameter name) still load. Nothing here is read with pickle: safetensors and JSON
+full tensors by parameter name) still load (reading back: ``checkpoint_load``). Nothing here is read with pickle: safetensors and JSON
 only (see ``optim_state`` for why DeepSpeed's own format is not used). ``verify_checkpoint`` checks
 every file against the manifest before anything is loaded and names the first bad one.
 
@@ -57,13 +57,11 @@ from rlhf_core.io.safetensors_stream import LazyTensor, Source, write_hashed_jso
 from rlhf_core.models.threads import serial_background_thread
 from rlhf_core.training.distributed import DistInfo, barrier
 from rlhf_core.training.engines import TrainEngine, present
-from rlhf_core.training.optim_state import SEP, prime_optimizer, restore_optimizer_state
-from rlhf_core.training.train_state import (TrainState, module_tensors, restore_optim, restore_rng, rng_state,
-                                            role_views, shard_weights)
+from rlhf_core.training.train_state import (TrainState, module_tensors, restore_rng, rng_state, role_views,
+                                            shard_weights)
 
-__all__ = ["BackgroundWriter", "can_write_in_background", "full_state_dict", "load_optimizer_files",
-           "load_optimizer_state", "load_rng", "load_trainer_state", "prepare_staging", "restore_rng", "rng_state",
-           "save_checkpoint", "save_tokenizer", "seed_rng", "shard_name"]
+__all__ = ["BackgroundWriter", "can_write_in_background", "full_state_dict", "prepare_staging", "restore_rng",
+           "rng_state", "save_checkpoint", "save_tokenizer", "seed_rng", "shard_name"]
 
 COUNTER_KEYS = ("adam_step", "lr_schedule_step", "global_steps", "global_samples", "skipped_steps", "zero_stage",
                 "dtype", "world_size")
@@ -85,7 +83,8 @@ def shard_name(role: str, rank: int, world_size: int) -> str:
     return f"{role}_shard.rank{rank}-of-{world_size}"
 
 
-_SHARD_RE = re.compile(r"^(?P<role>\w+?)_shard\.rank(?P<rank>\d+)-of-(?P<world>\d+)\.json$")
+SHARD_FILE = re.compile(r"^(?P<role>\w+?)_shard\.rank(?P<rank>\d+)-of-(?P<world>\d+)\.json$")
+"""A rank's optimizer-shard layout file, ``shard_name(role, rank, world)`` + .json (read back by ``checkpoint_load``)."""
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,106 +503,3 @@ class BackgroundWriter:
 
     def close(self) -> None:
         self.wait()
-
-
-# ---------------------------------------------------------------------------------------------
-# reading (after verify_checkpoint)
-# ---------------------------------------------------------------------------------------------
-
-
-def _shard_metas(directory: Path, role: str) -> list[dict]:
-    """The role's shard metas, rank order; CheckpointError when any rank's shard is missing."""
-    found = {}
-    for p in (directory / "deepspeed").glob(f"{role}_shard.rank*-of-*.json"):
-        m = _SHARD_RE.match(p.name)
-        if m and m["role"] == role:
-            found[(int(m["rank"]), int(m["world"]))] = p
-    if not found:
-        raise CheckpointError(f"{directory / 'deepspeed'} holds no optimizer state for the {role} (neither "
-                              f"{role}_optim.safetensors nor {role}_shard.rank*-of-*.json); rerun the update "
-                              "stage that writes it or roll back to another checkpoint")
-    worlds = {w for _, w in found}
-    world = max(worlds)
-    missing = [shard_name(role, r, world) for r in range(world) if (r, world) not in found]
-    if len(worlds) > 1 or missing:
-        raise CheckpointError(f"{directory / 'deepspeed'}: the {role}'s optimizer shards are incomplete "
-                              f"(missing {missing or 'none'}, world sizes {sorted(worlds)}); rerun the update "
-                              "stage or roll back to another checkpoint")
-    return [json.loads(found[(r, world)].read_text()) for r in range(world)]
-
-
-def _load_shard(directory: Path, role: str, rank: int, world: int) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return load_file(str(directory / "deepspeed" / f"{shard_name(role, rank, world)}.safetensors"))
-
-
-def reassemble(directory: Path, role: str, metas: list[dict]) -> dict[str, torch.Tensor]:
-    """Full tensors by ``<name>::<key>`` from every rank's shard (the old gathered format's content)."""
-    full: dict[str, torch.Tensor] = {}
-    shapes = {}
-    for rank, meta in enumerate(metas):
-        tensors = _load_shard(directory, role, rank, len(metas))
-        for key, t in tensors.items():
-            name = key.rsplit(SEP, 1)[0]
-            offset, numel, full_numel, shape = meta["fragments"][name]
-            dest = full.setdefault(key, torch.zeros(full_numel, dtype=t.dtype))
-            shapes[key] = shape
-            valid = max(0, min(numel, full_numel - offset))  # ZeRO-3: the last partition is padded
-            dest[offset:offset + valid] = t[:valid]
-        del tensors
-    return {key: t.view(shapes[key]) for key, t in full.items()}
-
-
-def load_optimizer_files(directory: Path, role: str) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
-    """The role's optimizer state as full tensors by parameter name + counters, from either layout
-    (the sharded one is reassembled from every rank's file: for a changed world size or stage)."""
-    from safetensors.torch import load_file
-
-    old = directory / "deepspeed" / f"{role}_optim.safetensors"
-    if old.is_file():
-        tensors = load_file(str(old))
-        meta = json.loads((directory / "deepspeed" / f"{role}_state.json").read_text())
-        return tensors, meta
-    metas = _shard_metas(directory, role)
-    return reassemble(directory, role, metas), metas[0]
-
-
-def load_optimizer_state(directory: Path, te: TrainEngine, zero_loss: Callable[[], torch.Tensor]) -> None:
-    """Put checkpoint ``directory``'s optimizer state + counters into a freshly built engine (every
-    rank calls it; priming the optimizer is collective). Same world size, ZeRO stage and dtype as
-    saved: only this rank's shard is read. Otherwise the shards (or an old-format file) are
-    reassembled into full tensors and scattered into this engine's partitions."""
-    import torch.distributed as tdist
-
-    directory = Path(directory)
-    world = tdist.get_world_size() if tdist.is_initialized() else 1
-    rank = tdist.get_rank() if tdist.is_initialized() else 0
-    where = directory / "deepspeed"
-    try:
-        if not (where / f"{te.role}_optim.safetensors").is_file():
-            metas = _shard_metas(directory, te.role)
-            m = metas[0]
-            if (m["world_size"], m["zero_stage"], m["dtype"]) == (world, te.zero_stage, te.dtype):
-                own = metas[rank]
-                if own["has_state"]:
-                    prime_optimizer(te, zero_loss)
-                restore_optim(te, _load_shard(directory, te.role, rank, world), own)
-                return
-        tensors, meta = load_optimizer_files(directory, te.role)
-        restore_optimizer_state(te, tensors, meta, zero_loss)
-    except CheckpointError:
-        raise
-    except (KeyError, ValueError, RuntimeError, AssertionError) as exc:
-        raise CheckpointError(f"{where} does not fit the {te.role} being trained ({exc}); was the model or "
-                              "LoRA setting changed mid-run? Keep them for this run, or start a new run") from None
-
-
-def load_trainer_state(directory: Path) -> dict[str, Any]:
-    return json.loads((directory / "trainer_state.json").read_text())
-
-
-def load_rng(directory: Path) -> None:
-    from safetensors.torch import load_file
-
-    restore_rng(load_file(str(directory / "rng.safetensors")), load_trainer_state(directory)["rng"])

@@ -41,7 +41,8 @@ from rlhf_core.run.models import (
     actor_path, critic_backbone, critic_path, initial_actor_path, reference_path, reward_model_path,
 )
 from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, PPOData, check_budget, read_advantages
-from rlhf_core.training.checkpoint import load_optimizer_state, load_rng, seed_rng
+from rlhf_core.training.checkpoint import seed_rng
+from rlhf_core.training.checkpoint_load import load_optimizer_state, load_rng
 from rlhf_core.training.distributed import DistInfo, all_reduce
 from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, role_dtype, torch_dtype
 from rlhf_core.training.fingerprint import weights_sample

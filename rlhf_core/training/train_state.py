@@ -14,7 +14,7 @@ Each rank keeps only what it owns, read through DeepSpeed's per-rank views, neve
 Optimizer keys are ``<parameter name>::exp_avg`` / ``::exp_avg_sq`` and, when the weights train in
 bf16/fp16, ``::fp32`` (the fp32 master weights). All are 1-D; ``meta["fragments"][name]`` =
 [offset into the flattened parameter, numel, full numel, full shape], so shards from all ranks
-reassemble into full tensors (``checkpoint.load_optimizer_state`` does it when the world size or
+reassemble into full tensors (``checkpoint_load.load_optimizer_state`` does it when the world size or
 ZeRO stage changed). Under ZeRO-3 the last rank's partition carries padding past the full numel.
 
 ``capture(..., reuse=old)`` overwrites a released capture's buffers instead of allocating new host

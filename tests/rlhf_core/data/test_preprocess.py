@@ -246,7 +246,8 @@ def test_rows_api_without_files(tokenizer, tmp_path):
 ])
 def test_the_advice_for_a_file_without_prompts_speaks_of_its_format(tmp_path, name, write, says, never):
     """Issue 50: an empty Parquet file was given advice written for JSONL ("one JSON object per line")."""
-    from rlhf_core.data.preprocess import no_prompts_problem, screen_files
+    from rlhf_core.data.preprocess import screen_files
+    from rlhf_core.data.outcome import no_prompts_problem
 
     path = tmp_path / name
     write(path)

@@ -238,7 +238,7 @@ def test_data_without_a_prompt_is_refused_as_preprocess_refuses_it(cfg, tmp_path
     """With the warm start on it reads the data first: an empty file gets preprocess's line (the file,
     the problem, the fix), not the warm start's 'no training examples left ... dev_size'."""
     from rlhf_core.config import apply_overrides
-    from rlhf_core.data.preprocess import NoPromptsError
+    from rlhf_core.data.outcome import NoPromptsError
 
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")

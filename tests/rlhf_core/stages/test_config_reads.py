@@ -20,6 +20,7 @@ from rlhf_core.config import RLHFConfig, load_config, to_yaml
 from rlhf_core.run.layout import RunDir, write_config
 from rlhf_core.run.lifecycle import settle
 from rlhf_core.run.stage_order import STAGES
+from rlhf_core.stages.catalog import CATALOG
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -107,7 +108,7 @@ def _covered(key: str, sections: tuple[str, ...]) -> bool:
 
 def _sections(stage: str, cfg: RLHFConfig) -> tuple[str, ...]:
     """The stage module's ``config_sections(cfg)``: what its manifest's config hash covers."""
-    return tuple(sys.modules[STAGES[stage].target.partition(":")[0]].config_sections(cfg))
+    return tuple(sys.modules[CATALOG[stage].run.__module__].config_sections(cfg))
 
 
 ALWAYS_RUNS = {"warm_start"}
@@ -136,7 +137,7 @@ def test_every_config_key_a_stage_reads_is_in_its_config_sections(tmp_path, tiny
         reads.deciding.clear()
         reads.on = True
         try:
-            spec.load()(cfg, run, iteration)
+            CATALOG[stage].run(cfg, run, iteration)
         finally:
             reads.on = False
         if stage == "guard":

@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from rlhf_core.config import apply_overrides, load_config
-from rlhf_core.data.preprocess import NoPromptsError
+from rlhf_core.data.outcome import NoPromptsError
 from rlhf_core.errors import DataError
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.layout import RunDir
@@ -186,7 +186,7 @@ BATCH_8 = ("data.train_batch_size=8", "actor_rollout_ref.actor.ppo_mini_batch_si
 ])
 def test_a_run_refuses_too_little_to_train_on(rows, overrides, words):
     from rlhf_core.control.plan import supply_problem
-    from rlhf_core.data.preprocess import rejects_query
+    from rlhf_core.data.outcome import rejects_query
 
     cfg = load_config(None, overrides)
     problem = supply_problem(cfg, rows, rejects_query("RUN"))
@@ -197,7 +197,7 @@ def test_a_run_refuses_too_little_to_train_on(rows, overrides, words):
 
 
 def test_the_preprocess_record_counts_rejects_by_reason_for_the_console_line(tmp_path, tiny_model_dir):
-    from rlhf_core.data.preprocess import preprocess_headline
+    from rlhf_core.data.outcome import preprocess_headline
 
     rows = [{"question": f"What is {i} + 1?", "answer": f"#### {i + 1}"} for i in range(3)]
     rows += [{"question": "pens " * 300, "answer": "#### 1"}, {"question": "What is 0 + 1?", "answer": "#### 1"}]

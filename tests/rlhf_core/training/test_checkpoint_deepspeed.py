@@ -161,7 +161,7 @@ def _dtype(dtype):
 
 
 def _resume(ckpt, stage, overrides, make_engines):
-    from rlhf_core.training.checkpoint import load_optimizer_state, load_rng
+    from rlhf_core.training.checkpoint_load import load_optimizer_state, load_rng
     from rlhf_core.training.rank_update import _zero_loss
 
     _, actor, critic = make_engines(stage, *overrides, actor_dir=ckpt / "actor", critic_dir=ckpt / "critic")
@@ -245,7 +245,7 @@ def test_a_changed_zero_stage_reassembles_the_shards(make_engines, ppo_data, tin
 
 
 def test_a_missing_shard_is_named(saved_checkpoint, make_engines):
-    from rlhf_core.training.checkpoint import load_optimizer_state
+    from rlhf_core.training.checkpoint_load import load_optimizer_state
     from rlhf_core.training.rank_update import _zero_loss
 
     (saved_checkpoint / "deepspeed" / "critic_shard.rank0-of-1.json").unlink()

@@ -18,8 +18,8 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, cases: list
 
     from rlhf_core.config import load_config
     from rlhf_core.training.batch import MicroBatchPlan, read_advantages
-    from rlhf_core.training.checkpoint import (BackgroundWriter, can_write_in_background, load_optimizer_state,
-                                               load_rng, prepare_staging, save_checkpoint)
+    from rlhf_core.training.checkpoint import BackgroundWriter, can_write_in_background, prepare_staging, save_checkpoint
+    from rlhf_core.training.checkpoint_load import load_optimizer_state, load_rng
     from rlhf_core.training.distributed import barrier, init_distributed, shutdown_distributed
     from rlhf_core.training.ppo import ActorLoss, CriticLoss, train_step
     from rlhf_core.training.rank_update import UpdateSources, _zero_loss, build_engines, engine_settings
