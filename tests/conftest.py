@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+from types import CodeType, FrameType
+from typing import Callable
 
 import pytest
 
@@ -167,3 +170,35 @@ def ray_cluster():
     finally:
         ray.shutdown()
         cluster.shutdown()
+
+
+@pytest.fixture
+def call_path():
+    """``call_path(target_code, run)``: the frames from a stage's Prefect task function (``run_stage``,
+    tasks/stages.py, what Prefect calls) to the first call of ``target_code`` while ``run()`` runs,
+    outermost first, as ``file:function`` — how deep the math sits below its task (docs/architecture.md).
+    A profile hook records the stack when the target is entered."""
+
+    def measure(target: CodeType, run: Callable[[], object]) -> list[str]:
+        found: list[str] = []
+
+        def hook(frame: FrameType, event: str, _arg) -> None:
+            if event != "call" or found or frame.f_code is not target:
+                return
+            chain = []
+            while frame is not None:
+                chain.append(f"{Path(frame.f_code.co_filename).name}:{frame.f_code.co_name}")
+                if frame.f_code.co_name == "run_stage" and frame.f_code.co_filename.endswith("tasks/stages.py"):
+                    break
+                frame = frame.f_back
+            found.extend(reversed(chain))
+
+        sys.setprofile(hook)
+        try:
+            run()
+        finally:
+            sys.setprofile(None)
+        assert found and found[0] == "stages.py:run_stage", found
+        return found
+
+    return measure

@@ -423,3 +423,19 @@ def test_a_retry_multiplier_whose_last_retry_leaves_any_sensible_range_is_refuse
         config(f"{key}=1e200")
     assert config(f"{key}=1000", "trainer.max_rollbacks=2").trainer.retry_kl_coef_multiplier == 1000
     config(f"{key}=1e200", "trainer.max_rollbacks=0")  # never applied
+
+
+GAE_DEPTH_AT_MOST = 8
+"""Frames from the gae stage's Prefect task to ``compute_gae`` (``call_path``): a ceiling that only comes
+down (docs/architecture.md; the goal is 4)."""
+
+
+def test_the_gae_task_reaches_compute_gae_within_its_ceiling(tmp_path, call_path):
+    from rlhf_core.algos.advantage import compute_gae
+    from tasks.stages import STAGE_TASKS
+
+    run = RunDir(tmp_path / "run")
+    write_scored(run, 1)
+    path = call_path(compute_gae.__code__, lambda: STAGE_TASKS["gae"].fn(config(), str(run.root), 1, report=False))
+    print(f"{len(path)} frames: " + " → ".join(path))
+    assert len(path) <= GAE_DEPTH_AT_MOST, " → ".join(path)

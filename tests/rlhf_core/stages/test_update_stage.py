@@ -231,3 +231,22 @@ def test_a_full_disk_on_the_ranks_is_the_stages_one_line_error(tiny_model_dir, t
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert last.startswith("rlhf: error: no space left on the device") and "then rerun" in last, proc.stderr[-3000:]
     assert "ranks failed" not in proc.stderr and not run.checkpoint(1).exists()
+
+
+UPDATE_DEPTH_AT_MOST = 14
+"""Frames from the update stage's Prefect task to the policy loss (``call_path``): a ceiling that only
+comes down (docs/architecture.md; the goal is 6)."""
+
+
+def test_the_update_task_reaches_the_policy_loss_within_its_ceiling(tiny_model_dir, tmp_path, call_path):
+    from rlhf_core.algos.losses import compute_policy_loss
+    from tasks.stages import STAGE_TASKS
+
+    run = RunDir(tmp_path / "run")
+    cfg = _config(tiny_model_dir, "trainer.concurrent_critic_actor=never")  # the actor on this thread: one stack
+    _write_advantages(run, 1, tiny_model_dir)
+    run_init_critic(cfg, run)
+    path = call_path(compute_policy_loss.__code__,
+                     lambda: STAGE_TASKS["update"].fn(cfg, str(run.root), 1, report=False))
+    print(f"{len(path)} frames: " + " → ".join(path))
+    assert len(path) <= UPDATE_DEPTH_AT_MOST, " → ".join(path)
