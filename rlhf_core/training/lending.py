@@ -17,7 +17,7 @@ import torch
 from rlhf_core.io import timing
 from rlhf_core.models.live import LiveModel, LiveModels
 from rlhf_core.run.layout import RunDir
-from rlhf_core.training.engines import TrainEngine, present
+from rlhf_core.training.engines import TrainEngine
 from rlhf_core.training.snapshot import SNAPSHOT
 
 
@@ -42,14 +42,12 @@ class Lending:
             self.live.hold(ckpt / "critic", LiveModel(self._lend(critic, world_size), "critic", tokenizer))
         self._sync_rollout_engine(actor, ckpt / "actor")
 
-    def withdraw(self, actor: Optional[TrainEngine], critic: Optional[TrainEngine]) -> None:
-        """Nothing lent any more: the trainable parameters train again, in train mode."""
+    def withdraw(self) -> None:
+        """Nothing lent any more: the trainable parameters require gradients again."""
         self.live.drop(self.run.root)
-        for param, requires_grad in self._lent_flags:  # the trainable parameters train again
+        for param, requires_grad in self._lent_flags:
             param.requires_grad_(requires_grad)
         self._lent_flags = []
-        for te in present(actor, critic):  # a borrower left them in eval mode
-            te.module.train()
 
     def rollout_engine_sleeps(self) -> Optional[float]:
         """A kept vLLM engine pauses for the update and, where its platform can, gives its memory to it

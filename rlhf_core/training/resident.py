@@ -438,4 +438,6 @@ class ResidentTrainer:
 
     def _withdraw(self) -> None:
         if self.lending is not None:
-            self.lending.withdraw(self.actor, self.critic)
+            self.lending.withdraw()
+        for te in present(self.actor, self.critic):  # a borrower left them in eval mode
+            te.module.train()

@@ -68,3 +68,16 @@ def test_a_name_table_is_filled_by_its_providers_at_the_first_lookup():
             "assert 'torch' not in sys.modules, 'torch imported by the name tables or the schema'; "
             "assert 'vanilla' in POLICY_LOSSES and 'gspo' in POLICY_LOSSES; assert 'torch' in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_every_module_that_registers_a_built_in_is_a_provider_of_its_table():
+    """A module of rlhf_core/algos that registers an entry but is missing from its table's providers
+    would leave the name unknown to a config checked before that module happens to be imported."""
+    code = ("import importlib, pkgutil, rlhf_core.algos as algos\n"
+            "from rlhf_core.algos import registry\n"
+            "tables = [t for t in vars(registry).values() if isinstance(t, registry.Registry)]\n"
+            "before = {t.kind: t.names() for t in tables}\n"
+            "for m in pkgutil.iter_modules(algos.__path__): importlib.import_module(f'rlhf_core.algos.{m.name}')\n"
+            "after = {t.kind: t.names() for t in tables}\n"
+            "assert len(tables) == 5 and before == after, {k: sorted(set(after[k]) - set(before[k])) for k in after}")
+    subprocess.run([sys.executable, "-c", code], check=True)
