@@ -71,6 +71,17 @@ kept the command's handler, Prefect's own reported the crash first (its ERROR li
 server's watch stopped the command (status 75)."""
 
 
+def _listens(process) -> bool:
+    """Whether a child listens on TCP; a short-lived child (a compile, a `ps`) may be gone between
+    listing the children and reading its sockets, and that one listens on nothing."""
+    import psutil
+
+    try:
+        return any(x.status == psutil.CONN_LISTEN for x in process.net_connections(kind="tcp"))
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
 def test_sigterm_with_the_server_gone_exits_within_seconds_resumable(tmp_path, demo_preset, tiny_overrides):
     """What GNU `timeout` does to a command (SIGTERM to its whole process group), with the temporary
     Prefect server killed at the same moment: one line with the resume command, exit 143, no
@@ -87,8 +98,7 @@ def test_sigterm_with_the_server_gone_exits_within_seconds_resumable(tmp_path, d
                             env=_env(tmp_path / "home"), start_new_session=True)
     try:
         _wait_for(runs / "term" / "iter_1", proc, timeout=240)
-        server = [c for c in psutil.Process(proc.pid).children(recursive=True)
-                  if any(x.status == psutil.CONN_LISTEN for x in c.net_connections(kind="tcp"))]
+        server = [c for c in psutil.Process(proc.pid).children(recursive=True) if _listens(c)]
         assert len(server) == 1, "no temporary server under rlhf run"
         os.killpg(proc.pid, signal.SIGTERM)  # the server has a session of its own: killed apart
         server[0].kill()
