@@ -5,13 +5,13 @@ weights + gradients + Adam's two moments = 4 × parameters × 4 bytes (fp32), fo
 
 Each shape (hidden × layers; Qwen2 layout with the tiny model's 512-token vocabulary, 4 heads, 2 KV heads,
 intermediate ≈ 2.75 × hidden) is built with ``rlhf_core.models.tiny.build_tiny_model`` and trained by
-``rlhf_core.training.run_trainer.update_once`` (the body of ``rlhf stage update``) in a fresh process on a
+``rlhf_core.training.run_trainer.one_update_trainer`` (the body of ``rlhf stage update``) in a fresh process on a
 synthetic advantages table of ``--sequences`` rows (prompts 80-110 tokens, responses 32: the demo's shapes).
 
 Columns: params (actor / critic), ``state GB`` = 16 bytes × (actor + critic parameters), ``base GB`` =
-the process's resident memory just before update_once (Python, torch, transformers, DeepSpeed imported,
-table built), ``peak GB`` = VmHWM during update_once (perf/peak_rss_gb: setup, PPO loop; the window
-starts at update_once), ``peak/state`` and ``(peak−base)/state``: what the update adds per byte of
+the process's resident memory just before one_update_trainer's update (Python, torch, transformers, DeepSpeed imported,
+table built), ``peak GB`` = VmHWM during one_update_trainer's update (perf/peak_rss_gb: setup, PPO loop; the window
+starts at one_update_trainer's update), ``peak/state`` and ``(peak−base)/state``: what the update adds per byte of
 training state (activations, DeepSpeed buffers, the loaded checkpoint copies, allocator slack).
 """
 
@@ -72,7 +72,7 @@ def worker(hidden: int, layers: int, sequences: int, zero: int, out: Path) -> No
     from rlhf_core.run.layout import RunDir
     from rlhf_core.models.tiny import TinyModelSpec, build_tiny_model
     from rlhf_core.training.synthetic import synthetic_advantages
-    from rlhf_core.training.run_trainer import update_once
+    from rlhf_core.training.run_trainer import one_update_trainer
 
     home = Path(os.environ["RLHF_HOME"])
     model_dir = home / f"model_{hidden}x{layers}"
@@ -87,7 +87,8 @@ def worker(hidden: int, layers: int, sequences: int, zero: int, out: Path) -> No
         f"data.train_batch_size={sequences}", f"actor_rollout_ref.actor.ppo_mini_batch_size={min(32, sequences)}",
         f"actor_rollout_ref.actor.deepspeed_config.zero_stage={zero}", f"critic.deepspeed_config.zero_stage={zero}"])
     base = vm_rss_gb()
-    metrics = update_once(cfg, run, 1, progress=False)
+    with one_update_trainer(cfg, run, 1) as trainer:
+        metrics = trainer.update(cfg, 1, progress=False)
     out.write_text(json.dumps({"actor_params": n_actor, "critic_params": n_critic, "base_gb": base,
                                "peak_gb": metrics["perf/peak_rss_gb"], "tokens_per_s": metrics["perf/tokens_per_s"]}))
 

@@ -5,14 +5,14 @@
 Data: the embedded arithmetic problems (data/arith/train.jsonl) in the tiny model's chat template,
 each followed by its reference solution + EOS as the response (the demo's shapes: prompts ~85-111
 tokens, responses ~20-45), old/ref log-probs scored by the model, seeded Gaussian advantages. The
-update runs as the stage does (``update_once``: critic and actor — at the same time on >= 2 cores —,
+update runs as the stage does (``one_update_trainer``'s update: critic and actor — at the same time on >= 2 cores —,
 mini-batches of 32, token budget 2048, checkpoint written), each ZeRO stage in a fresh process so
 peak RSS is its own.
 
 Columns: ``tokens/s`` = perf/tokens_per_s (batch tokens × epochs / update-loop seconds, actor and
 critic both trained), ``actor tok/s`` / ``critic tok/s`` = each model's forward+backward rate,
 ``loop s`` = the PPO loop, ``setup s`` = process group + models + DeepSpeed engines, ``ckpt s`` =
-writing the checkpoint, ``total s`` = update_once end to end, ``peak RSS GB`` = the process's peak resident memory. Wall-clock on this machine:
+writing the checkpoint, ``total s`` = one_update_trainer's update end to end, ``peak RSS GB`` = the process's peak resident memory. Wall-clock on this machine:
 other load on the CPUs shows up in the numbers.
 """
 
@@ -46,7 +46,7 @@ def arith_pairs(tokenizer, n: int) -> list[tuple[list[int], list[int]]]:
 
 
 def worker(stage: int, sequences: int, epochs: int, seed: int, out: Path) -> None:
-    """One ZeRO stage in this process: build the run, time update_once, write the numbers."""
+    """One ZeRO stage in this process: build the run, time one_update_trainer's update, write the numbers."""
     from transformers import AutoTokenizer
 
     from rlhf_core.config import load_config
@@ -56,20 +56,21 @@ def worker(stage: int, sequences: int, epochs: int, seed: int, out: Path) -> Non
     from rlhf_core.run.models import initial_actor_path
     from rlhf_core.stages.init_critic import run_init_critic as ensure_initial_critic
     from rlhf_core.training.synthetic import synthetic_advantages
-    from rlhf_core.training.run_trainer import update_once
+    from rlhf_core.training.run_trainer import one_update_trainer
 
     # the demo's SFT warm start changes the weights, not the update's cost: skip it here
     cfg = load_config(str(REPO / "configs/demo.yaml"), [
         f"actor_rollout_ref.actor.deepspeed_config.zero_stage={stage}", f"critic.deepspeed_config.zero_stage={stage}",
         f"actor_rollout_ref.actor.ppo_epochs={epochs}", f"trainer.seed={seed}",
         "actor_rollout_ref.model.warm_start.enable=false"])
-    model = initial_actor_path(cfg)  # what update_once starts from, so old log-probs match it
+    model = initial_actor_path(cfg)  # what one_update_trainer's update starts from, so old log-probs match it
     run = RunDir(Path(os.environ["RLHF_HOME"]) / f"run_zero{stage}")
     table = synthetic_advantages(model, pairs=arith_pairs(AutoTokenizer.from_pretrained(model), sequences), seed=seed)
     atomic_write_parquet(run.advantages(1), table, ADVANTAGES)
     ensure_initial_critic(cfg, run)  # built once per run anyway; kept out of the timing
     started = time.perf_counter()
-    metrics = update_once(cfg, run, 1, progress=False)
+    with one_update_trainer(cfg, run, 1) as trainer:
+        metrics = trainer.update(cfg, 1, progress=False)
     metrics["total_seconds"] = time.perf_counter() - started
     metrics["batch_tokens"] = float(sum(len(p) + len(r) for p, r in zip(table["prompt_token_ids"].to_pylist(),
                                                                        table["response_token_ids"].to_pylist())))

@@ -41,7 +41,7 @@ What is measured, --mode update:
          grad-enabled forward → last optimizer step). One AdamW over policy+value (TRL's design).
   ours — the same prompts and the very responses TRL generated, as an advantages table
          (``rlhf_core.training.synthetic.synthetic_advantages``: old/ref log-probs scored by the model =
-         our scoring phase), then ``rlhf_core.training.run_trainer.update_once`` (what ``rlhf stage update``
+         our scoring phase), then ``rlhf_core.training.run_trainer.one_update_trainer`` (what ``rlhf stage update``
          runs: critic and actor through DeepSpeed ZeRO on CPU, packed micro-batches) with the same
          epochs and mini-batch size. Phases: scoring, setup (engines), update loop, checkpoint.
   update tokens/s = real (non-pad) prompt+response tokens × epochs / training-phase seconds, for both.
@@ -190,7 +190,7 @@ def trl_iteration_worker(spec: dict, out: Path) -> None:
 # ----------------------------------------------------------------------------- our side (project venv)
 
 def ours_worker(spec: dict, out: Path) -> None:
-    """Score the same sequences into an advantages table and run update_once on it."""
+    """Score the same sequences into an advantages table and run one_update_trainer's update on it."""
     sys.path.insert(0, str(REPO))
     from rlhf_core.config import load_config
     from rlhf_core.data.schemas import ADVANTAGES
@@ -198,7 +198,7 @@ def ours_worker(spec: dict, out: Path) -> None:
     from rlhf_core.run.layout import RunDir
     from rlhf_core.stages.init_critic import run_init_critic
     from rlhf_core.training.synthetic import synthetic_advantages
-    from rlhf_core.training.run_trainer import update_once
+    from rlhf_core.training.run_trainer import one_update_trainer
 
     pairs = list(zip(spec["prompts"], spec["responses"]))
     run = RunDir(out.parent / "ours_run")
@@ -214,7 +214,8 @@ def ours_worker(spec: dict, out: Path) -> None:
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={spec['token_budget']}", *spec["ours_overrides"]])
     run_init_critic(cfg, run)  # the run's initial critic (a stage of its own since the floor-plan change), not timed
     started = time.perf_counter()
-    metrics = update_once(cfg, run, 1, progress=False)
+    with one_update_trainer(cfg, run, 1) as trainer:
+        metrics = trainer.update(cfg, 1, progress=False)
     metrics.update(scoring_s=scoring, total_s=time.perf_counter() - started)
     out.write_text(json.dumps(metrics))
 

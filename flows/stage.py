@@ -1,7 +1,7 @@
 """One stage as its own flow run: what `rlhf stage NAME --run-dir RUN [--iteration K]` runs.
 
 The stage reads the inputs already in the run directory, replaces its outputs atomically and marks
-the stages after it stale (rlhf_core.stages.base.execute_stage). Overrides apply to this stage run
+the stages after it stale (rlhf_core.stages.base.stage_record). Overrides apply to this stage run
 only: config.yaml is never changed by a rerun (the stage's manifest record lists them), and
 ``rlhf_rebuild`` (`rlhf rebuild RUN`) reruns what they left out of date with config.yaml. Its MLflow
 run is nested under the run directory's pipeline run, opened once the stage did work: a stage found

@@ -150,7 +150,7 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
@@ -162,17 +162,17 @@ def run_prompt_lengths(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = 
     if not run.train_prompts.is_file():
         raise DataError(f"{run.train_prompts} not found: run `rlhf stage preprocess --run-dir {run.root}` first")
 
-    def body() -> StageResult:
+    with stage_record(stage="prompt_lengths", cfg=cfg, run=run, iteration=None, inputs=[run.train_prompts],
+                      config_sections=config_sections(cfg), force=force) as record:
+        if record.skipped:
+            return record.skipped
         lengths = pq.read_table(run.train_prompts, columns=["prompt_length"])["prompt_length"].to_pylist()
         metrics = {"prompt_lengths/max": float(max(lengths)),
                    "prompt_lengths/budget_used": max(lengths) / cfg.data.max_prompt_length}
         atomic_write_json(run.prompt_lengths, {"prompts": len(lengths), **metrics})
-        return StageResult(stage="prompt_lengths", outputs={"summary": str(run.prompt_lengths)},
-                           rows={"prompts": len(lengths)}, metrics=metrics,
-                           summary=[f"{len(lengths)} prompts, the longest {max(lengths)} tokens"])
-
-    return execute_stage(stage="prompt_lengths", cfg=cfg, run=run, iteration=None, inputs=[run.train_prompts],
-                         config_sections=config_sections(cfg), body=body, force=force)
+        return record.done(StageResult(stage="prompt_lengths", outputs={"summary": str(run.prompt_lengths)},
+                                       rows={"prompts": len(lengths)}, metrics=metrics,
+                                       summary=[f"{len(lengths)} prompts, the longest {max(lengths)} tokens"]))
 '''
 
 ITERATION_MODULE = '''"""Stage `advantage_signs`: iter_K/advantages.parquet → iter_K/advantage_signs.json,
@@ -188,7 +188,7 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
@@ -203,18 +203,18 @@ def run_advantage_signs(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] =
     if not advantages.is_file():
         raise DataError(f"{advantages} not found: run `rlhf stage gae --run-dir {run.root} -k {iteration}` first")
 
-    def body() -> StageResult:
+    with stage_record(stage="advantage_signs", cfg=cfg, run=run, iteration=iteration, inputs=[advantages],
+                      config_sections=config_sections(cfg), force=force) as record:
+        if record.skipped:
+            return record.skipped
         rows = pq.read_table(advantages, columns=["advantages"])["advantages"].to_pylist()
         tokens = [a for row in rows for a in row]
         share = sum(a > 0 for a in tokens) / max(len(tokens), 1)
         atomic_write_json(run.advantage_signs(iteration), {"tokens": len(tokens), "positive": share})
-        return StageResult(stage="advantage_signs", iteration=iteration,
-                           outputs={"signs": str(run.advantage_signs(iteration))}, rows={"responses": len(rows)},
-                           metrics={"advantage_signs/positive": share},
-                           summary=[f"{share:.0%} of {len(tokens)} tokens with a positive advantage"])
-
-    return execute_stage(stage="advantage_signs", cfg=cfg, run=run, iteration=iteration, inputs=[advantages],
-                         config_sections=config_sections(cfg), body=body, force=force)
+        return record.done(StageResult(stage="advantage_signs", iteration=iteration,
+                                       outputs={"signs": str(run.advantage_signs(iteration))},
+                                       rows={"responses": len(rows)}, metrics={"advantage_signs/positive": share},
+                                       summary=[f"{share:.0%} of {len(tokens)} tokens with a positive advantage"]))
 '''
 
 LAYOUT_NAMES = '''    @property
@@ -271,7 +271,8 @@ def _add_stages(copy: Path) -> None:
     steps = _stage_steps()
     named = _named(steps)
     # 1. the module, with run_<name> and config_sections; the names of the files it writes in the layout
-    assert {"rlhf_core/stages/<name>.py", "config_sections(cfg)", "execute_stage", "rlhf_core/run/layout.py"} <= named
+    assert {"rlhf_core/stages/<name>.py", "config_sections(cfg)", "with stage_record(...) as record:",
+            "rlhf_core/run/layout.py"} <= named
     assert "run_<name>(cfg, run, iteration=None, force=False) -> StageResult" in named
     (copy / "rlhf_core" / "stages" / f"{SETUP_STAGE}.py").write_text(SETUP_MODULE, encoding="utf-8")
     (copy / "rlhf_core" / "stages" / f"{ITERATION_STAGE}.py").write_text(ITERATION_MODULE, encoding="utf-8")

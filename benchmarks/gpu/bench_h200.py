@@ -1,5 +1,5 @@
 """Rollout and update throughput of a ~0.5B-parameter Qwen2-shaped model (Qwen2.5-0.5B's shape, random
-weights) on one GPU: HF batched ``generate`` tokens/s, then our PPO update (``update_once``, the body of
+weights) on one GPU: HF batched ``generate`` tokens/s, then our PPO update (``one_update_trainer``'s update, the body of
 ``rlhf stage update``: critic and actor through DeepSpeed, bf16) tokens/s and model FLOPs utilisation.
 
     python benchmarks/gpu/bench_h200.py                 # on the GPU machine (benchmarks/gpu/bench_h200.sh)
@@ -115,7 +115,7 @@ def update(model_dir: Path, home: Path, table, args, device: str) -> dict:
     from rlhf_core.io.atomic import atomic_write_parquet
     from rlhf_core.run.layout import RunDir
     from rlhf_core.stages.init_critic import run_init_critic
-    from rlhf_core.training.run_trainer import update_once
+    from rlhf_core.training.run_trainer import one_update_trainer
 
     run = RunDir(home / "run")
     atomic_write_parquet(run.advantages(1), table, ADVANTAGES)
@@ -127,7 +127,8 @@ def update(model_dir: Path, home: Path, table, args, device: str) -> dict:
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={args.token_budget}",
         f"actor_rollout_ref.actor.deepspeed_config.zero_stage={args.zero}", f"critic.deepspeed_config.zero_stage={args.zero}"])
     run_init_critic(cfg, run)  # the setup stage `rlhf run` runs first: the update starts from models/critic_init
-    return update_once(cfg, run, 1, progress=False)
+    with one_update_trainer(cfg, run, 1) as trainer:
+        return trainer.update(cfg, 1, progress=False)
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -7,7 +7,7 @@ stage time that is *not* spent here, so every load and save a stage makes is wra
     with timed("model_load"):
         model = AutoModelForCausalLM.from_pretrained(path)
 
-``execute_stage`` opens a tally around the stage body and records it in the manifest record as
+``stages.base.stage_record`` opens a tally around the stage's work and records it in the manifest record as
 ``io_seconds`` (total) and ``io`` ({kind: seconds}). Outside a tally ``timed`` costs two clock reads.
 
 Nested blocks count once, in the outermost (a checkpoint save that writes JSON through

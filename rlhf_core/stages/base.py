@@ -1,8 +1,8 @@
 """The stage contract: ``run_<stage>(cfg, run_dir, iteration) -> StageResult``.
 
-``execute_stage`` wraps a stage body with what every stage needs: the input/config hash check that
-skips an unchanged stage, timing, the manifest record, and marking downstream stages stale after a
-rerun. The body only computes and writes its outputs atomically; the loads and writes it wraps in
+``stage_record`` is the block around a stage's work with what every stage needs: the input/config
+hash check that skips an unchanged stage, timing, the manifest record, and marking downstream stages
+stale after a rerun. The work only computes and writes its outputs atomically; the loads and writes it wraps in
 ``rlhf_core.io.timing.timed`` are recorded as its ``io_seconds`` (the rest of ``seconds`` is compute).
 
 A stage run with a config that differs from the run's config.yaml (``rlhf stage gae ... algorithm.lam=0.9``)
@@ -13,11 +13,12 @@ to build on until ``rlhf rebuild`` reruns them with config.yaml.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Callable, Iterable, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 from rlhf_core.config import RLHFConfig, config_hash, flatten
 from rlhf_core.config.loader import flatten_tree
@@ -50,37 +51,58 @@ class StageResult:
         return asdict(self)
 
 
-def execute_stage(
-    *,
-    stage: str,
-    cfg: RLHFConfig,
-    run: RunDir,
-    iteration: Optional[int],
-    inputs: Iterable[Path],
-    config_sections: Iterable[str],
-    body: Callable[[], StageResult],
-    force: bool = False,
-) -> StageResult:
-    """Run ``body`` unless the manifest shows the same inputs and config; record the outcome.
+class StageRecord:
+    """A stage's run as ``stage_record`` opens it: ``skipped`` holds the up-to-date result from the
+    manifest (None: the stage computes), ``done(result)`` hands back the computed result, which the
+    record times and writes to the manifest as the block closes."""
 
-    ``config_sections`` are the dotted prefixes the stage depends on (e.g. ``("data.",)``), so an
-    unrelated override does not force a rerun. ``force`` reruns regardless.
+    def __init__(self, skipped: Optional[StageResult]):
+        self.skipped = skipped
+        self.result: Optional[StageResult] = None
+
+    def done(self, result: StageResult) -> StageResult:
+        self.result = result
+        return result
+
+
+@contextlib.contextmanager
+def stage_record(*, stage: str, cfg: RLHFConfig, run: RunDir, iteration: Optional[int], inputs: Iterable[Path],
+                 config_sections: Iterable[str], force: bool = False) -> Iterator[StageRecord]:
+    """The bookkeeping around a stage's work, which the stage writes inline in the block:
+
+        with stage_record(stage="gae", cfg=cfg, run=run, iteration=k, inputs=[...],
+                          config_sections=config_sections(cfg), force=force) as record:
+            if record.skipped:
+                return record.skipped
+            ...  # compute and write the outputs atomically
+            return record.done(StageResult(...))
+
+    ``record.skipped`` is set unless ``force`` or the manifest shows other input hashes or another
+    hash of ``config_sections`` (the dotted prefixes the stage depends on, e.g. ``("data.",)``, so an
+    unrelated override does not force a rerun). A block that raises records nothing; one that
+    finishes records the outcome (seconds, the ``timed`` I/O inside it, output hashes, overrides)
+    and marks the stages computed from changed outputs stale. A context manager, not a callback:
+    the stage's own frame calls its math (docs/architecture.md counts the frames).
     """
-    with timing.span("stage_call"):  # the body is called from here: three frames below the stage's Prefect task
+    with timing.span("stage_call"):
         config_sections = tuple(config_sections)
         input_hashes = hash_paths(run, list(inputs))
         cfg_hash = config_hash(cfg, config_sections)
         if not force and is_up_to_date(run, iteration, stage, input_hashes, cfg_hash):
-            return _skipped(run, iteration, stage)
+            yield StageRecord(_skipped(run, iteration, stage))
+            return
+        record = StageRecord(None)
         previous = read_manifest(run, iteration).get(stage) or {}
         started = time.time()
         with timing.tally() as io_by_kind:
-            result = body()
+            yield record
+        result = record.result
+        if result is None:
+            raise RLHFError(f"stage {stage} finished without a result: its block must return record.done(...)")
         result.seconds = time.time() - started
         result.io_seconds = min(sum(io_by_kind.values()), result.seconds)
         _record(cfg, run, stage, iteration, result, config_sections, input_hashes, cfg_hash, io_by_kind, started,
                 previous)
-        return result
 
 
 def _skipped(run: RunDir, iteration: Optional[int], stage: str) -> StageResult:

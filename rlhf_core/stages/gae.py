@@ -52,7 +52,7 @@ from rlhf_core.run.layout import RunDir, StateFileError
 from rlhf_core.run.lifecycle import committed_iterations, read_retry_scale
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.io.timing import TABLE_READ, timed
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 
 CONFIG_SECTIONS = ("algorithm.", "critic.enable")
 
@@ -76,14 +76,30 @@ def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force
     retry = run.retry_record(iteration) if cfg.algorithm.use_kl_in_reward else None
     retry = retry if retry is not None and retry.is_file() else None
     inputs = [scored] + [p for p in (source, retry) if p is not None]
-
-    def body() -> StageResult:
+    with stage_record(stage="gae", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
+                      config_sections=config_sections(cfg), force=force) as record:
+        if record.skipped:
+            return record.skipped
         settings = replace(AdvantageSettings.from_algorithm(cfg.algorithm), use_critic=uses_critic(cfg))
+        ctrl = cfg.algorithm.kl_ctrl
         scale = read_retry_scale(run, iteration) if retry is not None else 1.0
-        return _gae(settings, cfg.algorithm.kl_ctrl, run, iteration, source, scale)
-
-    return execute_stage(stage="gae", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
-                         config_sections=config_sections(cfg), body=body, force=force)
+        before, controller = reward_kl_controller(settings, ctrl, run, iteration, source, scale)
+        used = controller.value if controller is not None else 0.0
+        with timed(TABLE_READ):
+            table = pq.read_table(scored)
+        out = compute_advantages(table, kl_coef=used, settings=settings, source=str(scored))
+        path = atomic_write_parquet(run.advantages(iteration), out.table, schema=ADVANTAGES)
+        outputs, metrics = {"advantages": str(path)}, dict(out.metrics)
+        if controller is not None:  # one step with the measured KL; the state the next iteration starts from
+            controller.update(current_kl=out.kl_mean, n_steps=out.num_responses)
+            metrics["kl/coef_next"] = controller.value
+            atomic_write_json(run.kl_state(iteration), {"iteration": iteration, "used": before, "retry_scale": scale,
+                                                        "next": controller.state_dict()})
+            outputs["kl_ctrl"] = str(run.kl_state(iteration))
+        tokens = int(out.table.column("response_length").to_numpy().sum())
+        return record.done(StageResult(
+            stage="gae", iteration=iteration, outputs=outputs, rows={"advantages": out.num_responses, "tokens": tokens},
+            metrics=metrics, summary=_summary(settings, ctrl, out, metrics, path, used, scale, controller)))
 
 
 def controller_source(run: RunDir, k: int) -> Optional[Path]:
@@ -149,46 +165,28 @@ MAX_REWARD_KL_COEF = 1e6
 drowns any score; a larger one (an edited retry.json, a huge kl_coef) would overflow float32 rewards."""
 
 
-# ---------------------------------------------------------------------------------------------
-# body
-# ---------------------------------------------------------------------------------------------
+def reward_kl_controller(settings: AdvantageSettings, ctrl: KLCtrlConfig, run: RunDir, k: int,
+                         source: Optional[Path], scale: float):
+    """(the controller state iteration ``k`` starts from, its controller at that state × the retry
+    ``scale``), or (None, None) when the KL is not in the reward."""
+    if not settings.use_kl_in_reward:
+        return None, None
+    start = read_controller_state(run, source) if source is not None else None
+    before = kl_controller_for(ctrl, start, source or run.kl_state(k)).state_dict()
+    check_reward_kl_coef(run, k, before["value"], scale, source)
+    return before, kl_controller_for(ctrl, start, source or run.kl_state(k), scale)
 
 
-def _gae(settings: AdvantageSettings, ctrl: KLCtrlConfig, run: RunDir, k: int, source: Optional[Path],
-         scale: float) -> StageResult:
-    controller, before = None, None
-    if settings.use_kl_in_reward:
-        start = read_controller_state(run, source) if source is not None else None
-        before = kl_controller_for(ctrl, start, source or run.kl_state(k)).state_dict()  # the state k starts from
-        check_reward_kl_coef(run, k, before["value"], scale, source)
-        controller = kl_controller_for(ctrl, start, source or run.kl_state(k), scale)  # times k's retry scale
-    used = controller.value if controller is not None else 0.0
-    with timed(TABLE_READ):
-        scored = pq.read_table(run.scored(k))
-    out = compute_advantages(scored, kl_coef=used, settings=settings, source=str(run.scored(k)))
-    path = atomic_write_parquet(run.advantages(k), out.table, schema=ADVANTAGES)
-    outputs = {"advantages": str(path)}
-    metrics = dict(out.metrics)
+def _summary(settings: AdvantageSettings, ctrl: KLCtrlConfig, out, metrics: dict[str, float], path: Path,
+             used: float, scale: float, controller) -> list[str]:
     kl_lines = [f"KL not in the reward (algorithm.use_kl_in_reward=false): token reward = score on the last "
                 f"token; KL({settings.kl_penalty}) of the rollout policy to the reference "
                 f"{out.kl_mean:.5f} per token"]
     if controller is not None:
-        controller.update(current_kl=out.kl_mean, n_steps=out.num_responses)
-        metrics["kl/coef_next"] = controller.value
-        atomic_write_json(run.kl_state(k), {"iteration": k, "used": before, "retry_scale": scale,
-                                            "next": controller.state_dict()})
-        outputs["kl_ctrl"] = str(run.kl_state(k))
         scaled = f" × retry scale {scale:g}" if scale != 1 else ""
         kl_lines = [f"KL in reward: {settings.kl_penalty} estimator, coefficient {used:.6g} "
                     f"({ctrl.type}{scaled}); measured KL {out.kl_mean:.5f} per token → next "
                     f"coefficient {controller.value:.6g}"]
-    tokens = int(out.table.column("response_length").to_numpy().sum())
-    return StageResult(stage="gae", iteration=k, outputs=outputs,
-                       rows={"advantages": out.num_responses, "tokens": tokens},
-                       metrics=metrics, summary=_summary(settings, out, metrics, kl_lines, path))
-
-
-def _summary(settings, out, metrics: dict[str, float], kl_lines: list[str], path: Path) -> list[str]:
     spread = (f"mean {metrics['advantages/mean']:.4f} in [{metrics['advantages/min']:.3f}, "
               f"{metrics['advantages/max']:.3f}]")
     if estimator_takes(settings.adv_estimator, "values"):

@@ -1,6 +1,6 @@
 """Entry point of each rank of a run's worker group (``training.worker_group``), started by
 ``training.group_trainer.GroupTrainer`` when the update spans several processes — once per flow run, or
-with ``--one-update`` for one update outside a flow (`rlhf stage update`, ``run_trainer.update_once``:
+with ``--one-update`` for one update outside a flow (`rlhf stage update`, ``run_trainer.one_update_trainer``:
 its trainers are not kept, the update writes its checkpoint at once, then the group closes):
 
     torchrun --standalone --nproc_per_node N -m rlhf_core.stages.group_entry \

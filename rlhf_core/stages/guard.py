@@ -33,7 +33,7 @@ from rlhf_core.scoring.policy_kl import (
     KLPassSettings, actor_ref_kl, actor_sampled_log_probs, importance_weighted_kl, response_kl,
 )
 from rlhf_core.scoring.session import RunSession
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
 from rlhf_core.stages.settings import generation, kl_pass
 from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
@@ -176,7 +176,11 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         raise ValueError("the guard stage needs an iteration")
     k = iteration
 
-    def body() -> StageResult:
+    with stage_record(stage="guard", cfg=cfg, run=run, iteration=k,
+                      inputs=[run.scored(k), run.checkpoint(k) / "actor"],
+                      config_sections=config_sections(cfg), force=force) as record:
+        if record.skipped:
+            return record.skipped
         ensure_state(session, run, k)  # the new actor: held in memory, on disk, or rebuilt now
         settings = guard_settings(cfg, run, k, session)
         threshold = settings.threshold
@@ -200,13 +204,9 @@ def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         line = (f"KL(actor‖ref) per-token mean{estimate} {shown}{' (validation prompts)' if guarded > kl['kl_mean'] else ''} "
                 f"{'>' if guarded > threshold else '<='} threshold {bound} → {verdict['decision']}"
                 + (f" ({verdict['reason']})" if "reason" in verdict else ""))
-        return StageResult(stage="guard", iteration=k, outputs={"verdict": str(run.verdict(k))},
-                           rows={"responses": int(kl["num_responses"]), "tokens": int(kl["num_tokens"])}, metrics=metrics,
-                           summary=[line])
-
-    return execute_stage(stage="guard", cfg=cfg, run=run, iteration=k,
-                         inputs=[run.scored(k), run.checkpoint(k) / "actor"],
-                         config_sections=config_sections(cfg), body=body, force=force)
+        rows = {"responses": int(kl["num_responses"]), "tokens": int(kl["num_tokens"])}
+        return record.done(StageResult(stage="guard", iteration=k, outputs={"verdict": str(run.verdict(k))},
+                                       rows=rows, metrics=metrics, summary=[line]))
 
 
 def measure_val_kl(settings: GuardSettings, session: RunSession, run: RunDir, k: int) -> dict[str, float]:

@@ -20,7 +20,7 @@ from rlhf_core.io.atomic import atomic_dir
 from rlhf_core.io.timing import CHECKPOINT_WRITE, MODEL_LOAD, timed
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.models import critic_backbone
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 
 CONFIG_SECTIONS = ("critic.model.", "actor_rollout_ref.model.", "trainer.seed", "critic.enable", "algorithm.adv_estimator")
 """The critic's backbone and seed, and whether the run has a critic at all (``resolve.uses_critic``)."""
@@ -39,7 +39,13 @@ def run_init_critic(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = Non
                            summary=[f"no critic in this run: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
                                     "reads no values (critic.enable=true builds one anyway)"])
 
-    def body() -> StageResult:
+    if (out / "config.json").is_file() and not force:  # built once per run: its weights are the run's critic start
+        return StageResult(stage="init_critic", outputs={"critic_init": str(out)}, skipped=True,
+                           summary=[f"initial critic {out} already built"])
+    with stage_record(stage="init_critic", cfg=cfg, run=run, iteration=None, inputs=[],
+                      config_sections=config_sections(cfg), force=force) as record:
+        if record.skipped:
+            return record.skipped
         backbone = critic_backbone(cfg)
         torch.manual_seed(cfg.trainer.seed)
         with timed(MODEL_LOAD):
@@ -48,11 +54,6 @@ def run_init_critic(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = Non
             model.save_pretrained(tmp, safe_serialization=True)
             AutoTokenizer.from_pretrained(backbone).save_pretrained(tmp)
         params = sum(p.numel() for p in model.parameters())
-        return StageResult(stage="init_critic", outputs={"critic_init": str(out)}, rows={"parameters": params},
-                           summary=[f"initial critic on {backbone} ({params / 1e6:.1f} M parameters) → {out}"])
-
-    if (out / "config.json").is_file() and not force:  # built once per run: its weights are the run's critic start
-        return StageResult(stage="init_critic", outputs={"critic_init": str(out)}, skipped=True,
-                           summary=[f"initial critic {out} already built"])
-    return execute_stage(stage="init_critic", cfg=cfg, run=run, iteration=None, inputs=[],
-                         config_sections=config_sections(cfg), body=body, force=force)
+        return record.done(StageResult(
+            stage="init_critic", outputs={"critic_init": str(out)}, rows={"parameters": params},
+            summary=[f"initial critic on {backbone} ({params / 1e6:.1f} M parameters) → {out}"]))

@@ -44,7 +44,7 @@ from rlhf_core.data.schemas import GENERATION_BATCHES
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.run.layout import RunDir
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 
 # Dotted prefixes of exactly the keys this stage reads. (Prefix matching also catches rollout.name
 # through rollout.n: switching engines reruns packing, which is harmless.)
@@ -304,7 +304,10 @@ def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, forc
     if not run.train_prompts.is_file():
         raise DataError(f"{run.train_prompts} not found; run `rlhf stage preprocess --run-dir {run.root}` first")
 
-    def body() -> StageResult:
+    with stage_record(stage="pack", cfg=cfg, run=run, iteration=None, inputs=[run.train_prompts],
+                      config_sections=config_sections(cfg), force=force) as record:
+        if record.skipped:
+            return record.skipped
         settings = pack_settings(cfg)
         ids, lengths = read_prompt_lengths(run)
         slots, per_epoch = plan_epochs(ids, settings.train_batch_size, settings.seed, settings.shuffle)
@@ -327,14 +330,11 @@ def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, forc
             "slot_sizes": [len(p.prompts) for p in plans], "batches_per_slot": [len(p.batches) for p in plans],
             "config": settings.recorded, "metrics": metrics, "summary": lines,
         })
-        return StageResult(
+        return record.done(StageResult(
             stage="pack", iteration=None,
             outputs={"generation_batches": str(run.generation_batches), "summary": str(summary_path)},
             # "slots" = iterations per epoch (pipeline.steps_per_epoch reads it)
             rows={"prompts": len(ids), "slots": per_epoch, "epochs_planned": epochs,
                   "generation_batches": table.num_rows},
             metrics=metrics, summary=lines + [f"wrote {run.generation_batches} and {summary_path}"],
-        )
-
-    return execute_stage(stage="pack", cfg=cfg, run=run, iteration=None, inputs=[run.train_prompts],
-                         config_sections=config_sections(cfg), body=body, force=force)
+        ))

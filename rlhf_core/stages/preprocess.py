@@ -22,7 +22,7 @@ from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.manifest import hash_paths, read_manifest
 from rlhf_core.paths import resolve_path
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 
 CONFIG_SECTIONS = ("data.", "actor_rollout_ref.model.")
 
@@ -75,7 +75,10 @@ def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None
     """Preprocess ``cfg.data.train_files`` (and ``val_files``) into the run's prompts tables."""
     train_files, val_files = data_files(cfg.data)
 
-    def body() -> StageResult:
+    with stage_record(stage="preprocess", cfg=cfg, run=run, iteration=None, inputs=train_files + val_files,
+                      config_sections=config_sections(cfg), force=force) as record:
+        if record.skipped:
+            return record.skipped
         tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
         result = preprocess_files(train_files, val_files, cfg.data, tokenizer)
         # rejects first: when nothing was accepted they are what the user needs to read
@@ -88,14 +91,11 @@ def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None
         atomic_write_parquet(run.val_prompts, result.val, schema=PROMPTS)
         metrics = _metrics(result)
         summary = result.summary_lines() + [f"wrote {run.train_prompts.parent}/{{train,val,rejects}}.parquet"]
-        return StageResult(
+        return record.done(StageResult(
             stage="preprocess", iteration=None,
             outputs={"train": str(run.train_prompts), "val": str(run.val_prompts), "rejects": str(run.rejects)},
             rows=result.rows, metrics=metrics, summary=summary,
-        )
-
-    return execute_stage(stage="preprocess", cfg=cfg, run=run, iteration=None, inputs=train_files + val_files,
-                         config_sections=config_sections(cfg), body=body, force=force)
+        ))
 
 
 def _metrics(result: PreprocessResult) -> dict[str, float]:

@@ -62,7 +62,7 @@ from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
 from rlhf_core.rewards.sequence import RewardSettings, sequence_rewards
 from rlhf_core.scoring.models import ModelPaths
 from rlhf_core.scoring.session import RunSession
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, merge_samples, merged_stats, run_on_ranks,
                                     write_share)
 from rlhf_core.stages.settings import generation, reward_model_paths, reward_settings
@@ -153,10 +153,6 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
         if not offline_file.is_file():
             raise DataError(f"actor_rollout_ref.rollout.offline_path={r.offline_path!r}: no such file")
         inputs = [run.train_prompts, model_dir, offline_file]
-
-        def body() -> StageResult:
-            ensure_state(session, run, run.checkpoint_iteration(model_dir))
-            return _offline_body(rollout_settings(cfg), run, iteration, model_dir, offline_file)
     else:
         if not run.generation_batches.is_file():
             raise DataError(f"{run.generation_batches} not found; "
@@ -174,12 +170,14 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
             processes=lambda batches: generation_processes(cfg.trainer, r, session, batches),
             on_ranks=lambda world: run_on_ranks(cfg, run, session, iteration, "rollout", world),
             filter_models=filter_models)
-
-        def body() -> StageResult:
-            ensure_state(session, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
-            return _generate_body(rollout_settings(cfg), calls, run, iteration, model_dir, session)
-    return execute_stage(stage="rollout", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
-                         config_sections=config_sections(cfg), body=body, force=force)
+    with stage_record(stage="rollout", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
+                      config_sections=config_sections(cfg), force=force) as record:
+        if record.skipped:
+            return record.skipped
+        ensure_state(session, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
+        if r.name == OFFLINE_ENGINE:
+            return record.done(_offline_body(rollout_settings(cfg), run, iteration, model_dir, offline_file))
+        return record.done(_generate_body(rollout_settings(cfg), calls, run, iteration, model_dir, session))
 
 
 def slot_batches(run: RunDir, iteration: int) -> tuple[int, int, list[list[str]]]:

@@ -62,7 +62,7 @@ from rlhf_core.data.packing import Share
 from rlhf_core.scoring.models import ModelPaths, reference_policy, release
 from rlhf_core.scoring import ref_states
 from rlhf_core.scoring.session import RunSession
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
 from rlhf_core.stages.settings import reward_model_paths, reward_settings
 from rlhf_core.training import flops
@@ -201,12 +201,12 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         world = share_processes(cfg.trainer, session, items)
         return run_on_ranks(cfg, run, session, iteration, "score", world) if world else None
 
-    def body() -> StageResult:
+    with stage_record(stage="score", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
+                      config_sections=config_sections(cfg), force=force) as record:
+        if record.skipped:
+            return record.skipped
         ensure_state(session, run, run.checkpoint_iteration(models.actor))  # held in memory, on disk, or rebuilt now
-        return _score(score_settings(cfg), session, run, iteration, models, on_ranks)
-
-    return execute_stage(stage="score", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
-                         config_sections=config_sections(cfg), body=body, force=force)
+        return record.done(_score(score_settings(cfg), session, run, iteration, models, on_ranks))
 
 
 def _score(settings: ScoreSettings, session: RunSession, run: RunDir, iteration: int, models: ModelPaths,

@@ -9,7 +9,7 @@ does not move ``last_good.json``: the KL guard decides whether this iteration is
 
 The update runs in the trainer a flow run keeps (``training.resident``); outside a flow (or where a
 run cannot keep its models) the same trainer is made for this one update and closed after it
-(``run_trainer.update_once``), writing the checkpoint at once. The processes are
+(``run_trainer.one_update_trainer``), writing the checkpoint at once. The processes are
 ``config.resolve.update_nodes``: trainer.nnodes machines × (trainer.nproc / nnodes, else
 trainer.n_gpus_per_node on GPUs, else 1). With N > 1 in all the trainer is a worker group of N
 data-parallel ranks under torchrun (gloo on CPU, nccl on CUDA; OMP_NUM_THREADS = cores // processes
@@ -20,16 +20,19 @@ directory must be on storage every node sees.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
+
+import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.run.layout import RunDir
 from rlhf_core.scoring.session import RunSession
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.training import lineage
 from rlhf_core.training.group_trainer import update_world
-from rlhf_core.training.run_trainer import ensure_state, update_once
+from rlhf_core.training.run_trainer import ensure_state, one_update_trainer
 from rlhf_core.training.rank_update import schedule_needs_total_steps
 
 
@@ -52,20 +55,21 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
         raise DataError(f"{run.advantages(iteration)} not found: run `rlhf stage gae --run-dir {run.root} "
                         f"--iteration {iteration}` first")
 
-    def body() -> StageResult:
-        import pyarrow.parquet as pq
-
+    with stage_record(stage="update", cfg=cfg, run=run, iteration=iteration,
+                      inputs=lineage.update_inputs(cfg, run, iteration), config_sections=config_sections(cfg),
+                      force=force) as record:
+        if record.skipped:
+            return record.skipped
         nproc = update_world(cfg.trainer)
-        # the trainer times its own I/O (process start, setup, snapshot, replay, checkpoint) in io.timing
-        trainer = session.trainer
-        if trainer is not None:  # the flow keeps the engines: they hold the state this iteration starts from
-            metrics = trainer.update(cfg, iteration)
-        else:
+        kept = session.trainer is not None  # the flow keeps the engines: they hold the state this iteration starts from
+        if not kept:
             ensure_state(session, run, lineage.start_iteration(run, iteration))  # a start only in its record
-            metrics = update_once(cfg, run, iteration)
+        # the trainer times its own I/O (process start, setup, snapshot, replay, checkpoint) in io.timing
+        with (contextlib.nullcontext(session.trainer) if kept else one_update_trainer(cfg, run, iteration)) as trainer:
+            metrics = trainer.update(cfg, iteration)
         rows = pq.ParquetFile(run.advantages(iteration)).metadata.num_rows
         shown = ", ".join(f"{k}={metrics[k]:.4g}" for k in STAGE_METRICS if k in metrics)  # actor/, critic/ kept apart
-        return StageResult(
+        return record.done(StageResult(
             stage="update", iteration=iteration,
             outputs={"checkpoint": str(run.checkpoint(iteration)), "state": str(run.state_record(iteration)),
                      "metrics": str(run.metrics(iteration))},
@@ -73,8 +77,4 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
             summary=[f"{rows} sequences, {int(metrics.get('actor/num_steps', 0))} actor steps on {nproc} "
                      f"process(es): {shown}",
                      f"state held in memory (a checkpoint at save points): {run.checkpoint(iteration)}"
-                     if trainer is not None else f"checkpoint: {run.checkpoint(iteration)}"])
-
-    return execute_stage(stage="update", cfg=cfg, run=run, iteration=iteration,
-                         inputs=lineage.update_inputs(cfg, run, iteration), config_sections=config_sections(cfg),
-                         body=body, force=force)
+                     if kept else f"checkpoint: {run.checkpoint(iteration)}"]))

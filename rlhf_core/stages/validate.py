@@ -52,7 +52,7 @@ from rlhf_core.rollout.generate import (
     train_sampling, validation_sampling,
 )
 from rlhf_core.scoring.session import RunSession
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, run_on_ranks, write_share
 from rlhf_core.stages.settings import generation
 from rlhf_core.training.run_trainer import ensure_state
@@ -252,7 +252,11 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
     actor = validation_actor(run, k) or initial_actor_path(cfg)
     base = base_model_validated(cfg.actor_rollout_ref.model, cfg.trainer, k)
 
-    def body() -> StageResult:
+    inputs = [run.val_prompts, actor] + ([base] if base is not None else [])
+    with stage_record(stage="validate", cfg=cfg, run=run, iteration=k, inputs=inputs,
+                      config_sections=config_sections(cfg), force=force) as record:
+        if record.skipped:
+            return record.skipped
         ensure_state(session, run, run.checkpoint_iteration(actor))  # held in memory, on disk, or rebuilt now
         settings = validation_settings(cfg, run, k, session)
         sampling = validation_sampling(settings.generation, seed=0)
@@ -274,12 +278,8 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
             metrics.update({f"{BASE_PREFIX}/{name.split('/', 1)[1]}": v for name, v in base_metrics.items()})
             summary.append(f"{BASE_PREFIX}/accuracy {accuracy_text(metrics, BASE_PREFIX)}: the model before the "
                            f"warm start ({base})")
-        return StageResult(stage="validate", iteration=k, outputs={k_: str(v) for k_, v in outputs.items()},
-                           rows={"validation": len(samples)}, metrics=metrics, summary=summary)
-
-    return execute_stage(stage="validate", cfg=cfg, run=run, iteration=k,
-                         inputs=[run.val_prompts, actor] + ([base] if base is not None else []),
-                         config_sections=config_sections(cfg), body=body, force=force)
+        return record.done(StageResult(stage="validate", iteration=k, outputs={k_: str(v) for k_, v in outputs.items()},
+                                       rows={"validation": len(samples)}, metrics=metrics, summary=summary))
 
 
 BASE_PREFIX = "val_base"

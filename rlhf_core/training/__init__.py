@@ -9,9 +9,9 @@
     optim_state   optimizer state by parameter name (safetensors), any ZeRO stage / world size
     checkpoint    HF actor/critic + optimizer state + manifest, written atomically, verified on load
     memory        per-rank memory estimate from config.json; a config that cannot fit is refused
-    rank_update   one iteration's training loop on one rank (``train_iteration``)
+    rank_update   one iteration's training loop on one rank (``iteration_plan``, then ``ppo.run_ppo``)
     resident      the trainer holding the engines: kept for a flow run, or made for one update
-                  (``update_once``); in this process or as a worker group of torchrun ranks
+                  (``one_update_trainer``); in this process or as a worker group of torchrun ranks
 
 DeepSpeed is imported only inside functions, so importing this package stays cheap.
 """

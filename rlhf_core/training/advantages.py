@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pyarrow as pa
@@ -239,19 +239,19 @@ def shaped_rewards(batch: ScoredBatch, *, kl_coef: float, kind: str) -> tuple[to
     return rewards, float(metrics["kl/mean"])
 
 
-def _estimator(name: str):
+def adv_estimator(name: str) -> Callable:
+    """The registered advantage estimator ``name`` (algorithm.adv_estimator); a miss is a ConfigError."""
     try:
         return get_adv_estimator(name)
     except ValueError as exc:
         raise ConfigError(f"algorithm.adv_estimator: {exc}") from None
 
 
-def estimate_advantages(batch: ScoredBatch, rewards: torch.Tensor,
-                        settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
-    """(advantages, returns), both (B, T) and 0 at padding; advantages whitened over the batch's
-    valid tokens when ``settings.norm_adv``, returns never (they are the critic's targets). The
-    estimator is offered every input the batch has and takes those it names."""
-    estimator = _estimator(settings.adv_estimator)
+def estimator_inputs(estimator: Callable, batch: ScoredBatch, rewards: torch.Tensor,
+                     settings: AdvantageSettings) -> dict[str, Any]:
+    """The keyword arguments of ``estimator`` (``settings.adv_estimator``'s registered function): it is
+    offered every input the batch has and takes those it names; an input it names that the scored
+    table lacks is an error saying which stage to rerun."""
     offered = dict(token_level_rewards=rewards, values=batch.values, response_mask=batch.response_mask,
                    gamma=settings.gamma, lam=settings.lam, index=batch.index,
                    norm_adv_by_std_in_grpo=settings.norm_adv_by_std_in_grpo, old_log_probs=batch.old_log_probs,
@@ -265,8 +265,15 @@ def estimate_advantages(batch: ScoredBatch, rewards: torch.Tensor,
                 raise DataError(f"algorithm.adv_estimator={settings.adv_estimator} needs the scored table's "
                                 f"{column} column, which this table lacks; {fix}")
             offered[name] = value
-    advantages, returns = estimator(**accepted_kwargs(estimator, offered))
-    # verl whitens GAE's advantages; every critic-free estimator normalises (or not) on its own.
+    return accepted_kwargs(estimator, offered)
+
+
+def masked_advantages(advantages: torch.Tensor, returns: torch.Tensor, batch: ScoredBatch,
+                      settings: AdvantageSettings) -> tuple[torch.Tensor, torch.Tensor]:
+    """The estimator's (advantages, returns), both (B, T), made 0 at padding; advantages whitened over
+    the batch's valid tokens when ``settings.norm_adv`` and the estimator reads values (verl whitens
+    GAE's; every critic-free estimator normalises, or not, on its own), returns never (they are the
+    critic's targets)."""
     if settings.norm_adv and estimator_takes(settings.adv_estimator, "values"):
         advantages = masked_whiten(advantages, batch.response_mask)
     zero = torch.zeros((), dtype=advantages.dtype)
@@ -389,7 +396,9 @@ def compute_advantages(table: pa.Table, *, kl_coef: float, settings: AdvantageSe
     coef = float(kl_coef) if settings.use_kl_in_reward else 0.0
     rewards, kl_mean = shaped_rewards(batch, kl_coef=coef, kind=settings.kl_penalty)
     batch, correction_metrics = apply_rollout_correction(batch, settings, source)
-    advantages, returns = estimate_advantages(batch, rewards, settings)
+    estimator = adv_estimator(settings.adv_estimator)
+    advantages, returns = estimator(**estimator_inputs(estimator, batch, rewards, settings))  # algos/: the math
+    advantages, returns = masked_advantages(advantages, returns, batch, settings)
     out = table.select(SCORED.names)
     for (name, _), tensor in zip(ADVANTAGES_EXTRA, (rewards, advantages, returns)):
         out = out.append_column(name, unpad(tensor, batch.lengths))

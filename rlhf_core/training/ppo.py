@@ -76,18 +76,28 @@ class ActorLoss:
     rollout_correction: Optional[RolloutCorrection] = None
     """algorithm.rollout_correction, which bypass_mode's loss applies inside the loss."""
 
-    def policy_loss(self, *, log_prob: torch.Tensor, tensors: dict[str, torch.Tensor], mask: torch.Tensor,
-                    n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The registered policy loss of ``loss_mode`` on one micro-batch, offered every input and knob
-        (it takes those it names): the mini-batch's global counts, the rollout-correction weights
-        when the table has them."""
-        fn = get_policy_loss_fn(self.loss_mode)
+    @property
+    def policy_fn(self) -> Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]:
+        """The registered policy loss of ``loss_mode`` (algos/losses.py, algos/loss_modes.py)."""
+        return get_policy_loss_fn(self.loss_mode)
+
+    def policy_inputs(self, *, log_prob: torch.Tensor, tensors: dict[str, torch.Tensor], mask: torch.Tensor,
+                      n_tok: int, n_seq: int) -> dict[str, object]:
+        """The keyword arguments of ``policy_fn`` on one micro-batch: it is offered every input and knob
+        (and takes those it names): the mini-batch's global counts, the rollout-correction weights when
+        the table has them."""
         offered = dict(old_log_prob=tensors["old_log_probs"], log_prob=log_prob, advantages=tensors["advantages"],
                        response_mask=mask, clip_ratio_low=self.clip_ratio_low, clip_ratio_high=self.clip_ratio_high,
                        clip_ratio_c=self.clip_ratio_c, rollout_is_weights=tensors.get("rollout_is_weights"),
                        rollout_correction=self.rollout_correction, **self._counts(n_tok, n_seq),
                        **dict(self.loss_mode_settings))
-        return fn(**accepted_kwargs(fn, offered))
+        return accepted_kwargs(self.policy_fn, offered)
+
+    def policy_loss(self, *, log_prob: torch.Tensor, tensors: dict[str, torch.Tensor], mask: torch.Tensor,
+                    n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The policy loss alone on one micro-batch (what ``__call__`` adds the entropy and KL terms to)."""
+        return self.policy_fn(**self.policy_inputs(log_prob=log_prob, tensors=tensors, mask=mask, n_tok=n_tok,
+                                                   n_seq=n_seq))
 
     def _counts(self, n_tok: int, n_seq: int) -> dict:
         return dict(loss_agg_mode=self.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
@@ -98,7 +108,9 @@ class ActorLoss:
         t = {k: v.to(log_prob.device) for k, v in mb.tensors.items()}
         mask = mb.response_mask.to(log_prob.device)
         counts = self._counts(n_tok, n_seq)
-        pg_loss, pg = self.policy_loss(log_prob=log_prob, tensors=t, mask=mask, n_tok=n_tok, n_seq=n_seq)
+        # the registered loss called from here, not through policy_loss: the loss sits one frame below the step
+        pg_loss, pg = self.policy_fn(**self.policy_inputs(log_prob=log_prob, tensors=t, mask=mask, n_tok=n_tok,
+                                                          n_seq=n_seq))
         ent_loss = agg_loss(loss_mat=entropy, loss_mask=mask, **counts)
         loss, kl_loss = pg_loss, torch.zeros((), device=log_prob.device)
         if self.entropy_coeff != 0:
@@ -275,7 +287,9 @@ def run_ppo(roles: list[RoleSchedule], data: PPOData, *, seed: str, dist: DistIn
                 futures = [pool.submit(_train_role, role, *args) for role in roles]
                 results = [f.result() for f in futures]  # re-raises a role's exception here
         else:
-            results = [_train_role(role, *args) for role in roles]
+            results = []
+            for role in roles:  # a loop, not a comprehension: one frame fewer between the update and the loss
+                results.append(_train_role(role, *args))
     for role, (steps, tokens, seconds) in zip(roles, results):
         outcome.steps[role.te.role] = steps
         outcome.tokens[role.te.role] = tokens

@@ -1,7 +1,7 @@
 """One iteration's PPO update on one rank: the engines, the training loop, what rank 0 records.
 
-``train_iteration`` is the one training loop; ``training.resident`` runs it in the trainer that
-holds the engines (kept for a flow run, or made for one update). An update starts from the
+``iteration_plan`` sets up the one training loop (``ppo.run_ppo``); ``training.resident`` runs it in
+the trainer that holds the engines (kept for a flow run, or made for one update). An update starts from the
 last-good iteration — its actor, critic and optimizer state, so iteration k+1 continues the AdamW
 moments and the lr schedule of iteration k — or from the initial models before any commit. Rank 0
 writes ``iter_K/metrics.json`` and ``iter_K/state.json`` (``finish_update``).
@@ -424,26 +424,44 @@ def open_engines(cfg: RLHFConfig, settings: EngineSettings, sources: UpdateSourc
     return actor, critic, pad_id
 
 
-def train_iteration(settings: UpdateSettings, iteration: int, data: PPOData, actor: TrainEngine,
-                    critic: Optional[TrainEngine], dist: DistInfo, device: str, pad_id: int, *,
-                    progress: Optional[bool] = None) -> tuple[dict[str, float], Any]:
-    """PPO on one iteration's data with engines that already hold the state it starts from (weights,
-    optimizer, lr position) and with the RNG set to that state's; returns (metrics, ppo outcome).
-    The one training loop of both designs: a fresh update process and the resident trainer."""
+@dataclass(frozen=True)
+class IterationPlan:
+    """How one iteration's PPO runs on this rank: the roles in training order, whether they train at
+    the same time, the seed of the mini-batch order, the intra-op threads."""
+
+    roles: list[RoleSchedule]
+    concurrent: bool
+    seed: str
+    threads: int
+
+
+@contextlib.contextmanager
+def iteration_plan(settings: UpdateSettings, iteration: int, actor: TrainEngine, critic: Optional[TrainEngine],
+                   dist: DistInfo, device: str) -> Iterator[IterationPlan]:
+    """The plan of iteration ``iteration``'s PPO with engines that already hold the state it starts from
+    (weights, optimizer, lr position) and the RNG set to that state's, and this rank's intra-op threads
+    set for the block. The block runs ``run_ppo(plan.roles, ...)``, the one training loop of both the
+    update and the replay that rebuilds a state (``training.resident``); ``iteration_metrics`` reads
+    its outcome."""
     t = settings.trainer
     with cpu_threads(device, module_largest_matrix(actor.module), dist.world_size) as threads:
-        roles = role_schedules(settings, actor, critic, iteration)
-        concurrent = concurrent_roles(t.concurrent_critic_actor, device, threads, dist.world_size)
-        outcome = run_ppo(roles, data, seed=f"{t.seed}:{iteration}", dist=dist, pad_id=pad_id,
-                          progress=progress, concurrent=concurrent)
+        yield IterationPlan(roles=role_schedules(settings, actor, critic, iteration),
+                            concurrent=concurrent_roles(t.concurrent_critic_actor, device, threads, dist.world_size),
+                            seed=f"{t.seed}:{iteration}", threads=threads)
+
+
+def iteration_metrics(settings: UpdateSettings, iteration: int, plan: IterationPlan, data: PPOData, outcome: Any,
+                      device: str, dist: DistInfo) -> dict[str, float]:
+    """The iteration's metrics from ``run_ppo``'s outcome (verl's reductions: ``ppo.aggregate``), its
+    throughput and floors, and how it ran."""
     metrics = aggregate(outcome)
-    metrics.update(update_perf(roles, data, outcome, device, dist.world_size))
+    metrics.update(update_perf(plan.roles, data, outcome, device, dist.world_size))
     metrics["actor/updated"] = float(settings.actor_updates(iteration))  # 0: a critic warm-up step
     metrics["perf/peak_rss_gb"] = float(all_reduce(torch.tensor(peak_rss_gb()), op="max"))
     metrics["perf/world_size"] = float(dist.world_size)
-    metrics["perf/threads_per_rank"] = float(threads)
-    metrics["perf/concurrent_critic_actor"] = float(concurrent)
-    return metrics, outcome
+    metrics["perf/threads_per_rank"] = float(plan.threads)
+    metrics["perf/concurrent_critic_actor"] = float(plan.concurrent)
+    return metrics
 
 
 def update_perf(roles: list[RoleSchedule], data: PPOData, outcome: Any, device: str, world_size: int) -> dict[str, float]:

@@ -29,7 +29,7 @@ the run directory stays the durable lineage (tables, manifests, state records, c
 points).
 
 Every update runs in this one trainer. Where no flow run keeps one (`rlhf stage update`, or a run
-that cannot keep its models: ``run_trainer.resident_possible``), ``run_trainer.update_once`` makes a trainer that is not
+that cannot keep its models: ``run_trainer.resident_possible``), ``run_trainer.one_update_trainer`` makes a trainer that is not
 kept (``ResidentTrainer.kept``): it holds the start state the same way, trains with the same loop,
 writes the checkpoint at once, takes no rollback snapshot, lends nothing, and is closed after.
 
@@ -68,10 +68,11 @@ from rlhf_core.training.engines import TrainEngine, present
 from rlhf_core.training.fingerprint import weights_sample
 from rlhf_core.training.lending import Lending
 from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, state_id
+from rlhf_core.training.ppo import run_ppo
 from rlhf_core.training.rank_update import (EngineSettings, UpdateSettings, UpdateSources, check_update_data,
-                                            cpu_threads, engine_key, engine_settings, finish_update, open_engines,
-                                            peak_rss_gb, reset_peak_rss, resolve_sources, trainer_state,
-                                            schedule_needs_total_steps, train_iteration, training_steps, update_settings)
+                                            cpu_threads, engine_key, engine_settings, finish_update, iteration_metrics,
+                                            iteration_plan, open_engines, peak_rss_gb, reset_peak_rss, resolve_sources,
+                                            schedule_needs_total_steps, trainer_state, training_steps, update_settings)
 from rlhf_core.training.snapshot import SNAPSHOT, Rng, Snapshot, take_snapshot, with_rng
 from rlhf_core.training.train_state import covers, restore
 
@@ -102,7 +103,7 @@ class ResidentTrainer:
         """Kept for a flow run (a session to offer the state to): each update keeps a rollback
         snapshot and writes no checkpoint until a save point. Not kept (one update or one rebuild,
         then closed): nothing is offered or snapshot, and each update writes its checkpoint at once
-        (``update_once``)."""
+        (``run_trainer.one_update_trainer``)."""
         self.actor: Optional[TrainEngine] = None
         self.critic: Optional[TrainEngine] = None
         self.dist: Optional[DistInfo] = None
@@ -148,8 +149,10 @@ class ResidentTrainer:
         setup = time.perf_counter() - started
         self._withdraw()  # the weights are about to change: nobody may borrow them as ``start``'s
         freed = self.lending.rollout_engine_sleeps() if self.lending is not None else None
-        metrics, outcome = train_iteration(settings, k, data, self.actor, self.critic, self.dist, self.device,
-                                           self.pad_id, progress=progress)
+        with iteration_plan(settings, k, self.actor, self.critic, self.dist, self.device) as plan:
+            outcome = run_ppo(plan.roles, data, seed=plan.seed, dist=self.dist, pad_id=self.pad_id,
+                              progress=progress, concurrent=plan.concurrent)
+        metrics = iteration_metrics(settings, k, plan, data, outcome, self.device, self.dist)
         sources = resolve_sources(cfg, self.run, k)
         identity = state_id(cfg, self.run, k, schedule_needs_total_steps(cfg))
         self._held_now(k, sources, settings, outcome, identity[0])
@@ -368,8 +371,9 @@ class ResidentTrainer:
             self._set_learning_rates(settings)
             self._start_rng(settings.trainer.seed)
             self._withdraw()
-            _, outcome = train_iteration(settings, i, data, self.actor, self.critic, self.dist, self.device,
-                                         self.pad_id, progress=False)
+            with iteration_plan(settings, i, self.actor, self.critic, self.dist, self.device) as plan:
+                outcome = run_ppo(plan.roles, data, seed=plan.seed, dist=self.dist, pad_id=self.pad_id,
+                                  progress=False, concurrent=plan.concurrent)
         sample = weights_sample([te.module for te in present(self.actor, self.critic)])
         if self.dist.is_main and sample != record.get("weights_sample"):  # rank 0's sample is recorded
             raise ReplayMismatch(i, self.run.state_record(i))

@@ -2,7 +2,7 @@
 ``training.resident.ResidentTrainer`` in the flow process, or a ``training.group_trainer.GroupTrainer``
 when the update spans several processes (``resident_models``); a state held nowhere else rebuilt by
 replay before a stage reads it (``ensure_state``); an update where no flow run keeps the models
-(``update_once``); each commit or rollback told to it (``settle_resident``). The lifecycle of a kept
+(``one_update_trainer``); each commit or rollback told to it (``settle_resident``). The lifecycle of a kept
 state: ``training.resident``'s docstring."""
 
 from __future__ import annotations
@@ -187,14 +187,16 @@ def ensure_state(session: RunSession, run: RunDir, k: Optional[int]) -> bool:
     return True
 
 
-def update_once(cfg: RLHFConfig, run: RunDir, k: int, *, progress: Optional[bool] = None) -> dict[str, Any]:
-    """Iteration ``k``'s update where no flow run keeps the models (`rlhf stage update`, a run that
-    cannot keep them: ``resident_possible``): the same trainer as a flow run's, made for this one
-    update and closed after it — in this process, or as a worker group of the update's processes —
-    which writes ``iter_k/checkpoint`` at once. Returns the update's metrics."""
+@contextlib.contextmanager
+def one_update_trainer(cfg: RLHFConfig, run: RunDir, k: int) -> Iterator[Trainer]:
+    """The trainer of iteration ``k``'s update where no flow run keeps the models (`rlhf stage update`,
+    a run that cannot keep them: ``resident_possible``): the same trainer as a flow run's, made for this
+    one update and closed after it — in this process, or as a worker group of the update's processes —
+    which writes ``iter_k/checkpoint`` at once."""
     trainer: Trainer = (GroupTrainer(cfg, run, one_update=k) if update_world(cfg.trainer) > 1
                         else ResidentTrainer(run))
     try:
-        return trainer.update(cfg, k, progress=progress)
+        yield trainer
     finally:
         trainer.close(make_durable=False)
+

@@ -25,9 +25,9 @@ def _dry_run(args: list[str], out: Path, subprocess_env, timeout: float = 300) -
     return proc
 
 
-def test_bench_h200_dry_run_samples_scores_and_updates_through_update_once(tmp_path, subprocess_env):
+def test_bench_h200_dry_run_samples_scores_and_updates_through_one_update_trainer(tmp_path, subprocess_env):
     """bench_h200.sh --dry-run: the model built, HF sampling, the advantages table in today's schema,
-    the initial critic's setup stage and ``update_once``, the numbers written."""
+    the initial critic's setup stage and ``one_update_trainer``, the numbers written."""
     _dry_run(["bash", str(GPU / "bench_h200.sh"), "--dry-run"], tmp_path, subprocess_env)
     numbers = json.loads((tmp_path / "bench_h200.json").read_text())
     assert numbers["rollout_new_tokens"] == 4 * 8  # every sequence sampled to exactly --new-tokens

@@ -33,7 +33,8 @@ from rlhf_core.rewards.overlong import shape_scores
 from rlhf_core.rewards.registry import GSM8K_SOURCES, registered_sources
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.gae import run_gae
-from rlhf_core.training.advantages import AdvantageSettings, ScoredBatch, estimate_advantages, shaped_rewards
+from rlhf_core.training.advantages import (AdvantageSettings, ScoredBatch, adv_estimator, estimator_inputs,
+                                          masked_advantages, shaped_rewards)
 from rlhf_core.training.rank_update import actor_loss_from_config, critic_loss_from_config
 
 from . import cases as C
@@ -234,7 +235,10 @@ def test_estimator(verl, case_id):
                                  norm_adv_by_std_in_grpo=case["norm_by_std"],
                                  gdpo_reward_keys=tuple(case["gdpo_keys"]) if case["gdpo_keys"] else None,
                                  gdpo_reward_weights=tuple(case["gdpo_weights"]) if case["gdpo_weights"] else None)
-    advantages, returns = estimate_advantages(_scored_batch(case), case["token_level_rewards"], settings)
+    batch, estimator = _scored_batch(case), adv_estimator(settings.adv_estimator)
+    # the three calls compute_advantages makes between the shaped rewards and the advantages table
+    advantages, returns = estimator(**estimator_inputs(estimator, batch, case["token_level_rewards"], settings))
+    advantages, returns = masked_advantages(advantages, returns, batch, settings)
     mask = case["response_mask"] != 0
     # verl may leave junk at masked positions (e.g. the running return); ours are 0 there by contract
     _close(advantages[mask], theirs["advantages"][mask], f"{case_id} advantages")

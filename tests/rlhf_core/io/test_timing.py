@@ -11,7 +11,7 @@ from rlhf_core.io import timing
 from rlhf_core.io.atomic import atomic_dir, atomic_write_json, atomic_write_parquet, atomic_write_text
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.layout import RunDir
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 
 
 def test_nested_blocks_count_once_in_the_outermost_kind():
@@ -62,27 +62,26 @@ def test_atomic_writers_report_their_kind(tmp_path):
     assert set(counts) == {"table_write", "json_write", "checkpoint_write"}
 
 
-def test_execute_stage_records_io_seconds_apart_from_compute(tmp_path):
+def test_a_stage_record_keeps_io_seconds_apart_from_compute(tmp_path):
     run, cfg = RunDir(tmp_path / "run"), load_config()
     src = tmp_path / "in.txt"
     atomic_write_text(src, "x")
 
-    def body():
+    with stage_record(stage="rollout", cfg=cfg, run=run, iteration=1, inputs=[src],
+                      config_sections=("data.",)) as stage:
+        assert stage.skipped is None
         with timing.timed("model_load"):
             time.sleep(0.05)
         time.sleep(0.05)  # compute
         out = atomic_write_parquet(run.rollout(1), pa.table({"v": [1]}))
-        return StageResult(stage="rollout", iteration=1, outputs={"rollout": str(out)})
-
-    result = execute_stage(stage="rollout", cfg=cfg, run=run, iteration=1, inputs=[src],
-                           config_sections=("data.",), body=body)
+        result = stage.done(StageResult(stage="rollout", iteration=1, outputs={"rollout": str(out)}))
     record = read_manifest(run, 1)["rollout"]
     assert set(record["io"]) == {"model_load", "table_write"}
     assert record["io"]["model_load"] >= 0.05
     assert abs(record["io_seconds"] - sum(record["io"].values())) < 1e-5
     assert record["io_seconds"] == result.io_seconds
     assert 0.05 <= record["seconds"] - record["io_seconds"] < record["seconds"]
-    # the input hashing and the manifest write happen outside the body: not in its tally
+    # the input hashing and the manifest write happen outside the stage's work: not in its tally
     assert "hashing" not in record["io"] and "manifest" not in record["io"]
 
 

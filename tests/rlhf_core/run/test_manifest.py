@@ -3,23 +3,24 @@ when a rerun changed an output (a rerun that writes the same bytes leaves everyt
 
 from __future__ import annotations
 
+import pytest
 import pyarrow as pa
 
 from rlhf_core.config import apply_overrides, load_config
 from rlhf_core.io.atomic import atomic_write_parquet, atomic_write_text
 from rlhf_core.run.manifest import read_manifest
 from rlhf_core.run.layout import RunDir
-from rlhf_core.stages.base import StageResult, execute_stage
+from rlhf_core.stages.base import StageResult, stage_record
 
 
 def _stage(run, cfg, name, iteration, src, out, calls, force=False):
-    def body():
+    with stage_record(stage=name, cfg=cfg, run=run, iteration=iteration, inputs=[src],
+                      config_sections=("data.",), force=force) as record:
+        if record.skipped:
+            return record.skipped
         calls.append(name)
         atomic_write_parquet(out, pa.table({"v": [src.read_bytes()], "seed": [cfg.data.seed]}))
-        return StageResult(stage=name, iteration=iteration, outputs={"out": str(out)}, rows={"out": 1})
-
-    return execute_stage(stage=name, cfg=cfg, run=run, iteration=iteration, inputs=[src],
-                         config_sections=("data.",), body=body, force=force)
+        return record.done(StageResult(stage=name, iteration=iteration, outputs={"out": str(out)}, rows={"out": 1}))
 
 
 def test_skip_rerun_and_stale(tmp_path):
@@ -69,3 +70,19 @@ def test_iteration_rerun_marks_later_iterations_stale(tmp_path):
     assert read_manifest(run, 1)["score"]["status"] == "stale"
     assert read_manifest(run, 2)["rollout"]["status"] == "stale"
     assert read_manifest(run, 1)["rollout"]["status"] == "done"
+
+
+def test_a_stage_that_raises_records_nothing_and_one_without_a_result_is_refused(tmp_path):
+    from rlhf_core.errors import RLHFError
+
+    run, cfg = RunDir(tmp_path / "run"), load_config()
+    src = tmp_path / "in.txt"
+    atomic_write_text(src, "a")
+    with pytest.raises(ValueError, match="half-way"):
+        with stage_record(stage="a", cfg=cfg, run=run, iteration=1, inputs=[src], config_sections=("data.",)):
+            raise ValueError("half-way")
+    assert "a" not in read_manifest(run, 1)
+    with pytest.raises(RLHFError, match="stage a finished without a result"):
+        with stage_record(stage="a", cfg=cfg, run=run, iteration=1, inputs=[src], config_sections=("data.",)):
+            pass
+    assert "a" not in read_manifest(run, 1)

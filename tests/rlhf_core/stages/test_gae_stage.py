@@ -425,7 +425,7 @@ def test_a_retry_multiplier_whose_last_retry_leaves_any_sensible_range_is_refuse
     config(f"{key}=1e200", "trainer.max_rollbacks=0")  # never applied
 
 
-GAE_DEPTH_AT_MOST = 8
+GAE_DEPTH_AT_MOST = 4
 """Frames from the gae stage's Prefect task to ``compute_gae`` (``call_path``): a ceiling that only comes
 down (docs/architecture.md; the goal is 4)."""
 

@@ -233,7 +233,7 @@ def test_a_full_disk_on_the_ranks_is_the_stages_one_line_error(tiny_model_dir, t
     assert "ranks failed" not in proc.stderr and not run.checkpoint(1).exists()
 
 
-UPDATE_DEPTH_AT_MOST = 14
+UPDATE_DEPTH_AT_MOST = 8
 """Frames from the update stage's Prefect task to the policy loss (``call_path``): a ceiling that only
 comes down (docs/architecture.md; the goal is 6)."""
 

@@ -259,7 +259,7 @@ def test_update_estimate_matches_the_measured_cuda_peak(tmp_path):
     from rlhf_core.io.atomic import atomic_write_parquet
     from rlhf_core.run.layout import RunDir
     from rlhf_core.stages.init_critic import run_init_critic
-    from rlhf_core.training.run_trainer import update_once
+    from rlhf_core.training.run_trainer import one_update_trainer
     from rlhf_core.training.synthetic import synthetic_advantages
 
     sys.path.insert(0, str(REPO / "benchmarks"))
@@ -282,7 +282,8 @@ def test_update_estimate_matches_the_measured_cuda_peak(tmp_path):
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    update_once(cfg, run, 1, progress=False)
+    with one_update_trainer(cfg, run, 1) as trainer:
+        trainer.update(cfg, 1, progress=False)
     measured = torch.cuda.max_memory_allocated() - before
     print(f"\n[memory] update on CUDA: estimate {expected / GIB:.2f} GiB, measured peak {measured / GIB:.2f} GiB "
           f"(estimate/measured {expected / measured:.2f})\n{est.table()}")
