@@ -53,14 +53,6 @@ def needs_baseline_rollout(cfg: RLHFConfig) -> bool:
     return estimator_takes(cfg.algorithm.adv_estimator, "reward_baselines")
 
 
-def clip_ratios(cfg: RLHFConfig) -> tuple[float, float]:
-    """(ε_low, ε_high): clip_ratio_low / clip_ratio_high, each defaulting to clip_ratio (verl)."""
-    a = cfg.actor_rollout_ref.actor
-    low = a.clip_ratio if a.clip_ratio_low is None else a.clip_ratio_low
-    high = a.clip_ratio if a.clip_ratio_high is None else a.clip_ratio_high
-    return low, high
-
-
 def mini_batch_prompts(cfg: RLHFConfig, role: Literal["actor", "critic"]) -> int:
     """Prompts per optimizer step: the role's ppo_mini_batch_size (the critic's defaults to the actor's)."""
     actor = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
@@ -268,8 +260,6 @@ class UpdateValues:
     actor: RoleUpdate
     critic: Optional[RoleUpdate]
     """None in a run without a critic (``uses_critic``): its keys are then not read."""
-    clip_ratios: tuple[float, float]
-    """(ε_low, ε_high) (``clip_ratios``)."""
     policy_loss_mode: str
     rollout_correction: RolloutCorrection
 
@@ -284,7 +274,7 @@ def update_values(cfg: RLHFConfig, world_size: int) -> UpdateValues:
         critic_epochs(cfg), mini_batch_sequences(cfg, "critic"), critic_shuffle(cfg),
         micro_batching(cfg, "critic", world_size), critic_use_remove_padding(cfg), critic_loss_agg_mode(cfg),
         critic_loss_scale_factor(cfg))
-    return UpdateValues(actor, critic, clip_ratios(cfg), policy_loss_mode(cfg), rollout_correction(cfg))
+    return UpdateValues(actor, critic, policy_loss_mode(cfg), rollout_correction(cfg))
 
 
 def role_model_key(cfg: RLHFConfig, role: str = "actor") -> str:

@@ -425,6 +425,14 @@ class ActorConfig(Section):
     fsdp_config: FSDPConfig = field(default_factory=FSDPConfig)
     deepspeed_config: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
 
+    @property
+    def clip_ratios(self) -> tuple[float, float]:
+        """(ε_low, ε_high) the policy loss clips with: clip_ratio_low / clip_ratio_high, each falling back
+        to clip_ratio where null (verl)."""
+        low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+        return low, high
+
     def check(self, key: str) -> None:
         require(0 < self.clip_ratio < 1, f"{key}.clip_ratio", "must be in (0, 1)", self.clip_ratio)
         for name in ("clip_ratio_low", "clip_ratio_high"):

@@ -118,7 +118,7 @@ def _critic_loss(cliprange_value: float, values: resolve.RoleUpdate) -> CriticLo
 
 
 def _actor_loss(a: ActorConfig, temperature: float, values: resolve.UpdateValues) -> ActorLoss:
-    low, high = values.clip_ratios
+    low, high = a.clip_ratios  # the schema's fallback to clip_ratio, as verl's
     knobs = {f.name: getattr(a.policy_loss, f.name) for f in fields(a.policy_loss) if f.name != "loss_mode"}
     correction = values.rollout_correction
     return ActorLoss(

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from rlhf_core.config import load_config
-from rlhf_core.config.resolve import (DEFAULT_MICRO_BATCH, clip_ratios, critic_epochs, critic_loss_agg_mode,
+from rlhf_core.config.resolve import (DEFAULT_MICRO_BATCH, critic_epochs, critic_loss_agg_mode,
                                       critic_shuffle, critic_value_batching, loss_scale_factor, micro_batching,
                                       mini_batch_sequences, scheduler_type, steps_per_epoch, total_iterations,
                                       update_world_size, warmup_steps)
@@ -99,16 +99,6 @@ def test_micro_batch_sizes_per_gpu_and_deprecated_global():
     assert micro_batching(cfg, "critic").micro_batch_size == 2
     assert critic_value_batching(cfg).micro_batch_size == 2
     assert micro_batching(load_config(), "actor").micro_batch_size == DEFAULT_MICRO_BATCH
-
-
-def test_clip_ratios_as_verl_resolves_them():
-    assert clip_ratios(load_config()) == (0.2, 0.2)
-    # verl's yaml sets low/high to 0.2, so clip_ratio alone changes nothing ...
-    assert clip_ratios(load_config(None, ["actor_rollout_ref.actor.clip_ratio=0.3"])) == (0.2, 0.2)
-    # ... until they are null
-    cfg = load_config(None, ["actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_low=null",
-                             "actor_rollout_ref.actor.clip_ratio_high=0.28"])
-    assert clip_ratios(cfg) == (0.3, 0.28)
 
 
 def test_loss_scale_factor_is_the_configured_response_length():

@@ -178,3 +178,13 @@ def test_seed_recipe_lives_in_the_gsm8k_preset(repo_root):
     assert flat["algorithm.kl_ctrl.target_kl"] == 0.02
     assert flat["actor_rollout_ref.actor.kl_loss_type"] == "k1+"
     assert flat["trainer.kl_rollback_threshold"] == 0.05
+
+
+def test_the_clip_ratios_fall_back_to_clip_ratio_as_verls_do():
+    assert load_config().actor_rollout_ref.actor.clip_ratios == (0.2, 0.2)
+    # verl's yaml sets low/high to 0.2, so clip_ratio alone changes nothing ...
+    assert load_config(None, ["actor_rollout_ref.actor.clip_ratio=0.3"]).actor_rollout_ref.actor.clip_ratios == (0.2, 0.2)
+    # ... until they are null
+    cfg = load_config(None, ["actor_rollout_ref.actor.clip_ratio=0.3", "actor_rollout_ref.actor.clip_ratio_low=null",
+                             "actor_rollout_ref.actor.clip_ratio_high=0.28"])
+    assert cfg.actor_rollout_ref.actor.clip_ratios == (0.3, 0.28)
