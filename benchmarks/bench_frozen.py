@@ -72,7 +72,7 @@ def main() -> None:
 
     from benchmarks.shapes import build_shape_model, parameter_count
     from rlhf_core.scoring.models import load_causal_lm, reference_policy, same_weights, weights_fingerprint
-    from rlhf_core.scoring.session import RunSession
+    from rlhf_core.run.session import RunSession
 
     cpu = torch.device("cpu")
     reference = build_shape_model(a.model_cache, "qwen2.5-0.5b", a.layers)

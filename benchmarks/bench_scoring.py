@@ -73,7 +73,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from rlhf_core.models.tiny import build_tiny_model
-    from rlhf_core.scoring.session import RunSession
+    from rlhf_core.run.session import RunSession
     from rlhf_core.scoring import (ROW_TOKENS, Throughput, compute_token_logprobs, compute_token_values,
                                    load_causal_lm, load_critic)
 

@@ -38,7 +38,7 @@ from rlhf_core.control.plan import RunPlan, logs_to, plan_run, resolve_iteration
 from rlhf_core.run.report import format_iteration_header, format_iteration_row, iteration_metrics
 from rlhf_core.run.stage_order import SETUP_STAGES, VALIDATE
 from rlhf_core.run.schedule import initial_validation_due, missed_validations, validate_due
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.stages.validate import BASE_PREFIX, accuracy_text
 from rlhf_core.training.run_trainer import resident_models, rollout_engine_kept
 from tasks import mlflow_tracking, prefect_artifacts

@@ -39,7 +39,7 @@ from typing import Any, Callable, Optional
 from rlhf_core.config import RLHFConfig, apply_overrides
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import KLGuardHalt, retries_recorded
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.stages.base import StageResult
 from rlhf_core.stages.gae import run_gae
 from rlhf_core.stages.guard import run_guard

@@ -6,7 +6,7 @@ stage's metrics to MLflow (one batch, step = iteration) and publishes a markdown
 stage's summary — unless called with ``report=False``: the pipeline flow reports a whole iteration
 at once (one MLflow batch, one markdown artifact: tasks.iteration), single-stage reruns per stage.
 Tasks take and return small things: the config, paths, a result dict (never tensors) — and the
-flow run's session (``scoring.session.RunSession``), a handle on the models it keeps in memory, for
+flow run's session (``run.session.RunSession``), a handle on the models it keeps in memory, for
 the stages whose function takes ``session``; without one they read every model from disk. Prefect's result caching is off: whether a stage reruns is decided by the run's manifest
 (same input hashes and config hash → skipped), which also survives a crash and a CLI rerun.
 
@@ -30,7 +30,7 @@ from rlhf_core.run.lifecycle import settle
 from rlhf_core.run.manifest import mark_skipped
 from rlhf_core.run.report import stage_numbers
 from rlhf_core.run.stage_order import STAGES, StageSpec
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.stages.base import StageResult
 from rlhf_core.stages.catalog import CATALOG, StageFunctions, stage_name
 from rlhf_core.stages.repair import Unrepairable, make_last_good_durable, prepare_export

@@ -116,8 +116,12 @@ NARROW_MODULES = ("rlhf_core.run.schedule", "rlhf_core.run.migrate", "rlhf_core.
 
 
 def _whole_config_functions(tree: ast.AST) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
-    """Functions with a parameter named ``cfg`` or annotated ``RLHFConfig``."""
+    """Functions with a parameter named ``cfg`` or annotated ``RLHFConfig``, but a Protocol's
+    declarations (a signature the implementations answer, no code that reads the config)."""
+    declared = {id(fn) for cls in ast.walk(tree) if isinstance(cls, ast.ClassDef)
+                and any(ast.unparse(base).endswith("Protocol") for base in cls.bases) for fn in cls.body}
     return [node for node in ast.walk(tree) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+            and id(node) not in declared
             and any(arg.arg == "cfg" or (arg.annotation is not None and "RLHFConfig" in ast.unparse(arg.annotation))
                     for arg in [*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs])]
 
@@ -256,7 +260,7 @@ PROCESS_WIDE = {
 }
 """The only module-level values a function may change, each a registry, a pure memo cache or process
 accounting. Live state (the trainer, lent modules, frozen models, a kept engine, kept reference
-states) belongs to the run session (``scoring.session.RunSession``) the flow hands to each stage."""
+states) belongs to the run session (``run.session.RunSession``) the flow hands to each stage."""
 
 
 MUTATORS = {"append", "add", "clear", "discard", "extend", "insert", "move_to_end", "pop", "popitem", "remove",
@@ -296,7 +300,7 @@ def test_no_module_holds_live_state():
     only, each named in PROCESS_WIDE with its reason)."""
     extra = sorted(_process_wide_values() - set(PROCESS_WIDE))
     assert not extra, (f"module-level state {extra}: a run's live state goes into the run session "
-                       "(rlhf_core/scoring/session.py); a registry or memo cache goes into PROCESS_WIDE with its reason")
+                       "(rlhf_core/run/session.py); a registry or memo cache goes into PROCESS_WIDE with its reason")
     gone = sorted(set(PROCESS_WIDE) - _process_wide_values())
     assert not gone, f"PROCESS_WIDE names values that no longer exist: {gone}"
 

@@ -1,6 +1,6 @@
 """Models held in memory for a whole flow run, found by the checkpoint directory they stand for.
 
-One ``LiveModels`` belongs to one run session (``scoring.session.RunSession``): the flow creates it
+One ``LiveModels`` belongs to one run session (``scoring.held.HeldModels``): the flow creates it
 and hands it to every stage call; a CLI rerun of one stage gets an empty one, so everything is read
 from disk. Nothing here is process-wide.
 

@@ -36,7 +36,7 @@ from rlhf_core.models.storage import load_pretrained
 from rlhf_core.progress import bar_disabled
 from rlhf_core.scoring.logprobs import micro_batch_indices
 from rlhf_core.scoring.models import load_tokenizer
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.scoring.held import HeldModels
 
 
 @dataclass
@@ -57,7 +57,7 @@ def load_reward_model(path: str | Path, device: str | torch.device = "cpu",
 
 @contextlib.contextmanager
 def held_reward_model(path: str | Path, device: torch.device, dtype: torch.dtype, param_offload: bool = False,
-                      *, session: RunSession) -> Iterator[RewardModel]:
+                      *, session: HeldModels) -> Iterator[RewardModel]:
     """``load_reward_model``'s model on ``device`` for one scoring pass, held by the session for
     the run and placed by ``reward_model.model.fsdp_config.param_offload`` (``scoring.frozen``)."""
     path = Path(path)

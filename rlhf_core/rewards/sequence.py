@@ -25,7 +25,7 @@ from rlhf_core.rewards.overlong import shape_scores
 from rlhf_core.rewards.registry import normalize_result, reward_function, routing_value
 from rlhf_core.rewards.reward_model import check_same_vocabulary, held_reward_model, rerendered_ids, score_sequences
 from rlhf_core.scoring.models import ModelPaths, load_tokenizer, release, scoring_dtype
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.scoring.held import HeldModels
 
 
 @dataclass(frozen=True)
@@ -74,7 +74,7 @@ class SequenceRewards:
     when a dict result has none, and for reward-model scores)."""
 
 
-def sequence_rewards(settings: RewardSettings, session: RunSession, models: ModelPaths, rows: list[dict],
+def sequence_rewards(settings: RewardSettings, session: HeldModels, models: ModelPaths, rows: list[dict],
                      prompts_path: Path, where_path: Path) -> SequenceRewards:
     """Every response's sequence reward, as the score stage writes it: shared with the rollout
     stage's dynamic sampling (``algorithm.filter_groups``) and the greedy baseline (remax).
@@ -122,7 +122,7 @@ def _acc(result: Any, score: float) -> Optional[float]:
     return None if acc is None else float(acc)
 
 
-def _reward_model_scores(settings: RewardModelSettings, session: RunSession, models: ModelPaths, rows: list[dict],
+def _reward_model_scores(settings: RewardModelSettings, session: HeldModels, models: ModelPaths, rows: list[dict],
                          prompts: dict[str, dict]) -> tuple[list[float], list[str]]:
     """verl's reward-model scoring: the RM reads the actor's own token ids when
     reward_model.model.input_tokenizer is null (its tokenizer must then be the actor's), else each

@@ -5,7 +5,7 @@ the pack stage's generation batches, sampled) and validation (held-out prompts, 
 
     gen = stages.settings.generation(cfg)        # built once, above this layer
     rows = read_prompt_rows(run.val_prompts)
-    samples, stats = generate_responses(gen, model_dir, rows, validation_sampling(gen, seed=7), session=RunSession())
+    samples, stats = generate_responses(gen, model_dir, rows, validation_sampling(gen, seed=7), session=HeldModels())
 
 What generation reads of the config arrives as ``GenerationSettings``; the whole config stops above.
 """
@@ -30,7 +30,7 @@ from rlhf_core.rollout.base import (
 from rlhf_core.data.packing import Share, plan_generation_batches, shard_by_tokens
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.progress import bar_disabled
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.scoring.held import HeldModels
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.flops import floor_metrics, generation_flops, model_shape
 
@@ -81,7 +81,7 @@ def validation_sampling(gen: GenerationSettings, *, seed: int) -> SamplingParams
 
 
 def build_rollout_engine(gen: GenerationSettings, model_path: str | Path, name: Optional[str] = None, *,
-                         session: RunSession, resident: bool = False, data_parallel_size: int = 1,
+                         session: HeldModels, resident: bool = False, data_parallel_size: int = 1,
                          external_launcher: bool = False) -> RolloutEngine:
     """The engine named by ``actor_rollout_ref.rollout.name`` (or ``name``), loaded on ``model_path``;
     ``resident``: a vLLM engine that pauses during the update and takes new weights in place;
@@ -133,7 +133,7 @@ def generate_responses(
     sampling: SamplingParams,
     batches: Optional[Sequence[Sequence[str]]] = None,
     *,
-    session: RunSession,
+    session: HeldModels,
     engine: Optional[RolloutEngine] = None,
     desc: str = "rollout",
     share: Optional[Share] = None,
@@ -175,7 +175,7 @@ def generate_responses(
 
 
 def generation_floor(gen: GenerationSettings, model_path: str | Path, prompt_rows: Sequence[Mapping[str, Any]],
-                     samples: Sequence[GeneratedSample], session: RunSession) -> dict[str, float]:
+                     samples: Sequence[GeneratedSample], session: HeldModels) -> dict[str, float]:
     """The model FLOPs of generating ``samples`` and the seconds they take at this device's matmul rate,
     as the rollout stage reports them (``training.flops.floor_metrics``); {} when the model's shape cannot
     be read."""
@@ -234,7 +234,7 @@ def _run_engine_share(engine: RolloutEngine, prompt_rows: Sequence[Mapping[str, 
     return out
 
 
-def kept_engine(gen: GenerationSettings, model_path: str | Path, session: RunSession, **launch: Any
+def kept_engine(gen: GenerationSettings, model_path: str | Path, session: HeldModels, **launch: Any
                 ) -> Optional[RolloutEngine]:
     """With resident models and vLLM: the session's one engine (in a worker group, each rank's rank of
     it: ``launch``), holding ``model_path``'s weights, built on first use. The resident trainer

@@ -23,7 +23,7 @@ from rlhf_core.rollout.base import (
     trim_response,
 )
 from rlhf_core.scoring.models import load_causal_lm, load_tokenizer, release
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.scoring.held import HeldModels
 
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 DECODES = ("dynamic", "static")
@@ -57,7 +57,7 @@ class HFEngine:
 
     def __init__(self, model_path: str | Path, *, device: str = "auto", dtype: str = "auto",
                  tokenizer_path: Optional[str | Path] = None, cpu_threads: int = 0, attention: str = "auto",
-                 decode: str = "dynamic", max_cache_len: Optional[int] = None, session: Optional[RunSession] = None):
+                 decode: str = "dynamic", max_cache_len: Optional[int] = None, session: Optional[HeldModels] = None):
         import torch
         from transformers import GenerationConfig
 
@@ -71,7 +71,7 @@ class HFEngine:
         # shared (scoring.cache): the actor the guard just measured, or the one scoring will use next,
         # loaded with the same attention implementation as theirs so it is one cached model
         # session: the trainer's module when the run holds model_path's state (none: from disk)
-        self.session = session or RunSession()
+        self.session = session or HeldModels()
         self.tokenizer = load_tokenizer(tokenizer_path or model_path, session=self.session, shared=True)
         model = load_causal_lm(Path(model_path), torch.device(self.device), torch_dtype, session=self.session,
                                shared=True, attention=attention)

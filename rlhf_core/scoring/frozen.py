@@ -20,7 +20,7 @@ Identity as in ``scoring.cache``: an entry serves while its directory's files ar
 model per role: asking for another directory (another run in the same process) drops the previous
 one. On CPU the device is the host memory, so both placements keep the one copy.
 
-One ``FrozenModels`` belongs to one run session (``scoring.session.RunSession``): a CLI rerun of a
+One ``FrozenModels`` belongs to one run session (``scoring.held.HeldModels``): a CLI rerun of a
 stage starts with none held.
 """
 

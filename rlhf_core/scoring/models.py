@@ -21,7 +21,7 @@ from rlhf_core.models import sdpa_varlen as _sdpa_varlen  # noqa: F401  (registe
 from rlhf_core.models.attention import resolve_attention
 from rlhf_core.models.storage import load_pretrained, own_aligned_storage
 from rlhf_core.scoring import cache
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.scoring.held import HeldModels
 
 
 @dataclass
@@ -61,7 +61,7 @@ def _require_model_dir(path: Path, role: str) -> None:
 
 
 def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, role: str = "actor", *,
-                   session: RunSession, shared: bool = False, attention: Optional[str] = None):
+                   session: HeldModels, shared: bool = False, attention: Optional[str] = None):
     """``AutoModelForCausalLM`` in eval mode with gradients off, attention ``attention`` (an
     implementation name or 'auto', see ``rlhf_core.models.attention``: stages pass the config's, so
     scoring, update and guard share one kernel). ``shared=True``: possibly an already loaded, shared
@@ -88,7 +88,7 @@ def load_causal_lm(path: str | Path, device: torch.device, dtype: torch.dtype, r
 
 @contextlib.contextmanager
 def reference_policy(path: str | Path, device: torch.device, dtype: torch.dtype, attention: Optional[str],
-                     param_offload: bool, *, session: RunSession) -> Iterator[torch.nn.Module]:
+                     param_offload: bool, *, session: HeldModels) -> Iterator[torch.nn.Module]:
     """The reference policy on ``device`` for one pass (score, guard, validation KL), held by the
     session for the run and placed by ``actor_rollout_ref.ref.fsdp_config.param_offload``
     (``scoring.frozen``); attention as ``load_causal_lm``'s."""
@@ -105,7 +105,7 @@ def reference_policy(path: str | Path, device: torch.device, dtype: torch.dtype,
         yield model
 
 
-def load_tokenizer(path: str | Path, *, session: RunSession, shared: bool = False):
+def load_tokenizer(path: str | Path, *, session: HeldModels, shared: bool = False):
     """``AutoTokenizer`` of a model directory (``shared``: see ``load_causal_lm``; callers must not
     change its settings)."""
     from transformers import AutoTokenizer
@@ -123,7 +123,7 @@ def load_tokenizer(path: str | Path, *, session: RunSession, shared: bool = Fals
     return cache.shared("tokenizer", Path(path), "cpu", (), load) if shared else load()
 
 
-def _borrow(session: RunSession, path: Path, kind: str, device: torch.device, dtype: torch.dtype):
+def _borrow(session: HeldModels, path: Path, kind: str, device: torch.device, dtype: torch.dtype):
     """The trainer's own module when the session holds ``path``'s state (``models.live``), in eval
     mode with gradients off (as it is lent); None otherwise. It must already sit on ``device`` in ``dtype`` — the update trains in the dtype scoring
     uses (``scoring_dtype``) — else the caller would score other arithmetic than it asked for."""
@@ -137,7 +137,7 @@ def _borrow(session: RunSession, path: Path, kind: str, device: torch.device, dt
     return held.module.eval()
 
 
-def release(model_ref: "weakref.ref", device: torch.device, session: RunSession) -> None:
+def release(model_ref: "weakref.ref", device: torch.device, session: HeldModels) -> None:
     """Give a model's memory back after the caller dropped its last reference (pass a weakref taken
     before ``del``). Reference counting frees a model at once unless a reference cycle holds it
     (seen for the first model a process loads) — only then run the full garbage collection, which
@@ -154,7 +154,7 @@ def release(model_ref: "weakref.ref", device: torch.device, session: RunSession)
 
 
 def load_critic(path: str | Path, device: torch.device, dtype: torch.dtype, attention: str = "auto", *,
-                session: RunSession):
+                session: HeldModels):
     """The value model: ``AutoModelForTokenClassification`` with one label, eval mode (no dropout),
     gradients off and attention as ``load_causal_lm``'s."""
     from transformers import AutoModelForTokenClassification
@@ -230,7 +230,7 @@ def is_lora_dir(path: Path) -> bool:
 
 
 def load_merged_actor(path: str | Path, device=None, dtype=None, attention: str = "auto", *,
-                      session: Optional[RunSession] = None):
+                      session: Optional[HeldModels] = None):
     """The actor as a plain causal LM in eval mode: a full model directory as is, a peft adapter
     directory merged into its base (``base_model_name_or_path`` in adapter_config.json). Without a
     session (an export) it is read from disk."""
@@ -238,7 +238,7 @@ def load_merged_actor(path: str | Path, device=None, dtype=None, attention: str 
     device = device or torch.device("cpu")
     dtype = dtype or torch.float32
     if not is_lora_dir(path):
-        return load_causal_lm(path, device, dtype, role="actor", attention=attention, session=session or RunSession())
+        return load_causal_lm(path, device, dtype, role="actor", attention=attention, session=session or HeldModels())
     base_path = json.loads((path / "adapter_config.json").read_text()).get("base_model_name_or_path")
     if not base_path or not Path(base_path).is_dir():
         raise CheckpointError(f"{path}/adapter_config.json names base model {base_path!r}, which is not a "

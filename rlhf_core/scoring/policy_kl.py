@@ -18,7 +18,7 @@ from rlhf_core.models.packed import (
 )
 from rlhf_core.data.packing import Share
 from rlhf_core.scoring.logprobs import compute_token_logprobs, own_micro_batches, plan_micro_batches
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.scoring.held import HeldModels
 from rlhf_core.scoring.models import (
     is_lora_dir, load_causal_lm, load_merged_actor, reference_policy,
 )
@@ -167,7 +167,7 @@ def _reference_hidden(ref, packed, positions, owners, head_inputs: Optional[list
     return torch.cat([head_inputs[i] for i, _ in owners]).to(next(head.parameters()).device), head
 
 
-def actor_ref_kl(settings: KLPassSettings, session: RunSession, actor_dir: Path, ref_dir: Path,
+def actor_ref_kl(settings: KLPassSettings, session: HeldModels, actor_dir: Path, ref_dir: Path,
                  sequences: list[list[int]], prompt_lengths: list[int], share: Optional[Share] = None
                  ) -> tuple[list, list]:
     """``token_kl`` of the actor in ``actor_dir`` against the reference policy in ``ref_dir``, packed
@@ -183,7 +183,7 @@ def actor_ref_kl(settings: KLPassSettings, session: RunSession, actor_dir: Path,
                         temperature=settings.temperature, pad_id=pad_id, share=share, ref_head_inputs=kept)
 
 
-def actor_sampled_log_probs(settings: KLPassSettings, session: RunSession, actor_dir: Path,
+def actor_sampled_log_probs(settings: KLPassSettings, session: HeldModels, actor_dir: Path,
                             sequences: list[list[int]], prompt_lengths: list[int]) -> list:
     """The actor in ``actor_dir``'s log-probs of the sampled response tokens: one no-grad forward."""
     actor = load_actor_for_kl(session, actor_dir, settings.device, settings.dtype, settings.attention)
@@ -194,7 +194,7 @@ def actor_sampled_log_probs(settings: KLPassSettings, session: RunSession, actor
                                   desc="guard: actor log-probs")
 
 
-def load_actor_for_kl(session: RunSession, actor_dir: Path, device, dtype, attention: str = "auto"):
+def load_actor_for_kl(session: HeldModels, actor_dir: Path, device, dtype, attention: str = "auto"):
     """The trained actor for KL measurement: shared from ``scoring.cache`` (the next rollout samples
     from it when committed), except a LoRA adapter, which ``load_merged_actor`` merges into its base."""
     if is_lora_dir(actor_dir):

@@ -14,7 +14,7 @@ keyed by the reference directory's identity (``scoring.cache.directory_identity`
 attention implementation and the sequence's tokens and prompt length. One pass's states at a time:
 the next pass replaces them. Only when they fit ``KEEP_LIMIT_BYTES`` (else the guard runs the
 reference's forward as before). One ``RefStates`` belongs to one run session
-(``scoring.session.RunSession``): a CLI rerun (`rlhf stage guard`) has none and runs the forward.
+(``scoring.held.HeldModels``): a CLI rerun (`rlhf stage guard`) has none and runs the forward.
 
 Exactness: the LM head of the same hidden states gives the logits of the reference's forward; where
 the guard packs its micro-batches as scoring did (its budget is the reference's, ``KLPassSettings``)

@@ -6,7 +6,7 @@ Prefect task (``tasks/stages.py``) straight into the stage.
     run_<stage>(cfg, run, iteration=None, force=False[, session=None]) -> StageResult
     <stage>_share(cfg, run, iteration, rank, world, out, session) -> None
 
-A stage function that takes ``session`` gets the flow run's models in memory (``scoring.session``);
+A stage function that takes ``session`` gets the flow run's models in memory (``run.session``);
 its share, when it has one, is what each process runs of its model passes spread over several
 (``stages.ranks``, ``stages.rank_entry``, a worker group's rank: ``stages.group_entry``).
 """

@@ -36,7 +36,7 @@ from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.errors import RLHFError, disk_full_as_user_error
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.catalog import stage_functions
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.training.checkpoint import full_state_dict, save_tokenizer
 from rlhf_core.training.distributed import DistInfo, init_distributed, shutdown_distributed
 from rlhf_core.training.resident import ResidentTrainer

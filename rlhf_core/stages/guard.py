@@ -32,7 +32,7 @@ from rlhf_core.rollout.generate import GenerationSettings
 from rlhf_core.scoring.policy_kl import (
     KLPassSettings, actor_ref_kl, actor_sampled_log_probs, importance_weighted_kl, response_kl,
 )
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
 from rlhf_core.stages.settings import generation, kl_pass

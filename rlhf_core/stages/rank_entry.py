@@ -18,7 +18,7 @@ from rlhf_core.io.allocator import keep_freed_memory
 from rlhf_core.errors import RLHFError
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.catalog import SHARED, stage_functions
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="rlhf_core.stages.rank_entry")

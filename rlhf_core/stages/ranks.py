@@ -48,7 +48,7 @@ from rlhf_core.io.atomic import atomic_write_bytes, atomic_write_text
 from rlhf_core.rollout.base import GeneratedSample, GenerationStats, SamplingParams
 from rlhf_core.rollout.generate import generation_engine, own_batches
 from rlhf_core.run.layout import RunDir
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.launch import stream
 from rlhf_core.training.run_trainer import group_of

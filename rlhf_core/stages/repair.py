@@ -33,7 +33,7 @@ from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import (committed_iterations, discard_checkpoint, fall_back, is_replayable,
                                     last_good_iteration)
 from rlhf_core.run.manifest import read_manifest, write_manifest
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.stages.base import changed_outputs
 from rlhf_core.stages.catalog import stage_functions
 from rlhf_core.training.lineage import read_state_record, recorded_config

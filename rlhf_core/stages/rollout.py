@@ -61,7 +61,7 @@ from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
 from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
 from rlhf_core.rewards.sequence import RewardSettings, sequence_rewards
 from rlhf_core.scoring.models import ModelPaths
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, merge_samples, merged_stats, run_on_ranks,
                                     write_share)

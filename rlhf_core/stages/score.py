@@ -61,7 +61,7 @@ from rlhf_core.scoring import (
 from rlhf_core.data.packing import Share
 from rlhf_core.scoring.models import ModelPaths, reference_policy, release
 from rlhf_core.scoring import ref_states
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
 from rlhf_core.stages.settings import reward_model_paths, reward_settings

@@ -28,7 +28,7 @@ import pyarrow.parquet as pq
 from rlhf_core.config import RLHFConfig
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.run.layout import RunDir
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.training import lineage
 from rlhf_core.training.group_trainer import update_world

@@ -51,7 +51,7 @@ from rlhf_core.rollout.generate import (
     PROMPT_COLUMNS, GenerationSettings, generate_responses, generation_engine, generation_plan, read_prompt_rows,
     train_sampling, validation_sampling,
 )
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.stages.ranks import generation_processes, merge_engine_samples, merge_samples, run_on_ranks, write_share
 from rlhf_core.stages.settings import generation

@@ -24,7 +24,7 @@ writes (and hashes) a full checkpoint — at real sizes, most of the iteration. 
                  as a checkpoint, so it is rebuilt once.
 
 The engine state lives in this process only, in the run session the flow hands to every stage
-(``scoring.session.RunSession``: ``run_trainer.resident_models`` puts the trainer there for the iterations);
+(``run.session.RunSession``: ``run_trainer.resident_models`` puts the trainer there for the iterations);
 the run directory stays the durable lineage (tables, manifests, state records, checkpoints at save
 points).
 

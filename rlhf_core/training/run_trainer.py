@@ -17,7 +17,7 @@ from rlhf_core.notes import say_once
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import is_replayable
 from rlhf_core.run.schedule import save_due
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.training.checkpoint import save_checkpoint
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.engines import LoraSettings, present

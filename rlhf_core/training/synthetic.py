@@ -14,7 +14,7 @@ import numpy as np
 from rlhf_core.data.schemas import ADVANTAGES
 from rlhf_core.scoring.logprobs import compute_token_logprobs
 from rlhf_core.scoring.models import load_causal_lm
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 
 
 def synthetic_advantages(model_dir: str | Path, n: int = 16, *, seed: int = 0, prompt_len: tuple[int, int] = (4, 12),

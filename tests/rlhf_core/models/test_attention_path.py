@@ -21,7 +21,7 @@ from rlhf_core.scoring.policy_kl import token_kl
 from rlhf_core.training.batch import PER_TOKEN_COLUMNS, MicroBatchPlan, PPOData, build_micro_batch, split_mini_batch
 from rlhf_core.training.engines import load_actor_model
 from rlhf_core.training.forward import actor_forward
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 
 DISK = RunSession()  # nothing held in memory: every model is read from its directory
 

@@ -27,7 +27,7 @@ from rlhf_core.models.tiny import EOS, IM_END, build_tokenizer, default_corpus
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.rollout.base import eos_token_ids
 from rlhf_core.scoring.models import load_causal_lm, load_tokenizer
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 
 CHAT = [{"role": "system", "content": "You are a careful assistant."},
         {"role": "user", "content": "What is 7 + 5? Let's think step by step."}]

@@ -49,7 +49,7 @@ def test_the_setting_reaches_the_engine_sized_for_the_longest_sequence(tiny_mode
     from rlhf_core.config import load_config
     from rlhf_core.rollout.generate import build_rollout_engine
     from rlhf_core.stages.settings import generation
-    from rlhf_core.scoring.session import RunSession
+    from rlhf_core.run.session import RunSession
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.rollout.hf_decode=static",
                              "data.max_prompt_length=40", "data.max_response_length=24", "trainer.device=cpu"])

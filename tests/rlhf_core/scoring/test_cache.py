@@ -12,7 +12,7 @@ import torch
 from rlhf_core.io.atomic import atomic_dir
 from rlhf_core.scoring import cache
 from rlhf_core.scoring.models import load_causal_lm, load_tokenizer, release
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 
 DISK = RunSession()  # nothing held in memory: every model is read from its directory
 

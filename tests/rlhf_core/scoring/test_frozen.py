@@ -18,7 +18,7 @@ from rlhf_core.config import load_config
 from rlhf_core.io.timing import MODEL_LOAD, tally
 from rlhf_core.rewards.reward_model import held_reward_model
 from rlhf_core.scoring import cache, frozen
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.scoring.models import load_causal_lm, reference_policy
 from rlhf_core.scoring.policy_kl import actor_ref_kl
 from rlhf_core.stages.settings import kl_pass

@@ -19,7 +19,7 @@ from rlhf_core.scoring import (
     same_weights,
     weights_fingerprint,
 )
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 
 DISK = RunSession()  # nothing held in memory: every model is read from its directory
 

@@ -21,7 +21,7 @@ from rlhf_core.config.resolve import MicroBatching
 from rlhf_core.scoring.logprobs import compute_token_logprobs, compute_token_values, plan_micro_batches
 from rlhf_core.scoring.models import load_causal_lm, load_critic
 from rlhf_core.scoring.policy_kl import token_kl
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 
 DISK = RunSession()  # every model read from its directory
 CPU = torch.device("cpu")

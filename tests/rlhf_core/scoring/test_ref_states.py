@@ -14,7 +14,7 @@ from rlhf_core.scoring.policy_kl import token_kl
 
 F32 = torch.float32
 KEPT = ref_states.RefStates()
-"""One run session's kept states (``scoring.session.RunSession.ref_states``)."""
+"""One run session's kept states (``run.session.RunSession.ref_states``)."""
 
 
 @pytest.fixture(autouse=True)

@@ -17,7 +17,7 @@ from rlhf_core.config import load_config
 from rlhf_core.run.manifest import read_manifest, record_stage
 from rlhf_core.run.lifecycle import read_last_good
 from rlhf_core.run.layout import RunDir
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 
 
 def _cfg(model_dir, *extra):

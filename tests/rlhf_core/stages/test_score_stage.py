@@ -17,7 +17,7 @@ from rlhf_core.io.atomic import atomic_write_parquet
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.init_critic import run_init_critic
 from rlhf_core.stages.score import run_score
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 
 DISK = RunSession()  # nothing held in memory: every model is read from its directory
 

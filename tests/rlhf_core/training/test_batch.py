@@ -17,7 +17,7 @@ from rlhf_core.training.batch import (
     read_advantages,
     split_mini_batch,
 )
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 
 DISK = RunSession()  # nothing held in memory: every model is read from its directory
 

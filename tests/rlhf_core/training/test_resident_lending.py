@@ -12,7 +12,7 @@ from rlhf_core.rollout.base import SamplingParams
 from rlhf_core.rollout.hf import HFEngine
 from rlhf_core.run.layout import RunDir
 from rlhf_core.scoring.models import load_causal_lm
-from rlhf_core.scoring.session import RunSession
+from rlhf_core.run.session import RunSession
 from rlhf_core.training.resident import ResidentTrainer
 
 pytestmark = pytest.mark.deepspeed
