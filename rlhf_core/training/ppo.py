@@ -20,13 +20,16 @@ an iteration as verl reduces them (see ``SUMMED_OVER_STEPS``).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 import torch
+from tqdm.auto import tqdm
 
 from rlhf_core.algos.registry import accepted_kwargs, get_policy_loss_fn
 from rlhf_core.algos.aggregation import agg_loss
@@ -42,8 +45,38 @@ from rlhf_core.training.distributed import DistInfo, all_reduce
 from rlhf_core.training.engines import TrainEngine, optimizer_step
 from rlhf_core.training.forward import actor_forward, critic_forward
 
-# a micro-batch loss: (engine, micro-batch, mini-batch tokens, mini-batch sequences) → (loss, sums)
-MicroLoss = Callable[[object, MicroBatch, int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]]
+@dataclass
+class MicroForward:
+    """One micro-batch through a role's model: what its objective and its total read."""
+
+    out: torch.Tensor
+    """(B, T): the actor's log-probs of the response tokens, or the critic's value predictions."""
+    entropy: Optional[torch.Tensor]
+    """(B, T): the actor's entropy per token (None for the critic)."""
+    tensors: dict[str, torch.Tensor]
+    """The micro-batch's table tensors (old_log_probs, advantages, values, returns, ...) on the model's device."""
+    mask: torch.Tensor
+    """(B, T) bool: the response tokens."""
+
+
+class MicroLoss(Protocol):
+    """A role's loss on one micro-batch in the three parts ``train_step`` calls in turn: the model's
+    ``forward``, the registered ``objective`` (the function and its inputs: the step calls it, so
+    the math sits one frame below the step) and the ``total`` with its per-micro-batch statistics.
+    ``n_tok`` / ``n_seq``: the mini-batch's global token and sequence counts (the aggregation's)."""
+
+    def forward(self, engine, mb: MicroBatch) -> MicroForward: ...
+
+    def objective(self, fwd: MicroForward, n_tok: int, n_seq: int) -> tuple[Callable[..., Any], dict[str, Any]]: ...
+
+    def total(self, loss: torch.Tensor, parts: dict[str, torch.Tensor], fwd: MicroForward, n_tok: int,
+              n_seq: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]: ...
+
+    def step_metrics(self) -> dict[str, float]: ...
+
+
+def _on_device(engine_out: torch.Tensor, mb: MicroBatch) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    return {k: v.to(engine_out.device) for k, v in mb.tensors.items()}, mb.response_mask.to(engine_out.device)
 
 PEAKS = ("actor/old_log_prob_diff_max",)
 """Per-micro-batch statistics a step reduces by their maximum (every other one is a share, summed)."""
@@ -95,7 +128,7 @@ class ActorLoss:
 
     def policy_loss(self, *, log_prob: torch.Tensor, tensors: dict[str, torch.Tensor], mask: torch.Tensor,
                     n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """The policy loss alone on one micro-batch (what ``__call__`` adds the entropy and KL terms to)."""
+        """The policy loss alone on one micro-batch (what ``total`` adds the entropy and KL terms to)."""
         return self.policy_fn(**self.policy_inputs(log_prob=log_prob, tensors=tensors, mask=mask, n_tok=n_tok,
                                                    n_seq=n_seq))
 
@@ -103,15 +136,21 @@ class ActorLoss:
         return dict(loss_agg_mode=self.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
                     loss_scale_factor=self.loss_scale_factor)
 
-    def __call__(self, engine, mb: MicroBatch, n_tok: int, n_seq: int):
+    def forward(self, engine, mb: MicroBatch) -> MicroForward:
         log_prob, entropy = actor_forward(engine, mb, self.temperature, entropy_grad=self.entropy_coeff != 0)
-        t = {k: v.to(log_prob.device) for k, v in mb.tensors.items()}
-        mask = mb.response_mask.to(log_prob.device)
+        return MicroForward(log_prob, entropy, *_on_device(log_prob, mb))
+
+    def objective(self, fwd: MicroForward, n_tok: int, n_seq: int) -> tuple[Callable[..., Any], dict[str, Any]]:
+        return self.policy_fn, self.policy_inputs(log_prob=fwd.out, tensors=fwd.tensors, mask=fwd.mask, n_tok=n_tok,
+                                                  n_seq=n_seq)
+
+    def total(self, pg_loss: torch.Tensor, pg: dict[str, torch.Tensor], fwd: MicroForward, n_tok: int,
+              n_seq: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """policy loss − entropy_coeff · entropy + kl_loss_coef · KL(actor‖ref), and the micro-batch's
+        statistics as its share of the mini-batch's."""
+        log_prob, t, mask = fwd.out, fwd.tensors, fwd.mask
         counts = self._counts(n_tok, n_seq)
-        # the registered loss called from here, not through policy_loss: the loss sits one frame below the step
-        pg_loss, pg = self.policy_fn(**self.policy_inputs(log_prob=log_prob, tensors=t, mask=mask, n_tok=n_tok,
-                                                          n_seq=n_seq))
-        ent_loss = agg_loss(loss_mat=entropy, loss_mask=mask, **counts)
+        ent_loss = agg_loss(loss_mat=fwd.entropy, loss_mask=mask, **counts)
         loss, kl_loss = pg_loss, torch.zeros((), device=log_prob.device)
         if self.entropy_coeff != 0:
             loss = loss - self.entropy_coeff * ent_loss
@@ -140,22 +179,33 @@ class CriticLoss:
     loss_scale_factor: Optional[float] = None
     """seq-mean-token-sum-norm's constant divisor (``config.resolve.critic_loss_scale_factor``)."""
 
+    def value_inputs(self, *, vpreds: torch.Tensor, tensors: dict[str, torch.Tensor], mask: torch.Tensor,
+                     n_tok: int, n_seq: int) -> dict[str, Any]:
+        """The keyword arguments of ``compute_value_loss`` on one micro-batch, with the mini-batch's global counts."""
+        return dict(vpreds=vpreds, values=tensors["values"], returns=tensors["returns"], response_mask=mask,
+                    cliprange_value=self.cliprange_value, loss_agg_mode=self.loss_agg_mode, global_num_tokens=n_tok,
+                    global_num_seqs=n_seq, loss_scale_factor=self.loss_scale_factor)
+
     def value_loss(self, *, vpreds: torch.Tensor, tensors: dict[str, torch.Tensor], mask: torch.Tensor,
                    n_tok: int, n_seq: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """The clipped value loss on one micro-batch with the mini-batch's global counts."""
-        return compute_value_loss(vpreds=vpreds, values=tensors["values"], returns=tensors["returns"],
-                                  response_mask=mask, cliprange_value=self.cliprange_value,
-                                  loss_agg_mode=self.loss_agg_mode, global_num_tokens=n_tok, global_num_seqs=n_seq,
-                                  loss_scale_factor=self.loss_scale_factor)
+        return compute_value_loss(**self.value_inputs(vpreds=vpreds, tensors=tensors, mask=mask, n_tok=n_tok,
+                                                      n_seq=n_seq))
 
-    def __call__(self, engine, mb: MicroBatch, n_tok: int, n_seq: int):
+    def forward(self, engine, mb: MicroBatch) -> MicroForward:
         vpreds = critic_forward(engine, mb)
-        t = {k: v.to(vpreds.device) for k, v in mb.tensors.items()}
-        mask = mb.response_mask.to(vpreds.device)
-        vf_loss, m = self.value_loss(vpreds=vpreds, tensors=t, mask=mask, n_tok=n_tok, n_seq=n_seq)
-        share = mask.sum() / max(n_tok, 1)
+        return MicroForward(vpreds, None, *_on_device(vpreds, mb))
+
+    def objective(self, fwd: MicroForward, n_tok: int, n_seq: int) -> tuple[Callable[..., Any], dict[str, Any]]:
+        return compute_value_loss, self.value_inputs(vpreds=fwd.out, tensors=fwd.tensors, mask=fwd.mask, n_tok=n_tok,
+                                                     n_seq=n_seq)
+
+    def total(self, vf_loss: torch.Tensor, m: dict[str, torch.Tensor], fwd: MicroForward, n_tok: int,
+              n_seq: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """The value loss itself, and the micro-batch's statistics as its share of the mini-batch's."""
+        share = fwd.mask.sum() / max(n_tok, 1)
         sums = {"critic/vf_loss": vf_loss, "critic/vf_clipfrac": m["vf_clipfrac"] * share,
-                "critic/vpred_mean": torch.where(mask, vpreds, 0.0).sum() / max(n_tok, 1)}
+                "critic/vpred_mean": torch.where(fwd.mask, fwd.out, 0.0).sum() / max(n_tok, 1)}
         return vf_loss, {k: v.detach().float() for k, v in sums.items()}
 
     def step_metrics(self) -> dict[str, float]:
@@ -183,7 +233,10 @@ def train_step(te: TrainEngine, data: PPOData, rows: list[int], plan: MicroBatch
     for j, layout in enumerate(layouts):
         mb = build_micro_batch(data, layout, pad_id, filler_row=rows[0], mode=mode)
         te.engine.set_gradient_accumulation_boundary(j == len(layouts) - 1)
-        loss, stats = loss_fn(te.engine, mb, n_tok, n_seq)
+        fwd = loss_fn.forward(te.engine, mb)
+        objective, inputs = loss_fn.objective(fwd, n_tok, n_seq)
+        loss, stats = loss_fn.total(*objective(**inputs), fwd, n_tok, n_seq)  # the registered loss, called here
+        del fwd, inputs  # the forward's outputs are not needed through the backward: freed before it, not after
         # DeepSpeed averages over ranks; the shares were computed for a sum over ranks
         te.backward(loss * (mb.weight * dist.world_size))
         for k, v in stats.items():
@@ -201,7 +254,7 @@ def train_step(te: TrainEngine, data: PPOData, rows: list[int], plan: MicroBatch
     top = sorted(peaks)
     if top:
         metrics.update(zip(top, map(float, all_reduce(torch.stack([peaks[k] for k in top]), op="max"))))
-    metrics.update(getattr(loss_fn, "step_metrics", dict)())
+    metrics.update(loss_fn.step_metrics())
     metrics.update({f"{te.role}/grad_norm": outcome.grad_norm, f"{te.role}/lr": outcome.lr,
                     f"{te.role}/step_applied": float(outcome.applied), f"{te.role}/micro_batches": len(layouts)})
     return StepResult(metrics=metrics, tokens=tokens)
@@ -238,64 +291,62 @@ class PPOOutcome:
     wall_seconds: float = 0.0
     """Wall seconds of the whole update loop (less than the sum of ``seconds`` when roles overlap)."""
 
-
-def _train_role(role: RoleSchedule, data: PPOData, seed: str, dist: DistInfo, pad_id: int,
-                bar) -> tuple[list[dict[str, float]], int, float]:
-    """All epochs of one role, then one step of its LR schedule: (per-step metrics, tokens, seconds)."""
-    name, how, started = role.te.role, role.how, time.perf_counter()
-    steps: list[dict[str, float]] = []
-    tokens = 0
-    order = data.grouped_order()
-    for epoch in range(how.epochs):
-        for rows in mini_batches(order, how.mini_batch_size, shuffle=how.shuffle, seed=seed, epoch=epoch):
-            result = train_step(role.te, data, rows, how.plan, how.loss_fn, dist, pad_id)
-            reported = {k: v for k, v in result.metrics.items() if not steps or k not in FIRST_STEP_ONLY}
-            steps.append({"epoch": epoch, "step": len(steps), **reported})
-            fault_point(f"update:after_step:{name}:{len(steps)}")  # kill tests: weights moved, nothing saved
-            tokens += result.tokens
-            bar.update(1)
-    role.te.finish_training_step()
-    return steps, tokens, time.perf_counter() - started
+    def add(self, roles: "PPOOutcome") -> None:
+        """Take in the per-role records of a loop that trained other roles (a thread's)."""
+        self.steps.update(roles.steps)
+        self.tokens.update(roles.tokens)
+        self.seconds.update(roles.seconds)
 
 
 def run_ppo(roles: list[RoleSchedule], data: PPOData, *, seed: str, dist: DistInfo, pad_id: int,
-            progress: Optional[bool] = None, concurrent: bool = False) -> PPOOutcome:
-    """Train each role (critic, then actor, or both at once) for its epochs over ``data``; every rank
-    returns the same (all-reduced) metrics. The mini-batch order depends only on ``seed`` and the epoch.
+            progress: Optional[bool] = None, concurrent: bool = False, bar=None) -> PPOOutcome:
+    """Train each role (critic, then actor, or both at once) for its epochs over ``data``, then one step
+    of its LR schedule; every rank returns the same (all-reduced) metrics. The mini-batch order
+    depends only on ``seed`` and the epoch.
 
-    ``concurrent``: train the roles at the same time, one thread each. The critic's and the actor's
-    updates read the same fixed advantages table and share nothing else, so each ends with exactly
-    the weights and metrics it would have alone; with one intra-op thread per role this keeps two
-    cores busy where a small model's matmuls cannot. Only for one process (``concurrent_roles``):
-    with several ranks, two threads' collectives could interleave differently on each rank.
+    ``concurrent``: train the roles at the same time, one thread each, each thread running this loop
+    for its one role (``bar``: the progress bar they share). The critic's and the actor's updates read
+    the same fixed advantages table and share nothing else, so each ends with exactly the weights and
+    metrics it would have alone; with one intra-op thread per role this keeps two cores busy where a
+    small model's matmuls cannot. Only for one process (``concurrent_roles``): with several ranks, two
+    threads' collectives could interleave differently on each rank.
     """
-    from concurrent.futures import ThreadPoolExecutor
-
-    from tqdm.auto import tqdm
-
     if concurrent and dist.world_size > 1:
         raise ValueError("concurrent roles need a single process: collectives from two threads could "
                          "pair up differently on each rank")
     outcome = PPOOutcome()
-    total = sum(r.how.epochs * math.ceil(len(data) / r.how.mini_batch_size) for r in roles)
     started = time.perf_counter()
-    with tqdm(total=total, desc="ppo update", unit="step", leave=False,
-              disable=bar_disabled(progress) or not dist.is_main) as bar:
-        args = (data, seed, dist, pad_id, bar)
+    with (_progress_bar(roles, data, dist, progress) if bar is None else contextlib.nullcontext(bar)) as bar:
         if concurrent and len(roles) > 1:
             with ThreadPoolExecutor(max_workers=len(roles), thread_name_prefix="ppo-role") as pool:
-                futures = [pool.submit(_train_role, role, *args) for role in roles]
-                results = [f.result() for f in futures]  # re-raises a role's exception here
+                futures = [pool.submit(run_ppo, [role], data, seed=seed, dist=dist, pad_id=pad_id, bar=bar)
+                           for role in roles]
+                for future in futures:
+                    outcome.add(future.result())  # re-raises a role's exception here
         else:
-            results = []
-            for role in roles:  # a loop, not a comprehension: one frame fewer between the update and the loss
-                results.append(_train_role(role, *args))
-    for role, (steps, tokens, seconds) in zip(roles, results):
-        outcome.steps[role.te.role] = steps
-        outcome.tokens[role.te.role] = tokens
-        outcome.seconds[role.te.role] = seconds
+            for role in roles:
+                name, how, role_started = role.te.role, role.how, time.perf_counter()
+                steps, outcome.tokens[name] = outcome.steps.setdefault(name, []), 0
+                order = data.grouped_order()
+                for epoch in range(how.epochs):
+                    for rows in mini_batches(order, how.mini_batch_size, shuffle=how.shuffle, seed=seed, epoch=epoch):
+                        result = train_step(role.te, data, rows, how.plan, how.loss_fn, dist, pad_id)
+                        reported = {k: v for k, v in result.metrics.items() if not steps or k not in FIRST_STEP_ONLY}
+                        steps.append({"epoch": epoch, "step": len(steps), **reported})
+                        # kill tests: weights moved, nothing saved
+                        fault_point(f"update:after_step:{name}:{len(steps)}")
+                        outcome.tokens[name] += result.tokens
+                        bar.update(1)
+                role.te.finish_training_step()  # one step of the role's LR schedule
+                outcome.seconds[name] = time.perf_counter() - role_started
     outcome.wall_seconds = time.perf_counter() - started
     return outcome
+
+
+def _progress_bar(roles: list[RoleSchedule], data: PPOData, dist: DistInfo, progress: Optional[bool]):
+    total = sum(r.how.epochs * math.ceil(len(data) / r.how.mini_batch_size) for r in roles)
+    return tqdm(total=total, desc="ppo update", unit="step", leave=False,
+                disable=bar_disabled(progress) or not dist.is_main)
 
 
 SUMMED_OVER_STEPS = ("actor/pg_loss", "actor/kl_loss", "critic/vf_loss")

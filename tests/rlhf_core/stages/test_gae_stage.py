@@ -427,7 +427,7 @@ def test_a_retry_multiplier_whose_last_retry_leaves_any_sensible_range_is_refuse
 
 GAE_DEPTH_AT_MOST = 4
 """Frames from the gae stage's Prefect task to ``compute_gae`` (``call_path``): a ceiling that only comes
-down (docs/architecture.md; the goal is 4)."""
+down (docs/architecture.md; the goal was 4)."""
 
 
 def test_the_gae_task_reaches_compute_gae_within_its_ceiling(tmp_path, call_path):

@@ -153,9 +153,16 @@ def test_an_advantage_on_the_eos_alone_moves_the_policy_and_the_critic(chat_mode
                                                              mask=mb.response_mask, n_tok=n_tok, n_seq=n_seq)
     (vgrad,) = torch.autograd.grad(vf_loss, vpreds)
     assert vgrad[eos_positions].abs().min() > 0 and not vgrad[~mb.response_mask].any()
-    loss, _ = ActorLoss()(actor, mb, n_tok, n_seq)  # the whole micro-batch loss, through the model
+    loss = _micro_batch_loss(ActorLoss(), actor, mb, n_tok, n_seq)  # the whole micro-batch loss, through the model
     loss.backward()
     assert sum(float(p.grad.abs().sum()) for p in actor.parameters() if p.grad is not None) > 0
+
+
+def _micro_batch_loss(loss_fn, engine, mb, n_tok: int, n_seq: int):
+    """The micro-batch's loss as ``ppo.train_step`` makes it: forward, the registered objective, the total."""
+    fwd = loss_fn.forward(engine, mb)
+    objective, inputs = loss_fn.objective(fwd, n_tok, n_seq)
+    return loss_fn.total(*objective(**inputs), fwd, n_tok, n_seq)[0]
 
 
 def test_the_pad_id_changes_no_gradient(chat_models, chat_update_data):
@@ -166,7 +173,7 @@ def test_the_pad_id_changes_no_gradient(chat_models, chat_update_data):
         data, _ = chat_update_data[name]
         actor = load_actor_model(chat_models[name], torch.float32)
         mb, (n_tok, n_seq) = one_micro_batch(data, actor, packed=True)
-        loss, _ = ActorLoss()(actor, mb, n_tok, n_seq)
+        loss = _micro_batch_loss(ActorLoss(), actor, mb, n_tok, n_seq)
         loss.backward()
         grads[name] = {k: p.grad.clone() for k, p in actor.named_parameters() if p.grad is not None}
     assert grads["tiny"].keys() == grads["tiny_pad_eos"].keys()

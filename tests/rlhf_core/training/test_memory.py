@@ -209,12 +209,14 @@ def test_engines_apply_gradient_checkpointing_and_zero3_loads_partitioned(make_e
     assert not any(hasattr(p, "ds_id") for p in load_actor_model(tiny_model_dir, torch.float32).parameters())
 
 
-TOLERANCE = (0.9, 1.3)
+TOLERANCE = (0.85, 1.3)
 """measured growth / estimated state. Above 1: what the estimate leaves out on purpose — the
 allocator's caches, gloo's buffers, one 64-token micro-batch; it was 1.07-1.08 when written (776 MiB
 estimated, 833-836 MiB measured per rank at ZeRO-1). The ranks run with glibc's own trimming
 (``allocator.ENV=0``): memory the model load freed and glibc kept would be reused by the state and
-hide part of it from the growth (0.89 once, on an Intel Xeon, after other tests)."""
+hide part of it from the growth (0.89 once, on an Intel Xeon, after other tests; 0.885-0.953 over
+eight runs on a 2-core AMD EPYC, alone and beside other tests, moving with when the step's tensors
+are freed). Below 0.85 the estimate would be some 15 % too high: a term counted twice."""
 
 
 @pytest.mark.deepspeed
