@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any, Iterator, Optional, Union
+from typing import Any, Iterator, Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.schema import TrainerConfig
@@ -17,7 +17,7 @@ from rlhf_core.notes import say_once
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import is_replayable
 from rlhf_core.run.schedule import save_due
-from rlhf_core.run.session import RunSession
+from rlhf_core.run.session import KeptTrainer, RunSession
 from rlhf_core.training.checkpoint import save_checkpoint
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.engines import LoraSettings, present
@@ -67,16 +67,13 @@ def resident_possible(cfg: RLHFConfig) -> Optional[str]:
     return None
 
 
-Trainer = Union[ResidentTrainer, GroupTrainer]
-
-
 def group_of(session: RunSession) -> Optional[GroupTrainer]:
     """The worker group keeping the session's models, when its flow run started one."""
     return session.trainer if isinstance(session.trainer, GroupTrainer) else None
 
 
 @contextlib.contextmanager
-def resident_models(cfg: RLHFConfig, run: RunDir, session: RunSession) -> Iterator[Optional[Trainer]]:
+def resident_models(cfg: RLHFConfig, run: RunDir, session: RunSession) -> Iterator[Optional[KeptTrainer]]:
     """Keep ``run``'s models resident in ``session`` for the block (the flow's iterations), when
     ``cfg`` allows (``resident_possible``); at the end the last-good state is made durable and the
     models freed. On an interrupt only the write in flight is finished: a resume replays the rest."""
@@ -92,10 +89,11 @@ def resident_models(cfg: RLHFConfig, run: RunDir, session: RunSession) -> Iterat
                  f"checkpointed (in the background): a crash never needs one; trainer.save_freq="
                  f"{cfg.trainer.save_freq} still decides which are kept")
     if update_world(cfg.trainer) > 1:
-        trainer: Trainer = GroupTrainer(cfg, run)
-        session.live.provide_with(trainer)
+        group = GroupTrainer(cfg, run)
+        session.live.provide_with(group)
         log.info("models are kept by a worker group of %d update processes for the whole run; the stages' model "
-                 "passes run on them", trainer.world)
+                 "passes run on them", group.world)
+        trainer: KeptTrainer = group
     else:
         trainer = ResidentTrainer(run, session.live)
         session.live.keep_engines(keeps_rollout_engine(cfg))  # one vLLM engine for the run
@@ -188,12 +186,12 @@ def ensure_state(session: RunSession, run: RunDir, k: Optional[int]) -> bool:
 
 
 @contextlib.contextmanager
-def one_update_trainer(cfg: RLHFConfig, run: RunDir, k: int) -> Iterator[Trainer]:
+def one_update_trainer(cfg: RLHFConfig, run: RunDir, k: int) -> Iterator[KeptTrainer]:
     """The trainer of iteration ``k``'s update where no flow run keeps the models (`rlhf stage update`,
     a run that cannot keep them: ``resident_possible``): the same trainer as a flow run's, made for this
     one update and closed after it — in this process, or as a worker group of the update's processes —
     which writes ``iter_k/checkpoint`` at once."""
-    trainer: Trainer = (GroupTrainer(cfg, run, one_update=k) if update_world(cfg.trainer) > 1
+    trainer: KeptTrainer = (GroupTrainer(cfg, run, one_update=k) if update_world(cfg.trainer) > 1
                         else ResidentTrainer(run))
     try:
         yield trainer
