@@ -142,19 +142,24 @@ lengths against data.max_prompt_length."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Annotated, Optional
 
 import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.reads import At, build, config_keys
 from rlhf_core.errors import DataError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.base import StageResult, stage_record
 
 
+def prompt_lengths_settings(budget: Annotated[int, At("data.max_prompt_length")]) -> int:
+    return budget
+
+
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    return ("data.max_prompt_length",)
+    return config_keys(prompt_lengths_settings)
 
 
 def run_prompt_lengths(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None,
@@ -166,9 +171,9 @@ def run_prompt_lengths(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = 
                       config_sections=config_sections(cfg), force=force) as record:
         if record.skipped:
             return record.skipped
+        budget = build(prompt_lengths_settings, cfg)
         lengths = pq.read_table(run.train_prompts, columns=["prompt_length"])["prompt_length"].to_pylist()
-        metrics = {"prompt_lengths/max": float(max(lengths)),
-                   "prompt_lengths/budget_used": max(lengths) / cfg.data.max_prompt_length}
+        metrics = {"prompt_lengths/max": float(max(lengths)), "prompt_lengths/budget_used": max(lengths) / budget}
         atomic_write_json(run.prompt_lengths, {"prompts": len(lengths), **metrics})
         return record.done(StageResult(stage="prompt_lengths", outputs={"summary": str(run.prompt_lengths)},
                                        rows={"prompts": len(lengths)}, metrics=metrics,
@@ -272,7 +277,8 @@ def _add_stages(copy: Path) -> None:
     named = _named(steps)
     # 1. the module, with run_<name> and config_sections; the names of the files it writes in the layout
     assert {"rlhf_core/stages/<name>.py", "config_sections(cfg)", "with stage_record(...) as record:",
-            "rlhf_core/run/layout.py"} <= named
+            "rlhf_core/run/layout.py", "config_keys(<name>_settings)", "build(<name>_settings, cfg)",
+            "rlhf_core/config/reads.py"} <= named
     assert "run_<name>(cfg, run, iteration=None, force=False) -> StageResult" in named
     (copy / "rlhf_core" / "stages" / f"{SETUP_STAGE}.py").write_text(SETUP_MODULE, encoding="utf-8")
     (copy / "rlhf_core" / "stages" / f"{ITERATION_STAGE}.py").write_text(ITERATION_MODULE, encoding="utf-8")

@@ -40,11 +40,16 @@ class MicroBatching:
 
 
 def uses_critic(cfg: RLHFConfig) -> bool:
+    """verl's need_critic (``has_critic``) for this config."""
+    return has_critic(cfg.critic.enable, cfg.algorithm.adv_estimator)
+
+
+def has_critic(critic_enable: Optional[bool], adv_estimator: str) -> bool:
     """verl's need_critic: critic.enable when set, else whether algorithm.adv_estimator reads the
     critic's values (gae does; grpo, rloo, reinforce_plus_plus, ... do not)."""
-    if cfg.critic.enable is not None:
-        return bool(cfg.critic.enable)
-    return estimator_takes(cfg.algorithm.adv_estimator, "values")
+    if critic_enable is not None:
+        return bool(critic_enable)
+    return estimator_takes(adv_estimator, "values")
 
 
 def needs_baseline_rollout(cfg: RLHFConfig) -> bool:
@@ -72,7 +77,7 @@ DEFAULT_MICRO_BATCH = 8
 default there and refuses to start; a bare config runs here (docs/verl.md lists the difference)."""
 
 
-def _per_gpu(per_gpu: Optional[int], global_: Optional[int], world_size: int) -> int:
+def per_gpu_micro_batch(per_gpu: Optional[int], global_: Optional[int], world_size: int) -> int:
     """verl's deprecated global micro-batch size is divided by the world size; per-GPU wins."""
     if per_gpu is not None:
         return per_gpu
@@ -96,22 +101,22 @@ def micro_batching(cfg: RLHFConfig, role: Role, world_size: int = 1) -> MicroBat
     arr, a, c = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.critic
     if role == "actor":
         return MicroBatching(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu,
-                             _per_gpu(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, world_size))
+                             per_gpu_micro_batch(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, world_size))
     if role in ("critic", "reward_model"):
         critic_dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
     if role == "critic":
         return MicroBatching(critic_dynamic, c.ppo_max_token_len_per_gpu,
-                             _per_gpu(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size, world_size))
+                             per_gpu_micro_batch(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size, world_size))
     if role == "reward_model":
         rm = cfg.reward_model
         dynamic = critic_dynamic if rm.use_dynamic_bsz is None else rm.use_dynamic_bsz
         return MicroBatching(dynamic, c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu,
-                             _per_gpu(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size))
+                             per_gpu_micro_batch(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size))
     src = arr.rollout if role == "rollout" else arr.ref
     dynamic = a.use_dynamic_bsz if src.log_prob_use_dynamic_bsz is None else src.log_prob_use_dynamic_bsz
     budget = src.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
     return MicroBatching(dynamic, budget,
-                         _per_gpu(src.log_prob_micro_batch_size_per_gpu, src.log_prob_micro_batch_size, world_size))
+                         per_gpu_micro_batch(src.log_prob_micro_batch_size_per_gpu, src.log_prob_micro_batch_size, world_size))
 
 
 def critic_value_batching(cfg: RLHFConfig, world_size: int = 1) -> MicroBatching:

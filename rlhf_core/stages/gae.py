@@ -33,7 +33,7 @@ Inspect it with DuckDB:  SELECT avg(list_sum(token_level_rewards)) FROM 'RUN/ite
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
 
@@ -42,7 +42,8 @@ import pyarrow.parquet as pq
 from rlhf_core.training.advantages import AdvantageSettings, compute_advantages
 from rlhf_core.algos.registry import estimator_takes
 from rlhf_core.algos.controllers import make_kl_controller
-from rlhf_core.config.resolve import uses_critic
+from rlhf_core.config.reads import Algorithm, CriticEnable, build, config_keys
+from rlhf_core.config.resolve import has_critic
 from rlhf_core.config import ConfigError, RLHFConfig
 from rlhf_core.config.schema import KLCtrlConfig
 from rlhf_core.data.schemas import ADVANTAGES
@@ -54,12 +55,22 @@ from rlhf_core.run.manifest import read_manifest
 from rlhf_core.io.timing import TABLE_READ, timed
 from rlhf_core.stages.base import StageResult, stage_record
 
-CONFIG_SECTIONS = ("algorithm.", "critic.enable")
+@dataclass(frozen=True)
+class GaeSettings:
+    advantages: AdvantageSettings
+    kl_ctrl: KLCtrlConfig
+    """The KL controller's settings (read when the KL is in the reward: ``advantages.use_kl_in_reward``)."""
+
+
+def gae_settings(algorithm: Algorithm, critic_enable: CriticEnable) -> GaeSettings:
+    """Everything the stage reads of the config: its parameters are the keys its config hash covers."""
+    use_critic = has_critic(critic_enable, algorithm.adv_estimator)
+    return GaeSettings(replace(AdvantageSettings.from_algorithm(algorithm), use_critic=use_critic), algorithm.kl_ctrl)
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    """The config this stage's output depends on (its manifest's config hash)."""
-    return CONFIG_SECTIONS
+    """The config this stage's output depends on (its manifest's config hash): what its builder reads."""
+    return config_keys(gae_settings)
 
 
 def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
@@ -72,16 +83,16 @@ def run_gae(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force
     if not scored.is_file():
         raise DataError(f"{scored} not found: run `rlhf stage score --run-dir {run.root} "
                         f"--iteration {iteration}` first")
-    source = controller_source(run, iteration) if cfg.algorithm.use_kl_in_reward else None
-    retry = run.retry_record(iteration) if cfg.algorithm.use_kl_in_reward else None
+    stage = build(gae_settings, cfg)
+    settings, ctrl = stage.advantages, stage.kl_ctrl
+    source = controller_source(run, iteration) if settings.use_kl_in_reward else None
+    retry = run.retry_record(iteration) if settings.use_kl_in_reward else None
     retry = retry if retry is not None and retry.is_file() else None
     inputs = [scored] + [p for p in (source, retry) if p is not None]
     with stage_record(stage="gae", cfg=cfg, run=run, iteration=iteration, inputs=inputs,
                       config_sections=config_sections(cfg), force=force) as record:
         if record.skipped:
             return record.skipped
-        settings = replace(AdvantageSettings.from_algorithm(cfg.algorithm), use_critic=uses_critic(cfg))
-        ctrl = cfg.algorithm.kl_ctrl
         scale = read_retry_scale(run, iteration) if retry is not None else 1.0
         before, controller = reward_kl_controller(settings, ctrl, run, iteration, source, scale)
         used = controller.value if controller is not None else 0.0

@@ -9,34 +9,52 @@ one-output token-classification head, seeded by trainer.seed (Hugging Face forma
 
 from __future__ import annotations
 
-from typing import Optional
+from dataclasses import dataclass
+from typing import Annotated, Optional
 
 import torch
 from transformers import AutoModelForTokenClassification, AutoTokenizer
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.config.resolve import uses_critic
+from rlhf_core.config.reads import ActorModel, AdvEstimator, At, CriticEnable, build, config_keys
+from rlhf_core.config.resolve import has_critic
+from rlhf_core.config.schema import CriticModelConfig
 from rlhf_core.io.atomic import atomic_dir
 from rlhf_core.io.timing import CHECKPOINT_WRITE, MODEL_LOAD, timed
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.models import critic_backbone
 from rlhf_core.stages.base import StageResult, stage_record
 
-CONFIG_SECTIONS = ("critic.model.", "actor_rollout_ref.model.", "trainer.seed", "critic.enable", "algorithm.adv_estimator")
-"""The critic's backbone and seed, and whether the run has a critic at all (``resolve.uses_critic``)."""
+
+@dataclass(frozen=True)
+class InitCriticSettings:
+    has_critic: bool
+    """Whether the run has a critic at all (``resolve.has_critic``)."""
+    adv_estimator: str
+    seed: int
+    """trainer.seed: the fresh value head's initialisation."""
+
+
+def init_critic_settings(critic_model: Annotated[CriticModelConfig, At("critic.model.")], actor_model: ActorModel,
+                         seed: Annotated[int, At("trainer.seed")], critic_enable: CriticEnable,
+                         adv_estimator: AdvEstimator) -> InitCriticSettings:
+    """Everything the stage reads of the config: its parameters are the keys its config hash covers (the
+    backbone, ``run.models.critic_backbone``, is critic.model.path, else the actor's initial model)."""
+    return InitCriticSettings(has_critic=has_critic(critic_enable, adv_estimator), adv_estimator=adv_estimator,
+                              seed=seed)
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    """The config this stage's output depends on (its manifest's config hash)."""
-    return CONFIG_SECTIONS
+    """The config this stage's output depends on (its manifest's config hash): what its builder reads."""
+    return config_keys(init_critic_settings)
 
 
 def run_init_critic(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None,
                     force: bool = False) -> StageResult:
-    out = run.critic_init
-    if not uses_critic(cfg):
+    out, settings = run.critic_init, build(init_critic_settings, cfg)
+    if not settings.has_critic:
         return StageResult(stage="init_critic", skipped=True,
-                           summary=[f"no critic in this run: algorithm.adv_estimator={cfg.algorithm.adv_estimator} "
+                           summary=[f"no critic in this run: algorithm.adv_estimator={settings.adv_estimator} "
                                     "reads no values (critic.enable=true builds one anyway)"])
 
     if (out / "config.json").is_file() and not force:  # built once per run: its weights are the run's critic start
@@ -47,7 +65,7 @@ def run_init_critic(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = Non
         if record.skipped:
             return record.skipped
         backbone = critic_backbone(cfg)
-        torch.manual_seed(cfg.trainer.seed)
+        torch.manual_seed(settings.seed)
         with timed(MODEL_LOAD):
             model = AutoModelForTokenClassification.from_pretrained(backbone, num_labels=1, dtype=torch.float32)
         with timed(CHECKPOINT_WRITE), atomic_dir(out) as tmp:

@@ -20,22 +20,22 @@
    the budget must hold) against fixed micro-batches of ``actor.ppo_micro_batch_size_per_gpu``
    (``resolve.micro_batching``) padded to their longest.
 
-The stage reruns only when the train prompts or one of ``CONFIG_KEYS`` changed: rerunning it marks
-every iteration stale, so unrelated settings (learning rate, temperature) must not trigger it.
+The stage reruns only when the train prompts or one of the keys ``pack_settings`` reads changed:
+rerunning it marks every iteration stale, so unrelated settings (learning rate, temperature) must not trigger it.
 """
 
 from __future__ import annotations
 
-import functools
 import random
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Annotated, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.config.resolve import MicroBatching, micro_batching, mini_batch_sequences
+from rlhf_core.config.reads import At, build, config_keys, config_values
+from rlhf_core.config.resolve import MicroBatching, per_gpu_micro_batch
 from rlhf_core.data.packing import (
     PackingBudgetError, fixed_micro_batches, micro_batches_by_budget, padded_batches_efficiency,
     plan_generation_batches,
@@ -46,22 +46,13 @@ from rlhf_core.io.atomic import atomic_write_json, atomic_write_parquet
 from rlhf_core.run.layout import RunDir
 from rlhf_core.stages.base import StageResult, stage_record
 
-# Dotted prefixes of exactly the keys this stage reads. (Prefix matching also catches rollout.name
-# through rollout.n: switching engines reruns packing, which is harmless.)
-CONFIG_KEYS = (
-    "data.seed", "data.shuffle", "data.train_batch_size", "data.max_response_length",
-    "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.generation_batch_tokens",
-    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu", "actor_rollout_ref.actor.ppo_mini_batch_size",
-    "actor_rollout_ref.actor.ppo_micro_batch_size", "actor_rollout_ref.actor.use_dynamic_bsz",
-)
 GEN_BUDGET_KEY = "actor_rollout_ref.rollout.generation_batch_tokens"
 TRAIN_BUDGET_KEY = "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"
 
 
 @dataclass(frozen=True)
 class PackSettings:
-    """What the stage reads of the config, exactly ``CONFIG_KEYS``: built once in ``run_pack``'s body
-    (``pack_settings``); the stage's helpers take this, not the config."""
+    """What the stage reads of the config (``pack_settings``): the stage's helpers take this, not the config."""
 
     seed: int  # data.seed
     shuffle: bool  # data.shuffle
@@ -70,21 +61,31 @@ class PackSettings:
     n: int  # actor_rollout_ref.rollout.n
     generation_batch_tokens: int  # actor_rollout_ref.rollout.generation_batch_tokens
     training: MicroBatching
-    """The actor's micro-batches (``resolve.micro_batching``): the training estimate's budget and fixed size."""
+    """The actor's micro-batches (as ``resolve.micro_batching``): the training estimate's budget and fixed size."""
     mini_batch: int
-    """Sequences per optimizer step (``resolve.mini_batch_sequences``)."""
-    recorded: dict[str, Any]
-    """Each of ``CONFIG_KEYS`` with its value, as pack/summary.json records them."""
+    """Sequences per optimizer step (as ``resolve.mini_batch_sequences``)."""
 
 
-def pack_settings(cfg: RLHFConfig) -> PackSettings:
-    data, rollout = cfg.data, cfg.actor_rollout_ref.rollout
-    return PackSettings(
-        seed=data.seed, shuffle=data.shuffle, train_batch_size=data.train_batch_size,
-        max_response_length=data.max_response_length, n=rollout.n,
-        generation_batch_tokens=rollout.generation_batch_tokens, training=micro_batching(cfg, "actor"),
-        mini_batch=mini_batch_sequences(cfg, "actor"),
-        recorded={key: functools.reduce(getattr, key.split("."), cfg) for key in CONFIG_KEYS})
+def pack_settings(
+        seed: Annotated[int, At("data.seed")], shuffle: Annotated[bool, At("data.shuffle")],
+        train_batch_size: Annotated[int, At("data.train_batch_size")],
+        max_response_length: Annotated[int, At("data.max_response_length")],
+        # a prefix, as the config hash matches it: switching rollout.name reruns packing too, harmlessly
+        n: Annotated[int, At("actor_rollout_ref.rollout.n")],
+        generation_batch_tokens: Annotated[int, At(GEN_BUDGET_KEY)],
+        token_budget: Annotated[int, At(TRAIN_BUDGET_KEY)],
+        mini_batch_prompts: Annotated[int, At("actor_rollout_ref.actor.ppo_mini_batch_size")],
+        # the global size's prefix covers the per-GPU one
+        micro_batch_size: Annotated[Optional[int], At("actor_rollout_ref.actor.ppo_micro_batch_size")],
+        micro_batch_size_per_gpu: Annotated[Optional[int], At("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu")],
+        use_dynamic_bsz: Annotated[bool, At("actor_rollout_ref.actor.use_dynamic_bsz")]) -> PackSettings:
+    """Everything the stage reads of the config: its parameters are the keys its config hash covers, so
+    unrelated settings (learning rate, temperature) never rerun it (a rerun marks every iteration stale)."""
+    training = MicroBatching(use_dynamic_bsz, token_budget, per_gpu_micro_batch(micro_batch_size_per_gpu,
+                                                                                 micro_batch_size, world_size=1))
+    return PackSettings(seed=seed, shuffle=shuffle, train_batch_size=train_batch_size,
+                        max_response_length=max_response_length, n=n, generation_batch_tokens=generation_batch_tokens,
+                        training=training, mini_batch=mini_batch_prompts * n)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,8 +295,8 @@ def _training_line(m: dict[str, float], batching: MicroBatching) -> str:
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    """The config this stage's output depends on (its manifest's config hash)."""
-    return CONFIG_KEYS
+    """The config this stage's output depends on (its manifest's config hash): what its builder reads."""
+    return config_keys(pack_settings)
 
 
 def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False) -> StageResult:
@@ -308,7 +309,7 @@ def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, forc
                       config_sections=config_sections(cfg), force=force) as record:
         if record.skipped:
             return record.skipped
-        settings = pack_settings(cfg)
+        settings = build(pack_settings, cfg)
         ids, lengths = read_prompt_lengths(run)
         slots, per_epoch = plan_epochs(ids, settings.train_batch_size, settings.seed, settings.shuffle)
         plans = plan_slots(lengths, slots, settings.max_response_length, settings.n, settings.generation_batch_tokens)
@@ -328,7 +329,7 @@ def run_pack(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, forc
             "prompts": len(ids), "slots_per_epoch": per_epoch, "epochs_planned": epochs, "slots_planned": len(plans),
             "generation_batches": table.num_rows,
             "slot_sizes": [len(p.prompts) for p in plans], "batches_per_slot": [len(p.batches) for p in plans],
-            "config": settings.recorded, "metrics": metrics, "summary": lines,
+            "config": config_values(pack_settings, cfg), "metrics": metrics, "summary": lines,
         })
         return record.done(StageResult(
             stage="pack", iteration=None,

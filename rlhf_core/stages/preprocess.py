@@ -9,11 +9,13 @@ file or a ``data.*`` / ``actor_rollout_ref.model.*`` setting changed (or with ``
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.config.schema import DataConfig
+from rlhf_core.config.reads import ActorModel, Data, build, config_keys
+from rlhf_core.config.schema import DataConfig, ModelConfig
 from rlhf_core.data.preprocess import load_tokenizer, preprocess_files
 from rlhf_core.data.outcome import NoPromptsError, PreprocessResult, no_prompts_problem
 from rlhf_core.data.schemas import PROMPTS, REJECTS
@@ -24,7 +26,18 @@ from rlhf_core.run.manifest import hash_paths, read_manifest
 from rlhf_core.paths import resolve_path
 from rlhf_core.stages.base import StageResult, stage_record
 
-CONFIG_SECTIONS = ("data.", "actor_rollout_ref.model.")
+
+@dataclass(frozen=True)
+class PreprocessSettings:
+    data: DataConfig
+    """The files, their columns and the prompt budget."""
+    model: ModelConfig
+    """The actor's model section: its tokenizer counts and cuts the prompts."""
+
+
+def preprocess_settings(data: Data, model: ActorModel) -> PreprocessSettings:
+    """Everything the stage reads of the config: its parameters are the keys its config hash covers."""
+    return PreprocessSettings(data=data, model=model)
 
 
 def _resolve_files(paths: list[str], key: str) -> list[Path]:
@@ -42,8 +55,8 @@ def data_files(data: DataConfig) -> tuple[list[Path], list[Path]]:
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    """The config this stage's output depends on (its manifest's config hash)."""
-    return CONFIG_SECTIONS
+    """The config this stage's output depends on (its manifest's config hash): what its builder reads."""
+    return config_keys(preprocess_settings)
 
 
 def refuse_changed_data(data: DataConfig, run: RunDir, trained_through: int) -> None:
@@ -73,18 +86,19 @@ def refuse_changed_data(data: DataConfig, run: RunDir, trained_through: int) -> 
 def run_preprocess(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None,
                    force: bool = False) -> StageResult:
     """Preprocess ``cfg.data.train_files`` (and ``val_files``) into the run's prompts tables."""
-    train_files, val_files = data_files(cfg.data)
+    settings = build(preprocess_settings, cfg)
+    train_files, val_files = data_files(settings.data)
 
     with stage_record(stage="preprocess", cfg=cfg, run=run, iteration=None, inputs=train_files + val_files,
                       config_sections=config_sections(cfg), force=force) as record:
         if record.skipped:
             return record.skipped
-        tokenizer = load_tokenizer(cfg.actor_rollout_ref.model)
-        result = preprocess_files(train_files, val_files, cfg.data, tokenizer)
+        tokenizer = load_tokenizer(settings.model)
+        result = preprocess_files(train_files, val_files, settings.data, tokenizer)
         # rejects first: when nothing was accepted they are what the user needs to read
         atomic_write_parquet(run.rejects, result.rejects, schema=REJECTS)
         if result.train.num_rows == 0:  # the file, the problem and the fix (the caller prints the counts first)
-            raise NoPromptsError(no_prompts_problem(result, cfg.data, rejects_at=f'rlhf query {run.root} '
+            raise NoPromptsError(no_prompts_problem(result, settings.data, rejects_at=f'rlhf query {run.root} '
                                                     f'"SELECT source_file, source_row, reason FROM rejects"'),
                                  rows=result.rows)
         atomic_write_parquet(run.train_prompts, result.train, schema=PROMPTS)

@@ -1,0 +1,79 @@
+"""A stage's settings builder names the config keys it reads in its parameters, and nowhere else.
+
+Each parameter of a builder is typed ``Annotated[<type>, At("<dotted key>")]``: ``At("data.seed")``
+one setting, ``At("data.")`` a whole section. ``build(builder, cfg)`` passes each parameter the
+config's value at its key; ``config_keys(builder)`` returns the keys, which are the prefixes of the
+flattened config a stage's config hash covers (``loader.config_hash``). So a stage's keys are read
+from the one function that derives its settings: a key it does not name it cannot read.
+
+    def gae_settings(algorithm: Algorithm, critic_enable: CriticEnable) -> GaeSettings: ...
+    config_keys(gae_settings)     -> ("algorithm.", "critic.enable")
+    build(gae_settings, cfg)      -> gae_settings(algorithm=cfg.algorithm, critic_enable=cfg.critic.enable)
+
+A key is a prefix, as the config hash matches it: ``At("actor_rollout_ref.rollout.n")`` also covers
+``rollout.name``; a builder that names a key inside a section it names adds nothing to the hash.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import typing
+from dataclasses import dataclass
+from typing import Annotated, Any, Callable, Optional, TypeVar
+
+from rlhf_core.config.schema import AlgorithmConfig, DataConfig, ModelConfig
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class At:
+    """Where a builder's parameter comes from in the config: a dotted key, a section when it ends in "."."""
+
+    key: str
+
+    @property
+    def path(self) -> tuple[str, ...]:
+        return tuple(self.key.rstrip(".").split("."))
+
+
+Data = Annotated[DataConfig, At("data.")]
+ActorModel = Annotated[ModelConfig, At("actor_rollout_ref.model.")]
+Algorithm = Annotated[AlgorithmConfig, At("algorithm.")]
+AdvEstimator = Annotated[str, At("algorithm.adv_estimator")]
+CriticEnable = Annotated[Optional[bool], At("critic.enable")]
+"""The keys several stages' builders read, declared once."""
+
+
+@functools.cache
+def _parameters(builder: Callable[..., Any]) -> tuple[tuple[str, At], ...]:
+    """(parameter name, its key) for each parameter of ``builder``, in order; a parameter without a
+    key is a mistake in the builder, named."""
+    hints = typing.get_type_hints(builder, include_extras=True)
+    found = []
+    for name in inspect.signature(builder).parameters:
+        at = next((m for m in getattr(hints.get(name), "__metadata__", ()) if isinstance(m, At)), None)
+        if at is None:
+            raise TypeError(f"{builder.__module__}.{builder.__qualname__}: parameter {name!r} names no config key; "
+                            "type it Annotated[<type>, At('<dotted key>')] (rlhf_core.config.reads)")
+        found.append((name, at))
+    return tuple(found)
+
+
+def config_keys(*builders: Callable[..., Any]) -> tuple[str, ...]:
+    """The keys ``builders`` read, each once, in the order they name them."""
+    keys: list[str] = []
+    for builder in builders:
+        keys += [at.key for _, at in _parameters(builder) if at.key not in keys]
+    return tuple(keys)
+
+
+def config_values(builder: Callable[..., Any], cfg: Any) -> dict[str, Any]:
+    """Each key ``builder`` reads with its value in ``cfg`` (what a stage records of its config)."""
+    return {at.key: functools.reduce(getattr, at.path, cfg) for _, at in _parameters(builder)}
+
+
+def build(builder: Callable[..., T], cfg: Any) -> T:
+    """``builder`` called with the value of ``cfg`` at each of its parameters' keys."""
+    return builder(**{name: functools.reduce(getattr, at.path, cfg) for name, at in _parameters(builder)})

@@ -1,0 +1,66 @@
+"""A settings builder's parameters are the config keys it reads: ``build`` passes their values,
+``config_keys`` lists them for the stage's config hash."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import pytest
+
+from rlhf_core.config import ConfigError, RLHFConfig, load_config
+from rlhf_core.config.loader import config_hash, flatten
+from rlhf_core.config.reads import Algorithm, At, CriticEnable, build, config_keys, config_values
+from rlhf_core.stages import gae, init_critic, pack, preprocess
+
+
+def _builder(gamma: Annotated[float, At("algorithm.gamma")], algorithm: Algorithm,
+             critic_enable: CriticEnable) -> tuple:
+    return gamma, algorithm, critic_enable
+
+
+def test_build_passes_each_parameter_the_value_at_its_key():
+    cfg = load_config(None, ["algorithm.gamma=0.5", "critic.enable=true"])
+    gamma, algorithm, critic_enable = build(_builder, cfg)
+    assert (gamma, critic_enable) == (0.5, True)
+    assert algorithm is cfg.algorithm  # a section is passed as it is
+
+
+def test_config_keys_name_each_key_once_in_order_and_values_read_them():
+    assert config_keys(_builder) == ("algorithm.gamma", "algorithm.", "critic.enable")
+    assert config_keys(_builder, _builder) == config_keys(_builder)
+    cfg = load_config(None, ["algorithm.gamma=0.25"])
+    assert config_values(_builder, cfg)["algorithm.gamma"] == 0.25
+
+
+def test_a_parameter_without_a_key_is_named():
+    def builder(gamma: Annotated[float, At("algorithm.gamma")], lam: Optional[float]) -> float:
+        return gamma
+
+    with pytest.raises(TypeError, match=r"builder: parameter 'lam' names no config key.*At\('<dotted key>'\)"):
+        config_keys(builder)
+
+
+@pytest.mark.parametrize("stage, builder", [(gae, gae.gae_settings), (pack, pack.pack_settings),
+                                            (preprocess, preprocess.preprocess_settings),
+                                            (init_critic, init_critic.init_critic_settings)])
+def test_a_stage_hashes_exactly_the_keys_its_builder_reads(stage, builder):
+    """The stage's config sections are its builder's keys: a key the builder takes changes the hash,
+    one outside them does not."""
+    cfg = load_config(None, [])
+    assert stage.config_sections(cfg) == config_keys(builder)
+    before = config_hash(cfg, stage.config_sections(cfg))
+    untouched = load_config(None, ["actor_rollout_ref.actor.optim.lr=0.5"])  # no builder above reads it
+    assert config_hash(untouched, stage.config_sections(untouched)) == before
+    flipped = _one_number_changed(cfg, config_keys(builder))
+    assert config_hash(flipped, stage.config_sections(flipped)) != before
+
+
+def _one_number_changed(cfg: RLHFConfig, keys: tuple[str, ...]) -> RLHFConfig:
+    """``cfg`` with the first number under ``keys`` that the config accepts plus seven."""
+    for leaf, value in flatten(cfg).items():
+        if leaf.startswith(keys) and isinstance(value, (int, float)) and not isinstance(value, bool):
+            try:
+                return load_config(None, [f"{leaf}={value + 7}"])
+            except ConfigError:
+                continue
+    raise AssertionError(f"no number under {keys} to change")
