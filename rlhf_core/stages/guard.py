@@ -46,6 +46,9 @@ GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts
                   # the scoring dtype, and the log-prob budgets' fall-back (``resolve.micro_batching``)
                   "actor_rollout_ref.actor.deepspeed_config.dtype", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
                   "actor_rollout_ref.actor.use_dynamic_bsz")
+VAL_CHECK_SECTIONS = ("actor_rollout_ref.rollout.", "data.max_prompt_length", "data.max_response_length")
+"""What the on-policy check on validation prompts (trainer.kl_guard_val_prompts > 0) also reads: their
+generation at the rollout's sampling settings, engine and budgets (``settings.generation``)."""
 
 
 @dataclass(frozen=True)
@@ -159,8 +162,10 @@ def decide(kl: float, threshold: float) -> str:
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    """The config this stage's output depends on (its manifest's config hash)."""
-    return GUARD_SECTIONS
+    """The config this stage's output depends on (its manifest's config hash). The sampling keys
+    count only when the guard samples (the key set then differs, so switching the check on or off
+    reruns it), so the hashes of guards recorded without the check stay as they were."""
+    return GUARD_SECTIONS + (VAL_CHECK_SECTIONS if cfg.trainer.kl_guard_val_prompts > 0 else ())
 
 
 def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False,

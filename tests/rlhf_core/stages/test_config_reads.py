@@ -125,7 +125,8 @@ def test_every_config_key_a_stage_reads_is_in_its_config_sections(tmp_path, tiny
         "data.max_response_length=12", "actor_rollout_ref.actor.ppo_mini_batch_size=4",
         "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1024",
         "actor_rollout_ref.rollout.generation_batch_tokens=2048", "trainer.device=cpu",
-        "trainer.resident_models=false", "trainer.total_iterations=1"])
+        "trainer.resident_models=false", "trainer.total_iterations=1",
+        "trainer.kl_guard_val_prompts=2"])  # the guard samples validation prompts too: it reads their generation
     run = RunDir(tmp_path / "run")
     run.root.mkdir()
     write_config(run, to_yaml(cfg))

@@ -220,13 +220,19 @@ def test_guard_on_validation_prompts_samples_from_the_new_actor(tmp_path, tiny_m
     off = guard.guard_settings(_cfg(tiny_model_dir, "data.max_response_length=8"), run, 1, session)
     assert off.validation is None  # trainer.kl_guard_val_prompts=0: no generation
     assert guard.measure_val_kl(off, session, run, 1) == {}
-    cfg = _cfg(tiny_model_dir, "data.max_response_length=8", "trainer.kl_guard_val_prompts=2",
-               "trainer.kl_rollback_threshold=1000", "trainer.device=cpu")
+    checked = ("data.max_response_length=8", "trainer.kl_guard_val_prompts=2", "trainer.kl_rollback_threshold=1000",
+               "trainer.device=cpu")
+    cfg = _cfg(tiny_model_dir, *checked)
     val = guard.measure_val_kl(guard.guard_settings(cfg, run, 1, session), session, run, 1)
     assert val["val_kl_mean"] > 0 and 2 <= val["val_kl_tokens"] <= 16
     guard.run_guard(cfg, run, 1)
     verdict = lifecycle.read_verdict(run, 1)
     assert verdict["val_kl_mean"] == pytest.approx(val["val_kl_mean"]) and verdict["decision"] == "commit"
+    # the check samples at the rollout's settings: changing them reruns the guard; without it they are not hashed
+    resampled = _cfg(tiny_model_dir, *checked, "actor_rollout_ref.rollout.top_k=3")
+    assert not guard.run_guard(resampled, run, 1).skipped
+    assert guard.run_guard(resampled, run, 1).skipped
+    assert "actor_rollout_ref.rollout." not in guard.config_sections(_cfg(tiny_model_dir, "data.max_response_length=8"))
 
 
 @pytest.mark.parametrize("verdict, shown", [
