@@ -51,7 +51,7 @@ from rlhf_core.training.flops import floor_metrics, training_flops, verl_promise
 from rlhf_core.training.memory import ModelShape, Shapes, check_update_memory, memory_settings
 from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, present, load_actor_model, load_critic_model,
                                         lr_schedule)
-from rlhf_core.training.ppo import ActorLoss, CriticLoss, RoleSchedule, RoleSettings, aggregate, run_ppo
+from rlhf_core.training.ppo import ActorLoss, CriticLoss, PPOOutcome, RoleSchedule, RoleSettings, aggregate, run_ppo
 
 
 @dataclass(frozen=True)
@@ -450,7 +450,7 @@ def iteration_plan(settings: UpdateSettings, iteration: int, actor: TrainEngine,
                             seed=f"{t.seed}:{iteration}", threads=threads)
 
 
-def iteration_metrics(settings: UpdateSettings, iteration: int, plan: IterationPlan, data: PPOData, outcome: Any,
+def iteration_metrics(settings: UpdateSettings, iteration: int, plan: IterationPlan, data: PPOData, outcome: PPOOutcome,
                       device: str, dist: DistInfo) -> dict[str, float]:
     """The iteration's metrics from ``run_ppo``'s outcome (verl's reductions: ``ppo.aggregate``), its
     throughput and floors, and how it ran."""
@@ -464,7 +464,8 @@ def iteration_metrics(settings: UpdateSettings, iteration: int, plan: IterationP
     return metrics
 
 
-def update_perf(roles: list[RoleSchedule], data: PPOData, outcome: Any, device: str, world_size: int) -> dict[str, float]:
+def update_perf(roles: list[RoleSchedule], data: PPOData, outcome: PPOOutcome, device: str,
+                world_size: int) -> dict[str, float]:
     """verl's ``perf/mfu/<role>`` (its FLOP estimate of one epoch over the role's training seconds, times
     its epochs, over its promised device FLOP/s and the world size: ``training.flops``), each role's
     training-loop seconds, and the stage's model FLOPs and floor (every role's forward + backward, the
@@ -488,7 +489,7 @@ def update_perf(roles: list[RoleSchedule], data: PPOData, outcome: Any, device: 
     return out
 
 
-def finish_update(cfg: RLHFConfig, run: RunDir, iteration: int, metrics: dict[str, float], outcome: Any,
+def finish_update(cfg: RLHFConfig, run: RunDir, iteration: int, metrics: dict[str, float], outcome: PPOOutcome,
                   actor: TrainEngine, critic: Optional[TrainEngine], dist: DistInfo,
                   identity: tuple[str, dict[str, str]]) -> None:
     """Rank 0 records what the update produced: iter_K/metrics.json and iter_K/state.json.
