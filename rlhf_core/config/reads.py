@@ -10,6 +10,10 @@ from the one function that derives its settings: a key it does not name it canno
     config_keys(gae_settings)     -> ("algorithm.", "critic.enable")
     build(gae_settings, cfg)      -> gae_settings(algorithm=cfg.algorithm, critic_enable=cfg.critic.enable)
 
+A parameter typed ``Annotated[T, Built(other_builder)]`` takes that builder's settings, and its keys
+are the outer builder's too: a settings builder several stages share (the KL guard's and validation's
+passes, ``stages.settings.kl_pass``) names its keys once.
+
 A key is a prefix, as the config hash matches it: ``At("actor_rollout_ref.rollout.n")`` also covers
 ``rollout.name``; a builder that names a key inside a section it names adds nothing to the hash.
 """
@@ -38,42 +42,55 @@ class At:
         return tuple(self.key.rstrip(".").split("."))
 
 
+@dataclass(frozen=True)
+class Built:
+    """A parameter that is another builder's settings, built from the same config."""
+
+    builder: Callable[..., Any]
+
+
 Data = Annotated[DataConfig, At("data.")]
 ActorModel = Annotated[ModelConfig, At("actor_rollout_ref.model.")]
 Algorithm = Annotated[AlgorithmConfig, At("algorithm.")]
 AdvEstimator = Annotated[str, At("algorithm.adv_estimator")]
 CriticEnable = Annotated[Optional[bool], At("critic.enable")]
+TrainerDevice = Annotated[str, At("trainer.device")]
+ActorDtype = Annotated[str, At("actor_rollout_ref.actor.deepspeed_config.dtype")]
 """The keys several stages' builders read, declared once."""
 
 
 @functools.cache
-def _parameters(builder: Callable[..., Any]) -> tuple[tuple[str, At], ...]:
-    """(parameter name, its key) for each parameter of ``builder``, in order; a parameter without a
-    key is a mistake in the builder, named."""
+def _parameters(builder: Callable[..., Any]) -> tuple[tuple[str, At | Built], ...]:
+    """(parameter name, its key or builder) for each parameter of ``builder``, in order; a parameter
+    without either is a mistake in the builder, named."""
     hints = typing.get_type_hints(builder, include_extras=True)
     found = []
     for name in inspect.signature(builder).parameters:
-        at = next((m for m in getattr(hints.get(name), "__metadata__", ()) if isinstance(m, At)), None)
-        if at is None:
+        source = next((m for m in getattr(hints.get(name), "__metadata__", ()) if isinstance(m, (At, Built))), None)
+        if source is None:
             raise TypeError(f"{builder.__module__}.{builder.__qualname__}: parameter {name!r} names no config key; "
                             "type it Annotated[<type>, At('<dotted key>')] (rlhf_core.config.reads)")
-        found.append((name, at))
+        found.append((name, source))
     return tuple(found)
 
 
 def config_keys(*builders: Callable[..., Any]) -> tuple[str, ...]:
-    """The keys ``builders`` read, each once, in the order they name them."""
+    """The keys ``builders`` read (a built parameter's builder's included), each once, in the order they name them."""
     keys: list[str] = []
     for builder in builders:
-        keys += [at.key for _, at in _parameters(builder) if at.key not in keys]
+        for _, source in _parameters(builder):
+            more = config_keys(source.builder) if isinstance(source, Built) else (source.key,)
+            keys += [key for key in more if key not in keys]
     return tuple(keys)
 
 
 def config_values(builder: Callable[..., Any], cfg: Any) -> dict[str, Any]:
     """Each key ``builder`` reads with its value in ``cfg`` (what a stage records of its config)."""
-    return {at.key: functools.reduce(getattr, at.path, cfg) for _, at in _parameters(builder)}
+    return {key: functools.reduce(getattr, At(key).path, cfg) for key in config_keys(builder)}
 
 
 def build(builder: Callable[..., T], cfg: Any) -> T:
-    """``builder`` called with the value of ``cfg`` at each of its parameters' keys."""
-    return builder(**{name: functools.reduce(getattr, at.path, cfg) for name, at in _parameters(builder)})
+    """``builder`` called with the value of ``cfg`` at each of its parameters' keys (a built
+    parameter: its builder's settings from ``cfg``)."""
+    return builder(**{name: build(source.builder, cfg) if isinstance(source, Built)
+                      else functools.reduce(getattr, source.path, cfg) for name, source in _parameters(builder)})

@@ -23,7 +23,7 @@ from typing import Literal, Mapping, Optional
 
 from rlhf_core.algos.registry import estimator_takes
 from rlhf_core.algos.correction_specs import RolloutCorrection
-from rlhf_core.config.schema import DataConfig, OptimConfig, RLHFConfig, TrainerConfig
+from rlhf_core.config.schema import DataConfig, FSDPConfig, OptimConfig, RLHFConfig, TrainerConfig
 
 Role = Literal["actor", "critic", "rollout", "ref", "reward_model"]
 """actor/critic: the update's forward/backward; rollout: old log-probs; ref: reference log-probs;
@@ -113,10 +113,19 @@ def micro_batching(cfg: RLHFConfig, role: Role, world_size: int = 1) -> MicroBat
         return MicroBatching(dynamic, c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu,
                              per_gpu_micro_batch(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size))
     src = arr.rollout if role == "rollout" else arr.ref
-    dynamic = a.use_dynamic_bsz if src.log_prob_use_dynamic_bsz is None else src.log_prob_use_dynamic_bsz
-    budget = src.log_prob_max_token_len_per_gpu or a.ppo_max_token_len_per_gpu
-    return MicroBatching(dynamic, budget,
-                         per_gpu_micro_batch(src.log_prob_micro_batch_size_per_gpu, src.log_prob_micro_batch_size, world_size))
+    return log_prob_batching(src.log_prob_use_dynamic_bsz, src.log_prob_max_token_len_per_gpu,
+                             src.log_prob_micro_batch_size_per_gpu, src.log_prob_micro_batch_size,
+                             a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, world_size)
+
+
+def log_prob_batching(use_dynamic_bsz: Optional[bool], max_token_len: Optional[int], micro_batch_size_per_gpu:
+                      Optional[int], micro_batch_size: Optional[int], actor_dynamic: bool, actor_max_token_len: int,
+                      world_size: int = 1) -> MicroBatching:
+    """A log-prob pass's micro-batches (the rollout's or the reference's log_prob_* keys): a null
+    use_dynamic_bsz or budget falls back to the actor's, as verl's."""
+    dynamic = actor_dynamic if use_dynamic_bsz is None else use_dynamic_bsz
+    return MicroBatching(dynamic, max_token_len or actor_max_token_len,
+                         per_gpu_micro_batch(micro_batch_size_per_gpu, micro_batch_size, world_size))
 
 
 def critic_value_batching(cfg: RLHFConfig, world_size: int = 1) -> MicroBatching:
@@ -131,8 +140,12 @@ def critic_value_batching(cfg: RLHFConfig, world_size: int = 1) -> MicroBatching
 def frozen_param_offload(cfg: RLHFConfig, role: Literal["ref", "reward_model"]) -> bool:
     """verl's ``fsdp_config.param_offload`` of a frozen model (``offload_policy`` implies it, as
     for the trained roles): its weights wait in host memory between passes (``scoring.frozen``)."""
-    fsdp = cfg.actor_rollout_ref.ref.fsdp_config if role == "ref" else cfg.reward_model.model.fsdp_config
-    return fsdp.param_offload or fsdp.offload_policy
+    return param_offload(cfg.actor_rollout_ref.ref.fsdp_config if role == "ref" else cfg.reward_model.model.fsdp_config)
+
+
+def param_offload(fsdp: FSDPConfig) -> bool:
+    """A frozen model's ``fsdp_config``: its weights wait in host memory (param_offload or offload_policy)."""
+    return bool(fsdp.param_offload or fsdp.offload_policy)
 
 
 def critic_epochs(cfg: RLHFConfig) -> int:

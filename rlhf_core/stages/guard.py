@@ -16,12 +16,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional
 
 import pyarrow.parquet as pq
 import torch
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.reads import At, Built, build, config_keys
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.io.timing import TABLE_READ, timed
@@ -40,12 +41,6 @@ from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
 from rlhf_core.training import flops
 from rlhf_core.training.run_trainer import ensure_state
 
-GUARD_SECTIONS = ("trainer.kl_rollback_threshold", "trainer.kl_guard_val_prompts", "trainer.kl_guard_estimator",
-                  "actor_rollout_ref.rollout.temperature", "actor_rollout_ref.rollout.log_prob",
-                  "actor_rollout_ref.model", "actor_rollout_ref.ref", "trainer.device",
-                  # the scoring dtype, and the log-prob budgets' fall-back (``resolve.micro_batching``)
-                  "actor_rollout_ref.actor.deepspeed_config.dtype", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu",
-                  "actor_rollout_ref.actor.use_dynamic_bsz")
 VAL_CHECK_SECTIONS = ("actor_rollout_ref.rollout.", "data.max_prompt_length", "data.max_response_length")
 """What the on-policy check on validation prompts (trainer.kl_guard_val_prompts > 0) also reads: their
 generation at the rollout's sampling settings, engine and budgets (``settings.generation``)."""
@@ -73,16 +68,35 @@ class GuardSettings:
     """``guard_share`` on that many processes, each rank's arrays (``ranks.run_on_ranks``)."""
 
 
+@dataclass(frozen=True)
+class GuardConfig:
+    """What the guard's measurement and verdict read of the config (``guard_config``)."""
+
+    threshold: float
+    estimator: str
+    val_prompts: int
+    kl: KLPassSettings
+
+
+def guard_config(threshold: Annotated[float, At("trainer.kl_rollback_threshold")],
+                 estimator: Annotated[str, At("trainer.kl_guard_estimator")],
+                 val_prompts: Annotated[int, At("trainer.kl_guard_val_prompts")],
+                 kl: Annotated[KLPassSettings, Built(kl_pass)]) -> GuardConfig:
+    """Its parameters are the keys the guard's config hash covers (``kl_pass``'s included); the
+    validation prompts' sampling keys join them when the check is on (``config_sections``)."""
+    return GuardConfig(threshold=threshold, estimator=estimator, val_prompts=val_prompts, kl=kl)
+
+
 def guard_settings(cfg: RLHFConfig, run: RunDir, k: int, session: RunSession) -> GuardSettings:
     """The guard's settings for iteration ``k`` of ``run``: the validation prompts' generation and the
     reference are resolved only when the guard measures with them, the process counts when asked for
     (the session's worker group, when it keeps one, runs the shares)."""
-    estimator, n = cfg.trainer.kl_guard_estimator, cfg.trainer.kl_guard_val_prompts
-    validation = generation(cfg) if n > 0 and run.val_prompts.is_file() else None
+    read = build(guard_config, cfg)
+    validation = generation(cfg) if read.val_prompts > 0 and run.val_prompts.is_file() else None
     return GuardSettings(
-        threshold=cfg.trainer.kl_rollback_threshold, estimator=estimator, kl=kl_pass(cfg),
-        reference=reference_path(cfg) if estimator != "sampled" or validation is not None else None,
-        val_prompts=n, validation=validation,
+        threshold=read.threshold, estimator=read.estimator, kl=read.kl,
+        reference=reference_path(cfg) if read.estimator != "sampled" or validation is not None else None,
+        val_prompts=read.val_prompts, validation=validation,
         processes=lambda items: share_processes(cfg.trainer, session, items),
         on_ranks=lambda world: run_on_ranks(cfg, run, session, k, "guard", world))
 
@@ -165,7 +179,7 @@ def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
     """The config this stage's output depends on (its manifest's config hash). The sampling keys
     count only when the guard samples (the key set then differs, so switching the check on or off
     reruns it), so the hashes of guards recorded without the check stay as they were."""
-    return GUARD_SECTIONS + (VAL_CHECK_SECTIONS if cfg.trainer.kl_guard_val_prompts > 0 else ())
+    return config_keys(guard_config) + (VAL_CHECK_SECTIONS if cfg.trainer.kl_guard_val_prompts > 0 else ())
 
 
 def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False,
@@ -227,6 +241,6 @@ def measure_val_kl(settings: GuardSettings, session: RunSession, run: RunDir, k:
 def guard_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path, session: RunSession) -> None:
     """This rank's micro-batches of the KL guard's measurement (exact per-token KL, sampled log-probs)."""
     sequences, prompt_lengths, _ = load_scored_sequences(run.scored(iteration))
-    kls, sampled = actor_ref_kl(kl_pass(cfg), session, run.checkpoint(iteration) / "actor", reference_path(cfg),
+    kls, sampled = actor_ref_kl(build(kl_pass, cfg), session, run.checkpoint(iteration) / "actor", reference_path(cfg),
                                 sequences, prompt_lengths, share=(rank, world))
     write_share(out, {"kl": kls, "sampled": sampled})

@@ -4,11 +4,14 @@ here: what is below the stages takes the few values it reads, never the whole ``
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import Annotated, Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.machine import cuda_devices
-from rlhf_core.config.resolve import frozen_param_offload, micro_batching, role_model_key, update_world_size
+from rlhf_core.config.reads import ActorDtype, ActorModel, At, TrainerDevice
+from rlhf_core.config.resolve import (frozen_param_offload, log_prob_batching, micro_batching, param_offload,
+                                      role_model_key, update_world_size)
+from rlhf_core.config.schema import RefConfig
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.rewards.sequence import RewardModelSettings, RewardSettings
 from rlhf_core.rollout.generate import GenerationSettings
@@ -26,15 +29,29 @@ def actor_dtype(cfg: RLHFConfig, device: Optional[str] = None) -> str:
     return role_dtype(dtype, role_model_key(cfg), device or resolve_device(cfg.trainer.device))
 
 
-def kl_pass(cfg: RLHFConfig) -> KLPassSettings:
-    """The KL guard's and validation's passes over the actor and the reference."""
-    device = scoring_device(cfg.trainer.device)
-    model = cfg.actor_rollout_ref.model
+def kl_pass(device: TrainerDevice, dtype: ActorDtype, model: ActorModel,
+            temperature: Annotated[float, At("actor_rollout_ref.rollout.temperature")],
+            ref: Annotated[RefConfig, At("actor_rollout_ref.ref.")],
+            log_prob_dynamic: Annotated[Optional[bool], At("actor_rollout_ref.rollout.log_prob_use_dynamic_bsz")],
+            log_prob_budget: Annotated[Optional[int], At("actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu")],
+            log_prob_micro: Annotated[Optional[int], At("actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu")],
+            log_prob_micro_global: Annotated[Optional[int], At("actor_rollout_ref.rollout.log_prob_micro_batch_size")],
+            actor_dynamic: Annotated[bool, At("actor_rollout_ref.actor.use_dynamic_bsz")],
+            actor_budget: Annotated[int, At("actor_rollout_ref.actor.ppo_max_token_len_per_gpu")]) -> KLPassSettings:
+    """The KL guard's and validation's passes over the actor and the reference (``build(kl_pass, cfg)``):
+    the reference's budget and the actor-only pass's micro-batches fall back to the actor's as verl's
+    (``resolve.log_prob_batching``); the dtype is the actor's training dtype on the scoring device."""
+    scoring = scoring_device(device)
+    ref_batching = log_prob_batching(ref.log_prob_use_dynamic_bsz, ref.log_prob_max_token_len_per_gpu,
+                                     ref.log_prob_micro_batch_size_per_gpu, ref.log_prob_micro_batch_size,
+                                     actor_dynamic, actor_budget)
     return KLPassSettings(
-        device=device, dtype=scoring_dtype(device, actor_dtype(cfg, device.type)),
-        attention=model.override_config.attn_implementation, temperature=cfg.actor_rollout_ref.rollout.temperature,
-        ref_budget=micro_batching(cfg, "ref").token_budget, ref_offload=frozen_param_offload(cfg, "ref"),
-        actor_batching=micro_batching(cfg, "rollout"), packed=model.use_remove_padding)
+        device=scoring, dtype=scoring_dtype(scoring, role_dtype(dtype, model.path, scoring.type)),
+        attention=model.override_config.attn_implementation, temperature=temperature,
+        ref_budget=ref_batching.token_budget, ref_offload=param_offload(ref.fsdp_config),
+        actor_batching=log_prob_batching(log_prob_dynamic, log_prob_budget, log_prob_micro, log_prob_micro_global,
+                                         actor_dynamic, actor_budget),
+        packed=model.use_remove_padding)
 
 
 def generation(cfg: RLHFConfig) -> GenerationSettings:

@@ -9,8 +9,8 @@ import pytest
 
 from rlhf_core.config import ConfigError, RLHFConfig, load_config
 from rlhf_core.config.loader import config_hash, flatten
-from rlhf_core.config.reads import Algorithm, At, CriticEnable, build, config_keys, config_values
-from rlhf_core.stages import gae, init_critic, pack, preprocess
+from rlhf_core.config.reads import Algorithm, At, Built, CriticEnable, build, config_keys, config_values
+from rlhf_core.stages import gae, guard, init_critic, pack, preprocess
 
 
 def _builder(gamma: Annotated[float, At("algorithm.gamma")], algorithm: Algorithm,
@@ -32,6 +32,18 @@ def test_config_keys_name_each_key_once_in_order_and_values_read_them():
     assert config_values(_builder, cfg)["algorithm.gamma"] == 0.25
 
 
+def _outer(seed: Annotated[int, At("trainer.seed")], inner: Annotated[tuple, Built(_builder)]) -> tuple:
+    return seed, inner
+
+
+def test_a_built_parameter_is_its_builders_settings_and_its_keys_are_the_outer_builders():
+    cfg = load_config(None, ["algorithm.gamma=0.5", "trainer.seed=3"])
+    seed, (gamma, _, _) = build(_outer, cfg)
+    assert (seed, gamma) == (3, 0.5)
+    assert config_keys(_outer) == ("trainer.seed", "algorithm.gamma", "algorithm.", "critic.enable")
+    assert config_values(_outer, cfg)["algorithm.gamma"] == 0.5
+
+
 def test_a_parameter_without_a_key_is_named():
     def builder(gamma: Annotated[float, At("algorithm.gamma")], lam: Optional[float]) -> float:
         return gamma
@@ -42,7 +54,8 @@ def test_a_parameter_without_a_key_is_named():
 
 @pytest.mark.parametrize("stage, builder", [(gae, gae.gae_settings), (pack, pack.pack_settings),
                                             (preprocess, preprocess.preprocess_settings),
-                                            (init_critic, init_critic.init_critic_settings)])
+                                            (init_critic, init_critic.init_critic_settings),
+                                            (guard, guard.guard_config)])
 def test_a_stage_hashes_exactly_the_keys_its_builder_reads(stage, builder):
     """The stage's config sections are its builder's keys: a key the builder takes changes the hash,
     one outside them does not."""

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from rlhf_core.config import load_config
+from rlhf_core.config.reads import build
 from rlhf_core.io.timing import MODEL_LOAD, tally
 from rlhf_core.rewards.reward_model import held_reward_model
 from rlhf_core.scoring import cache, frozen
@@ -107,10 +108,10 @@ def test_without_offload_the_weights_stay_on_the_device(reference, session):
 def test_the_guard_and_validation_kl_reuse_the_held_reference(reference, tiny_model_dir, session):
     cfg = load_config(overrides=["actor_rollout_ref.model.override_config.attn_implementation=sdpa"])
     sequences, prompts = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11]], [3, 2]
-    first, _ = actor_ref_kl(kl_pass(cfg), session, tiny_model_dir, reference, sequences, prompts)
+    first, _ = actor_ref_kl(build(kl_pass, cfg), session, tiny_model_dir, reference, sequences, prompts)
     held = session.frozen.held_model("reference")
     assert held is not None
-    actor_ref_kl(kl_pass(cfg), session, tiny_model_dir, reference, sequences, prompts)
+    actor_ref_kl(build(kl_pass, cfg), session, tiny_model_dir, reference, sequences, prompts)
     assert session.frozen.held_model("reference") is held  # the actor is read again (the cache is off), not the reference
     assert [len(kl) for kl in first] == [3, 2]
     assert [float(x) for kl in first for x in kl] == pytest.approx([0.0] * 5, abs=1e-6)  # actor = reference

@@ -14,6 +14,7 @@ from rlhf_core.run import lifecycle
 from rlhf_core.stages import guard
 from rlhf_core.scoring import policy_kl
 from rlhf_core.config import load_config
+from rlhf_core.config.reads import build
 from rlhf_core.run.manifest import read_manifest, record_stage
 from rlhf_core.run.lifecycle import read_last_good
 from rlhf_core.run.layout import RunDir
@@ -317,7 +318,7 @@ def test_the_exact_guard_runs_only_the_references_lm_head_on_the_states_scoring_
     scored = pq.read_table(run.scored(1)).to_pylist()
     seqs = [r["prompt_token_ids"] + r["response_token_ids"] for r in scored]
     plens = [len(r["prompt_token_ids"]) for r in scored]
-    settings = guard.kl_pass(cfg)
+    settings = build(guard.kl_pass, cfg)
     session = RunSession()
     forward = guard.run_guard(cfg, run, 1, force=True, session=session).metrics
     assert forward["perf/guard_reference_states_kept"] == 0.0
