@@ -26,7 +26,7 @@ import typing
 from dataclasses import dataclass
 from typing import Annotated, Any, Callable, Optional, TypeVar
 
-from rlhf_core.config.schema import AlgorithmConfig, DataConfig, ModelConfig
+from rlhf_core.config.schema import AlgorithmConfig, DataConfig, ModelConfig, RolloutConfig
 
 T = TypeVar("T")
 
@@ -36,6 +36,10 @@ class At:
     """Where a builder's parameter comes from in the config: a dotted key, a section when it ends in "."."""
 
     key: str
+    unhashed: str = ""
+    """Why a change to this key cannot change the stage's outputs, for a key the builder reads but the
+    config hash leaves out (``trainer.device`` for generation: a run keeps its device, and the update
+    hashes it); empty: hashed."""
 
     @property
     def path(self) -> tuple[str, ...]:
@@ -50,11 +54,14 @@ class Built:
 
 
 Data = Annotated[DataConfig, At("data.")]
+Rollout = Annotated[RolloutConfig, At("actor_rollout_ref.rollout.")]
 ActorModel = Annotated[ModelConfig, At("actor_rollout_ref.model.")]
 Algorithm = Annotated[AlgorithmConfig, At("algorithm.")]
 AdvEstimator = Annotated[str, At("algorithm.adv_estimator")]
 CriticEnable = Annotated[Optional[bool], At("critic.enable")]
 TrainerDevice = Annotated[str, At("trainer.device")]
+RunDevice = Annotated[str, At("trainer.device", unhashed="a run keeps its device (the update hashes it); it decides "
+                                                         "where a pass runs, its dtype and numbers come from the rest")]
 ActorDtype = Annotated[str, At("actor_rollout_ref.actor.deepspeed_config.dtype")]
 """The keys several stages' builders read, declared once."""
 
@@ -75,11 +82,13 @@ def _parameters(builder: Callable[..., Any]) -> tuple[tuple[str, At | Built], ..
 
 
 def config_keys(*builders: Callable[..., Any]) -> tuple[str, ...]:
-    """The keys ``builders`` read (a built parameter's builder's included), each once, in the order they name them."""
+    """The keys ``builders`` read and hash (a built parameter's builder's included; not the ``unhashed``
+    ones), each once, in the order they name them."""
     keys: list[str] = []
     for builder in builders:
         for _, source in _parameters(builder):
-            more = config_keys(source.builder) if isinstance(source, Built) else (source.key,)
+            more = config_keys(source.builder) if isinstance(source, Built) else (
+                () if source.unhashed else (source.key,))
             keys += [key for key in more if key not in keys]
     return tuple(keys)
 

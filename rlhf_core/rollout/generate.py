@@ -3,7 +3,7 @@
 ``generate_responses`` is the one entry point every caller shares: the rollout stage (train prompts,
 the pack stage's generation batches, sampled) and validation (held-out prompts, possibly greedy)::
 
-    gen = stages.settings.generation(cfg)        # built once, above this layer
+    gen = build(stages.settings.generation, cfg)  # built once, above this layer
     rows = read_prompt_rows(run.val_prompts)
     samples, stats = generate_responses(gen, model_dir, rows, validation_sampling(gen, seed=7), session=HeldModels())
 

@@ -41,9 +41,6 @@ from rlhf_core.stages.validate import sample_val_responses, val_kl_from_samples
 from rlhf_core.training import flops
 from rlhf_core.training.run_trainer import ensure_state
 
-VAL_CHECK_SECTIONS = ("actor_rollout_ref.rollout.", "data.max_prompt_length", "data.max_response_length")
-"""What the on-policy check on validation prompts (trainer.kl_guard_val_prompts > 0) also reads: their
-generation at the rollout's sampling settings, engine and budgets (``settings.generation``)."""
 
 
 @dataclass(frozen=True)
@@ -83,7 +80,8 @@ def guard_config(threshold: Annotated[float, At("trainer.kl_rollback_threshold")
                  val_prompts: Annotated[int, At("trainer.kl_guard_val_prompts")],
                  kl: Annotated[KLPassSettings, Built(kl_pass)]) -> GuardConfig:
     """Its parameters are the keys the guard's config hash covers (``kl_pass``'s included); the
-    validation prompts' sampling keys join them when the check is on (``config_sections``)."""
+    validation prompts' generation keys (``settings.generation``) join them when the check is on
+    (``config_sections``)."""
     return GuardConfig(threshold=threshold, estimator=estimator, val_prompts=val_prompts, kl=kl)
 
 
@@ -92,7 +90,7 @@ def guard_settings(cfg: RLHFConfig, run: RunDir, k: int, session: RunSession) ->
     reference are resolved only when the guard measures with them, the process counts when asked for
     (the session's worker group, when it keeps one, runs the shares)."""
     read = build(guard_config, cfg)
-    validation = generation(cfg) if read.val_prompts > 0 and run.val_prompts.is_file() else None
+    validation = build(generation, cfg) if read.val_prompts > 0 and run.val_prompts.is_file() else None
     return GuardSettings(
         threshold=read.threshold, estimator=read.estimator, kl=read.kl,
         reference=reference_path(cfg) if read.estimator != "sampled" or validation is not None else None,
@@ -176,10 +174,10 @@ def decide(kl: float, threshold: float) -> str:
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    """The config this stage's output depends on (its manifest's config hash). The sampling keys
+    """The config this stage's output depends on (its manifest's config hash). The generation keys
     count only when the guard samples (the key set then differs, so switching the check on or off
     reruns it), so the hashes of guards recorded without the check stay as they were."""
-    return config_keys(guard_config) + (VAL_CHECK_SECTIONS if cfg.trainer.kl_guard_val_prompts > 0 else ())
+    return config_keys(guard_config, *([generation] if cfg.trainer.kl_guard_val_prompts > 0 else []))
 
 
 def run_guard(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False,

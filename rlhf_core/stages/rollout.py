@@ -37,6 +37,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.reads import build, config_keys
 from rlhf_core.config.schema import DataConfig, FilterGroupsConfig
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.resolve import needs_baseline_rollout
@@ -68,9 +69,6 @@ from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, 
 from rlhf_core.stages.settings import generation, reward_model_paths, reward_settings
 from rlhf_core.training.run_trainer import ensure_state
 
-CONFIG_SECTIONS = ("data.", "actor_rollout_ref.rollout.", "actor_rollout_ref.model.",
-                   "actor_rollout_ref.actor.deepspeed_config.dtype")
-"""What every rollout reads (the engine runs at the trainer's dtype: ``settings.generation``)."""
 FILTER_SECTIONS = ("algorithm.filter_groups.", "algorithm.use_kl_in_reward", "reward_model.", "custom_reward_function.")
 """What a rollout that filters groups also reads: the filter and the reward function's settings."""
 BASELINE_SECTIONS = ("algorithm.adv_estimator",)
@@ -82,7 +80,7 @@ def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
     make the rollout do more (the key set then differs, so switching either on or off reruns it),
     so a reward or estimator change alone does not regenerate a plain rollout, and the hashes of
     runs recorded before these features existed stay as they were."""
-    return (CONFIG_SECTIONS + (FILTER_SECTIONS if cfg.algorithm.filter_groups.enable else ())
+    return (config_keys(generation) + (FILTER_SECTIONS if cfg.algorithm.filter_groups.enable else ())
             + (BASELINE_SECTIONS if needs_baseline_rollout(cfg) else ()))
 
 
@@ -110,7 +108,7 @@ def rollout_settings(cfg: RLHFConfig) -> RolloutSettings:
     """The rollout's settings; the filter and the estimator only read as ``config_sections`` reads them,
     the reward's keys only when the filter scores with them."""
     fg = cfg.algorithm.filter_groups
-    return RolloutSettings(gen=generation(cfg), filter_groups=fg if fg.enable else None,
+    return RolloutSettings(gen=build(generation, cfg), filter_groups=fg if fg.enable else None,
                            rewards=reward_settings(cfg) if fg.enable else None,
                            baseline_estimator=cfg.algorithm.adv_estimator if needs_baseline_rollout(cfg) else None)
 
@@ -484,7 +482,7 @@ def _stats(name: str, lengths: list[int], budget: int) -> dict[str, float]:
 def rollout_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path, session: RunSession) -> None:
     """This rank's generation batches of the rollout (HF engine), seeded as in one process."""
     _, _, batches, prompt_rows = iteration_prompts(run, iteration)
-    gen = generation(cfg)
+    gen = build(generation, cfg)
     samples, stats = generate_responses(gen, actor_path(cfg, run, iteration), prompt_rows,
                                         iteration_sampling(gen, iteration), batches, session=session,
                                         desc=f"rollout iter {iteration} rank {rank}", share=(rank, world))

@@ -135,7 +135,7 @@ class ScoreSettings:
     """The reference's weights wait in host memory between passes (``frozen_param_offload``)."""
 
     def actor_dtype(self, device: str) -> str:
-        """The actor's training dtype on ``device`` (``stages.settings.actor_dtype``), resolved when a pass
+        """The actor's training dtype on ``device`` (``ds_config.role_dtype``, as generation's), resolved when a pass
         asks: resolving 'auto' reads the model, and says the choice once on a CPU."""
         return role_dtype(self.dtype, self.model_key, device)
 

@@ -8,9 +8,9 @@ from typing import Annotated, Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.machine import cuda_devices
-from rlhf_core.config.reads import ActorDtype, ActorModel, At, TrainerDevice
+from rlhf_core.config.reads import ActorDtype, ActorModel, At, Data, Rollout, RunDevice, TrainerDevice
 from rlhf_core.config.resolve import (frozen_param_offload, log_prob_batching, micro_batching, param_offload,
-                                      role_model_key, update_world_size)
+                                      update_world_size)
 from rlhf_core.config.schema import RefConfig
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.rewards.sequence import RewardModelSettings, RewardSettings
@@ -19,14 +19,6 @@ from rlhf_core.run.models import reward_model_path
 from rlhf_core.scoring.models import scoring_device, scoring_dtype
 from rlhf_core.scoring.policy_kl import KLPassSettings
 from rlhf_core.training.ds_config import resolve_device, role_dtype
-
-
-def actor_dtype(cfg: RLHFConfig, device: Optional[str] = None) -> str:
-    """The actor's training dtype on ``device`` (default: trainer.device), 'auto' resolved for its model
-    (``ds_config.role_dtype``): rollout, scoring and the KL guard run in it."""
-    # the dtype alone: the stages that run in it declare that key, not the actor's ZeRO or offload ones
-    dtype = cfg.actor_rollout_ref.actor.deepspeed_config.dtype
-    return role_dtype(dtype, role_model_key(cfg), device or resolve_device(cfg.trainer.device))
 
 
 def kl_pass(device: TrainerDevice, dtype: ActorDtype, model: ActorModel,
@@ -54,13 +46,13 @@ def kl_pass(device: TrainerDevice, dtype: ActorDtype, model: ActorModel,
         packed=model.use_remove_padding)
 
 
-def generation(cfg: RLHFConfig) -> GenerationSettings:
-    """Rollout's and validation's generation: the engine runs at the actor's training dtype, so a
-    vLLM engine's log-probs are the trainer's (vLLM's own "auto" would run an fp32 checkpoint at bf16)."""
-    model = cfg.actor_rollout_ref.model
-    dtype = actor_dtype(cfg)
+def generation(rollout: Rollout, data: Data, model: ActorModel, dtype: ActorDtype,
+               device: RunDevice) -> GenerationSettings:
+    """Rollout's and validation's generation (``build(generation, cfg)``): the engine runs at the actor's
+    training dtype, so a vLLM engine's log-probs are the trainer's (vLLM's own "auto" would run an fp32
+    checkpoint at bf16)."""
     return GenerationSettings(
-        rollout=cfg.actor_rollout_ref.rollout, data=cfg.data, device=cfg.trainer.device, dtype=dtype,
+        rollout=rollout, data=data, device=device, dtype=role_dtype(dtype, model.path, resolve_device(device)),
         attention=model.override_config.attn_implementation, tokenizer_path=model.tokenizer_path)
 
 

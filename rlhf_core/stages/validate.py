@@ -33,6 +33,7 @@ import numpy as np
 import pyarrow as pa
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.reads import build
 from rlhf_core.config.schema import CustomRewardConfig, ModelConfig, TrainerConfig
 from rlhf_core.data.packing import Share
 from rlhf_core.data.schemas import VALIDATION
@@ -86,7 +87,7 @@ def validation_settings(cfg: RLHFConfig, run: RunDir, k: int, session: RunSessio
     """Validation's settings for iteration ``k`` of ``run``; the process counts are read when asked for
     (the session's worker group or kept engine, when it has one, decides them)."""
     return ValidationSettings(
-        generation=generation(cfg), reward_function=cfg.custom_reward_function, reward_fn_key=cfg.data.reward_fn_key,
+        generation=build(generation, cfg), reward_function=cfg.custom_reward_function, reward_fn_key=cfg.data.reward_fn_key,
         processes=lambda batches: generation_processes(cfg.trainer, cfg.actor_rollout_ref.rollout, session, batches),
         on_ranks=lambda world: run_on_ranks(cfg, run, session, k, "validate", world))
 
@@ -349,7 +350,7 @@ def val_kl_from_samples(kl: KLPassSettings, session: RunSession, reference: Path
 def validate_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path, session: RunSession) -> None:
     """This rank's generation batches of validation (HF engine), seeded as in one process."""
     actor = validation_actor(run, iteration) or initial_actor_path(cfg)
-    gen = generation(cfg)
+    gen = build(generation, cfg)
     _, samples = sample_val_responses(gen, session, run, actor, sampling=validation_sampling(gen, seed=0),
                                       share=(rank, world))
     write_share(out, {}, samples=json.dumps([dataclasses.asdict(s) for s in samples]))

@@ -10,7 +10,8 @@ import pytest
 from rlhf_core.config import ConfigError, RLHFConfig, load_config
 from rlhf_core.config.loader import config_hash, flatten
 from rlhf_core.config.reads import Algorithm, At, Built, CriticEnable, build, config_keys, config_values
-from rlhf_core.stages import gae, guard, init_critic, pack, preprocess
+from rlhf_core.stages import gae, guard, init_critic, pack, preprocess, rollout
+from rlhf_core.stages.settings import generation
 
 
 def _builder(gamma: Annotated[float, At("algorithm.gamma")], algorithm: Algorithm,
@@ -42,6 +43,13 @@ def test_a_built_parameter_is_its_builders_settings_and_its_keys_are_the_outer_b
     assert (seed, gamma) == (3, 0.5)
     assert config_keys(_outer) == ("trainer.seed", "algorithm.gamma", "algorithm.", "critic.enable")
     assert config_values(_outer, cfg)["algorithm.gamma"] == 0.5
+
+
+def test_an_unhashed_key_is_read_but_left_out_of_the_hash():
+    cfg = load_config(None, ["trainer.device=cpu"])
+    assert build(generation, cfg).device == "cpu"
+    assert "trainer.device" not in config_keys(generation)
+    assert rollout.config_sections(cfg) == config_keys(generation)  # a plain rollout: generation's keys
 
 
 def test_a_parameter_without_a_key_is_named():

@@ -186,9 +186,10 @@ def test_sampling_settings_follow_do_sample_and_val_kwargs():
     from rlhf_core.config import load_config
     from rlhf_core.rollout.generate import train_sampling, validation_sampling
     from rlhf_core.stages.settings import generation
+    from rlhf_core.config.reads import build
 
     def gen(*overrides):
-        return generation(load_config(None, list(overrides)))
+        return build(generation, load_config(None, list(overrides)))
 
     four = gen("actor_rollout_ref.rollout.n=4")
     assert not train_sampling(four, seed=1).greedy and train_sampling(four, seed=1).n == 4

@@ -49,11 +49,12 @@ def test_the_setting_reaches_the_engine_sized_for_the_longest_sequence(tiny_mode
     from rlhf_core.config import load_config
     from rlhf_core.rollout.generate import build_rollout_engine
     from rlhf_core.stages.settings import generation
+    from rlhf_core.config.reads import build
     from rlhf_core.run.session import RunSession
 
     cfg = load_config(None, [f"actor_rollout_ref.model.path={tiny_model_dir}", "actor_rollout_ref.rollout.hf_decode=static",
                              "data.max_prompt_length=40", "data.max_response_length=24", "trainer.device=cpu"])
-    engine = build_rollout_engine(generation(cfg), tiny_model_dir, session=RunSession())
+    engine = build_rollout_engine(build(generation, cfg), tiny_model_dir, session=RunSession())
     try:
         assert (engine.decode, engine.max_cache_len) == ("static", 64)
     finally:

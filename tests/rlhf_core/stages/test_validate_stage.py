@@ -114,10 +114,11 @@ def test_validation_on_two_processes_equals_one_process(val_run):
                "actor_rollout_ref.rollout.generation_batch_tokens=150"]  # several batches of the 4 prompts
     from rlhf_core.rollout.generate import generation_plan, validation_sampling
     from rlhf_core.stages.settings import generation
+    from rlhf_core.config.reads import build
 
     cfg = load_config(None, [*overrides, *sampled])
     assert len(generation_plan(cfg.actor_rollout_ref.rollout, pq.read_table(run.val_prompts).to_pylist(),
-                               validation_sampling(generation(cfg), seed=0))) >= 2
+                               validation_sampling(build(generation, cfg), seed=0))) >= 2
     one_result, one = _validate(run, overrides, 3, *sampled)
     two_result = validate.run_validate(load_config(None, [*overrides, *sampled, "trainer.stage_processes=2"]), run, 3,
                                        force=True)  # the process count is not in the config hash: same outputs

@@ -62,6 +62,7 @@ def test_a_bf16_trainer_lends_its_modules_to_the_rollout_and_the_guard_on_a_cpu(
     it ("held in memory as bfloat16, but float32 was asked for")."""
     from rlhf_core.rollout.generate import build_rollout_engine
     from rlhf_core.stages.settings import generation
+    from rlhf_core.config.reads import build
     from rlhf_core.scoring.models import scoring_device, scoring_dtype
     from rlhf_core.scoring.policy_kl import load_actor_for_kl
 
@@ -76,7 +77,7 @@ def test_a_bf16_trainer_lends_its_modules_to_the_rollout_and_the_guard_on_a_cpu(
         device = scoring_device(cfg.trainer.device)
         dtype = scoring_dtype(device, cfg.actor_rollout_ref.actor.deepspeed_config.dtype)
         assert load_actor_for_kl(session, run.checkpoint(1) / "actor", device, dtype) is actor.module
-        engine = build_rollout_engine(generation(cfg), run.checkpoint(1) / "actor", session=session)
+        engine = build_rollout_engine(build(generation, cfg), run.checkpoint(1) / "actor", session=session)
         assert engine.model is actor.module
         samples = engine.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=4, n=1, seed=0))
         assert len(samples[0].token_ids) > 0
