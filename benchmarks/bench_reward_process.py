@@ -103,6 +103,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=positive_int, default=5)
     args = parser.parse_args()
     from rlhf_core.config import load_config
+    from rlhf_core.config.reads import build
     from rlhf_core.rewards import registry
     from rlhf_core.rewards.sequence import rule_rewards
     from rlhf_core.stages.settings import reward_settings
@@ -113,9 +114,9 @@ def main() -> None:
     sys.path.insert(0, str(work))
     import my_reward  # noqa: PLC0415  the user's module, in this process for the in-process way
 
-    demo = reward_settings(load_config(REPO / "configs" / "demo.yaml", []))
-    custom = reward_settings(load_config(REPO / "configs" / "demo.yaml",
-                                         [f"custom_reward_function.path={user_file}"]))
+    demo = build(reward_settings, load_config(REPO / "configs" / "demo.yaml", []))
+    custom = build(reward_settings, load_config(REPO / "configs" / "demo.yaml",
+                                                [f"custom_reward_function.path={user_file}"]))
     where = work / "rollout.parquet"
     print(f"{'rows':>5} {'built-in':>10} {'in-process':>11} {'own process':>12} {'(start':>8} {'calls)':>8} "
           f"{'per call':>9} {'ratio':>6}  identical")

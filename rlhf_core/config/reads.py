@@ -14,6 +14,10 @@ A parameter typed ``Annotated[T, Built(other_builder)]`` takes that builder's se
 are the outer builder's too: a settings builder several stages share (the KL guard's and validation's
 passes, ``stages.settings.kl_pass``) names its keys once.
 
+``Built(part, when=decides)`` reads a part only where ``decides`` (a builder too) says so: the
+rollout's dynamic-sampling filter, a reward model's batching. Its keys then depend on the config:
+``config_keys(builder, cfg=cfg)``.
+
 A key is a prefix, as the config hash matches it: ``At("actor_rollout_ref.rollout.n")`` also covers
 ``rollout.name``; a builder that names a key inside a section it names adds nothing to the hash.
 """
@@ -51,6 +55,11 @@ class Built:
     """A parameter that is another builder's settings, built from the same config."""
 
     builder: Callable[..., Any]
+    when: Optional[Callable[..., bool]] = None
+    """A builder of whether the part is read at all (None: always). Off, the parameter is None and
+    the part's keys are not hashed; the deciding keys themselves are not hashed either: switching the
+    part on or off changes the key set, so the stage reruns, and turning on a part a config never
+    used leaves the hashes recorded without it as they were."""
 
 
 Data = Annotated[DataConfig, At("data.")]
@@ -81,25 +90,44 @@ def _parameters(builder: Callable[..., Any]) -> tuple[tuple[str, At | Built], ..
     return tuple(found)
 
 
-def config_keys(*builders: Callable[..., Any]) -> tuple[str, ...]:
+def config_keys(*builders: Callable[..., Any], cfg: Any = None) -> tuple[str, ...]:
     """The keys ``builders`` read and hash (a built parameter's builder's included; not the ``unhashed``
-    ones), each once, in the order they name them."""
+    ones; a part read only ``when`` its builder says so: only then, which needs ``cfg``), each once,
+    in the order they name them."""
     keys: list[str] = []
     for builder in builders:
         for _, source in _parameters(builder):
-            more = config_keys(source.builder) if isinstance(source, Built) else (
-                () if source.unhashed else (source.key,))
+            if isinstance(source, At):
+                more = () if source.unhashed else (source.key,)
+            elif _reads(source, cfg, builder):
+                more = config_keys(source.builder, cfg=cfg)
+            else:
+                more = ()
             keys += [key for key in more if key not in keys]
     return tuple(keys)
 
 
+def _reads(part: Built, cfg: Any, builder: Callable[..., Any]) -> bool:
+    if part.when is None:
+        return True
+    if cfg is None:
+        raise TypeError(f"{builder.__qualname__} reads {part.builder.__qualname__} only when "
+                        f"{part.when.__qualname__} says so: give the config, config_keys(..., cfg=cfg)")
+    return bool(build(part.when, cfg))
+
+
 def config_values(builder: Callable[..., Any], cfg: Any) -> dict[str, Any]:
     """Each key ``builder`` reads with its value in ``cfg`` (what a stage records of its config)."""
-    return {key: functools.reduce(getattr, At(key).path, cfg) for key in config_keys(builder)}
+    return {key: functools.reduce(getattr, At(key).path, cfg) for key in config_keys(builder, cfg=cfg)}
 
 
 def build(builder: Callable[..., T], cfg: Any) -> T:
     """``builder`` called with the value of ``cfg`` at each of its parameters' keys (a built
-    parameter: its builder's settings from ``cfg``)."""
-    return builder(**{name: build(source.builder, cfg) if isinstance(source, Built)
-                      else functools.reduce(getattr, source.path, cfg) for name, source in _parameters(builder)})
+    parameter: its builder's settings from ``cfg``, or None where its ``when`` says it is not read)."""
+    return builder(**{name: _value(source, cfg, builder) for name, source in _parameters(builder)})
+
+
+def _value(source: At | Built, cfg: Any, builder: Callable[..., Any]) -> Any:
+    if isinstance(source, At):
+        return functools.reduce(getattr, source.path, cfg)
+    return build(source.builder, cfg) if _reads(source, cfg, builder) else None

@@ -23,7 +23,8 @@ from typing import Literal, Mapping, Optional
 
 from rlhf_core.algos.registry import estimator_takes
 from rlhf_core.algos.correction_specs import RolloutCorrection
-from rlhf_core.config.schema import DataConfig, FSDPConfig, OptimConfig, RLHFConfig, TrainerConfig
+from rlhf_core.config.schema import (ActorRolloutRefConfig, CriticConfig, DataConfig, FSDPConfig, ModelConfig, OptimConfig,
+                                     RewardModelConfig, RLHFConfig, TrainerConfig)
 
 Role = Literal["actor", "critic", "rollout", "ref", "reward_model"]
 """actor/critic: the update's forward/backward; rollout: old log-probs; ref: reference log-probs;
@@ -97,25 +98,41 @@ def micro_batching(cfg: RLHFConfig, role: Role, world_size: int = 1) -> MicroBat
     reward_model micro_batch_size_per_gpu; use_dynamic_bsz null = the critic's;
                  budget = critic.forward_max_token_len_per_gpu (null = critic.ppo_max_token_len_per_gpu)
     """
+    return role_batching(cfg.actor_rollout_ref, cfg.critic, role, world_size, cfg.reward_model)
+
+
+def role_batching(arr: ActorRolloutRefConfig, c: CriticConfig, role: Role, world_size: int = 1,
+                  rm: Optional[RewardModelConfig] = None) -> MicroBatching:
+    """``micro_batching`` from the sections it reads (the reward model's for its role only)."""
     # each role reads only its own keys and their fall-backs: what a stage reads is what it hashes
-    arr, a, c = cfg.actor_rollout_ref, cfg.actor_rollout_ref.actor, cfg.critic
+    a = arr.actor
     if role == "actor":
         return MicroBatching(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu,
                              per_gpu_micro_batch(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, world_size))
-    if role in ("critic", "reward_model"):
-        critic_dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
     if role == "critic":
+        critic_dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
         return MicroBatching(critic_dynamic, c.ppo_max_token_len_per_gpu,
                              per_gpu_micro_batch(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size, world_size))
     if role == "reward_model":
-        rm = cfg.reward_model
-        dynamic = critic_dynamic if rm.use_dynamic_bsz is None else rm.use_dynamic_bsz
-        return MicroBatching(dynamic, c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu,
-                             per_gpu_micro_batch(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size))
+        if rm is None:
+            raise TypeError("role_batching(..., 'reward_model') needs the reward_model section")
+        return reward_model_batching(rm, c.use_dynamic_bsz, a.use_dynamic_bsz, c.forward_max_token_len_per_gpu,
+                                     c.ppo_max_token_len_per_gpu, world_size)
     src = arr.rollout if role == "rollout" else arr.ref
     return log_prob_batching(src.log_prob_use_dynamic_bsz, src.log_prob_max_token_len_per_gpu,
                              src.log_prob_micro_batch_size_per_gpu, src.log_prob_micro_batch_size,
                              a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, world_size)
+
+
+def reward_model_batching(rm: RewardModelConfig, critic_dynamic: Optional[bool], actor_dynamic: bool,
+                          critic_forward_max_token_len: Optional[int], critic_max_token_len: int,
+                          world_size: int = 1) -> MicroBatching:
+    """The reward model's forwards: its use_dynamic_bsz, null = the critic's (null = the actor's); the
+    budget is the critic's forward budget, null = its training budget, as verl's."""
+    critic = actor_dynamic if critic_dynamic is None else critic_dynamic
+    return MicroBatching(critic if rm.use_dynamic_bsz is None else rm.use_dynamic_bsz,
+                         critic_forward_max_token_len or critic_max_token_len,
+                         per_gpu_micro_batch(rm.micro_batch_size_per_gpu, rm.micro_batch_size, world_size))
 
 
 def log_prob_batching(use_dynamic_bsz: Optional[bool], max_token_len: Optional[int], micro_batch_size_per_gpu:
@@ -130,8 +147,12 @@ def log_prob_batching(use_dynamic_bsz: Optional[bool], max_token_len: Optional[i
 
 def critic_value_batching(cfg: RLHFConfig, world_size: int = 1) -> MicroBatching:
     """The critic's forward in scoring (values): forward_* keys, falling back to its ppo_* keys."""
-    c = cfg.critic
-    train = micro_batching(cfg, "critic", world_size)
+    return critic_values_batching(cfg.actor_rollout_ref, cfg.critic, world_size)
+
+
+def critic_values_batching(arr: ActorRolloutRefConfig, c: CriticConfig, world_size: int = 1) -> MicroBatching:
+    """``critic_value_batching`` from the two sections it reads."""
+    train = role_batching(arr, c, "critic", world_size)
     per_gpu = c.forward_micro_batch_size_per_gpu or train.micro_batch_size
     return MicroBatching(train.use_dynamic_bsz, c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu,
                          per_gpu)
@@ -162,8 +183,13 @@ def critic_loss_agg_mode(cfg: RLHFConfig) -> str:
 
 
 def critic_use_remove_padding(cfg: RLHFConfig) -> bool:
-    m = cfg.critic.model.use_remove_padding
-    return cfg.actor_rollout_ref.model.use_remove_padding if m is None else m
+    return critic_packs_rows(cfg.critic, cfg.actor_rollout_ref.model)
+
+
+def critic_packs_rows(critic: CriticConfig, actor_model: ModelConfig) -> bool:
+    """The critic's model.use_remove_padding, null = the actor's."""
+    m = critic.model.use_remove_padding
+    return actor_model.use_remove_padding if m is None else m
 
 
 def loss_scale_factor(cfg: RLHFConfig) -> float:

@@ -85,15 +85,20 @@ def check_filter_groups(cfg: RLHFConfig) -> None:
     fg = cfg.algorithm.filter_groups
     if not fg.enable:
         return
-    if fg.metric == "seq_final_reward" and cfg.algorithm.use_kl_in_reward:
-        raise ConfigError(f"{FILTER_GROUPS}.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the final "
-                          "reward subtracts the KL penalty, which needs the score stage's old and reference "
-                          "log-probs, unknown when the rollout filters; use metric=seq_reward (the score "
-                          "before the KL penalty) or algorithm.use_kl_in_reward=false")
+    check_filter_metric(fg.metric, cfg.algorithm.use_kl_in_reward)
     if cfg.actor_rollout_ref.rollout.name == "offline":
         raise ConfigError(f"{FILTER_GROUPS}.enable=true needs a generating engine to draw more prompts; "
                           "actor_rollout_ref.rollout.name=offline imports a fixed set of responses: use hf or "
                           f"vllm, or set {FILTER_GROUPS}.enable=false")
+
+
+def check_filter_metric(metric: str, use_kl_in_reward: bool) -> None:
+    """The filter's metric cannot include the KL penalty: the rollout filters before the passes that give it."""
+    if metric == "seq_final_reward" and use_kl_in_reward:
+        raise ConfigError(f"{FILTER_GROUPS}.metric=seq_final_reward with algorithm.use_kl_in_reward=true: the final "
+                          "reward subtracts the KL penalty, which needs the score stage's old and reference "
+                          "log-probs, unknown when the rollout filters; use metric=seq_reward (the score "
+                          "before the KL penalty) or algorithm.use_kl_in_reward=false")
 
 
 def uses_estimator_values(cfg: RLHFConfig) -> bool:

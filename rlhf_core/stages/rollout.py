@@ -31,15 +31,16 @@ import json
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Annotated, Callable, Optional, Sequence
 
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.config.reads import build, config_keys
+from rlhf_core.config.reads import AdvEstimator, At, Built, build, config_keys
 from rlhf_core.config.schema import DataConfig, FilterGroupsConfig
 from rlhf_core.config.errors import ConfigError
+from rlhf_core.algos.registry import estimator_takes
 from rlhf_core.config.resolve import needs_baseline_rollout
 from rlhf_core.notes import say_once
 from rlhf_core.data.schemas import REJECTS, ROLLOUT
@@ -59,7 +60,7 @@ from rlhf_core.rollout.dynamic_sampling import (
     check_draw_again, draw_seed, draw_slot, metric_values, split_groups,
 )
 from rlhf_core.rollout.offline import OFFLINE_ENGINE, import_offline
-from rlhf_core.config.validate import check_filter_groups, check_overlong_buffer
+from rlhf_core.config.validate import check_filter_groups, check_filter_metric, check_overlong_buffer
 from rlhf_core.rewards.sequence import RewardSettings, sequence_rewards
 from rlhf_core.scoring.models import ModelPaths
 from rlhf_core.run.session import RunSession
@@ -69,19 +70,12 @@ from rlhf_core.stages.ranks import (generation_processes, merge_engine_samples, 
 from rlhf_core.stages.settings import generation, reward_model_paths, reward_settings
 from rlhf_core.training.run_trainer import ensure_state
 
-FILTER_SECTIONS = ("algorithm.filter_groups.", "algorithm.use_kl_in_reward", "reward_model.", "custom_reward_function.")
-"""What a rollout that filters groups also reads: the filter and the reward function's settings."""
-BASELINE_SECTIONS = ("algorithm.adv_estimator",)
-"""What a rollout that decodes greedy baselines also reads."""
-
-
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    """The rollout's config prefixes. The filter's and the estimator's keys count only when they
-    make the rollout do more (the key set then differs, so switching either on or off reruns it),
-    so a reward or estimator change alone does not regenerate a plain rollout, and the hashes of
-    runs recorded before these features existed stay as they were."""
-    return (config_keys(generation) + (FILTER_SECTIONS if cfg.algorithm.filter_groups.enable else ())
-            + (BASELINE_SECTIONS if needs_baseline_rollout(cfg) else ()))
+    """The rollout's config prefixes: what ``rollout_settings`` reads. The filter's and the estimator's
+    keys count only when they make the rollout do more (the key set then differs, so switching either
+    on or off reruns it), so a reward or estimator change alone does not regenerate a plain rollout,
+    and the hashes of runs recorded before these features existed stay as they were."""
+    return config_keys(rollout_settings, cfg=cfg)
 
 
 def rollout_rejects_path(run: RunDir, iteration: int) -> Path:
@@ -104,13 +98,41 @@ class RolloutSettings:
     """algorithm.adv_estimator when it takes greedy baselines (``needs_baseline_rollout``: remax), else None."""
 
 
-def rollout_settings(cfg: RLHFConfig) -> RolloutSettings:
-    """The rollout's settings; the filter and the estimator only read as ``config_sections`` reads them,
-    the reward's keys only when the filter scores with them."""
-    fg = cfg.algorithm.filter_groups
-    return RolloutSettings(gen=build(generation, cfg), filter_groups=fg if fg.enable else None,
-                           rewards=reward_settings(cfg) if fg.enable else None,
-                           baseline_estimator=cfg.algorithm.adv_estimator if needs_baseline_rollout(cfg) else None)
+@dataclass(frozen=True)
+class DynamicSampling:
+    groups: FilterGroupsConfig
+    rewards: RewardSettings
+
+
+def filters_groups(enable: Annotated[bool, At("algorithm.filter_groups.enable")]) -> bool:
+    return enable
+
+
+def dynamic_sampling(groups: Annotated[FilterGroupsConfig, At("algorithm.filter_groups.")],
+                     use_kl_in_reward: Annotated[bool, At("algorithm.use_kl_in_reward")],
+                     rewards: Annotated[RewardSettings, Built(reward_settings)]) -> DynamicSampling:
+    """The filter and what it scores responses with; its metric cannot include a KL penalty the
+    rollout does not know yet (``config.validate.check_filter_metric``)."""
+    check_filter_metric(groups.metric, use_kl_in_reward)
+    return DynamicSampling(groups, rewards)
+
+
+def decodes_baselines(adv_estimator: AdvEstimator) -> bool:
+    return estimator_takes(adv_estimator, "reward_baselines")
+
+
+def baseline_estimator(adv_estimator: AdvEstimator) -> str:
+    return adv_estimator
+
+
+def rollout_settings(gen: Annotated[GenerationSettings, Built(generation)],
+                     sampling: Annotated[Optional[DynamicSampling], Built(dynamic_sampling, when=filters_groups)],
+                     baselines: Annotated[Optional[str], Built(baseline_estimator, when=decodes_baselines)],
+                     ) -> RolloutSettings:
+    """The rollout's settings (``build(rollout_settings, cfg)``); the filter's and the estimator's keys
+    are read only when they make the rollout do more."""
+    return RolloutSettings(gen=gen, filter_groups=sampling.groups if sampling else None,
+                           rewards=sampling.rewards if sampling else None, baseline_estimator=baselines)
 
 
 @dataclass(frozen=True)
@@ -174,8 +196,8 @@ def run_rollout(cfg: RLHFConfig, run: RunDir, iteration: int | None = None, forc
             return record.skipped
         ensure_state(session, run, run.checkpoint_iteration(model_dir))  # held in memory, on disk, or rebuilt now
         if r.name == OFFLINE_ENGINE:
-            return record.done(_offline_body(rollout_settings(cfg), run, iteration, model_dir, offline_file))
-        return record.done(_generate_body(rollout_settings(cfg), calls, run, iteration, model_dir, session))
+            return record.done(_offline_body(build(rollout_settings, cfg), run, iteration, model_dir, offline_file))
+        return record.done(_generate_body(build(rollout_settings, cfg), calls, run, iteration, model_dir, session))
 
 
 def slot_batches(run: RunDir, iteration: int) -> tuple[int, int, list[list[str]]]:

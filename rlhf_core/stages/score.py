@@ -32,7 +32,7 @@ import weakref
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Annotated, Callable, Optional
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -41,11 +41,12 @@ import torch
 from rlhf_core.algos.registry import estimator_takes
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.machine import cuda_devices
+from rlhf_core.config.reads import AdvEstimator, At, Built, RunDevice, build, config_keys
 from rlhf_core.config.resolve import (
-    MicroBatching, critic_use_remove_padding, critic_value_batching, frozen_param_offload, micro_batching,
-    needs_baseline_rollout, role_model_key, update_world_size,
+    MicroBatching, critic_packs_rows, critic_values_batching, needs_baseline_rollout, param_offload, role_batching,
+    update_world_size,
 )
-from rlhf_core.config.schema import CustomRewardConfig
+from rlhf_core.config.schema import ActorRolloutRefConfig, CriticConfig, CustomRewardConfig, TrainerConfig
 from rlhf_core.data.schemas import ROLLOUT, SCORED
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.io.atomic import atomic_write_parquet
@@ -64,26 +65,21 @@ from rlhf_core.scoring import ref_states
 from rlhf_core.run.session import RunSession
 from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.stages.ranks import merge_shares, run_on_ranks, share_processes, write_share
-from rlhf_core.stages.settings import reward_model_paths, reward_settings
+from rlhf_core.stages.settings import UPDATE_WORLD, reward_model_paths, reward_settings
 from rlhf_core.training import flops
 from rlhf_core.training.ds_config import role_dtype
 from rlhf_core.training.run_trainer import ensure_state
 
-CONFIG_SECTIONS = ("actor_rollout_ref.", "critic.", "reward_model.", "custom_reward_function.", "data.")
+RolloutIS = Annotated[Optional[str], At("algorithm.rollout_correction.rollout_is")]
+RolloutRS = Annotated[Optional[str], At("algorithm.rollout_correction.rollout_rs")]
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    """CONFIG_SECTIONS, bypass mode, and the estimator when it makes the stage score greedy baselines or
-    sum_pi_squared (the key set then differs, so switching to or from remax reruns the stage; other
-    estimator changes do not)."""
-    extra = ("algorithm.rollout_correction.bypass_mode",)  # which log-probs are the old policy
-    correction = cfg.algorithm.rollout_correction
-    # a decoupled correction makes rollout.old_log_probs=auto recompute: only then do its keys enter
-    extra += tuple(f"algorithm.rollout_correction.{k}" for k in ("rollout_is", "rollout_rs")
-                   if getattr(correction, k) is not None)
-    if needs_baseline_rollout(cfg) or estimator_takes(cfg.algorithm.adv_estimator, "sum_pi_squared"):
-        extra += ("algorithm.adv_estimator",)
-    return CONFIG_SECTIONS + extra
+    """The config this stage's output depends on (its manifest's config hash): what ``score_settings``
+    reads. A decoupled correction's keys and the estimator count only when they change the passes
+    (the key set then differs, so switching to or from remax reruns the stage; other estimator
+    changes do not)."""
+    return config_keys(score_settings, cfg=cfg)
 
 
 def model_paths(cfg: RLHFConfig, run: RunDir, iteration: int) -> ModelPaths:
@@ -140,34 +136,67 @@ class ScoreSettings:
         return role_dtype(self.dtype, self.model_key, device)
 
 
-def score_settings(cfg: RLHFConfig) -> ScoreSettings:
-    """The score stage's settings. Passes: verl's budgets for the three passes — old log-probs
-    (rollout.log_prob_*), reference log-probs (ref.log_prob_*), critic values (critic.forward_*) —
-    packing from use_remove_padding. Old log-probs from the rollout (rollout.old_log_probs=auto): see
-    ``old_from_rollout``."""
-    a, correction = cfg.actor_rollout_ref, cfg.algorithm.rollout_correction
-    r, device = a.rollout, scoring_device(cfg.trainer.device)
-    world = update_world_size(cfg.trainer, cuda_devices())
+def decoupled_is(rollout_is: RolloutIS) -> bool:
+    return rollout_is is not None
+
+
+def decoupled_rs(rollout_rs: RolloutRS) -> bool:
+    return rollout_rs is not None
+
+
+def is_mode(value: RolloutIS) -> Optional[str]:
+    return value
+
+
+def rs_mode(value: RolloutRS) -> Optional[str]:
+    return value
+
+
+def estimator_shapes_scoring(adv_estimator: AdvEstimator) -> bool:
+    """Whether the estimator makes the stage score more: greedy baselines (remax) or sum_pi_squared."""
+    return estimator_takes(adv_estimator, "reward_baselines") or estimator_takes(adv_estimator, "sum_pi_squared")
+
+
+def shaping_estimator(adv_estimator: AdvEstimator) -> str:
+    return adv_estimator
+
+
+def score_settings(
+        arr: Annotated[ActorRolloutRefConfig, At("actor_rollout_ref.")], critic: Annotated[CriticConfig, At("critic.")],
+        rewards: Annotated[RewardSettings, Built(reward_settings)],
+        bypass_mode: Annotated[bool, At("algorithm.rollout_correction.bypass_mode")],  # which log-probs are the old policy
+        # a decoupled correction makes rollout.old_log_probs=auto recompute: only then do its keys enter
+        rollout_is: Annotated[Optional[str], Built(is_mode, when=decoupled_is)],
+        rollout_rs: Annotated[Optional[str], Built(rs_mode, when=decoupled_rs)],
+        adv_estimator: Annotated[Optional[str], Built(shaping_estimator, when=estimator_shapes_scoring)],
+        device: RunDevice, trainer: Annotated[TrainerConfig, At("trainer.", unhashed=UPDATE_WORLD)]) -> ScoreSettings:
+    """The score stage's settings (``build(score_settings, cfg)``). Passes: verl's budgets for the three
+    passes — old log-probs (rollout.log_prob_*), reference log-probs (ref.log_prob_*), critic values
+    (critic.forward_*) — packing from use_remove_padding. Old log-probs from the rollout
+    (rollout.old_log_probs=auto): see ``old_from_rollout``."""
+    r, a, scoring = arr.rollout, arr.actor, scoring_device(device)
+    world = update_world_size(trainer, cuda_devices())
     plans = {
-        "actor": PassPlan(micro_batching(cfg, "rollout", world), a.model.use_remove_padding,
+        "actor": PassPlan(role_batching(arr, critic, "rollout", world), arr.model.use_remove_padding,
                           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
-        "reference": PassPlan(micro_batching(cfg, "ref", world), a.model.use_remove_padding,
+        "reference": PassPlan(role_batching(arr, critic, "ref", world), arr.model.use_remove_padding,
                               "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
-        "critic": PassPlan(critic_value_batching(cfg, world), critic_use_remove_padding(cfg),
+        "critic": PassPlan(critic_values_batching(arr, critic, world), critic_packs_rows(critic, arr.model),
                            "critic.forward_max_token_len_per_gpu"),
     }
     auto = (r.old_log_probs == "auto" and r.name == "hf" and r.hf_decode == "dynamic"
-            and a.model.lora_rank == 0 and (r.do_sample or r.temperature == 1.0)
-            and r.top_k <= 0 and r.top_p >= 1.0 and correction.rollout_is is None and correction.rollout_rs is None
-            and device.type == "cpu")
+            and arr.model.lora_rank == 0 and (r.do_sample or r.temperature == 1.0)
+            and r.top_k <= 0 and r.top_p >= 1.0 and rollout_is is None and rollout_rs is None
+            and scoring.type == "cpu")
+    estimator = adv_estimator or ""
     return ScoreSettings(
-        rewards=reward_settings(cfg), baseline=needs_baseline_rollout(cfg), bypass_mode=correction.bypass_mode,
-        sum_pi_squared=(a.actor.calculate_sum_pi_squared
-                        or estimator_takes(cfg.algorithm.adv_estimator, "sum_pi_squared")),
-        old_log_probs_auto=auto, device=device, dtype=a.actor.deepspeed_config.dtype, model_key=role_model_key(cfg),
-        temperature=r.temperature, attention=a.model.override_config.attn_implementation,
-        critic_attention=cfg.critic.model.override_config.attn_implementation, plans=plans,
-        ref_offload=frozen_param_offload(cfg, "ref"))
+        rewards=rewards, baseline=bool(estimator) and estimator_takes(estimator, "reward_baselines"),
+        bypass_mode=bypass_mode,
+        sum_pi_squared=(a.calculate_sum_pi_squared or (bool(estimator) and estimator_takes(estimator, "sum_pi_squared"))),
+        old_log_probs_auto=auto, device=scoring, dtype=a.deepspeed_config.dtype, model_key=arr.model.path,
+        temperature=r.temperature, attention=arr.model.override_config.attn_implementation,
+        critic_attention=critic.model.override_config.attn_implementation, plans=plans,
+        ref_offload=param_offload(arr.ref.fsdp_config))
 
 
 def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False,
@@ -206,7 +235,7 @@ def run_score(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, for
         if record.skipped:
             return record.skipped
         ensure_state(session, run, run.checkpoint_iteration(models.actor))  # held in memory, on disk, or rebuilt now
-        return record.done(_score(score_settings(cfg), session, run, iteration, models, on_ranks))
+        return record.done(_score(build(score_settings, cfg), session, run, iteration, models, on_ranks))
 
 
 def _score(settings: ScoreSettings, session: RunSession, run: RunDir, iteration: int, models: ModelPaths,
@@ -531,7 +560,7 @@ def score_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Pa
     """This rank's micro-batches of the score stage's model passes (old/ref log-probs, values)."""
     rows = pq.read_table(run.rollout(iteration), columns=["prompt_token_ids", "response_token_ids", "engine",
                                                            "rollout_log_probs"]).to_pylist()
-    meter, settings = Throughput(), score_settings(cfg)
+    meter, settings = Throughput(), build(score_settings, cfg)
     passes = model_passes(settings, session, model_paths(cfg, run, iteration), rows, meter, share=(rank, world),
                           from_rollout=old_from_rollout(settings, rows))
     columns = {"old_log_probs": passes.old_log_probs, "ref_log_probs": passes.ref_log_probs, "values": passes.values}

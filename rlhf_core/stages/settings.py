@@ -8,10 +8,9 @@ from typing import Annotated, Optional
 
 from rlhf_core.config import RLHFConfig
 from rlhf_core.config.machine import cuda_devices
-from rlhf_core.config.reads import ActorDtype, ActorModel, At, Data, Rollout, RunDevice, TrainerDevice
-from rlhf_core.config.resolve import (frozen_param_offload, log_prob_batching, micro_batching, param_offload,
-                                      update_world_size)
-from rlhf_core.config.schema import RefConfig
+from rlhf_core.config.reads import ActorDtype, ActorModel, At, Built, Data, Rollout, RunDevice, TrainerDevice
+from rlhf_core.config.resolve import log_prob_batching, param_offload, reward_model_batching, update_world_size
+from rlhf_core.config.schema import CustomRewardConfig, RefConfig, RewardModelConfig, TrainerConfig
 from rlhf_core.paths import resolve_model_path
 from rlhf_core.rewards.sequence import RewardModelSettings, RewardSettings
 from rlhf_core.rollout.generate import GenerationSettings
@@ -19,6 +18,11 @@ from rlhf_core.run.models import reward_model_path
 from rlhf_core.scoring.models import scoring_device, scoring_dtype
 from rlhf_core.scoring.policy_kl import KLPassSettings
 from rlhf_core.training.ds_config import resolve_device, role_dtype
+
+
+UPDATE_WORLD = ("the update's processes, which a global micro-batch size divides by: how the passes are cut, "
+                "not what they compute (tests/rlhf_core/stages/test_score_stage.py: equal on 1, 2 and 4)")
+"""Why the trainer section is read but not hashed by a stage that scores."""
 
 
 def kl_pass(device: TrainerDevice, dtype: ActorDtype, model: ActorModel,
@@ -64,15 +68,33 @@ def reward_model_paths(cfg: RLHFConfig) -> tuple[Optional[Path], Optional[Path]]
     return rm, rm_tokenizer
 
 
-def reward_settings(cfg: RLHFConfig) -> RewardSettings:
-    """The rewards' settings; the reward model's keys only read when it scores."""
-    rm, data, model = cfg.reward_model, cfg.data, None
-    if rm.enable:
-        model = RewardModelSettings(
-            device=scoring_device(cfg.trainer.device),
-            batching=micro_batching(cfg, "reward_model", update_world_size(cfg.trainer, cuda_devices())),
-            offload=frozen_param_offload(cfg, "reward_model"),
-            max_length=rm.max_length or data.max_prompt_length + data.max_response_length)
-    return RewardSettings(reward_function=cfg.custom_reward_function, reward_fn_key=data.reward_fn_key,
-                          overlong=rm.overlong_buffer, max_response_length=data.max_response_length,
+def scores_with_a_model(enable: Annotated[bool, At("reward_model.enable")]) -> bool:
+    return enable
+
+
+def reward_model_settings(
+        reward_model: Annotated[RewardModelConfig, At("reward_model.")], data: Data, device: RunDevice,
+        critic_dynamic: Annotated[Optional[bool], At("critic.use_dynamic_bsz")],
+        actor_dynamic: Annotated[bool, At("actor_rollout_ref.actor.use_dynamic_bsz")],
+        critic_forward_budget: Annotated[Optional[int], At("critic.forward_max_token_len_per_gpu")],
+        critic_budget: Annotated[int, At("critic.ppo_max_token_len_per_gpu")],
+        trainer: Annotated[TrainerConfig, At("trainer.", unhashed=UPDATE_WORLD)]) -> RewardModelSettings:
+    """The reward model's forwards: its micro-batches fall back to the critic's keys as verl's
+    (``resolve.reward_model_batching``), for the update's world."""
+    world = update_world_size(trainer, cuda_devices())
+    return RewardModelSettings(
+        device=scoring_device(device), offload=param_offload(reward_model.model.fsdp_config),
+        batching=reward_model_batching(reward_model, critic_dynamic, actor_dynamic, critic_forward_budget,
+                                       critic_budget, world),
+        max_length=reward_model.max_length or data.max_prompt_length + data.max_response_length)
+
+
+def reward_settings(reward_function: Annotated[CustomRewardConfig, At("custom_reward_function.")],
+                    reward_model: Annotated[RewardModelConfig, At("reward_model.")], data: Data,
+                    model: Annotated[Optional[RewardModelSettings], Built(reward_model_settings,
+                                                                          when=scores_with_a_model)]) -> RewardSettings:
+    """The rewards' settings (``build(reward_settings, cfg)``); the reward model's batching keys only
+    read when it scores."""
+    return RewardSettings(reward_function=reward_function, reward_fn_key=data.reward_fn_key,
+                          overlong=reward_model.overlong_buffer, max_response_length=data.max_response_length,
                           reward_model=model)

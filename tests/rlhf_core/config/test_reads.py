@@ -10,8 +10,8 @@ import pytest
 from rlhf_core.config import ConfigError, RLHFConfig, load_config
 from rlhf_core.config.loader import config_hash, flatten
 from rlhf_core.config.reads import Algorithm, At, Built, CriticEnable, build, config_keys, config_values
-from rlhf_core.stages import gae, guard, init_critic, pack, preprocess, rollout
-from rlhf_core.stages.settings import generation
+from rlhf_core.stages import gae, guard, init_critic, pack, preprocess, rollout, score
+from rlhf_core.stages.settings import generation, reward_settings
 
 
 def _builder(gamma: Annotated[float, At("algorithm.gamma")], algorithm: Algorithm,
@@ -52,6 +52,29 @@ def test_an_unhashed_key_is_read_but_left_out_of_the_hash():
     assert rollout.config_sections(cfg) == config_keys(generation)  # a plain rollout: generation's keys
 
 
+def test_a_part_read_only_when_its_decider_says_so_is_none_and_unhashed_otherwise():
+    plain = load_config(None, ["actor_rollout_ref.rollout.n=4"])
+    filtered = load_config(None, ["actor_rollout_ref.rollout.n=4", "algorithm.filter_groups.enable=true"])
+    assert build(rollout.rollout_settings, plain).filter_groups is None
+    assert build(rollout.rollout_settings, filtered).filter_groups is filtered.algorithm.filter_groups
+    added = set(config_keys(rollout.rollout_settings, cfg=filtered)) - set(config_keys(rollout.rollout_settings, cfg=plain))
+    assert added == {"algorithm.filter_groups.", "algorithm.use_kl_in_reward", "reward_model.", "custom_reward_function."}
+    # the deciding key itself is not hashed: the key set differs instead
+    assert "algorithm.filter_groups.enable" not in config_keys(rollout.rollout_settings, cfg=plain)
+    with pytest.raises(TypeError, match=r"reads dynamic_sampling only when filters_groups says so.*cfg=cfg"):
+        config_keys(rollout.rollout_settings)
+
+
+def test_a_reward_model_adds_its_batching_keys_only_when_it_scores():
+    rule = load_config(None, [])
+    model = load_config(None, ["reward_model.enable=true", "reward_model.model.path=data/models/demo"])
+    assert build(reward_settings, rule).reward_model is None
+    assert build(reward_settings, model).reward_model is not None
+    assert (set(config_keys(reward_settings, cfg=model)) - set(config_keys(reward_settings, cfg=rule))
+            == {"critic.use_dynamic_bsz", "actor_rollout_ref.actor.use_dynamic_bsz",
+                "critic.forward_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu"})
+
+
 def test_a_parameter_without_a_key_is_named():
     def builder(gamma: Annotated[float, At("algorithm.gamma")], lam: Optional[float]) -> float:
         return gamma
@@ -63,16 +86,17 @@ def test_a_parameter_without_a_key_is_named():
 @pytest.mark.parametrize("stage, builder", [(gae, gae.gae_settings), (pack, pack.pack_settings),
                                             (preprocess, preprocess.preprocess_settings),
                                             (init_critic, init_critic.init_critic_settings),
-                                            (guard, guard.guard_config)])
+                                            (guard, guard.guard_config), (score, score.score_settings),
+                                            (rollout, rollout.rollout_settings)])
 def test_a_stage_hashes_exactly_the_keys_its_builder_reads(stage, builder):
     """The stage's config sections are its builder's keys: a key the builder takes changes the hash,
     one outside them does not."""
     cfg = load_config(None, [])
-    assert stage.config_sections(cfg) == config_keys(builder)
+    assert stage.config_sections(cfg) == config_keys(builder, cfg=cfg)
     before = config_hash(cfg, stage.config_sections(cfg))
-    untouched = load_config(None, ["actor_rollout_ref.actor.optim.lr=0.5"])  # no builder above reads it
+    untouched = load_config(None, ["trainer.experiment_name=another"])  # no builder above reads it
     assert config_hash(untouched, stage.config_sections(untouched)) == before
-    flipped = _one_number_changed(cfg, config_keys(builder))
+    flipped = _one_number_changed(cfg, config_keys(builder, cfg=cfg))
     assert config_hash(flipped, stage.config_sections(flipped)) != before
 
 
