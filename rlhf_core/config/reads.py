@@ -11,8 +11,8 @@ from the one function that derives its settings: a key it does not name it canno
     build(gae_settings, cfg)      -> gae_settings(algorithm=cfg.algorithm, critic_enable=cfg.critic.enable)
 
 A parameter typed ``Annotated[T, Built(other_builder)]`` takes that builder's settings, and its keys
-are the outer builder's too: a settings builder several stages share (the KL guard's and validation's
-passes, ``stages.settings.kl_pass``) names its keys once.
+are the outer builder's too: a settings builder several stages share (generation, for the rollout,
+validation and the guard's check: ``stages.settings.generation``) names its keys once.
 
 ``Built(part, when=decides)`` reads a part only where ``decides`` (a builder too) says so: the
 rollout's dynamic-sampling filter, a reward model's batching. Its keys then depend on the config:

@@ -145,13 +145,8 @@ def log_prob_batching(use_dynamic_bsz: Optional[bool], max_token_len: Optional[i
                          per_gpu_micro_batch(micro_batch_size_per_gpu, micro_batch_size, world_size))
 
 
-def critic_value_batching(cfg: RLHFConfig, world_size: int = 1) -> MicroBatching:
+def critic_value_batching(arr: ActorRolloutRefConfig, c: CriticConfig, world_size: int = 1) -> MicroBatching:
     """The critic's forward in scoring (values): forward_* keys, falling back to its ppo_* keys."""
-    return critic_values_batching(cfg.actor_rollout_ref, cfg.critic, world_size)
-
-
-def critic_values_batching(arr: ActorRolloutRefConfig, c: CriticConfig, world_size: int = 1) -> MicroBatching:
-    """``critic_value_batching`` from the two sections it reads."""
     train = role_batching(arr, c, "critic", world_size)
     per_gpu = c.forward_micro_batch_size_per_gpu or train.micro_batch_size
     return MicroBatching(train.use_dynamic_bsz, c.forward_max_token_len_per_gpu or c.ppo_max_token_len_per_gpu,
@@ -182,11 +177,7 @@ def critic_loss_agg_mode(cfg: RLHFConfig) -> str:
     return cfg.critic.loss_agg_mode or cfg.actor_rollout_ref.actor.loss_agg_mode
 
 
-def critic_use_remove_padding(cfg: RLHFConfig) -> bool:
-    return critic_packs_rows(cfg.critic, cfg.actor_rollout_ref.model)
-
-
-def critic_packs_rows(critic: CriticConfig, actor_model: ModelConfig) -> bool:
+def critic_use_remove_padding(critic: CriticConfig, actor_model: ModelConfig) -> bool:
     """The critic's model.use_remove_padding, null = the actor's."""
     m = critic.model.use_remove_padding
     return actor_model.use_remove_padding if m is None else m
@@ -316,7 +307,8 @@ def update_values(cfg: RLHFConfig, world_size: int) -> UpdateValues:
                        a.loss_agg_mode, loss_scale_factor(cfg))
     critic = None if not uses_critic(cfg) else RoleUpdate(
         critic_epochs(cfg), mini_batch_sequences(cfg, "critic"), critic_shuffle(cfg),
-        micro_batching(cfg, "critic", world_size), critic_use_remove_padding(cfg), critic_loss_agg_mode(cfg),
+        micro_batching(cfg, "critic", world_size), critic_use_remove_padding(cfg.critic, cfg.actor_rollout_ref.model),
+        critic_loss_agg_mode(cfg),
         critic_loss_scale_factor(cfg))
     return UpdateValues(actor, critic, policy_loss_mode(cfg), rollout_correction(cfg))
 

@@ -2,7 +2,7 @@
 
 Each sequence is ``prompt_token_ids + response_token_ids``. The ``batching`` argument (a
 ``config.resolve.MicroBatching``, from ``micro_batching(cfg, "rollout" | "ref")`` or
-``critic_value_batching(cfg)``) says how sequences are grouped into forwards:
+``critic_value_batching``) says how sequences are grouped into forwards:
 
     use_dynamic_bsz   micro-batches whose real tokens fit ``token_budget`` (``micro_batches_by_budget``)
     otherwise         ``micro_batch_size`` consecutive sequences per forward (verl's ``split``)
@@ -85,7 +85,7 @@ def as_micro_batching(batching: Batching) -> MicroBatching:
         return batching
     if batching is None:  # an Optional budget key read raw: its fall-back lives in config.resolve
         raise TypeError("no token budget given (None): pass config.resolve.micro_batching(cfg, role) or "
-                        "critic_value_batching(cfg), which apply verl's fall-backs for unset budgets")
+                        "critic_value_batching, which apply verl's fall-backs for unset budgets")
     return MicroBatching(use_dynamic_bsz=True, token_budget=int(batching), micro_batch_size=1)
 
 

@@ -11,7 +11,7 @@ default, plus DAPO's overlong penalty when ``reward_model.overlong_buffer.enable
 the actor that generated (at the rollout temperature), ``ref_log_probs`` under the frozen reference
 (same temperature), ``values`` under the critic. Each pass is cut as verl cuts it
 (``config.resolve``): old log-probs by ``micro_batching(cfg, "rollout")``, reference log-probs by
-``micro_batching(cfg, "ref")``, values by ``critic_value_batching(cfg)`` — a token budget per
+``micro_batching(cfg, "ref")``, values by ``critic_value_batching`` — a token budget per
 forward with use_dynamic_bsz, else micro_batch_size sequences per forward — laid out packed or
 padded by ``actor_rollout_ref.model.use_remove_padding`` (the critic: ``critic_use_remove_padding``).
 When the actor and reference hold byte-identical weights (iteration 1) the reference pass is
@@ -43,7 +43,7 @@ from rlhf_core.config import RLHFConfig
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.config.reads import AdvEstimator, At, Built, RunDevice, build, config_keys
 from rlhf_core.config.resolve import (
-    MicroBatching, critic_packs_rows, critic_values_batching, needs_baseline_rollout, param_offload, role_batching,
+    MicroBatching, critic_use_remove_padding, critic_value_batching, needs_baseline_rollout, param_offload, role_batching,
     update_world_size,
 )
 from rlhf_core.config.schema import ActorRolloutRefConfig, CriticConfig, CustomRewardConfig, TrainerConfig
@@ -181,7 +181,7 @@ def score_settings(
                           "actor_rollout_ref.rollout.log_prob_max_token_len_per_gpu"),
         "reference": PassPlan(role_batching(arr, critic, "ref", world), arr.model.use_remove_padding,
                               "actor_rollout_ref.ref.log_prob_max_token_len_per_gpu"),
-        "critic": PassPlan(critic_values_batching(arr, critic, world), critic_packs_rows(critic, arr.model),
+        "critic": PassPlan(critic_value_batching(arr, critic, world), critic_use_remove_padding(critic, arr.model),
                            "critic.forward_max_token_len_per_gpu"),
     }
     auto = (r.old_log_probs == "auto" and r.name == "hf" and r.hf_decode == "dynamic"

@@ -85,7 +85,7 @@ def test_interpolated_defaults_follow_the_actor():
                              "actor_rollout_ref.actor.ppo_epochs=3", "critic.ppo_max_token_len_per_gpu=2048",
                              "critic.forward_max_token_len_per_gpu=1500", "critic.use_dynamic_bsz=true"])
     assert critic_epochs(cfg) == 2 and critic_shuffle(cfg) is False
-    assert critic_value_batching(cfg).token_budget == 1500
+    assert critic_value_batching(cfg.actor_rollout_ref, cfg.critic).token_budget == 1500
     assert micro_batching(cfg, "critic").token_budget == 2048
 
 
@@ -97,7 +97,7 @@ def test_micro_batch_sizes_per_gpu_and_deprecated_global():
     assert micro_batching(cfg, "rollout").micro_batch_size == 8
     assert micro_batching(cfg, "ref", world_size=4).micro_batch_size == 4  # verl divides the global size
     assert micro_batching(cfg, "critic").micro_batch_size == 2
-    assert critic_value_batching(cfg).micro_batch_size == 2
+    assert critic_value_batching(cfg.actor_rollout_ref, cfg.critic).micro_batch_size == 2
     assert micro_batching(load_config(), "actor").micro_batch_size == DEFAULT_MICRO_BATCH
 
 
