@@ -127,7 +127,9 @@ def worker(args) -> None:
     from rlhf_core.training.checkpoint import save_checkpoint
     from rlhf_core.training.distributed import barrier, init_distributed, shutdown_distributed
     from rlhf_core.training.optim_state import prime_optimizer
-    from rlhf_core.training.rank_update import UpdateSources, _zero_loss, build_engines, engine_settings
+    from rlhf_core.config.reads import build
+    from rlhf_core.training.rank_update import UpdateSources, _zero_loss, build_engines
+    from rlhf_core.training.settings import engine_settings
     from rlhf_core.training.train_state import capture
 
     torch.set_num_threads(1)
@@ -136,7 +138,7 @@ def worker(args) -> None:
     cfg = load_config(None, [f"actor_rollout_ref.model.path={model}", f"critic.model.path={critic_dir}",
                              f"actor_rollout_ref.actor.deepspeed_config.zero_stage={args.stage}",
                              f"critic.deepspeed_config.zero_stage={args.stage}"])
-    actor, critic = build_engines(engine_settings(cfg, "cpu", dist.world_size),
+    actor, critic = build_engines(build(engine_settings, cfg, device="cpu", world_size=dist.world_size),
                                   UpdateSources(model, None, critic_dir, model, None))
     for te in (actor, critic):
         prime_optimizer(te, _zero_loss(te, 0))

@@ -272,7 +272,9 @@ def worker(args) -> None:
     from rlhf_core.config import load_config
     from rlhf_core.training.distributed import barrier, init_distributed, shutdown_distributed
     from rlhf_core.training.optim_state import prime_optimizer
-    from rlhf_core.training.rank_update import UpdateSources, _zero_loss, build_engines, engine_settings
+    from rlhf_core.config.reads import build
+    from rlhf_core.training.rank_update import UpdateSources, _zero_loss, build_engines
+    from rlhf_core.training.settings import engine_settings
 
     torch.set_num_threads(1)
     dist = init_distributed("cpu")
@@ -282,7 +284,7 @@ def worker(args) -> None:
         overrides += [f"{role}.deepspeed_config.zero_stage={args.stage}", f"{role}.deepspeed_config.dtype=fp32",
                       f"{role}.optim.lr={LR}"]
     cfg = load_config(None, overrides)
-    actor, critic = build_engines(engine_settings(cfg, "cpu", dist.world_size),
+    actor, critic = build_engines(build(engine_settings, cfg, device="cpu", world_size=dist.world_size),
                                   UpdateSources(model, None, critic_dir, model, None))
     engines = [actor, critic]
     for te in engines:

@@ -18,6 +18,10 @@ validation and the guard's check: ``stages.settings.generation``) names its keys
 rollout's dynamic-sampling filter, a reward model's batching. Its keys then depend on the config:
 ``config_keys(builder, cfg=cfg)``.
 
+A keyword-only parameter without a key is a value of the process, not of the config (the
+update's world size): ``build(builder, cfg, world_size=2)`` passes it, to the parts that take it too,
+and no key is hashed for it.
+
 A key is a prefix, as the config hash matches it: ``At("actor_rollout_ref.rollout.n")`` also covers
 ``rollout.name``; a builder that names a key inside a section it names adds nothing to the hash.
 """
@@ -81,8 +85,10 @@ def _parameters(builder: Callable[..., Any]) -> tuple[tuple[str, At | Built], ..
     without either is a mistake in the builder, named."""
     hints = typing.get_type_hints(builder, include_extras=True)
     found = []
-    for name in inspect.signature(builder).parameters:
+    for name, parameter in inspect.signature(builder).parameters.items():
         source = next((m for m in getattr(hints.get(name), "__metadata__", ()) if isinstance(m, (At, Built))), None)
+        if source is None and parameter.kind is inspect.Parameter.KEYWORD_ONLY:
+            continue  # a value of the process, not of the config: the caller's (``build``'s keywords)
         if source is None:
             raise TypeError(f"{builder.__module__}.{builder.__qualname__}: parameter {name!r} names no config key; "
                             "type it Annotated[<type>, At('<dotted key>')] (rlhf_core.config.reads)")
@@ -121,13 +127,22 @@ def config_values(builder: Callable[..., Any], cfg: Any) -> dict[str, Any]:
     return {key: functools.reduce(getattr, At(key).path, cfg) for key in config_keys(builder, cfg=cfg)}
 
 
-def build(builder: Callable[..., T], cfg: Any) -> T:
+def build(builder: Callable[..., T], cfg: Any, **given: Any) -> T:
     """``builder`` called with the value of ``cfg`` at each of its parameters' keys (a built
-    parameter: its builder's settings from ``cfg``, or None where its ``when`` says it is not read)."""
-    return builder(**{name: _value(source, cfg, builder) for name, source in _parameters(builder)})
+    parameter: its builder's settings from ``cfg``, or None where its ``when`` says it is not read).
+    ``given``: the values of the process a builder takes as keyword-only parameters without a key
+    (the update's world size, say), passed on to each built part that takes them too."""
+    values = {name: _value(source, cfg, builder, given) for name, source in _parameters(builder)}
+    return builder(**values, **_given_to(builder, given))
 
 
-def _value(source: At | Built, cfg: Any, builder: Callable[..., Any]) -> Any:
+def _given_to(builder: Callable[..., Any], given: dict[str, Any]) -> dict[str, Any]:
+    taken = {name for name, p in inspect.signature(builder).parameters.items()
+             if p.kind is inspect.Parameter.KEYWORD_ONLY and name not in dict(_parameters(builder))}
+    return {name: value for name, value in given.items() if name in taken}
+
+
+def _value(source: At | Built, cfg: Any, builder: Callable[..., Any], given: dict[str, Any]) -> Any:
     if isinstance(source, At):
         return functools.reduce(getattr, source.path, cfg)
-    return build(source.builder, cfg) if _reads(source, cfg, builder) else None
+    return build(source.builder, cfg, **given) if _reads(source, cfg, builder) else None

@@ -4,7 +4,7 @@ Every stage asks here instead of reading the raw field, so "null = the actor's" 
 
     mini_batch_sequences(cfg, "critic")       critic.ppo_mini_batch_size (or the actor's) × rollout.n
     micro_batching(cfg, "ref")                (use_dynamic_bsz, token budget, sequences per forward)
-    update_values(cfg, world_size)            every derived value of an update, in one call
+    update_values(actor, model, critic, ...)  every derived value of an update, in one call
     update_world_size(trainer, cuda_devices)  trainer.nproc, else n_gpus_per_node × nnodes
     update_nodes(trainer, cuda_devices)       (nnodes, processes per node) of that world
     ray_address(trainer, environ)       the Ray cluster of a multi-node update: trainer.ray_address, else $RAY_ADDRESS, else auto
@@ -23,8 +23,9 @@ from typing import Literal, Mapping, Optional
 
 from rlhf_core.algos.registry import estimator_takes
 from rlhf_core.algos.correction_specs import RolloutCorrection
-from rlhf_core.config.schema import (ActorRolloutRefConfig, CriticConfig, DataConfig, FSDPConfig, ModelConfig, OptimConfig,
-                                     RewardModelConfig, RLHFConfig, TrainerConfig)
+from rlhf_core.config.schema import (ActorConfig, ActorRolloutRefConfig, CriticConfig, FSDPConfig, ModelConfig,
+                                     OptimConfig, RewardModelConfig, RLHFConfig, RolloutCorrectionConfig,
+                                     TrainerConfig)
 
 Role = Literal["actor", "critic", "rollout", "ref", "reward_model"]
 """actor/critic: the update's forward/backward; rollout: old log-probs; ref: reference log-probs;
@@ -59,18 +60,17 @@ def needs_baseline_rollout(cfg: RLHFConfig) -> bool:
     return estimator_takes(cfg.algorithm.adv_estimator, "reward_baselines")
 
 
-def mini_batch_prompts(cfg: RLHFConfig, role: Literal["actor", "critic"]) -> int:
+def mini_batch_prompts(a: ActorConfig, c: CriticConfig, role: Literal["actor", "critic"]) -> int:
     """Prompts per optimizer step: the role's ppo_mini_batch_size (the critic's defaults to the actor's)."""
-    actor = cfg.actor_rollout_ref.actor.ppo_mini_batch_size
-    if role == "critic" and cfg.critic.ppo_mini_batch_size is not None:
-        return cfg.critic.ppo_mini_batch_size
-    return actor
+    if role == "critic" and c.ppo_mini_batch_size is not None:
+        return c.ppo_mini_batch_size
+    return a.ppo_mini_batch_size
 
 
 def mini_batch_sequences(cfg: RLHFConfig, role: Literal["actor", "critic"]) -> int:
     """Sequences per optimizer step over all processes: prompts × rollout.n, as verl multiplies
     ppo_mini_batch_size by rollout.n before splitting it over the data-parallel ranks."""
-    return mini_batch_prompts(cfg, role) * cfg.actor_rollout_ref.rollout.n
+    return mini_batch_prompts(cfg.actor_rollout_ref.actor, cfg.critic, role) * cfg.actor_rollout_ref.rollout.n
 
 
 DEFAULT_MICRO_BATCH = 8
@@ -106,13 +106,8 @@ def role_batching(arr: ActorRolloutRefConfig, c: CriticConfig, role: Role, world
     """``micro_batching`` from the sections it reads (the reward model's for its role only)."""
     # each role reads only its own keys and their fall-backs: what a stage reads is what it hashes
     a = arr.actor
-    if role == "actor":
-        return MicroBatching(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu,
-                             per_gpu_micro_batch(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, world_size))
-    if role == "critic":
-        critic_dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
-        return MicroBatching(critic_dynamic, c.ppo_max_token_len_per_gpu,
-                             per_gpu_micro_batch(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size, world_size))
+    if role in ("actor", "critic"):
+        return trained_batching(a, c, role, world_size)
     if role == "reward_model":
         if rm is None:
             raise TypeError("role_batching(..., 'reward_model') needs the reward_model section")
@@ -122,6 +117,18 @@ def role_batching(arr: ActorRolloutRefConfig, c: CriticConfig, role: Role, world
     return log_prob_batching(src.log_prob_use_dynamic_bsz, src.log_prob_max_token_len_per_gpu,
                              src.log_prob_micro_batch_size_per_gpu, src.log_prob_micro_batch_size,
                              a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu, world_size)
+
+
+def trained_batching(a: ActorConfig, c: CriticConfig, role: Literal["actor", "critic"],
+                     world_size: int = 1) -> MicroBatching:
+    """A trained role's forwards and backwards in the update: its own keys; the critic's null
+    use_dynamic_bsz is the actor's."""
+    if role == "actor":
+        return MicroBatching(a.use_dynamic_bsz, a.ppo_max_token_len_per_gpu,
+                             per_gpu_micro_batch(a.ppo_micro_batch_size_per_gpu, a.ppo_micro_batch_size, world_size))
+    critic_dynamic = a.use_dynamic_bsz if c.use_dynamic_bsz is None else c.use_dynamic_bsz
+    return MicroBatching(critic_dynamic, c.ppo_max_token_len_per_gpu,
+                         per_gpu_micro_batch(c.ppo_micro_batch_size_per_gpu, c.ppo_micro_batch_size, world_size))
 
 
 def reward_model_batching(rm: RewardModelConfig, critic_dynamic: Optional[bool], actor_dynamic: bool,
@@ -164,17 +171,16 @@ def param_offload(fsdp: FSDPConfig) -> bool:
     return bool(fsdp.param_offload or fsdp.offload_policy)
 
 
-def critic_epochs(cfg: RLHFConfig) -> int:
-    return cfg.critic.ppo_epochs or cfg.actor_rollout_ref.actor.ppo_epochs
+def critic_epochs(a: ActorConfig, c: CriticConfig) -> int:
+    return c.ppo_epochs or a.ppo_epochs
 
 
-def critic_shuffle(cfg: RLHFConfig) -> bool:
-    a = cfg.actor_rollout_ref.actor
-    return a.shuffle if cfg.critic.shuffle is None else cfg.critic.shuffle
+def critic_shuffle(a: ActorConfig, c: CriticConfig) -> bool:
+    return a.shuffle if c.shuffle is None else c.shuffle
 
 
-def critic_loss_agg_mode(cfg: RLHFConfig) -> str:
-    return cfg.critic.loss_agg_mode or cfg.actor_rollout_ref.actor.loss_agg_mode
+def critic_loss_agg_mode(a: ActorConfig, c: CriticConfig) -> str:
+    return c.loss_agg_mode or a.loss_agg_mode
 
 
 def critic_use_remove_padding(critic: CriticConfig, actor_model: ModelConfig) -> bool:
@@ -183,11 +189,10 @@ def critic_use_remove_padding(critic: CriticConfig, actor_model: ModelConfig) ->
     return actor_model.use_remove_padding if m is None else m
 
 
-def loss_scale_factor(cfg: RLHFConfig) -> float:
+def loss_scale_factor(a: ActorConfig, max_response_length: int) -> float:
     """The constant divisor of seq-mean-token-sum-norm: actor.loss_scale_factor, else the configured
     response length (verl divides by the padded response width, which is data.max_response_length)."""
-    factor = cfg.actor_rollout_ref.actor.loss_scale_factor
-    return float(factor) if factor is not None else float(cfg.data.max_response_length)
+    return float(a.loss_scale_factor) if a.loss_scale_factor is not None else float(max_response_length)
 
 
 def scheduler_type(optim: OptimConfig) -> str:
@@ -202,37 +207,49 @@ def warmup_steps(optim: OptimConfig, total_steps: int) -> int:
     return int(optim.lr_warmup_steps_ratio * total_steps)
 
 
-def steps_per_epoch(data: DataConfig, train_prompts: int) -> int:
+def steps_per_epoch(train_batch_size: int, train_prompts: int) -> int:
     """Training steps in one pass over the prompts: verl's dataloader drops the last partial batch.
     A run with fewer prompts than one batch is refused after preprocess, as verl's empty dataloader
     refuses to start (``run.plan.check_prompt_supply``); counted alone, they make one smaller step."""
     if train_prompts <= 0:
         return 0
-    return max(1, train_prompts // data.train_batch_size)
+    return max(1, train_prompts // train_batch_size)
 
 
 def total_iterations(cfg: RLHFConfig, train_prompts: int) -> int:
-    """Training steps of the run: trainer.total_iterations (ours) when set, else
-    trainer.total_training_steps (verl) when set, else total_epochs × steps per epoch (verl)."""
+    """Training steps of the run (``run_steps`` of the config's trainer.* and data.train_batch_size)."""
     t = cfg.trainer
-    if t.total_iterations is not None:
-        return t.total_iterations
-    if t.total_training_steps is not None:
-        return t.total_training_steps
-    return t.total_epochs * steps_per_epoch(cfg.data, train_prompts)
+    return run_steps(t.total_iterations, t.total_training_steps, t.total_epochs, cfg.data.train_batch_size,
+                     train_prompts)
+
+
+def run_steps(total_iterations: Optional[int], total_training_steps: Optional[int], total_epochs: int,
+              train_batch_size: int, train_prompts: int) -> int:
+    """trainer.total_iterations (ours) when set, else trainer.total_training_steps (verl) when set,
+    else total_epochs × steps per epoch (verl)."""
+    if total_iterations is not None:
+        return total_iterations
+    if total_training_steps is not None:
+        return total_training_steps
+    return total_epochs * steps_per_epoch(train_batch_size, train_prompts)
 
 
 def update_nodes(trainer: TrainerConfig, cuda_devices: int) -> tuple[int, int]:
+    """(nnodes, processes per node) of the update (``processes_per_node`` of the trainer section)."""
+    return processes_per_node(trainer.nproc, trainer.nnodes, trainer.n_gpus_per_node, cuda_devices)
+
+
+def processes_per_node(nproc: Optional[int], nnodes: int, n_gpus_per_node: Optional[int],
+                       cuda_devices: int) -> tuple[int, int]:
     """(nnodes, processes per node) of the update: trainer.nproc / nnodes when trainer.nproc is set
     (the schema keeps it a multiple); on GPUs n_gpus_per_node (null = every visible device); on CPU
     one process per node (n_gpus_per_node names GPUs, and there are none). Every node is assumed
     to be like node 0, where ``cuda_devices`` was counted."""
-    t = trainer
-    if t.nproc is not None:
-        return t.nnodes, t.nproc // t.nnodes
+    if nproc is not None:
+        return nnodes, nproc // nnodes
     if cuda_devices == 0:
-        return t.nnodes, 1
-    return t.nnodes, t.n_gpus_per_node if t.n_gpus_per_node is not None else cuda_devices
+        return nnodes, 1
+    return nnodes, n_gpus_per_node if n_gpus_per_node is not None else cuda_devices
 
 
 def update_world_size(trainer: TrainerConfig, cuda_devices: int) -> int:
@@ -247,28 +264,25 @@ def ray_address(trainer: TrainerConfig, environ: Mapping[str, str]) -> str:
     return trainer.ray_address or environ.get("RAY_ADDRESS") or "auto"
 
 
-def critic_loss_scale_factor(cfg: RLHFConfig) -> float:
+def critic_loss_scale_factor(a: ActorConfig, c: CriticConfig, max_response_length: int) -> float:
     """The critic's seq-mean-token-sum-norm divisor: critic.loss_scale_factor, else the actor's
     (verl 0.9.1 interpolates it), else the padded response width, data.max_response_length."""
-    factor = cfg.critic.loss_scale_factor
-    return float(factor) if factor is not None else loss_scale_factor(cfg)
+    factor = c.loss_scale_factor
+    return float(factor) if factor is not None else loss_scale_factor(a, max_response_length)
 
 
-def rollout_correction(cfg: RLHFConfig) -> RolloutCorrection:
+def rollout_correction(c: RolloutCorrectionConfig) -> RolloutCorrection:
     """algorithm.rollout_correction as the plain settings the math takes."""
-    c = cfg.algorithm.rollout_correction
     return RolloutCorrection(rollout_is=c.rollout_is, rollout_is_threshold=c.rollout_is_threshold,
                              rollout_is_batch_normalize=c.rollout_is_batch_normalize, rollout_rs=c.rollout_rs,
                              rollout_rs_threshold=c.rollout_rs_threshold, bypass_mode=c.bypass_mode,
                              loss_type=c.loss_type)
 
 
-def policy_loss_mode(cfg: RLHFConfig) -> str:
+def policy_loss_mode(a: ActorConfig, correction: RolloutCorrectionConfig) -> str:
     """The policy loss the update uses: bypass_mode when algorithm.rollout_correction.bypass_mode is on
     (verl switches to it there), else actor.policy_loss.loss_mode."""
-    if cfg.algorithm.rollout_correction.bypass_mode:
-        return "bypass_mode"
-    return cfg.actor_rollout_ref.actor.policy_loss.loss_mode
+    return "bypass_mode" if correction.bypass_mode else a.policy_loss.loss_mode
 
 
 @dataclass(frozen=True)
@@ -299,23 +313,29 @@ class UpdateValues:
     rollout_correction: RolloutCorrection
 
 
-def update_values(cfg: RLHFConfig, world_size: int) -> UpdateValues:
-    """The derived values of an update on ``world_size`` ranks (the micro-batch size divides by it)."""
-    a = cfg.actor_rollout_ref.actor
-    actor = RoleUpdate(a.ppo_epochs, mini_batch_sequences(cfg, "actor"), a.shuffle,
-                       micro_batching(cfg, "actor", world_size), cfg.actor_rollout_ref.model.use_remove_padding,
-                       a.loss_agg_mode, loss_scale_factor(cfg))
-    critic = None if not uses_critic(cfg) else RoleUpdate(
-        critic_epochs(cfg), mini_batch_sequences(cfg, "critic"), critic_shuffle(cfg),
-        micro_batching(cfg, "critic", world_size), critic_use_remove_padding(cfg.critic, cfg.actor_rollout_ref.model),
-        critic_loss_agg_mode(cfg),
-        critic_loss_scale_factor(cfg))
-    return UpdateValues(actor, critic, policy_loss_mode(cfg), rollout_correction(cfg))
+def update_values(a: ActorConfig, model: ModelConfig, c: CriticConfig, *, n: int, max_response_length: int,
+                  critic_on: bool, correction: RolloutCorrectionConfig, world_size: int) -> UpdateValues:
+    """The derived values of an update on ``world_size`` ranks (the micro-batch size divides by it),
+    from the sections it reads: the actor's and the critic's, the actor's model, rollout.n (a
+    mini-batch is prompts × n), the response length (the loss's scale), whether a critic trains
+    (``has_critic``) and algorithm.rollout_correction."""
+    actor = RoleUpdate(a.ppo_epochs, mini_batch_prompts(a, c, "actor") * n, a.shuffle,
+                       trained_batching(a, c, "actor", world_size), model.use_remove_padding,
+                       a.loss_agg_mode, loss_scale_factor(a, max_response_length))
+    critic = None if not critic_on else RoleUpdate(
+        critic_epochs(a, c), mini_batch_prompts(a, c, "critic") * n, critic_shuffle(a, c),
+        trained_batching(a, c, "critic", world_size), critic_use_remove_padding(c, model),
+        critic_loss_agg_mode(a, c), critic_loss_scale_factor(a, c, max_response_length))
+    return UpdateValues(actor, critic, policy_loss_mode(a, correction), rollout_correction(correction))
 
 
 def role_model_key(cfg: RLHFConfig, role: str = "actor") -> str:
-    """The model key (a directory, a hub id, ``tiny``) ``role``'s weights start from: the actor's
-    actor_rollout_ref.model.path; the critic's critic.model.path, else the actor's."""
-    if role == "critic" and cfg.critic.model.path:
-        return cfg.critic.model.path
-    return cfg.actor_rollout_ref.model.path
+    """The model key (a directory, a hub id, ``tiny``) ``role``'s weights start from (``trained_model_key``)."""
+    return trained_model_key(cfg.actor_rollout_ref.model, cfg.critic, role)
+
+
+def trained_model_key(actor_model: ModelConfig, critic: CriticConfig, role: str = "actor") -> str:
+    """The actor's actor_rollout_ref.model.path; the critic's critic.model.path, else the actor's."""
+    if role == "critic" and critic.model.path:
+        return critic.model.path
+    return actor_model.path

@@ -15,9 +15,9 @@ from rlhf_core.algos.registry import estimator_takes
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.notes import say_once
 from rlhf_core.config.resolve import micro_batching, needs_baseline_rollout, uses_critic
-from rlhf_core.config.schema import LOGGERS_HERE, DeepSpeedConfig, RLHFConfig, Section, require
+from rlhf_core.config.schema import LOGGERS_HERE, DeepSpeedConfig, FSDPConfig, RLHFConfig, Section, require
 
-__all__ = ["LOGGERS_HERE", "effective_deepspeed", "validate"]  # control/plan.py reads LOGGERS_HERE here
+__all__ = ["LOGGERS_HERE", "effective_deepspeed", "role_deepspeed", "validate"]  # control/plan.py reads LOGGERS_HERE here
 
 
 def validate(cfg: RLHFConfig) -> None:
@@ -116,12 +116,15 @@ def _check_sections(section: Section, key: str) -> None:
 
 
 def effective_deepspeed(cfg: RLHFConfig, role: Literal["actor", "critic"] = "actor") -> DeepSpeedConfig:
-    """A trained role's DeepSpeed settings with verl's FSDP offload flags folded in (the actor's
-    ``actor_rollout_ref.actor.fsdp_config``, the critic's ``critic.model.fsdp_config``)."""
+    """A trained role's DeepSpeed settings (``role_deepspeed`` of its sections): the actor's
+    ``actor_rollout_ref.actor.fsdp_config``, the critic's ``critic.model.fsdp_config``."""
     if role == "critic":
-        ds, fsdp = cfg.critic.deepspeed_config, cfg.critic.model.fsdp_config
-    else:
-        ds, fsdp = cfg.actor_rollout_ref.actor.deepspeed_config, cfg.actor_rollout_ref.actor.fsdp_config
+        return role_deepspeed(cfg.critic.deepspeed_config, cfg.critic.model.fsdp_config)
+    return role_deepspeed(cfg.actor_rollout_ref.actor.deepspeed_config, cfg.actor_rollout_ref.actor.fsdp_config)
+
+
+def role_deepspeed(ds: DeepSpeedConfig, fsdp: FSDPConfig) -> DeepSpeedConfig:
+    """``ds`` with verl's FSDP offload flags folded in."""
     return DeepSpeedConfig(
         zero_stage=ds.zero_stage,
         dtype=ds.dtype,

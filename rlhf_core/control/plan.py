@@ -202,7 +202,7 @@ def fill_total_iterations(cfg: RLHFConfig, run: RunDir) -> RLHFConfig:
     prompts = run.train_prompt_count()
     total = resolve.total_iterations(cfg, prompts)
     how = ("trainer.total_training_steps" if t.total_training_steps is not None else
-           f"{t.total_epochs} epochs × {resolve.steps_per_epoch(cfg.data, prompts)} steps of data.train_batch_size="
+           f"{t.total_epochs} epochs × {resolve.steps_per_epoch(cfg.data.train_batch_size, prompts)} steps of data.train_batch_size="
            f"{cfg.data.train_batch_size} over {prompts} prompts")
     if total < 1 and not stops_after_validation(cfg.trainer):
         raise ConfigError(f"no training step to run ({how}); set trainer.total_training_steps or add prompts")

@@ -83,7 +83,7 @@ SCALE_KEY = ("trainer", "kl_coef_scale")
 """Format 4's config key that scaled the reward's KL coefficient (format 5: ``iter_k/retry.json``)."""
 
 GAE_SECTIONS = ("algorithm.", "critic.enable")
-"""The config gae's record hashes (``stages.gae.CONFIG_SECTIONS``) less format 4's scale key."""
+"""The config gae's record hashes (the keys of ``stages.gae.gae_settings``) less format 4's scale key."""
 
 
 def current_config_tree(tree: Any) -> Any:

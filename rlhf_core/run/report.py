@@ -106,7 +106,7 @@ def steps_per_epoch(data: DataConfig, run: RunDir) -> int:
     slots = (read_manifest(run, None).get("pack", {}).get("rows") or {}).get("slots")
     if slots:
         return int(slots)
-    return max(1, resolve.steps_per_epoch(data, run.train_prompt_count())) if run.train_prompts.is_file() else 1
+    return max(1, resolve.steps_per_epoch(data.train_batch_size, run.train_prompt_count())) if run.train_prompts.is_file() else 1
 
 
 def iteration_metrics(data: DataConfig, run: RunDir, k: int) -> dict[str, float]:

@@ -26,18 +26,19 @@ from typing import Optional
 import pyarrow.parquet as pq
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.reads import build
 from rlhf_core.errors import DataError, RLHFError
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.session import RunSession
 from rlhf_core.stages.base import StageResult, stage_record
 from rlhf_core.training import lineage
-from rlhf_core.training.group_trainer import update_world
 from rlhf_core.training.run_trainer import ensure_state, one_update_trainer
-from rlhf_core.training.rank_update import schedule_needs_total_steps
+from rlhf_core.training.settings import update_keys, update_world
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    return lineage.config_sections(cfg, schedule_needs_total_steps(cfg))
+    """The keys the update's builders read (``training.settings``): also every state id's."""
+    return update_keys(cfg)
 
 
 STAGE_METRICS = ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/kl_loss", "actor/entropy",
@@ -60,7 +61,7 @@ def run_update(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, fo
                       force=force) as record:
         if record.skipped:
             return record.skipped
-        nproc = update_world(cfg.trainer)
+        nproc = build(update_world, cfg)
         kept = session.trainer is not None  # the flow keeps the engines: they hold the state this iteration starts from
         if not kept:
             ensure_state(session, run, lineage.start_iteration(run, iteration))  # a start only in its record

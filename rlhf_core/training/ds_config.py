@@ -231,13 +231,21 @@ def build_ds_config(ds: DeepSpeedConfig, *, grad_clip: float, device: str, world
 
 def actor_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
     """The actor's config: verl's FSDP offload flags folded in (``effective_deepspeed``)."""
-    return build_ds_config(effective_deepspeed(cfg), grad_clip=cfg.actor_rollout_ref.actor.grad_clip,
-                           device=device, world_size=world_size,
-                           largest_matrix=model_largest_matrix(resolve.role_model_key(cfg)))
+    a = cfg.actor_rollout_ref.actor
+    return role_ds_config(effective_deepspeed(cfg), grad_clip=a.grad_clip, model_key=resolve.role_model_key(cfg),
+                          device=device, world_size=world_size)
 
 
 def critic_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
     """The critic's config: critic.model.fsdp_config's offload flags folded in, as the actor's."""
-    return build_ds_config(effective_deepspeed(cfg, "critic"), grad_clip=cfg.critic.grad_clip, device=device,
-                           world_size=world_size, key="critic.deepspeed_config",
-                           largest_matrix=model_largest_matrix(resolve.role_model_key(cfg, "critic")))
+    return role_ds_config(effective_deepspeed(cfg, "critic"), grad_clip=cfg.critic.grad_clip,
+                          model_key=resolve.role_model_key(cfg, "critic"), device=device, world_size=world_size,
+                          key="critic.deepspeed_config")
+
+
+def role_ds_config(ds: DeepSpeedConfig, *, grad_clip: float, model_key: str, device: str, world_size: int,
+                   key: str = "actor_rollout_ref.actor.deepspeed_config") -> dict[str, Any]:
+    """A trained role's config from its effective DeepSpeed settings and the model its weights start
+    from (``model_key``: 'auto' dtype is resolved for its largest matrix)."""
+    return build_ds_config(ds, grad_clip=grad_clip, device=device, world_size=world_size, key=key,
+                           largest_matrix=model_largest_matrix(model_key))

@@ -14,6 +14,7 @@ from typing import Any, Optional
 import torch
 
 from rlhf_core.config import RLHFConfig, resolve, to_yaml
+from rlhf_core.config.reads import build
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.config.schema import TrainerConfig
 from rlhf_core.errors import RLHFError
@@ -21,15 +22,11 @@ from rlhf_core.io import timing
 from rlhf_core.run.layout import RunDir
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.launch import GROUP_ENTRY
+from rlhf_core.training.settings import update_world
 from rlhf_core.training.worker_group import RankFailure, RayPlacement, WorkerGroup
 
 PROCESS_LAUNCH = "process_launch"
 """io.timing kind: starting a worker group's processes (interpreters, imports, the process group)."""
-
-
-def update_world(trainer: TrainerConfig) -> int:
-    """The update's processes on this machine's devices (``config.resolve.update_world_size``)."""
-    return resolve.update_world_size(trainer, cuda_devices() if trainer.device != "cpu" else 0)
 
 
 class GroupTrainer:
@@ -45,7 +42,7 @@ class GroupTrainer:
         """``one_update``: K for a group started for iteration K's update alone (its ranks' trainers
         are not kept: ``ResidentTrainer.kept``); 0 for the group keeping a flow run's models."""
         self.run = run
-        self.world = update_world(cfg.trainer)
+        self.world = build(update_world, cfg)
         device = resolve_device(cfg.trainer.device)
         args = ["--run-dir", str(run.root), "--device", device, *(["--one-update"] if one_update else [])]
         what = (f"update of iteration {one_update} on {self.world} processes" if one_update

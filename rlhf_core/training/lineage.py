@@ -5,7 +5,7 @@
      "weights_sample": sha256, "environment": {library versions, processor}}
 
 The id is a hash of the update's inputs — the advantages table's bytes, the id of the state it
-started from (or the initial models' sha256), the config sections it depends on — so it names the
+started from (or the initial models' sha256), the config keys it reads (``training.settings.update_keys``) — so it names the
 weights the update produced without reading them: the same id whether the checkpoint is on disk,
 held in memory, or still to be rebuilt. Stage manifests use it for every checkpoint input
 (``run.manifest.path_digest``), so no stage re-hashes weight files.
@@ -35,18 +35,6 @@ from rlhf_core.run.manifest import hash_paths
 from rlhf_core.run.migrate import current_config_tree
 from rlhf_core.run.models import actor_path, critic_path, initial_actor_path
 
-CONFIG_SECTIONS = ("actor_rollout_ref.model.", "actor_rollout_ref.actor.", "actor_rollout_ref.rollout.temperature",
-                   "actor_rollout_ref.rollout.n", "critic.", "data.max_response_length", "data.train_batch_size",
-                   "trainer.seed", "trainer.nproc", "trainer.n_gpus_per_node", "trainer.nnodes", "trainer.device",
-                   "trainer.critic_warmup", "algorithm.adv_estimator", "algorithm.rollout_correction.")
-STEP_SECTIONS = ("trainer.total_iterations", "trainer.total_training_steps", "trainer.total_epochs")
-"""The run's length enters the update only through a cosine or ratio warm-up lr schedule."""
-
-def config_sections(cfg: RLHFConfig, needs_total_steps: bool) -> tuple[str, ...]:
-    """The config the update of an iteration depends on (its manifest's config hash)."""
-    return CONFIG_SECTIONS + (STEP_SECTIONS if needs_total_steps else ())
-
-
 def start_iteration(run: RunDir, k: int) -> int:
     """The committed iteration whose state iteration ``k``'s update starts from (0: the initial models)."""
     earlier = [j for j in committed_iterations(run) if j < k]
@@ -69,10 +57,11 @@ def update_inputs(cfg: RLHFConfig, run: RunDir, k: int) -> list[Path]:
     return paths
 
 
-def state_id(cfg: RLHFConfig, run: RunDir, k: int, needs_total_steps: bool) -> tuple[str, dict[str, str]]:
-    """(id of the state iteration ``k``'s update produces, the input digests it is made of)."""
+def state_id(cfg: RLHFConfig, run: RunDir, k: int, keys: tuple[str, ...]) -> tuple[str, dict[str, str]]:
+    """(id of the state iteration ``k``'s update produces, the input digests it is made of); ``keys``:
+    the config keys the update reads (``training.settings.update_keys``)."""
     inputs = hash_paths(run, update_inputs(cfg, run, k))
-    cfg_hash = config_hash(cfg, config_sections(cfg, needs_total_steps))
+    cfg_hash = config_hash(cfg, keys)
     blob = json.dumps({"iteration": k, "inputs": inputs, "config": cfg_hash}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest(), inputs
 

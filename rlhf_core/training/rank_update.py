@@ -19,15 +19,15 @@ import hashlib
 import json
 import os
 import resource
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Iterator, Optional
 
 import torch
 
-from rlhf_core.config import RLHFConfig, effective_deepspeed, resolve
-from rlhf_core.config.errors import ConfigError
-from rlhf_core.config.schema import ActorConfig, OptimConfig, TrainerConfig
+from rlhf_core.config import RLHFConfig, resolve
+from rlhf_core.config.reads import build
+from rlhf_core.config.schema import OptimConfig
 from rlhf_core.errors import CheckpointError
 from rlhf_core.io.atomic import atomic_write_json
 from rlhf_core.paths import resolve_model_path
@@ -35,23 +35,23 @@ from rlhf_core.run.integrity import not_its_own
 from rlhf_core.run.layout import RunDir
 from rlhf_core.run.lifecycle import checkpoint_before, committed_iterations
 from rlhf_core.io.checksums import verify_checkpoint
-from rlhf_core.models.attention import resolve_attention
 from rlhf_core.models.threads import module_largest_matrix, small_matmuls
 from rlhf_core.run.models import (
     actor_path, critic_backbone, critic_path, initial_actor_path, reference_path, reward_model_path,
 )
-from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan, PPOData, check_budget, read_advantages
+from rlhf_core.training.batch import MicroBatchPlan, PPOData, check_budget, read_advantages
 from rlhf_core.training.checkpoint import seed_rng
 from rlhf_core.training.checkpoint_load import load_optimizer_state, load_rng
 from rlhf_core.training.distributed import DistInfo, all_reduce
-from rlhf_core.training.ds_config import actor_ds_config, critic_ds_config, role_dtype, torch_dtype
+from rlhf_core.training.ds_config import torch_dtype
 from rlhf_core.training.fingerprint import weights_sample
 from rlhf_core.training.lineage import write_state_record
 from rlhf_core.training.flops import floor_metrics, training_flops, verl_promised_flops, verl_update_flops
 from rlhf_core.training.memory import ModelShape, Shapes, check_update_memory, memory_settings
 from rlhf_core.training.engines import (LoraSettings, TrainEngine, build_train_engine, present, load_actor_model, load_critic_model,
                                         lr_schedule)
-from rlhf_core.training.ppo import ActorLoss, CriticLoss, PPOOutcome, RoleSchedule, RoleSettings, aggregate, run_ppo
+from rlhf_core.training.ppo import ActorLoss, CriticLoss, PPOOutcome, RoleSchedule, aggregate
+from rlhf_core.training.settings import EngineSettings, UpdateSettings, run_length, update_settings
 
 
 @dataclass(frozen=True)
@@ -67,67 +67,6 @@ class UpdateSources:
     tokenizer: Path
     resume: Optional[Path]
     """Last-good checkpoint whose optimizer state continues here (None before the first commit)."""
-
-
-@dataclass(frozen=True)
-class UpdateSettings:
-    """What the training loop reads of a config: built once per update or replay (``update_settings``),
-    so a value such as ``actor.clip_ratio`` has one path into training."""
-
-    actor: RoleSettings
-    critic: Optional[RoleSettings]
-    """None in a run without a critic (``config.resolve.uses_critic``)."""
-    trainer: TrainerConfig
-    """seed, critic_warmup (``actor_updates``), concurrent_critic_actor."""
-    lora: Optional[LoraSettings]
-    """The actor's adapters (None: full fine-tuning), recorded in trainer_state.json."""
-    learning_rates: tuple[float, float]
-    """The actor's and the critic's base lr (``optim.lr``; a retry halves the actor's)."""
-
-    def actor_updates(self, iteration: int) -> bool:
-        """Whether training step ``iteration`` (1-based, verl's global_steps) updates the actor: verl's
-        ``critic_warmup <= global_steps``, so critic_warmup=N trains only the critic in steps 1..N-1."""
-        return self.trainer.critic_warmup <= iteration
-
-
-def update_settings(cfg: RLHFConfig, world_size: int) -> UpdateSettings:
-    """``UpdateSettings`` of ``cfg`` on ``world_size`` ranks (the micro-batching divides by it): each
-    role's loss, epochs, micro-batching, mini-batch and shuffle, as verl's critic.* keys fall back to
-    the actor's. The derived values come from one call (``config.resolve.update_values``); the rest
-    are the sections' plain keys."""
-    values = resolve.update_values(cfg, world_size)
-    a = cfg.actor_rollout_ref.actor
-    actor = _role_settings("actor", _actor_loss(a, cfg.actor_rollout_ref.rollout.temperature, values), values.actor)
-    critic = None if values.critic is None else _role_settings(
-        "critic", _critic_loss(cfg.critic.cliprange_value, values.critic), values.critic)
-    return UpdateSettings(actor, critic, cfg.trainer, LoraSettings.from_config(cfg.actor_rollout_ref.model),
-                          (a.optim.lr, cfg.critic.optim.lr))
-
-
-def _role_settings(role: str, loss: Any, values: resolve.RoleUpdate) -> RoleSettings:
-    mb = values.micro_batching
-    plan = MicroBatchPlan(use_dynamic_bsz=mb.use_dynamic_bsz, token_budget=mb.token_budget,
-                          micro_batch_size=mb.micro_batch_size, pack_rows=values.use_remove_padding,
-                          budget_key=BUDGET_KEYS[role])
-    return RoleSettings(loss, values.epochs, plan, values.mini_batch_sequences, values.shuffle)
-
-
-def _critic_loss(cliprange_value: float, values: resolve.RoleUpdate) -> CriticLoss:
-    return CriticLoss(cliprange_value=cliprange_value, loss_agg_mode=values.loss_agg_mode,
-                      loss_scale_factor=values.loss_scale_factor)
-
-
-def _actor_loss(a: ActorConfig, temperature: float, values: resolve.UpdateValues) -> ActorLoss:
-    low, high = a.clip_ratios  # the schema's fallback to clip_ratio, as verl's
-    knobs = {f.name: getattr(a.policy_loss, f.name) for f in fields(a.policy_loss) if f.name != "loss_mode"}
-    correction = values.rollout_correction
-    return ActorLoss(
-        clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=a.clip_ratio_c, loss_agg_mode=values.actor.loss_agg_mode,
-        loss_mode=values.policy_loss_mode, entropy_coeff=a.entropy_coeff, use_kl_loss=a.use_kl_loss,
-        kl_loss_coef=a.kl_loss_coef, kl_loss_type=a.kl_loss_type, temperature=temperature,
-        loss_scale_factor=values.actor.loss_scale_factor,
-        loss_mode_settings=tuple(sorted({**knobs, "tau_pos": a.tau_pos, "tau_neg": a.tau_neg}.items())),
-        rollout_correction=correction if correction.bypass_mode else None)
 
 
 def resolve_sources(cfg: RLHFConfig, run: RunDir, iteration: int) -> UpdateSources:
@@ -159,97 +98,31 @@ def resolve_sources(cfg: RLHFConfig, run: RunDir, iteration: int) -> UpdateSourc
 def micro_batch_plan(cfg: RLHFConfig, role: str = "actor", world_size: int = 1) -> MicroBatchPlan:
     """``role``'s micro-batching in the update: verl's use_dynamic_bsz, token budget and per-GPU
     size for the actor or the critic; packed rows follow use_remove_padding."""
-    return getattr(update_settings(cfg, world_size), role).plan
+    return getattr(build(update_settings, cfg, world_size=world_size), role).plan
 
 
 def actor_loss_from_config(cfg: RLHFConfig) -> ActorLoss:
     """The actor's loss as the update builds it (``update_settings``)."""
-    return update_settings(cfg, 1).actor.loss_fn
+    return build(update_settings, cfg, world_size=1).actor.loss_fn
 
 
 def critic_loss_from_config(cfg: RLHFConfig) -> CriticLoss:
     """The critic's loss as the update builds it (``update_settings``; a run without a critic has none)."""
-    return update_settings(cfg, 1).critic.loss_fn
-
-
-def _needs_total_steps(optim: OptimConfig) -> bool:
-    return resolve.scheduler_type(optim) == "cosine" or (optim.lr_warmup_steps < 0 and optim.lr_warmup_steps_ratio > 0)
-
-
-def schedule_needs_total_steps(cfg: RLHFConfig) -> bool:
-    """Whether an lr schedule depends on the run's length (cosine decay, or a warm-up ratio)."""
-    return any(_needs_total_steps(o) for o in (cfg.actor_rollout_ref.actor.optim, cfg.critic.optim))
+    return build(update_settings, cfg, world_size=1).critic.loss_fn
 
 
 def training_steps(cfg: RLHFConfig, run: Optional[RunDir]) -> int:
-    """The run's training steps, for the lr schedules: trainer.total_iterations (the flow fills it in
-    when the run starts), else derived from the run's prompts/train.parquet as verl derives it
-    (``config.resolve.total_iterations``). 0 when no schedule needs it."""
-    if cfg.trainer.total_iterations is not None:
-        return cfg.trainer.total_iterations
-    if not schedule_needs_total_steps(cfg):
-        return 0
-    if cfg.trainer.total_training_steps is not None:
-        return resolve.total_iterations(cfg, 0)
-    if run is None or not run.train_prompts.is_file():
-        raise ConfigError("the lr schedule (cosine, or lr_warmup_steps_ratio) needs the run's training steps: set "
-                          "trainer.total_iterations (or trainer.total_training_steps), or run preprocess so "
-                          "prompts/train.parquet can be counted")
-    return resolve.total_iterations(cfg, run.train_prompt_count())
+    """The run's training steps, for the lr schedules (``settings.RunLength.steps``): 0 when no
+    schedule needs them; counted from the run's prompts/train.parquet, as verl derives them, when
+    neither trainer.total_iterations (the flow fills it in) nor trainer.total_training_steps is set."""
+    counted = run.train_prompt_count() if run is not None and run.train_prompts.is_file() else None
+    return build(run_length, cfg).steps(counted)
 
 
 def lr_schedule_for(optim: OptimConfig, total_steps: int):
     """verl's schedule of one optimizer config (``engines.lr_schedule``)."""
     return lr_schedule(resolve.scheduler_type(optim), resolve.warmup_steps(optim, total_steps), total_steps,
                        optim.min_lr_ratio, optim.num_cycles)
-
-
-@dataclass(frozen=True)
-class RoleEngine:
-    """What one role's engine is built from."""
-
-    dtype: str
-    """'fp32' | 'bf16' | 'fp16', resolved for the device and the model (``ds_config.role_dtype``)."""
-    ds_config: dict[str, Any]
-    """The DeepSpeed config (``ds_config.actor_ds_config`` / ``critic_ds_config``)."""
-    gradient_checkpointing: bool
-    attention: str
-    """The implementation scoring and the guard load with too (``models.attention.resolve_attention``):
-    one kernel for the same data."""
-    optim: OptimConfig
-
-
-@dataclass(frozen=True)
-class EngineSettings:
-    """Everything the actor and critic engines are built from (``engine_settings``), and so what a
-    resident trainer compares to decide whether its engines can be kept (``engine_key``)."""
-
-    device: str
-    world_size: int
-    actor: RoleEngine
-    critic: Optional[RoleEngine]
-    """None in a run without a critic (``config.resolve.uses_critic``)."""
-    lora: Optional[LoraSettings]
-    seed: int
-    """Fresh LoRA adapters are initialised from it (trainer.seed)."""
-    total_steps: int
-    """The run's training steps, which an lr schedule may need (``training_steps``)."""
-
-
-def engine_settings(cfg: RLHFConfig, device: str, world_size: int, total_steps: int = 0) -> EngineSettings:
-    """``EngineSettings`` of ``cfg`` on ``world_size`` ranks of ``device``."""
-    m, c = cfg.actor_rollout_ref.model, cfg.critic
-    here = torch.device(device)
-    actor = RoleEngine(role_dtype(effective_deepspeed(cfg).dtype, resolve.role_model_key(cfg), device),
-                       actor_ds_config(cfg, device, world_size),
-                       m.enable_gradient_checkpointing, resolve_attention(m.override_config.attn_implementation, here),
-                       cfg.actor_rollout_ref.actor.optim)
-    critic = None if not resolve.uses_critic(cfg) else RoleEngine(
-        role_dtype(effective_deepspeed(cfg, "critic").dtype, resolve.role_model_key(cfg, "critic"), device, "critic"),
-        critic_ds_config(cfg, device, world_size),
-        c.model.enable_gradient_checkpointing, resolve_attention(c.model.override_config.attn_implementation, here),
-        c.optim)
-    return EngineSettings(device, world_size, actor, critic, LoraSettings.from_config(m), cfg.trainer.seed, total_steps)
 
 
 def engine_key(settings: EngineSettings) -> str:
@@ -443,11 +316,11 @@ def iteration_plan(settings: UpdateSettings, iteration: int, actor: TrainEngine,
     set for the block. The block runs ``run_ppo(plan.roles, ...)``, the one training loop of both the
     update and the replay that rebuilds a state (``training.resident``); ``iteration_metrics`` reads
     its outcome."""
-    t = settings.trainer
     with cpu_threads(device, module_largest_matrix(actor.module), dist.world_size) as threads:
         yield IterationPlan(roles=role_schedules(settings, actor, critic, iteration),
-                            concurrent=concurrent_roles(t.concurrent_critic_actor, device, threads, dist.world_size),
-                            seed=f"{t.seed}:{iteration}", threads=threads)
+                            concurrent=concurrent_roles(settings.concurrent_critic_actor, device, threads,
+                                                        dist.world_size),
+                            seed=f"{settings.seed}:{iteration}", threads=threads)
 
 
 def iteration_metrics(settings: UpdateSettings, iteration: int, plan: IterationPlan, data: PPOData, outcome: PPOOutcome,

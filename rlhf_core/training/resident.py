@@ -53,6 +53,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.reads import build
 from rlhf_core.errors import CheckpointError, first_clause
 from rlhf_core.io import timing
 from rlhf_core.io.hashing import sha256_tree
@@ -69,10 +70,10 @@ from rlhf_core.training.fingerprint import weights_sample
 from rlhf_core.training.lending import Lending
 from rlhf_core.training.lineage import read_state_record, recorded_config, start_iteration, state_id
 from rlhf_core.training.ppo import run_ppo
-from rlhf_core.training.rank_update import (EngineSettings, UpdateSettings, UpdateSources, check_update_data,
-                                            cpu_threads, engine_key, engine_settings, finish_update, iteration_metrics,
-                                            iteration_plan, open_engines, peak_rss_gb, reset_peak_rss, resolve_sources,
-                                            schedule_needs_total_steps, trainer_state, training_steps, update_settings)
+from rlhf_core.training.rank_update import (UpdateSources, check_update_data, cpu_threads, engine_key,
+                                            finish_update, iteration_metrics, iteration_plan, open_engines, peak_rss_gb,
+                                            reset_peak_rss, resolve_sources, trainer_state, training_steps)
+from rlhf_core.training.settings import EngineSettings, UpdateSettings, engine_settings, update_keys, update_settings
 from rlhf_core.training.snapshot import SNAPSHOT, Rng, Snapshot, take_snapshot, with_rng
 from rlhf_core.training.train_state import covers, restore
 
@@ -138,14 +139,14 @@ class ResidentTrainer:
         started = time.perf_counter()
         start = start_iteration(self.run, k)
         self.hold(cfg, start)
-        settings = update_settings(cfg, self.dist.world_size)
+        settings = build(update_settings, cfg, world_size=self.dist.world_size)
         data = check_update_data(settings, self.run, k)
         if self.kept:
             with timing.timed(SNAPSHOT):
                 self.before = self._snapshot_of_held()
         self.captured = None
         self._set_learning_rates(settings)
-        self._start_rng(settings.trainer.seed)
+        self._start_rng(settings.seed)
         setup = time.perf_counter() - started
         self._withdraw()  # the weights are about to change: nobody may borrow them as ``start``'s
         freed = self.lending.rollout_engine_sleeps() if self.lending is not None else None
@@ -154,7 +155,7 @@ class ResidentTrainer:
                               progress=progress, concurrent=plan.concurrent)
         metrics = iteration_metrics(settings, k, plan, data, outcome, self.device, self.dist)
         sources = resolve_sources(cfg, self.run, k)
-        identity = state_id(cfg, self.run, k, schedule_needs_total_steps(cfg))
+        identity = state_id(cfg, self.run, k, update_keys(cfg))
         self._held_now(k, sources, settings, outcome, identity[0])
         if self.lending is not None:  # the kept vLLM engine's sync to the new weights, checked
             metrics.update(self.lending.rollout_sync)
@@ -315,7 +316,8 @@ class ResidentTrainer:
         or before ``j`` and the recorded updates after it replayed."""
         device = resolve_device(cfg.trainer.device)
         dist = init_distributed(device)
-        engines = engine_settings(cfg, device, dist.world_size, training_steps(cfg, self.run))
+        engines = build(engine_settings, cfg, device=device, world_size=dist.world_size,
+                        total_steps=training_steps(cfg, self.run))
         key = engine_key(engines)
         if self.actor is not None and key == self.key:
             if self.holds == j:
@@ -365,11 +367,11 @@ class ResidentTrainer:
             raise CheckpointError(f"{table} changed since iteration {i}'s update trained on it: its state cannot be "
                                   f"rebuilt; rerun `rlhf stage update --run-dir {self.run.root} --iteration {i} --force`")
         cfg = recorded_config(record)
-        settings = update_settings(cfg, self.dist.world_size)
+        settings = build(update_settings, cfg, world_size=self.dist.world_size)
         with timing.timed(REPLAY):
             data = check_update_data(settings, self.run, i)
             self._set_learning_rates(settings)
-            self._start_rng(settings.trainer.seed)
+            self._start_rng(settings.seed)
             self._withdraw()
             with iteration_plan(settings, i, self.actor, self.critic, self.dist, self.device) as plan:
                 outcome = run_ppo(plan.roles, data, seed=plan.seed, dist=self.dist, pad_id=self.pad_id,

@@ -12,6 +12,7 @@ import logging
 from typing import Any, Iterator, Optional
 
 from rlhf_core.config import RLHFConfig
+from rlhf_core.config.reads import build
 from rlhf_core.config.schema import TrainerConfig
 from rlhf_core.notes import say_once
 from rlhf_core.run.layout import RunDir
@@ -21,9 +22,10 @@ from rlhf_core.run.session import KeptTrainer, RunSession
 from rlhf_core.training.checkpoint import save_checkpoint
 from rlhf_core.training.ds_config import resolve_device
 from rlhf_core.training.engines import LoraSettings, present
-from rlhf_core.training.group_trainer import GroupTrainer, rebuild_in_group, update_world
+from rlhf_core.training.group_trainer import GroupTrainer, rebuild_in_group
 from rlhf_core.training.lineage import read_state_record, recorded_config
 from rlhf_core.training.resident import ResidentTrainer
+from rlhf_core.training.settings import update_world
 from rlhf_core.training.snapshot import with_rng
 from rlhf_core.training.train_state import capture
 
@@ -45,15 +47,15 @@ def resident_possible(cfg: RLHFConfig) -> Optional[str]:
         return "trainer.resident_models=false"
     if LoraSettings.from_config(cfg.actor_rollout_ref.model) is not None:
         return "LoRA (the rollout samples from merged weights, built from the adapter checkpoint)"
-    if update_world(cfg.trainer) > 1:  # the worker group's ranks generate (hf; vLLM: a rank of its engines each)
+    if build(update_world, cfg) > 1:  # the worker group's ranks generate (hf; vLLM: a rank of its engines each)
         r = cfg.actor_rollout_ref.rollout
         if r.name not in ("hf", "vllm"):
             return f"rollout engine {r.name!r} with several update processes (their worker group generates)"
         if r.name == "vllm" and cfg.trainer.nnodes > 1:
             return "the vllm rollout engine with an update across several machines (not supported yet)"
-        if r.name == "vllm" and update_world(cfg.trainer) % r.tensor_model_parallel_size:
+        if r.name == "vllm" and build(update_world, cfg) % r.tensor_model_parallel_size:
             return (f"rollout.tensor_model_parallel_size={r.tensor_model_parallel_size} does not divide the "
-                    f"{update_world(cfg.trainer)} update processes (their worker group holds the vLLM engines)")
+                    f"{build(update_world, cfg)} update processes (their worker group holds the vLLM engines)")
         return None
     if (cfg.trainer.stage_processes or 1) > 1:  # (null: one per GPU of the update: one here)
         return (f"trainer.stage_processes={cfg.trainer.stage_processes} with one update process: the stages' "
@@ -88,7 +90,7 @@ def resident_models(cfg: RLHFConfig, run: RunDir, session: RunSession) -> Iterat
         say_once(f"a replay of an update is not bit-exact on {device}, so every committed iteration is "
                  f"checkpointed (in the background): a crash never needs one; trainer.save_freq="
                  f"{cfg.trainer.save_freq} still decides which are kept")
-    if update_world(cfg.trainer) > 1:
+    if build(update_world, cfg) > 1:
         group = GroupTrainer(cfg, run)
         session.live.provide_with(group)
         log.info("models are kept by a worker group of %d update processes for the whole run; the stages' model "
@@ -129,7 +131,7 @@ def keeps_rollout_engine(cfg: RLHFConfig) -> bool:
     needs processes of its own: those rollouts run under torchrun, ``stages.ranks``)."""
     r = cfg.actor_rollout_ref.rollout
     return (r.name == "vllm" and r.tensor_model_parallel_size == 1 and resident_possible(cfg) is None
-            and update_world(cfg.trainer) == 1)
+            and build(update_world, cfg) == 1)
 
 
 @contextlib.contextmanager
@@ -191,7 +193,7 @@ def one_update_trainer(cfg: RLHFConfig, run: RunDir, k: int) -> Iterator[KeptTra
     a run that cannot keep them: ``resident_possible``): the same trainer as a flow run's, made for this
     one update and closed after it — in this process, or as a worker group of the update's processes —
     which writes ``iter_k/checkpoint`` at once."""
-    trainer: KeptTrainer = (GroupTrainer(cfg, run, one_update=k) if update_world(cfg.trainer) > 1
+    trainer: KeptTrainer = (GroupTrainer(cfg, run, one_update=k) if build(update_world, cfg) > 1
                         else ResidentTrainer(run))
     try:
         yield trainer

@@ -11,7 +11,9 @@ from rlhf_core.config import ConfigError, RLHFConfig, load_config
 from rlhf_core.config.loader import config_hash, flatten
 from rlhf_core.config.reads import Algorithm, At, Built, CriticEnable, build, config_keys, config_values
 from rlhf_core.stages import gae, guard, init_critic, pack, preprocess, rollout, score
+from rlhf_core.stages import update
 from rlhf_core.stages.settings import generation, reward_settings
+from rlhf_core.training.settings import engine_settings, run_length, update_keys, update_settings, update_world
 
 
 def _builder(gamma: Annotated[float, At("algorithm.gamma")], algorithm: Algorithm,
@@ -73,6 +75,49 @@ def test_a_reward_model_adds_its_batching_keys_only_when_it_scores():
     assert (set(config_keys(reward_settings, cfg=model)) - set(config_keys(reward_settings, cfg=rule))
             == {"critic.use_dynamic_bsz", "actor_rollout_ref.actor.use_dynamic_bsz",
                 "critic.forward_max_token_len_per_gpu", "critic.ppo_max_token_len_per_gpu"})
+
+
+def _with_world(gamma: Annotated[float, At("algorithm.gamma")], *, world_size: int) -> tuple:
+    return gamma, world_size
+
+
+def _outer_with_world(part: Annotated[tuple, Built(_with_world)], seed: Annotated[int, At("trainer.seed")], *,
+                      world_size: int) -> tuple:
+    return part, seed, world_size
+
+
+def test_a_keyword_only_parameter_without_a_key_is_the_callers_and_reaches_built_parts():
+    cfg = load_config(None, ["algorithm.gamma=0.5", "trainer.seed=3"])
+    assert build(_outer_with_world, cfg, world_size=4) == ((0.5, 4), 3, 4)
+    assert config_keys(_outer_with_world) == ("algorithm.gamma", "trainer.seed")
+    with pytest.raises(TypeError, match="world_size"):
+        build(_outer_with_world, cfg)
+
+
+UPDATE_KEYS = ("actor_rollout_ref.actor.", "actor_rollout_ref.model.", "critic.", "algorithm.adv_estimator",
+               "actor_rollout_ref.rollout.n", "actor_rollout_ref.rollout.temperature", "data.max_response_length",
+               "algorithm.rollout_correction.", "trainer.seed", "trainer.critic_warmup", "trainer.nproc",
+               "trainer.nnodes", "trainer.n_gpus_per_node", "trainer.device", "data.train_batch_size")
+"""The keys every state id recorded so far hashes (``lineage.state_id``): a change here changes the id
+of every run directory's states, which needs a run-format migration (``run.migrate``)."""
+STEP_KEYS = ("trainer.total_iterations", "trainer.total_training_steps", "trainer.total_epochs")
+
+
+def _hashed(keys: tuple[str, ...]) -> set[str]:
+    """``keys`` less those a section among them covers already (the hash is the same)."""
+    return {k for k in keys if not any(k != other and other.endswith(".") and k.startswith(other) for other in keys)}
+
+
+def test_the_update_hashes_its_builders_keys_which_are_the_recorded_ones():
+    cfg = load_config(None, [])
+    assert update.config_sections(cfg) == update_keys(cfg) == config_keys(
+        update_settings, engine_settings, update_world, run_length, cfg=cfg)
+    assert _hashed(update_keys(cfg)) == set(UPDATE_KEYS)
+    cosine = load_config(None, ["critic.optim.lr_scheduler_type=cosine"])  # the run's length now matters
+    assert _hashed(update_keys(cosine)) == set(UPDATE_KEYS + STEP_KEYS)
+    before = config_hash(cfg, update_keys(cfg))
+    assert config_hash(load_config(None, ["trainer.total_epochs=3"]), update_keys(cfg)) == before
+    assert config_hash(load_config(None, ["actor_rollout_ref.actor.clip_ratio=0.3"]), update_keys(cfg)) != before
 
 
 def test_a_parameter_without_a_key_is_named():

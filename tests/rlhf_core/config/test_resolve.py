@@ -50,7 +50,7 @@ def test_training_steps_as_verl_derives_them(prompts, batch, epochs, steps):
         overrides.append(f"trainer.total_training_steps={steps}")
     cfg = load_config(None, overrides)
     assert total_iterations(cfg, prompts) == verl_total_training_steps(prompts, batch, epochs, steps)
-    assert steps_per_epoch(cfg.data, prompts) == max(1, prompts // batch)
+    assert steps_per_epoch(cfg.data.train_batch_size, prompts) == max(1, prompts // batch)
     assert total_iterations(load_config(None, overrides + ["trainer.total_iterations=4"]), prompts) == 4
 
 
@@ -74,8 +74,9 @@ def test_interpolated_defaults_follow_the_actor():
                              "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
                              "actor_rollout_ref.actor.use_dynamic_bsz=true",
                              "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=4096"])
-    assert critic_epochs(cfg) == 3 and critic_shuffle(cfg) is True
-    assert critic_loss_agg_mode(cfg) == "seq-mean-token-mean"
+    a, c = cfg.actor_rollout_ref.actor, cfg.critic
+    assert critic_epochs(a, c) == 3 and critic_shuffle(a, c) is True
+    assert critic_loss_agg_mode(a, c) == "seq-mean-token-mean"
     for role in ("rollout", "ref"):
         mb = micro_batching(cfg, role)
         assert mb.use_dynamic_bsz and mb.token_budget == 4096
@@ -84,7 +85,8 @@ def test_interpolated_defaults_follow_the_actor():
     cfg = load_config(None, ["critic.ppo_epochs=2", "critic.shuffle=false", "critic.loss_agg_mode=token-mean",
                              "actor_rollout_ref.actor.ppo_epochs=3", "critic.ppo_max_token_len_per_gpu=2048",
                              "critic.forward_max_token_len_per_gpu=1500", "critic.use_dynamic_bsz=true"])
-    assert critic_epochs(cfg) == 2 and critic_shuffle(cfg) is False
+    a, c = cfg.actor_rollout_ref.actor, cfg.critic
+    assert critic_epochs(a, c) == 2 and critic_shuffle(a, c) is False
     assert critic_value_batching(cfg.actor_rollout_ref, cfg.critic).token_budget == 1500
     assert micro_batching(cfg, "critic").token_budget == 2048
 
@@ -102,8 +104,10 @@ def test_micro_batch_sizes_per_gpu_and_deprecated_global():
 
 
 def test_loss_scale_factor_is_the_configured_response_length():
-    assert loss_scale_factor(load_config(None, ["data.max_response_length=300"])) == 300.0
-    assert loss_scale_factor(load_config(None, ["actor_rollout_ref.actor.loss_scale_factor=7"])) == 7.0
+    cfg = load_config(None, ["data.max_response_length=300"])
+    assert loss_scale_factor(cfg.actor_rollout_ref.actor, cfg.data.max_response_length) == 300.0
+    cfg = load_config(None, ["actor_rollout_ref.actor.loss_scale_factor=7"])
+    assert loss_scale_factor(cfg.actor_rollout_ref.actor, cfg.data.max_response_length) == 7.0
 
 
 def test_update_world_size():

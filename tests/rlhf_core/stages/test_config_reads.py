@@ -30,10 +30,11 @@ NO_EFFECT_ON_OUTPUT = {
                                "(tests/rlhf_core/stages/test_score_stage.py, test_rollout_stage.py)",
     "trainer.nproc": "as trainer.stage_processes for the model passes (the update declares it)",
     "trainer.nnodes": "as trainer.nproc",
+    "trainer.n_gpus_per_node": "as trainer.nproc",
     "trainer.concurrent_critic_actor": "critic and actor side by side or in turn: checked equal "
                                        "(tests/rlhf_core/stages/test_update_stage.py)",
     "trainer.total_iterations": "the step count, which only an lr schedule that needs it reads (the update "
-                                "declares it then: lineage.STEP_SECTIONS)",
+                                "declares it then: training.settings.run_length)",
 }
 """Keys a stage may read without declaring them, and why its output does not depend on them."""
 

@@ -74,14 +74,16 @@ def _config(model_dir: Path, stage: int, overrides: list[str]):
 @pytest.fixture
 def make_engines(tiny_model_dir, critic_init_dir, dist):
     """``make_engines(stage, *overrides, actor_dir=None, critic_dir=None) -> (cfg, actor, critic)``."""
-    from rlhf_core.training.rank_update import UpdateSources, build_engines, engine_settings
+    from rlhf_core.config.reads import build
+    from rlhf_core.training.rank_update import UpdateSources, build_engines
+    from rlhf_core.training.settings import engine_settings
 
     def make(stage: int, *overrides: str, actor_dir: Path | None = None, critic_dir: Path | None = None):
         actor_dir = actor_dir or tiny_model_dir
         cfg = _config(actor_dir, stage, list(overrides))
         sources = UpdateSources(actor=actor_dir, adapter=None, critic=critic_dir or critic_init_dir,
                                 tokenizer=actor_dir, resume=None)
-        actor, critic = build_engines(engine_settings(cfg, "cpu", dist.world_size), sources)
+        actor, critic = build_engines(build(engine_settings, cfg, device="cpu", world_size=dist.world_size), sources)
         return cfg, actor, critic
 
     return make

@@ -19,7 +19,9 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stages: lis
     from rlhf_core.training.checkpoint import save_checkpoint
     from rlhf_core.training.distributed import init_distributed, shutdown_distributed
     from rlhf_core.training.ppo import ActorLoss, CriticLoss, train_step
-    from rlhf_core.training.rank_update import UpdateSources, build_engines, engine_settings, resume_optimizers
+    from rlhf_core.config.reads import build
+    from rlhf_core.training.rank_update import UpdateSources, build_engines, resume_optimizers
+    from rlhf_core.training.settings import engine_settings
 
     torch.set_num_threads(1)
     dist = init_distributed("cpu")
@@ -32,7 +34,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stages: lis
                                  "actor_rollout_ref.actor.optim.lr_warmup_steps=4", "critic.optim.lr=1e-3",
                                  f"actor_rollout_ref.actor.deepspeed_config.zero_stage={stage}",
                                  f"critic.deepspeed_config.zero_stage={stage}"])
-        return build_engines(engine_settings(cfg, "cpu", dist.world_size),
+        return build_engines(build(engine_settings, cfg, device="cpu", world_size=dist.world_size),
                              UpdateSources(Path(actor), None, Path(critic), Path(model_dir), None))
 
     def step(actor, critic, rows):  # one iteration: the lr schedule moves after it

@@ -26,7 +26,9 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stage: int)
     from rlhf_core.training.distributed import init_distributed, shutdown_distributed
     from rlhf_core.training.memory import Shapes, estimate, memory_settings
     from rlhf_core.training.ppo import ActorLoss, CriticLoss, train_step
-    from rlhf_core.training.rank_update import UpdateSources, build_engines, engine_settings, reset_peak_rss
+    from rlhf_core.config.reads import build
+    from rlhf_core.training.rank_update import UpdateSources, build_engines, reset_peak_rss
+    from rlhf_core.training.settings import engine_settings
 
     torch.set_num_threads(1)
     dist = init_distributed("cpu")
@@ -38,7 +40,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, stage: int)
     tdist.barrier()
     before = rss("VmRSS")
     reset_peak_rss()
-    actor, critic = build_engines(engine_settings(cfg, "cpu", dist.world_size),
+    actor, critic = build_engines(build(engine_settings, cfg, device="cpu", world_size=dist.world_size),
                                   UpdateSources(Path(model_dir), None, Path(critic_dir), Path(model_dir), None))
     rows = list(range(min(8, len(data))))
     train_step(critic, data, rows, plan, CriticLoss(), dist, 0)

@@ -173,7 +173,9 @@ def test_a_worker_groups_ranks_keep_their_engines_beside_the_scoring_passes(qwen
 
 def test_a_config_that_cannot_fit_is_refused_before_any_engine_is_built(tiny_model_dir, critic_init_dir,
                                                                         monkeypatch):
+    from rlhf_core.config.reads import build
     from rlhf_core.training import memory, rank_update
+    from rlhf_core.training.settings import engine_settings
 
     def no_engines(*args, **kwargs):
         raise AssertionError("engines were built for a config the estimate refuses")
@@ -186,7 +188,7 @@ def test_a_config_that_cannot_fit_is_refused_before_any_engine_is_built(tiny_mod
     sources = rank_update.UpdateSources(actor=tiny_model_dir, adapter=None, critic=critic_init_dir,
                                         tokenizer=tiny_model_dir, resume=None)
     with pytest.raises(ConfigError, match="does not fit.*actor activations"):
-        rank_update.open_engines(cfg, rank_update.engine_settings(cfg, "cpu", 1), sources)
+        rank_update.open_engines(cfg, build(engine_settings, cfg, device="cpu", world_size=1), sources)
 
 
 def test_engines_apply_gradient_checkpointing_and_zero3_loads_partitioned(make_engines, tiny_model_dir, dist):

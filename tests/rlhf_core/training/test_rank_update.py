@@ -6,11 +6,14 @@ from __future__ import annotations
 import pytest
 
 from rlhf_core.config import load_config
-from rlhf_core.training.rank_update import engine_key, engine_settings, update_settings
+from rlhf_core.config.reads import build
+from rlhf_core.training.rank_update import engine_key
+from rlhf_core.training.settings import engine_settings, update_settings
 
 
 def _key(*overrides: str, world_size: int = 1, total_steps: int = 0) -> str:
-    return engine_key(engine_settings(load_config(None, list(overrides)), "cpu", world_size, total_steps))
+    return engine_key(build(engine_settings, load_config(None, list(overrides)), device="cpu", world_size=world_size,
+                            total_steps=total_steps))
 
 
 def test_the_engines_are_kept_across_a_retry_that_only_lowers_the_learning_rate():
@@ -41,17 +44,17 @@ def test_the_world_and_the_schedule_length_rebuild_the_engines():
 def test_the_loop_settings_follow_verls_critic_fallbacks():
     cfg = load_config(None, ["actor_rollout_ref.actor.ppo_epochs=3", "actor_rollout_ref.actor.clip_ratio_low=0.3",
                              "actor_rollout_ref.actor.optim.lr=2e-6", "critic.optim.lr=4e-6"])
-    settings = update_settings(cfg, world_size=2)
+    settings = build(update_settings, cfg, world_size=2)
     assert settings.critic is not None and settings.critic.epochs == 3  # critic.ppo_epochs null: the actor's
     assert (settings.actor.loss_fn.clip_ratio_low, settings.actor.loss_fn.clip_ratio_high) == (0.3, 0.2)
     assert settings.learning_rates == (2e-6, 4e-6)
     assert settings.lora is None
-    assert update_settings(load_config(None, ["algorithm.adv_estimator=grpo"]), 1).critic is None
+    assert build(update_settings, load_config(None, ["algorithm.adv_estimator=grpo"]), world_size=1).critic is None
 
 
 def test_verls_offload_flag_reaches_the_engine_and_its_key():
     zero1 = ("actor_rollout_ref.actor.deepspeed_config.zero_stage=1",)
     offloaded = load_config(None, [*zero1, "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true"])
-    ds = engine_settings(offloaded, "cpu", 1).actor.ds_config
+    ds = build(engine_settings, offloaded, device="cpu", world_size=1).actor.ds_config
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert _key(*zero1, "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true") != _key(*zero1)

@@ -22,7 +22,9 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, cases: list
     from rlhf_core.training.checkpoint_load import load_optimizer_state, load_rng
     from rlhf_core.training.distributed import barrier, init_distributed, shutdown_distributed
     from rlhf_core.training.ppo import ActorLoss, CriticLoss, train_step
-    from rlhf_core.training.rank_update import UpdateSources, _zero_loss, build_engines, engine_settings
+    from rlhf_core.config.reads import build
+    from rlhf_core.training.rank_update import UpdateSources, _zero_loss, build_engines
+    from rlhf_core.training.settings import engine_settings
     from rlhf_core.training.train_state import capture, restore
 
     torch.set_num_threads(1)
@@ -38,7 +40,7 @@ def main(model_dir: str, critic_dir: str, advantages: str, out: str, cases: list
                                  f"critic.deepspeed_config.zero_stage={stage}",
                                  f"actor_rollout_ref.actor.deepspeed_config.dtype={dtype}",
                                  f"critic.deepspeed_config.dtype={dtype}"])
-        return build_engines(engine_settings(cfg, "cpu", dist.world_size),
+        return build_engines(build(engine_settings, cfg, device="cpu", world_size=dist.world_size),
                              UpdateSources(Path(actor), None, Path(critic), Path(model_dir), None))
 
     def step(actor, critic, rows):
