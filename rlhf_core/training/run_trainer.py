@@ -174,7 +174,7 @@ def ensure_state(session: RunSession, run: RunDir, k: Optional[int]) -> bool:
     if group is not None:
         return group.ensure(k)
     recorded = recorded_config(read_state_record(run, k))
-    if update_world(recorded.trainer) > 1:
+    if build(update_world, recorded) > 1:
         return rebuild_in_group(recorded, run, k)
     builder = ResidentTrainer(run)
     try:
