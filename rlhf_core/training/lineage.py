@@ -5,9 +5,9 @@
      "weights_sample": sha256, "environment": {library versions, processor}}
 
 The id is a hash of the update's inputs — the advantages table's bytes, the id of the state it
-started from (or the initial models' sha256), the config keys it reads (``training.settings.update_keys``) — so it names the
-weights the update produced without reading them: the same id whether the checkpoint is on disk,
-held in memory, or still to be rebuilt. Stage manifests use it for every checkpoint input
+started from (or the initial models' sha256), the config keys it reads
+(``training.settings.update_keys``) — so it names the weights the update produced without reading
+them: the same id whether the checkpoint is on disk, held in memory, or still to be rebuilt. Stage manifests use it for every checkpoint input
 (``run.manifest.path_digest``), so no stage re-hashes weight files.
 
 ``weights_sample`` is a cheap fingerprint of the trained weights (``training.fingerprint``: every
