@@ -18,6 +18,10 @@ validation and the guard's check: ``stages.settings.generation``) names its keys
 rollout's dynamic-sampling filter, a reward model's batching. Its keys then depend on the config:
 ``config_keys(builder, cfg=cfg)``.
 
+``At("actor_rollout_ref.rollout.", only=("val_kwargs.", "seed"), unhashed=why)`` passes a whole
+section and hashes a few of its keys: validation hands the engine the rollout section, but samples
+with val_kwargs, so the training sampling keys cannot change what it measures.
+
 A keyword-only parameter without a key is a value of the process, not of the config (the
 update's world size): ``build(builder, cfg, world_size=2)`` passes it, to the parts that take it too,
 and no key is hashed for it.
@@ -48,6 +52,21 @@ class At:
     """Why a change to this key cannot change the stage's outputs, for a key the builder reads but the
     config hash leaves out (``trainer.device`` for generation: a run keeps its device, and the update
     hashes it); empty: hashed."""
+    only: tuple[str, ...] = ()
+    """For a section read whole whose outputs depend on a few of its keys: those keys (relative to the
+    section), the ones hashed; ``unhashed`` then says why the rest cannot change the outputs."""
+
+    def __post_init__(self) -> None:
+        if self.only and not (self.key.endswith(".") and self.unhashed):
+            raise TypeError(f"At({self.key!r}, only=...) hashes part of a section: the key must end in '.' and "
+                            "unhashed= must say why the rest of it cannot change the stage's outputs")
+
+    @property
+    def hashed(self) -> tuple[str, ...]:
+        """The keys of this parameter the config hash covers."""
+        if self.only:
+            return tuple(self.key + sub for sub in self.only)
+        return () if self.unhashed else (self.key,)
 
     @property
     def path(self) -> tuple[str, ...]:
@@ -104,7 +123,7 @@ def config_keys(*builders: Callable[..., Any], cfg: Any = None) -> tuple[str, ..
     for builder in builders:
         for _, source in _parameters(builder):
             if isinstance(source, At):
-                more = () if source.unhashed else (source.key,)
+                more = source.hashed
             elif _reads(source, cfg, builder):
                 more = config_keys(source.builder, cfg=cfg)
             else:

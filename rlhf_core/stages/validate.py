@@ -27,14 +27,14 @@ import sys
 from collections import defaultdict
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Annotated, Any, Callable, Optional, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from rlhf_core.config import RLHFConfig
-from rlhf_core.config.reads import build
-from rlhf_core.config.schema import CustomRewardConfig, ModelConfig, TrainerConfig
+from rlhf_core.config.reads import ActorDtype, ActorModel, At, Built, RunDevice, build, config_keys
+from rlhf_core.config.schema import CustomRewardConfig, DataConfig, ModelConfig, RolloutConfig, TrainerConfig
 from rlhf_core.data.packing import Share
 from rlhf_core.data.schemas import VALIDATION
 from rlhf_core.errors import DataError
@@ -59,12 +59,24 @@ from rlhf_core.stages.settings import generation
 from rlhf_core.training.run_trainer import ensure_state
 
 
-VALIDATION_SECTIONS = ("data.max_response_length", "data.reward_fn_key", "actor_rollout_ref.rollout.val_kwargs.",
-                       "actor_rollout_ref.rollout.seed", "actor_rollout_ref.rollout.name",
-                       "custom_reward_function.", "actor_rollout_ref.model.",
-                       "actor_rollout_ref.rollout.cpu_threads", "actor_rollout_ref.rollout.generation_batch_tokens",
-                       "actor_rollout_ref.rollout.hf_decode", "data.max_prompt_length",  # the static KV cache's size
-                       "actor_rollout_ref.actor.deepspeed_config.dtype")
+ValRollout = Annotated[RolloutConfig, At(
+    "actor_rollout_ref.rollout.", only=("val_kwargs.", "seed", "name", "cpu_threads", "generation_batch_tokens",
+                                        "hf_decode"),
+    unhashed="validation samples with val_kwargs, never the training sampling (temperature, top_p, n, ...); the "
+             "engine's memory and placement keys decide where it runs, not what it samples")]
+ValData = Annotated[DataConfig, At(
+    "data.", only=("max_response_length", "max_prompt_length"),  # max_prompt_length: the static KV cache's size
+    unhashed="validation reads the held-out prompts as preprocess wrote them; the other data keys size a vLLM "
+             "engine's batch (train_batch_size), not what it samples")]
+
+
+def validation_generation(rollout: ValRollout, data: ValData, model: ActorModel, dtype: ActorDtype,
+                          device: RunDevice) -> GenerationSettings:
+    """Validation's generation: the rollout's (``stages.settings.generation``), hashing only the keys
+    that can change what validation samples (``ValRollout``, ``ValData``)."""
+    return generation(rollout, data, model, dtype, device)
+
+
 CORRECT_AT = 1.0
 """A response counts as correct when its reward is at least this (the rule-based score of a right answer)."""
 
@@ -83,13 +95,14 @@ class ValidationSettings:
     """``validate_share`` on that many processes, each rank's arrays (``ranks.run_on_ranks``)."""
 
 
-def validation_settings(cfg: RLHFConfig, run: RunDir, k: int, session: RunSession) -> ValidationSettings:
-    """Validation's settings for iteration ``k`` of ``run``; the process counts are read when asked for
-    (the session's worker group or kept engine, when it has one, decides them)."""
-    return ValidationSettings(
-        generation=build(generation, cfg), reward_function=cfg.custom_reward_function, reward_fn_key=cfg.data.reward_fn_key,
-        processes=lambda batches: generation_processes(cfg.trainer, cfg.actor_rollout_ref.rollout, session, batches),
-        on_ranks=lambda world: run_on_ranks(cfg, run, session, k, "validate", world))
+def validation_settings(generation: Annotated[GenerationSettings, Built(validation_generation)],
+                        reward_function: Annotated[CustomRewardConfig, At("custom_reward_function.")],
+                        reward_fn_key: Annotated[str, At("data.reward_fn_key")], *,
+                        processes: Callable[[int], int], on_ranks: Callable[[int], list]) -> ValidationSettings:
+    """Validation's settings (``build(validation_settings, cfg, processes=..., on_ranks=...)``); the
+    process counts are the session's, read when asked for (its worker group or kept engine decides them)."""
+    return ValidationSettings(generation=generation, reward_function=reward_function, reward_fn_key=reward_fn_key,
+                              processes=processes, on_ranks=on_ranks)
 
 
 def validation_actor(run: RunDir, k: int) -> Optional[Path]:
@@ -235,8 +248,8 @@ def validation_metrics(data_sources: Sequence[str], prompt_ids: Sequence[str], v
 
 
 def config_sections(cfg: RLHFConfig) -> tuple[str, ...]:
-    """The config this stage's output depends on (its manifest's config hash)."""
-    return VALIDATION_SECTIONS
+    """The config this stage's output depends on (its manifest's config hash): its builder's keys."""
+    return config_keys(validation_settings, cfg=cfg)
 
 
 def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, force: bool = False,
@@ -259,7 +272,10 @@ def run_validate(cfg: RLHFConfig, run: RunDir, iteration: Optional[int] = None, 
         if record.skipped:
             return record.skipped
         ensure_state(session, run, run.checkpoint_iteration(actor))  # held in memory, on disk, or rebuilt now
-        settings = validation_settings(cfg, run, k, session)
+        settings = build(validation_settings, cfg,
+                         processes=lambda batches: generation_processes(cfg.trainer, cfg.actor_rollout_ref.rollout,
+                                                                        session, batches),
+                         on_ranks=lambda world: run_on_ranks(cfg, run, session, k, "validate", world))
         sampling = validation_sampling(settings.generation, seed=0)
         rows, samples = validation_samples(settings, session, run, actor)
         scores, extras = score_samples(settings.reward_function, settings.reward_fn_key, rows, samples)
@@ -350,7 +366,7 @@ def val_kl_from_samples(kl: KLPassSettings, session: RunSession, reference: Path
 def validate_share(cfg, run: RunDir, iteration: int, rank: int, world: int, out: Path, session: RunSession) -> None:
     """This rank's generation batches of validation (HF engine), seeded as in one process."""
     actor = validation_actor(run, iteration) or initial_actor_path(cfg)
-    gen = build(generation, cfg)
+    gen = build(validation_generation, cfg)
     _, samples = sample_val_responses(gen, session, run, actor, sampling=validation_sampling(gen, seed=0),
                                       share=(rank, world))
     write_share(out, {}, samples=json.dumps([dataclasses.asdict(s) for s in samples]))

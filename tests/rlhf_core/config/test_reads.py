@@ -10,7 +10,7 @@ import pytest
 from rlhf_core.config import ConfigError, RLHFConfig, load_config
 from rlhf_core.config.loader import config_hash, flatten
 from rlhf_core.config.reads import Algorithm, At, Built, CriticEnable, build, config_keys, config_values
-from rlhf_core.stages import gae, guard, init_critic, pack, preprocess, rollout, score
+from rlhf_core.stages import gae, guard, init_critic, pack, preprocess, rollout, score, validate
 from rlhf_core.stages import update
 from rlhf_core.stages.settings import generation, reward_settings
 from rlhf_core.training.settings import engine_settings, run_length, update_keys, update_settings, update_world
@@ -120,6 +120,20 @@ def test_the_update_hashes_its_builders_keys_which_are_the_recorded_ones():
     assert config_hash(load_config(None, ["actor_rollout_ref.actor.clip_ratio=0.3"]), update_keys(cfg)) != before
 
 
+def test_a_section_read_whole_can_hash_a_few_of_its_keys_and_says_why_not_the_rest():
+    keys = config_keys(validate.validation_generation)
+    assert "actor_rollout_ref.rollout.val_kwargs." in keys and "actor_rollout_ref.rollout." not in keys
+    cfg = load_config(None, [])
+    before = config_hash(cfg, validate.config_sections(cfg))
+    training_sampling = load_config(None, ["actor_rollout_ref.rollout.top_p=0.5", "actor_rollout_ref.rollout.n=3"])
+    assert build(validate.validation_generation, training_sampling).rollout.top_p == 0.5  # read, for the engine
+    assert config_hash(training_sampling, validate.config_sections(training_sampling)) == before
+    val_sampling = load_config(None, ["actor_rollout_ref.rollout.val_kwargs.n=3"])
+    assert config_hash(val_sampling, validate.config_sections(val_sampling)) != before
+    with pytest.raises(TypeError, match="unhashed= must say why"):
+        At("actor_rollout_ref.rollout.", only=("seed",))
+
+
 def test_a_parameter_without_a_key_is_named():
     def builder(gamma: Annotated[float, At("algorithm.gamma")], lam: Optional[float]) -> float:
         return gamma
@@ -132,7 +146,8 @@ def test_a_parameter_without_a_key_is_named():
                                             (preprocess, preprocess.preprocess_settings),
                                             (init_critic, init_critic.init_critic_settings),
                                             (guard, guard.guard_config), (score, score.score_settings),
-                                            (rollout, rollout.rollout_settings)])
+                                            (rollout, rollout.rollout_settings),
+                                            (validate, validate.validation_settings)])
 def test_a_stage_hashes_exactly_the_keys_its_builder_reads(stage, builder):
     """The stage's config sections are its builder's keys: a key the builder takes changes the hash,
     one outside them does not."""
