@@ -34,7 +34,6 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from rlhf_core.config import effective_deepspeed, resolve
 from rlhf_core.config.loader import ConfigError
 from rlhf_core.notes import say_once
 from rlhf_core.config.schema import DeepSpeedConfig
@@ -227,20 +226,6 @@ def build_ds_config(ds: DeepSpeedConfig, *, grad_clip: float, device: str, world
     if ds.config_path:
         config = deep_merge(config, read_raw_config(ds.config_path, key))
     return config
-
-
-def actor_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
-    """The actor's config: verl's FSDP offload flags folded in (``effective_deepspeed``)."""
-    a = cfg.actor_rollout_ref.actor
-    return role_ds_config(effective_deepspeed(cfg), grad_clip=a.grad_clip, model_key=resolve.role_model_key(cfg),
-                          device=device, world_size=world_size)
-
-
-def critic_ds_config(cfg, device: str, world_size: int) -> dict[str, Any]:
-    """The critic's config: critic.model.fsdp_config's offload flags folded in, as the actor's."""
-    return role_ds_config(effective_deepspeed(cfg, "critic"), grad_clip=cfg.critic.grad_clip,
-                          model_key=resolve.role_model_key(cfg, "critic"), device=device, world_size=world_size,
-                          key="critic.deepspeed_config")
 
 
 def role_ds_config(ds: DeepSpeedConfig, *, grad_clip: float, model_key: str, device: str, world_size: int,

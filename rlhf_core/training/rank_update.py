@@ -115,8 +115,8 @@ def training_steps(cfg: RLHFConfig, run: Optional[RunDir]) -> int:
     """The run's training steps, for the lr schedules (``settings.RunLength.steps``): 0 when no
     schedule needs them; counted from the run's prompts/train.parquet, as verl derives them, when
     neither trainer.total_iterations (the flow fills it in) nor trainer.total_training_steps is set."""
-    counted = run.train_prompt_count() if run is not None and run.train_prompts.is_file() else None
-    return build(run_length, cfg).steps(counted)
+    return build(run_length, cfg).steps(
+        lambda: run.train_prompt_count() if run is not None and run.train_prompts.is_file() else None)
 
 
 def lr_schedule_for(optim: OptimConfig, total_steps: int):

@@ -15,7 +15,7 @@ The world size and the device the update runs on are the process's (keyword-only
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import torch
 
@@ -23,7 +23,7 @@ from rlhf_core.config import RLHFConfig, resolve
 from rlhf_core.config.errors import ConfigError
 from rlhf_core.config.machine import cuda_devices
 from rlhf_core.config.reads import ActorModel, AdvEstimator, At, Built, CriticEnable, TrainerDevice, config_keys
-from rlhf_core.config.schema import ActorConfig, CriticConfig, OptimConfig, RolloutCorrectionConfig
+from rlhf_core.config.schema import ActorConfig, CriticConfig, DeepSpeedConfig, OptimConfig, RolloutCorrectionConfig
 from rlhf_core.config.validate import role_deepspeed
 from rlhf_core.models.attention import resolve_attention
 from rlhf_core.training.batch import BUDGET_KEYS, MicroBatchPlan
@@ -149,26 +149,25 @@ def engine_settings(actor: Actor, model: ActorModel, critic: Critic, critic_on: 
                     device: str, world_size: int, total_steps: int = 0) -> EngineSettings:
     """``EngineSettings`` on ``world_size`` ranks of ``device``: each trained role's DeepSpeed
     settings with verl's FSDP offload flags folded in, its dtype, attention and optimizer."""
-    here = torch.device(device)
-    ds = role_deepspeed(actor.deepspeed_config, actor.fsdp_config)
-    actor_key = resolve.trained_model_key(model, critic, "actor")
-    actor_engine = RoleEngine(
-        role_dtype(ds.dtype, actor_key, device),
-        role_ds_config(ds, grad_clip=actor.grad_clip, model_key=actor_key, device=device, world_size=world_size),
-        model.enable_gradient_checkpointing, resolve_attention(model.override_config.attn_implementation, here),
-        actor.optim)
-    critic_engine = None
-    if critic_on:
-        ds = role_deepspeed(critic.deepspeed_config, critic.model.fsdp_config)
-        critic_key = resolve.trained_model_key(model, critic, "critic")
-        critic_engine = RoleEngine(
-            role_dtype(ds.dtype, critic_key, device, "critic"),
-            role_ds_config(ds, grad_clip=critic.grad_clip, model_key=critic_key, device=device, world_size=world_size,
-                           key="critic.deepspeed_config"),
-            critic.model.enable_gradient_checkpointing,
-            resolve_attention(critic.model.override_config.attn_implementation, here), critic.optim)
+    actor_engine = _role_engine(
+        "actor_rollout_ref.actor", role_deepspeed(actor.deepspeed_config, actor.fsdp_config), actor.grad_clip,
+        resolve.trained_model_key(model, critic, "actor"), model.enable_gradient_checkpointing,
+        model.override_config.attn_implementation, actor.optim, device=device, world_size=world_size)
+    critic_engine = None if not critic_on else _role_engine(
+        "critic", role_deepspeed(critic.deepspeed_config, critic.model.fsdp_config), critic.grad_clip,
+        resolve.trained_model_key(model, critic, "critic"), critic.model.enable_gradient_checkpointing,
+        critic.model.override_config.attn_implementation, critic.optim, device=device, world_size=world_size)
     return EngineSettings(device, world_size, actor_engine, critic_engine, LoraSettings.from_config(model), seed,
                           total_steps)
+
+
+def _role_engine(section: str, ds: DeepSpeedConfig, grad_clip: float, model_key: str, gradient_checkpointing: bool,
+                 attention: str, optim: OptimConfig, *, device: str, world_size: int) -> RoleEngine:
+    """One trained role's engine settings; ``section``: its config section, named in errors."""
+    return RoleEngine(role_dtype(ds.dtype, model_key, device, section),
+                      role_ds_config(ds, grad_clip=grad_clip, model_key=model_key, device=device,
+                                     world_size=world_size, key=f"{section}.deepspeed_config"),
+                      gradient_checkpointing, resolve_attention(attention, torch.device(device)), optim)
 
 
 def update_world(nproc: Annotated[Optional[int], At("trainer.nproc")], nnodes: Annotated[int, At("trainer.nnodes")],
@@ -215,18 +214,22 @@ class RunLength:
     keys: Optional[StepKeys]
     """None: no lr schedule depends on the run's length, and it is not read."""
 
-    def steps(self, train_prompts: Optional[int]) -> int:
-        """The run's training steps, ``train_prompts`` counted in prompts/train.parquet (None: not
-        there yet); 0 when no schedule needs them."""
+    def steps(self, count_prompts: Callable[[], Optional[int]]) -> int:
+        """The run's training steps; 0 when no schedule needs them. ``count_prompts``: the prompts in
+        the run's prompts/train.parquet (None: not there yet), asked only when neither
+        trainer.total_iterations nor trainer.total_training_steps gives the count."""
         k = self.keys
         if k is None:
             return 0
-        if k.total_iterations is None and k.total_training_steps is None and train_prompts is None:
+        if k.total_iterations is not None or k.total_training_steps is not None:
+            return resolve.run_steps(k.total_iterations, k.total_training_steps, k.total_epochs,
+                                     self.prompts_per_step, 0)
+        prompts = count_prompts()
+        if prompts is None:
             raise ConfigError("the lr schedule (cosine, or lr_warmup_steps_ratio) needs the run's training steps: set "
                               "trainer.total_iterations (or trainer.total_training_steps), or run preprocess so "
                               "prompts/train.parquet can be counted")
-        return resolve.run_steps(k.total_iterations, k.total_training_steps, k.total_epochs, self.prompts_per_step,
-                                 train_prompts or 0)
+        return resolve.run_steps(None, None, k.total_epochs, self.prompts_per_step, prompts)
 
 
 def run_length(prompts_per_step: Annotated[int, At("data.train_batch_size")],

@@ -9,13 +9,20 @@ import pytest
 
 from rlhf_core.config import ConfigError, load_config
 from rlhf_core.config.schema import DeepSpeedConfig
-from rlhf_core.training.ds_config import actor_ds_config, build_ds_config, critic_ds_config, resolve_dtype
+from rlhf_core.config.reads import build
+from rlhf_core.training.ds_config import build_ds_config, resolve_dtype
+from rlhf_core.training.settings import engine_settings
+
+
+def _ds(cfg, role: str, world_size: int = 1) -> dict:
+    """``role``'s DeepSpeed config as the update's engine settings build it."""
+    return getattr(build(engine_settings, cfg, device="cpu", world_size=world_size), role).ds_config
 
 
 def test_defaults_let_the_ppo_loop_own_accumulation_and_use_a_client_optimizer():
     cfg = load_config(None, ["actor_rollout_ref.actor.grad_clip=0.7", "critic.grad_clip=0.3"])
-    assert critic_ds_config(cfg, "cpu", world_size=1)["gradient_clipping"] == 0.3
-    ds = actor_ds_config(cfg, "cpu", world_size=2)
+    assert _ds(cfg, "critic", 1)["gradient_clipping"] == 0.3
+    ds = _ds(cfg, "actor", 2)
     assert ds["gradient_accumulation_steps"] == 1 and ds["train_micro_batch_size_per_gpu"] == 1
     assert ds["train_batch_size"] == 2
     assert ds["gradient_clipping"] == 0.7
@@ -37,19 +44,19 @@ def test_dtype_auto_is_fp32_on_cpu_and_bf16_on_cuda(dtype, device, want):
 def test_fsdp_offload_policy_maps_to_zero3_parameter_and_optimizer_offload():
     cfg = load_config(None, ["actor_rollout_ref.actor.fsdp_config.offload_policy=true",
                              "actor_rollout_ref.actor.deepspeed_config.zero_stage=3"])
-    zero = actor_ds_config(cfg, "cpu", 1)["zero_optimization"]
+    zero = _ds(cfg, "actor", 1)["zero_optimization"]
     assert zero["stage"] == 3
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
-    assert "offload_param" not in critic_ds_config(cfg, "cpu", 1)["zero_optimization"]  # the actor's flags only
+    assert "offload_param" not in _ds(cfg, "critic", 1)["zero_optimization"]  # the actor's flags only
 
 
 def test_the_critics_fsdp_offload_flags_map_to_its_zero_offload():
     cfg = load_config(None, ["critic.model.fsdp_config.optimizer_offload=true", "critic.deepspeed_config.zero_stage=2"])
-    zero = critic_ds_config(cfg, "cpu", 1)["zero_optimization"]
+    zero = _ds(cfg, "critic", 1)["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu" and "offload_param" not in zero
-    assert "offload_optimizer" not in actor_ds_config(cfg, "cpu", 1)["zero_optimization"]
+    assert "offload_optimizer" not in _ds(cfg, "actor", 1)["zero_optimization"]
     with pytest.raises(ConfigError, match="critic.deepspeed_config.offload_param=true needs ZeRO-3"):
-        critic_ds_config(load_config(None, ["critic.model.fsdp_config.param_offload=true"]), "cpu", 1)
+        _ds(load_config(None, ["critic.model.fsdp_config.param_offload=true"]), "critic", 1)
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -59,22 +66,22 @@ def test_the_critics_fsdp_offload_flags_map_to_its_zero_offload():
 ])
 def test_offload_without_the_zero_stage_it_needs_names_the_fix(overrides, key):
     with pytest.raises(ConfigError, match=key):
-        actor_ds_config(load_config(None, overrides), "cpu", 1)
+        _ds(load_config(None, overrides), "actor", 1)
 
 
 def test_raw_json_overrides_generated_keys_and_reserved_keys_are_refused(tmp_path):
     raw = tmp_path / "ds.json"
     raw.write_text(json.dumps({"zero_optimization": {"stage": 2, "overlap_comm": True}, "gradient_clipping": 5.0}))
     cfg = load_config(None, [f"critic.deepspeed_config.config_path={raw}"])
-    ds = critic_ds_config(cfg, "cpu", 1)
+    ds = _ds(cfg, "critic", 1)
     assert ds["zero_optimization"] == {"stage": 2, "overlap_comm": True} and ds["gradient_clipping"] == 5.0
 
     raw.write_text(json.dumps({"gradient_accumulation_steps": 4}))
     with pytest.raises(ConfigError, match="gradient_accumulation_steps"):
-        critic_ds_config(cfg, "cpu", 1)
+        _ds(cfg, "critic", 1)
     raw.write_text("{not json")
     with pytest.raises(ConfigError, match="not valid JSON"):
-        critic_ds_config(cfg, "cpu", 1)
+        _ds(cfg, "critic", 1)
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])

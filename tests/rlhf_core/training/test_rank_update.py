@@ -58,3 +58,20 @@ def test_verls_offload_flag_reaches_the_engine_and_its_key():
     ds = build(engine_settings, offloaded, device="cpu", world_size=1).actor.ds_config
     assert ds["zero_optimization"]["offload_optimizer"]["device"] == "cpu"
     assert _key(*zero1, "actor_rollout_ref.actor.fsdp_config.optimizer_offload=true") != _key(*zero1)
+
+
+def test_the_runs_length_is_read_and_its_prompts_counted_only_when_a_schedule_needs_them():
+    from rlhf_core.config import ConfigError
+    from rlhf_core.training.settings import run_length
+
+    def never() -> int:
+        raise AssertionError("prompts counted though the count is not needed")
+
+    assert build(run_length, load_config(None, ["trainer.total_iterations=5"])).steps(never) == 0  # constant lr
+    cosine = "actor_rollout_ref.actor.optim.lr_scheduler_type=cosine"
+    assert build(run_length, load_config(None, [cosine, "trainer.total_training_steps=7"])).steps(never) == 7
+    counted = build(run_length, load_config(None, [cosine, "trainer.total_epochs=2", "data.train_batch_size=4",
+                                                       "actor_rollout_ref.actor.ppo_mini_batch_size=4"]))
+    assert counted.steps(lambda: 10) == 2 * (10 // 4)  # verl's dataloader drops the partial batch
+    with pytest.raises(ConfigError, match="trainer.total_iterations"):
+        counted.steps(lambda: None)
